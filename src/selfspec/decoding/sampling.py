@@ -1,0 +1,111 @@
+"""Sampling configuration and the logits → probabilities transform shared by every method.
+
+The same transform (temperature, then top-k, then top-p) is applied to draft and target
+logits, which speculative sampling needs for losslessness (Leviathan et al. 2023, §2.3;
+Chen et al. 2023, Alg. 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from selfspec.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How next tokens are chosen.
+
+    Attributes:
+        temperature: 0 means greedy (argmax); > 0 divides the logits before softmax.
+        top_k: keep only the k most likely tokens (0 = no limit).
+        top_p: keep the smallest set of most likely tokens whose mass reaches ``top_p``
+            (nucleus sampling, Holtzman et al. 2020); 1.0 = no limit.
+        seed: seed of the ``torch.Generator`` used for sampling; ``None`` = non-deterministic.
+
+    Raises:
+        InvalidArgumentError: temperature < 0, top_k < 0, or top_p outside (0, 1].
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise InvalidArgumentError(
+                f"temperature must be >= 0 (0 = greedy), got {self.temperature}"
+            )
+        if self.top_k < 0:
+            raise InvalidArgumentError(f"top_k must be >= 0 (0 = no limit), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidArgumentError(
+                f"top_p must be in (0, 1] (1 = no limit), got {self.top_p}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        """True when tokens are chosen by argmax."""
+        return self.temperature == 0.0
+
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """A generator seeded with ``seed`` (``None`` when no seed is set)."""
+        if self.seed is None:
+            return None
+        gen = torch.Generator(device=device)
+        gen.manual_seed(self.seed)
+        return gen
+
+
+def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """Turn raw logits into the sampling distribution defined by ``config``.
+
+    Args:
+        logits: ``[..., V]`` raw logits (any float dtype).
+        config: a non-greedy sampling configuration (``temperature > 0``).
+
+    Returns:
+        ``[..., V]`` float32 probabilities; masked tokens have probability exactly 0.
+    """
+    logits = logits.float() / config.temperature
+    vocab = logits.shape[-1]
+    if 0 < config.top_k < vocab:
+        kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if config.top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the mass before it already reaches top_p; the top token always stays.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= config.top_p
+        drop = drop_sorted.scatter(-1, sorted_idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token per row.
+
+    Args:
+        probs: ``[N, V]`` probabilities (rows sum to 1).
+        generator: seeded generator for reproducibility, or ``None``.
+
+    Returns:
+        ``[N]`` int64 token ids.
+    """
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def choose_next(logits: torch.Tensor, config: SamplingConfig,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick the next token from ``[N, V]`` logits: argmax when greedy, else a sample.
+
+    Returns:
+        ``[N]`` int64 token ids.
+    """
+    if config.greedy:
+        return logits.argmax(dim=-1)
+    return sample(logits_to_probs(logits, config), generator)
