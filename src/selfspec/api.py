@@ -1,0 +1,199 @@
+"""Python API: ``selfspec.load(model).generate(prompt, method=...)``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from selfspec.decoding.sampling import SamplingConfig
+from selfspec.decoding.state import DecodeOptions, DecodeState, GenerationStats
+from selfspec.errors import InvalidArgumentError, PromptError
+from selfspec.executor import LayerExecutor
+from selfspec.methods.registry import build_decoder
+
+logger = logging.getLogger(__name__)
+
+
+class Streamer(Protocol):
+    """Anything with transformers' streamer interface (e.g. ``transformers.TextStreamer``)."""
+
+    def put(self, value: torch.Tensor) -> None: ...
+    def end(self) -> None: ...
+
+
+@dataclass
+class GenerationResult:
+    """The output of one generation.
+
+    Attributes:
+        text: the generated text (special tokens removed, cut before a stop string).
+        token_ids: the generated token ids (prompt excluded).
+        prompt_ids: the prompt's token ids as the model saw them (chat template applied).
+        stats: timings and counters.
+    """
+
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    stats: GenerationStats
+
+
+class _StopStringSink:
+    """Streams committed tokens and stops at the first stop string.
+
+    Only the tail of the generated tokens is decoded at each commit (a stop string of n
+    characters spans at most n tokens), so checking costs O(1) per token.
+    """
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str], streamer: Streamer | None) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.window = max((len(s) for s in self.stop), default=0)
+        self.streamer = streamer
+        self.generated: list[int] = []
+
+    def __call__(self, tokens: list[int]) -> bool:
+        self.generated.extend(tokens)
+        if self.streamer is not None:
+            self.streamer.put(torch.tensor(tokens))
+        if not self.stop:
+            return False
+        tail = self.tokenizer.decode(self.generated[-(self.window + len(tokens)):],
+                                     skip_special_tokens=True)
+        return any(s in tail for s in self.stop)
+
+
+class SelfSpec:
+    """A loaded model ready to generate with any selfspec method.
+
+    Build it with :func:`load`. Attributes: ``model`` (the HF model), ``tokenizer``,
+    ``executor`` (:class:`LayerExecutor`), ``name``.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.executor = LayerExecutor(model)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Token ids that end generation (tokenizer EOS and the generation config's)."""
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config,
+                       self.tokenizer):
+            eos = getattr(source, "eos_token_id", None)
+            if eos is None:
+                continue
+            ids.update(eos if isinstance(eos, (list, tuple, set)) else [eos])
+        return frozenset(int(i) for i in ids)
+
+    def encode(self, prompt: str | Sequence[int] | torch.Tensor, chat: bool = False) -> list[int]:
+        """Token ids for ``prompt``: text (optionally through the chat template) or ids.
+
+        Raises:
+            PromptError: empty prompt, or ``chat`` with a tokenizer that has no chat template.
+        """
+        if isinstance(prompt, torch.Tensor):
+            ids = prompt.reshape(-1).tolist()
+        elif isinstance(prompt, str):
+            if not prompt.strip():
+                raise PromptError("the prompt is empty; give some text to continue")
+            if chat:
+                if not getattr(self.tokenizer, "chat_template", None):
+                    raise PromptError(
+                        f"model {self.name!r} has no chat template; drop --chat / chat=True")
+                ids = self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True,
+                    tokenize=True, return_dict=False)
+                if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                    ids = ids["input_ids"]
+            else:
+                ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise PromptError("the prompt is empty; give at least one token")
+        return list(ids)
+
+    @torch.inference_mode()
+    def generate(self, prompt: str | Sequence[int] | torch.Tensor, method: str = "ar", *,
+                 max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, chat: bool = False,
+                 stop: Sequence[str] = (), streamer: Streamer | None = None,
+                 **method_options: Any) -> GenerationResult:
+        """Generate a continuation of ``prompt`` with ``method``.
+
+        Args:
+            prompt: text, or token ids (``[T]`` or ``[1, T]``).
+            method: a registered method name (``selfspec.methods.registry.METHODS``).
+            max_new_tokens: at most this many new tokens (>= 1).
+            temperature: 0 = greedy; > 0 = sampling.
+            top_k: keep the k most likely tokens when sampling (0 = all).
+            top_p: nucleus mass in (0, 1] when sampling.
+            seed: seed for reproducible sampling.
+            chat: wrap a text prompt in the tokenizer's chat template as a user turn.
+            stop: stop strings; generation ends once the text contains one (text is cut there).
+            streamer: receives committed token ids as they come (``put``/``end``).
+            **method_options: options of the method (e.g. ``exit_layer``).
+
+        Returns:
+            :class:`GenerationResult` with text, token ids and statistics.
+
+        Raises:
+            PromptError: empty prompt, or a prompt that fills the model's context.
+            InvalidArgumentError: an option out of range or unknown to the method.
+        """
+        if isinstance(stop, str):
+            stop = [stop]
+        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        options = DecodeOptions(max_new_tokens=max_new_tokens, sampling=sampling,
+                                eos_token_ids=self.eos_token_ids)
+        decoder = build_decoder(method, self.executor, method_options)
+        prompt_ids = self.encode(prompt, chat=chat)
+        sink = _StopStringSink(self.tokenizer, stop, streamer)
+        state = DecodeState(self.executor, prompt_ids, options, sink)
+        try:
+            decoder(state)
+        finally:
+            if streamer is not None:
+                streamer.end()
+        stats = state.finish()
+        generated = state.tokens[state.prompt_len:]
+        text = self.tokenizer.decode(generated, skip_special_tokens=True)
+        for s in stop:
+            if s and s in text:
+                text = text[: text.index(s)]
+        logger.debug("generated %d tokens at %.1f tok/s", stats.new_tokens, stats.tokens_per_s)
+        return GenerationResult(text=text, token_ids=generated, prompt_ids=prompt_ids, stats=stats)
+
+
+def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
+         show_progress: bool = True) -> SelfSpec:
+    """Load a model by registry name, local directory or hub id (fetching it on first use).
+
+    Args:
+        model: registry name (default ``smollm2-135m-instruct``), local directory or hub id.
+        dtype: ``"bf16"`` / ``"fp32"`` / ``"fp16"`` or a ``torch.dtype``.
+        show_progress: show download/conversion progress bars.
+
+    Raises:
+        ModelNotFoundError, ProvisioningError, UnsupportedArchitectureError: see
+            :func:`selfspec.models.loading.load_model`.
+    """
+    from selfspec.models.loading import load_model
+    from selfspec.models.registry import DEFAULT_MODEL
+
+    loaded = load_model(model or DEFAULT_MODEL, dtype, show_progress=show_progress)
+    return SelfSpec(loaded.model, loaded.tokenizer, loaded.name)
+
+
+def from_pretrained_model(model: torch.nn.Module, tokenizer: Any, name: str = "model") -> SelfSpec:
+    """Wrap an already loaded HF model and tokenizer (no provisioning)."""
+    if tokenizer is None:
+        raise InvalidArgumentError("a tokenizer is required")
+    return SelfSpec(model, tokenizer, name)

@@ -1,0 +1,37 @@
+"""Tiny random Llama and Qwen2 models for logic tests (seconds on a CPU)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+VOCAB = 256
+
+
+def tiny_config(arch: str, num_layers: int = 6, **overrides):
+    """A small config of family ``arch`` ("llama" or "qwen2") with GQA (4 query, 2 KV heads)."""
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, eos_token_id=VOCAB - 1, bos_token_id=0,
+                  pad_token_id=0, tie_word_embeddings=False)
+    common.update(overrides)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        return Qwen2Config(use_sliding_window=False, **common)
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A randomly initialised tiny causal LM in eval mode.
+
+    The weights are scaled up so the logits are peaked enough for argmax to be stable.
+    """
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides),
+                                             attn_implementation="sdpa")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(4.0)
+    return model.to(dtype).eval().requires_grad_(False)
