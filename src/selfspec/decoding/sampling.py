@@ -69,7 +69,13 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
 
     Returns:
         ``[..., V]`` float32 probabilities; masked tokens have probability exactly 0.
+
+    Raises:
+        InvalidArgumentError: ``config`` is greedy (temperature 0 has no distribution).
     """
+    if config.greedy:
+        raise InvalidArgumentError("greedy decoding (temperature 0) has no sampling "
+                                   "distribution; use argmax or set temperature > 0")
     logits = logits.float() / config.temperature
     vocab = logits.shape[-1]
     if 0 < config.top_k < vocab:
