@@ -40,7 +40,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     import selfspec
+    from selfspec.decoding.sampling import SamplingConfig
+    from selfspec.decoding.state import DecodeOptions
+    from selfspec.methods.registry import get_method
 
+    # Refuse bad options before spending seconds on loading the model.
+    get_method(args.method)
+    DecodeOptions(max_new_tokens=args.max_new_tokens,
+                  sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed))
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = selfspec.load(args.model, dtype=args.dtype)
@@ -70,11 +77,12 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_models_list(args: argparse.Namespace) -> int:
-    from selfspec.models.provision import is_cached
+    from selfspec.models.loading import dtype_name
+    from selfspec.models.provision import cached_dtypes
     from selfspec.models.registry import DEFAULT_MODEL, REGISTRY
 
     for name, spec in REGISTRY.items():
-        cached = [d for d in ("bf16", "fp32") if is_cached(name, d)]
+        cached = [dtype_name(d) for d in cached_dtypes(name)]
         mark = " (default)" if name == DEFAULT_MODEL else ""
         state = f"cached: {', '.join(cached)}" if cached else "not fetched"
         print(f"{name}{mark}\t{spec.architecture}, {spec.num_layers} layers\t{state}")

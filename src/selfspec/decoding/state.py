@@ -83,8 +83,9 @@ class GenerationStats:
 
     @property
     def mean_accepted(self) -> float:
-        """Tokens committed per verification, bonus token included (0 without verification)."""
-        return self.new_tokens / self.verifications if self.verifications else 0.0
+        """Tokens per verification: accepted draft tokens + the recovered/bonus token
+        (0 without verification)."""
+        return (self.accepted + self.verifications) / self.verifications if self.verifications else 0.0
 
     @property
     def layer_forwards_per_token(self) -> float:

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 
 from selfspec.errors import InvalidArgumentError, UnsupportedArchitectureError
 from selfspec.executor.cache import CacheShape, KVCache
+from selfspec.executor.linear import Linear
+from selfspec.models.loading import SUPPORTED_MODEL_TYPES
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 # A head maps final-layer-style hidden states [B, T, H] to logits; ``vocab_rows`` restricts
 # the output to those vocabulary ids. Exit heads (a later issue) implement this signature.
@@ -37,16 +38,12 @@ class _LayerWeights:
 
     attn_norm: torch.Tensor      # [H]
     attn_norm_eps: float
-    qkv_weight: torch.Tensor     # [(Hq + 2 Hkv) * head_dim, H]
-    qkv_bias: torch.Tensor | None
-    o_weight: torch.Tensor       # [H, Hq * head_dim]
-    o_bias: torch.Tensor | None
+    qkv: Linear                  # [H] → [(Hq + 2 Hkv) * head_dim]
+    o: Linear                    # [Hq * head_dim] → [H]
     mlp_norm: torch.Tensor       # [H]
     mlp_norm_eps: float
-    gate_up_weight: torch.Tensor  # [2 I, H]
-    gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor    # [H, I]
-    down_bias: torch.Tensor | None
+    gate_up: Linear              # [H] → [2 I]
+    down: Linear                 # [I] → [H]
     act: Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -68,19 +65,19 @@ def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
     return fused
 
 
-def _layer_weights(layer: torch.nn.Module) -> _LayerWeights:
+def _layer_weights(layer: torch.nn.Module, pack: bool) -> _LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
     return _LayerWeights(
         attn_norm=layer.input_layernorm.weight,
         attn_norm_eps=layer.input_layernorm.variance_epsilon,
-        qkv_weight=_fuse(attn.q_proj, attn.k_proj, attn.v_proj),
-        qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
-        o_weight=attn.o_proj.weight, o_bias=attn.o_proj.bias,
+        qkv=Linear(_fuse(attn.q_proj, attn.k_proj, attn.v_proj),
+                   _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), pack),
+        o=Linear(attn.o_proj.weight, attn.o_proj.bias, pack),
         mlp_norm=layer.post_attention_layernorm.weight,
         mlp_norm_eps=layer.post_attention_layernorm.variance_epsilon,
-        gate_up_weight=_fuse(mlp.gate_proj, mlp.up_proj),
-        gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
-        down_weight=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
+        gate_up=Linear(_fuse(mlp.gate_proj, mlp.up_proj), _cat_bias(mlp.gate_proj, mlp.up_proj),
+                       pack),
+        down=Linear(mlp.down_proj.weight, mlp.down_proj.bias, pack),
         act=mlp.act_fn)
 
 
@@ -120,14 +117,17 @@ class LayerExecutor:
 
     Args:
         model: an unmodified HF causal LM (``model.model.layers``, ``model.model.norm``,
-            ``model.model.rotary_emb``, ``model.lm_head``).
+            ``model.model.rotary_emb``, ``model.lm_head``). Its q/k/v and gate/up weights are
+            re-pointed at fused copies (same values, no extra memory).
+        pack_weights: on CPU in bf16/fp16, also keep oneDNN-packed copies of the weights
+            (bit-identical results, ~1.5× faster decoding, one extra copy of the weights).
 
     Raises:
         UnsupportedArchitectureError: ``config.model_type`` is not one of
             :data:`SUPPORTED_MODEL_TYPES`, or some layer uses sliding-window attention.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, pack_weights: bool = True) -> None:
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedArchitectureError(
@@ -150,8 +150,10 @@ class LayerExecutor:
         self.norm = model.model.norm
         self.rotary_emb = model.model.rotary_emb
         self.lm_head = model.lm_head
+        self.vocab_size = model.lm_head.out_features
         self._groups = self.num_heads // self.num_kv_heads
-        self._weights = [_layer_weights(layer) for layer in self.layers]
+        self._weights = [_layer_weights(layer, pack_weights) for layer in self.layers]
+        self._lm_head = Linear(model.lm_head.weight, model.lm_head.bias, pack_weights)
         # RoPE variants whose frequencies depend on the sequence length cannot use a table.
         self._rope_dynamic = "dynamic" in str(getattr(self.rotary_emb, "rope_type", ""))
         self._rope_cos = torch.empty(0)
@@ -211,8 +213,8 @@ class LayerExecutor:
                 hidden = hidden + self._attention(i, w, hidden, cos, sin, cache, pos0, mask)
             if i not in skip_mlp:
                 x = _rms_norm(hidden, w.mlp_norm, w.mlp_norm_eps)
-                gate, up = F.linear(x, w.gate_up_weight, w.gate_up_bias).chunk(2, dim=-1)
-                hidden = hidden + F.linear(w.act(gate) * up, w.down_weight, w.down_bias)
+                gate, up = w.gate_up(x).chunk(2, dim=-1)
+                hidden = hidden + w.down(w.act(gate) * up)
         return hidden
 
     def _attention(self, layer_idx: int, w: _LayerWeights, hidden: torch.Tensor,
@@ -222,7 +224,7 @@ class LayerExecutor:
         bsz, num_new, _ = hidden.shape
         nq, nkv, hd, groups = self.num_heads, self.num_kv_heads, self.head_dim, self._groups
         x = _rms_norm(hidden, w.attn_norm, w.attn_norm_eps)
-        qkv = F.linear(x, w.qkv_weight, w.qkv_bias).view(bsz, num_new, nq + 2 * nkv, hd)
+        qkv = w.qkv(x).view(bsz, num_new, nq + 2 * nkv, hd)
         qk = _rotate(qkv[:, :, : nq + nkv], cos, sin)           # [B, T, Hq + Hkv, hd]
         keys, values = cache.append(layer_idx, qk[:, :, nq:].transpose(1, 2),
                                     qkv[:, :, nq + nkv:].transpose(1, 2), pos0)
@@ -233,7 +235,7 @@ class LayerExecutor:
         q = q.reshape(bsz, nkv, groups * num_new, hd)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
         out = out.view(bsz, nkv, groups, num_new, hd).permute(0, 3, 1, 2, 4)
-        return F.linear(out.reshape(bsz, num_new, nq * hd), w.o_weight, w.o_bias)
+        return w.o(out.reshape(bsz, num_new, nq * hd))
 
     def _rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[B, T, 1, head_dim]`` for ``positions`` from a table built with the
@@ -269,11 +271,11 @@ class LayerExecutor:
         """
         if head is not None:
             return head(hidden, vocab_rows=vocab_rows)
-        weight = self.lm_head.weight if vocab_rows is None else self.lm_head.weight[vocab_rows]
+        if vocab_rows is None:
+            return self._lm_head(self.norm(hidden))
         bias = self.lm_head.bias
-        if bias is not None and vocab_rows is not None:
-            bias = bias[vocab_rows]
-        return F.linear(self.norm(hidden), weight, bias)
+        return F.linear(self.norm(hidden), self.lm_head.weight[vocab_rows],
+                        None if bias is None else bias[vocab_rows])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 last_only: bool = False) -> torch.Tensor:

@@ -10,10 +10,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from functools import partial
+
 from selfspec.decoding.autoregressive import decode_autoregressive
+from selfspec.decoding.speculative import decode_speculative
+from selfspec.decoding.stop_rules import make_stop_rule
 from selfspec.decoding.state import DecodeState
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
+from selfspec.methods.early_exit import EarlyExitDrafter
 
 # A decoder runs one generation to completion on a fresh DecodeState.
 Decoder = Callable[[DecodeState], None]
@@ -42,11 +47,62 @@ def _build_autoregressive(executor: LayerExecutor) -> Decoder:
     return decode_autoregressive
 
 
+EARLY_EXIT_OPTIONS = ("exit_layer", "draft_len", "gamma", "max_draft_len", "adaptive")
+
+
+def _early_exit_builder(rule: str) -> Callable[..., Decoder]:
+    """Builder of an early-exit method whose draft length is decided by stop rule ``rule``."""
+
+    def build(executor: LayerExecutor, exit_layer: int | None = None,
+              draft_len: int | None = None, gamma: float | None = None,
+              max_draft_len: int | None = None, adaptive: bool | None = None) -> Decoder:
+        params: dict[str, Any] = {}
+        if rule == "constant":
+            params["draft_len"] = DEFAULT_DRAFT_LEN if draft_len is None else draft_len
+            unused = {"gamma": gamma, "adaptive": adaptive}
+        else:
+            if gamma is not None:
+                params["gamma"] = gamma
+            if adaptive is not None:
+                params["adaptive"] = adaptive
+            unused = {"draft_len": draft_len}
+        given = sorted(k for k, v in unused.items() if v is not None)
+        if given:
+            raise InvalidArgumentError(
+                f"option(s) {', '.join(given)} do not apply to the {rule!r} stop rule")
+        if max_draft_len is not None:
+            params["max_draft_len"] = max_draft_len
+        stop_rule = make_stop_rule(rule, **params)
+        layer = default_exit_layer(executor) if exit_layer is None else exit_layer
+        drafter = EarlyExitDrafter(executor, layer, stop_rule)
+        return partial(decode_speculative, drafter=drafter)
+
+    return build
+
+
+def default_exit_layer(executor: LayerExecutor) -> int:
+    """Default exit layer: 3/4 of the depth. Without trained exit heads the model's own
+    ``lm_head`` only agrees with the final layer late in the stack."""
+    return max(1, min(executor.num_layers - 1, round(0.75 * executor.num_layers)))
+
+
+DEFAULT_DRAFT_LEN = 4
+
+
 METHODS: Mapping[str, MethodSpec] = {
     spec.name: spec
     for spec in (
         MethodSpec("ar", "autoregressive decoding, one full forward per token", True,
                    _build_autoregressive),
+        MethodSpec("layerskip", "early-exit drafting of a constant draft_len tokens with "
+                   "shared KV (LayerSkip)", True, _early_exit_builder("constant"),
+                   EARLY_EXIT_OPTIONS),
+        MethodSpec("dv", "early-exit drafting until a draft probability < gamma, adaptive "
+                   "gamma (Draft & Verify)", True, _early_exit_builder("threshold"),
+                   EARLY_EXIT_OPTIONS),
+        MethodSpec("adaspeed", "early-exit drafting until the product of draft probabilities "
+                   "< gamma, adaptive gamma (AdaSPEED)", True, _early_exit_builder("product"),
+                   EARLY_EXIT_OPTIONS),
     )
 }
 
