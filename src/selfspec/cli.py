@@ -32,7 +32,23 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    spec = p.add_argument_group("speculative methods (layerskip, dv, adaspeed)")
+    spec.add_argument("--exit-layer", type=int, default=None,
+                      help="layers the draft runs, in [1, L-1] (default: 3/4 of the depth)")
+    spec.add_argument("--draft-len", type=int, default=None,
+                      help="draft tokens per step for layerskip (default 4)")
+    spec.add_argument("--gamma", type=float, default=None,
+                      help="stop threshold in (0, 1) for dv/adaspeed (initial value if adaptive)")
+    spec.add_argument("--max-draft-len", type=int, default=None, help="longest draft")
+    spec.add_argument("--fixed-gamma", dest="adaptive", action="store_const", const=False,
+                      default=None, help="turn off the adaptive gamma update of dv/adaspeed")
     p.set_defaults(func=_cmd_generate)
+
+
+def _method_options(args: argparse.Namespace) -> dict:
+    """The method options given on the command line (unset ones are left to the method)."""
+    names = ("exit_layer", "draft_len", "gamma", "max_draft_len", "adaptive")
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -54,7 +70,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     streamer = TextStreamer(engine.tokenizer, skip_special_tokens=True)
     result = engine.generate(args.prompt, method=args.method, max_new_tokens=args.max_new_tokens,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                             seed=args.seed, chat=args.chat, stop=args.stop, streamer=streamer)
+                             seed=args.seed, chat=args.chat, stop=args.stop, streamer=streamer,
+                             **_method_options(args))
     s = result.stats
     line = (f"[selfspec] {engine.name} · {args.method} · {s.new_tokens} new tokens · "
             f"{s.tokens_per_s:.1f} tok/s · TTFT {s.ttft_ms:.0f} ms · finish: {s.finish_reason}")

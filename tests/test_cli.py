@@ -1,0 +1,25 @@
+"""The CLI turns selfspec errors into one clear line and exit status 2."""
+
+import pytest
+
+from selfspec.cli import main
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "--model", "no-such-model", "hi"], "smollm2-135m-instruct"),
+    (["generate", "--top-p", "0", "hi"], "top_p must be in (0, 1]"),
+    (["generate", "--temperature", "-1", "hi"], "temperature must be >= 0"),
+    (["generate", "--max-new-tokens", "0", "hi"], "max_new_tokens must be >= 1"),
+    (["generate", "--method", "medusa", "hi"], "known methods: ar, layerskip, dv, adaspeed"),
+    (["models", "fetch", "no-such-model"], "known"),
+])
+def test_errors_are_one_line_with_exit_status_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+
+
+def test_models_list_names_the_registry(capsys):
+    assert main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m-instruct (default)" in out and "qwen2.5-coder-1.5b-instruct" in out

