@@ -78,7 +78,7 @@ class SelfSpec:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
-        self.executor = LayerExecutor(model)
+        self.executor = LayerExecutor(model, name=name)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

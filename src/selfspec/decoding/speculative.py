@@ -112,6 +112,7 @@ def speculative_step(state: DecodeState, drafter: Drafter) -> VerifyOutput:
     stats.draft_ms += (t1 - t0) * 1e3
     stats.verify_ms += (t2 - t1) * 1e3
     stats.layer_forwards += draft.layer_forwards + target.layer_forwards
+    stats.exit_layer_total += sum(draft.exit_layers)
     return result
 
 

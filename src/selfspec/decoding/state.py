@@ -60,6 +60,7 @@ class GenerationStats:
         verifications: verification forwards run.
         draft_ms / verify_ms: wall time spent drafting / verifying, in ms.
         layer_forwards: decoder-layer evaluations of one token each, after the prefill.
+        exit_layer_total: sum over draft tokens of the layers their prediction ran.
         finish_reason: ``"eos"``, ``"length"`` (max_new_tokens), ``"context"`` or ``"stop"``.
     """
 
@@ -74,6 +75,7 @@ class GenerationStats:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     layer_forwards: int = 0
+    exit_layer_total: int = 0
     finish_reason: str = ""
 
     @property
@@ -86,6 +88,11 @@ class GenerationStats:
         """Tokens per verification: accepted draft tokens + the recovered/bonus token
         (0 without verification)."""
         return (self.accepted + self.verifications) / self.verifications if self.verifications else 0.0
+
+    @property
+    def mean_exit_layer(self) -> float:
+        """Mean number of layers a draft token's prediction ran (0 without drafts)."""
+        return self.exit_layer_total / self.drafted if self.drafted else 0.0
 
     @property
     def layer_forwards_per_token(self) -> float:

@@ -121,13 +121,19 @@ class LayerExecutor:
             re-pointed at fused copies (same values, no extra memory).
         pack_weights: on CPU in bf16/fp16, also keep oneDNN-packed copies of the weights
             (bit-identical results, ~1.5× faster decoding, one extra copy of the weights).
+        name: the model's name (registry name, directory or hub id) for messages and for
+            finding its default exit heads; default ``config._name_or_path``.
+        row_attention_max: blocks of up to this many new tokens after a non-empty prefix
+            (verification, deferred KV fills) compute attention one token at a time, so each
+            token's attention output is bit-identical to decoding it alone; 0 turns this off.
 
     Raises:
         UnsupportedArchitectureError: ``config.model_type`` is not one of
             :data:`SUPPORTED_MODEL_TYPES`, or some layer uses sliding-window attention.
     """
 
-    def __init__(self, model: torch.nn.Module, pack_weights: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, pack_weights: bool = True,
+                 row_attention_max: int = 16, name: str | None = None) -> None:
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedArchitectureError(
@@ -139,6 +145,8 @@ class LayerExecutor:
                 "use_sliding_window=False (Qwen2.5 configs ship it disabled).")
         self.model = model
         self.config = config
+        self.name = name or str(getattr(config, "_name_or_path", "") or "model")
+        self._assets: dict[object, object] = {}
         self.layers = list(model.model.layers)
         self.num_layers = len(self.layers)
         attn = self.layers[0].self_attn
@@ -152,6 +160,7 @@ class LayerExecutor:
         self.lm_head = model.lm_head
         self.vocab_size = model.lm_head.out_features
         self._groups = self.num_heads // self.num_kv_heads
+        self.row_attention_max = row_attention_max
         self._weights = [_layer_weights(layer, pack_weights) for layer in self.layers]
         self._lm_head = Linear(model.lm_head.weight, model.lm_head.bias, pack_weights)
         # RoPE variants whose frequencies depend on the sequence length cannot use a table.
@@ -162,6 +171,12 @@ class LayerExecutor:
         param = next(model.parameters())
         self.dtype = param.dtype
         self.device = param.device
+
+    def asset(self, key: object, factory: Callable[[], object]) -> object:
+        """A per-model resource (e.g. loaded exit heads), built by ``factory`` on first use."""
+        if key not in self._assets:
+            self._assets[key] = factory()
+        return self._assets[key]
 
     # ------------------------------------------------------------------ cache
     def new_cache(self, batch_size: int = 1, capacity: int = 256) -> KVCache:
@@ -232,10 +247,20 @@ class LayerExecutor:
         # sequence axis ([B, Hkv, G*T, hd]): plain SDPA on that layout is several times
         # faster on CPU than SDPA's own enable_gqa path.
         q = qk[:, :, :nq].reshape(bsz, num_new, nkv, groups, hd).permute(0, 2, 3, 1, 4)
-        q = q.reshape(bsz, nkv, groups * num_new, hd)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
-        out = out.view(bsz, nkv, groups, num_new, hd).permute(0, 3, 1, 2, 4)
-        return w.o(out.reshape(bsz, num_new, nq * hd))
+        if 1 < num_new <= self.row_attention_max and pos0 > 0:
+            # Verification-sized blocks: one SDPA call per token, exactly the call decoding
+            # that token alone makes. SDPA's CPU kernel rounds differently with more query
+            # rows, which in bf16 flips near-tied argmaxes between speculative and
+            # autoregressive decoding; per-token calls keep them bit-identical.
+            out = torch.stack([
+                F.scaled_dot_product_attention(q[:, :, :, t], keys[:, :, : pos0 + t + 1],
+                                               values[:, :, : pos0 + t + 1], scale=self.scaling)
+                for t in range(num_new)], dim=3)                  # [B, Hkv, G, T, hd]
+        else:
+            out = F.scaled_dot_product_attention(
+                q.reshape(bsz, nkv, groups * num_new, hd), keys, values, attn_mask=mask,
+                scale=self.scaling).view(bsz, nkv, groups, num_new, hd)
+        return w.o(out.permute(0, 3, 1, 2, 4).reshape(bsz, num_new, nq * hd))
 
     def _rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[B, T, 1, head_dim]`` for ``positions`` from a table built with the

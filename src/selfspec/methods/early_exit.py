@@ -10,15 +10,85 @@ last draft token, which the draft never fed back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from selfspec.decoding.sampling import logits_to_probs, sample
+from selfspec.decoding.deferred import DeferredLayers
+from selfspec.decoding.sampling import SamplingConfig, logits_to_probs, sample
 from selfspec.decoding.speculative import DraftOutput, TargetOutput
 from selfspec.decoding.state import DecodeState
 from selfspec.decoding.stop_rules import DraftTokenInfo, StepStats, StopRule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.executor import Head
+
+
+# An acceptance estimator on exit hidden states: [1, 1, H] -> [1, 1] probabilities.
+Scorer = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class PickedToken:
+    """One draft token chosen from draft logits.
+
+    Attributes:
+        token: ``[]`` int64 tensor of the token id.
+        token_id: the same id as an int.
+        prob: untempered softmax probability of the token (Draft & Verify's stop statistic).
+        top1_prob: the largest untempered probability.
+        score: the scorer's acceptance estimate, or ``None``.
+        q: ``[V]`` the transformed distribution the token was sampled from (sampling only).
+    """
+
+    token: torch.Tensor
+    token_id: int
+    prob: float
+    top1_prob: float
+    score: float | None
+    q: torch.Tensor | None
+
+
+def pick_draft_token(logits: torch.Tensor, sampling: SamplingConfig,
+                     generator: torch.Generator | None,
+                     score: torch.Tensor | None = None) -> PickedToken:
+    """Choose a draft token from ``[V]`` draft logits: argmax when greedy, else a sample
+    from the transformed distribution ``q`` (kept for speculative sampling).
+
+    One host sync brings the id, its probability, the top-1 probability and the score.
+    """
+    logits = logits.float()
+    softmax = logits.softmax(dim=-1)  # [V], untempered
+    q = None
+    if sampling.greedy:
+        token = softmax.argmax()
+    else:
+        q = logits_to_probs(logits, sampling)  # [V]
+        token = sample(q.unsqueeze(0), generator)[0]
+    parts = [token.float(), softmax[token], softmax.max()]
+    if score is not None:
+        parts.append(score.float())
+    values = torch.stack(parts).tolist()
+    return PickedToken(token=token, token_id=int(values[0]), prob=values[1], top1_prob=values[2],
+                       score=values[3] if score is not None else None, q=q)
+
+
+def make_draft(executor: LayerExecutor, sampling: SamplingConfig, tokens: list[int],
+               token_tensors: list[torch.Tensor], probs: list[torch.Tensor],
+               exit_layers: list[int], deferred: DeferredLayers) -> DraftOutput:
+    """Assemble a :class:`DraftOutput` whose inputs wait in ``deferred``."""
+    token_ids = (torch.stack(token_tensors) if token_tensors
+                 else torch.empty(0, dtype=torch.long, device=executor.device))
+    if sampling.greedy:
+        draft_probs = None
+    elif probs:
+        draft_probs = torch.stack(probs)  # [D, V]
+    else:
+        draft_probs = torch.empty(0, executor.vocab_size, device=executor.device)
+    return DraftOutput(tokens=tokens, token_ids=token_ids, probs=draft_probs,
+                       exit_layers=exit_layers, layer_forwards=deferred.layer_forwards,
+                       extra={"deferred": deferred})
 
 
 def check_exit_layer(executor: LayerExecutor, exit_layer: int) -> int:
@@ -35,6 +105,24 @@ def check_exit_layer(executor: LayerExecutor, exit_layer: int) -> int:
     return exit_layer
 
 
+def complete_to_last_layer(executor: LayerExecutor, state: DecodeState,
+                           draft: DraftOutput) -> TargetOutput:
+    """Target logits ``[D+1, V]`` for a draft whose inputs wait in ``draft.extra["deferred"]``.
+
+    Feeds the last draft token (or, for an empty draft, the last committed token), then runs
+    every pending position through the layers it has not run yet — batched, never repeating a
+    layer a position already ran — and applies the model's final norm and ``lm_head``.
+    """
+    deferred: DeferredLayers = draft.extra["deferred"]
+    num = len(draft.tokens)
+    before = deferred.layer_forwards
+    if len(deferred) == num:  # the last draft token has not been fed yet
+        deferred.add(draft.tokens[-1] if num else state.tokens[-1], state.seq_len - 1 + num)
+    deferred.advance(executor.num_layers)
+    logits = executor.logits(deferred.stacked())[0]  # [D+1, V]
+    return TargetOutput(logits=logits, layer_forwards=deferred.layer_forwards - before)
+
+
 class EarlyExitDrafter:
     """Drafts with the first ``exit_layer`` layers; verification runs only the rest.
 
@@ -43,71 +131,59 @@ class EarlyExitDrafter:
         exit_layer: layers the draft runs, in ``[1, L-1]``.
         stop_rule: decides the draft length (see :mod:`selfspec.decoding.stop_rules`).
         head: exit head ``head(hidden [B, T, H]) -> logits``; ``None`` = final norm + ``lm_head``.
+        scorer: optional acceptance estimator ``scorer(hidden [1, 1, H]) -> [1, 1]`` in [0, 1]
+            (AdaSPEED's linear probe, §II.B); its value goes to the stop rule as ``score``.
 
     Raises:
         InvalidArgumentError: ``exit_layer`` out of range.
     """
 
     def __init__(self, executor: LayerExecutor, exit_layer: int, stop_rule: StopRule,
-                 head: Head | None = None) -> None:
+                 head: Head | None = None, scorer: Scorer | None = None) -> None:
         self.executor = executor
         self.exit_layer = check_exit_layer(executor, exit_layer)
         self.stop_rule = stop_rule
         self.head = head
+        self.scorer = scorer
+
+    def _score(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``[]`` acceptance score of the draft token from the exit hidden state, if scored."""
+        return None if self.scorer is None else self.scorer(hidden).reshape(())
 
     def draft(self, state: DecodeState) -> DraftOutput:
         """Draft up to ``min(max_draft_len, remaining - 1)`` tokens, one early-exit forward each.
 
         Returns:
-            :class:`DraftOutput` whose ``extra["hidden"]`` is a list of ``D`` exit-layer hidden
-            states ``[1, 1, H]`` (inputs: the last committed token and draft tokens ``0..D-2``).
+            :class:`DraftOutput` whose ``extra["deferred"]`` holds the exit-layer hidden states
+            of the inputs (the last committed token and draft tokens ``0..D-2``).
         """
         ex, exit_layer, rule = self.executor, self.exit_layer, self.stop_rule
         sampling = state.options.sampling
         eos = state.options.eos_token_ids
         rule.reset()
         max_len = min(rule.max_draft_len, state.remaining - 1)
-        pos = state.seq_len - 1
-        token = torch.tensor([[state.tokens[-1]]], device=ex.device)  # [1, 1]
-        hidden_states: list[torch.Tensor] = []
+        deferred = DeferredLayers(ex, state.cache)
+        token = state.tokens[-1]
         tokens: list[int] = []
         token_tensors: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for index in range(max_len):
-            hidden = ex.run_layers(ex.embed(token), state.positions(pos, 1), 0, exit_layer,
-                                   state.cache)  # [1, 1, H]
-            hidden_states.append(hidden)
-            logits = ex.logits(hidden, self.head)[0, -1].float()  # [V]
-            softmax = logits.softmax(dim=-1)  # untempered, as Draft & Verify's rule uses
-            if sampling.greedy:
-                next_token = softmax.argmax()
-            else:
-                q = logits_to_probs(logits, sampling)  # [V]
-                next_token = sample(q.unsqueeze(0), state.generator)[0]
-                probs.append(q)
-            # One host sync per draft token: id, its probability, the top-1 probability.
-            tok, prob, top1 = torch.stack(
-                [next_token.float(), softmax[next_token], softmax.max()]).tolist()
-            tok = int(tok)
-            tokens.append(tok)
-            token_tensors.append(next_token)
-            token = next_token.view(1, 1)
-            pos += 1
-            if rule.should_stop(DraftTokenInfo(index=index, token_id=tok, prob=prob,
-                                               top1_prob=top1, is_eos=tok in eos)):
+            deferred.add(token, state.seq_len - 1 + index)
+            deferred.advance(exit_layer)
+            hidden = deferred.hidden()  # [1, 1, H]
+            pick = pick_draft_token(ex.logits(hidden, self.head)[0, -1], sampling,
+                                    state.generator, self._score(hidden))
+            token = pick.token_id
+            tokens.append(token)
+            token_tensors.append(pick.token)
+            if pick.q is not None:
+                probs.append(pick.q)
+            if rule.should_stop(DraftTokenInfo(index=index, token_id=token, prob=pick.prob,
+                                               top1_prob=pick.top1_prob, is_eos=token in eos,
+                                               score=pick.score)):
                 break
-        num = len(tokens)
-        token_ids = (torch.stack(token_tensors) if token_tensors
-                     else torch.empty(0, dtype=torch.long, device=ex.device))
-        if sampling.greedy:
-            draft_probs = None
-        elif probs:
-            draft_probs = torch.stack(probs)  # [D, V]
-        else:
-            draft_probs = torch.empty(0, ex.vocab_size, device=ex.device)
-        return DraftOutput(tokens=tokens, token_ids=token_ids, probs=draft_probs,
-                           exit_layers=[exit_layer] * num, layer_forwards=num * exit_layer,
-                           extra={"hidden": hidden_states})
+        return make_draft(ex, sampling, tokens, token_tensors, probs,
+                          [exit_layer] * len(tokens), deferred)
 
     def target_logits(self, state: DecodeState, draft: DraftOutput) -> TargetOutput:
         """Target logits ``[D+1, V]`` for the draft, running only what the draft did not.
@@ -116,18 +192,7 @@ class EarlyExitDrafter:
         ``[0, exit_layer)``; then layers ``[exit_layer, L)`` run on all ``D+1`` exit-layer
         hidden states at once.
         """
-        ex, exit_layer = self.executor, self.exit_layer
-        num = len(draft.tokens)
-        first = state.seq_len - 1  # position of the last committed token
-        last_token = draft.tokens[-1] if num else state.tokens[-1]
-        last = ex.run_layers(ex.embed(torch.tensor([[last_token]], device=ex.device)),
-                             state.positions(first + num, 1), 0, exit_layer, state.cache)
-        hidden = torch.cat(draft.extra["hidden"] + [last], dim=1)  # [1, D+1, H]
-        hidden = ex.run_layers(hidden, state.positions(first, num + 1), exit_layer,
-                               ex.num_layers, state.cache)
-        logits = ex.logits(hidden)[0]  # [D+1, V]
-        forwards = exit_layer + (num + 1) * (ex.num_layers - exit_layer)
-        return TargetOutput(logits=logits, layer_forwards=forwards)
+        return complete_to_last_layer(self.executor, state, draft)
 
     def update(self, stats: StepStats) -> None:
         """Pass the verification result to the stop rule (adaptive gamma)."""

@@ -18,7 +18,7 @@ from selfspec.decoding.stop_rules import make_stop_rule
 from selfspec.decoding.state import DecodeState
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
-from selfspec.methods.early_exit import EarlyExitDrafter
+from selfspec.methods.early_exit import EarlyExitDrafter, check_exit_layer
 
 # A decoder runs one generation to completion on a fresh DecodeState.
 Decoder = Callable[[DecodeState], None]
@@ -47,15 +47,17 @@ def _build_autoregressive(executor: LayerExecutor) -> Decoder:
     return decode_autoregressive
 
 
-EARLY_EXIT_OPTIONS = ("exit_layer", "draft_len", "gamma", "max_draft_len", "adaptive")
+EARLY_EXIT_OPTIONS = ("exit_layer", "draft_len", "gamma", "max_draft_len", "adaptive", "heads")
 
 
-def _early_exit_builder(rule: str) -> Callable[..., Decoder]:
-    """Builder of an early-exit method whose draft length is decided by stop rule ``rule``."""
+def _early_exit_builder(rule: str, probe: bool = False) -> Callable[..., Decoder]:
+    """Builder of an early-exit method whose draft length is decided by stop rule ``rule``
+    (with ``probe``: AdaSPEED's linear probe scores each draft token, §II.B)."""
 
     def build(executor: LayerExecutor, exit_layer: int | None = None,
               draft_len: int | None = None, gamma: float | None = None,
-              max_draft_len: int | None = None, adaptive: bool | None = None) -> Decoder:
+              max_draft_len: int | None = None, adaptive: bool | None = None,
+              heads: str | None = None) -> Decoder:
         params: dict[str, Any] = {}
         if rule == "constant":
             params["draft_len"] = DEFAULT_DRAFT_LEN if draft_len is None else draft_len
@@ -74,7 +76,16 @@ def _early_exit_builder(rule: str) -> Callable[..., Decoder]:
             params["max_draft_len"] = max_draft_len
         stop_rule = make_stop_rule(rule, **params)
         layer = default_exit_layer(executor) if exit_layer is None else exit_layer
-        drafter = EarlyExitDrafter(executor, layer, stop_rule)
+        check_exit_layer(executor, layer)
+        if probe and heads is None:
+            heads = "default"
+        trained = _load_heads(executor, heads) if heads is not None else None
+        # Trained heads: draft with the exit head at this layer when there is one, else
+        # with the model's own final norm + lm_head.
+        head = (trained.head_at(layer) if trained is not None and layer in trained.layers
+                else None)
+        scorer = trained.probe_at(layer) if probe else None
+        drafter = EarlyExitDrafter(executor, layer, stop_rule, head=head, scorer=scorer)
         return partial(decode_speculative, drafter=drafter)
 
     return build
@@ -87,6 +98,36 @@ def default_exit_layer(executor: LayerExecutor) -> int:
 
 
 DEFAULT_DRAFT_LEN = 4
+DSSD_OPTIONS = ("heads", "epsilon", "metric", "max_draft_len")
+
+
+def _load_heads(executor: LayerExecutor, path: str):
+    """Exit heads for ``executor``'s model, loaded once per model and path."""
+    from selfspec.heads import load_heads
+
+    return executor.asset(("heads", str(path)), lambda: load_heads(path, executor))
+
+
+def _calibrated_exits(executor: LayerExecutor, heads: str, epsilon: float, metric: str | None):
+    from selfspec.heads import DEFAULT_METRIC
+    from selfspec.methods.dssd import CalibratedExits
+
+    return CalibratedExits(_load_heads(executor, heads), epsilon, metric or DEFAULT_METRIC)
+
+
+def _build_dssd(executor: LayerExecutor, heads: str = "default", epsilon: float = 0.9,
+                metric: str | None = None, max_draft_len: int = 32) -> Decoder:
+    from selfspec.methods.dssd import DSSDDrafter
+
+    exits = _calibrated_exits(executor, heads, epsilon, metric)
+    return partial(decode_speculative, drafter=DSSDDrafter(executor, exits, max_draft_len))
+
+
+def _build_calibrated_exit(executor: LayerExecutor, heads: str = "default",
+                           epsilon: float = 0.9, metric: str | None = None) -> Decoder:
+    from selfspec.methods.calibrated_exit import decode_calibrated_exit
+
+    return partial(decode_calibrated_exit, exits=_calibrated_exits(executor, heads, epsilon, metric))
 
 
 METHODS: Mapping[str, MethodSpec] = {
@@ -103,6 +144,13 @@ METHODS: Mapping[str, MethodSpec] = {
         MethodSpec("adaspeed", "early-exit drafting until the product of draft probabilities "
                    "< gamma, adaptive gamma (AdaSPEED)", True, _early_exit_builder("product"),
                    EARLY_EXIT_OPTIONS),
+        MethodSpec("adaspeed-probe", "AdaSPEED with a trained linear probe's acceptance "
+                   "probabilities in the product rule", True,
+                   _early_exit_builder("product", probe=True), EARLY_EXIT_OPTIONS),
+        MethodSpec("dssd", "per-token exit head chosen by calibrated confidence at accuracy "
+                   "epsilon, verified by the full model (DSSD)", True, _build_dssd, DSSD_OPTIONS),
+        MethodSpec("early-exit", "calibrated early exit without verification (DSSD §3.4.2; "
+                   "lossy)", False, _build_calibrated_exit, ("heads", "epsilon", "metric")),
     )
 }
 

@@ -1,0 +1,114 @@
+"""DSSD drafting: per-token choice of the exit head by calibrated confidence (DSSD §4.3.1).
+
+For each draft position the heads are tried from the shallowest to the deepest; the token is
+drafted by the first head whose confidence passes its calibrated threshold τ_k(ε) (§3.4.1).
+Drafting stops at the buffer limit, at EOS, or when no head passes — the fallback to the full
+model, which verification provides. A position that needs a deeper head than its
+predecessors ran first catches their missing layers up in one batched call
+(:class:`~selfspec.decoding.deferred.DeferredLayers`), so no layer ever runs twice for a
+position. Verification runs the full model over the draft (only the layers each position
+has not run) and keeps the longest agreeing prefix: lossless under greedy decoding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from selfspec.decoding.deferred import DeferredLayers
+from selfspec.decoding.speculative import DraftOutput, TargetOutput
+from selfspec.decoding.state import DecodeState
+from selfspec.decoding.stop_rules import StepStats
+from selfspec.errors import InvalidArgumentError
+from selfspec.executor import LayerExecutor
+from selfspec.methods.early_exit import complete_to_last_layer, make_draft, pick_draft_token
+
+
+class CalibratedExits:
+    """Exit heads with their thresholds at one accuracy level ε.
+
+    Args:
+        heads: :class:`selfspec.heads.ExitHeads` (calibrated).
+        epsilon: DSSD accuracy level ε in [0, 1].
+        metric: confidence metric (``entropy``, ``max_prob`` or ``margin``).
+
+    Raises:
+        InvalidArgumentError: ε outside [0, 1] or an unknown metric.
+        NotCalibratedError: the heads carry no calibration for ``metric``.
+    """
+
+    def __init__(self, heads, epsilon: float, metric: str) -> None:
+        from selfspec.heads import confidence
+
+        self._confidence = confidence
+        self.metric = metric
+        taus = heads.thresholds(epsilon, metric)
+        # A head whose threshold is +inf never passes: skip it instead of evaluating it.
+        self.exits = [(layer, head, tau) for layer, head, tau in zip(heads.layers, heads.heads, taus)
+                      if math.isfinite(tau)]
+
+    def first_passing(self, deferred: DeferredLayers):
+        """Advance the last pending position head by head; return ``(layer, logits [V])`` of
+        the first head whose confidence reaches its threshold, or ``None``."""
+        for layer, head, tau in self.exits:
+            deferred.advance(layer)
+            logits = head(deferred.hidden())[0, -1]
+            if float(self._confidence(logits, self.metric)) >= tau:
+                return layer, logits
+        return None
+
+
+class DSSDDrafter:
+    """The DSSD drafter.
+
+    Args:
+        executor: the model's executor.
+        exits: calibrated heads at one ε.
+        max_draft_len: the draft buffer limit (DSSD uses e.g. 32).
+
+    Raises:
+        InvalidArgumentError: ``max_draft_len < 1``.
+    """
+
+    def __init__(self, executor: LayerExecutor, exits: CalibratedExits, max_draft_len: int = 32) -> None:
+        if not isinstance(max_draft_len, int) or max_draft_len < 1:
+            raise InvalidArgumentError(f"max_draft_len must be an integer >= 1, got {max_draft_len!r}")
+        self.executor = executor
+        self.exits = exits
+        self.max_draft_len = max_draft_len
+
+    def draft(self, state: DecodeState) -> DraftOutput:
+        """Draft until the buffer is full, EOS, or no head is confident enough."""
+        ex = self.executor
+        sampling = state.options.sampling
+        eos = state.options.eos_token_ids
+        deferred = DeferredLayers(ex, state.cache)
+        token = state.tokens[-1]
+        tokens: list[int] = []
+        token_tensors: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        layers: list[int] = []
+        for index in range(min(self.max_draft_len, state.remaining - 1)):
+            deferred.add(token, state.seq_len - 1 + index)
+            passed = self.exits.first_passing(deferred)
+            if passed is None:  # fallback to the full model: verification produces this token
+                break
+            layer, logits = passed
+            pick = pick_draft_token(logits, sampling, state.generator)
+            token = pick.token_id
+            tokens.append(token)
+            token_tensors.append(pick.token)
+            layers.append(layer)
+            if pick.q is not None:
+                probs.append(pick.q)
+            if token in eos:
+                break
+        return make_draft(ex, sampling, tokens, token_tensors, probs, layers, deferred)
+
+    def target_logits(self, state: DecodeState, draft: DraftOutput) -> TargetOutput:
+        """Full-model logits ``[D+1, V]``, running only the layers each position skipped."""
+        return complete_to_last_layer(self.executor, state, draft)
+
+    def update(self, stats: StepStats) -> None:
+        """DSSD has no online state: the acceptance mechanism is its adaptive budget (§4.3.1)."""
