@@ -91,3 +91,31 @@ def test_bad_input_is_refused_clearly(engine):
         engine.generate("def f():", temperature=1.0, top_p=1.2)
     with pytest.raises(InvalidArgumentError, match=r"\[1, 29\]"):
         engine.generate("def f():", method="layerskip", exit_layer=30)
+
+
+def test_dssd_greedy_equals_autoregressive(engine, prompts, ar_outputs):
+    """DSSD's per-token head choice with deferred KV catch-up, on the real model. The heads
+    here are the model's own norm + lm_head at DSSD's default placement with fixed
+    max-probability thresholds (trained, calibrated heads are not needed for losslessness)."""
+    from functools import partial
+
+    from selfspec.decoding.speculative import decode_speculative
+    from selfspec.decoding.state import DecodeOptions, DecodeState
+    from selfspec.methods.dssd import CalibratedExits, DSSDDrafter
+
+    ex = engine.executor
+
+    class OwnHeads:
+        layers = [6, 12, 18, 24]
+        heads = [lambda h, vocab_rows=None: ex.logits(h)] * 4
+
+        def thresholds(self, epsilon, metric):
+            return [0.9, 0.7, 0.5, 0.3]
+
+    drafter = DSSDDrafter(ex, CalibratedExits(OwnHeads(), 0.9, "max_prob"), max_draft_len=8)
+    for prompt, reference in zip(prompts, ar_outputs):
+        state = DecodeState(ex, engine.encode(prompt), DecodeOptions(
+            max_new_tokens=NEW_TOKENS, eos_token_ids=engine.eos_token_ids))
+        with torch.inference_mode():
+            decode_speculative(state, drafter)
+        assert state.tokens[state.prompt_len:] == reference
