@@ -35,3 +35,26 @@ def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **o
             if "norm" not in name:
                 p.mul_(4.0)
     return model.to(dtype).eval().requires_grad_(False)
+
+
+def tiny_tokenizer():
+    """A character-level tokenizer over the tiny models' 256 ids, with a chat template.
+
+    Printable ASCII, newline and tab are one token each; ``<unk>``/``<s>`` and filler tokens
+    take the other ids, and ``</s>`` is id ``VOCAB - 1`` (the tiny configs' EOS), so every
+    id a tiny model emits decodes.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
+    names = chars + ["<unk>", "<s>"]
+    names += [f"<x{i}>" for i in range(VOCAB - 1 - len(names))] + ["</s>"]
+    backend = Tokenizer(WordLevel({t: i for i, t in enumerate(names)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
+                                        bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    return tokenizer

@@ -11,6 +11,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from selfspec.bench.cli import add_bench_parser
 from selfspec.errors import SelfSpecError
 
 
@@ -32,7 +33,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    spec = p.add_argument_group("speculative methods (layerskip, dv, adaspeed)")
+    spec = p.add_argument_group(
+        "method options (layerskip, dv, adaspeed, adaspeed-probe, dssd, early-exit)")
     spec.add_argument("--exit-layer", type=int, default=None,
                       help="layers the draft runs, in [1, L-1] (default: 3/4 of the depth)")
     spec.add_argument("--draft-len", type=int, default=None,
@@ -42,12 +44,20 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     spec.add_argument("--max-draft-len", type=int, default=None, help="longest draft")
     spec.add_argument("--fixed-gamma", dest="adaptive", action="store_const", const=False,
                       default=None, help="turn off the adaptive gamma update of dv/adaspeed")
+    spec.add_argument("--heads", default=None,
+                      help="exit heads: 'default' (trained with `selfspec heads train`) or a "
+                           "head file/directory; drafts use the head at --exit-layer")
+    spec.add_argument("--epsilon", type=float, default=None,
+                      help="DSSD accuracy level in [0, 1] for dssd / early-exit (default 0.9)")
+    spec.add_argument("--metric", default=None, choices=["entropy", "max_prob", "margin"],
+                      help="confidence metric of the calibrated heads (default entropy)")
     p.set_defaults(func=_cmd_generate)
 
 
 def _method_options(args: argparse.Namespace) -> dict:
     """The method options given on the command line (unset ones are left to the method)."""
-    names = ("exit_layer", "draft_len", "gamma", "max_draft_len", "adaptive")
+    names = ("exit_layer", "draft_len", "gamma", "max_draft_len", "adaptive", "heads",
+             "epsilon", "metric")
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
@@ -77,6 +87,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             f"{s.tokens_per_s:.1f} tok/s · TTFT {s.ttft_ms:.0f} ms · finish: {s.finish_reason}")
     if s.verifications:
         line += (f" · acceptance {s.acceptance_rate:.2f} · mean accepted {s.mean_accepted:.2f}")
+    if s.exit_layer_total:
+        line += f" · mean exit layer {s.mean_exit_layer:.1f}"
     print(line, file=sys.stderr)
     return 0
 
@@ -123,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_models(sub)
+    add_bench_parser(sub)
     return parser
 
 

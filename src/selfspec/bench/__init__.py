@@ -1,0 +1,6 @@
+"""``selfspec bench``: methods against transformers' own decoding on real prompts.
+
+spec (method specs, sweeps) → runners (selfspec methods, hf-* baselines) → harness
+(warm-up, interleaved runs) → accuracy → metrics → report / plots; ``pipeline`` wires
+them, ``cli`` is the command. The core never imports this package.
+"""

@@ -1,0 +1,149 @@
+"""Task accuracy of generated text: HumanEval pass@1 and GSM-Symbolic exact match.
+
+Used for lossy methods (their outputs may differ from autoregressive decoding) and, for
+comparison, for every method of a run. MT-Bench and ShareGPT need a judge model and are
+not scored.
+
+HumanEval completions run in a separate Python process (``python -I`` in an empty
+temporary directory, with a minimal environment), with a timeout, an address-space limit
+and the ``socket`` module disabled. That is a best-effort guard against a completion that
+loops, eats memory or reaches the network; it is not a security sandbox, so only run
+completions from models you trust on a machine you do not mind.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from selfspec.data import Prompt
+
+# Codex paper's stop sequences: a completion ends where the function body ends.
+HUMANEVAL_STOP = ("\nclass ", "\ndef ", "\n#", "\nif __name__", "\nprint(", "\n```")
+HUMANEVAL_TIMEOUT_S = 10.0
+_MEMORY_LIMIT_BYTES = 2 << 30
+
+_GUARD = f'''\
+import resource, socket
+resource.setrlimit(resource.RLIMIT_AS, ({_MEMORY_LIMIT_BYTES}, {_MEMORY_LIMIT_BYTES}))
+def _no_network(*args, **kwargs):
+    raise OSError("network access is disabled while checking HumanEval completions")
+socket.socket = socket.create_connection = socket.getaddrinfo = _no_network
+del resource, socket
+'''
+
+
+@dataclass(frozen=True)
+class Score:
+    """The verdict on one output.
+
+    Attributes:
+        correct: True when the output solves the task.
+        detail: why (``"passed"``, ``"timed out"``, the last error line, the extracted answer).
+    """
+
+    correct: bool
+    detail: str
+
+
+def humaneval_completion(text: str) -> str:
+    """The function body in ``text``: cut at the first Codex stop sequence."""
+    cut = min((i for s in HUMANEVAL_STOP if (i := text.find(s)) >= 0), default=len(text))
+    return text[:cut]
+
+
+def humaneval_program(prompt: Prompt, completion: str) -> str:
+    """The test program of ``completion`` for HumanEval ``prompt``: prompt + completion +
+    the problem's ``check`` function, called on its entry point."""
+    return (prompt.text + completion + "\n\n" + prompt.meta["test"] + "\n"
+            + f"check({prompt.meta['entry_point']})\n")
+
+
+def check_humaneval(prompt: Prompt, text: str, timeout_s: float = HUMANEVAL_TIMEOUT_S) -> Score:
+    """Run HumanEval's tests on a generated completion (pass@1 of one sample).
+
+    Args:
+        prompt: a ``humaneval`` prompt (``meta`` has ``test`` and ``entry_point``).
+        text: the generated continuation of ``prompt.text``.
+        timeout_s: wall-time limit of the test process in seconds.
+
+    Returns:
+        Passed or not, with the reason.
+
+    Raises:
+        KeyError: ``prompt`` is not a HumanEval prompt.
+    """
+    program = _GUARD + humaneval_program(prompt, humaneval_completion(text))
+    with tempfile.TemporaryDirectory(prefix="selfspec-humaneval-") as tmp:
+        path = Path(tmp, "check.py")
+        path.write_text(program, encoding="utf-8")
+        try:
+            done = subprocess.run([sys.executable, "-I", str(path)], cwd=tmp,
+                                  env={"PATH": os.environ.get("PATH", "")},
+                                  stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                  timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return Score(False, "timed out")
+    if done.returncode == 0:
+        return Score(True, "passed")
+    lines = done.stderr.strip().splitlines()
+    return Score(False, lines[-1] if lines else f"exit status {done.returncode}")
+
+
+_NUMBER = r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+"
+_FINAL_ANSWER = (
+    re.compile(rf"####\s*\$?\s*({_NUMBER})"),
+    re.compile(rf"\\boxed\{{\s*\$?\s*({_NUMBER})"),
+    re.compile(rf"answer\s*(?:is|:)\s*[:\s]*\**\s*\$?\s*({_NUMBER})", re.IGNORECASE),
+)
+
+
+def extract_number(text: str) -> float | None:
+    """The final numeric answer in ``text``: after ``####``, in ``\\boxed{}``, after
+    "answer is", else the last number in the text (commas dropped). None if no number."""
+    for pattern in _FINAL_ANSWER:
+        matches = pattern.findall(text)
+        if matches:
+            return _to_float(matches[-1])
+    numbers = re.findall(_NUMBER, text)
+    return _to_float(numbers[-1]) if numbers else None
+
+
+def _to_float(text: str) -> float | None:
+    try:
+        return float(text.replace(",", "").rstrip("."))
+    except ValueError:
+        return None
+
+
+def check_gsm(prompt: Prompt, text: str) -> Score:
+    """Exact match of the final number in ``text`` with the GSM answer ``prompt.meta["answer"]``.
+
+    Raises:
+        KeyError: ``prompt`` is not a GSM prompt.
+    """
+    expected = float(prompt.meta["answer"])
+    got = extract_number(text)
+    if got is None:
+        return Score(False, "no number in the output")
+    return Score(math.isclose(got, expected, rel_tol=0, abs_tol=1e-6), f"answer {got:g}")
+
+
+SCORERS: dict[str, Callable[[Prompt, str], Score]] = {
+    "humaneval": check_humaneval,
+    "gsm": check_gsm,
+}
+
+
+def score(dataset: str, prompt: Prompt, text: str) -> Score | None:
+    """Score ``text`` generated for ``prompt`` of ``dataset``; None when the dataset has no
+    automatic scorer (MT-Bench and ShareGPT need a judge)."""
+    scorer = SCORERS.get(dataset)
+    return scorer(prompt, text) if scorer else None

@@ -1,0 +1,140 @@
+"""Per-method metrics of a benchmark run (pure functions of the records).
+
+Definitions (DESIGN.md glossary):
+
+- ``tokens_per_s``: all new tokens / all wall time of the method (long generations weigh
+  more, as in Spec-Bench); ``median_tokens_per_s``: median of the per-prompt rates.
+- ``speedup_vs_ar`` / ``speedup_vs_hf_ar``: ``tokens_per_s`` over that of ``ar`` /
+  ``hf-ar`` in the same run (None when that baseline is absent or failed).
+- ``mean_accepted``: tokens committed per verification, bonus/recovered token included,
+  ``(accepted + verifications) / verifications``; ``acceptance_rate``: accepted / drafted.
+- ``draft_share`` / ``verify_share``: drafting / verification time as a fraction of wall time.
+- ``layer_forwards_per_token``: decoder-layer evaluations per generated token, prefill excluded.
+- ``parity``: share of prompts whose greedy token ids equal ``ar``'s (greedy runs with ``ar``).
+- ``accuracy``: share of scored outputs that solve the task (HumanEval pass@1, GSM match).
+- ``roofline_fraction``: ``tokens_per_s`` / (measured bandwidth / weight bytes per token).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from selfspec.bench.harness import BenchRun, PromptRecord
+from selfspec.bench.roofline import Roofline
+
+AR = "ar"
+HF_AR = "hf-ar"
+
+
+@dataclass
+class MethodSummary:
+    """One row of the report (see the module docstring for each metric's definition).
+
+    ``None`` means not applicable or unknown (shown as "–"). A failed method has ``failed``
+    set and no metrics.
+    """
+
+    method: str
+    lossless: bool
+    failed: str | None = None
+    prompts: int = 0
+    new_tokens: int = 0
+    wall_time_s: float = 0.0
+    tokens_per_s: float | None = None
+    median_tokens_per_s: float | None = None
+    median_ttft_ms: float | None = None
+    speedup_vs_ar: float | None = None
+    speedup_vs_hf_ar: float | None = None
+    mean_accepted: float | None = None
+    acceptance_rate: float | None = None
+    draft_share: float | None = None
+    verify_share: float | None = None
+    layer_forwards_per_token: float | None = None
+    parity: float | None = None
+    accuracy: float | None = None
+    roofline_fraction: float | None = None
+
+
+def parity_flags(run: BenchRun, greedy: bool) -> dict[tuple[str, str], bool]:
+    """``(method, prompt_id) → output == ar's output`` for every record that has an ``ar``
+    record of the same prompt; empty for sampling runs (outputs differ by design)."""
+    if not greedy or AR in run.failures:
+        return {}
+    reference = {r.prompt_id: r.output.token_ids for r in run.records if r.method == AR}
+    return {(r.method, r.prompt_id): r.output.token_ids == reference[r.prompt_id]
+            for r in run.records if r.prompt_id in reference}
+
+
+def _sum_known(values: Iterable[float | int | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def _summarize_one(method: str, lossless: bool, records: list[PromptRecord],
+                   parity: dict[tuple[str, str], bool], roofline: Roofline | None) -> MethodSummary:
+    s = MethodSummary(method=method, lossless=lossless, prompts=len(records))
+    if not records:
+        return s
+    s.new_tokens = sum(r.new_tokens for r in records)
+    s.wall_time_s = sum(r.output.wall_time_s for r in records)
+    if s.wall_time_s > 0:
+        s.tokens_per_s = s.new_tokens / s.wall_time_s
+    s.median_tokens_per_s = statistics.median(r.tokens_per_s for r in records)
+    ttfts = [r.output.ttft_ms for r in records if r.output.ttft_ms is not None]
+    s.median_ttft_ms = statistics.median(ttfts) if ttfts else None
+    outs = [r.output for r in records]
+    verifications = _sum_known(o.verifications for o in outs)
+    accepted = _sum_known(o.accepted for o in outs)
+    drafted = _sum_known(o.drafted for o in outs)
+    if verifications and accepted is not None:
+        s.mean_accepted = (accepted + verifications) / verifications
+    if drafted and accepted is not None:
+        s.acceptance_rate = accepted / drafted
+    wall_ms = s.wall_time_s * 1e3
+    draft_ms = _sum_known(o.draft_ms for o in outs)
+    verify_ms = _sum_known(o.verify_ms for o in outs)
+    if wall_ms > 0:
+        s.draft_share = None if draft_ms is None else draft_ms / wall_ms
+        s.verify_share = None if verify_ms is None else verify_ms / wall_ms
+    layer_forwards = _sum_known(o.layer_forwards for o in outs)
+    if layer_forwards is not None and s.new_tokens:
+        s.layer_forwards_per_token = layer_forwards / s.new_tokens
+    flags = [parity[(method, r.prompt_id)] for r in records if (method, r.prompt_id) in parity]
+    s.parity = sum(flags) / len(flags) if flags else None
+    scored = [r.correct for r in records if r.correct is not None]
+    s.accuracy = sum(scored) / len(scored) if scored else None
+    if roofline is not None and s.tokens_per_s is not None:
+        s.roofline_fraction = roofline.fraction(s.tokens_per_s)
+    return s
+
+
+def summarize(run: BenchRun, *, greedy: bool,
+              roofline: Roofline | None = None) -> list[MethodSummary]:
+    """One :class:`MethodSummary` per method of ``run``, in run order.
+
+    Args:
+        run: the records and failures.
+        greedy: True for a greedy run (parity with ``ar`` is only defined then).
+        roofline: the bandwidth bound, for ``roofline_fraction`` (None = not measured).
+    """
+    parity = parity_flags(run, greedy)
+    summaries = []
+    for method in run.methods:
+        lossless = run.lossless.get(method, False)
+        if method in run.failures:
+            summaries.append(MethodSummary(method=method, lossless=lossless,
+                                           failed=run.failures[method]))
+            continue
+        records = [r for r in run.records if r.method == method]
+        summaries.append(_summarize_one(method, lossless, records, parity, roofline))
+    by_method = {s.method: s for s in summaries}
+    for base, attr in ((AR, "speedup_vs_ar"), (HF_AR, "speedup_vs_hf_ar")):
+        ref = by_method.get(base)
+        if ref is None or ref.failed or not ref.tokens_per_s:
+            continue
+        for s in summaries:
+            if s.tokens_per_s is not None:
+                setattr(s, attr, s.tokens_per_s / ref.tokens_per_s)
+    return summaries

@@ -1,0 +1,188 @@
+"""One benchmark run: prompts → runners → timed runs → scores → metrics → files.
+
+The CLI (``selfspec bench``) parses arguments and loads the model, then calls
+:func:`run_benchmark`; tests call it with a tiny model, a scripted runner factory or a fake
+clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from selfspec.api import SelfSpec
+from selfspec.bench import accuracy
+from selfspec.bench.harness import BenchRun, ProgressEvent, run_bench
+from selfspec.bench.metrics import MethodSummary, parity_flags, summarize
+from selfspec.bench.plots import write_plots
+from selfspec.bench.report import (
+    RunInfo,
+    collect_machine_info,
+    ensure_writable,
+    markdown_report,
+    markdown_table,
+    now_iso,
+    write_records,
+    write_summary,
+)
+from selfspec.bench.roofline import Roofline, measure_bandwidth, weight_bytes_per_token
+from selfspec.bench.runners import Clock, EncodedPrompt, Runner, RunSettings, make_runner
+from selfspec.bench.spec import MethodConfig
+from selfspec.data import Prompt
+from selfspec.errors import InvalidArgumentError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """Settings of one run (the same for every method).
+
+    Attributes:
+        dataset: dataset name (for the header and the accuracy scorer).
+        max_new_tokens: per prompt (>= 1).
+        out_dir: where the files go (created; must be writable).
+        temperature: 0 = greedy; > 0 = sampling, seeded with ``seed``.
+        seed: sampling seed.
+        warmup_prompts: prompts each method generates for, untimed, before the run.
+        warmup_tokens: ``max_new_tokens`` of the warm-up generations.
+        score: run the task-accuracy scorer on the outputs (HumanEval, GSM).
+        bandwidth_mib: buffer of the bandwidth measurement in MiB (0 = do not measure).
+        plots: write the PNG plots.
+        command: the command line, recorded in the report.
+    """
+
+    dataset: str
+    max_new_tokens: int
+    out_dir: Path
+    temperature: float = 0.0
+    seed: int = 0
+    warmup_prompts: int = 1
+    warmup_tokens: int = 32
+    score: bool = True
+    bandwidth_mib: int = 512
+    plots: bool = True
+    command: str = ""
+
+
+@dataclass
+class BenchReport:
+    """Everything one run produced.
+
+    Attributes:
+        info: the header.
+        run: the raw records and failures.
+        summaries: one row per method.
+        table: the markdown table (what the CLI prints).
+        files: every file written.
+    """
+
+    info: RunInfo
+    run: BenchRun
+    summaries: list[MethodSummary]
+    table: str
+    files: list[Path] = field(default_factory=list)
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bf16"`` (the CLI's spelling)."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
+        dtype, str(dtype).removeprefix("torch."))
+
+
+def encode_prompts(engine: SelfSpec, prompts: Sequence[Prompt]) -> list[EncodedPrompt]:
+    """Tokenize every prompt once (chat template for chat prompts), before any timing.
+
+    Raises:
+        PromptError: a chat dataset on a model without a chat template, an empty prompt.
+    """
+    return [EncodedPrompt(p.id, engine.encode(p.text, chat=p.chat)) for p in prompts]
+
+
+def _assistant_loader(dtype: torch.dtype) -> Callable[[str], torch.nn.Module]:
+    def load(name: str) -> torch.nn.Module:
+        from selfspec.models.loading import load_model
+
+        return load_model(name, dtype, show_progress=False).model.eval()
+    return load
+
+
+def score_outputs(run: BenchRun, prompts: Sequence[Prompt], dataset: str,
+                  progress: Callable[[ProgressEvent], None] | None = None) -> None:
+    """Set ``record.correct`` on every record of a dataset with an automatic scorer."""
+    if dataset not in accuracy.SCORERS:
+        return
+    by_id = {p.id: p for p in prompts}
+    for record in run.records:
+        verdict = accuracy.score(dataset, by_id[record.prompt_id], record.output.text)
+        record.correct = None if verdict is None else verdict.correct
+        if progress:
+            progress(ProgressEvent("score", record.method, record.prompt_id))
+
+
+def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Sequence[Prompt],
+                  options: BenchOptions, *,
+                  runner_factory: Callable[[MethodConfig], Runner] | None = None,
+                  clock: Clock = time.perf_counter,
+                  progress: Callable[[ProgressEvent], None] | None = None) -> BenchReport:
+    """Benchmark ``methods`` on ``prompts`` and write the report files to ``options.out_dir``.
+
+    Args:
+        engine: the loaded model (selfspec methods and the transformers baselines use it).
+        methods: rows of the report, in order (validated names and option names).
+        prompts: the dataset prompts, the same for every method.
+        options: run settings.
+        runner_factory: builds each method's runner (default: :func:`make_runner` with
+            ``clock``); tests pass scripted runners.
+        clock: the stopwatch of the default runners.
+        progress: called after each generation and each scored output.
+
+    Returns:
+        The report (its ``table`` is the markdown table).
+
+    Raises:
+        InvalidArgumentError: no methods or prompts, the output directory is not writable.
+        PromptError: a prompt the model cannot take (e.g. chat prompts without a chat template).
+    """
+    if not methods:
+        raise InvalidArgumentError("no methods to benchmark")
+    if not prompts:
+        raise InvalidArgumentError("no prompts to benchmark on")
+    out_dir = ensure_writable(Path(options.out_dir))
+    date = now_iso()
+    encoded = encode_prompts(engine, prompts)
+    if runner_factory is None:
+        loader = _assistant_loader(engine.model.dtype)
+        runner_factory = lambda m: make_runner(engine, m, clock, loader)  # noqa: E731
+    runners = [runner_factory(m) for m in methods]
+    roofline = None
+    if options.bandwidth_mib > 0:
+        bandwidth = measure_bandwidth(options.bandwidth_mib)
+        roofline = Roofline(bandwidth, weight_bytes_per_token(engine.model))
+        logger.info("bandwidth %.1f GB/s, roofline %.1f tok/s", bandwidth.gb_per_s,
+                    roofline.tokens_per_s)
+    settings = RunSettings(options.max_new_tokens, options.temperature, options.seed)
+    run = run_bench(runners, encoded, settings, warmup_prompts=options.warmup_prompts,
+                    warmup_tokens=options.warmup_tokens, progress=progress)
+    if options.score:
+        score_outputs(run, prompts, options.dataset, progress)
+    greedy = options.temperature == 0
+    summaries = summarize(run, greedy=greedy, roofline=roofline)
+    info = RunInfo(model=engine.name, dtype=dtype_label(engine.model.dtype),
+                   dataset=options.dataset, n=len(prompts), max_new_tokens=options.max_new_tokens,
+                   temperature=options.temperature, seed=options.seed,
+                   machine=collect_machine_info(), roofline=roofline, date=date,
+                   command=options.command)
+    files = write_records(run, parity_flags(run, greedy), out_dir)
+    plots = write_plots(list(methods), summaries, out_dir) if options.plots else []
+    files += plots
+    files.append(write_summary(info, summaries, out_dir))
+    report_path = out_dir / "report.md"
+    report_path.write_text(markdown_report(info, summaries, plots))
+    files.append(report_path)
+    return BenchReport(info, run, summaries, markdown_table(summaries), files)

@@ -1,0 +1,149 @@
+"""PNG plots of a benchmark run (matplotlib, Agg backend: no display needed).
+
+- ``speedup.png``: speedup of each method (vs ``ar``, else ``hf-ar``, else raw tok/s).
+- ``acceptance-vs-exit-layer.png``: acceptance rate against ``exit_layer``, one line per
+  method and other options (when some method sets ``exit_layer``).
+- ``sweep-<method>-<option>.png``: speedup against an option that takes two or more
+  numeric values in the run (γ, ε, draft_len, exit_layer), one line per setting of the
+  other options.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from selfspec.bench.metrics import MethodSummary
+from selfspec.bench.spec import MethodConfig
+
+
+@dataclass(frozen=True)
+class _Measure:
+    """Which metric the y axis shows."""
+
+    attr: str
+    label: str
+
+
+def _speed_measure(summaries: Sequence[MethodSummary]) -> _Measure:
+    for attr, label in (("speedup_vs_ar", "speedup vs ar"),
+                        ("speedup_vs_hf_ar", "speedup vs hf-ar")):
+        if any(getattr(s, attr) is not None for s in summaries):
+            return _Measure(attr, label)
+    return _Measure("tokens_per_s", "tokens / s")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never a window
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_speedup(summaries: Sequence[MethodSummary], path: Path) -> Path:
+    """Horizontal bars, one per method; failed methods are shown as "failed"."""
+    plt = _pyplot()
+    measure = _speed_measure(summaries)
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(summaries) + 1.5))
+    names = [s.method for s in summaries]
+    values = [getattr(s, measure.attr) or 0.0 for s in summaries]
+    bars = ax.barh(range(len(names)), values,
+                   color=["tab:gray" if s.method in ("ar", "hf-ar") else "tab:blue"
+                          for s in summaries])
+    for bar, s, v in zip(bars, summaries, values):
+        text = "failed" if s.failed else f"{v:.2f}"
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + text, va="center")
+    ax.set_xlim(0, max(values + [1e-9]) * 1.18)  # room for the value labels
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    if measure.attr != "tokens_per_s":
+        ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel(measure.label)
+    ax.set_title("Decoding speed per method")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _others(config: MethodConfig, key: str) -> str:
+    rest = ",".join(f"{k}={v}" for k, v in config.options.items() if k != key)
+    return config.name + (f" ({rest})" if rest else "")
+
+
+def _numeric(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _line_plot(points: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str,
+               title: str, path: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, pts in sorted(points.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_acceptance_vs_exit_layer(configs: Sequence[MethodConfig],
+                                  summaries: Sequence[MethodSummary], path: Path) -> Path | None:
+    """Acceptance rate against ``exit_layer``; None (nothing written) when no method of the
+    run sets ``exit_layer`` and reports an acceptance rate."""
+    points: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for config, s in zip(configs, summaries):
+        layer = config.options.get("exit_layer")
+        if _numeric(layer) and s.acceptance_rate is not None:
+            points[_others(config, "exit_layer")].append((layer, s.acceptance_rate))
+    if not points:
+        return None
+    return _line_plot(points, "exit_layer (layers run by the draft)", "acceptance rate",
+                      "Acceptance vs exit layer", path)
+
+
+def plot_sweeps(configs: Sequence[MethodConfig], summaries: Sequence[MethodSummary],
+                out_dir: Path) -> list[Path]:
+    """One plot per (method, option) swept over two or more numeric values."""
+    measure = _speed_measure(summaries)
+    values: dict[tuple[str, str], set] = defaultdict(set)
+    for config in configs:
+        for key, value in config.options.items():
+            if _numeric(value):
+                values[(config.name, key)].add(value)
+    paths = []
+    for (name, key), seen in sorted(values.items()):
+        if len(seen) < 2:
+            continue
+        points: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for config, s in zip(configs, summaries):
+            y = getattr(s, measure.attr)
+            if config.name == name and _numeric(config.options.get(key)) and y is not None:
+                points[_others(config, key)].append((config.options[key], y))
+        if points:
+            safe = re.sub(r"[^A-Za-z0-9_-]+", "_", f"sweep-{name}-{key}")
+            title = f"{name}: {measure.label}, by {key}"
+            paths.append(_line_plot(points, key, measure.label, title, out_dir / f"{safe}.png"))
+    return paths
+
+
+def write_plots(configs: Sequence[MethodConfig], summaries: Sequence[MethodSummary],
+                out_dir: Path) -> list[Path]:
+    """Write every plot that applies to the run; returns their paths."""
+    paths = [plot_speedup(summaries, out_dir / "speedup.png")]
+    acceptance = plot_acceptance_vs_exit_layer(configs, summaries,
+                                               out_dir / "acceptance-vs-exit-layer.png")
+    if acceptance is not None:
+        paths.append(acceptance)
+    return paths + plot_sweeps(configs, summaries, out_dir)

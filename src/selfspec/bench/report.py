@@ -1,0 +1,259 @@
+"""What a benchmark run writes: per-prompt JSONL, a summary JSON and a markdown report.
+
+``records.jsonl`` has one line per (method, prompt); besides selfspec's own fields each line
+carries Spec-Bench's ``choices[0]`` fields (``new_tokens``, ``wall_time``,
+``accept_lengths``) and ``model_id`` = the method, and ``specbench/<method>.jsonl`` holds
+one method's lines each, so Spec-Bench's ``evaluation/speed.py`` reads them as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from selfspec.bench.harness import BenchRun, PromptRecord
+from selfspec.bench.metrics import MethodSummary
+from selfspec.bench.roofline import Roofline
+from selfspec.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class MachineInfo:
+    """Where the run happened.
+
+    Attributes:
+        cpu: CPU model name.
+        logical_cores: logical CPUs the OS reports.
+        torch_threads: torch intra-op threads used for the run.
+        platform: OS and architecture.
+        python / torch / transformers / selfspec: versions.
+    """
+
+    cpu: str
+    logical_cores: int
+    torch_threads: int
+    platform: str
+    python: str
+    torch: str
+    transformers: str
+    selfspec: str
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def collect_machine_info() -> MachineInfo:
+    """Describe this machine, its torch thread count and the library versions."""
+    import transformers
+
+    import selfspec
+
+    return MachineInfo(cpu=_cpu_model(), logical_cores=os.cpu_count() or 0,
+                       torch_threads=torch.get_num_threads(),
+                       platform=f"{platform.system()} {platform.release()} {platform.machine()}",
+                       python=platform.python_version(), torch=torch.__version__,
+                       transformers=transformers.__version__, selfspec=selfspec.__version__)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """The report header: what was run, where, when.
+
+    Attributes:
+        model / dtype / dataset: what was benchmarked.
+        n: prompts per method; max_new_tokens: per prompt; temperature / seed: sampling.
+        machine: CPU, threads and versions.
+        roofline: measured bandwidth and weight bytes per token (None if not measured).
+        date: ISO 8601 UTC time the run started.
+        command: the command line, for reproduction.
+    """
+
+    model: str
+    dtype: str
+    dataset: str
+    n: int
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    machine: MachineInfo
+    roofline: Roofline | None
+    date: str
+    command: str = ""
+
+
+def now_iso() -> str:
+    """The current UTC time, ISO 8601, to the second."""
+    return datetime.now(timezone.utc).replace(microsecond=0).isoformat()
+
+
+def ensure_writable(out_dir: Path) -> Path:
+    """Create ``out_dir`` (and parents) and check a file can be written in it.
+
+    Raises:
+        InvalidArgumentError: the directory cannot be created or written to.
+    """
+    probe = out_dir / ".selfspec-write-test"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise InvalidArgumentError(
+            f"cannot write benchmark results to {out_dir}: {err.strerror or err}; "
+            "pass --out with a writable directory") from None
+    return out_dir
+
+
+def record_json(record: PromptRecord, matches_ar: bool | None) -> dict[str, Any]:
+    """One JSONL line: selfspec's fields plus Spec-Bench's ``choices`` / ``model_id``."""
+    o = record.output
+    return {
+        "method": record.method, "model_id": record.method,
+        "question_id": record.prompt_id, "prompt_index": record.prompt_index,
+        "prompt_tokens": record.prompt_tokens, "new_tokens": record.new_tokens,
+        "wall_time": o.wall_time_s, "tokens_per_s": record.tokens_per_s, "ttft_ms": o.ttft_ms,
+        "accept_lengths": o.accept_lengths, "drafted": o.drafted, "accepted": o.accepted,
+        "verifications": o.verifications, "draft_ms": o.draft_ms, "verify_ms": o.verify_ms,
+        "layer_forwards": o.layer_forwards, "finish_reason": o.finish_reason,
+        "matches_ar": matches_ar, "correct": record.correct,
+        "token_ids": o.token_ids, "text": o.text,
+        "choices": [{"index": 0, "turns": [o.text], "new_tokens": [record.new_tokens],
+                     "wall_time": [o.wall_time_s], "accept_lengths": o.accept_lengths}],
+    }
+
+
+def _safe_name(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._=-]+", "_", label)
+
+
+def write_records(run: BenchRun, parity: dict[tuple[str, str], bool], out_dir: Path) -> list[Path]:
+    """Write ``records.jsonl`` and ``specbench/<method>.jsonl``; returns the paths."""
+    lines = {m: [] for m in run.methods}
+    for r in run.records:
+        lines[r.method].append(json.dumps(record_json(r, parity.get((r.method, r.prompt_id)))))
+    paths = [out_dir / "records.jsonl"]
+    paths[0].write_text("".join(line + "\n" for m in run.methods for line in lines[m]))
+    spec_dir = out_dir / "specbench"
+    spec_dir.mkdir(exist_ok=True)
+    for method, method_lines in lines.items():
+        if method_lines:
+            path = spec_dir / f"{_safe_name(method)}.jsonl"
+            path.write_text("".join(line + "\n" for line in method_lines))
+            paths.append(path)
+    return paths
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.0f}%"
+
+
+TABLE_COLUMNS = ("method", "tok/s", "median tok/s", "speedup vs ar", "speedup vs hf-ar",
+                 "mean accepted", "acceptance", "draft / verify", "layer fwd / token",
+                 "parity", "accuracy", "roofline", "status")
+
+
+def table_row(s: MethodSummary) -> list[str]:
+    """The cells of ``s``'s table row, in :data:`TABLE_COLUMNS` order."""
+    if s.failed:
+        return [f"`{s.method}`"] + ["–"] * (len(TABLE_COLUMNS) - 2) + [
+            "FAILED: " + s.failed.replace("|", "\\|").replace("\n", " ")]
+    split = ("–" if s.draft_share is None and s.verify_share is None
+             else f"{_pct(s.draft_share)} / {_pct(s.verify_share)}")
+    return [f"`{s.method}`", _fmt(s.tokens_per_s, ".1f"), _fmt(s.median_tokens_per_s, ".1f"),
+            _fmt(s.speedup_vs_ar, ".2f", "×"), _fmt(s.speedup_vs_hf_ar, ".2f", "×"),
+            _fmt(s.mean_accepted, ".2f"), _pct(s.acceptance_rate), split,
+            _fmt(s.layer_forwards_per_token, ".1f"), _pct(s.parity), _pct(s.accuracy),
+            _pct(s.roofline_fraction), "ok" if s.lossless else "ok (lossy)"]
+
+
+def markdown_table(summaries: list[MethodSummary]) -> str:
+    """The summary table in GitHub markdown."""
+    rows = [list(TABLE_COLUMNS), ["---"] + ["---:"] * (len(TABLE_COLUMNS) - 2) + ["---"]]
+    rows += [table_row(s) for s in summaries]
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n"
+
+
+def markdown_header(info: RunInfo) -> str:
+    """The report header: model, dtype, dataset, machine, versions, bandwidth, date."""
+    m = info.machine
+    lines = [
+        f"# selfspec bench: {info.model} on {info.dataset}", "",
+        f"- model: `{info.model}`, dtype {info.dtype}",
+        f"- dataset: {info.dataset}, n = {info.n} prompts, max new tokens {info.max_new_tokens}, "
+        + ("greedy" if info.temperature == 0
+           else f"temperature {info.temperature}, seed {info.seed}"),
+        f"- machine: {m.cpu}, {m.logical_cores} logical cores, torch threads {m.torch_threads}, "
+        f"{m.platform}",
+        f"- versions: python {m.python}, torch {m.torch}, transformers {m.transformers}, "
+        f"selfspec {m.selfspec}",
+    ]
+    if info.roofline is not None:
+        r = info.roofline
+        lines.append(
+            f"- memory bandwidth (measured, {r.bandwidth.buffer_bytes >> 20} MiB float32 sum, best "
+            f"of {r.bandwidth.repeats}, {r.bandwidth.threads} threads): "
+            f"{r.bandwidth.gb_per_s:.1f} GB/s; weights read per token "
+            f"{r.weight_bytes / 1e6:.1f} MB; roofline {r.tokens_per_s:.1f} tok/s")
+    lines.append(f"- date: {info.date}")
+    if info.command:
+        lines.append(f"- command: `{info.command}`")
+    return "\n".join(lines) + "\n"
+
+
+_NOTES = """\
+tok/s = all new tokens / all wall time (prefill included); speedups are ratios of tok/s in
+this run; mean accepted = tokens committed per verification (bonus token included);
+acceptance = accepted / drafted draft tokens; draft / verify = share of wall time;
+parity = share of prompts whose greedy output equals `ar`'s; accuracy = HumanEval pass@1 or
+GSM exact match; roofline = tok/s over bandwidth / weight bytes per token. – = not applicable
+or not known (transformers does not expose its drafted-token counts).
+"""
+
+
+def markdown_report(info: RunInfo, summaries: list[MethodSummary], plots: list[Path]) -> str:
+    """The whole ``report.md``: header, table, notes, plot links."""
+    parts = [markdown_header(info), markdown_table(summaries), _NOTES]
+    parts += [f"![{p.stem}]({p.name})\n" for p in plots]
+    return "\n".join(parts)
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {k: _jsonable(v) for k, v in dataclasses.asdict(value).items()}
+    return value
+
+
+def write_summary(info: RunInfo, summaries: list[MethodSummary], out_dir: Path) -> Path:
+    """Write ``summary.json``: the header and every method's metrics."""
+    roofline = None
+    if info.roofline is not None:
+        roofline = {"bandwidth_gb_per_s": info.roofline.bandwidth.gb_per_s,
+                    "weight_bytes_per_token": info.roofline.weight_bytes,
+                    "roofline_tokens_per_s": info.roofline.tokens_per_s,
+                    "measurement": _jsonable(info.roofline.bandwidth)}
+    header = {k: v for k, v in _jsonable(info).items() if k != "roofline"}
+    payload = {"run": header, "roofline": roofline,
+               "methods": [_jsonable(s) for s in summaries]}
+    path = out_dir / "summary.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path

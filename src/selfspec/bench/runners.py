@@ -1,0 +1,287 @@
+"""Runners: one per benchmark row, each generating for one encoded prompt and timing it.
+
+selfspec methods run through :meth:`selfspec.SelfSpec.generate`; the transformers
+baselines through ``engine.model.generate`` (the same HF model the executor drives: the
+executor only re-points q/k/v and gate/up weights at fused views holding the same values).
+Both are timed by the same clock around the whole call, and both report commits through
+the same streamer interface, which gives time to first token and per-step accepted lengths.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from selfspec.api import SelfSpec
+from selfspec.bench.spec import MethodConfig
+from selfspec.errors import InvalidArgumentError
+from selfspec.methods.registry import METHODS, build_decoder, default_exit_layer
+
+logger = logging.getLogger(__name__)
+
+# Seconds, monotonic; injectable so tests can script timings.
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """A dataset prompt as the model sees it.
+
+    Attributes:
+        id: the dataset prompt id.
+        ids: prompt token ids (chat template applied where the dataset is a chat).
+    """
+
+    id: str
+    ids: list[int]
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every method of a run shares.
+
+    Attributes:
+        max_new_tokens: at most this many new tokens per prompt.
+        temperature: 0 = greedy; > 0 = sampling (no top-k / top-p), seeded with ``seed``.
+        seed: sampling seed.
+    """
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+
+
+@dataclass
+class RunOutput:
+    """One generation by one method.
+
+    Attributes:
+        token_ids: generated ids (prompt excluded; ends with EOS when generation hit it).
+        text: the decoded generation (special tokens removed).
+        wall_time_s: wall time of the whole call in seconds (prefill included).
+        ttft_ms: time to the first generated token in ms (None if nothing was generated).
+        accept_lengths: tokens committed by each forward of the full model after the prompt,
+            in order (1 per step for autoregressive decoding; accepted + 1 per verification).
+        drafted / accepted / verifications / draft_ms / verify_ms / layer_forwards: counters as
+            in :class:`selfspec.GenerationStats`; None where a runner cannot know them.
+        finish_reason: ``"eos"``, ``"length"``, ... (``""`` when unknown).
+    """
+
+    token_ids: list[int]
+    text: str
+    wall_time_s: float
+    ttft_ms: float | None = None
+    accept_lengths: list[int] = field(default_factory=list)
+    drafted: int | None = None
+    accepted: int | None = None
+    verifications: int | None = None
+    draft_ms: float | None = None
+    verify_ms: float | None = None
+    layer_forwards: int | None = None
+    finish_reason: str = ""
+
+
+class Runner(Protocol):
+    """Generates for one method. ``setup`` runs once before the warm-up and may raise."""
+
+    config: MethodConfig
+    lossless: bool
+
+    def setup(self) -> None: ...
+
+    def run(self, prompt: EncodedPrompt, settings: RunSettings) -> RunOutput: ...
+
+
+class _CommitRecorder:
+    """A streamer that records when the first token came and how many tokens each put
+    carried. transformers puts the prompt first: ``skip_first`` drops that put."""
+
+    def __init__(self, clock: Clock, start: float, skip_first: bool) -> None:
+        self.clock = clock
+        self.start = start
+        self.skip = skip_first
+        self.lengths: list[int] = []
+        self.first_s: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.skip:
+            self.skip = False
+            return
+        if self.first_s is None:
+            self.first_s = self.clock() - self.start
+        self.lengths.append(int(value.numel()))
+
+    def end(self) -> None:
+        pass
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.first_s is None else self.first_s * 1e3
+
+
+class SelfSpecRunner:
+    """A selfspec method through :meth:`SelfSpec.generate`.
+
+    Args:
+        engine: the loaded model.
+        config: method name and options.
+        clock: the stopwatch.
+    """
+
+    def __init__(self, engine: SelfSpec, config: MethodConfig, clock: Clock = time.perf_counter):
+        self.engine = engine
+        self.config = config
+        self.clock = clock
+        self.lossless = METHODS[config.name].lossless
+
+    def setup(self) -> None:
+        """Build the decoder once so bad option values fail before any timing.
+
+        Raises:
+            InvalidArgumentError: an option value out of range.
+        """
+        build_decoder(self.config.name, self.engine.executor, dict(self.config.options))
+
+    def run(self, prompt: EncodedPrompt, settings: RunSettings) -> RunOutput:
+        start = self.clock()
+        recorder = _CommitRecorder(self.clock, start, skip_first=False)
+        result = self.engine.generate(
+            prompt.ids, method=self.config.name, max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature, seed=settings.seed, streamer=recorder,
+            **self.config.options)
+        wall = self.clock() - start
+        s = result.stats
+        speculative = s.verifications > 0
+        # accept_lengths starts with the prefill's token (1); then one entry per verification
+        # (or per token for autoregressive methods), as the decoding loop commits them.
+        return RunOutput(
+            token_ids=result.token_ids, text=result.text, wall_time_s=wall,
+            ttft_ms=recorder.ttft_ms, accept_lengths=recorder.lengths,
+            drafted=s.drafted if speculative else None,
+            accepted=s.accepted if speculative else None,
+            verifications=s.verifications if speculative else None,
+            draft_ms=s.draft_ms if speculative else None,
+            verify_ms=s.verify_ms if speculative else None,
+            layer_forwards=s.layer_forwards, finish_reason=s.finish_reason)
+
+
+def _hf_generate_kwargs(config: MethodConfig, engine: SelfSpec,
+                        assistant: torch.nn.Module | None) -> dict[str, Any]:
+    """transformers ``generate`` arguments of a baseline (glossary names → HF names)."""
+    o = config.options
+    kwargs: dict[str, Any] = {}
+    if config.name == "hf-early-exit":
+        layer = o.get("exit_layer", default_exit_layer(engine.executor))
+        if not 1 <= layer < engine.executor.num_layers:
+            raise InvalidArgumentError(
+                f"exit_layer must be in [1, {engine.executor.num_layers - 1}], got {layer}")
+        kwargs["assistant_early_exit"] = layer
+    elif config.name == "hf-prompt-lookup":
+        kwargs["prompt_lookup_num_tokens"] = o.get("draft_len", 10)
+        if "max_ngram" in o:
+            kwargs["max_matching_ngram_size"] = o["max_ngram"]
+    elif config.name == "hf-assistant":
+        kwargs["assistant_model"] = assistant
+    if config.name in ("hf-early-exit", "hf-assistant"):
+        if "draft_len" in o:
+            kwargs["num_assistant_tokens"] = o["draft_len"]
+        if "confidence" in o:
+            kwargs["assistant_confidence_threshold"] = o["confidence"]
+    return kwargs
+
+
+class HFRunner:
+    """A transformers ``generate`` baseline on the engine's HF model.
+
+    Greedy runs pass ``do_sample=False``; sampling runs pass the same temperature with
+    top-k and top-p off, seeded through ``torch.manual_seed``. The model's generation
+    config is overridden where it would change the output (repetition penalty, EOS ids), so
+    every method stops at the same EOS tokens and ``max_new_tokens``.
+
+    Args:
+        engine: the loaded model.
+        config: ``hf-*`` name and options.
+        clock: the stopwatch.
+        load_assistant: ``name → HF model`` for ``hf-assistant`` (same dtype as the engine).
+    """
+
+    lossless = True  # assisted decoding verifies every draft with the full model
+
+    def __init__(self, engine: SelfSpec, config: MethodConfig, clock: Clock = time.perf_counter,
+                 load_assistant: Callable[[str], torch.nn.Module] | None = None) -> None:
+        self.engine = engine
+        self.config = config
+        self.clock = clock
+        self.load_assistant = load_assistant
+        self.kwargs: dict[str, Any] = {}
+
+    def setup(self) -> None:
+        """Load the assistant model (``hf-assistant``) and check the options.
+
+        Raises:
+            InvalidArgumentError: ``hf-assistant`` without ``model=NAME``, a bad exit layer.
+        """
+        assistant = None
+        if self.config.name == "hf-assistant":
+            name = self.config.options.get("model")
+            if not name:
+                raise InvalidArgumentError(
+                    "hf-assistant needs model=NAME, a smaller model with the same tokenizer "
+                    "(e.g. hf-assistant:model=qwen2.5-coder-0.5b-instruct)")
+            if self.load_assistant is None:
+                raise InvalidArgumentError("hf-assistant: no way to load an assistant model here")
+            assistant = self.load_assistant(str(name))
+        self.kwargs = _hf_generate_kwargs(self.config, self.engine, assistant)
+
+    @torch.inference_mode()
+    def run(self, prompt: EncodedPrompt, settings: RunSettings) -> RunOutput:
+        engine = self.engine
+        eos = sorted(engine.eos_token_ids)
+        pad = engine.tokenizer.pad_token_id
+        kwargs = dict(self.kwargs, max_new_tokens=settings.max_new_tokens,
+                      eos_token_id=eos, pad_token_id=pad if pad is not None else eos[0],
+                      repetition_penalty=1.0)
+        if settings.temperature > 0:
+            kwargs.update(do_sample=True, temperature=settings.temperature, top_k=0, top_p=1.0)
+            torch.manual_seed(settings.seed)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        input_ids = torch.tensor([prompt.ids], device=engine.executor.device)
+        start = self.clock()
+        recorder = _CommitRecorder(self.clock, start, skip_first=True)
+        out = engine.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                    streamer=recorder, **kwargs)
+        wall = self.clock() - start
+        tokens = out[0, len(prompt.ids):].tolist()[: settings.max_new_tokens]
+        finish = "length"
+        for i, tok in enumerate(tokens):
+            if tok in engine.eos_token_ids:
+                tokens, finish = tokens[: i + 1], "eos"
+                break
+        lengths = recorder.lengths
+        if self.config.name == "hf-ar":
+            # Plain decoding runs every layer for each token after the first (which the
+            # prefill gives), exactly as selfspec's ``ar`` counts them.
+            counters = dict(layer_forwards=engine.executor.num_layers * max(len(tokens) - 1, 0))
+        else:
+            # Assisted decoding puts each verification's accepted tokens + the target's next
+            # token at once (the first verification includes the prompt's forward). How many
+            # tokens were drafted is not exposed, so the acceptance rate stays unknown.
+            counters = dict(verifications=len(lengths), accepted=sum(lengths) - len(lengths))
+        return RunOutput(
+            token_ids=tokens, text=engine.tokenizer.decode(tokens, skip_special_tokens=True),
+            wall_time_s=wall, ttft_ms=recorder.ttft_ms, accept_lengths=lengths,
+            finish_reason=finish, **counters)
+
+
+def make_runner(engine: SelfSpec, config: MethodConfig, clock: Clock = time.perf_counter,
+                load_assistant: Callable[[str], torch.nn.Module] | None = None) -> Runner:
+    """The runner of ``config`` (selfspec method or ``hf-*`` baseline)."""
+    if config.is_baseline:
+        return HFRunner(engine, config, clock, load_assistant)
+    return SelfSpecRunner(engine, config, clock)

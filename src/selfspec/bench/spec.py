@@ -1,0 +1,216 @@
+"""Method specs of the benchmark: ``name[:key=value,...]``, lists of them, and sweep grids.
+
+Grammar (values are parsed as int, float, bool ``true``/``false``, else string)::
+
+    method  := NAME [":" KEY "=" VALUE (("," | ":") KEY "=" VALUE)*]
+    methods := method ("," method)*          # a ","-item with "=" continues the previous method
+    sweep   := NAME (":" KEY "=" VALUES)+    # the cartesian product of every key's VALUES
+    VALUES  := ITEM ("," ITEM)*,  ITEM := VALUE | INT ".." INT   (inclusive integer range)
+
+``ar,layerskip:exit_layer=12,draft_len=4,dv`` is three methods;
+``layerskip:exit_layer=6,12:draft_len=1..3`` is a sweep of six.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from selfspec.errors import InvalidArgumentError
+from selfspec.methods.registry import METHODS
+
+
+@dataclass(frozen=True)
+class BaselineSpec:
+    """A transformers ``generate`` baseline, run through the HF model itself.
+
+    Attributes:
+        name: ``hf-...`` name used in ``--methods``.
+        description: one line for reports and errors.
+        options: option names it accepts (selfspec glossary names; see ``runners``).
+    """
+
+    name: str
+    description: str
+    options: tuple[str, ...] = ()
+
+
+HF_BASELINES: Mapping[str, BaselineSpec] = {
+    spec.name: spec
+    for spec in (
+        BaselineSpec("hf-ar", "transformers generate, greedy / sampling"),
+        BaselineSpec("hf-early-exit", "transformers assisted decoding drafting with the model's "
+                     "first exit_layer layers (assistant_early_exit)",
+                     ("exit_layer", "draft_len", "confidence")),
+        BaselineSpec("hf-prompt-lookup", "transformers prompt lookup decoding (n-gram drafts "
+                     "copied from the prompt)", ("draft_len", "max_ngram")),
+        BaselineSpec("hf-assistant", "transformers assisted decoding with a smaller "
+                     "same-tokenizer model=NAME as the drafter",
+                     ("model", "draft_len", "confidence")),
+    )
+}
+
+
+def known_methods() -> list[str]:
+    """Every method name the benchmark runs: selfspec methods, then transformers baselines."""
+    return [*METHODS, *HF_BASELINES]
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """One method with its options, as one row of the benchmark.
+
+    Attributes:
+        name: a selfspec method (``METHODS``) or a transformers baseline (``HF_BASELINES``).
+        options: option name → value, in the order given.
+    """
+
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """``name`` or ``name:key=value,...``: unique per row, parseable by :func:`parse_method`."""
+        if not self.options:
+            return self.name
+        return self.name + ":" + ",".join(f"{k}={_format(v)}" for k, v in self.options.items())
+
+    @property
+    def is_baseline(self) -> bool:
+        """True for a transformers ``hf-*`` baseline."""
+        return self.name in HF_BASELINES
+
+
+def _format(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def parse_value(text: str) -> Any:
+    """``"12"`` → 12, ``"0.5"`` → 0.5, ``"true"``/``"false"`` → bool, else the string."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def validate(config: MethodConfig) -> MethodConfig:
+    """Check the name and the option names (values are checked when the method is built).
+
+    Raises:
+        InvalidArgumentError: unknown method (the message lists every known one, the hf-*
+            baselines included) or an option the method does not take.
+    """
+    if config.name in METHODS:
+        accepted = METHODS[config.name].options
+    elif config.name in HF_BASELINES:
+        accepted = HF_BASELINES[config.name].options
+    else:
+        raise InvalidArgumentError(
+            f"unknown method {config.name!r}; known methods: {', '.join(known_methods())}")
+    unknown = [k for k in config.options if k not in accepted]
+    if unknown:
+        raise InvalidArgumentError(
+            f"method {config.name!r} does not take option(s) {', '.join(unknown)}; "
+            f"it accepts: {', '.join(accepted) or 'none'}")
+    return config
+
+
+def _split_option(item: str, spec: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip() or not value.strip():
+        raise InvalidArgumentError(
+            f"bad option {item!r} in {spec!r}; write key=value (e.g. layerskip:exit_layer=12)")
+    return key.strip(), value.strip()
+
+
+def parse_method(spec: str) -> MethodConfig:
+    """Parse one ``name[:key=value,...]`` (options separated by ``,`` or ``:``).
+
+    Raises:
+        InvalidArgumentError: empty spec, malformed option, repeated option, unknown method
+            or option (see :func:`validate`).
+    """
+    name, _, rest = spec.strip().partition(":")
+    if not name:
+        raise InvalidArgumentError(f"empty method name in {spec!r}")
+    options: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in rest.replace(":", ",").split(","))):
+        key, value = _split_option(item, spec)
+        if key in options:
+            raise InvalidArgumentError(f"option {key!r} given twice in {spec!r}")
+        options[key] = parse_value(value)
+    return validate(MethodConfig(name.strip(), options))
+
+
+def parse_methods(text: str) -> list[MethodConfig]:
+    """Parse a comma-separated list of method specs; an item containing ``=`` is another
+    option of the method before it (``ar,layerskip:exit_layer=12,draft_len=4,dv``).
+
+    Raises:
+        InvalidArgumentError: see :func:`parse_method`; an option with no method before it.
+    """
+    groups: list[str] = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        if "=" in item and ":" not in item.split("=", 1)[0]:
+            if not groups:
+                raise InvalidArgumentError(f"option {item!r} has no method before it in {text!r}")
+            groups[-1] += "," + item
+        else:
+            groups.append(item)
+    if not groups:
+        raise InvalidArgumentError("no method given; e.g. --methods ar,layerskip")
+    return [parse_method(g) for g in groups]
+
+
+def _expand_values(text: str, spec: str) -> list[Any]:
+    values: list[Any] = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        low, sep, high = item.partition("..")
+        if sep:
+            start, stop = parse_value(low), parse_value(high)
+            if not (isinstance(start, int) and isinstance(stop, int)) or isinstance(start, bool) \
+                    or stop < start:
+                raise InvalidArgumentError(
+                    f"bad range {item!r} in {spec!r}; write INT..INT with the smaller first")
+            values.extend(range(start, stop + 1))
+        else:
+            values.append(parse_value(item))
+    if not values:
+        raise InvalidArgumentError(f"no values in {spec!r}")
+    return values
+
+
+def parse_sweep(spec: str) -> list[MethodConfig]:
+    """Expand a sweep ``name:key=v1,v2:key2=a..b`` into one method per grid point (the last
+    key varies fastest).
+
+    Raises:
+        InvalidArgumentError: malformed spec, a key given twice, unknown method or option.
+    """
+    name, *parts = [p.strip() for p in spec.strip().split(":")]
+    if not name or not parts:
+        raise InvalidArgumentError(
+            f"bad sweep {spec!r}; write NAME:key=v1,v2:key2=a..b (e.g. layerskip:exit_layer=6,12)")
+    grid: dict[str, list[Any]] = {}
+    for part in parts:
+        key, values = _split_option(part, spec)
+        if key in grid:
+            raise InvalidArgumentError(f"option {key!r} given twice in sweep {spec!r}")
+        grid[key] = _expand_values(values, spec)
+    return [validate(MethodConfig(name, dict(zip(grid, point))))
+            for point in itertools.product(*grid.values())]
+
+
+def combine(methods: Iterable[MethodConfig]) -> list[MethodConfig]:
+    """Drop repeated rows (same label), keeping the first occurrence's position."""
+    seen: dict[str, MethodConfig] = {}
+    for m in methods:
+        seen.setdefault(m.label, m)
+    return list(seen.values())
