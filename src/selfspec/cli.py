@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from selfspec.bench.cli import add_bench_parser
 from selfspec.errors import SelfSpecError
+from selfspec.heads.cli import add_heads_parser
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -136,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_models(sub)
     add_bench_parser(sub)
+    add_heads_parser(sub)
     return parser
 
 

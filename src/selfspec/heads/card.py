@@ -1,0 +1,265 @@
+"""The head card: what a head file says about itself (stored as JSON inside the file's
+safetensors metadata, and copied to ``card.json`` beside it for people).
+
+Non-finite floats are written as JSON ``null``: an AUC that is undefined (all predictions
+correct or all wrong) and a threshold that no ε can meet (``+inf``, the head is never used).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from selfspec.heads.fingerprint import ModelFingerprint
+
+CARD_FORMAT_VERSION = 1
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else float(value)
+
+
+def _nan(value: float | None) -> float:
+    return math.nan if value is None else float(value)
+
+
+@dataclass
+class HeadEval:
+    """Agreement of one head with the final layer on held-out tokens (DSSD eq. 2 averaged).
+
+    Attributes:
+        layer: the head's exit layer.
+        eval_tokens: held-out tokens scored.
+        agreement_before: top-1 agreement with the final layer before training (a fresh head:
+            for lightweight and copied full heads, the model's own final norm + ``lm_head``).
+        agreement_after: the same after training.
+        kl_before / kl_after: mean ``KL(p_final || p_head)`` in nats per token.
+        confident_fraction: fraction of tokens with max-probability > 0.8 after training.
+        confident_agreement: agreement on those tokens.
+    """
+
+    layer: int
+    eval_tokens: int
+    agreement_before: float
+    agreement_after: float
+    kl_before: float
+    kl_after: float
+    confident_fraction: float = math.nan
+    confident_agreement: float = math.nan
+
+
+@dataclass
+class ThresholdRow:
+    """τ(ε) of one head and metric, with what it does on calibration and test tokens.
+
+    Attributes:
+        epsilon: accuracy level.
+        value: τ in confidence units (``None`` in JSON = ``+inf``, never used).
+        coverage / precision: on the calibration tokens (precision >= ε by construction).
+        test_coverage / test_precision: the same rule on the held-out test tokens.
+    """
+
+    epsilon: float
+    value: float
+    coverage: float
+    precision: float
+    test_coverage: float = math.nan
+    test_precision: float = math.nan
+
+
+@dataclass
+class MetricCalibration:
+    """One confidence metric of one head: ROC AUC and the ε sweep."""
+
+    metric: str
+    auc: float
+    test_auc: float
+    thresholds: list[ThresholdRow] = field(default_factory=list)
+
+
+@dataclass
+class HeadCalibration:
+    """Calibration of one head (DSSD §3.4.1).
+
+    Attributes:
+        layer: exit layer.
+        tokens: calibration tokens ``M_cal``.
+        accuracy: fraction of them where the head agrees with the final layer.
+        test_tokens: held-out test tokens.
+        test_accuracy: agreement on those.
+        metrics: per-metric AUC and thresholds.
+    """
+
+    layer: int
+    tokens: int
+    accuracy: float
+    test_tokens: int
+    test_accuracy: float
+    metrics: list[MetricCalibration] = field(default_factory=list)
+
+    def metric(self, name: str) -> MetricCalibration | None:
+        return next((m for m in self.metrics if m.metric == name), None)
+
+
+@dataclass
+class ProbeCard:
+    """An AdaSPEED linear probe (§II.B) at one exit layer.
+
+    Attributes:
+        exit_layer: the layer whose hidden state the probe reads.
+        draft_head: which head produced the draft token it scores: ``"exit_head"`` (this
+            file's head at that layer) or ``"lm_head"`` (the model's final norm + ``lm_head``).
+        train_tokens / eval_tokens: tokens used.
+        base_rate: fraction of held-out draft tokens equal to the full model's token.
+        accuracy: held-out accuracy of ``probe >= 0.5`` (chance = max(base_rate, 1 - base_rate)).
+        auc: held-out ROC AUC of the probe; ``max_prob_auc``: that of the draft's max-probability.
+        bce: held-out binary cross-entropy, nats.
+        seconds: training wall time.
+    """
+
+    exit_layer: int
+    draft_head: str
+    train_tokens: int
+    eval_tokens: int
+    base_rate: float
+    accuracy: float
+    auc: float
+    max_prob_auc: float
+    bce: float
+    seconds: float
+
+
+@dataclass
+class TrainingInfo:
+    """How the heads were trained (see :mod:`selfspec.heads.train`).
+
+    ``data``, ``requested_tokens``, ``max_new_tokens``, ``max_len`` and ``seed`` reproduce the
+    exact corpus (and so the held-out problems) for a later ``selfspec heads calibrate``;
+    ``train_tokens`` / ``eval_tokens`` are what that corpus actually held.
+    """
+
+    loss: str
+    kl_direction: str
+    alpha: float
+    data: list[str]
+    train_tokens: int
+    eval_tokens: int
+    epochs: int
+    lr: float
+    batch_tokens: int
+    compute_dtype: str
+    feature_dtype: str
+    init: str
+    seed: int
+    seconds: float
+    requested_tokens: int = 0
+    max_new_tokens: int = 256
+    max_len: int = 1024
+
+
+@dataclass
+class HeadCard:
+    """Everything a head file records besides its tensors.
+
+    Attributes:
+        model: name of the model the heads were trained for.
+        fingerprint: :class:`ModelFingerprint` of that model.
+        kind: ``"lightweight"``, ``"full"``, or ``None`` for a file holding only probes.
+        layers: exit layers of the heads (sorted).
+        num_layers / hidden_size / vocab_size: the model's shape.
+        training: :class:`TrainingInfo` or ``None``.
+        heads: per-head :class:`HeadEval`.
+        calibration_metrics / calibration_epsilons: what was calibrated.
+        calibration: per-head :class:`HeadCalibration` (empty until calibrated).
+        probes: per-exit-layer :class:`ProbeCard`.
+        created: ISO-8601 time of the last write.
+        selfspec_version: package version that wrote the file.
+        format_version: :data:`CARD_FORMAT_VERSION`.
+    """
+
+    model: str
+    fingerprint: ModelFingerprint
+    kind: str | None
+    layers: list[int]
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    training: TrainingInfo | None = None
+    heads: list[HeadEval] = field(default_factory=list)
+    calibration_metrics: list[str] = field(default_factory=list)
+    calibration_epsilons: list[float] = field(default_factory=list)
+    calibration: list[HeadCalibration] = field(default_factory=list)
+    probes: list[ProbeCard] = field(default_factory=list)
+    created: str = ""
+    selfspec_version: str = ""
+    format_version: int = CARD_FORMAT_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (non-finite floats become ``None``)."""
+        data = asdict(self)
+        data["fingerprint"] = self.fingerprint.to_dict()
+        return _jsonable(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HeadCard:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            KeyError, TypeError, ValueError: malformed card (callers turn these into
+                :class:`~selfspec.errors.CorruptModelFileError`).
+        """
+        training = data.get("training")
+        return cls(
+            model=str(data["model"]),
+            fingerprint=ModelFingerprint.from_dict(data["fingerprint"]),
+            kind=data.get("kind"),
+            layers=[int(x) for x in data["layers"]],
+            num_layers=int(data["num_layers"]),
+            hidden_size=int(data["hidden_size"]),
+            vocab_size=int(data["vocab_size"]),
+            training=None if training is None else TrainingInfo(**_floats(training)),
+            heads=[HeadEval(**_floats(h)) for h in data.get("heads", [])],
+            calibration_metrics=list(data.get("calibration_metrics", [])),
+            calibration_epsilons=[float(e) for e in data.get("calibration_epsilons", [])],
+            calibration=[_head_calibration(c) for c in data.get("calibration", [])],
+            probes=[ProbeCard(**_floats(p)) for p in data.get("probes", [])],
+            created=str(data.get("created", "")),
+            selfspec_version=str(data.get("selfspec_version", "")),
+            format_version=int(data.get("format_version", CARD_FORMAT_VERSION)),
+        )
+
+    def head_eval(self, layer: int) -> HeadEval | None:
+        return next((h for h in self.heads if h.layer == layer), None)
+
+    def head_calibration(self, layer: int) -> HeadCalibration | None:
+        return next((c for c in self.calibration if c.layer == layer), None)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return _finite_or_none(obj)
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def _floats(data: dict[str, Any]) -> dict[str, Any]:
+    """JSON ``null`` back to NaN for the float fields of the small cards."""
+    return {k: (math.nan if v is None else v) for k, v in data.items()}
+
+
+def _head_calibration(data: dict[str, Any]) -> HeadCalibration:
+    metrics = []
+    for m in data.get("metrics", []):
+        rows = []
+        for r in m.get("thresholds", []):
+            r = dict(r)
+            value = r.pop("value")
+            rows.append(ThresholdRow(value=math.inf if value is None else float(value), **_floats(r)))
+        metrics.append(MetricCalibration(m["metric"], _nan(m.get("auc")), _nan(m.get("test_auc")),
+                                         rows))
+    return HeadCalibration(int(data["layer"]), int(data["tokens"]), _nan(data.get("accuracy")),
+                           int(data.get("test_tokens", 0)), _nan(data.get("test_accuracy")), metrics)

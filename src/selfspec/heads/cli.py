@@ -1,0 +1,294 @@
+"""``selfspec heads train | calibrate | show | train-probe`` (the parser and printing;
+the work is in :mod:`selfspec.heads.pipeline`)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from selfspec.errors import InvalidArgumentError
+
+_EPS_SHOWN = (0.6, 0.7, 0.8, 0.9, 0.95)
+DEFAULT_DATA_HELP = "humaneval,gsm,onpolicy:humaneval,onpolicy:mtbench"
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _add_data_args(p: argparse.ArgumentParser, what: str) -> None:
+    from selfspec.heads.pipeline import DEFAULT_DATA, DEFAULT_TOKENS
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default=None,
+                   help="comma-separated sources: a dataset (humaneval, mtbench, gsm, "
+                        "sharegpt-summarize) = prompt + reference text; onpolicy:DATASET = the "
+                        f"model's own greedy answers (default: {what})")
+    g.add_argument("--tokens", type=int, default=None,
+                   help="scored training tokens over all sources; held-out calibration and test "
+                        f"text add 25%% each (default: {DEFAULT_TOKENS})")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="on-policy answer length cap")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _add_model_args(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--model", required=required, default=None,
+                   help="registry name, local directory or hub id")
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
+                   help="backbone dtype (default bf16, the default decoding dtype; calibrate: "
+                        "the dtype the heads were trained with)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``selfspec heads ...`` on the top-level subparsers."""
+    p = subparsers.add_parser("heads", help="train, calibrate and inspect exit heads and probes")
+    sub = p.add_subparsers(dest="heads_cmd", required=True)
+
+    t = sub.add_parser("train", help="train exit heads on the frozen model, calibrate, save",
+                       description="Train exit heads (DSSD / AdaDecode) with the backbone frozen, "
+                                   "calibrate their thresholds and save them (default: the "
+                                   "model's default heads, used by --heads default).")
+    _add_model_args(t, required=False)
+    t.add_argument("--layers", type=_ints, default=None,
+                   help="exit layers, e.g. 6,12,18,24 (default: floor(k*L/5), k=1..4, DSSD eq. 1)")
+    t.add_argument("--kind", default="lightweight", choices=["lightweight", "full"])
+    t.add_argument("--init", default="lm_head", choices=["lm_head", "random"],
+                   help="full heads: copy lm_head or start at random")
+    t.add_argument("--loss", default="kl", choices=["kl", "ce", "hybrid"])
+    t.add_argument("--kl-direction", default="forward", choices=["forward", "reverse"],
+                   help="forward = KL(final || head) (default), reverse = KL(head || final)")
+    t.add_argument("--alpha", type=float, default=0.5, help="CE weight of the hybrid loss")
+    t.add_argument("--epochs", type=int, default=3)
+    t.add_argument("--lr", type=float, default=None, help="peak Adam learning rate")
+    t.add_argument("--batch-tokens", type=int, default=256)
+    t.add_argument("--compute-dtype", default="bf16", choices=["bf16", "fp32"],
+                   help="dtype of the training matmuls (parameters stay fp32)")
+    t.add_argument("--out", default=None, help="directory or .safetensors file "
+                                               "(default: $SELFSPEC_HOME/heads/<model>/default)")
+    t.add_argument("--no-calibrate", dest="calibrate", action="store_false")
+    t.add_argument("--epsilon", type=_floats, default=None, help="ε sweep, e.g. 0.5,0.7,0.9")
+    t.add_argument("--no-plots", dest="plots", action="store_false",
+                   help="skip roc.png / epsilon.png")
+    _add_data_args(t, DEFAULT_DATA_HELP)
+    t.set_defaults(func=_cmd_train)
+
+    c = sub.add_parser("calibrate", help="calibrate thresholds of a head file (DSSD §3.4.1)")
+    c.add_argument("path", help="head file or directory, or 'default'")
+    _add_model_args(c, required=False)
+    c.add_argument("--epsilon", type=_floats, default=None, help="ε sweep, e.g. 0.5,0.7,0.9")
+    c.add_argument("--no-plots", dest="plots", action="store_false",
+                   help="skip roc.png / epsilon.png")
+    _add_data_args(c, "the data the heads were trained on")
+    c.set_defaults(func=_cmd_calibrate)
+
+    s = sub.add_parser("show", help="print a head file's card")
+    s.add_argument("path", help="head file or directory, or 'default' (with --model)")
+    s.add_argument("--model", default=None, help="model for 'default' (default: the registry default)")
+    s.add_argument("--metric", default="entropy", choices=["max_prob", "entropy", "margin"])
+    s.add_argument("--json", action="store_true", help="print the card as JSON")
+    s.set_defaults(func=_cmd_show)
+
+    pr = sub.add_parser("train-probe", help="train an AdaSPEED acceptance probe (§II.B)")
+    _add_model_args(pr, required=True)
+    pr.add_argument("--exit-layer", type=int, required=True)
+    pr.add_argument("--heads", default=None,
+                    help="head file whose head at the exit layer drafts (the probe is saved "
+                         "into it); default: lm_head drafting, saved under <model>/probes/")
+    pr.add_argument("--out", default=None, help="where to save an lm_head probe")
+    _add_data_args(pr, DEFAULT_DATA_HELP)
+    pr.set_defaults(func=_cmd_train_probe)
+
+
+# ------------------------------------------------------------------------------ helpers
+def _load_engine(args: argparse.Namespace, model: str | None, dtype: str | None):
+    import torch
+
+    import selfspec
+
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    return selfspec.load(model, dtype=dtype or "bf16", show_progress=not args.quiet)
+
+
+def _data_request(args: argparse.Namespace, default_tokens: int | None):
+    from selfspec.heads.corpus import parse_data_spec
+    from selfspec.heads.pipeline import DEFAULT_DATA, DEFAULT_TOKENS, DataRequest
+
+    # Refuse bad options before spending seconds on loading the model.
+    if args.tokens is not None and args.tokens < 1:
+        raise InvalidArgumentError(f"--tokens must be >= 1, got {args.tokens}")
+    parse_data_spec(args.data or DEFAULT_DATA)
+    return DataRequest(data=args.data or DEFAULT_DATA,
+                       tokens=args.tokens or default_tokens or DEFAULT_TOKENS,
+                       max_new_tokens=args.max_new_tokens, seed=args.seed)
+
+
+def _f(x: float, digits: int = 3) -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _print_card(card, metric: str = "entropy", out=None) -> None:
+    out = out or sys.stdout  # looked up per call (tests and callers may swap sys.stdout)
+    print(f"model {card.model} (fingerprint {card.fingerprint.short()}), {card.num_layers} layers, "
+          f"d={card.hidden_size}, V={card.vocab_size}", file=out)
+    if card.kind:
+        print(f"{card.kind} heads at layers {card.layers}", file=out)
+    tr = card.training
+    if tr:
+        print(f"trained: loss {tr.loss}"
+              + (f" ({tr.kl_direction})" if tr.loss != "ce" else "")
+              + f", data {','.join(tr.data)}, {tr.train_tokens} train / {tr.eval_tokens} held-out "
+              f"tokens, {tr.epochs} epochs, lr {tr.lr:g}, {tr.compute_dtype} matmuls on "
+              f"{tr.feature_dtype} features, {tr.seconds:.0f} s", file=out)
+    if card.heads:
+        print("\nlayer  agreement before → after   KL before → after   conf>0.8: share @ agreement",
+              file=out)
+        for h in card.heads:
+            print(f"{h.layer:5d}  {_f(h.agreement_before):>16} → {_f(h.agreement_after):5}   "
+                  f"{_f(h.kl_before, 2):>9} → {_f(h.kl_after, 2):5}   "
+                  f"{_f(h.confident_fraction, 2)} @ {_f(h.confident_agreement)}", file=out)
+    if card.calibration:
+        metrics = card.calibration_metrics
+        print("\ncalibration (held-out problems)   ROC AUC cal / test", file=out)
+        print("layer  tokens  accuracy  " + "  ".join(f"{m:>15}" for m in metrics), file=out)
+        for c in card.calibration:
+            aucs = "  ".join(f"{_f(c.metric(m).auc):>7}/{_f(c.metric(m).test_auc):<7}"
+                             for m in metrics)
+            print(f"{c.layer:5d}  {c.tokens:6d}  {_f(c.accuracy):>8}  {aucs}", file=out)
+        print(f"\nthresholds τ_k(ε), metric {metric} (exit when confidence >= τ; entropy: "
+              "confidence = -H in nats)", file=out)
+        print("layer  " + "  ".join(f"{'ε=' + format(e, 'g'):>24}" for e in card.calibration_epsilons
+                                     if _shown(e, card.calibration_epsilons)), file=out)
+        for c in card.calibration:
+            m = c.metric(metric)
+            if m is None:
+                continue
+            cells = [f"τ={_f(r.value):>6} cov {_f(r.coverage, 2)} test {_f(r.test_precision, 2)}"
+                     for r in m.thresholds if _shown(r.epsilon, card.calibration_epsilons)]
+            print(f"{c.layer:5d}  " + "  ".join(f"{x:>24}" for x in cells), file=out)
+    for p in card.probes:
+        print(f"\nprobe at layer {p.exit_layer} ({p.draft_head} drafts): accuracy {_f(p.accuracy)} "
+              f"(base rate {_f(p.base_rate)}), AUC {_f(p.auc)} vs max-prob AUC "
+              f"{_f(p.max_prob_auc)}, BCE {_f(p.bce)}, {p.train_tokens} train / {p.eval_tokens} "
+              f"held-out tokens, {p.seconds:.1f} s", file=out)
+
+
+def _shown(eps: float, all_eps: list[float]) -> bool:
+    return len(all_eps) <= 6 or any(abs(eps - e) < 1e-9 for e in _EPS_SHOWN)
+
+
+def _plots(args: argparse.Namespace, heads, path: Path) -> list[Path]:
+    import importlib.util
+
+    from selfspec.heads.plots import plot_epsilon_sweep, plot_roc
+
+    if not args.plots or not heads.calibration:
+        return []
+    if importlib.util.find_spec("matplotlib") is None:  # plots are optional, the card is not
+        print("no plots: matplotlib is not installed (pip install 'matplotlib>=3.7')",
+              file=sys.stderr)
+        return []
+    return [plot_roc(heads, path.parent / "roc.png"),
+            plot_epsilon_sweep(heads, path.parent / "epsilon.png")]
+
+
+def _print_times(times) -> None:
+    parts = [f"{name[:-2]} {getattr(times, name):.0f} s" for name in
+             ("corpus_s", "features_s", "train_s", "calibrate_s", "probe_s")
+             if getattr(times, name)]
+    print("wall time: " + ", ".join(parts))
+
+
+# ----------------------------------------------------------------------------- commands
+def _cmd_train(args: argparse.Namespace) -> int:
+    from selfspec.heads.calibration import DEFAULT_EPSILONS
+    from selfspec.heads.pipeline import DEFAULT_TOKENS, TrainRequest, train
+    from selfspec.heads.train import TrainConfig
+
+    config = TrainConfig(kind=args.kind, init=args.init, loss=args.loss,
+                         kl_direction=args.kl_direction, alpha=args.alpha, epochs=args.epochs,
+                         batch_tokens=args.batch_tokens, compute_dtype=args.compute_dtype,
+                         seed=args.seed, **({"lr": args.lr} if args.lr else {}))
+    request = TrainRequest(layers=args.layers, train=config,
+                           data=_data_request(args, DEFAULT_TOKENS), out=args.out,
+                           calibrate=args.calibrate, epsilons=args.epsilon or DEFAULT_EPSILONS)
+    engine = _load_engine(args, args.model, args.dtype)
+    outcome = train(engine, request, progress=not args.quiet)
+    _print_card(outcome.heads.card)
+    for plot in _plots(args, outcome.heads, outcome.path):
+        print(f"plot: {plot}")
+    _print_times(outcome.times)
+    print(f"saved {outcome.path}")
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from selfspec.heads.calibration import DEFAULT_EPSILONS
+    from selfspec.heads.files import read_head_file, resolve_path
+    from selfspec.heads.pipeline import calibrate_file
+
+    if args.path == "default":
+        from selfspec.models.registry import DEFAULT_MODEL
+
+        path = resolve_path("default", args.model or DEFAULT_MODEL)
+    else:
+        path = resolve_path(args.path)
+    card = read_head_file(path).card
+    dtype = args.dtype or (card.training.feature_dtype if card.training else None)
+    engine = _load_engine(args, args.model or card.model, dtype)
+    request = None  # default: the corpus the heads were trained on (same held-out problems)
+    if args.data or args.tokens:
+        info = card.training
+        args.data = args.data or (",".join(info.data) if info else None)
+        request = _data_request(args, (info.requested_tokens or info.train_tokens) if info else None)
+    outcome = calibrate_file(engine, str(path), request, epsilons=args.epsilon or DEFAULT_EPSILONS,
+                             progress=not args.quiet)
+    _print_card(outcome.heads.card)
+    for plot in _plots(args, outcome.heads, outcome.path):
+        print(f"plot: {plot}")
+    _print_times(outcome.times)
+    print(f"saved {outcome.path}")
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    import json
+
+    from selfspec.heads.files import read_head_file, resolve_path
+    from selfspec.models.registry import DEFAULT_MODEL
+
+    path = resolve_path(args.path, args.model or DEFAULT_MODEL)
+    card = read_head_file(path).card
+    if args.json:
+        print(json.dumps(card.to_dict(), indent=1))
+    else:
+        print(f"{path}")
+        _print_card(card, args.metric)
+    return 0
+
+
+def _cmd_train_probe(args: argparse.Namespace) -> int:
+    from selfspec.heads.pipeline import DEFAULT_TOKENS, ProbeRequest, train_probe
+
+    request = ProbeRequest(exit_layer=args.exit_layer, heads=args.heads, out=args.out,
+                           data=_data_request(args, DEFAULT_TOKENS))
+    engine = _load_engine(args, args.model, args.dtype)
+    outcome = train_probe(engine, request, progress=not args.quiet)
+    _print_card(outcome.heads.card)
+    _print_times(outcome.times)
+    print(f"saved {outcome.path}")
+    return 0

@@ -1,0 +1,373 @@
+"""Head files: one safetensors file holding heads, probes, calibration vectors and the card.
+
+Layout of ``heads.safetensors`` (a directory path means ``<dir>/heads.safetensors``)::
+
+    head.<layer>.transform        [H, H]   lightweight: T (logits = E*·T·norm(h))
+    head.<layer>.weight           [V, H]   full: output matrix (+ head.<layer>.bias [V])
+    head.<layer>.norm.weight      [H]      the head's norm (+ norm.bias for LayerNorm models)
+    probe.<layer>.weight          [H]      AdaSPEED probe v (float32)
+    probe.<layer>.bias            [1]      AdaSPEED probe b (float32)
+    calib.<layer>.correct         [M] u8   DSSD eq. 2 correctness on the calibration tokens
+    calib.<layer>.<metric>        [M] f32  confidence of each calibration token
+    metadata: {"format": "selfspec-heads", "card": <HeadCard JSON>}
+
+Heads are stored in float32 (trained weights) and cast to the model's dtype at load. The card
+lives inside the file, so tensors and card are replaced together by one rename (written to a
+temporary file in the same directory first): an interrupted save leaves the old file or the
+new one, never a mix. ``card.json`` beside the file is a copy for people; it is never read.
+
+Only safetensors is read (no pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
+
+from selfspec.errors import CorruptModelFileError, InvalidArgumentError
+from selfspec.heads.calibration import Threshold, check_epsilon, check_metric, thresholds
+from selfspec.heads.card import HeadCard
+from selfspec.heads.errors import HeadsModelMismatchError, HeadsNotFoundError, NotCalibratedError
+from selfspec.heads.fingerprint import fingerprint
+from selfspec.heads.modules import ExitHead, OutputLayer, make_head, output_layer
+from selfspec.heads.probe import LinearProbe
+
+logger = logging.getLogger(__name__)
+
+FILE_NAME = "heads.safetensors"
+CARD_NAME = "card.json"
+FORMAT_TAG = "selfspec-heads"
+DEFAULT = "default"  # path keyword: the model's default exit heads
+DEFAULT_PROBES = "default-probes"  # path keyword: the model's probes for lm_head drafting
+
+
+@dataclass
+class CalibrationSet:
+    """Per-token calibration data of one head (DSSD §3.4.1 vectors ``c_k`` and ``t_k``).
+
+    Attributes:
+        layer: exit layer.
+        correct: ``[M]`` bool, head argmax == final-layer argmax (DSSD eq. 2).
+        scores: ``{metric: [M] float32}`` confidences (higher = more confident).
+    """
+
+    layer: int
+    correct: torch.Tensor
+    scores: dict[str, torch.Tensor]
+
+
+@dataclass
+class ExitHeads:
+    """Exit heads of one model, with their card, probes and calibration.
+
+    Attributes:
+        layers: exit layers, sorted (``heads[i]`` reads the state after layers ``[0, layers[i])``).
+        heads: :class:`ExitHead` modules (``Head`` callables) aligned with ``layers``.
+        card: the :class:`HeadCard`.
+        probes: AdaSPEED probes by exit layer.
+        calibration: calibration vectors by exit layer (empty until calibrated).
+    """
+
+    layers: list[int]
+    heads: list[ExitHead]
+    card: HeadCard
+    probes: dict[int, LinearProbe] = field(default_factory=dict)
+    calibration: dict[int, CalibrationSet] = field(default_factory=dict)
+
+    def head_at(self, layer: int) -> ExitHead:
+        """The head at ``layer``.
+
+        Raises:
+            InvalidArgumentError: no head there (the message lists the layers).
+        """
+        for lay, head in zip(self.layers, self.heads):
+            if lay == layer:
+                return head
+        raise InvalidArgumentError(f"no exit head at layer {layer}; heads are at {self.layers}")
+
+    def probe_at(self, layer: int) -> LinearProbe:
+        """The AdaSPEED probe at ``layer``.
+
+        Raises:
+            InvalidArgumentError: no probe there.
+        """
+        if layer not in self.probes:
+            raise InvalidArgumentError(
+                f"no probe at exit layer {layer}; probes exist at {sorted(self.probes)}. Train one "
+                f"with `selfspec heads train-probe --model {self.card.model} --exit-layer {layer}`")
+        return self.probes[layer]
+
+    def threshold_details(self, epsilon: float, metric: str = "entropy") -> list[Threshold]:
+        """τ_k(ε) of every head with its calibration coverage and precision (DSSD §3.4.1).
+
+        Raises:
+            InvalidArgumentError: ``epsilon`` outside [0, 1] or unknown metric.
+            NotCalibratedError: a head has no calibration data for ``metric``.
+        """
+        check_epsilon(epsilon)
+        check_metric(metric)
+        out = []
+        for layer in self.layers:
+            data = self.calibration.get(layer)
+            if data is None or metric not in data.scores:
+                raise NotCalibratedError(
+                    f"the head at layer {layer} has no {metric!r} calibration; run "
+                    "`selfspec heads calibrate PATH` first")
+            out.append(thresholds(data.scores[metric], data.correct, [epsilon])[0])
+        return out
+
+    def thresholds(self, epsilon: float, metric: str = "entropy") -> list[float]:
+        """τ_k(ε) per head, aligned with :attr:`layers`, in confidence units: use head ``k``'s
+        prediction when ``confidences(logits)[metric] >= τ_k`` (for ``entropy`` the confidence
+        is ``-H`` in nats, so the rule is ``H <= -τ_k``); ``+inf`` = never.
+
+        Raises:
+            InvalidArgumentError: ``epsilon`` outside [0, 1] or unknown metric.
+            NotCalibratedError: the heads are not calibrated.
+        """
+        return [t.value for t in self.threshold_details(epsilon, metric)]
+
+
+# --------------------------------------------------------------------------- locations
+def _safe_name(model: str) -> str:
+    """A directory name for a model name, hub id or path."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "--", model.strip("/")) or "model"
+
+
+def default_heads_dir(model: str) -> Path:
+    """``$SELFSPEC_HOME/heads/<model>/default`` (where ``--heads default`` looks)."""
+    from selfspec.models.provision import selfspec_home
+
+    return selfspec_home() / "heads" / _safe_name(model) / DEFAULT
+
+
+def default_probes_dir(model: str) -> Path:
+    """``$SELFSPEC_HOME/heads/<model>/probes``: AdaSPEED probes for drafting with the model's
+    own final norm + ``lm_head`` (a head file without heads; ``--heads default-probes``)."""
+    return default_heads_dir(model).parent / "probes"
+
+
+def resolve_path(path: str | os.PathLike, model: str | None = None) -> Path:
+    """The head file meant by ``path``: ``"default"`` / ``"default-probes"`` (need ``model``),
+    a directory (its ``heads.safetensors``) or a file."""
+    if str(path) in (DEFAULT, DEFAULT_PROBES):
+        if not model:
+            raise InvalidArgumentError(f"{str(path)!r} needs a model name")
+        folder = default_heads_dir(model) if str(path) == DEFAULT else default_probes_dir(model)
+        return folder / FILE_NAME
+    p = Path(path).expanduser()
+    if p.suffix != ".safetensors":
+        p = p / FILE_NAME
+    return p
+
+
+def model_name(source: object) -> str:
+    """Name of a ``SelfSpec`` engine (``.name``) or an HF model (``config._name_or_path``)."""
+    name = getattr(source, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    model = getattr(source, "model", source)
+    config = getattr(model, "config", None)
+    return str(getattr(config, "_name_or_path", "") or "model")
+
+
+def _model_config(source: object) -> object:
+    executor = getattr(source, "executor", None)
+    if executor is not None:
+        return executor.config
+    return getattr(source, "config", None) or source.model.config
+
+
+# --------------------------------------------------------------------------------- save
+def _tensors(heads: ExitHeads) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for layer, head in zip(heads.layers, heads.heads):
+        for name, t in head.tensors().items():
+            out[f"head.{layer}.{name}"] = t.detach().to("cpu", torch.float32).contiguous().clone()
+    for layer, probe in heads.probes.items():
+        for name, t in probe.tensors().items():
+            out[f"probe.{layer}.{name}"] = t.detach().to("cpu", torch.float32).contiguous().clone()
+    for layer, data in heads.calibration.items():
+        out[f"calib.{layer}.correct"] = data.correct.to("cpu", torch.uint8).contiguous()
+        for metric, s in data.scores.items():
+            out[f"calib.{layer}.{metric}"] = s.to("cpu", torch.float32).contiguous()
+    return out
+
+
+def _atomic_write(path: Path, write: Callable[[str], object]) -> None:
+    """Write via a temporary file in ``path``'s directory, then rename over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Not mkstemp: its files are private (0600); a plain create honours the umask.
+    tmp = str(path.parent / f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:  # includes KeyboardInterrupt: never leave the temp file behind
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_heads(heads: ExitHeads, path: str | os.PathLike) -> Path:
+    """Write ``heads`` to ``path`` (a ``.safetensors`` file, or a directory) atomically, and
+    ``card.json`` beside it.
+
+    Returns:
+        The path of the safetensors file.
+    """
+    from selfspec import __version__
+
+    target = resolve_path(path, heads.card.model)
+    heads.card.created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    heads.card.selfspec_version = __version__
+    card_json = json.dumps(heads.card.to_dict(), indent=1)
+    tensors = _tensors(heads)
+    metadata = {"format": FORMAT_TAG, "card": card_json}
+    # safetensors' save_file creates 0600 files; writing its bytes ourselves honours the umask.
+    _atomic_write(target, lambda tmp: Path(tmp).write_bytes(save(tensors, metadata=metadata)))
+    _atomic_write(target.parent / CARD_NAME, lambda tmp: Path(tmp).write_text(card_json + "\n"))
+    logger.info("saved heads at layers %s to %s", heads.layers, target)
+    return target
+
+
+# --------------------------------------------------------------------------------- load
+@dataclass
+class HeadFile:
+    """A head file as stored: its card and float32 tensors by name (layout in the module doc)."""
+
+    card: HeadCard
+    tensors: dict[str, torch.Tensor]
+
+
+def _corrupt(path: Path, why: str) -> CorruptModelFileError:
+    return CorruptModelFileError(
+        f"head file {path} is truncated or damaged ({why}). Delete it and train the heads again "
+        "(`selfspec heads train ...`), or restore a good copy.")
+
+
+def read_head_file(path: str | os.PathLike) -> HeadFile:
+    """Read a head file's card and tensors without a model (``selfspec heads show``).
+
+    Raises:
+        HeadsNotFoundError: no file at ``path``.
+        CorruptModelFileError: unreadable, truncated, or not a selfspec head file.
+    """
+    return _read(resolve_path(path))
+
+
+def _read(path: Path) -> HeadFile:
+    if not path.is_file():
+        raise HeadsNotFoundError(f"no head file at {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, RuntimeError, ValueError) as err:
+        raise _corrupt(path, str(err).splitlines()[0] if str(err) else type(err).__name__) from err
+    if metadata.get("format") != FORMAT_TAG or "card" not in metadata:
+        raise _corrupt(path, "not a selfspec head file: the 'format'/'card' metadata is missing")
+    try:
+        card = HeadCard.from_dict(json.loads(metadata["card"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise _corrupt(path, f"unreadable card: {err}") from err
+    return HeadFile(card, tensors)
+
+
+def load_heads(path: str | os.PathLike, source: object, *, check_model: bool = True) -> ExitHeads:
+    """Load exit heads (and probes, calibration) for a model.
+
+    Args:
+        path: ``"default"`` (``$SELFSPEC_HOME/heads/<model>/default/``), a directory holding
+            ``heads.safetensors``, or the file itself.
+        source: the model they are for: a ``SelfSpec`` engine, a ``LayerExecutor`` or an HF
+            causal LM. Heads are built in that model's dtype and device and share its
+            ``lm_head``.
+        check_model: compare the file's model fingerprint with ``source`` (turn off only to
+            inspect heads on purpose with another model).
+
+    Returns:
+        :class:`ExitHeads` in inference mode.
+
+    Raises:
+        HeadsNotFoundError: no file (for ``"default"``: no default heads trained yet).
+        HeadsModelMismatchError: the heads belong to another model.
+        CorruptModelFileError: the file is truncated, damaged or incomplete.
+    """
+    name = model_name(source)
+    target = resolve_path(path, name)
+    if not target.is_file():
+        if str(path) == DEFAULT:
+            hint = (f"no default heads for model {name!r} at {target.parent}; train them with "
+                    f"`selfspec heads train --model {name}`")
+        elif str(path) == DEFAULT_PROBES:
+            hint = (f"no default probes for model {name!r} at {target.parent}; train one with "
+                    f"`selfspec heads train-probe --model {name} --exit-layer E`")
+        else:
+            hint = f"no head file at {target}"
+        raise HeadsNotFoundError(hint)
+    raw = _read(target)
+    card = raw.card
+    out = output_layer(source)
+    if check_model:
+        mine = fingerprint(_model_config(source), out)
+        if not card.fingerprint.matches(mine):
+            raise HeadsModelMismatchError(
+                f"the heads in {target} belong to model {card.model!r} (fingerprint "
+                f"{card.fingerprint.short()}), not to the loaded model {name!r} (fingerprint "
+                f"{mine.short()}). Load model {card.model!r}, or train heads for this model with "
+                f"`selfspec heads train --model {name}`.")
+    return _build(raw, out, target)
+
+
+def _build(raw: HeadFile, out: OutputLayer, target: Path) -> ExitHeads:
+    card, tensors = raw.card, raw.tensors
+    dtype, device = out.weight.dtype, out.weight.device
+    heads: list[ExitHead] = []
+    try:
+        for layer in card.layers:
+            prefix = f"head.{layer}."
+            own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            # A fresh lightweight head or lm_head-initialised full head; its tensors are then
+            # overwritten (the random init would only cost time).
+            head = make_head(card.kind or "", layer, out, init="lm_head", dtype=dtype)
+            head.load_tensors({k: v.to(device) for k, v in own.items()})
+            heads.append(head.prepare_inference())
+        probes = {}
+        for key in tensors:
+            match = re.fullmatch(r"probe\.(\d+)\.weight", key)
+            if match:
+                layer = int(match.group(1))
+                probe = LinearProbe(layer, card.hidden_size)
+                probe.weight.data.copy_(tensors[key])
+                probe.bias.data.copy_(tensors[f"probe.{layer}.bias"])
+                probes[layer] = probe.to(device).eval().requires_grad_(False)
+        calibration = {}
+        for layer in card.layers:
+            key = f"calib.{layer}.correct"
+            if key in tensors:
+                scores = {m: tensors[f"calib.{layer}.{m}"] for m in card.calibration_metrics
+                          if f"calib.{layer}.{m}" in tensors}
+                calibration[layer] = CalibrationSet(layer, tensors[key].bool(), scores)
+    except (InvalidArgumentError, KeyError, RuntimeError) as err:
+        raise _corrupt(target, f"incomplete tensors: {err}") from err
+    return ExitHeads(list(card.layers), heads, card, probes, calibration)
+
+
+def new_card(source: object, kind: str | None, layers: list[int]) -> HeadCard:
+    """An empty :class:`HeadCard` for heads of ``kind`` at ``layers`` of model ``source``."""
+    out = output_layer(source)
+    config = _model_config(source)
+    return HeadCard(model=model_name(source), fingerprint=fingerprint(config, out), kind=kind,
+                    layers=sorted(layers), num_layers=int(config.num_hidden_layers),
+                    hidden_size=out.hidden_size, vocab_size=out.vocab_size)
+
