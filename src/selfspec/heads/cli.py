@@ -228,6 +228,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
                            calibrate=args.calibrate, epsilons=args.epsilon or DEFAULT_EPSILONS)
     engine = _load_engine(args, args.model, args.dtype)
     outcome = train(engine, request, progress=not args.quiet)
+    return _report(args, outcome)
+
+
+def _report(args: argparse.Namespace, outcome) -> int:
+    """Print a trained or calibrated file's card, plots, step times and path."""
     _print_card(outcome.heads.card)
     for plot in _plots(args, outcome.heads, outcome.path):
         print(f"plot: {plot}")
@@ -257,12 +262,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         request = _data_request(args, (info.requested_tokens or info.train_tokens) if info else None)
     outcome = calibrate_file(engine, str(path), request, epsilons=args.epsilon or DEFAULT_EPSILONS,
                              progress=not args.quiet)
-    _print_card(outcome.heads.card)
-    for plot in _plots(args, outcome.heads, outcome.path):
-        print(f"plot: {plot}")
-    _print_times(outcome.times)
-    print(f"saved {outcome.path}")
-    return 0
+    return _report(args, outcome)
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
