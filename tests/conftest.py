@@ -7,16 +7,22 @@ import torch
 # Make tests/tiny.py importable as `tiny` from every test module.
 sys.path.insert(0, str(Path(__file__).parent))
 
+_DEFAULT_THREADS = torch.get_num_threads()
+
+
+def pytest_configure(config):
+    """Tiny-model tests run single-threaded: on tensors this small, waking a second
+    intra-op thread costs far more than it saves (tens of times slower on a 2-core VM).
+    Set here, not only per test, so module-scoped fixtures (models, trained heads) get it."""
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _threads(request):
-    """Tiny-model tests run single-threaded: on tensors this small, waking a second
-    intra-op thread costs far more than it saves (tens of times slower on a 2-core VM).
-    Tests on the real model keep the default thread count."""
-    if request.node.get_closest_marker("real_model"):
+    """Tests on the real model run with the default thread count."""
+    if not request.node.get_closest_marker("real_model"):
         yield
         return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(_DEFAULT_THREADS)
     yield
-    torch.set_num_threads(before)
+    torch.set_num_threads(1)

@@ -431,3 +431,19 @@ def test_probe_roundtrips_through_a_head_file(executor, tmp_path):
     assert torch.equal(loaded.probe_at(3)(hidden), probe(hidden))
     with pytest.raises(InvalidArgumentError, match="train-probe"):
         loaded.probe_at(5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_batched_onpolicy_generation_is_each_prompts_greedy_answer(arch):
+    """Left-padded batched generation gives every prompt its own greedy continuation (fp32),
+    cut after EOS; a prompt that cannot make EOS runs to the length cap."""
+    from selfspec.heads.onpolicy import generate_greedy_batch
+
+    engine = from_pretrained_model(tiny_model(arch, seed=5), tiny_tokenizer(), name="tiny")
+    prompts = [engine.encode(t) for t in ("def f(x):", "a", "Hello, world! Print it.")]
+    eos = max(engine.eos_token_ids)
+    outputs = generate_greedy_batch(engine, prompts, max_new_tokens=12)
+    for ids, new in zip(prompts, outputs, strict=True):
+        ref = engine.generate(ids, max_new_tokens=12).token_ids
+        assert new == ref
+        assert len(new) == 12 or new[-1] == eos

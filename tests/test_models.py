@@ -18,14 +18,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, pre_tokenizers
-from tokenizers.models import WordLevel
+from tiny import tiny_model, tiny_tokenizer
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedTokenizerFast,
     Qwen2Config,
 )
 
@@ -51,8 +47,6 @@ from selfspec.models import (
 from selfspec.models import loading, provision
 
 SMOLLM2 = "smollm2-135m-instruct"
-WORDS = ["def", "fibonacci", "(", "n", ")", ":", "return", "if", "else", "+", "-", "1", "2", "print"]
-
 
 # ---------------------------------------------------------------- fixtures
 
@@ -65,26 +59,12 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return root
 
 
-def _tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over WORDS plus <unk>, <s>, </s>: enough to round-trip through save/load."""
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-
-
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 2-layer Llama saved with save_pretrained (safetensors) and a tokenizer."""
     path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(path)
-    _tiny_tokenizer().save_pretrained(path)
+    tiny_model("llama", num_layers=2).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
     return path
 
 
@@ -300,10 +280,10 @@ def test_local_llama_dir_loads_in_eval_mode_without_grad(tiny_llama_dir: Path) -
     assert not loaded.model.training
     assert not any(p.requires_grad for p in loaded.model.parameters())
     assert loaded.model.config._attn_implementation == "sdpa"
-    ids = loaded.tokenizer("def fibonacci ( n ) :", return_tensors="pt").input_ids
-    assert ids.shape == (1, 6) and 0 not in ids  # no <unk>
-    out = loaded.model.generate(ids, max_new_tokens=3, do_sample=False)
-    assert out.shape == (1, 9)
+    ids = loaded.tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
+    assert ids.shape == (1, 17) and loaded.tokenizer.unk_token_id not in ids
+    out = loaded.model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 20)
 
 
 def test_local_dir_is_cast_to_the_requested_dtype(tiny_llama_dir: Path) -> None:

@@ -38,3 +38,7 @@ class CorruptModelFileError(ProvisioningError):
 
 class UnsupportedArchitectureError(SelfSpecError):
     """The model's ``model_type`` is not one the executor can drive."""
+
+
+class DatasetUnavailableError(SelfSpecError):
+    """The package that ships a dataset is not installed (the message gives the pip command)."""

@@ -4,7 +4,7 @@ Used by the benchmark (:mod:`selfspec.bench`) and by the exit-head trainer; it i
 nothing from either.
 """
 
-from selfspec.data.packages import DatasetUnavailableError
 from selfspec.data.prompts import DATASETS, Prompt, load_prompts
+from selfspec.errors import DatasetUnavailableError
 
 __all__ = ["DATASETS", "DatasetUnavailableError", "Prompt", "load_prompts"]

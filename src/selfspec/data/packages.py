@@ -11,11 +11,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfspec.errors import SelfSpecError
-
-
-class DatasetUnavailableError(SelfSpecError):
-    """The package that ships a dataset is not installed (the message gives the pip command)."""
+from selfspec.errors import DatasetUnavailableError
 
 
 @dataclass(frozen=True)

@@ -296,10 +296,26 @@ class LayerExecutor:
         """
         if head is not None:
             return head(hidden, vocab_rows=vocab_rows)
+        return self.project(self.norm(hidden), vocab_rows)
+
+    def project(self, normed: torch.Tensor, vocab_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's ``lm_head`` alone (no norm), through the oneDNN-packed weight.
+
+        Exit heads that share the model's output matrix (AdaDecode's lightweight heads) call
+        this so that they reuse the packed copy instead of storing a ``[V, H]`` matrix.
+
+        Args:
+            normed: ``[..., H]`` already-normalised hidden states, in the model's dtype.
+            vocab_rows: optional ``[R]`` int64 vocabulary ids to score.
+
+        Returns:
+            ``[..., V]`` logits (``[..., R]`` with ``vocab_rows``). No autograd through the
+            packed kernel: call it under ``torch.no_grad()`` or use ``lm_head`` to train.
+        """
         if vocab_rows is None:
-            return self._lm_head(self.norm(hidden))
+            return self._lm_head(normed)
         bias = self.lm_head.bias
-        return F.linear(self.norm(hidden), self.lm_head.weight[vocab_rows],
+        return F.linear(normed, self.lm_head.weight[vocab_rows],
                         None if bias is None else bias[vocab_rows])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,

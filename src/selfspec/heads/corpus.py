@@ -34,7 +34,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from selfspec.errors import InvalidArgumentError, PromptError
+from selfspec.errors import InvalidArgumentError
+from selfspec.heads.onpolicy import DEFAULT_BATCH, generate_greedy_batch
 
 logger = logging.getLogger(__name__)
 
@@ -215,13 +216,62 @@ class GenerationCache:
         self._dirty = 0
 
 
+def _onpolicy_maker(engine: Any, source: str, prompts: list[Any], cache: GenerationCache,
+                    bar: tqdm, max_new_tokens: int, batch_size: int
+                    ) -> Callable[[Any], CorpusItem | None]:
+    """``make(prompt)`` for :func:`select_items`: the cached generation, or a fresh one made
+    together with the next ``batch_size - 1`` uncached prompts of the same split (likely
+    needed next; at most ``batch_size - 1`` generations per split go unused)."""
+    order = {p.id: i for i, p in enumerate(prompts)}
+    split = {p.id: split_of(p.id) for p in prompts}
+    limit = engine.executor.max_positions
+    too_long: set[str] = set()
+
+    def encoded(prompt: Any) -> list[int] | None:
+        if prompt.id in too_long:
+            return None
+        ids = engine.encode(prompt.text, chat=prompt.chat)
+        if len(ids) + max_new_tokens > limit:  # would not fit the context: skip it
+            logger.info("skipping %s: %d prompt tokens + %d new exceed the context of %d",
+                        prompt.id, len(ids), max_new_tokens, limit)
+            too_long.add(prompt.id)
+            return None
+        return ids
+
+    def make(prompt: Any) -> CorpusItem | None:
+        if cache.get(prompt.id) is None:
+            batch: list[tuple[Any, list[int]]] = []
+            for other in prompts[order[prompt.id]:]:
+                if len(batch) == batch_size:
+                    break
+                # Same split only: select_items asks for a prompt only while its split
+                # still needs tokens, so the batch's other prompts are likely used too.
+                if (split[other.id] == split[prompt.id] and cache.get(other.id) is None
+                        and (ids := encoded(other)) is not None):
+                    batch.append((other, ids))
+            if not batch or batch[0][0].id != prompt.id:
+                return None
+            outputs = generate_greedy_batch(engine, [ids for _, ids in batch], max_new_tokens)
+            for (other, ids), new in zip(batch, outputs, strict=True):
+                cache.put(other.id, ids, new)
+        entry = cache.get(prompt.id)
+        ids = tuple(entry["prompt_ids"]) + tuple(entry["output_ids"])
+        item = CorpusItem(source, prompt.id, ids, len(entry["prompt_ids"]) - 1,
+                          split_of(prompt.id))
+        bar.update(item.num_scored)
+        return item
+
+    return make
+
+
 def onpolicy_cache_path(cache_root: Path, dataset: str, max_new_tokens: int) -> Path:
     return cache_root / "onpolicy" / f"{dataset}-greedy-{max_new_tokens}.json"
 
 
 def build_corpus(engine: Any, data: list[str], train_tokens: int, cache_root: Path, *,
                  max_new_tokens: int = 256, max_len: int = 1024, seed: int = 0,
-                 eval_fraction: float = 0.25, progress: bool = True) -> list[CorpusItem]:
+                 eval_fraction: float = 0.25, progress: bool = True,
+                 batch_size: int = DEFAULT_BATCH) -> list[CorpusItem]:
     """The items of every source of ``data``, each source with an equal share of the budget.
 
     Args:
@@ -236,6 +286,7 @@ def build_corpus(engine: Any, data: list[str], train_tokens: int, cache_root: Pa
         seed: order in which problems are drawn.
         eval_fraction: held-out tokens per split relative to training tokens.
         progress: tqdm bars for on-policy generation.
+        batch_size: prompts generated together for on-policy text.
 
     Returns:
         Items in source order.
@@ -256,24 +307,8 @@ def build_corpus(engine: Any, data: list[str], train_tokens: int, cache_root: Pa
             bar = tqdm(total=sum(share.tokens), desc=f"on-policy {dataset}", unit="tok",
                        disable=not progress, leave=False)
 
-            def make(prompt: Any, source: str = source, cache: GenerationCache = cache,
-                     bar: tqdm = bar) -> CorpusItem | None:
-                entry = cache.get(prompt.id)
-                if entry is None:
-                    try:
-                        result = engine.generate(prompt.text, chat=prompt.chat,
-                                                 max_new_tokens=max_new_tokens)
-                    except PromptError as err:  # e.g. longer than the model's context
-                        logger.info("skipping %s: %s", prompt.id, err)
-                        return None
-                    cache.put(prompt.id, result.prompt_ids, result.token_ids)
-                    entry = cache.get(prompt.id)
-                ids = tuple(entry["prompt_ids"]) + tuple(entry["output_ids"])
-                item = CorpusItem(source, prompt.id, ids, len(entry["prompt_ids"]) - 1,
-                                  split_of(prompt.id))
-                bar.update(item.num_scored)
-                return item
-
+            make = _onpolicy_maker(engine, source, prompts, cache, bar, max_new_tokens,
+                                   batch_size)
             try:
                 items += select_items(prompts, share, make, max_len)
             finally:  # also on KeyboardInterrupt: keep what was generated

@@ -1,0 +1,60 @@
+"""Batched greedy generation of on-policy training text (AdaDecode Appendix D).
+
+On-policy text is the model's own greedy answer to real prompts. Generating it one prompt at
+a time is what made ``selfspec heads train`` slow: a decode step of a small model is bound by
+reading the weights, so 16 sequences per step cost little more than one. Training data need
+not be token-exact (only decoding does), so this uses transformers' batched ``generate``
+with left padding: 3.3× the single-sequence rate of selfspec's own decoder for SmolLM2-135M
+in bf16 on the 2-core dev machine (112 vs ~34 tok/s, 16 prompts × 128 tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+DEFAULT_BATCH = 16
+
+
+@torch.inference_mode()
+def generate_greedy_batch(engine: Any, prompts: Sequence[Sequence[int]],
+                          max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` generated together.
+
+    Args:
+        engine: a ``SelfSpec`` engine (``model``, ``tokenizer``, ``eos_token_ids``).
+        prompts: token ids per prompt (each non-empty).
+        max_new_tokens: length cap per continuation (>= 1).
+
+    Returns:
+        One list of new token ids per prompt, ending with the EOS token when the model
+        produced one (nothing after it).
+    """
+    if not prompts:
+        return []
+    eos = sorted(engine.eos_token_ids)
+    pad = engine.tokenizer.pad_token_id
+    if pad is None:
+        pad = eos[0] if eos else 0
+    width = max(len(p) for p in prompts)
+    device = next(engine.model.parameters()).device
+    input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts],
+                             device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                        device=device)
+    out = engine.model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
+                                max_new_tokens=max_new_tokens, pad_token_id=pad,
+                                eos_token_id=eos or None, temperature=None, top_p=None,
+                                top_k=None)
+    stops = set(eos)
+    results = []
+    for row in out[:, width:].tolist():
+        new: list[int] = []
+        for tok in row:
+            new.append(tok)
+            if tok in stops:
+                break
+        results.append(new)
+    return results
