@@ -119,9 +119,9 @@ def _scripted(log: list) -> list[ScriptedRunner]:
                                "p1": _out([5, 6], 0.5, layer_forwards=4)}, log)
     skip = ScriptedRunner("layerskip:exit_layer=3", {
         "p0": _out([1, 2, 3, 4], 1.0, drafted=6, accepted=3, verifications=2, draft_ms=300.0,
-                   verify_ms=500.0, layer_forwards=10),
+                   verify_ms=500.0, layer_forwards=10, exit_tokens=6, exit_layer_total=18),
         "p1": _out([5, 7], 0.5, drafted=2, accepted=0, verifications=1, draft_ms=100.0,
-                   verify_ms=200.0, layer_forwards=5)}, log)
+                   verify_ms=200.0, layer_forwards=5, exit_tokens=2, exit_layer_total=6)}, log)
     hf = ScriptedRunner("hf-ar", {"p0": _out([1, 2, 3, 4], 4.0), "p1": _out([5, 6], 2.0)}, log)
     return [ar, skip, hf]
 
@@ -159,12 +159,15 @@ def test_every_metric_is_computed_right_on_a_scripted_run():
     assert skip.draft_share == approx(400 / 1500) and skip.verify_share == approx(700 / 1500)
     assert skip.layer_forwards_per_token == approx(15 / 6)
     assert skip.parity == 0.5 and skip.roofline_fraction == approx(1.0)
+    # p0 repeats all of ar's 4 tokens, p1 only the first of 2
+    assert skip.ar_prefix == approx((1.0 + 0.5) / 2) and ar.ar_prefix == 1.0
+    assert skip.mean_exit_layer == approx(24 / 8) and ar.mean_exit_layer is None
     # hf-ar: 6 tokens in 6 s
     assert hf.tokens_per_s == approx(1.0) and hf.speedup_vs_ar == approx(1.0 / 2.4)
     assert hf.speedup_vs_hf_ar == approx(1.0) and hf.parity == 1.0
     assert hf.layer_forwards_per_token is None and hf.accuracy is None
     # sampling: parity is not defined
-    assert all(s.parity is None for s in summarize(run, greedy=False))
+    assert all(s.parity is None and s.ar_prefix is None for s in summarize(run, greedy=False))
 
 
 def test_speedups_are_unknown_without_the_baselines():

@@ -11,6 +11,11 @@ Definitions (DESIGN.md glossary):
 - ``draft_share`` / ``verify_share``: drafting / verification time as a fraction of wall time.
 - ``layer_forwards_per_token``: decoder-layer evaluations per generated token, prefill excluded.
 - ``parity``: share of prompts whose greedy token ids equal ``ar``'s (greedy runs with ``ar``).
+- ``ar_prefix``: mean over prompts of the share of ``ar``'s greedy output reproduced before
+  the first differing token (1 for a lossless method; for a lossy one, how long it follows
+  the full model).
+- ``mean_exit_layer``: mean layer at which exit-layer predictions were made (draft tokens,
+  or every token of a lossy early exit; DSSD Table 1's "avg. exit layer").
 - ``accuracy``: share of scored outputs that solve the task (HumanEval pass@1, GSM match).
 - ``roofline_fraction``: ``tokens_per_s`` / (measured bandwidth / weight bytes per token).
 """
@@ -53,6 +58,8 @@ class MethodSummary:
     verify_share: float | None = None
     layer_forwards_per_token: float | None = None
     parity: float | None = None
+    ar_prefix: float | None = None
+    mean_exit_layer: float | None = None
     accuracy: float | None = None
     roofline_fraction: float | None = None
 
@@ -67,13 +74,34 @@ def parity_flags(run: BenchRun, greedy: bool) -> dict[tuple[str, str], bool]:
             for r in run.records if r.prompt_id in reference}
 
 
+def prefix_shares(run: BenchRun, greedy: bool) -> dict[tuple[str, str], float]:
+    """``(method, prompt_id) →`` share of ``ar``'s output that the method's output repeats
+    before their first differing token; empty for sampling runs."""
+    if not greedy or AR in run.failures:
+        return {}
+    reference = {r.prompt_id: r.output.token_ids for r in run.records if r.method == AR}
+    shares = {}
+    for r in run.records:
+        ref = reference.get(r.prompt_id)
+        if not ref:
+            continue
+        same = 0
+        for a, b in zip(r.output.token_ids, ref):
+            if a != b:
+                break
+            same += 1
+        shares[(r.method, r.prompt_id)] = same / len(ref)
+    return shares
+
+
 def _sum_known(values: Iterable[float | int | None]) -> float | None:
     known = [v for v in values if v is not None]
     return sum(known) if known else None
 
 
 def _summarize_one(method: str, lossless: bool, records: list[PromptRecord],
-                   parity: dict[tuple[str, str], bool], roofline: Roofline | None) -> MethodSummary:
+                   parity: dict[tuple[str, str], bool], prefix: dict[tuple[str, str], float],
+                   roofline: Roofline | None) -> MethodSummary:
     s = MethodSummary(method=method, lossless=lossless, prompts=len(records))
     if not records:
         return s
@@ -103,6 +131,12 @@ def _summarize_one(method: str, lossless: bool, records: list[PromptRecord],
         s.layer_forwards_per_token = layer_forwards / s.new_tokens
     flags = [parity[(method, r.prompt_id)] for r in records if (method, r.prompt_id) in parity]
     s.parity = sum(flags) / len(flags) if flags else None
+    shares = [prefix[(method, r.prompt_id)] for r in records if (method, r.prompt_id) in prefix]
+    s.ar_prefix = sum(shares) / len(shares) if shares else None
+    exit_tokens = _sum_known(o.exit_tokens for o in outs)
+    exit_total = _sum_known(o.exit_layer_total for o in outs)
+    if exit_tokens and exit_total is not None:
+        s.mean_exit_layer = exit_total / exit_tokens
     scored = [r.correct for r in records if r.correct is not None]
     s.accuracy = sum(scored) / len(scored) if scored else None
     if roofline is not None and s.tokens_per_s is not None:
@@ -120,6 +154,7 @@ def summarize(run: BenchRun, *, greedy: bool,
         roofline: the bandwidth bound, for ``roofline_fraction`` (None = not measured).
     """
     parity = parity_flags(run, greedy)
+    prefix = prefix_shares(run, greedy)
     summaries = []
     for method in run.methods:
         lossless = run.lossless.get(method, False)
@@ -128,7 +163,7 @@ def summarize(run: BenchRun, *, greedy: bool,
                                            failed=run.failures[method]))
             continue
         records = [r for r in run.records if r.method == method]
-        summaries.append(_summarize_one(method, lossless, records, parity, roofline))
+        summaries.append(_summarize_one(method, lossless, records, parity, prefix, roofline))
     by_method = {s.method: s for s in summaries}
     for base, attr in ((AR, "speedup_vs_ar"), (HF_AR, "speedup_vs_hf_ar")):
         ref = by_method.get(base)

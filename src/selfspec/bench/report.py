@@ -131,6 +131,7 @@ def record_json(record: PromptRecord, matches_ar: bool | None) -> dict[str, Any]
         "accept_lengths": o.accept_lengths, "drafted": o.drafted, "accepted": o.accepted,
         "verifications": o.verifications, "draft_ms": o.draft_ms, "verify_ms": o.verify_ms,
         "layer_forwards": o.layer_forwards, "finish_reason": o.finish_reason,
+        "exit_tokens": o.exit_tokens, "exit_layer_total": o.exit_layer_total,
         "matches_ar": matches_ar, "correct": record.correct,
         "token_ids": o.token_ids, "text": o.text,
         "choices": [{"index": 0, "turns": [o.text], "new_tokens": [record.new_tokens],
@@ -168,8 +169,8 @@ def _pct(value: float | None) -> str:
 
 
 TABLE_COLUMNS = ("method", "tok/s", "median tok/s", "speedup vs ar", "speedup vs hf-ar",
-                 "mean accepted", "acceptance", "draft / verify", "layer fwd / token",
-                 "parity", "accuracy", "roofline", "status")
+                 "mean accepted", "acceptance", "exit layer", "draft / verify",
+                 "layer fwd / token", "parity", "prefix = ar", "accuracy", "roofline", "status")
 
 
 def table_row(s: MethodSummary) -> list[str]:
@@ -181,8 +182,9 @@ def table_row(s: MethodSummary) -> list[str]:
              else f"{_pct(s.draft_share)} / {_pct(s.verify_share)}")
     return [f"`{s.method}`", _fmt(s.tokens_per_s, ".1f"), _fmt(s.median_tokens_per_s, ".1f"),
             _fmt(s.speedup_vs_ar, ".2f", "×"), _fmt(s.speedup_vs_hf_ar, ".2f", "×"),
-            _fmt(s.mean_accepted, ".2f"), _pct(s.acceptance_rate), split,
-            _fmt(s.layer_forwards_per_token, ".1f"), _pct(s.parity), _pct(s.accuracy),
+            _fmt(s.mean_accepted, ".2f"), _pct(s.acceptance_rate), _fmt(s.mean_exit_layer, ".1f"),
+            split, _fmt(s.layer_forwards_per_token, ".1f"), _pct(s.parity), _pct(s.ar_prefix),
+            _pct(s.accuracy),
             _pct(s.roofline_fraction), "ok" if s.lossless else "ok (lossy)"]
 
 
@@ -223,8 +225,10 @@ def markdown_header(info: RunInfo) -> str:
 _NOTES = """\
 tok/s = all new tokens / all wall time (prefill included); speedups are ratios of tok/s in
 this run; mean accepted = tokens committed per verification (bonus token included);
-acceptance = accepted / drafted draft tokens; draft / verify = share of wall time;
-parity = share of prompts whose greedy output equals `ar`'s; accuracy = HumanEval pass@1 or
+acceptance = accepted / drafted draft tokens; exit layer = mean layer of exit-layer
+predictions (draft tokens; every token of a lossy early exit); draft / verify = share of
+wall time; parity = share of prompts whose greedy output equals `ar`'s; prefix = ar = mean
+share of `ar`'s output repeated before the first differing token; accuracy = HumanEval pass@1 or
 GSM exact match; roofline = tok/s over bandwidth / weight bytes per token. – = not applicable
 or not known (transformers does not expose its drafted-token counts).
 """

@@ -69,6 +69,9 @@ class RunOutput:
             in order (1 per step for autoregressive decoding; accepted + 1 per verification).
         drafted / accepted / verifications / draft_ms / verify_ms / layer_forwards: counters as
             in :class:`selfspec.GenerationStats`; None where a runner cannot know them.
+        exit_tokens / exit_layer_total: tokens predicted at an exit layer (draft tokens, or
+            every token of a lossy early exit) and the sum of their exit layers; None when
+            the method does not exit early.
         finish_reason: ``"eos"``, ``"length"``, ... (``""`` when unknown).
     """
 
@@ -84,6 +87,8 @@ class RunOutput:
     verify_ms: float | None = None
     layer_forwards: int | None = None
     finish_reason: str = ""
+    exit_tokens: int | None = None
+    exit_layer_total: int | None = None
 
 
 class Runner(Protocol):
@@ -167,7 +172,9 @@ class SelfSpecRunner:
             verifications=s.verifications if speculative else None,
             draft_ms=s.draft_ms if speculative else None,
             verify_ms=s.verify_ms if speculative else None,
-            layer_forwards=s.layer_forwards, finish_reason=s.finish_reason)
+            layer_forwards=s.layer_forwards, finish_reason=s.finish_reason,
+            exit_tokens=s.drafted if s.exit_layer_total else None,
+            exit_layer_total=s.exit_layer_total or None)
 
 
 def _hf_generate_kwargs(config: MethodConfig, engine: SelfSpec,
