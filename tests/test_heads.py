@@ -35,6 +35,7 @@ from selfspec.heads.files import new_card
 from selfspec.heads.pipeline import calibrate
 from selfspec.heads.placement import check_layers
 from selfspec.heads.train import TrainConfig, train_heads
+from selfspec.methods.registry import build_decoder
 
 # --------------------------------------------------------------------------- fixtures
 
@@ -267,6 +268,13 @@ def test_save_load_roundtrip_gives_bit_exact_logits(executor, model, features, t
     assert loaded.thresholds(0.9, "entropy") == heads.thresholds(0.9, "entropy")
     assert len(loaded.thresholds(0.5, "max_prob")) == 2
     assert loaded.card.head_calibration(2).metric("entropy").thresholds[1].epsilon == 0.9
+    # token counts for the draft vocabulary: the final layer's greedy tokens on train text
+    train = features.teacher_token[features.indices(TRAIN)]
+    assert torch.equal(heads.token_counts, torch.bincount(train, minlength=256))
+    assert torch.equal(loaded.token_counts, heads.token_counts)
+    vocab = build_decoder("layerskip", executor, {"exit_layer": 2, "heads": str(path),
+                                                  "draft_vocab": 32})
+    assert vocab is not None
     # also loads from the file path and from an HF model
     assert load_heads(path, model).layers == [2, 4]
 

@@ -119,3 +119,31 @@ def test_dssd_greedy_equals_autoregressive(engine, prompts, ar_outputs):
         with torch.inference_mode():
             decode_speculative(state, drafter)
         assert state.tokens[state.prompt_len:] == reference
+
+
+def test_adaspeed_probe_greedy_equals_autoregressive(engine, prompts, ar_outputs):
+    """AdaSPEED's product rule driven by a linear probe's acceptance estimates (§II.B). The
+    probe here has random weights: which tokens it accepts changes the draft lengths, never
+    the output (training probes is covered by test_heads)."""
+    from selfspec.decoding.speculative import decode_speculative
+    from selfspec.decoding.state import DecodeOptions, DecodeState
+    from selfspec.decoding.stop_rules import make_stop_rule
+    from selfspec.heads.probe import LinearProbe
+    from selfspec.methods.early_exit import EarlyExitDrafter
+
+    ex = engine.executor
+    probe = LinearProbe(24, engine.model.config.hidden_size)
+    with torch.no_grad():
+        probe.weight.copy_(torch.randn(probe.weight.shape, generator=torch.Generator().manual_seed(0))
+                           * 0.05)
+        probe.bias.fill_(2.0)
+    drafter = EarlyExitDrafter(ex, 24, make_stop_rule("product", gamma=0.5), scorer=probe.eval())
+    drafts = 0
+    for prompt, reference in zip(prompts, ar_outputs):
+        state = DecodeState(ex, engine.encode(prompt), DecodeOptions(
+            max_new_tokens=NEW_TOKENS, eos_token_ids=engine.eos_token_ids))
+        with torch.inference_mode():
+            decode_speculative(state, drafter)
+        assert state.tokens[state.prompt_len:] == reference
+        drafts += state.stats.drafted
+    assert drafts > 0

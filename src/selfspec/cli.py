@@ -52,13 +52,16 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                       help="DSSD accuracy level in [0, 1] for dssd / early-exit (default 0.9)")
     spec.add_argument("--metric", default=None, choices=["entropy", "max_prob", "margin"],
                       help="confidence metric of the calibrated heads (default entropy)")
+    spec.add_argument("--draft-vocab", type=int, default=None,
+                      help="draft heads score only the K most frequent tokens (ranked by the "
+                           "heads' token counts; needs --heads), e.g. 8192")
     p.set_defaults(func=_cmd_generate)
 
 
 def _method_options(args: argparse.Namespace) -> dict:
     """The method options given on the command line (unset ones are left to the method)."""
     names = ("exit_layer", "draft_len", "gamma", "max_draft_len", "adaptive", "heads",
-             "epsilon", "metric")
+             "epsilon", "metric", "draft_vocab")
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 

@@ -9,6 +9,8 @@ Layout of ``heads.safetensors`` (a directory path means ``<dir>/heads.safetensor
     probe.<layer>.bias            [1]      AdaSPEED probe b (float32)
     calib.<layer>.correct         [M] u8   DSSD eq. 2 correctness on the calibration tokens
     calib.<layer>.<metric>        [M] f32  confidence of each calibration token
+    vocab.token_counts            [V] i64  final-layer greedy tokens counted on the training
+                                           split (ranks the draft vocabulary, ``draft_vocab``)
     metadata: {"format": "selfspec-heads", "card": <HeadCard JSON>}
 
 Heads are stored in float32 (trained weights) and cast to the model's dtype at load. The card
@@ -77,6 +79,9 @@ class ExitHeads:
         card: the :class:`HeadCard`.
         probes: AdaSPEED probes by exit layer.
         calibration: calibration vectors by exit layer (empty until calibrated).
+        token_counts: ``[V]`` int64 how often the final layer's greedy prediction was each
+            token on the training text (set at calibration; ``None`` in older files). Ranks
+            the tokens of a reduced draft vocabulary (``draft_vocab``).
     """
 
     layers: list[int]
@@ -84,6 +89,7 @@ class ExitHeads:
     card: HeadCard
     probes: dict[int, LinearProbe] = field(default_factory=dict)
     calibration: dict[int, CalibrationSet] = field(default_factory=dict)
+    token_counts: torch.Tensor | None = None
 
     def head_at(self, layer: int) -> ExitHead:
         """The head at ``layer``.
@@ -202,6 +208,8 @@ def _tensors(heads: ExitHeads) -> dict[str, torch.Tensor]:
         out[f"calib.{layer}.correct"] = data.correct.to("cpu", torch.uint8).contiguous()
         for metric, s in data.scores.items():
             out[f"calib.{layer}.{metric}"] = s.to("cpu", torch.float32).contiguous()
+    if heads.token_counts is not None:
+        out["vocab.token_counts"] = heads.token_counts.to("cpu", torch.int64).contiguous()
     return out
 
 
@@ -358,9 +366,14 @@ def _build(raw: HeadFile, out: OutputLayer, target: Path) -> ExitHeads:
                 scores = {m: tensors[f"calib.{layer}.{m}"] for m in card.calibration_metrics
                           if f"calib.{layer}.{m}" in tensors}
                 calibration[layer] = CalibrationSet(layer, tensors[key].bool(), scores)
+        counts = tensors.get("vocab.token_counts")
+        if counts is not None and tuple(counts.shape) != (out.vocab_size,):
+            raise InvalidArgumentError(
+                f"vocab.token_counts has shape {tuple(counts.shape)}, expected ({out.vocab_size},)")
     except (InvalidArgumentError, KeyError, RuntimeError) as err:
         raise _corrupt(target, f"incomplete tensors: {err}") from err
-    return ExitHeads(list(card.layers), heads, card, probes, calibration)
+    return ExitHeads(list(card.layers), heads, card, probes, calibration,
+                     None if counts is None else counts.to(torch.int64))
 
 
 def new_card(source: object, kind: str | None, layers: list[int]) -> HeadCard:

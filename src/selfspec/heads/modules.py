@@ -136,6 +136,13 @@ class ExitHead(nn.Module):
         """Use ``out`` as the shared output layer (lightweight heads; others own theirs)."""
         return self
 
+    def restricted(self, rows: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """This head scoring only vocabulary ``rows`` ``[R]``: ``hidden [B, T, H]`` →
+        ``[B, T, R]``, with the ``[R, H]`` output rows copied once and packed (a reduced
+        draft vocabulary, as in FR-Spec, Zhao et al. 2025: the output projection is the
+        largest matrix a small model's draft reads)."""
+        raise NotImplementedError
+
 
 class LightweightHead(ExitHead):
     """AdaDecode's lightweight head ``E*·T`` (AdaDecode §2.1, "Lightweight LM head
@@ -181,6 +188,21 @@ class LightweightHead(ExitHead):
     def bind(self, out: OutputLayer) -> LightweightHead:
         self.out = out
         return self
+
+    def restricted(self, rows: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        from selfspec.executor.linear import Linear
+
+        bias = None if self.out.bias is None else self.out.bias[rows].contiguous()
+        project = Linear(self.out.weight[rows].contiguous(), bias)
+
+        def head(hidden: torch.Tensor) -> torch.Tensor:
+            if hidden.dtype != self.transform.dtype:
+                hidden = hidden.to(self.transform.dtype)
+            x = self.norm(hidden)
+            x = self._fast(x) if self._fast is not None else F.linear(x, self.transform)
+            return project(x)
+
+        return head
 
     def tensors(self) -> dict[str, torch.Tensor]:
         own = {"transform": self.transform}
@@ -247,6 +269,19 @@ class FullHead(ExitHead):
             own["bias"] = self.bias
         own.update({f"norm.{k}": v for k, v in self.norm.state_dict(keep_vars=True).items()})
         return own
+
+    def restricted(self, rows: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        from selfspec.executor.linear import Linear
+
+        bias = None if self.bias is None else self.bias.detach()[rows].contiguous()
+        project = Linear(self.weight.detach()[rows].contiguous(), bias)
+
+        def head(hidden: torch.Tensor) -> torch.Tensor:
+            if hidden.dtype != self.weight.dtype:
+                hidden = hidden.to(self.weight.dtype)
+            return project(self.norm(hidden))
+
+        return head
 
     def prepare_inference(self) -> FullHead:
         """Eval mode, no gradients, and a oneDNN-packed copy of the weight where that is exact

@@ -213,7 +213,9 @@ def head_scores(head: ExitHead, features: FeatureSet, indices: torch.Tensor,
 def calibrate(heads: ExitHeads, features: FeatureSet, metrics: Sequence[str] = CONFIDENCE_METRICS,
               epsilons: Sequence[float] = DEFAULT_EPSILONS) -> None:
     """DSSD §3.4.1 on the calibration split, checked on the test split; fills
-    ``heads.calibration`` and the card's calibration section in place.
+    ``heads.calibration`` and the card's calibration section in place, and
+    ``heads.token_counts`` (the final layer's greedy tokens on the training split, which rank
+    the reduced draft vocabulary of ``draft_vocab``).
 
     Raises:
         InvalidArgumentError: no calibration tokens, bad metric or ε.
@@ -244,6 +246,9 @@ def calibrate(heads: ExitHeads, features: FeatureSet, metrics: Sequence[str] = C
             0 if test is None else test.correct.numel(),
             math.nan if test is None else float(test.correct.float().mean()), per_metric))
     heads.card.calibration = reports
+    train_idx = features.indices(TRAIN)
+    heads.token_counts = torch.bincount(features.teacher_token[train_idx].to(torch.int64),
+                                        minlength=heads.card.vocab_size)
     heads.card.calibration_metrics = list(metrics)
     heads.card.calibration_epsilons = list(epsilons)
 

@@ -22,6 +22,7 @@ from selfspec.decoding.state import DecodeState
 from selfspec.decoding.stop_rules import StepStats
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
+from selfspec.methods.draft_vocab import DraftVocab, restricted_head
 from selfspec.methods.early_exit import complete_to_last_layer, make_draft, pick_draft_token
 
 
@@ -32,25 +33,37 @@ class CalibratedExits:
         heads: :class:`selfspec.heads.ExitHeads` (calibrated).
         epsilon: DSSD accuracy level ε in [0, 1].
         metric: confidence metric (``entropy``, ``max_prob`` or ``margin``).
+        vocab: optional reduced draft vocabulary: heads score only its rows, and confidence
+            is computed over those rows (thresholds stay those calibrated on the full
+            vocabulary; lossless either way, since verification uses the full model).
+        executor: the model's executor (needed with ``vocab``, to cache the reduced heads).
 
     Raises:
         InvalidArgumentError: ε outside [0, 1] or an unknown metric.
         NotCalibratedError: the heads carry no calibration for ``metric``.
     """
 
-    def __init__(self, heads, epsilon: float, metric: str) -> None:
+    def __init__(self, heads, epsilon: float, metric: str, vocab: DraftVocab | None = None,
+                 executor: LayerExecutor | None = None) -> None:
         from selfspec.heads import confidence
 
         self._confidence = confidence
         self.metric = metric
+        self.vocab = vocab
         taus = heads.thresholds(epsilon, metric)
+        calls = list(heads.heads)
+        if vocab is not None:
+            if executor is None:
+                raise InvalidArgumentError("a reduced draft vocabulary needs the executor")
+            calls = [restricted_head(executor, head, vocab) for head in heads.heads]
         # A head whose threshold is +inf never passes: skip it instead of evaluating it.
-        self.exits = [(layer, head, tau) for layer, head, tau in zip(heads.layers, heads.heads, taus)
+        self.exits = [(layer, head, tau) for layer, head, tau in zip(heads.layers, calls, taus)
                       if math.isfinite(tau)]
 
     def first_passing(self, deferred: DeferredLayers):
-        """Advance the last pending position head by head; return ``(layer, logits [V])`` of
-        the first head whose confidence reaches its threshold, or ``None``."""
+        """Advance the last pending position head by head; return ``(layer, logits)`` of
+        the first head whose confidence reaches its threshold (``[V]``, or ``[R]`` over
+        ``vocab.rows``), or ``None``."""
         for layer, head, tau in self.exits:
             deferred.advance(layer)
             logits = head(deferred.hidden())[0, -1]
@@ -95,7 +108,7 @@ class DSSDDrafter:
             if passed is None:  # fallback to the full model: verification produces this token
                 break
             layer, logits = passed
-            pick = pick_draft_token(logits, sampling, state.generator)
+            pick = pick_draft_token(logits, sampling, state.generator, vocab=self.exits.vocab)
             token = pick.token_id
             tokens.append(token)
             token_tensors.append(pick.token)

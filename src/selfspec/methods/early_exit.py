@@ -23,6 +23,7 @@ from selfspec.decoding.stop_rules import DraftTokenInfo, StepStats, StopRule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.executor import Head
+from selfspec.methods.draft_vocab import DraftVocab, restricted_head
 
 
 # An acceptance estimator on exit hidden states: [1, 1, H] -> [1, 1] probabilities.
@@ -52,21 +53,26 @@ class PickedToken:
 
 def pick_draft_token(logits: torch.Tensor, sampling: SamplingConfig,
                      generator: torch.Generator | None,
-                     score: torch.Tensor | None = None) -> PickedToken:
-    """Choose a draft token from ``[V]`` draft logits: argmax when greedy, else a sample
-    from the transformed distribution ``q`` (kept for speculative sampling).
+                     score: torch.Tensor | None = None,
+                     vocab: DraftVocab | None = None) -> PickedToken:
+    """Choose a draft token from ``[V]`` draft logits (``[R]`` over ``vocab.rows`` with a
+    reduced draft vocabulary): argmax when greedy, else a sample from the transformed
+    distribution ``q`` (kept, as ``[V]``, for speculative sampling).
 
     One host sync brings the id, its probability, the top-1 probability and the score.
     """
     logits = logits.float()
-    softmax = logits.softmax(dim=-1)  # [V], untempered
+    softmax = logits.softmax(dim=-1)  # [V] or [R], untempered
     q = None
     if sampling.greedy:
-        token = softmax.argmax()
+        index = softmax.argmax()
     else:
-        q = logits_to_probs(logits, sampling)  # [V]
-        token = sample(q.unsqueeze(0), generator)[0]
-    parts = [token.float(), softmax[token], softmax.max()]
+        q = logits_to_probs(logits, sampling)
+        index = sample(q.unsqueeze(0), generator)[0]
+    token = index if vocab is None else vocab.rows[index]
+    if q is not None and vocab is not None:
+        q = vocab.expand(q)
+    parts = [token.float(), softmax[index], softmax.max()]
     if score is not None:
         parts.append(score.float())
     values = torch.stack(parts).tolist()
@@ -133,18 +139,29 @@ class EarlyExitDrafter:
         head: exit head ``head(hidden [B, T, H]) -> logits``; ``None`` = final norm + ``lm_head``.
         scorer: optional acceptance estimator ``scorer(hidden [1, 1, H]) -> [1, 1]`` in [0, 1]
             (AdaSPEED's linear probe, §II.B); its value goes to the stop rule as ``score``.
+        vocab: optional reduced draft vocabulary (:mod:`selfspec.methods.draft_vocab`): the
+            head scores only its rows.
 
     Raises:
         InvalidArgumentError: ``exit_layer`` out of range.
     """
 
     def __init__(self, executor: LayerExecutor, exit_layer: int, stop_rule: StopRule,
-                 head: Head | None = None, scorer: Scorer | None = None) -> None:
+                 head: Head | None = None, scorer: Scorer | None = None,
+                 vocab: DraftVocab | None = None) -> None:
         self.executor = executor
         self.exit_layer = check_exit_layer(executor, exit_layer)
         self.stop_rule = stop_rule
         self.head = head
         self.scorer = scorer
+        self.vocab = vocab
+        self._restricted = None if vocab is None else restricted_head(executor, head, vocab)
+
+    def _draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[V]`` (or ``[R]``) draft logits of the last position of ``hidden`` ``[1, T, H]``."""
+        if self._restricted is not None:
+            return self._restricted(hidden[:, -1:])[0, -1]
+        return self.executor.logits(hidden, self.head)[0, -1]
 
     def _score(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``[]`` acceptance score of the draft token from the exit hidden state, if scored."""
@@ -171,8 +188,8 @@ class EarlyExitDrafter:
             deferred.add(token, state.seq_len - 1 + index)
             deferred.advance(exit_layer)
             hidden = deferred.hidden()  # [1, 1, H]
-            pick = pick_draft_token(ex.logits(hidden, self.head)[0, -1], sampling,
-                                    state.generator, self._score(hidden))
+            pick = pick_draft_token(self._draft_logits(hidden), sampling, state.generator,
+                                    self._score(hidden), self.vocab)
             token = pick.token_id
             tokens.append(token)
             token_tensors.append(pick.token)

@@ -47,7 +47,8 @@ def _build_autoregressive(executor: LayerExecutor) -> Decoder:
     return decode_autoregressive
 
 
-EARLY_EXIT_OPTIONS = ("exit_layer", "draft_len", "gamma", "max_draft_len", "adaptive", "heads")
+EARLY_EXIT_OPTIONS = ("exit_layer", "draft_len", "gamma", "max_draft_len", "adaptive", "heads",
+                      "draft_vocab")
 
 
 def _early_exit_builder(rule: str, probe: bool = False) -> Callable[..., Decoder]:
@@ -57,7 +58,7 @@ def _early_exit_builder(rule: str, probe: bool = False) -> Callable[..., Decoder
     def build(executor: LayerExecutor, exit_layer: int | None = None,
               draft_len: int | None = None, gamma: float | None = None,
               max_draft_len: int | None = None, adaptive: bool | None = None,
-              heads: str | None = None) -> Decoder:
+              heads: str | None = None, draft_vocab: int | None = None) -> Decoder:
         params: dict[str, Any] = {}
         if rule == "constant":
             params["draft_len"] = DEFAULT_DRAFT_LEN if draft_len is None else draft_len
@@ -85,7 +86,9 @@ def _early_exit_builder(rule: str, probe: bool = False) -> Callable[..., Decoder
         head = (trained.head_at(layer) if trained is not None and layer in trained.layers
                 else None)
         scorer = trained.probe_at(layer) if probe else None
-        drafter = EarlyExitDrafter(executor, layer, stop_rule, head=head, scorer=scorer)
+        vocab = None if draft_vocab is None else _draft_vocab(executor, trained, draft_vocab)
+        drafter = EarlyExitDrafter(executor, layer, stop_rule, head=head, scorer=scorer,
+                                   vocab=vocab)
         return partial(decode_speculative, drafter=drafter)
 
     return build
@@ -98,7 +101,7 @@ def default_exit_layer(executor: LayerExecutor) -> int:
 
 
 DEFAULT_DRAFT_LEN = 4
-DSSD_OPTIONS = ("heads", "epsilon", "metric", "max_draft_len")
+DSSD_OPTIONS = ("heads", "epsilon", "metric", "max_draft_len", "draft_vocab")
 
 
 def _load_heads(executor: LayerExecutor, path: str):
@@ -108,18 +111,49 @@ def _load_heads(executor: LayerExecutor, path: str):
     return executor.asset(("heads", str(path)), lambda: load_heads(path, executor))
 
 
-def _calibrated_exits(executor: LayerExecutor, heads: str, epsilon: float, metric: str | None):
+def _draft_vocab(executor: LayerExecutor, trained, size: int):
+    """The ``size`` most frequent tokens by the head file's counts (plus EOS ids).
+
+    Raises:
+        InvalidArgumentError: no heads, heads without token counts, or a bad size.
+    """
+    from selfspec.methods.draft_vocab import check_draft_vocab, frequent_rows
+
+    check_draft_vocab(size, executor.vocab_size)
+    counts = None if trained is None else trained.token_counts
+    if counts is None:
+        raise InvalidArgumentError(
+            "draft_vocab ranks tokens by the token counts stored with trained heads: give "
+            "heads=PATH (or heads=default); heads calibrated by an older selfspec need "
+            "`selfspec heads calibrate PATH` once")
+    eos = executor.asset("eos-ids", lambda: _eos_ids(executor))
+    return executor.asset(("draft-vocab", id(trained), size),
+                          lambda: frequent_rows(counts, size, eos))
+
+
+def _eos_ids(executor: LayerExecutor) -> tuple[int, ...]:
+    config = executor.config
+    ids = getattr(config, "eos_token_id", None)
+    ids = [] if ids is None else ids if isinstance(ids, (list, tuple)) else [ids]
+    return tuple(int(i) for i in ids)
+
+
+def _calibrated_exits(executor: LayerExecutor, heads: str, epsilon: float, metric: str | None,
+                      draft_vocab: int | None = None):
     from selfspec.heads import DEFAULT_METRIC
     from selfspec.methods.dssd import CalibratedExits
 
-    return CalibratedExits(_load_heads(executor, heads), epsilon, metric or DEFAULT_METRIC)
+    trained = _load_heads(executor, heads)
+    vocab = None if draft_vocab is None else _draft_vocab(executor, trained, draft_vocab)
+    return CalibratedExits(trained, epsilon, metric or DEFAULT_METRIC, vocab, executor)
 
 
 def _build_dssd(executor: LayerExecutor, heads: str = "default", epsilon: float = 0.9,
-                metric: str | None = None, max_draft_len: int = 32) -> Decoder:
+                metric: str | None = None, max_draft_len: int = 32,
+                draft_vocab: int | None = None) -> Decoder:
     from selfspec.methods.dssd import DSSDDrafter
 
-    exits = _calibrated_exits(executor, heads, epsilon, metric)
+    exits = _calibrated_exits(executor, heads, epsilon, metric, draft_vocab)
     return partial(decode_speculative, drafter=DSSDDrafter(executor, exits, max_draft_len))
 
 
