@@ -126,6 +126,7 @@ class LayerExecutor:
         row_attention_max: blocks of up to this many new tokens after a non-empty prefix
             (verification, deferred KV fills) compute attention one token at a time, so each
             token's attention output is bit-identical to decoding it alone; 0 turns this off.
+            Speculative methods refuse drafts longer than ``row_attention_max - 1``.
 
     Raises:
         UnsupportedArchitectureError: ``config.model_type`` is not one of
@@ -133,7 +134,7 @@ class LayerExecutor:
     """
 
     def __init__(self, model: torch.nn.Module, pack_weights: bool = True,
-                 row_attention_max: int = 16, name: str | None = None) -> None:
+                 row_attention_max: int = 64, name: str | None = None) -> None:
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedArchitectureError(

@@ -23,7 +23,12 @@ from selfspec.decoding.stop_rules import StepStats
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.methods.draft_vocab import DraftVocab, restricted_head
-from selfspec.methods.early_exit import complete_to_last_layer, make_draft, pick_draft_token
+from selfspec.methods.early_exit import (
+    check_draft_len_limit,
+    complete_to_last_layer,
+    make_draft,
+    pick_draft_token,
+)
 
 
 class CalibratedExits:
@@ -81,12 +86,11 @@ class DSSDDrafter:
         max_draft_len: the draft buffer limit (DSSD uses e.g. 32).
 
     Raises:
-        InvalidArgumentError: ``max_draft_len < 1``.
+        InvalidArgumentError: ``max_draft_len`` outside ``[1, row_attention_max - 1]``.
     """
 
     def __init__(self, executor: LayerExecutor, exits: CalibratedExits, max_draft_len: int = 32) -> None:
-        if not isinstance(max_draft_len, int) or max_draft_len < 1:
-            raise InvalidArgumentError(f"max_draft_len must be an integer >= 1, got {max_draft_len!r}")
+        check_draft_len_limit(executor, max_draft_len)
         self.executor = executor
         self.exits = exits
         self.max_draft_len = max_draft_len

@@ -111,6 +111,23 @@ def check_exit_layer(executor: LayerExecutor, exit_layer: int) -> int:
     return exit_layer
 
 
+def check_draft_len_limit(executor: LayerExecutor, max_draft_len: object) -> int:
+    """Validate a longest draft: verification of ``D + 1`` positions must stay within the
+    executor's per-token attention blocks (``row_attention_max``), which keep bf16
+    verification bit-identical to one-token decoding.
+
+    Raises:
+        InvalidArgumentError: not an integer in ``[1, row_attention_max - 1]``.
+    """
+    limit = max(1, executor.row_attention_max - 1)
+    if isinstance(max_draft_len, bool) or not isinstance(max_draft_len, int) or not (
+            1 <= max_draft_len <= limit):
+        raise InvalidArgumentError(
+            f"max_draft_len must be an integer in [1, {limit}] (longer drafts would verify with "
+            f"a different attention kernel and lose bf16 exactness), got {max_draft_len!r}")
+    return max_draft_len
+
+
 def complete_to_last_layer(executor: LayerExecutor, state: DecodeState,
                            draft: DraftOutput) -> TargetOutput:
     """Target logits ``[D+1, V]`` for a draft whose inputs wait in ``draft.extra["deferred"]``.
@@ -143,7 +160,8 @@ class EarlyExitDrafter:
             head scores only its rows.
 
     Raises:
-        InvalidArgumentError: ``exit_layer`` out of range.
+        InvalidArgumentError: ``exit_layer`` out of range, or a stop rule whose longest draft
+            exceeds :func:`check_draft_len_limit`.
     """
 
     def __init__(self, executor: LayerExecutor, exit_layer: int, stop_rule: StopRule,
@@ -151,6 +169,7 @@ class EarlyExitDrafter:
                  vocab: DraftVocab | None = None) -> None:
         self.executor = executor
         self.exit_layer = check_exit_layer(executor, exit_layer)
+        check_draft_len_limit(executor, stop_rule.max_draft_len)
         self.stop_rule = stop_rule
         self.head = head
         self.scorer = scorer
