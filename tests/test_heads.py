@@ -455,3 +455,23 @@ def test_batched_onpolicy_generation_is_each_prompts_greedy_answer(arch):
         ref = engine.generate(ids, max_new_tokens=12).token_ids
         assert new == ref
         assert len(new) == 12 or new[-1] == eos
+
+
+def test_loaded_heads_do_not_change_when_their_file_is_rewritten_in_place(
+        executor, features, trained, tmp_path):
+    """safetensors maps files into memory: loaded heads must hold copies, or `cp` over a head
+    file would silently change a running process's thresholds."""
+    heads = _heads(executor, trained)
+    calibrate(heads, features, epsilons=[0.9])
+    path = save_heads(heads, tmp_path / "a")
+    loaded = load_heads(path, executor)
+    before = {layer: d.scores["entropy"].clone() for layer, d in loaded.calibration.items()}
+    for data in heads.calibration.values():
+        data.scores["entropy"] = torch.full_like(data.scores["entropy"], -50.0)
+    other = save_heads(heads, tmp_path / "b")
+    with open(path, "r+b") as f:  # in place, as cp does (same inode)
+        f.write(other.read_bytes())
+    reread = load_heads(path, executor)
+    for layer, scores in before.items():
+        assert torch.all(reread.calibration[layer].scores["entropy"] == -50.0)
+        assert torch.equal(loaded.calibration[layer].scores["entropy"], scores)

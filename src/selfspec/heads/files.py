@@ -279,7 +279,9 @@ def _read(path: Path) -> HeadFile:
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            # Copies, not views of the file's memory map: a head file rewritten in place
+            # later (cp, an editor) must not change heads and thresholds of a running process.
+            tensors = {name: f.get_tensor(name).clone() for name in f.keys()}
     except (SafetensorError, OSError, RuntimeError, ValueError) as err:
         raise _corrupt(path, str(err).splitlines()[0] if str(err) else type(err).__name__) from err
     if metadata.get("format") != FORMAT_TAG or "card" not in metadata:
