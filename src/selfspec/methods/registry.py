@@ -124,8 +124,8 @@ def _draft_vocab(executor: LayerExecutor, trained, size: int):
     if counts is None:
         raise InvalidArgumentError(
             "draft_vocab ranks tokens by the token counts stored with trained heads: give "
-            "heads=PATH (or heads=default); heads calibrated by an older selfspec need "
-            "`selfspec heads calibrate PATH` once")
+            "heads=PATH or heads=default (--heads on the command line); heads calibrated by an "
+            "older selfspec need `selfspec heads calibrate PATH` once")
     eos = executor.asset("eos-ids", lambda: _eos_ids(executor))
     return executor.asset(("draft-vocab", id(trained), size),
                           lambda: frequent_rows(counts, size, eos))
