@@ -6,11 +6,10 @@ from functools import partial
 
 import pytest
 import torch
-from tiny import VOCAB, tiny_model
+from tiny import VOCAB, exact_prefix_distribution, run_decoder, tiny_model
 
-from selfspec.decoding.sampling import SamplingConfig, logits_to_probs
+from selfspec.decoding.sampling import SamplingConfig
 from selfspec.decoding.speculative import decode_speculative
-from selfspec.decoding.state import DecodeOptions, DecodeState
 from selfspec.decoding.stop_rules import make_stop_rule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
@@ -24,11 +23,7 @@ PROMPT = [5, 17, 42, 99, 3, 250, 7]
 
 
 def _run(executor, decoder, **options):
-    state = DecodeState(executor, PROMPT, DecodeOptions(**options))
-    with torch.inference_mode():
-        decoder(state)
-    state.finish()
-    return state
+    return run_decoder(executor, decoder, PROMPT, **options)
 
 
 def test_frequent_rows_rank_by_count_break_ties_by_id_and_keep_eos():
@@ -108,18 +103,7 @@ def test_sampling_with_a_reduced_vocabulary_reproduces_the_target_distribution()
     odd tokens can then only come from the residual distribution of a rejection."""
     executor = LayerExecutor(tiny_model("llama", seed=8))
     config = SamplingConfig(temperature=1.0, top_k=3)
-    exact = {(): 1.0}
-    with torch.inference_mode():
-        for _ in range(3):
-            nxt = {}
-            for prefix, mass in exact.items():
-                ids = torch.tensor([PROMPT + list(prefix)])
-                logits = executor.forward(ids, torch.arange(ids.shape[1]).unsqueeze(0),
-                                          executor.new_cache())[0, -1]
-                probs = logits_to_probs(logits, config)
-                for tok in torch.nonzero(probs).flatten().tolist():
-                    nxt[prefix + (tok,)] = mass * float(probs[tok])
-            exact = nxt
+    exact = exact_prefix_distribution(executor, PROMPT, config, 3)
     vocab = DraftVocab(torch.arange(0, VOCAB, 2), VOCAB)
     drafter = EarlyExitDrafter(executor, 1, make_stop_rule("constant", draft_len=2), vocab=vocab)
     decoder = partial(decode_speculative, drafter=drafter)

@@ -4,10 +4,9 @@ from functools import partial
 
 import pytest
 import torch
-from tiny import tiny_model
+from tiny import run_decoder, tiny_model
 
 from selfspec.decoding.speculative import decode_speculative
-from selfspec.decoding.state import DecodeOptions, DecodeState
 from selfspec.decoding.stop_rules import make_stop_rule
 from selfspec.executor import LayerExecutor
 from selfspec.methods.calibrated_exit import decode_calibrated_exit
@@ -32,11 +31,7 @@ class StubHeads:
 
 
 def _run(executor, decoder, **options):
-    state = DecodeState(executor, PROMPT, DecodeOptions(**options))
-    with torch.inference_mode():
-        decoder(state)
-    state.finish()
-    return state
+    return run_decoder(executor, decoder, PROMPT, **options)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -93,14 +93,25 @@ def test_bad_input_is_refused_clearly(engine):
         engine.generate("def f():", method="layerskip", exit_layer=30)
 
 
+def _drafted(engine, drafter, prompts):
+    """Finished decode states of speculative decoding with ``drafter``, one per prompt."""
+    from selfspec.decoding.speculative import decode_speculative
+    from selfspec.decoding.state import DecodeOptions, DecodeState
+
+    states = []
+    for prompt in prompts:
+        state = DecodeState(engine.executor, engine.encode(prompt), DecodeOptions(
+            max_new_tokens=NEW_TOKENS, eos_token_ids=engine.eos_token_ids))
+        with torch.inference_mode():
+            decode_speculative(state, drafter)
+        states.append(state)
+    return states
+
+
 def test_dssd_greedy_equals_autoregressive(engine, prompts, ar_outputs):
     """DSSD's per-token head choice with deferred KV catch-up, on the real model. The heads
     here are the model's own norm + lm_head at DSSD's default placement with fixed
     max-probability thresholds (trained, calibrated heads are not needed for losslessness)."""
-    from functools import partial
-
-    from selfspec.decoding.speculative import decode_speculative
-    from selfspec.decoding.state import DecodeOptions, DecodeState
     from selfspec.methods.dssd import CalibratedExits, DSSDDrafter
 
     ex = engine.executor
@@ -113,11 +124,7 @@ def test_dssd_greedy_equals_autoregressive(engine, prompts, ar_outputs):
             return [0.9, 0.7, 0.5, 0.3]
 
     drafter = DSSDDrafter(ex, CalibratedExits(OwnHeads(), 0.9, "max_prob"), max_draft_len=8)
-    for prompt, reference in zip(prompts, ar_outputs):
-        state = DecodeState(ex, engine.encode(prompt), DecodeOptions(
-            max_new_tokens=NEW_TOKENS, eos_token_ids=engine.eos_token_ids))
-        with torch.inference_mode():
-            decode_speculative(state, drafter)
+    for state, reference in zip(_drafted(engine, drafter, prompts), ar_outputs):
         assert state.tokens[state.prompt_len:] == reference
 
 
@@ -125,8 +132,6 @@ def test_adaspeed_probe_greedy_equals_autoregressive(engine, prompts, ar_outputs
     """AdaSPEED's product rule driven by a linear probe's acceptance estimates (§II.B). The
     probe here has random weights: which tokens it accepts changes the draft lengths, never
     the output (training probes is covered by test_heads)."""
-    from selfspec.decoding.speculative import decode_speculative
-    from selfspec.decoding.state import DecodeOptions, DecodeState
     from selfspec.decoding.stop_rules import make_stop_rule
     from selfspec.heads.probe import LinearProbe
     from selfspec.methods.early_exit import EarlyExitDrafter
@@ -139,11 +144,7 @@ def test_adaspeed_probe_greedy_equals_autoregressive(engine, prompts, ar_outputs
         probe.bias.fill_(2.0)
     drafter = EarlyExitDrafter(ex, 24, make_stop_rule("product", gamma=0.5), scorer=probe.eval())
     drafts = 0
-    for prompt, reference in zip(prompts, ar_outputs):
-        state = DecodeState(ex, engine.encode(prompt), DecodeOptions(
-            max_new_tokens=NEW_TOKENS, eos_token_ids=engine.eos_token_ids))
-        with torch.inference_mode():
-            decode_speculative(state, drafter)
+    for state, reference in zip(_drafted(engine, drafter, prompts), ar_outputs):
         assert state.tokens[state.prompt_len:] == reference
         drafts += state.stats.drafted
     assert drafts > 0

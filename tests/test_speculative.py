@@ -7,11 +7,10 @@ import math
 
 import pytest
 import torch
-from tiny import VOCAB, tiny_model
+from tiny import exact_prefix_distribution, run_decoder, tiny_model
 
-from selfspec.decoding.sampling import SamplingConfig, logits_to_probs
+from selfspec.decoding.sampling import SamplingConfig
 from selfspec.decoding.speculative import decode_speculative
-from selfspec.decoding.state import DecodeOptions, DecodeState
 from selfspec.decoding.stop_rules import make_stop_rule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
@@ -22,11 +21,7 @@ PROMPT = [5, 17, 42, 99, 3, 250, 7]
 
 
 def _generate(executor, decoder, prompt=PROMPT, **options):
-    state = DecodeState(executor, prompt, DecodeOptions(**options))
-    with torch.inference_mode():
-        decoder(state)
-    state.finish()
-    return state
+    return run_decoder(executor, decoder, prompt, **options)
 
 
 def _ar_tokens(executor, **options):
@@ -152,22 +147,6 @@ def test_bad_configuration_is_refused_clearly():
 
 
 # ----------------------------------------------------------------------- sampling
-def _exact_prefix_distribution(executor, config, length):
-    """Exact probability of every length-``length`` continuation under the target model."""
-    dist = {(): 1.0}
-    for _ in range(length):
-        nxt = {}
-        for prefix, mass in dist.items():
-            ids = torch.tensor([PROMPT + list(prefix)])
-            logits = executor.forward(ids, torch.arange(ids.shape[1]).unsqueeze(0),
-                                      executor.new_cache())[0, -1]
-            probs = logits_to_probs(logits, config)
-            for tok in torch.nonzero(probs).flatten().tolist():
-                nxt[prefix + (tok,)] = mass * float(probs[tok])
-        dist = nxt
-    return dist
-
-
 def test_speculative_sampling_reproduces_the_target_distribution():
     """Total variation between the empirical distribution of the first three tokens and the
     exact target distribution. Bound (Bretagnolle–Huber–Carol): with k cells and N samples,
@@ -175,8 +154,7 @@ def test_speculative_sampling_reproduces_the_target_distribution():
     torch.manual_seed(0)
     executor = LayerExecutor(tiny_model("llama", seed=8))
     config = SamplingConfig(temperature=1.0, top_k=3)
-    with torch.inference_mode():
-        exact = _exact_prefix_distribution(executor, config, 3)
+    exact = exact_prefix_distribution(executor, PROMPT, config, 3)
     # A shallow exit drafts from a distribution far from the target's, so a wrong
     # acceptance rule would show.
     decoder = build_decoder("layerskip", executor, {"exit_layer": 1, "draft_len": 2})

@@ -58,3 +58,35 @@ def tiny_tokenizer():
                                         bos_token="<s>", eos_token="</s>")
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
     return tokenizer
+
+
+def run_decoder(executor, decoder, prompt, **options):
+    """Run ``decoder`` on ``prompt`` (token ids) with ``DecodeOptions(**options)``; the
+    finished ``DecodeState``."""
+    from selfspec.decoding.state import DecodeOptions, DecodeState
+
+    state = DecodeState(executor, prompt, DecodeOptions(**options))
+    with torch.inference_mode():
+        decoder(state)
+    state.finish()
+    return state
+
+
+def exact_prefix_distribution(executor, prompt, config, length):
+    """Exact probability of every ``length``-token continuation of ``prompt`` under the
+    target model with sampling transform ``config`` (``{tokens: probability}``)."""
+    from selfspec.decoding.sampling import logits_to_probs
+
+    dist = {(): 1.0}
+    with torch.inference_mode():
+        for _ in range(length):
+            nxt = {}
+            for prefix, mass in dist.items():
+                ids = torch.tensor([list(prompt) + list(prefix)])
+                logits = executor.forward(ids, torch.arange(ids.shape[1]).unsqueeze(0),
+                                          executor.new_cache())[0, -1]
+                probs = logits_to_probs(logits, config)
+                for tok in torch.nonzero(probs).flatten().tolist():
+                    nxt[prefix + (tok,)] = mass * float(probs[tok])
+            dist = nxt
+    return dist

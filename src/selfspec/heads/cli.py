@@ -29,7 +29,7 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def _add_data_args(p: argparse.ArgumentParser, what: str) -> None:
-    from selfspec.heads.pipeline import DEFAULT_DATA, DEFAULT_TOKENS
+    from selfspec.heads.pipeline import DEFAULT_TOKENS
 
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None,

@@ -14,8 +14,6 @@ CALM does, would be cheaper but changes what later tokens see.)
 
 from __future__ import annotations
 
-import torch
-
 from selfspec.decoding.deferred import DeferredLayers
 from selfspec.decoding.sampling import choose_next
 from selfspec.decoding.state import DecodeState
