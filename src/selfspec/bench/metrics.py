@@ -64,12 +64,18 @@ class MethodSummary:
     roofline_fraction: float | None = None
 
 
-def parity_flags(run: BenchRun, greedy: bool) -> dict[tuple[str, str], bool]:
-    """``(method, prompt_id) → output == ar's output`` for every record that has an ``ar``
-    record of the same prompt; empty for sampling runs (outputs differ by design)."""
+def _ar_references(run: BenchRun, greedy: bool) -> dict[str, list[int]]:
+    """``prompt_id → ar's token ids``; empty for sampling runs (outputs differ by design)
+    or when ``ar`` failed."""
     if not greedy or AR in run.failures:
         return {}
-    reference = {r.prompt_id: r.output.token_ids for r in run.records if r.method == AR}
+    return {r.prompt_id: r.output.token_ids for r in run.records if r.method == AR}
+
+
+def parity_flags(run: BenchRun, greedy: bool) -> dict[tuple[str, str], bool]:
+    """``(method, prompt_id) → output == ar's output`` for every record that has an ``ar``
+    record of the same prompt; empty for sampling runs."""
+    reference = _ar_references(run, greedy)
     return {(r.method, r.prompt_id): r.output.token_ids == reference[r.prompt_id]
             for r in run.records if r.prompt_id in reference}
 
@@ -77,20 +83,14 @@ def parity_flags(run: BenchRun, greedy: bool) -> dict[tuple[str, str], bool]:
 def prefix_shares(run: BenchRun, greedy: bool) -> dict[tuple[str, str], float]:
     """``(method, prompt_id) →`` share of ``ar``'s output that the method's output repeats
     before their first differing token; empty for sampling runs."""
-    if not greedy or AR in run.failures:
-        return {}
-    reference = {r.prompt_id: r.output.token_ids for r in run.records if r.method == AR}
+    reference = _ar_references(run, greedy)
     shares = {}
     for r in run.records:
         ref = reference.get(r.prompt_id)
-        if not ref:
-            continue
-        same = 0
-        for a, b in zip(r.output.token_ids, ref):
-            if a != b:
-                break
-            same += 1
-        shares[(r.method, r.prompt_id)] = same / len(ref)
+        if ref:
+            same = next((i for i, (a, b) in enumerate(zip(r.output.token_ids, ref)) if a != b),
+                        min(len(ref), len(r.output.token_ids)))
+            shares[(r.method, r.prompt_id)] = same / len(ref)
     return shares
 
 

@@ -37,6 +37,15 @@ class Linear:
         if pack and _can_pack(weight):
             self.packed = _try_pack(weight, bias)
 
+    @classmethod
+    def of_rows(cls, weight: torch.Tensor, bias: torch.Tensor | None,
+                rows: torch.Tensor) -> Linear:
+        """A packed copy of output rows ``rows`` ``[R]`` of ``weight`` ``[N, K]`` (and
+        ``bias``): ``[..., K]`` → ``[..., R]``."""
+        rows = rows.to(weight.device)
+        return cls(weight.detach()[rows].contiguous(),
+                   None if bias is None else bias.detach()[rows].contiguous())
+
     @property
     def out_features(self) -> int:
         """N."""

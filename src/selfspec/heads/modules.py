@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,10 @@ class OutputLayer:
     weight: torch.Tensor
     bias: torch.Tensor | None
     fast: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Row subsets of lm_head already packed (reduced draft vocabularies), shared by every
+    # lightweight head of the model: one [R, H] copy, not one per head.
+    _row_projections: dict[bytes, Callable[[torch.Tensor], torch.Tensor]] = field(
+        default_factory=dict, compare=False, repr=False)
 
     @property
     def hidden_size(self) -> int:
@@ -72,6 +76,17 @@ class OutputLayer:
         if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
             x = x.to(weight.dtype)  # e.g. fp32 trained heads scored against a bf16 lm_head
         return F.linear(x, weight, bias)
+
+
+    def project_rows(self, rows: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``lm_head`` restricted to vocabulary ``rows`` ``[R]`` (no norm): ``[..., H]`` →
+        ``[..., R]``, packed once per distinct ``rows``."""
+        key = rows.cpu().numpy().tobytes()
+        if key not in self._row_projections:
+            from selfspec.executor.linear import Linear
+
+            self._row_projections[key] = Linear.of_rows(self.weight, self.bias, rows)
+        return self._row_projections[key]
 
 
 def output_layer(source: object) -> OutputLayer:
@@ -165,16 +180,18 @@ class LightweightHead(ExitHead):
         self.transform = nn.Parameter(torch.eye(size, dtype=dtype, device=out.weight.device))
         self._fast: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def forward(self, hidden: torch.Tensor, vocab_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, T, H]`` → logits ``[B, T, V]`` (``[B, T, R]`` with ``vocab_rows`` ``[R]``)."""
+    def _transformed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``T · norm(h)``: ``[B, T, H]`` → ``[B, T, H]`` (packed ``T`` when not training)."""
         if hidden.dtype != self.transform.dtype:
             hidden = hidden.to(self.transform.dtype)
         x = self.norm(hidden)
         if self._fast is not None and not torch.is_grad_enabled():
-            x = self._fast(x)
-        else:
-            x = F.linear(x, self.transform)
-        return self.out.project(x, vocab_rows)
+            return self._fast(x)
+        return F.linear(x, self.transform)
+
+    def forward(self, hidden: torch.Tensor, vocab_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, T, H]`` → logits ``[B, T, V]`` (``[B, T, R]`` with ``vocab_rows`` ``[R]``)."""
+        return self.out.project(self._transformed(hidden), vocab_rows)
 
     def prepare_inference(self) -> LightweightHead:
         """Eval mode, no gradients, and ``T`` oneDNN-packed where that is exact and faster."""
@@ -190,19 +207,8 @@ class LightweightHead(ExitHead):
         return self
 
     def restricted(self, rows: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-        from selfspec.executor.linear import Linear
-
-        bias = None if self.out.bias is None else self.out.bias[rows].contiguous()
-        project = Linear(self.out.weight[rows].contiguous(), bias)
-
-        def head(hidden: torch.Tensor) -> torch.Tensor:
-            if hidden.dtype != self.transform.dtype:
-                hidden = hidden.to(self.transform.dtype)
-            x = self.norm(hidden)
-            x = self._fast(x) if self._fast is not None else F.linear(x, self.transform)
-            return project(x)
-
-        return head
+        project = self.out.project_rows(rows)
+        return lambda hidden: project(self._transformed(hidden))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         own = {"transform": self.transform}
@@ -251,11 +257,14 @@ class FullHead(ExitHead):
         self.bias = None if bias is None else nn.Parameter(bias)
         self._fast: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def forward(self, hidden: torch.Tensor, vocab_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, T, H]`` → logits ``[B, T, V]`` (``[B, T, R]`` with ``vocab_rows`` ``[R]``)."""
+    def _normed(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.dtype != self.weight.dtype:
             hidden = hidden.to(self.weight.dtype)
-        x = self.norm(hidden)
+        return self.norm(hidden)
+
+    def forward(self, hidden: torch.Tensor, vocab_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, T, H]`` → logits ``[B, T, V]`` (``[B, T, R]`` with ``vocab_rows`` ``[R]``)."""
+        x = self._normed(hidden)
         if vocab_rows is not None:
             bias = None if self.bias is None else self.bias[vocab_rows]
             return F.linear(x, self.weight[vocab_rows], bias)
@@ -273,15 +282,8 @@ class FullHead(ExitHead):
     def restricted(self, rows: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         from selfspec.executor.linear import Linear
 
-        bias = None if self.bias is None else self.bias.detach()[rows].contiguous()
-        project = Linear(self.weight.detach()[rows].contiguous(), bias)
-
-        def head(hidden: torch.Tensor) -> torch.Tensor:
-            if hidden.dtype != self.weight.dtype:
-                hidden = hidden.to(self.weight.dtype)
-            return project(self.norm(hidden))
-
-        return head
+        project = Linear.of_rows(self.weight, self.bias, rows)
+        return lambda hidden: project(self._normed(hidden))
 
     def prepare_inference(self) -> FullHead:
         """Eval mode, no gradients, and a oneDNN-packed copy of the weight where that is exact

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -41,6 +42,11 @@ class DraftVocab:
     @property
     def size(self) -> int:
         return int(self.rows.numel())
+
+    @cached_property
+    def key(self) -> bytes:
+        """The rows as bytes: identifies the vocabulary in caches."""
+        return self.rows.cpu().numpy().tobytes()
 
     def expand(self, probs: torch.Tensor) -> torch.Tensor:
         """``[R]`` probabilities over the kept rows → ``[V]`` (zero elsewhere)."""
@@ -83,10 +89,7 @@ def restricted_lm_head(executor: LayerExecutor, vocab: DraftVocab
     (rows copied once and packed)."""
     from selfspec.executor.linear import Linear
 
-    weight = executor.lm_head.weight
-    bias = executor.lm_head.bias
-    rows = vocab.rows.to(weight.device)
-    project = Linear(weight[rows].contiguous(), None if bias is None else bias[rows].contiguous())
+    project = Linear.of_rows(executor.lm_head.weight, executor.lm_head.bias, vocab.rows)
     return lambda hidden: project(executor.final_norm(hidden))
 
 
@@ -94,7 +97,8 @@ def restricted_head(executor: LayerExecutor, head: object | None, vocab: DraftVo
                     ) -> Callable[[torch.Tensor], torch.Tensor]:
     """``head`` (an exit head with ``restricted``, or ``None`` = the model's own output) on
     ``vocab.rows`` only, built once per executor, head and vocabulary."""
-    key = ("restricted-head", id(head), vocab.size, int(vocab.rows.sum()))
+    # id(head) is stable: the cached closure keeps the head alive.
+    key = ("restricted-head", id(head), vocab.key)
     if head is None:
         return executor.asset(key, lambda: restricted_lm_head(executor, vocab))
     if not hasattr(head, "restricted"):
