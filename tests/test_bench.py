@@ -12,6 +12,9 @@ import json
 
 import pytest
 import torch
+from bench_helpers import ScriptedRunner
+from bench_helpers import run_output as _out
+from bench_helpers import tiny_engine as _engine
 from tiny import tiny_model, tiny_tokenizer
 
 from selfspec.api import from_pretrained_model
@@ -87,31 +90,7 @@ def test_bad_sweeps_are_refused(text):
 # ---------------------------------------------------------------- scripted runs
 
 
-class ScriptedRunner:
-    """Returns prepared outputs; logs every call; may fail at setup or on one prompt."""
-
-    def __init__(self, label: str, outputs: dict[str, RunOutput], log: list, *,
-                 lossless: bool = True, fail_on: str | None = None, fail_setup: bool = False):
-        self.config = parse_method(label)
-        self.outputs, self.log, self.lossless = outputs, log, lossless
-        self.fail_on, self.fail_setup = fail_on, fail_setup
-
-    def setup(self) -> None:
-        if self.fail_setup:
-            raise InvalidArgumentError("bad option value")
-
-    def run(self, prompt: EncodedPrompt, settings: RunSettings) -> RunOutput:
-        self.log.append((self.config.label, prompt.id, settings.max_new_tokens))
-        if prompt.id == self.fail_on:
-            raise RuntimeError("boom")
-        return self.outputs[prompt.id]
-
-
 PROMPTS = [EncodedPrompt("p0", [1, 2, 3]), EncodedPrompt("p1", [4, 5])]
-
-
-def _out(tokens, wall, **counters) -> RunOutput:
-    return RunOutput(token_ids=tokens, text="", wall_time_s=wall, **counters)
 
 
 def _scripted(log: list) -> list[ScriptedRunner]:
@@ -194,11 +173,6 @@ def test_a_failing_method_is_reported_failed_and_the_others_keep_their_results()
     assert "| `layerskip:exit_layer=3` |" in table
     assert "FAILED: prompt p1: RuntimeError: boom" in table
     assert table.count("| ok |") == 2
-
-
-def _engine(seed: int = 3, num_layers: int = 6):
-    return from_pretrained_model(tiny_model("llama", seed=seed, num_layers=num_layers),
-                                 tiny_tokenizer(), "tiny-llama")
 
 
 TEXT_PROMPTS = [Prompt("t0", "def add(a, b):\n", chat=False),

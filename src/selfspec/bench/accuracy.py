@@ -1,4 +1,5 @@
-"""Task accuracy of generated text: HumanEval pass@1 and GSM-Symbolic exact match.
+"""Task accuracy of generated text: HumanEval pass@1, GSM-Symbolic exact match, and a prompt
+file's reference answers (:func:`check_reference`).
 
 Used for lossy methods (their outputs may differ from autoregressive decoding) and, for
 comparison, for every method of a run. MT-Bench and ShareGPT need a judge model and are
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from selfspec.data import Prompt
+from selfspec.data.promptfile import FILE_LABEL_PREFIX
 
 # Codex paper's stop sequences: a completion ends where the function body ends.
 HUMANEVAL_STOP = ("\nclass ", "\ndef ", "\n#", "\nif __name__", "\nprint(", "\n```")
@@ -129,21 +131,59 @@ def check_gsm(prompt: Prompt, text: str) -> Score:
     Raises:
         KeyError: ``prompt`` is not a GSM prompt.
     """
-    expected = float(prompt.meta["answer"])
+    return _number_match(float(prompt.meta["answer"]), text)
+
+
+def _number_match(expected: float, text: str) -> Score:
     got = extract_number(text)
     if got is None:
         return Score(False, "no number in the output")
     return Score(math.isclose(got, expected, rel_tol=0, abs_tol=1e-6), f"answer {got:g}")
 
 
-SCORERS: dict[str, Callable[[Prompt, str], Score]] = {
+def _normalize(text: str) -> str:
+    return " ".join(text.split()).casefold()
+
+
+def check_reference(prompt: Prompt, text: str) -> Score | None:
+    """Compare ``text`` with ``prompt.reference`` (prompt files, ``selfspec bench --prompts``).
+
+    - A numeric reference (``"42"``, ``"-3.5"``, ``"1,000"``): exact match of the final number
+      in ``text``, found as for GSM (:func:`extract_number`).
+    - Any other reference: ``text`` starts with it, both normalized (whitespace runs collapsed
+      to one space, leading and trailing whitespace dropped, case folded).
+
+    Returns:
+        The verdict, or None when the prompt has no reference (not scored).
+    """
+    if prompt.reference is None:
+        return None
+    if re.fullmatch(rf"\s*(?:{_NUMBER})\s*", prompt.reference):
+        expected = _to_float(prompt.reference.strip())
+        if expected is not None:
+            return _number_match(expected, text)
+    matched = _normalize(text).startswith(_normalize(prompt.reference))
+    return Score(matched, "starts with the reference" if matched else "differs from the reference")
+
+
+SCORERS: dict[str, Callable[[Prompt, str], Score | None]] = {
     "humaneval": check_humaneval,
     "gsm": check_gsm,
+    "file": check_reference,
 }
+
+
+def scorer(dataset: str) -> Callable[[Prompt, str], Score | None] | None:
+    """The scorer of ``dataset``: :data:`SCORERS` by name; every prompt file's label
+    (``file:<stem>``) gets the ``"file"`` scorer, whatever the file is called. None when the
+    dataset has no automatic scorer (MT-Bench and ShareGPT need a judge)."""
+    if dataset.startswith(FILE_LABEL_PREFIX):
+        return SCORERS["file"]
+    return SCORERS.get(dataset)
 
 
 def score(dataset: str, prompt: Prompt, text: str) -> Score | None:
     """Score ``text`` generated for ``prompt`` of ``dataset``; None when the dataset has no
-    automatic scorer (MT-Bench and ShareGPT need a judge)."""
-    scorer = SCORERS.get(dataset)
-    return scorer(prompt, text) if scorer else None
+    automatic scorer (MT-Bench and ShareGPT need a judge) or the prompt has no reference."""
+    check = scorer(dataset)
+    return check(prompt, text) if check else None

@@ -25,9 +25,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     """Add the ``bench`` subcommand to ``subparsers``; returns its parser."""
     p = subparsers.add_parser(
         "bench", help="benchmark methods on real prompts against transformers' decoding",
-        description="Run every method on the same prompts, interleaved prompt by prompt after "
-                    "a warm-up, and write per-prompt JSONL, summary.json, report.md and PNG "
-                    "plots to --out. Prints the markdown table at the end.",
+        description="Run every method on the same prompts (a --dataset, or your own "
+                    "--prompts file), interleaved prompt by prompt after a warm-up, and write "
+                    "per-prompt JSONL, summary.json, report.md and PNG plots to --out. Prints "
+                    "the markdown table at the end.",
         epilog="Methods: NAME[:key=value,...], e.g. layerskip:exit_layer=24,draft_len=4 or "
                "hf-assistant:model=qwen2.5-coder-0.5b-instruct. "
                "Sweeps: NAME:key=v1,v2:key2=a..b, "
@@ -39,15 +40,23 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "all selfspec methods + hf-ar,hf-early-exit,hf-prompt-lookup)")
     p.add_argument("--sweep", action="append", default=[],
                    help="a grid of one method's options, added to --methods (repeatable)")
-    p.add_argument("--dataset", default="humaneval", choices=DATASETS,
-                   help="prompt set (default: humaneval)")
-    p.add_argument("--n", type=int, default=10, help="prompts per method (default 10)")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--dataset", default="humaneval", choices=DATASETS,
+                        help="prompt set (default: humaneval)")
+    source.add_argument("--prompts", type=Path, default=None, metavar="FILE.jsonl",
+                        help='your own prompts, one JSON object per line: {"id": ..., '
+                             '"prompt": ..., "chat": true|false (default false), '
+                             '"reference": ... (optional, scored for accuracy)}')
+    p.add_argument("--n", type=int, default=None,
+                   help="prompts per method (default: 10 of a --dataset, all of --prompts)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus mass in (0, 1] when sampling (default 1 = off)")
     p.add_argument("--seed", type=int, default=0,
-                   help="sampling seed; prompt selection: 0 = the dataset's first n prompts, "
-                        "else a seeded sample (default 0)")
+                   help="sampling seed; prompt selection: 0 = the dataset's (or file's) "
+                        "first n prompts, else a seeded sample (default 0)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads, fixed for the run and recorded "
                         "(default: torch's default)")
@@ -56,10 +65,14 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--out", type=Path, default=None,
                    help="output directory (default: out/bench/MODEL-DATASET-TIME)")
     p.add_argument("--no-accuracy", dest="score", action="store_false",
-                   help="skip HumanEval / GSM scoring of the outputs")
+                   help="skip HumanEval / GSM / --prompts reference scoring of the outputs")
     p.add_argument("--bandwidth-mib", type=int, default=512,
                    help="buffer for the bandwidth measurement in MiB (0 = skip the roofline)")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
+    p.add_argument("--allow-in-sample", action="store_true",
+                   help="keep prompts that a method's exit heads, thresholds or probes saw in "
+                        "training or calibration (default: drop them); the run is then "
+                        "labelled in-sample in the table, report.md and summary.json")
     p.set_defaults(func=cmd_bench)
     return p
 
@@ -81,6 +94,22 @@ def _methods(args: argparse.Namespace) -> list:
     return combine(methods)
 
 
+def _prompts(args: argparse.Namespace, dataset: str) -> list:
+    """The prompts to run: ``--n`` of the ``--dataset`` (default 10) or of the ``--prompts``
+    file (default all), chosen by ``--seed``; ``dataset`` is the report's label.
+
+    Raises:
+        InvalidArgumentError: a malformed prompt file, a bad ``--n``.
+        DatasetUnavailableError: the dataset's package is not installed.
+    """
+    from selfspec.data import load_prompt_file, load_prompts
+    from selfspec.data.prompts import select
+
+    if args.prompts is None:
+        return load_prompts(args.dataset, 10 if args.n is None else args.n, args.seed)
+    return select(load_prompt_file(args.prompts), args.n, args.seed, dataset)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark; prints the table on stdout and the progress bar on stderr."""
     import torch
@@ -88,8 +117,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     import selfspec
     from selfspec.bench.pipeline import BenchOptions, run_benchmark
+    from selfspec.bench.plots import require_matplotlib
     from selfspec.bench.report import ensure_writable
-    from selfspec.data import load_prompts
+    from selfspec.data.promptfile import file_label
     from selfspec.errors import InvalidArgumentError
     from selfspec.models.registry import DEFAULT_MODEL
 
@@ -99,21 +129,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.temperature < 0:
         raise InvalidArgumentError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise InvalidArgumentError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.threads is not None and args.threads < 1:
         raise InvalidArgumentError(f"--threads must be >= 1, got {args.threads}")
-    prompts = load_prompts(args.dataset, args.n, args.seed)
+    if args.plots:
+        require_matplotlib()
+    dataset = args.dataset if args.prompts is None else file_label(args.prompts)
+    prompts = _prompts(args, dataset)
     model = args.model or DEFAULT_MODEL
     out = args.out or Path("out", "bench", "{}-{}-{}".format(
-        Path(model).name, args.dataset, datetime.now().strftime("%Y%m%d-%H%M%S")))
+        Path(model).name, dataset.replace(":", "-"), datetime.now().strftime("%Y%m%d-%H%M%S")))
     ensure_writable(out)
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = selfspec.load(model, dtype=args.dtype)
     options = BenchOptions(
-        dataset=args.dataset, max_new_tokens=args.max_new_tokens, out_dir=out,
-        temperature=args.temperature, seed=args.seed, warmup_prompts=args.warmup,
+        dataset=dataset, max_new_tokens=args.max_new_tokens, out_dir=out,
+        temperature=args.temperature, top_p=args.top_p, seed=args.seed, warmup_prompts=args.warmup,
         score=args.score, bandwidth_mib=args.bandwidth_mib, plots=args.plots,
-        command="selfspec " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "")
+        command="selfspec " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "",
+        allow_in_sample=args.allow_in_sample)
     warm = min(args.warmup, len(prompts)) * len(methods)
     with tqdm(total=warm + len(prompts) * len(methods), desc="bench", unit="gen",
               file=sys.stderr, dynamic_ncols=True) as bar:

@@ -18,8 +18,9 @@ import torch
 from selfspec.api import SelfSpec
 from selfspec.bench import accuracy
 from selfspec.bench.harness import BenchRun, ProgressEvent, run_bench
+from selfspec.bench.heldout import check_held_out
 from selfspec.bench.metrics import MethodSummary, parity_flags, summarize
-from selfspec.bench.plots import write_plots
+from selfspec.bench.plots import require_matplotlib, write_plots
 from selfspec.bench.report import (
     RunInfo,
     collect_machine_info,
@@ -44,17 +45,21 @@ class BenchOptions:
     """Settings of one run (the same for every method).
 
     Attributes:
-        dataset: dataset name (for the header and the accuracy scorer).
+        dataset: dataset name, or a prompt file's ``file:<stem>`` label (for the header and
+            the accuracy scorer).
         max_new_tokens: per prompt (>= 1).
         out_dir: where the files go (created; must be writable).
         temperature: 0 = greedy; > 0 = sampling, seeded with ``seed``.
         seed: sampling seed.
+        top_p: nucleus mass when sampling (1 = off).
         warmup_prompts: prompts each method generates for, untimed, before the run.
         warmup_tokens: ``max_new_tokens`` of the warm-up generations.
         score: run the task-accuracy scorer on the outputs (HumanEval, GSM).
         bandwidth_mib: buffer of the bandwidth measurement in MiB (0 = do not measure).
         plots: write the PNG plots.
         command: the command line, recorded in the report.
+        allow_in_sample: keep prompts that a method's heads, thresholds or probes saw (the
+            run is labelled in-sample); by default they are dropped (:mod:`.heldout`).
     """
 
     dataset: str
@@ -62,12 +67,14 @@ class BenchOptions:
     out_dir: Path
     temperature: float = 0.0
     seed: int = 0
+    top_p: float = 1.0
     warmup_prompts: int = 1
     warmup_tokens: int = 32
     score: bool = True
     bandwidth_mib: int = 512
     plots: bool = True
     command: str = ""
+    allow_in_sample: bool = False
 
 
 @dataclass
@@ -115,7 +122,7 @@ def _assistant_loader(dtype: torch.dtype) -> Callable[[str], torch.nn.Module]:
 def score_outputs(run: BenchRun, prompts: Sequence[Prompt], dataset: str,
                   progress: Callable[[ProgressEvent], None] | None = None) -> None:
     """Set ``record.correct`` on every record of a dataset with an automatic scorer."""
-    if dataset not in accuracy.SCORERS:
+    if accuracy.scorer(dataset) is None:
         return
     by_id = {p.id: p for p in prompts}
     for record in run.records:
@@ -145,14 +152,33 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
     Returns:
         The report (its ``table`` is the markdown table).
 
+    Prompts that the head files of ``methods`` saw in training, calibration or probe fitting
+    are dropped first, or kept and labelled with ``options.allow_in_sample``
+    (:func:`selfspec.bench.heldout.check_held_out`).
+
     Raises:
-        InvalidArgumentError: no methods or prompts, the output directory is not writable.
+        InvalidArgumentError: no methods or prompts, every prompt in-sample, the output
+            directory is not writable.
         PromptError: a prompt the model cannot take (e.g. chat prompts without a chat template).
+        MissingDependencyError: ``options.plots`` and matplotlib is not installed (checked first).
     """
     if not methods:
         raise InvalidArgumentError("no methods to benchmark")
     if not prompts:
         raise InvalidArgumentError("no prompts to benchmark on")
+    if options.plots:
+        require_matplotlib()
+    held = check_held_out(prompts, options.dataset, methods, engine.name, options.allow_in_sample)
+    if held.dropped:
+        logger.warning("dropped %d of %d prompts seen by %s in training/calibration (pass "
+                       "--allow-in-sample to keep them and label the run in-sample)",
+                       len(held.dropped), len(prompts), ", ".join(held.files))
+    if not held.prompts:
+        raise InvalidArgumentError(
+            f"all {len(prompts)} prompts were seen in training or calibration by "
+            f"{', '.join(held.files)}; pick other prompts (--seed, --dataset, --prompts), "
+            "heads trained on other data, or pass --allow-in-sample for an in-sample run")
+    total, prompts = len(prompts), held.prompts
     out_dir = ensure_writable(Path(options.out_dir))
     date = now_iso()
     encoded = encode_prompts(engine, prompts)
@@ -166,7 +192,8 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
         roofline = Roofline(bandwidth, weight_bytes_per_token(engine.model))
         logger.info("bandwidth %.1f GB/s, roofline %.1f tok/s", bandwidth.gb_per_s,
                     roofline.tokens_per_s)
-    settings = RunSettings(options.max_new_tokens, options.temperature, options.seed)
+    settings = RunSettings(options.max_new_tokens, options.temperature, options.seed,
+                           options.top_p)
     run = run_bench(runners, encoded, settings, warmup_prompts=options.warmup_prompts,
                     warmup_tokens=options.warmup_tokens, progress=progress)
     if options.score:
@@ -175,9 +202,11 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
     summaries = summarize(run, greedy=greedy, roofline=roofline)
     info = RunInfo(model=engine.name, dtype=dtype_label(engine.model.dtype),
                    dataset=options.dataset, n=len(prompts), max_new_tokens=options.max_new_tokens,
-                   temperature=options.temperature, seed=options.seed,
+                   temperature=options.temperature, seed=options.seed, top_p=options.top_p,
                    machine=collect_machine_info(), roofline=roofline, date=date,
-                   command=options.command)
+                   command=options.command, held_out=held.describe(total),
+                   in_sample=held.is_in_sample, in_sample_prompts=held.in_sample,
+                   dropped_prompts=held.dropped)
     files = write_records(run, parity_flags(run, greedy), out_dir)
     plots = write_plots(list(methods), summaries, out_dir) if options.plots else []
     files += plots
@@ -185,4 +214,7 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
     report_path = out_dir / "report.md"
     report_path.write_text(markdown_report(info, summaries, plots))
     files.append(report_path)
-    return BenchReport(info, run, summaries, markdown_table(summaries), files)
+    table = markdown_table(summaries)
+    if held.is_in_sample:
+        table += f"\n{held.describe(total)}\n"
+    return BenchReport(info, run, summaries, table, files)

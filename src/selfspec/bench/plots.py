@@ -18,6 +18,7 @@ from pathlib import Path
 
 from selfspec.bench.metrics import MethodSummary
 from selfspec.bench.spec import MethodConfig
+from selfspec.extras import BENCH_INSTALL, require_module
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,19 @@ def _speed_measure(summaries: Sequence[MethodSummary]) -> _Measure:
     return _Measure("tokens_per_s", "tokens / s")
 
 
+def require_matplotlib() -> None:
+    """Check, before a run, that the plots can be drawn.
+
+    Raises:
+        MissingDependencyError: matplotlib is not installed (the message gives the pip
+            command, or ``--no-plots``).
+    """
+    require_module("matplotlib", "selfspec bench's PNG plots",
+                   f"{BENCH_INSTALL} (or pass --no-plots)")
+
+
 def _pyplot():
+    require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never a window
@@ -140,7 +153,11 @@ def plot_sweeps(configs: Sequence[MethodConfig], summaries: Sequence[MethodSumma
 
 def write_plots(configs: Sequence[MethodConfig], summaries: Sequence[MethodSummary],
                 out_dir: Path) -> list[Path]:
-    """Write every plot that applies to the run; returns their paths."""
+    """Write every plot that applies to the run; returns their paths.
+
+    Raises:
+        MissingDependencyError: matplotlib is not installed.
+    """
     paths = [plot_speedup(summaries, out_dir / "speedup.png")]
     acceptance = plot_acceptance_vs_exit_layer(configs, summaries,
                                                out_dir / "acceptance-vs-exit-layer.png")

@@ -82,6 +82,9 @@ class RunInfo:
         roofline: measured bandwidth and weight bytes per token (None if not measured).
         date: ISO 8601 UTC time the run started.
         command: the command line, for reproduction.
+        held_out: one line on how the prompts relate to the heads' training data.
+        in_sample: True when prompts seen in training/calibration were kept.
+        in_sample_prompts / dropped_prompts: ids of the seen prompts, and of those dropped.
     """
 
     model: str
@@ -95,6 +98,11 @@ class RunInfo:
     roofline: Roofline | None
     date: str
     command: str = ""
+    top_p: float = 1.0
+    held_out: str = ""
+    in_sample: bool = False
+    in_sample_prompts: list[str] = dataclasses.field(default_factory=list)
+    dropped_prompts: list[str] = dataclasses.field(default_factory=list)
 
 
 def now_iso() -> str:
@@ -199,11 +207,13 @@ def markdown_header(info: RunInfo) -> str:
     """The report header: model, dtype, dataset, machine, versions, bandwidth, date."""
     m = info.machine
     lines = [
-        f"# selfspec bench: {info.model} on {info.dataset}", "",
+        f"# selfspec bench: {info.model} on {info.dataset}"
+        + (" (IN-SAMPLE)" if info.in_sample else ""), "",
         f"- model: `{info.model}`, dtype {info.dtype}",
         f"- dataset: {info.dataset}, n = {info.n} prompts, max new tokens {info.max_new_tokens}, "
         + ("greedy" if info.temperature == 0
-           else f"temperature {info.temperature}, seed {info.seed}"),
+           else f"temperature {info.temperature}"
+           + (f", top-p {info.top_p}" if info.top_p < 1 else "") + f", seed {info.seed}"),
         f"- machine: {m.cpu}, {m.logical_cores} logical cores, torch threads {m.torch_threads}, "
         f"{m.platform}",
         f"- versions: python {m.python}, torch {m.torch}, transformers {m.transformers}, "
@@ -216,6 +226,8 @@ def markdown_header(info: RunInfo) -> str:
             f"of {r.bandwidth.repeats}, {r.bandwidth.threads} threads): "
             f"{r.bandwidth.gb_per_s:.1f} GB/s; weights read per token "
             f"{r.weight_bytes / 1e6:.1f} MB; roofline {r.tokens_per_s:.1f} tok/s")
+    if info.held_out:
+        lines.append(f"- {info.held_out}")
     lines.append(f"- date: {info.date}")
     if info.command:
         lines.append(f"- command: `{info.command}`")
@@ -228,9 +240,10 @@ this run; mean accepted = tokens committed per verification (bonus token include
 acceptance = accepted / drafted draft tokens; exit layer = mean layer of exit-layer
 predictions (draft tokens; every token of a lossy early exit); draft / verify = share of
 wall time; parity = share of prompts whose greedy output equals `ar`'s; prefix = ar = mean
-share of `ar`'s output repeated before the first differing token; accuracy = HumanEval pass@1 or
-GSM exact match; roofline = tok/s over bandwidth / weight bytes per token. – = not applicable
-or not known (transformers does not expose its drafted-token counts).
+share of `ar`'s output repeated before the first differing token; accuracy = HumanEval pass@1,
+GSM exact match or a prompt file's reference match; roofline = tok/s over bandwidth / weight
+bytes per token. – = not applicable or not known (transformers does not expose its
+drafted-token counts).
 """
 
 

@@ -47,13 +47,15 @@ class RunSettings:
 
     Attributes:
         max_new_tokens: at most this many new tokens per prompt.
-        temperature: 0 = greedy; > 0 = sampling (no top-k / top-p), seeded with ``seed``.
+        temperature: 0 = greedy; > 0 = sampling (no top-k), seeded with ``seed``.
         seed: sampling seed.
+        top_p: nucleus mass in (0, 1] when sampling (1 = the whole distribution).
     """
 
     max_new_tokens: int
     temperature: float = 0.0
     seed: int = 0
+    top_p: float = 1.0
 
 
 @dataclass
@@ -157,7 +159,8 @@ class SelfSpecRunner:
         recorder = _CommitRecorder(self.clock, start, skip_first=False)
         result = self.engine.generate(
             prompt.ids, method=self.config.name, max_new_tokens=settings.max_new_tokens,
-            temperature=settings.temperature, seed=settings.seed, streamer=recorder,
+            temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed,
+            streamer=recorder,
             **self.config.options)
         wall = self.clock() - start
         s = result.stats
@@ -254,7 +257,8 @@ class HFRunner:
                       eos_token_id=eos, pad_token_id=pad if pad is not None else eos[0],
                       repetition_penalty=1.0)
         if settings.temperature > 0:
-            kwargs.update(do_sample=True, temperature=settings.temperature, top_k=0, top_p=1.0)
+            kwargs.update(do_sample=True, temperature=settings.temperature, top_k=0,
+                          top_p=settings.top_p)
             torch.manual_seed(settings.seed)
         else:
             kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)

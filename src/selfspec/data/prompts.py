@@ -9,7 +9,7 @@ from typing import Any
 
 from selfspec.errors import InvalidArgumentError
 
-DATASETS = ("humaneval", "mtbench", "gsm", "sharegpt-summarize")
+DATASETS = ("humaneval", "mtbench", "gsm", "sharegpt-summarize", "stdlib", "sharegpt-chat")
 
 
 @dataclass(frozen=True)
@@ -37,13 +37,15 @@ class Prompt:
 
 def _loaders() -> dict[str, Callable[[int | None, int], list[Prompt]]]:
     # Imported lazily: each source module touches its package only when asked for.
-    from selfspec.data import gsm, humaneval, mtbench, sharegpt
+    from selfspec.data import gsm, humaneval, mtbench, sharegpt, stdlib
 
     return {
         "humaneval": humaneval.load,
         "mtbench": mtbench.load,
         "gsm": gsm.load,
         "sharegpt-summarize": sharegpt.load,
+        "stdlib": stdlib.load,
+        "sharegpt-chat": sharegpt.load_chat,
     }
 
 

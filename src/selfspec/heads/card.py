@@ -8,12 +8,19 @@ correct or all wrong) and a threshold that no ε can meet (``+inf``, the head is
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from selfspec.heads.fingerprint import ModelFingerprint
 
-CARD_FORMAT_VERSION = 1
+CARD_FORMAT_VERSION = 2  # 2: ``prompts`` records which prompts each stage saw
+
+# Uses of a prompt that shape what decoding does (head weights, the draft-vocabulary ranking,
+# thresholds τ_k(ε), probe weights): a benchmark on such a prompt is in-sample. "test" and
+# "probe-eval" prompts are only scored for the card.
+IN_SAMPLE_USES = ("train", "calibration", "probe-train")
+PROMPT_USES = ("train", "calibration", "test", "probe-train", "probe-eval")
 
 
 def _finite_or_none(value: float | None) -> float | None:
@@ -116,6 +123,12 @@ class ProbeCard:
         auc: held-out ROC AUC of the probe; ``max_prob_auc``: that of the draft's max-probability.
         bce: held-out binary cross-entropy, nats.
         seconds: training wall time.
+        mode: ``"greedy"`` (label: draft argmax == final argmax) or ``"sampled"`` (label: the
+            expected acceptance ``Σ_x min(p(x), q(x))`` of speculative sampling with draft
+            ``q`` and target ``p``, both under ``temperature`` / ``top_p``; AdaSPEED Table I's
+            top-p rows). For a sampled probe ``base_rate`` is the mean label and ``accuracy``
+            the mean absolute error.
+        temperature / top_p: the sampling settings of a ``"sampled"`` probe's labels.
     """
 
     exit_layer: int
@@ -128,6 +141,9 @@ class ProbeCard:
     max_prob_auc: float
     bce: float
     seconds: float
+    mode: str = "greedy"
+    temperature: float = 0.0
+    top_p: float = 1.0
 
 
 @dataclass
@@ -159,6 +175,33 @@ class TrainingInfo:
 
 
 @dataclass
+class PromptUse:
+    """The prompts of one dataset that one stage used (held-out bookkeeping, DESIGN.md
+    "Honest evaluation").
+
+    Attributes:
+        use: one of :data:`PROMPT_USES`: ``train`` (head training and the token counts that
+            rank a reduced draft vocabulary), ``calibration`` (τ_k(ε)), ``test`` (card
+            figures only), ``probe-train`` / ``probe-eval`` (AdaSPEED probes).
+        dataset: the dataset name (``selfspec.data.DATASETS``; ``"stdlib"``, ``"humaneval"``).
+        ids: the prompt ids, sorted.
+    """
+
+    use: str
+    dataset: str
+    ids: list[str]
+
+
+def prompt_uses(pairs: Iterable[tuple[str, str, str]]) -> list[PromptUse]:
+    """``(use, dataset, prompt_id)`` triples → one sorted :class:`PromptUse` per use and
+    dataset."""
+    grouped: dict[tuple[str, str], set[str]] = {}
+    for use, dataset, pid in pairs:
+        grouped.setdefault((use, dataset), set()).add(pid)
+    return [PromptUse(use, dataset, sorted(ids)) for (use, dataset), ids in sorted(grouped.items())]
+
+
+@dataclass
 class HeadCard:
     """Everything a head file records besides its tensors.
 
@@ -171,8 +214,12 @@ class HeadCard:
         training: :class:`TrainingInfo` or ``None``.
         heads: per-head :class:`HeadEval`.
         calibration_metrics / calibration_epsilons: what was calibrated.
+        calibration_draft_vocabs: reduced draft-vocabulary sizes K with their own calibration
+            (DSSD with ``draft_vocab=K`` uses those thresholds).
         calibration: per-head :class:`HeadCalibration` (empty until calibrated).
         probes: per-exit-layer :class:`ProbeCard`.
+        prompts: every prompt each stage used (:class:`PromptUse`); empty in files written
+            before format 2, whose provenance :meth:`seen_prompts` cannot tell.
         created: ISO-8601 time of the last write.
         selfspec_version: package version that wrote the file.
         format_version: :data:`CARD_FORMAT_VERSION`.
@@ -189,8 +236,10 @@ class HeadCard:
     heads: list[HeadEval] = field(default_factory=list)
     calibration_metrics: list[str] = field(default_factory=list)
     calibration_epsilons: list[float] = field(default_factory=list)
+    calibration_draft_vocabs: list[int] = field(default_factory=list)
     calibration: list[HeadCalibration] = field(default_factory=list)
     probes: list[ProbeCard] = field(default_factory=list)
+    prompts: list[PromptUse] = field(default_factory=list)
     created: str = ""
     selfspec_version: str = ""
     format_version: int = CARD_FORMAT_VERSION
@@ -222,12 +271,38 @@ class HeadCard:
             heads=[HeadEval(**_floats(h)) for h in data.get("heads", [])],
             calibration_metrics=list(data.get("calibration_metrics", [])),
             calibration_epsilons=[float(e) for e in data.get("calibration_epsilons", [])],
+            calibration_draft_vocabs=[int(k) for k in data.get("calibration_draft_vocabs", [])],
             calibration=[_head_calibration(c) for c in data.get("calibration", [])],
             probes=[ProbeCard(**_floats(p)) for p in data.get("probes", [])],
+            prompts=[PromptUse(str(u["use"]), str(u["dataset"]), [str(i) for i in u["ids"]])
+                     for u in data.get("prompts", [])],
             created=str(data.get("created", "")),
             selfspec_version=str(data.get("selfspec_version", "")),
             format_version=int(data.get("format_version", CARD_FORMAT_VERSION)),
         )
+
+    @property
+    def records_prompts(self) -> bool:
+        """True when the card lists the prompts it saw (format 2 and later)."""
+        return self.format_version >= 2
+
+    def seen_prompts(self) -> dict[str, set[str]]:
+        """Dataset → ids of the prompts that shaped these heads, thresholds or probes
+        (:data:`IN_SAMPLE_USES`)."""
+        seen: dict[str, set[str]] = {}
+        for u in self.prompts:
+            if u.use in IN_SAMPLE_USES:
+                seen.setdefault(u.dataset, set()).update(u.ids)
+        return seen
+
+    def set_prompts(self, uses: Iterable[PromptUse], replace: Iterable[str] = ()) -> None:
+        """Add ``uses``; records of the uses named in ``replace`` are dropped first (a
+        re-calibration replaces the calibration prompts; training prompts only accumulate)."""
+        dropped = set(replace)
+        kept = [(u.use, u.dataset, i) for u in self.prompts if u.use not in dropped
+                for i in u.ids]
+        new = [(u.use, u.dataset, i) for u in uses for i in u.ids]
+        self.prompts = prompt_uses(kept + new)
 
     def head_eval(self, layer: int) -> HeadEval | None:
         return next((h for h in self.heads if h.layer == layer), None)

@@ -11,7 +11,6 @@ from pathlib import Path
 from selfspec.errors import InvalidArgumentError
 
 _EPS_SHOWN = (0.6, 0.7, 0.8, 0.9, 0.95)
-DEFAULT_DATA_HELP = "humaneval,gsm,onpolicy:humaneval,onpolicy:mtbench"
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -28,14 +27,17 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
-def _add_data_args(p: argparse.ArgumentParser, what: str) -> None:
-    from selfspec.heads.pipeline import DEFAULT_TOKENS
+def _add_data_args(p: argparse.ArgumentParser, what: str | None = None) -> None:
+    from selfspec.data import DATASETS
+    from selfspec.heads.pipeline import DEFAULT_DATA, DEFAULT_TOKENS
 
+    what = what or DEFAULT_DATA
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None,
-                   help="comma-separated sources: a dataset (humaneval, mtbench, gsm, "
-                        "sharegpt-summarize) = prompt + reference text; onpolicy:DATASET = the "
-                        f"model's own greedy answers (default: {what})")
+                   help=f"comma-separated sources: a dataset ({', '.join(DATASETS)}) = prompt "
+                        "+ reference text; onpolicy:DATASET = the model's own greedy answers "
+                        f"(default: {what}; the card records every prompt used, and "
+                        "selfspec bench drops those prompts from its runs)")
     g.add_argument("--tokens", type=int, default=None,
                    help="scored training tokens over all sources; held-out calibration and test "
                         f"text add 25%% each (default: {DEFAULT_TOKENS})")
@@ -83,7 +85,10 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--epsilon", type=_floats, default=None, help="ε sweep, e.g. 0.5,0.7,0.9")
     t.add_argument("--no-plots", dest="plots", action="store_false",
                    help="skip roc.png / epsilon.png")
-    _add_data_args(t, DEFAULT_DATA_HELP)
+    t.add_argument("--draft-vocab", type=_ints, default=(),
+                   help="also calibrate thresholds on the K most frequent tokens, e.g. 4096 "
+                        "(what DSSD with --draft-vocab K uses)")
+    _add_data_args(t)
     t.set_defaults(func=_cmd_train)
 
     c = sub.add_parser("calibrate", help="calibrate thresholds of a head file (DSSD §3.4.1)")
@@ -92,6 +97,9 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--epsilon", type=_floats, default=None, help="ε sweep, e.g. 0.5,0.7,0.9")
     c.add_argument("--no-plots", dest="plots", action="store_false",
                    help="skip roc.png / epsilon.png")
+    c.add_argument("--draft-vocab", type=_ints, default=None,
+                   help="reduced draft-vocabulary sizes K to calibrate too, e.g. 4096 (default: "
+                        "those the file was calibrated for before)")
     _add_data_args(c, "the data the heads were trained on")
     c.set_defaults(func=_cmd_calibrate)
 
@@ -109,7 +117,12 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
                     help="head file whose head at the exit layer drafts (the probe is saved "
                          "into it); default: lm_head drafting, saved under <model>/probes/")
     pr.add_argument("--out", default=None, help="where to save an lm_head probe")
-    _add_data_args(pr, DEFAULT_DATA_HELP)
+    pr.add_argument("--temperature", type=float, default=0.0,
+                    help="0 = a probe for greedy decoding (default); > 0 = a probe for sampled "
+                         "decoding, trained on the expected acceptance of speculative sampling "
+                         "at this temperature and --top-p (AdaSPEED Table I's top-p rows)")
+    pr.add_argument("--top-p", type=float, default=1.0, help="nucleus mass of a sampled probe")
+    _add_data_args(pr)
     pr.set_defaults(func=_cmd_train_probe)
 
 
@@ -131,7 +144,11 @@ def _data_request(args: argparse.Namespace, default_tokens: int | None):
     # Refuse bad options before spending seconds on loading the model.
     if args.tokens is not None and args.tokens < 1:
         raise InvalidArgumentError(f"--tokens must be >= 1, got {args.tokens}")
-    parse_data_spec(args.data or DEFAULT_DATA)
+    from selfspec.data.packages import require_dataset
+    from selfspec.heads.corpus import dataset_of
+
+    for source in parse_data_spec(args.data or DEFAULT_DATA):
+        require_dataset(dataset_of(source))
     return DataRequest(data=args.data or DEFAULT_DATA,
                        tokens=args.tokens or default_tokens or DEFAULT_TOKENS,
                        max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -180,11 +197,36 @@ def _print_card(card, metric: str = "entropy", out=None) -> None:
             cells = [f"τ={_f(r.value):>6} cov {_f(r.coverage, 2)} test {_f(r.test_precision, 2)}"
                      for r in m.thresholds if _shown(r.epsilon, card.calibration_epsilons)]
             print(f"{c.layer:5d}  " + "  ".join(f"{x:>24}" for x in cells), file=out)
+    if card.calibration_draft_vocabs:
+        print("\nthresholds also calibrated on reduced draft vocabularies of K = "
+              + ", ".join(map(str, card.calibration_draft_vocabs)) + " tokens", file=out)
     for p in card.probes:
-        print(f"\nprobe at layer {p.exit_layer} ({p.draft_head} drafts): accuracy {_f(p.accuracy)} "
-              f"(base rate {_f(p.base_rate)}), AUC {_f(p.auc)} vs max-prob AUC "
-              f"{_f(p.max_prob_auc)}, BCE {_f(p.bce)}, {p.train_tokens} train / {p.eval_tokens} "
-              f"held-out tokens, {p.seconds:.1f} s", file=out)
+        if p.mode == "greedy":
+            quality = f"accuracy {_f(p.accuracy)} (base rate {_f(p.base_rate)})"
+        else:
+            quality = (f"sampled decoding (temperature {p.temperature:g}, top-p {p.top_p:g}): "
+                       f"mean abs. error {_f(p.accuracy)} (mean expected acceptance "
+                       f"{_f(p.base_rate)})")
+        print(f"\nprobe at layer {p.exit_layer} ({p.draft_head} drafts): {quality}, AUC "
+              f"{_f(p.auc)} vs max-prob AUC {_f(p.max_prob_auc)}, BCE {_f(p.bce)}, "
+              f"{p.train_tokens} train / {p.eval_tokens} held-out tokens, {p.seconds:.1f} s",
+              file=out)
+    _print_prompts(card, out)
+
+
+def _print_prompts(card, out) -> None:
+    """Which prompts each stage saw (what ``selfspec bench`` holds out)."""
+    if not card.records_prompts:
+        print("\nprompts: not recorded (file written before card format 2); selfspec bench "
+              "treats the training data's train/calibration splits as seen", file=out)
+        return
+    by_use: dict[str, list[str]] = {}
+    for u in card.prompts:
+        by_use.setdefault(u.use, []).append(f"{u.dataset} {len(u.ids)}")
+    print("\nprompts seen (selfspec bench drops train/calibration/probe-train prompts):",
+          file=out)
+    for use, parts in by_use.items():
+        print(f"  {use:12s} " + ", ".join(parts), file=out)
 
 
 def _shown(eps: float, all_eps: list[float]) -> bool:
@@ -192,15 +234,14 @@ def _shown(eps: float, all_eps: list[float]) -> bool:
 
 
 def _plots(args: argparse.Namespace, heads, path: Path) -> list[Path]:
-    import importlib.util
-
+    from selfspec.extras import BENCH_INSTALL, is_installed
     from selfspec.heads.plots import plot_epsilon_sweep, plot_roc
 
     if not args.plots or not heads.calibration:
         return []
-    if importlib.util.find_spec("matplotlib") is None:  # plots are optional, the card is not
-        print("no plots: matplotlib is not installed (pip install 'matplotlib>=3.7')",
-              file=sys.stderr)
+    if not is_installed("matplotlib"):  # plots are optional, the card is not
+        print(f"no plots: matplotlib is not installed; install it with: {BENCH_INSTALL} "
+              "(or pass --no-plots)", file=sys.stderr)
         return []
     return [plot_roc(heads, path.parent / "roc.png"),
             plot_epsilon_sweep(heads, path.parent / "epsilon.png")]
@@ -225,7 +266,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
                          seed=args.seed, **({"lr": args.lr} if args.lr else {}))
     request = TrainRequest(layers=args.layers, train=config,
                            data=_data_request(args, DEFAULT_TOKENS), out=args.out,
-                           calibrate=args.calibrate, epsilons=args.epsilon or DEFAULT_EPSILONS)
+                           calibrate=args.calibrate, epsilons=args.epsilon or DEFAULT_EPSILONS,
+                           draft_vocabs=tuple(args.draft_vocab))
     engine = _load_engine(args, args.model, args.dtype)
     outcome = train(engine, request, progress=not args.quiet)
     return _report(args, outcome)
@@ -261,7 +303,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         args.data = args.data or (",".join(info.data) if info else None)
         request = _data_request(args, (info.requested_tokens or info.train_tokens) if info else None)
     outcome = calibrate_file(engine, str(path), request, epsilons=args.epsilon or DEFAULT_EPSILONS,
-                             progress=not args.quiet)
+                             progress=not args.quiet, draft_vocabs=args.draft_vocab)
     return _report(args, outcome)
 
 
@@ -284,8 +326,15 @@ def _cmd_show(args: argparse.Namespace) -> int:
 def _cmd_train_probe(args: argparse.Namespace) -> int:
     from selfspec.heads.pipeline import DEFAULT_TOKENS, ProbeRequest, train_probe
 
+    from selfspec.decoding.sampling import SamplingConfig
+
+    sampling = None
+    if args.temperature != 0 or args.top_p != 1.0:
+        if args.temperature <= 0:
+            raise InvalidArgumentError("--top-p needs --temperature > 0 (a sampled probe)")
+        sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p)
     request = ProbeRequest(exit_layer=args.exit_layer, heads=args.heads, out=args.out,
-                           data=_data_request(args, DEFAULT_TOKENS))
+                           data=_data_request(args, DEFAULT_TOKENS), sampling=sampling)
     engine = _load_engine(args, args.model, args.dtype)
     outcome = train_probe(engine, request, progress=not args.quiet)
     _print_card(outcome.heads.card)

@@ -35,6 +35,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from selfspec.errors import InvalidArgumentError
+from selfspec.heads.card import PromptUse, prompt_uses
 from selfspec.heads.onpolicy import DEFAULT_BATCH, generate_greedy_batch
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,19 @@ class CorpusItem:
         return max(0, len(self.token_ids) - 1 - self.score_from)
 
 
+def dataset_of(source: str) -> str:
+    """The dataset a data-spec entry reads (``"onpolicy:stdlib"`` → ``"stdlib"``)."""
+    return source[len(ONPOLICY):] if source.startswith(ONPOLICY) else source
+
+
+def items_by_use(items: list[CorpusItem], uses: dict[int, str]) -> list[PromptUse]:
+    """The prompts of ``items`` grouped by use, where ``uses`` maps a split
+    (:data:`TRAIN`, ...) to the use name recorded on the card (``{TRAIN: "probe-train"}``);
+    splits not in ``uses`` are left out."""
+    return prompt_uses((uses[i.split], dataset_of(i.source), i.prompt_id)
+                       for i in items if i.split in uses)
+
+
 def split_of(prompt_id: str) -> int:
     """Deterministic split of a problem: sha256 of its id → train / calibration / test."""
     bucket = int(hashlib.sha256(prompt_id.encode()).hexdigest()[:8], 16) % 100
@@ -92,8 +106,7 @@ def parse_data_spec(spec: str | list[str]) -> list[str]:
     if not names:
         raise InvalidArgumentError("give at least one data source, e.g. --data humaneval")
     for name in names:
-        base = name[len(ONPOLICY):] if name.startswith(ONPOLICY) else name
-        if base not in DATASETS:
+        if dataset_of(name) not in DATASETS:
             raise InvalidArgumentError(
                 f"unknown data source {name!r}; use a dataset ({', '.join(DATASETS)}) for "
                 f"teacher-forced reference text or onpolicy:DATASET for the model's own answers")
@@ -301,7 +314,7 @@ def build_corpus(engine: Any, data: list[str], train_tokens: int, cache_root: Pa
     items: list[CorpusItem] = []
     for source in data:
         if source.startswith(ONPOLICY):
-            dataset = source[len(ONPOLICY):]
+            dataset = dataset_of(source)
             prompts = _ordered(load_dataset_prompts(dataset), seed)
             cache = GenerationCache(onpolicy_cache_path(cache_root, dataset, max_new_tokens))
             bar = tqdm(total=sum(share.tokens), desc=f"on-policy {dataset}", unit="tok",

@@ -7,8 +7,13 @@ Layout of ``heads.safetensors`` (a directory path means ``<dir>/heads.safetensor
     head.<layer>.norm.weight      [H]      the head's norm (+ norm.bias for LayerNorm models)
     probe.<layer>.weight          [H]      AdaSPEED probe v (float32)
     probe.<layer>.bias            [1]      AdaSPEED probe b (float32)
+    probe.<layer>.sampled.weight  [H]      the probe for sampled decoding (labels: expected
+    probe.<layer>.sampled.bias    [1]      acceptance under speculative sampling)
     calib.<layer>.correct         [M] u8   DSSD eq. 2 correctness on the calibration tokens
     calib.<layer>.<metric>        [M] f32  confidence of each calibration token
+    calib.<layer>.v<K>.correct    [M] u8   the same on the K most frequent tokens only
+    calib.<layer>.v<K>.<metric>   [M] f32  (DSSD with draft_vocab=K; K in the card's
+                                           calibration_draft_vocabs)
     vocab.token_counts            [V] i64  final-layer greedy tokens counted on the training
                                            split (ranks the draft vocabulary, ``draft_vocab``)
     metadata: {"format": "selfspec-heads", "card": <HeadCard JSON>}
@@ -77,8 +82,13 @@ class ExitHeads:
         layers: exit layers, sorted (``heads[i]`` reads the state after layers ``[0, layers[i])``).
         heads: :class:`ExitHead` modules (``Head`` callables) aligned with ``layers``.
         card: the :class:`HeadCard`.
-        probes: AdaSPEED probes by exit layer.
+        probes: AdaSPEED probes for greedy decoding, by exit layer.
+        sampled_probes: AdaSPEED probes for sampled decoding (temperature / top-p), by exit
+            layer.
         calibration: calibration vectors by exit layer (empty until calibrated).
+        vocab_calibration: ``{K: {layer: CalibrationSet}}``: calibration of the heads
+            restricted to the K most frequent tokens (confidence and correctness over those
+            rows), for DSSD with ``draft_vocab=K``.
         token_counts: ``[V]`` int64 how often the final layer's greedy prediction was each
             token on the training text (set at calibration; ``None`` in older files). Ranks
             the tokens of a reduced draft vocabulary (``draft_vocab``).
@@ -90,6 +100,8 @@ class ExitHeads:
     probes: dict[int, LinearProbe] = field(default_factory=dict)
     calibration: dict[int, CalibrationSet] = field(default_factory=dict)
     token_counts: torch.Tensor | None = None
+    sampled_probes: dict[int, LinearProbe] = field(default_factory=dict)
+    vocab_calibration: dict[int, dict[int, CalibrationSet]] = field(default_factory=dict)
 
     def head_at(self, layer: int) -> ExitHead:
         """The head at ``layer``.
@@ -102,47 +114,68 @@ class ExitHeads:
                 return head
         raise InvalidArgumentError(f"no exit head at layer {layer}; heads are at {self.layers}")
 
-    def probe_at(self, layer: int) -> LinearProbe:
-        """The AdaSPEED probe at ``layer``.
+    def probe_at(self, layer: int, sampled: bool = False) -> LinearProbe:
+        """The AdaSPEED probe at ``layer``, for greedy or (``sampled``) sampled decoding.
 
         Raises:
-            InvalidArgumentError: no probe there.
+            InvalidArgumentError: no such probe (the message gives the command that trains it).
         """
-        if layer not in self.probes:
+        probes = self.sampled_probes if sampled else self.probes
+        if layer not in probes:
+            flags = " --temperature 1 --top-p 0.9" if sampled else ""
+            kind = "sampled-decoding" if sampled else "greedy-decoding"
             raise InvalidArgumentError(
-                f"no probe at exit layer {layer}; probes exist at {sorted(self.probes)}. Train one "
-                f"with `selfspec heads train-probe --model {self.card.model} --exit-layer {layer}`")
-        return self.probes[layer]
+                f"no {kind} probe at exit layer {layer}; such probes exist at "
+                f"{sorted(probes) or 'no layer'}. Train one with `selfspec heads train-probe "
+                f"--model {self.card.model} --exit-layer {layer}{flags}`")
+        return probes[layer]
 
-    def threshold_details(self, epsilon: float, metric: str = "entropy") -> list[Threshold]:
-        """τ_k(ε) of every head with its calibration coverage and precision (DSSD §3.4.1).
+    def threshold_details(self, epsilon: float, metric: str = "entropy",
+                          draft_vocab: int | None = None) -> list[Threshold]:
+        """τ_k(ε) of every head with its calibration coverage and precision (DSSD §3.4.1),
+        on the full vocabulary or (``draft_vocab=K``) on the K most frequent tokens.
 
         Raises:
             InvalidArgumentError: ``epsilon`` outside [0, 1] or unknown metric.
-            NotCalibratedError: a head has no calibration data for ``metric``.
+            NotCalibratedError: a head has no calibration data for ``metric`` (on that
+                restricted vocabulary).
         """
         check_epsilon(epsilon)
         check_metric(metric)
+        if draft_vocab is None:
+            sets, hint = self.calibration, "`selfspec heads calibrate PATH`"
+        else:
+            sets = self.vocab_calibration.get(draft_vocab, {})
+            hint = f"`selfspec heads calibrate PATH --draft-vocab {draft_vocab}`"
+            if not sets:
+                raise NotCalibratedError(
+                    f"these heads have no thresholds calibrated on a {draft_vocab}-token draft "
+                    f"vocabulary (calibrated sizes: {sorted(self.vocab_calibration) or 'none'}): "
+                    f"thresholds of another vocabulary would not keep ε. Run {hint} first")
         out = []
         for layer in self.layers:
-            data = self.calibration.get(layer)
+            data = sets.get(layer)
             if data is None or metric not in data.scores:
                 raise NotCalibratedError(
-                    f"the head at layer {layer} has no {metric!r} calibration; run "
-                    "`selfspec heads calibrate PATH` first")
+                    f"the head at layer {layer} has no {metric!r} calibration"
+                    + ("" if draft_vocab is None else f" for draft_vocab={draft_vocab}")
+                    + f"; run {hint} first")
             out.append(thresholds(data.scores[metric], data.correct, [epsilon])[0])
         return out
 
-    def thresholds(self, epsilon: float, metric: str = "entropy") -> list[float]:
+    def thresholds(self, epsilon: float, metric: str = "entropy",
+                   draft_vocab: int | None = None) -> list[float]:
         """τ_k(ε) per head, aligned with :attr:`layers`, in confidence units: use head ``k``'s
         prediction when ``confidences(logits)[metric] >= τ_k`` (for ``entropy`` the confidence
         is ``-H`` in nats, so the rule is ``H <= -τ_k``); ``+inf`` = never.
 
+        ``draft_vocab=K``: the thresholds calibrated on the K most frequent tokens.
+
         Raises:
             InvalidArgumentError: ``epsilon`` outside [0, 1] or unknown metric.
-            NotCalibratedError: the heads are not calibrated.
+            NotCalibratedError: the heads are not calibrated (for ``draft_vocab``).
         """
-        return [t.value for t in self.threshold_details(epsilon, metric)]
+        return [t.value for t in self.threshold_details(epsilon, metric, draft_vocab)]
 
 
 # --------------------------------------------------------------------------- locations
@@ -201,13 +234,18 @@ def _tensors(heads: ExitHeads) -> dict[str, torch.Tensor]:
     for layer, head in zip(heads.layers, heads.heads):
         for name, t in head.tensors().items():
             out[f"head.{layer}.{name}"] = t.detach().to("cpu", torch.float32).contiguous().clone()
-    for layer, probe in heads.probes.items():
-        for name, t in probe.tensors().items():
-            out[f"probe.{layer}.{name}"] = t.detach().to("cpu", torch.float32).contiguous().clone()
-    for layer, data in heads.calibration.items():
-        out[f"calib.{layer}.correct"] = data.correct.to("cpu", torch.uint8).contiguous()
-        for metric, s in data.scores.items():
-            out[f"calib.{layer}.{metric}"] = s.to("cpu", torch.float32).contiguous()
+    for prefix, probes in (("probe.{}.", heads.probes), ("probe.{}.sampled.", heads.sampled_probes)):
+        for layer, probe in probes.items():
+            for name, t in probe.tensors().items():
+                out[prefix.format(layer) + name] = t.detach().to("cpu", torch.float32).contiguous().clone()
+    sets = [("calib.{}.", heads.calibration)]
+    sets += [(f"calib.{{}}.v{k}.", by_layer) for k, by_layer in heads.vocab_calibration.items()]
+    for prefix, by_layer in sets:
+        for layer, data in by_layer.items():
+            key = prefix.format(layer)
+            out[key + "correct"] = data.correct.to("cpu", torch.uint8).contiguous()
+            for metric, s in data.scores.items():
+                out[key + metric] = s.to("cpu", torch.float32).contiguous()
     if heads.token_counts is not None:
         out["vocab.token_counts"] = heads.token_counts.to("cpu", torch.int64).contiguous()
     return out
@@ -352,22 +390,20 @@ def _build(raw: HeadFile, out: OutputLayer, target: Path) -> ExitHeads:
             head = make_head(card.kind or "", layer, out, init="lm_head", dtype=dtype)
             head.load_tensors({k: v.to(device) for k, v in own.items()})
             heads.append(head.prepare_inference())
-        probes = {}
+        probes: dict[int, LinearProbe] = {}
+        sampled: dict[int, LinearProbe] = {}
         for key in tensors:
-            match = re.fullmatch(r"probe\.(\d+)\.weight", key)
+            match = re.fullmatch(r"probe\.(\d+)\.(sampled\.)?weight", key)
             if match:
                 layer = int(match.group(1))
                 probe = LinearProbe(layer, card.hidden_size)
                 probe.weight.data.copy_(tensors[key])
-                probe.bias.data.copy_(tensors[f"probe.{layer}.bias"])
-                probes[layer] = probe.to(device).eval().requires_grad_(False)
-        calibration = {}
-        for layer in card.layers:
-            key = f"calib.{layer}.correct"
-            if key in tensors:
-                scores = {m: tensors[f"calib.{layer}.{m}"] for m in card.calibration_metrics
-                          if f"calib.{layer}.{m}" in tensors}
-                calibration[layer] = CalibrationSet(layer, tensors[key].bool(), scores)
+                probe.bias.data.copy_(tensors[key.removesuffix("weight") + "bias"])
+                (sampled if match.group(2) else probes)[layer] = (
+                    probe.to(device).eval().requires_grad_(False))
+        calibration = _calibration_sets(card, tensors, "calib.{}.")
+        by_vocab = {k: _calibration_sets(card, tensors, f"calib.{{}}.v{k}.")
+                    for k in card.calibration_draft_vocabs}
         counts = tensors.get("vocab.token_counts")
         if counts is not None and tuple(counts.shape) != (out.vocab_size,):
             raise InvalidArgumentError(
@@ -375,7 +411,19 @@ def _build(raw: HeadFile, out: OutputLayer, target: Path) -> ExitHeads:
     except (InvalidArgumentError, KeyError, RuntimeError) as err:
         raise _corrupt(target, f"incomplete tensors: {err}") from err
     return ExitHeads(list(card.layers), heads, card, probes, calibration,
-                     None if counts is None else counts.to(torch.int64))
+                     None if counts is None else counts.to(torch.int64), sampled, by_vocab)
+
+
+def _calibration_sets(card: HeadCard, tensors: dict[str, torch.Tensor], prefix: str
+                      ) -> dict[int, CalibrationSet]:
+    """Calibration vectors stored under ``prefix.format(layer)``, by layer."""
+    out = {}
+    for layer in card.layers:
+        key = prefix.format(layer)
+        if key + "correct" in tensors:
+            scores = {m: tensors[key + m] for m in card.calibration_metrics if key + m in tensors}
+            out[layer] = CalibrationSet(layer, tensors[key + "correct"].bool(), scores)
+    return out
 
 
 def new_card(source: object, kind: str | None, layers: list[int]) -> HeadCard:

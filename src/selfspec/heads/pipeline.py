@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from selfspec.decoding.sampling import SamplingConfig, logits_to_probs
 from selfspec.errors import InvalidArgumentError
 from selfspec.heads.calibration import (
     CONFIDENCE_METRICS,
@@ -35,10 +36,19 @@ from selfspec.heads.card import (
     HeadEval,
     MetricCalibration,
     ProbeCard,
+    PromptUse,
     ThresholdRow,
     TrainingInfo,
 )
-from selfspec.heads.corpus import CALIBRATION, TEST, TRAIN, build_corpus, parse_data_spec
+from selfspec.heads.corpus import (
+    CALIBRATION,
+    TEST,
+    TRAIN,
+    CorpusItem,
+    build_corpus,
+    items_by_use,
+    parse_data_spec,
+)
 from selfspec.heads.features import FeatureSet, load_features
 from selfspec.heads.files import (
     DEFAULT_PROBES,
@@ -58,7 +68,11 @@ from selfspec.heads.train import TrainConfig, train_heads
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_DATA = "humaneval,gsm,onpolicy:humaneval,onpolicy:mtbench"
+# Held out from every benchmark prompt set by construction: standard-library functions as
+# code (teacher-forced bodies and the model's own completions) and ShareGPT chat requests
+# that are not in sharegpt-summarize (the model's own answers). No HumanEval, MT-Bench, GSM
+# or sharegpt-summarize prompt is used, so none is dropped from a benchmark.
+DEFAULT_DATA = "stdlib,onpolicy:stdlib,onpolicy:sharegpt-chat"
 DEFAULT_TOKENS = 40_000
 
 
@@ -102,8 +116,29 @@ class StageTimes:
     probe_s: float = 0.0
 
 
+@dataclass
+class PreparedData:
+    """A corpus and its backbone features.
+
+    Attributes:
+        items: the corpus (which prompt each sequence came from, and its split).
+        features: cached backbone features of ``items`` at the requested layers.
+    """
+
+    items: list[CorpusItem]
+    features: FeatureSet
+
+    def uses(self, uses: dict[int, str]) -> list[PromptUse]:
+        """Prompt records for the card (see :func:`~selfspec.heads.corpus.items_by_use`)."""
+        return items_by_use(self.items, uses)
+
+
+HEAD_USES = {TRAIN: "train", CALIBRATION: "calibration", TEST: "test"}
+PROBE_USES = {TRAIN: "probe-train", CALIBRATION: "probe-eval", TEST: "probe-eval"}
+
+
 def prepare_features(engine: Any, request: DataRequest, layers: Sequence[int],
-                     times: StageTimes, progress: bool = True) -> FeatureSet:
+                     times: StageTimes, progress: bool = True) -> PreparedData:
     """Corpus + cached backbone features at ``layers`` (on-policy text generated if needed)."""
     data = parse_data_spec(request.data)
     root = cache_root(engine)
@@ -116,7 +151,7 @@ def prepare_features(engine: Any, request: DataRequest, layers: Sequence[int],
     t2 = time.perf_counter()
     times.corpus_s += t1 - t0
     times.features_s += t2 - t1
-    return features
+    return PreparedData(items, features)
 
 
 # ------------------------------------------------------------------------------ train
@@ -131,6 +166,7 @@ class TrainRequest:
         out: where to save (``None`` = the model's default heads directory).
         calibrate: calibrate after training.
         epsilons / metrics: calibration sweep.
+        draft_vocabs: reduced draft-vocabulary sizes to calibrate as well (DSSD ``draft_vocab``).
     """
 
     layers: tuple[int, ...] | None = None
@@ -140,6 +176,7 @@ class TrainRequest:
     calibrate: bool = True
     epsilons: tuple[float, ...] = DEFAULT_EPSILONS
     metrics: tuple[str, ...] = CONFIDENCE_METRICS
+    draft_vocabs: tuple[int, ...] = ()
 
 
 @dataclass
@@ -167,7 +204,8 @@ def train(engine: Any, request: TrainRequest, progress: bool = True) -> TrainOut
     num_layers = engine.executor.num_layers
     layers = check_layers(request.layers, num_layers) if request.layers else default_layers(num_layers)
     times = StageTimes()
-    features = prepare_features(engine, request.data, layers, times, progress)
+    data = prepare_features(engine, request.data, layers, times, progress)
+    features = data.features
     out = output_layer(engine)
     result = train_heads(out, features, layers, request.train, progress=progress)
     times.train_s = result.seconds
@@ -181,6 +219,7 @@ def train(engine: Any, request: TrainRequest, progress: bool = True) -> TrainOut
         feature_dtype=dtype_label(engine.executor.dtype), init=cfg.init, seed=request.data.seed,
         seconds=result.seconds, requested_tokens=request.data.tokens,
         max_new_tokens=request.data.max_new_tokens, max_len=request.data.max_len)
+    card.set_prompts(data.uses(HEAD_USES))
     card.heads = [HeadEval(a.layer, a.tokens, b.agreement, a.agreement, b.kl, a.kl,
                            a.confident_fraction, a.confident_agreement)
                   for b, a in zip(result.before, result.after)]
@@ -189,7 +228,8 @@ def train(engine: Any, request: TrainRequest, progress: bool = True) -> TrainOut
     heads = load_heads(target, engine)  # the heads exactly as inference will see them
     if request.calibrate:
         t0 = time.perf_counter()
-        calibrate(heads, features, request.metrics, request.epsilons)
+        calibrate(heads, features, request.metrics, request.epsilons, request.draft_vocabs,
+                  _eos_ids(engine))
         times.calibrate_s = time.perf_counter() - t0
         save_heads(heads, target)
     return TrainOutcome(target, heads, times, result.train_tokens, result.eval_tokens)
@@ -198,69 +238,105 @@ def train(engine: Any, request: TrainRequest, progress: bool = True) -> TrainOut
 # -------------------------------------------------------------------------- calibrate
 @torch.inference_mode()
 def head_scores(head: ExitHead, features: FeatureSet, indices: torch.Tensor,
-                metrics: Sequence[str], batch_tokens: int = 512) -> CalibrationSet:
-    """Confidences and correctness (DSSD eq. 2) of ``head`` on ``features[indices]``."""
+                metrics: Sequence[str], batch_tokens: int = 512,
+                vocab_rows: torch.Tensor | None = None) -> CalibrationSet:
+    """Confidences and correctness (DSSD eq. 2) of ``head`` on ``features[indices]``; with
+    ``vocab_rows`` ``[R]``, of the head restricted to those tokens (confidence over the R
+    logits, correct when its argmax row is the final layer's token)."""
     correct, scores = [], {m: [] for m in metrics}
     for start in range(0, indices.numel(), batch_tokens):
         idx = indices[start:start + batch_tokens]
-        logits = head(features.hidden[head.layer][idx].unsqueeze(0))[0]  # [n, V]
-        correct.append(logits.argmax(-1) == features.teacher_token[idx])
+        logits = head(features.hidden[head.layer][idx].unsqueeze(0), vocab_rows)[0]  # [n, V|R]
+        top = logits.argmax(-1)
+        correct.append((top if vocab_rows is None else vocab_rows[top])
+                       == features.teacher_token[idx])
         for m, v in confidences(logits, metrics).items():
             scores[m].append(v)
     return CalibrationSet(head.layer, torch.cat(correct), {m: torch.cat(v) for m, v in scores.items()})
 
 
+def _metric_report(cal: CalibrationSet, test: CalibrationSet | None, metric: str,
+                   epsilons: Sequence[float]) -> MetricCalibration:
+    """AUC and the ε sweep of one metric, realised on the test tokens."""
+    rows = []
+    for t in thresholds(cal.scores[metric], cal.correct, epsilons):
+        r = realised(test.scores[metric], test.correct, t.value) if test else None
+        rows.append(ThresholdRow(t.epsilon, t.value, t.coverage, t.precision,
+                                 r.coverage if r else math.nan, r.precision if r else math.nan))
+    return MetricCalibration(metric, roc_auc(cal.scores[metric], cal.correct),
+                             roc_auc(test.scores[metric], test.correct) if test else math.nan, rows)
+
+
 def calibrate(heads: ExitHeads, features: FeatureSet, metrics: Sequence[str] = CONFIDENCE_METRICS,
-              epsilons: Sequence[float] = DEFAULT_EPSILONS) -> None:
+              epsilons: Sequence[float] = DEFAULT_EPSILONS,
+              draft_vocabs: Sequence[int] | None = None,
+              eos_ids: Sequence[int] = ()) -> None:
     """DSSD §3.4.1 on the calibration split, checked on the test split; fills
     ``heads.calibration`` and the card's calibration section in place, and
     ``heads.token_counts`` (the final layer's greedy tokens on the training split, which rank
     the reduced draft vocabulary of ``draft_vocab``).
 
+    Args:
+        draft_vocabs: sizes K to calibrate on the K most frequent tokens as well (plus
+            ``eos_ids``, as decoding keeps them), for DSSD with ``draft_vocab=K``; ``None`` =
+            the sizes the heads were calibrated for before (their token ranking changes with
+            the counts, so they are redone).
+        eos_ids: EOS ids a reduced draft vocabulary always keeps (the model config's).
+
     Raises:
-        InvalidArgumentError: no calibration tokens, bad metric or ε.
+        InvalidArgumentError: no calibration tokens, bad metric, ε or draft vocabulary size.
     """
+    from selfspec.methods.draft_vocab import check_draft_vocab, frequent_rows
+
     metrics = [check_metric(m) for m in metrics]
     epsilons = sorted(check_epsilon(e) for e in epsilons)
+    vocab_size = heads.card.vocab_size
+    sizes = sorted({check_draft_vocab(k, vocab_size) for k in (
+        heads.vocab_calibration if draft_vocabs is None else draft_vocabs)})
     cal_idx, test_idx = features.indices(CALIBRATION), features.indices(TEST)
     if cal_idx.numel() == 0:
         raise InvalidArgumentError("no calibration tokens: give more data (--tokens, --data)")
+    train_idx = features.indices(TRAIN)
+    heads.token_counts = torch.bincount(features.teacher_token[train_idx].to(torch.int64),
+                                        minlength=vocab_size)
     reports = []
     for head in heads.heads:
         cal = head_scores(head, features, cal_idx, metrics)
         test = head_scores(head, features, test_idx, metrics) if test_idx.numel() else None
         heads.calibration[head.layer] = cal
-        per_metric = []
-        for m in metrics:
-            rows = []
-            for t in thresholds(cal.scores[m], cal.correct, epsilons):
-                r = realised(test.scores[m], test.correct, t.value) if test else None
-                rows.append(ThresholdRow(t.epsilon, t.value, t.coverage, t.precision,
-                                         r.coverage if r else math.nan,
-                                         r.precision if r else math.nan))
-            per_metric.append(MetricCalibration(
-                m, roc_auc(cal.scores[m], cal.correct),
-                roc_auc(test.scores[m], test.correct) if test else math.nan, rows))
         reports.append(HeadCalibration(
             head.layer, cal.correct.numel(), float(cal.correct.float().mean()),
             0 if test is None else test.correct.numel(),
-            math.nan if test is None else float(test.correct.float().mean()), per_metric))
+            math.nan if test is None else float(test.correct.float().mean()),
+            [_metric_report(cal, test, m, epsilons) for m in metrics]))
+    heads.vocab_calibration = {}
+    for k in sizes:
+        rows = frequent_rows(heads.token_counts, k, eos_ids).rows
+        rows = rows.to(features.teacher_token.device)
+        heads.vocab_calibration[k] = {
+            head.layer: head_scores(head, features, cal_idx, metrics, vocab_rows=rows)
+            for head in heads.heads}
     heads.card.calibration = reports
-    train_idx = features.indices(TRAIN)
-    heads.token_counts = torch.bincount(features.teacher_token[train_idx].to(torch.int64),
-                                        minlength=heads.card.vocab_size)
     heads.card.calibration_metrics = list(metrics)
     heads.card.calibration_epsilons = list(epsilons)
+    heads.card.calibration_draft_vocabs = sizes
+
+
+def _eos_ids(engine: Any) -> tuple[int, ...]:
+    from selfspec.methods.draft_vocab import config_eos_ids
+
+    return config_eos_ids(engine.executor.config)
 
 
 def calibrate_file(engine: Any, path: str, request: DataRequest | None = None,
                    metrics: Sequence[str] = CONFIDENCE_METRICS,
-                   epsilons: Sequence[float] = DEFAULT_EPSILONS, progress: bool = True
-                   ) -> TrainOutcome:
+                   epsilons: Sequence[float] = DEFAULT_EPSILONS, progress: bool = True,
+                   draft_vocabs: Sequence[int] | None = None) -> TrainOutcome:
     """``selfspec heads calibrate``: load heads, calibrate on held-out text, save in place.
 
     The text defaults to what the heads were trained on (the card's data and token count),
-    whose held-out problems are then the same as at training time.
+    whose held-out problems are then the same as at training time. ``draft_vocabs``: sizes K
+    to calibrate on the K most frequent tokens too (``None`` = those calibrated before).
     """
     target = resolve_path(path, model_name(engine))
     heads = load_heads(target, engine)
@@ -270,9 +346,13 @@ def calibrate_file(engine: Any, path: str, request: DataRequest | None = None,
                                info.max_new_tokens, info.max_len, info.seed)
                    if info else DataRequest())
     times = StageTimes()
-    features = prepare_features(engine, request, heads.layers, times, progress)
+    data = prepare_features(engine, request, heads.layers, times, progress)
+    features = data.features
     t0 = time.perf_counter()
-    calibrate(heads, features, metrics, epsilons)
+    calibrate(heads, features, metrics, epsilons, draft_vocabs, _eos_ids(engine))
+    # Token counts (the draft-vocabulary ranking) come from this corpus's training split:
+    # its prompts join the training record; calibration and test prompts are replaced.
+    heads.card.set_prompts(data.uses(HEAD_USES), replace=("calibration", "test"))
     times.calibrate_s = time.perf_counter() - t0
     save_heads(heads, target)
     return TrainOutcome(target, heads, times, features.count(TRAIN),
@@ -292,6 +372,9 @@ class ProbeRequest:
             default heads).
         data: :class:`DataRequest`.
         config: :class:`ProbeTrainConfig`.
+        sampling: ``None`` = a greedy-decoding probe (label: draft argmax == final argmax);
+            a sampling config = a sampled-decoding probe whose label is the expected
+            acceptance of speculative sampling under that temperature / top-p.
     """
 
     exit_layer: int
@@ -299,37 +382,58 @@ class ProbeRequest:
     out: str | None = None
     data: DataRequest = field(default_factory=DataRequest)
     config: ProbeTrainConfig = field(default_factory=ProbeTrainConfig)
+    sampling: SamplingConfig | None = None
 
 
 @dataclass(frozen=True)
 class Drafts:
-    """Draft predictions at an exit layer: ``tokens`` ``[N]`` (argmax) and ``max_prob`` ``[N]``."""
+    """Draft predictions at an exit layer, ``[N]`` each.
+
+    Attributes:
+        tokens: the draft argmax.
+        max_prob: its untempered probability.
+        expected_acceptance: ``Σ_x min(p(x), q(x))`` under the sampling settings (``None``
+            for greedy): the probability that speculative sampling accepts a token drawn
+            from the draft ``q`` given the target ``p`` (Leviathan et al. 2023, §3.3).
+    """
 
     tokens: torch.Tensor
     max_prob: torch.Tensor
+    expected_acceptance: torch.Tensor | None = None
 
 
 @torch.inference_mode()
 def draft_predictions(engine: Any, head: ExitHead | None, hidden: torch.Tensor,
+                      final: torch.Tensor | None = None, sampling: SamplingConfig | None = None,
                       batch_tokens: int = 512) -> Drafts:
     """What an early-exit drafter predicts from exit-layer states ``[N, H]`` with ``head``
-    (``None`` = the model's final norm + ``lm_head``)."""
-    tokens, top = [], []
+    (``None`` = the model's final norm + ``lm_head``); with ``sampling`` and the last-layer
+    states ``final`` ``[N, H]``, also each position's expected acceptance."""
+    tokens, top, alpha = [], [], []
     for start in range(0, hidden.shape[0], batch_tokens):
         h = hidden[start:start + batch_tokens].unsqueeze(0)
         logits = engine.executor.logits(h, head)[0].float()
         tokens.append(logits.argmax(-1))
         top.append(torch.softmax(logits, -1).max(-1).values)
-    return Drafts(torch.cat(tokens), torch.cat(top))
+        if sampling is not None:
+            target = engine.executor.logits(final[start:start + batch_tokens].unsqueeze(0))[0]
+            q = logits_to_probs(logits, sampling)
+            p = logits_to_probs(target.float(), sampling)
+            alpha.append(torch.minimum(p, q).sum(-1).clamp(0.0, 1.0))
+    return Drafts(torch.cat(tokens), torch.cat(top), torch.cat(alpha) if alpha else None)
 
 
 def train_probe(engine: Any, request: ProbeRequest, progress: bool = True) -> TrainOutcome:
     """Fit an AdaSPEED probe at ``request.exit_layer`` and save it (see :class:`ProbeRequest`).
 
     Raises:
-        InvalidArgumentError: exit layer outside ``[1, L-1]`` or no data.
+        InvalidArgumentError: exit layer outside ``[1, L-1]``, a greedy ``sampling`` config,
+            or no data.
     """
     layer = check_layers([request.exit_layer], engine.executor.num_layers)[0]
+    sampling = request.sampling
+    if sampling is not None and sampling.greedy:
+        raise InvalidArgumentError("a sampled-decoding probe needs temperature > 0")
     if request.heads is not None:
         target = resolve_path(request.heads, model_name(engine))
         container = load_heads(target, engine)
@@ -339,26 +443,33 @@ def train_probe(engine: Any, request: ProbeRequest, progress: bool = True) -> Tr
                      else ExitHeads([], [], new_card(engine, None, [])))
     head = container.head_at(layer) if layer in container.layers else None
     times = StageTimes()
-    features = prepare_features(engine, request.data, [layer], times, progress)
+    data = prepare_features(engine, request.data, [layer], times, progress)
+    features = data.features
     t0 = time.perf_counter()
     hidden = features.hidden[layer]
-    drafts = draft_predictions(engine, head, hidden)
+    drafts = draft_predictions(engine, head, hidden, features.final, sampling)
     accepted = drafts.tokens == features.teacher_token
+    labels = accepted if drafts.expected_acceptance is None else drafts.expected_acceptance
     train_idx, eval_idx = features.indices(TRAIN), features.indices(CALIBRATION, TEST)
     if train_idx.numel() == 0 or eval_idx.numel() == 0:
         raise InvalidArgumentError("the probe needs training and held-out tokens; give more data")
-    probe = fit_probe(layer, hidden[train_idx], accepted[train_idx], request.config)
+    probe = fit_probe(layer, hidden[train_idx], labels[train_idx], request.config)
     seconds = time.perf_counter() - t0
     times.probe_s = seconds
-    stats = probe_stats(probe, hidden[eval_idx], accepted[eval_idx], drafts.max_prob[eval_idx])
-    container.probes[layer] = probe
-    container.card.probes = [p for p in container.card.probes if p.exit_layer != layer]
+    stats = probe_stats(probe, hidden[eval_idx], labels[eval_idx], drafts.max_prob[eval_idx])
+    mode = "greedy" if sampling is None else "sampled"
+    (container.probes if sampling is None else container.sampled_probes)[layer] = probe
+    container.card.probes = [p for p in container.card.probes
+                             if (p.exit_layer, p.mode) != (layer, mode)]
     container.card.probes.append(ProbeCard(
         exit_layer=layer, draft_head="exit_head" if head is not None else "lm_head",
         train_tokens=int(train_idx.numel()), eval_tokens=int(eval_idx.numel()),
         base_rate=stats.base_rate, accuracy=stats.accuracy, auc=stats.auc,
-        max_prob_auc=stats.max_prob_auc, bce=stats.bce, seconds=seconds))
-    container.card.probes.sort(key=lambda p: p.exit_layer)
+        max_prob_auc=stats.max_prob_auc, bce=stats.bce, seconds=seconds, mode=mode,
+        temperature=0.0 if sampling is None else sampling.temperature,
+        top_p=1.0 if sampling is None else sampling.top_p))
+    container.card.probes.sort(key=lambda p: (p.exit_layer, p.mode))
+    container.card.set_prompts(data.uses(PROBE_USES))
     save_heads(container, target)
     return TrainOutcome(target, container, times, int(train_idx.numel()), int(eval_idx.numel()))
 
@@ -375,13 +486,23 @@ class ProbeStats:
 
 
 @torch.inference_mode()
-def probe_stats(probe: LinearProbe, hidden: torch.Tensor, accepted: torch.Tensor,
+def probe_stats(probe: LinearProbe, hidden: torch.Tensor, labels: torch.Tensor,
                 max_prob: torch.Tensor) -> ProbeStats:
-    """Accuracy, AUC and BCE of ``probe`` on ``hidden`` ``[N, H]`` against ``accepted`` ``[N]``,
-    with the AUC of the draft's own max-probability ``[N]`` for comparison."""
+    """Quality of ``probe`` on ``hidden`` ``[N, H]`` against ``labels`` ``[N]``, with the AUC of
+    the draft's own max-probability ``[N]`` for comparison.
+
+    Boolean labels (greedy probes): accuracy of ``probe >= 0.5`` and ROC AUC. Expected-
+    acceptance labels in [0, 1] (sampled probes): ``accuracy`` is the mean absolute error,
+    and the AUCs are taken against ``label >= 0.5``.
+    """
     logit = probe.logit(hidden)
     prob = torch.sigmoid(logit)
-    y = accepted.float()
+    y = labels.float()
     bce = torch.nn.functional.binary_cross_entropy_with_logits(logit, y).item()
-    return ProbeStats(float(y.mean()), float(((prob >= 0.5) == accepted).float().mean()),
-                      roc_auc(prob, accepted), roc_auc(max_prob, accepted), bce)
+    if labels.dtype == torch.bool:
+        accuracy = float(((prob >= 0.5) == labels).float().mean())
+    else:
+        accuracy = float((prob - y).abs().mean())
+    positive = y >= 0.5
+    return ProbeStats(float(y.mean()), accuracy, roc_auc(prob, positive),
+                      roc_auc(max_prob, positive), bce)

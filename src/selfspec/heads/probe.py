@@ -11,6 +11,12 @@ where ``x_n`` is the draft token at layer ℓ and ``y_n`` the final layer's toke
 goes into ``DraftTokenInfo.score`` (the ``threshold``/``product`` stop rules use it instead of
 the draft probability).
 
+For sampled decoding (AdaSPEED Table I's top-p rows) the event "the token is accepted" is
+random; its probability given the exit state is ``Σ_x min(p(x), q(x))`` for draft ``q`` and
+target ``p`` under the same temperature / top-p. A sampled-decoding probe is fitted with that
+value as a soft label, so ``σ(v·h + b)`` estimates the acceptance probability the product rule
+multiplies.
+
 Raw hidden states have a few channels with very large, token-independent magnitudes, which
 makes plain gradient descent on ``(v, b)`` badly conditioned. Training therefore fits the probe
 on standardised features ``(h - μ)/σ`` and folds the standardisation back into ``(v, b)``
@@ -81,7 +87,9 @@ def fit_probe(layer: int, hidden: torch.Tensor, accepted: torch.Tensor,
     Args:
         layer: exit layer (recorded in the probe).
         hidden: ``[N, H]`` exit-layer hidden states (any float dtype).
-        accepted: ``[N]`` booleans, draft token == final-layer token.
+        accepted: ``[N]`` booleans, draft token == final-layer token (greedy decoding), or
+            soft labels in [0, 1]: the expected acceptance of speculative sampling (a probe
+            for sampled decoding; the same cross-entropy with soft targets).
         config: optimisation settings.
 
     Returns:

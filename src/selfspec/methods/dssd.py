@@ -39,23 +39,29 @@ class CalibratedExits:
         epsilon: DSSD accuracy level ε in [0, 1].
         metric: confidence metric (``entropy``, ``max_prob`` or ``margin``).
         vocab: optional reduced draft vocabulary: heads score only its rows, and confidence
-            is computed over those rows (thresholds stay those calibrated on the full
-            vocabulary; lossless either way, since verification uses the full model).
+            is computed over those rows, so the thresholds must be those calibrated on the
+            same restricted vocabulary (``draft_vocab``) for ε to hold as calibrated
+            (lossless either way, since verification uses the full model).
         executor: the model's executor (needed with ``vocab``, to cache the reduced heads).
+        draft_vocab: the size ``K`` that ``vocab`` was built for (required with ``vocab``):
+            selects the thresholds calibrated on the K most frequent tokens.
 
     Raises:
-        InvalidArgumentError: ε outside [0, 1] or an unknown metric.
-        NotCalibratedError: the heads carry no calibration for ``metric``.
+        InvalidArgumentError: ε outside [0, 1], an unknown metric, ``vocab`` without
+            ``executor`` or ``draft_vocab``.
+        NotCalibratedError: the heads carry no calibration for ``metric`` (and ``draft_vocab``).
     """
 
     def __init__(self, heads, epsilon: float, metric: str, vocab: DraftVocab | None = None,
-                 executor: LayerExecutor | None = None) -> None:
+                 executor: LayerExecutor | None = None, draft_vocab: int | None = None) -> None:
         from selfspec.heads import confidence
 
         self._confidence = confidence
         self.metric = metric
         self.vocab = vocab
-        taus = heads.thresholds(epsilon, metric)
+        if vocab is not None and draft_vocab is None:
+            raise InvalidArgumentError("a reduced draft vocabulary needs its size draft_vocab")
+        taus = heads.thresholds(epsilon, metric, draft_vocab=draft_vocab)
         calls = list(heads.heads)
         if vocab is not None:
             if executor is None:

@@ -155,7 +155,13 @@ class EarlyExitDrafter:
         stop_rule: decides the draft length (see :mod:`selfspec.decoding.stop_rules`).
         head: exit head ``head(hidden [B, T, H]) -> logits``; ``None`` = final norm + ``lm_head``.
         scorer: optional acceptance estimator ``scorer(hidden [1, 1, H]) -> [1, 1]`` in [0, 1]
-            (AdaSPEED's linear probe, §II.B); its value goes to the stop rule as ``score``.
+            (AdaSPEED's linear probe, §II.B) for greedy decoding; its value goes to the stop
+            rule as ``score``.
+        sampled_scorer: the same for sampled decoding (a probe trained on the expected
+            acceptance of speculative sampling). With a scorer for only one mode, decoding
+            in the other mode raises :class:`InvalidArgumentError` (one probe's estimates do
+            not carry over: greedy acceptance is argmax agreement, sampled acceptance is
+            ``Σ min(p, q)``).
         vocab: optional reduced draft vocabulary (:mod:`selfspec.methods.draft_vocab`): the
             head scores only its rows.
 
@@ -166,13 +172,14 @@ class EarlyExitDrafter:
 
     def __init__(self, executor: LayerExecutor, exit_layer: int, stop_rule: StopRule,
                  head: Head | None = None, scorer: Scorer | None = None,
-                 vocab: DraftVocab | None = None) -> None:
+                 vocab: DraftVocab | None = None, sampled_scorer: Scorer | None = None) -> None:
         self.executor = executor
         self.exit_layer = check_exit_layer(executor, exit_layer)
         check_draft_len_limit(executor, stop_rule.max_draft_len)
         self.stop_rule = stop_rule
         self.head = head
         self.scorer = scorer
+        self.sampled_scorer = sampled_scorer
         self.vocab = vocab
         self._restricted = None if vocab is None else restricted_head(executor, head, vocab)
 
@@ -182,9 +189,23 @@ class EarlyExitDrafter:
             return self._restricted(hidden[:, -1:])[0, -1]
         return self.executor.logits(hidden, self.head)[0, -1]
 
-    def _score(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """``[]`` acceptance score of the draft token from the exit hidden state, if scored."""
-        return None if self.scorer is None else self.scorer(hidden).reshape(())
+    def _scorer(self, sampling: SamplingConfig) -> Scorer | None:
+        """The acceptance estimator for this decoding mode (``None`` when unscored).
+
+        Raises:
+            InvalidArgumentError: scorers exist, but none for this mode.
+        """
+        if self.scorer is None and self.sampled_scorer is None:
+            return None
+        scorer = self.scorer if sampling.greedy else self.sampled_scorer
+        if scorer is None:
+            mode, flags = (("greedy", "") if sampling.greedy
+                           else ("sampled", " --temperature T --top-p P"))
+            raise InvalidArgumentError(
+                f"this drafter has no acceptance probe for {mode} decoding at exit layer "
+                f"{self.exit_layer}; train one with `selfspec heads train-probe --exit-layer "
+                f"{self.exit_layer}{flags}` (with the method's --heads, if any)")
+        return scorer
 
     def draft(self, state: DecodeState) -> DraftOutput:
         """Draft up to ``min(max_draft_len, remaining - 1)`` tokens, one early-exit forward each.
@@ -195,6 +216,7 @@ class EarlyExitDrafter:
         """
         ex, exit_layer, rule = self.executor, self.exit_layer, self.stop_rule
         sampling = state.options.sampling
+        scorer = self._scorer(sampling)
         eos = state.options.eos_token_ids
         rule.reset()
         max_len = min(rule.max_draft_len, state.remaining - 1)
@@ -207,8 +229,9 @@ class EarlyExitDrafter:
             deferred.add(token, state.seq_len - 1 + index)
             deferred.advance(exit_layer)
             hidden = deferred.hidden()  # [1, 1, H]
+            score = None if scorer is None else scorer(hidden).reshape(())
             pick = pick_draft_token(self._draft_logits(hidden), sampling, state.generator,
-                                    self._score(hidden), self.vocab)
+                                    score, self.vocab)
             token = pick.token_id
             tokens.append(token)
             token_tensors.append(pick.token)

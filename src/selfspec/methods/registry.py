@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from functools import partial
 
@@ -19,6 +19,9 @@ from selfspec.decoding.state import DecodeState
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.methods.early_exit import EarlyExitDrafter, check_exit_layer
+
+if TYPE_CHECKING:
+    from selfspec.heads.probe import LinearProbe
 
 # A decoder runs one generation to completion on a fresh DecodeState.
 Decoder = Callable[[DecodeState], None]
@@ -53,7 +56,13 @@ EARLY_EXIT_OPTIONS = ("exit_layer", "draft_len", "gamma", "max_draft_len", "adap
 
 def _early_exit_builder(rule: str, probe: bool = False) -> Callable[..., Decoder]:
     """Builder of an early-exit method whose draft length is decided by stop rule ``rule``
-    (with ``probe``: AdaSPEED's linear probe scores each draft token, §II.B)."""
+    (with ``probe``: AdaSPEED's linear probe scores each draft token, §II.B).
+
+    The product rule (AdaSPEED, Algorithm 2) has no draft cap in the paper: it always stops
+    once the product falls below gamma. Its default ``max_draft_len`` is therefore the
+    longest draft that verification keeps bit-exact (``row_attention_max - 1``), not D&V's 8;
+    ``max_draft_len=8`` restores the cap.
+    """
 
     def build(executor: LayerExecutor, exit_layer: int | None = None,
               draft_len: int | None = None, gamma: float | None = None,
@@ -73,25 +82,74 @@ def _early_exit_builder(rule: str, probe: bool = False) -> Callable[..., Decoder
         if given:
             raise InvalidArgumentError(
                 f"option(s) {', '.join(given)} do not apply to the {rule!r} stop rule")
+        if max_draft_len is None and rule == "product":
+            max_draft_len = max(1, executor.row_attention_max - 1)
         if max_draft_len is not None:
             params["max_draft_len"] = max_draft_len
         stop_rule = make_stop_rule(rule, **params)
         layer = default_exit_layer(executor) if exit_layer is None else exit_layer
         check_exit_layer(executor, layer)
-        if probe and heads is None:
-            heads = "default"
         trained = _load_heads(executor, heads) if heads is not None else None
         # Trained heads: draft with the exit head at this layer when there is one, else
         # with the model's own final norm + lm_head.
         head = (trained.head_at(layer) if trained is not None and layer in trained.layers
                 else None)
-        scorer = trained.probe_at(layer) if probe else None
+        greedy_probe, sampled_probe = (_probes(executor, trained, layer, head is not None)
+                                       if probe else (None, None))
         vocab = None if draft_vocab is None else _draft_vocab(executor, trained, draft_vocab)
-        drafter = EarlyExitDrafter(executor, layer, stop_rule, head=head, scorer=scorer,
-                                   vocab=vocab)
+        drafter = EarlyExitDrafter(executor, layer, stop_rule, head=head, scorer=greedy_probe,
+                                   vocab=vocab, sampled_scorer=sampled_probe)
         return partial(decode_speculative, drafter=drafter)
 
     return build
+
+
+def heads_files(name: str, options: Mapping[str, Any]) -> list[str]:
+    """The head files (``"default"``, ``"default-probes"`` or a path) that method ``name``
+    reads with ``options``: what a benchmark checks its prompts against (held-out check)."""
+    opts = dict(options)
+    if name in ("dssd", "early-exit"):
+        return [str(opts.get("heads", "default"))]
+    if name == "adaspeed-probe":
+        return [str(opts.get("heads") or DEFAULT_PROBES_FILE)]
+    if name in METHODS and opts.get("heads") is not None:
+        return [str(opts["heads"])]
+    return []
+
+
+DEFAULT_PROBES_FILE = "default-probes"
+
+
+def _probes(executor: LayerExecutor, trained, layer: int, exit_head: bool
+            ) -> tuple[LinearProbe | None, LinearProbe | None]:
+    """AdaSPEED probes at ``layer`` for the drafter, from the method's head file (``heads=``)
+    or, when drafting with the model's own ``lm_head`` and no heads, from the model's default
+    probes: so ``adaspeed`` and ``adaspeed-probe`` with the same options draft identically
+    and differ only in the stop rule (AdaSPEED Table I).
+
+    Returns:
+        ``(greedy, sampled)`` probes at ``layer``, either ``None`` where not trained (the
+        drafter refuses that decoding mode with the command that trains the probe).
+
+    Raises:
+        InvalidArgumentError: no greedy or sampled probe at ``layer``, or a probe trained for
+            another drafter (exit head vs ``lm_head``).
+        HeadsNotFoundError: no probe file.
+    """
+    container = trained if trained is not None else _load_heads(executor, DEFAULT_PROBES_FILE)
+    drafter = "exit_head" if exit_head else "lm_head"
+    for card in container.card.probes:
+        if card.exit_layer == layer and card.draft_head != drafter:
+            raise InvalidArgumentError(
+                f"the {card.mode} probe at layer {layer} was trained on drafts of the "
+                f"{card.draft_head}, but this method drafts with the {drafter}; train a probe for "
+                f"this drafter with `selfspec heads train-probe --exit-layer {layer}` "
+                + ("--heads PATH" if exit_head else "(no --heads)"))
+    greedy = container.probes.get(layer)
+    sampled = container.sampled_probes.get(layer)
+    if greedy is None and sampled is None:
+        container.probe_at(layer)  # raises with the command that trains one
+    return greedy, sampled
 
 
 def default_exit_layer(executor: LayerExecutor) -> int:
@@ -117,7 +175,7 @@ def _draft_vocab(executor: LayerExecutor, trained, size: int):
     Raises:
         InvalidArgumentError: no heads, heads without token counts, or a bad size.
     """
-    from selfspec.methods.draft_vocab import check_draft_vocab, frequent_rows
+    from selfspec.methods.draft_vocab import check_draft_vocab, config_eos_ids, frequent_rows
 
     check_draft_vocab(size, executor.vocab_size)
     counts = None if trained is None else trained.token_counts
@@ -126,16 +184,9 @@ def _draft_vocab(executor: LayerExecutor, trained, size: int):
             "draft_vocab ranks tokens by the token counts stored with trained heads: give "
             "heads=PATH or heads=default (--heads on the command line); heads calibrated by an "
             "older selfspec need `selfspec heads calibrate PATH` once")
-    eos = executor.asset("eos-ids", lambda: _eos_ids(executor))
+    eos = config_eos_ids(executor.config)
     return executor.asset(("draft-vocab", id(trained), size),
                           lambda: frequent_rows(counts, size, eos))
-
-
-def _eos_ids(executor: LayerExecutor) -> tuple[int, ...]:
-    config = executor.config
-    ids = getattr(config, "eos_token_id", None)
-    ids = [] if ids is None else ids if isinstance(ids, (list, tuple)) else [ids]
-    return tuple(int(i) for i in ids)
 
 
 def _calibrated_exits(executor: LayerExecutor, heads: str, epsilon: float, metric: str | None,
@@ -145,7 +196,8 @@ def _calibrated_exits(executor: LayerExecutor, heads: str, epsilon: float, metri
 
     trained = _load_heads(executor, heads)
     vocab = None if draft_vocab is None else _draft_vocab(executor, trained, draft_vocab)
-    return CalibratedExits(trained, epsilon, metric or DEFAULT_METRIC, vocab, executor)
+    return CalibratedExits(trained, epsilon, metric or DEFAULT_METRIC, vocab, executor,
+                           draft_vocab)
 
 
 def _build_dssd(executor: LayerExecutor, heads: str = "default", epsilon: float = 0.9,

@@ -1,0 +1,124 @@
+"""Held-out check: which benchmark prompts shaped a method's heads, thresholds or probes?
+
+A head file's card lists every prompt that trained its heads, ranked its draft vocabulary,
+calibrated its thresholds τ_k(ε) or fitted its probes (:class:`selfspec.heads.card.PromptUse`).
+Before a run, :func:`check_held_out` compares the benchmark's prompts with the cards of the
+head files its methods read: by default prompts seen there are dropped (a benchmark on them
+would overstate acceptance and speed); with ``allow_in_sample`` they stay and the run is
+labelled in-sample in the table, ``report.md`` and ``summary.json`` (DESIGN.md, "Honest
+evaluation").
+
+Cards written before prompts were recorded (format 1) name only their data sources: every
+prompt of those datasets that the problem-hash split put in the training or calibration
+split counts as seen (a superset of what was used).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from selfspec.bench.spec import MethodConfig
+from selfspec.data import Prompt
+from selfspec.errors import SelfSpecError
+
+logger = logging.getLogger(__name__)
+
+# What `selfspec heads train` / `train-probe` used by default before cards recorded prompts.
+LEGACY_DEFAULT_DATASETS = ("humaneval", "gsm", "mtbench")
+
+
+@dataclass(frozen=True)
+class HeldOutCheck:
+    """The outcome of :func:`check_held_out`.
+
+    Attributes:
+        prompts: the prompts to run (held-out ones, plus in-sample ones if allowed).
+        in_sample: ids of the benchmark prompts some head file saw (dropped or kept).
+        dropped: ids of the prompts removed (empty when in-sample prompts are allowed).
+        files: head file → the method labels that read it (every file checked).
+        legacy_files: files whose card predates prompt records (checked by split).
+    """
+
+    prompts: list[Prompt]
+    in_sample: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    files: dict[str, list[str]] = field(default_factory=dict)
+    legacy_files: list[str] = field(default_factory=list)
+
+    @property
+    def is_in_sample(self) -> bool:
+        """True when the run includes prompts that heads, thresholds or probes saw."""
+        return len(self.in_sample) > len(self.dropped)
+
+    def describe(self, total: int) -> str:
+        """One line for the report header (``total`` = prompts before the check)."""
+        if not self.files:
+            return "held out: no method reads trained heads, thresholds or probes"
+        names = ", ".join(f"`{f}`" for f in self.files)
+        if self.is_in_sample:
+            return (f"**IN-SAMPLE RUN**: {len(self.in_sample)} of {total} prompts were seen in "
+                    f"training, calibration or probe fitting by {names} (--allow-in-sample)")
+        dropped = (f"; {len(self.dropped)} of {total} prompts seen there were dropped"
+                   if self.dropped else "")
+        legacy = (f" (cards without prompt records, checked by their training split: "
+                  f"{', '.join(self.legacy_files)})" if self.legacy_files else "")
+        return f"held out: all {len(self.prompts)} prompts are unseen by {names}{dropped}{legacy}"
+
+
+def seen_prompts(card, dataset: str, prompts: Sequence[Prompt]) -> set[str]:
+    """Ids among ``prompts`` (of ``dataset``) that ``card`` (a ``HeadCard``) saw."""
+    if card.records_prompts:
+        return {p.id for p in prompts} & card.seen_prompts().get(dataset, set())
+    from selfspec.heads.corpus import CALIBRATION, TRAIN, dataset_of, split_of
+
+    datasets = ({dataset_of(d) for d in card.training.data} if card.training is not None
+                else set(LEGACY_DEFAULT_DATASETS))
+    if card.training is not None and card.probes:
+        datasets |= set(LEGACY_DEFAULT_DATASETS)  # probes trained on the old default data
+    if dataset not in datasets:
+        return set()
+    return {p.id for p in prompts if split_of(p.id) in (TRAIN, CALIBRATION)}
+
+
+def check_held_out(prompts: Sequence[Prompt], dataset: str, methods: Sequence[MethodConfig],
+                   model: str, allow_in_sample: bool = False) -> HeldOutCheck:
+    """Compare ``prompts`` with the cards of every head file ``methods`` read.
+
+    Args:
+        prompts: the benchmark prompts, of ``dataset`` (a ``selfspec.data`` name, or the label
+            of a prompt file, which no head file lists).
+        methods: the benchmark's methods (transformers baselines read no head file).
+        model: the model's name (resolves ``heads=default``).
+        allow_in_sample: keep seen prompts (the run is then in-sample) instead of dropping.
+
+    Returns:
+        :class:`HeldOutCheck`. A missing or unreadable head file is skipped here: its method
+        fails with that error when it is built, and the others run.
+    """
+    from selfspec.heads.files import read_head_file, resolve_path
+    from selfspec.methods.registry import heads_files
+
+    files: dict[str, list[str]] = {}
+    for method in methods:
+        if method.is_baseline:
+            continue
+        for name in heads_files(method.name, method.options):
+            files.setdefault(str(resolve_path(name, model)), []).append(method.label)
+    seen: set[str] = set()
+    legacy = []
+    for path in list(files):
+        try:
+            card = read_head_file(path).card
+        except SelfSpecError as err:
+            logger.info("held-out check skips %s: %s", path, err)
+            del files[path]
+            continue
+        if not card.records_prompts:
+            legacy.append(path)
+        seen |= seen_prompts(card, dataset, prompts)
+    in_sample = [p.id for p in prompts if p.id in seen]
+    kept = list(prompts) if allow_in_sample else [p for p in prompts if p.id not in seen]
+    dropped = [] if allow_in_sample else in_sample
+    return HeldOutCheck(kept, in_sample, dropped, files, legacy)
