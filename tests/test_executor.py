@@ -87,6 +87,41 @@ def test_skip_plan_skips_sublayers_and_writes_no_kv():
         frozenset({1}), frozenset({0}))
 
 
+def test_observe_sees_every_sublayer_and_costs_nothing_when_unused():
+    ex = LayerExecutor(tiny_model("llama"))
+    ids, pos = torch.tensor([[5, 6, 7]]), torch.arange(3).unsqueeze(0)
+    plan = SkipPlan(skip_attention=frozenset({1}), skip_mlp=frozenset({2}))
+    seen = []
+    h = ex.run_layers(ex.embed(ids), pos, 0, 6, ex.new_cache(), skip=plan,
+                      observe=lambda i, sub, x: seen.append((i, sub, x.clone())))
+    assert [(i, sub) for i, sub, _ in seen] == [(i, s) for i in range(6) for s in ("attention", "mlp")]
+    torch.testing.assert_close(seen[-1][2], h, rtol=0, atol=0)
+    # a skipped sub-layer passes the residual stream unchanged
+    assert torch.equal(seen[2][2], seen[1][2]) and torch.equal(seen[5][2], seen[4][2])
+    # each observed state is what running the layers up to there gives
+    part = ex.run_layers(ex.embed(ids), pos, 0, 3, ex.new_cache(), skip=plan)
+    torch.testing.assert_close(seen[5][2], part, rtol=0, atol=0)
+    unobserved = ex.run_layers(ex.embed(ids), pos, 0, 6, ex.new_cache(), skip=plan)
+    torch.testing.assert_close(unobserved, h, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_new", [1, 3])
+def test_read_only_attention_equals_appending_and_leaves_the_cache_alone(num_new):
+    ex = LayerExecutor(tiny_model("qwen2"))
+    ids = torch.randint(0, 256, (1, 10 + num_new), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(10 + num_new).unsqueeze(0)
+    cache = ex.new_cache()
+    ex.run_layers(ex.embed(ids[:, :10]), pos[:, :10], 0, 6, cache)
+    keys_before = [k.clone() for k, _ in (cache.get(i) for i in range(6))]
+    new, new_pos = ex.embed(ids[:, 10:]), pos[:, 10:]
+    read_only = ex.run_layers(new, new_pos, 0, 6, cache, write_cache=False)
+    assert cache.lengths() == [10] * 6
+    assert all(torch.equal(cache.get(i)[0], keys_before[i]) for i in range(6))
+    appended = ex.run_layers(new, new_pos, 0, 6, cache)
+    assert cache.lengths() == [10 + num_new] * 6
+    torch.testing.assert_close(read_only, appended, rtol=1e-6, atol=1e-6)
+
+
 def test_bad_layer_range_and_gap_are_errors():
     ex = LayerExecutor(tiny_model("llama"))
     h = ex.embed(torch.tensor([[1]]))

@@ -22,6 +22,10 @@ from selfspec.executor.linear import Linear
 from selfspec.models.loading import SUPPORTED_MODEL_TYPES
 
 
+# observe(layer_idx, sublayer, hidden [B, T, H]): called after each sub-layer ("attention",
+# "mlp") of run_layers; skipped sub-layers pass the unchanged hidden state.
+Observer = Callable[[int, str, torch.Tensor], None]
+
 # A head maps final-layer-style hidden states [B, T, H] to logits; ``vocab_rows`` restricts
 # the output to those vocabulary ids. Exit heads (a later issue) implement this signature.
 Head = Callable[..., torch.Tensor]
@@ -191,11 +195,15 @@ class LayerExecutor:
         return self.embed_tokens(input_ids)
 
     def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, start: int, end: int,
-                   cache: KVCache, skip: SkipPlan | None = None) -> torch.Tensor:
+                   cache: KVCache, skip: SkipPlan | None = None, *,
+                   observe: Observer | None = None, write_cache: bool = True) -> torch.Tensor:
         """Run layers ``[start, end)`` on ``T`` consecutive tokens.
 
         Each attention sub-layer appends the tokens' keys and values to its layer of
         ``cache`` and attends to everything that layer holds (causally among the new tokens).
+        With ``write_cache=False`` it attends to the same keys and values without appending
+        them: the cache is left exactly as it was (KnapSpec scores candidate skip plans on
+        recent tokens this way, §3.3).
 
         Args:
             hidden: ``[B, T, H]`` hidden states entering layer ``start``.
@@ -205,6 +213,10 @@ class LayerExecutor:
             end: one past the last layer to run (``start <= end <= L``).
             cache: the KV cache to read and append to.
             skip: optional :class:`SkipPlan`; a skipped attention sub-layer writes no KV.
+            observe: optional ``observe(layer_idx, sublayer, hidden [B, T, H])`` called after
+                each sub-layer (``"attention"``, then ``"mlp"``) with the residual stream;
+                a skipped sub-layer passes it unchanged. Free when ``None``.
+            write_cache: ``False`` = read-only attention (nothing is appended).
 
         Returns:
             ``[B, T, H]`` hidden states leaving layer ``end - 1``.
@@ -226,24 +238,37 @@ class LayerExecutor:
         for i in range(start, end):
             w = self._weights[i]
             if i not in skip_attn:
-                hidden = hidden + self._attention(i, w, hidden, cos, sin, cache, pos0, mask)
+                hidden = hidden + self._attention(i, w, hidden, cos, sin, cache, pos0, mask,
+                                                  write_cache)
+            if observe is not None:
+                observe(i, "attention", hidden)
             if i not in skip_mlp:
                 x = _rms_norm(hidden, w.mlp_norm, w.mlp_norm_eps)
                 gate, up = w.gate_up(x).chunk(2, dim=-1)
                 hidden = hidden + w.down(w.act(gate) * up)
+            if observe is not None:
+                observe(i, "mlp", hidden)
         return hidden
 
     def _attention(self, layer_idx: int, w: _LayerWeights, hidden: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, pos0: int,
-                   mask: torch.Tensor | None) -> torch.Tensor:
-        """One attention sub-layer (norm included) on ``hidden`` ``[B, T, H]`` → ``[B, T, H]``."""
+                   mask: torch.Tensor | None, write_cache: bool = True) -> torch.Tensor:
+        """One attention sub-layer (norm included) on ``hidden`` ``[B, T, H]`` → ``[B, T, H]``;
+        ``write_cache=False`` attends to the cache plus the new keys without appending."""
         bsz, num_new, _ = hidden.shape
         nq, nkv, hd, groups = self.num_heads, self.num_kv_heads, self.head_dim, self._groups
         x = _rms_norm(hidden, w.attn_norm, w.attn_norm_eps)
         qkv = w.qkv(x).view(bsz, num_new, nq + 2 * nkv, hd)
         qk = _rotate(qkv[:, :, : nq + nkv], cos, sin)           # [B, T, Hq + Hkv, hd]
-        keys, values = cache.append(layer_idx, qk[:, :, nq:].transpose(1, 2),
-                                    qkv[:, :, nq + nkv:].transpose(1, 2), pos0)
+        new_k, new_v = qk[:, :, nq:].transpose(1, 2), qkv[:, :, nq + nkv:].transpose(1, 2)
+        if write_cache:
+            keys, values = cache.append(layer_idx, new_k, new_v, pos0)
+        else:
+            old_k, old_v = cache.get(layer_idx)
+            assert old_k.shape[2] == pos0, (
+                f"KV cache layer {layer_idx} holds {old_k.shape[2]} positions; read-only "
+                f"attention must start there, got {pos0}")
+            keys, values = torch.cat([old_k, new_k], dim=2), torch.cat([old_v, new_v], dim=2)
         # keys, values: [B, Hkv, S, hd]. Query heads sharing a KV head are stacked along the
         # sequence axis ([B, Hkv, G*T, hd]): plain SDPA on that layout is several times
         # faster on CPU than SDPA's own enable_gqa path.
