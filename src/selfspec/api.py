@@ -14,6 +14,7 @@ from selfspec.decoding.state import DecodeOptions, DecodeState, GenerationStats
 from selfspec.errors import InvalidArgumentError, PromptError
 from selfspec.executor import LayerExecutor
 from selfspec.methods.registry import build_decoder
+from selfspec.models.eos import eos_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -83,14 +84,7 @@ class SelfSpec:
     @property
     def eos_token_ids(self) -> frozenset[int]:
         """Token ids that end generation (tokenizer EOS and the generation config's)."""
-        ids: set[int] = set()
-        for source in (getattr(self.model, "generation_config", None), self.model.config,
-                       self.tokenizer):
-            eos = getattr(source, "eos_token_id", None)
-            if eos is None:
-                continue
-            ids.update(eos if isinstance(eos, (list, tuple, set)) else [eos])
-        return frozenset(int(i) for i in ids)
+        return eos_token_ids(self.model, self.tokenizer)
 
     def encode(self, prompt: str | Sequence[int] | torch.Tensor, chat: bool = False) -> list[int]:
         """Token ids for ``prompt``: text (optionally through the chat template) or ids.

@@ -110,7 +110,7 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_models_list(args: argparse.Namespace) -> int:
-    from selfspec.models.loading import dtype_name
+    from selfspec.models.common import dtype_name
     from selfspec.models.provision import cached_dtypes
     from selfspec.models.registry import DEFAULT_MODEL, REGISTRY
 

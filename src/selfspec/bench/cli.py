@@ -103,7 +103,7 @@ def _prompts(args: argparse.Namespace, dataset: str) -> list:
         DatasetUnavailableError: the dataset's package is not installed.
     """
     from selfspec.data import load_prompt_file, load_prompts
-    from selfspec.data.prompts import select
+    from selfspec.data.prompt import select
 
     if args.prompts is None:
         return load_prompts(args.dataset, 10 if args.n is None else args.n, args.seed)

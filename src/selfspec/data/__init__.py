@@ -5,8 +5,9 @@ Used by the benchmark (:mod:`selfspec.bench`) and by the exit-head trainer; it i
 nothing from either.
 """
 
+from selfspec.data.prompt import Prompt
 from selfspec.data.promptfile import load_prompt_file
-from selfspec.data.prompts import DATASETS, Prompt, load_prompts
+from selfspec.data.prompts import DATASETS, load_prompts
 from selfspec.errors import DatasetUnavailableError
 
 __all__ = ["DATASETS", "DatasetUnavailableError", "Prompt", "load_prompt_file", "load_prompts"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from selfspec.data.packages import REASONING_GYM, require
-from selfspec.data.prompts import Prompt, check_n
+from selfspec.data.prompt import Prompt, check_n
 
 DEFAULT_SIZE = 256  # the generator has no natural size; n=None asks for this many
 

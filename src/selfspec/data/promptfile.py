@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from selfspec.data.prompts import Prompt
+from selfspec.data.prompt import Prompt
 from selfspec.errors import InvalidArgumentError
 
 FILE_LABEL_PREFIX = "file:"

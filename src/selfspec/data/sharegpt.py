@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from selfspec.data.packages import SHAREGPT, package_dir
-from selfspec.data.prompts import Prompt, select
+from selfspec.data.prompt import Prompt, select
 
 logger = logging.getLogger(__name__)
 

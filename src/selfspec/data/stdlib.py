@@ -17,7 +17,7 @@ import logging
 import sysconfig
 from pathlib import Path
 
-from selfspec.data.prompts import Prompt, select
+from selfspec.data.prompt import Prompt, select
 
 logger = logging.getLogger(__name__)
 

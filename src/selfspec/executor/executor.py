@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from selfspec.errors import InvalidArgumentError, UnsupportedArchitectureError
 from selfspec.executor.cache import CacheShape, KVCache
 from selfspec.executor.linear import Linear
-from selfspec.models.loading import SUPPORTED_MODEL_TYPES
+from selfspec.models.common import SUPPORTED_MODEL_TYPES
 
 
 # observe(layer_idx, sublayer, hidden [B, T, H]): called after each sub-layer ("attention",

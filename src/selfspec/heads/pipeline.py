@@ -323,9 +323,9 @@ def calibrate(heads: ExitHeads, features: FeatureSet, metrics: Sequence[str] = C
 
 
 def _eos_ids(engine: Any) -> tuple[int, ...]:
-    from selfspec.methods.draft_vocab import config_eos_ids
+    from selfspec.models.eos import eos_token_ids
 
-    return config_eos_ids(engine.executor.config)
+    return tuple(eos_token_ids(engine.executor.model))
 
 
 def calibrate_file(engine: Any, path: str, request: DataRequest | None = None,

@@ -83,14 +83,6 @@ def frequent_rows(counts: torch.Tensor, size: int, always: Iterable[int] = ()) -
     return DraftVocab(rows.to(counts.device), vocab_size)
 
 
-def config_eos_ids(config: object) -> tuple[int, ...]:
-    """The EOS ids of a model config (``eos_token_id``: an int, a list or ``None``): the ids a
-    reduced draft vocabulary always keeps, at calibration and at decoding alike."""
-    ids = getattr(config, "eos_token_id", None)
-    ids = [] if ids is None else ids if isinstance(ids, (list, tuple)) else [ids]
-    return tuple(int(i) for i in ids)
-
-
 def restricted_lm_head(executor: LayerExecutor, vocab: DraftVocab
                        ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The model's final norm + ``lm_head`` on ``vocab.rows`` only: ``[B, T, H]`` → ``[B, T, R]``

@@ -175,7 +175,8 @@ def _draft_vocab(executor: LayerExecutor, trained, size: int):
     Raises:
         InvalidArgumentError: no heads, heads without token counts, or a bad size.
     """
-    from selfspec.methods.draft_vocab import check_draft_vocab, config_eos_ids, frequent_rows
+    from selfspec.methods.draft_vocab import check_draft_vocab, frequent_rows
+    from selfspec.models.eos import eos_token_ids
 
     check_draft_vocab(size, executor.vocab_size)
     counts = None if trained is None else trained.token_counts
@@ -184,7 +185,7 @@ def _draft_vocab(executor: LayerExecutor, trained, size: int):
             "draft_vocab ranks tokens by the token counts stored with trained heads: give "
             "heads=PATH or heads=default (--heads on the command line); heads calibrated by an "
             "older selfspec need `selfspec heads calibrate PATH` once")
-    eos = config_eos_ids(executor.config)
+    eos = eos_token_ids(executor.model)
     return executor.asset(("draft-vocab", id(trained), size),
                           lambda: frequent_rows(counts, size, eos))
 

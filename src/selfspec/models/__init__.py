@@ -4,7 +4,8 @@
 ahead of time (``selfspec models fetch NAME``).
 """
 
-from selfspec.models.loading import SUPPORTED_MODEL_TYPES, LoadedModel, load_model, parse_dtype
+from selfspec.models.common import SUPPORTED_MODEL_TYPES, parse_dtype
+from selfspec.models.loading import LoadedModel, load_model
 from selfspec.models.provision import cached_dtypes, entry_dir, fetch, is_cached, selfspec_home
 from selfspec.models.registry import DEFAULT_MODEL, REGISTRY, ModelSpec, get_spec
 

@@ -8,11 +8,9 @@ attention, in eval mode, with gradients off. The architecture is checked from
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,28 +21,22 @@ from huggingface_hub.errors import EntryNotFoundError
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-from transformers.utils import logging as hf_logging
 
 from selfspec.errors import (
     CorruptModelFileError,
-    InvalidArgumentError,
     ModelNotFoundError,
-    UnsupportedArchitectureError,
+)
+from selfspec.models import provision
+from selfspec.models.common import (
+    check_config,
+    check_model_type,
+    dtype_name,
+    parse_dtype,
+    transformers_progress,
 )
 from selfspec.models.registry import REGISTRY
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-
-_DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
 
 # Hub repo ids are "owner/name" with letters, digits, '-', '_' and '.'.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -70,79 +62,6 @@ class LoadedModel:
     name: str
     path: Path | None
     dtype: torch.dtype
-
-
-def parse_dtype(x: str | torch.dtype) -> torch.dtype:
-    """Turn ``"bf16"|"bfloat16"|"fp32"|"float32"|"fp16"|"float16"`` (any case) or a torch dtype into a torch dtype.
-
-    Raises:
-        InvalidArgumentError: anything else; the message lists the choices.
-    """
-    if isinstance(x, torch.dtype) and x in _DTYPES.values():
-        return x
-    if isinstance(x, str) and x.lower() in _DTYPES:
-        return _DTYPES[x.lower()]
-    raise InvalidArgumentError(f"invalid dtype {x!r}: choose one of {', '.join(_DTYPES)}")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Canonical name of a torch dtype: ``torch.bfloat16`` -> ``"bfloat16"`` (used in cache paths)."""
-    return str(dtype).removeprefix("torch.")
-
-
-@contextlib.contextmanager
-def transformers_progress(enabled: bool) -> Iterator[None]:
-    """Show or hide transformers' own progress bars (weight loading, GGUF de-quantisation) for a block.
-
-    transformers keeps this switch globally; it is restored on exit.
-    """
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    if enabled:
-        hf_logging.enable_progress_bar()
-    else:
-        hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-        else:
-            hf_logging.disable_progress_bar()
-
-
-def check_model_type(model_type: str | None, source: str) -> None:
-    """Raise unless ``model_type`` is one the executor can drive.
-
-    Raises:
-        UnsupportedArchitectureError: ``model_type`` is not in :data:`SUPPORTED_MODEL_TYPES`.
-    """
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedArchitectureError(
-            f"{source} has model_type {model_type!r}; selfspec supports {', '.join(SUPPORTED_MODEL_TYPES)}. "
-            "Use a model of one of these architectures (`selfspec models list` shows ready ones)."
-        )
-
-
-def check_config(config: PretrainedConfig, source: str) -> None:
-    """Raise unless ``config`` describes a supported architecture with full attention on every layer.
-
-    Raises:
-        UnsupportedArchitectureError: unsupported ``model_type``, or sliding-window attention on some layer
-            (the per-layer KV cache keeps every position; a sliding window would change the model's output).
-    """
-    check_model_type(config.model_type, source)
-    layer_types = getattr(config, "layer_types", None)
-    # Qwen2 derives layer_types from use_sliding_window/max_window_layers; trust it when present.
-    if layer_types is not None:
-        sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
-    else:
-        sliding = list(range(config.num_hidden_layers)) if getattr(config, "use_sliding_window", False) else []
-    if sliding:
-        raise UnsupportedArchitectureError(
-            f"{source} uses sliding-window attention on layers {sliding[:8]}{'...' if len(sliding) > 8 else ''}; "
-            "selfspec supports full attention only. Set use_sliding_window=false in its config.json "
-            "if the model was trained without a window."
-        )
 
 
 def read_config(model_dir: Path, source: str) -> PretrainedConfig:
@@ -254,9 +173,6 @@ def _load_tokenizer(model_dir: Path, source: str) -> PreTrainedTokenizerBase:
 
 def _load_registry_model(name: str, dtype: torch.dtype, show_progress: bool) -> LoadedModel:
     """Load a registry model from the cache, casting a float32 entry or fetching when ``dtype`` is missing."""
-    # provision builds on this module (parse_dtype, check_config); importing it late avoids a cycle.
-    from selfspec.models import provision
-
     if provision.is_cached(name, dtype):
         entry = provision.entry_dir(name, dtype)
     elif provision.is_cached(name, torch.float32):

@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 from selfspec.errors import ChecksumError, CorruptModelFileError, ProvisioningError
-from selfspec.models.loading import check_config, dtype_name, parse_dtype, transformers_progress
+from selfspec.models.common import check_config, dtype_name, parse_dtype, transformers_progress
 from selfspec.models.registry import ModelSpec, get_spec
 
 logger = logging.getLogger(__name__)
