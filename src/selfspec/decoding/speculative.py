@@ -17,11 +17,12 @@ from position ``n + num_accepted`` on is rejected and rolled back in every layer
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from selfspec.decoding.deferred import DeferredLayers
 from selfspec.decoding.sampling import choose_next
 from selfspec.decoding.state import DecodeState
 from selfspec.decoding.stop_rules import StepStats
@@ -40,8 +41,9 @@ class DraftOutput:
         exit_layers: ``[D]`` number of layers each draft token's prediction ran
             (``exit_layer``: layers ``[0, exit_layer)``).
         layer_forwards: decoder-layer evaluations (one token through one layer) spent drafting.
-        extra: drafter-private data handed to :meth:`Drafter.target_logits` (e.g. the
-            exit-layer hidden states LayerSkip reuses for verification).
+        deferred: the drafted positions' pending inputs (their hidden states after the
+            layers they ran, e.g. the exit-layer states LayerSkip reuses for verification),
+            handed to :meth:`Drafter.target_logits`; ``None`` for a drafter without them.
     """
 
     tokens: list[int]
@@ -49,7 +51,7 @@ class DraftOutput:
     probs: torch.Tensor | None
     exit_layers: list[int]
     layer_forwards: int = 0
-    extra: dict = field(default_factory=dict)
+    deferred: DeferredLayers | None = None
 
 
 @dataclass

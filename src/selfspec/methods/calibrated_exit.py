@@ -17,7 +17,7 @@ from __future__ import annotations
 from selfspec.decoding.deferred import DeferredLayers
 from selfspec.decoding.sampling import choose_next
 from selfspec.decoding.state import DecodeState
-from selfspec.methods.dssd import CalibratedExits
+from selfspec.methods.dssd import CalibratedExits, Exit
 
 
 def decode_calibrated_exit(state: DecodeState, exits: CalibratedExits) -> None:
@@ -36,11 +36,10 @@ def decode_calibrated_exit(state: DecodeState, exits: CalibratedExits) -> None:
     while not state.done:
         deferred.add(token, state.seq_len - 1)
         passed = exits.first_passing(deferred)
-        if passed is None:
+        if passed is None:  # no head confident: the full model predicts this token
             deferred.advance(ex.num_layers)
-            layer, logits = ex.num_layers, ex.logits(deferred.hidden())[0, -1]
-        else:
-            layer, logits = passed
+            passed = Exit(ex.num_layers, ex.logits(deferred.hidden())[0, -1])
+        layer, logits = passed.layer, passed.logits
         state.stats.drafted += 1
         state.stats.exit_layer_total += layer
         token = int(choose_next(logits.unsqueeze(0), sampling, state.generator))

@@ -13,6 +13,7 @@ has not run) and keeps the longest agreeing prefix: lossless under greedy decodi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +30,19 @@ from selfspec.methods.early_exit import (
     make_draft,
     pick_draft_token,
 )
+
+
+@dataclass(frozen=True)
+class Exit:
+    """The first head whose calibrated confidence passed its threshold.
+
+    Attributes:
+        layer: its exit layer (layers ``[0, layer)`` ran).
+        logits: ``[V]`` its logits for the position (``[R]`` over a reduced vocabulary's rows).
+    """
+
+    layer: int
+    logits: torch.Tensor
 
 
 class CalibratedExits:
@@ -71,15 +85,14 @@ class CalibratedExits:
         self.exits = [(layer, head, tau) for layer, head, tau in zip(heads.layers, calls, taus)
                       if math.isfinite(tau)]
 
-    def first_passing(self, deferred: DeferredLayers):
-        """Advance the last pending position head by head; return ``(layer, logits)`` of
-        the first head whose confidence reaches its threshold (``[V]``, or ``[R]`` over
-        ``vocab.rows``), or ``None``."""
+    def first_passing(self, deferred: DeferredLayers) -> Exit | None:
+        """Advance the last pending position head by head; the :class:`Exit` of the first
+        head whose confidence reaches its threshold, or ``None`` (no head is confident)."""
         for layer, head, tau in self.exits:
             deferred.advance(layer)
             logits = head(deferred.hidden())[0, -1]
             if float(self._confidence(logits, self.metric)) >= tau:
-                return layer, logits
+                return Exit(layer, logits)
         return None
 
 
@@ -117,8 +130,8 @@ class DSSDDrafter:
             passed = self.exits.first_passing(deferred)
             if passed is None:  # fallback to the full model: verification produces this token
                 break
-            layer, logits = passed
-            pick = pick_draft_token(logits, sampling, state.generator, vocab=self.exits.vocab)
+            layer = passed.layer
+            pick = pick_draft_token(passed.logits, sampling, state.generator, vocab=self.exits.vocab)
             token = pick.token_id
             tokens.append(token)
             token_tensors.append(pick.token)

@@ -94,7 +94,7 @@ def make_draft(executor: LayerExecutor, sampling: SamplingConfig, tokens: list[i
         draft_probs = torch.empty(0, executor.vocab_size, device=executor.device)
     return DraftOutput(tokens=tokens, token_ids=token_ids, probs=draft_probs,
                        exit_layers=exit_layers, layer_forwards=deferred.layer_forwards,
-                       extra={"deferred": deferred})
+                       deferred=deferred)
 
 
 def check_exit_layer(executor: LayerExecutor, exit_layer: int) -> int:
@@ -130,13 +130,14 @@ def check_draft_len_limit(executor: LayerExecutor, max_draft_len: object) -> int
 
 def complete_to_last_layer(executor: LayerExecutor, state: DecodeState,
                            draft: DraftOutput) -> TargetOutput:
-    """Target logits ``[D+1, V]`` for a draft whose inputs wait in ``draft.extra["deferred"]``.
+    """Target logits ``[D+1, V]`` for a draft whose inputs wait in ``draft.deferred``.
 
     Feeds the last draft token (or, for an empty draft, the last committed token), then runs
     every pending position through the layers it has not run yet — batched, never repeating a
     layer a position already ran — and applies the model's final norm and ``lm_head``.
     """
-    deferred: DeferredLayers = draft.extra["deferred"]
+    deferred = draft.deferred
+    assert deferred is not None, "complete_to_last_layer needs a draft with deferred inputs"
     num = len(draft.tokens)
     before = deferred.layer_forwards
     if len(deferred) == num:  # the last draft token has not been fed yet
@@ -211,7 +212,7 @@ class EarlyExitDrafter:
         """Draft up to ``min(max_draft_len, remaining - 1)`` tokens, one early-exit forward each.
 
         Returns:
-            :class:`DraftOutput` whose ``extra["deferred"]`` holds the exit-layer hidden states
+            :class:`DraftOutput` whose ``deferred`` holds the exit-layer hidden states
             of the inputs (the last committed token and draft tokens ``0..D-2``).
         """
         ex, exit_layer, rule = self.executor, self.exit_layer, self.stop_rule
