@@ -18,6 +18,8 @@ from selfspec.decoding.stop_rules import make_stop_rule
 from selfspec.decoding.state import DecodeState
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
+from selfspec.heads.files import DEFAULT as DEFAULT_HEADS
+from selfspec.heads.files import DEFAULT_PROBES
 from selfspec.methods.early_exit import EarlyExitDrafter, check_exit_layer
 
 if TYPE_CHECKING:
@@ -109,15 +111,12 @@ def heads_files(name: str, options: Mapping[str, Any]) -> list[str]:
     reads with ``options``: what a benchmark checks its prompts against (held-out check)."""
     opts = dict(options)
     if name in ("dssd", "early-exit"):
-        return [str(opts.get("heads", "default"))]
+        return [str(opts.get("heads", DEFAULT_HEADS))]
     if name == "adaspeed-probe":
-        return [str(opts.get("heads") or DEFAULT_PROBES_FILE)]
+        return [str(opts.get("heads") or DEFAULT_PROBES)]
     if name in METHODS and opts.get("heads") is not None:
         return [str(opts["heads"])]
     return []
-
-
-DEFAULT_PROBES_FILE = "default-probes"
 
 
 def _probes(executor: LayerExecutor, trained, layer: int, exit_head: bool
@@ -136,7 +135,7 @@ def _probes(executor: LayerExecutor, trained, layer: int, exit_head: bool
             another drafter (exit head vs ``lm_head``).
         HeadsNotFoundError: no probe file.
     """
-    container = trained if trained is not None else _load_heads(executor, DEFAULT_PROBES_FILE)
+    container = trained if trained is not None else _load_heads(executor, DEFAULT_PROBES)
     drafter = "exit_head" if exit_head else "lm_head"
     for card in container.card.probes:
         if card.exit_layer == layer and card.draft_head != drafter:
@@ -201,7 +200,7 @@ def _calibrated_exits(executor: LayerExecutor, heads: str, epsilon: float, metri
                            draft_vocab)
 
 
-def _build_dssd(executor: LayerExecutor, heads: str = "default", epsilon: float = 0.9,
+def _build_dssd(executor: LayerExecutor, heads: str = DEFAULT_HEADS, epsilon: float = 0.9,
                 metric: str | None = None, max_draft_len: int = 32,
                 draft_vocab: int | None = None) -> Decoder:
     from selfspec.methods.dssd import DSSDDrafter
@@ -210,7 +209,7 @@ def _build_dssd(executor: LayerExecutor, heads: str = "default", epsilon: float 
     return partial(decode_speculative, drafter=DSSDDrafter(executor, exits, max_draft_len))
 
 
-def _build_calibrated_exit(executor: LayerExecutor, heads: str = "default",
+def _build_calibrated_exit(executor: LayerExecutor, heads: str = DEFAULT_HEADS,
                            epsilon: float = 0.9, metric: str | None = None) -> Decoder:
     from selfspec.methods.calibrated_exit import decode_calibrated_exit
 
