@@ -4,21 +4,21 @@ in the stop rule (AdaSPEED §II, Table I); probes per decoding mode."""
 
 from __future__ import annotations
 
-from functools import partial
 
 import pytest
 import torch
-from tiny import run_decoder, tiny_model
+from tiny import run_step, tiny_model
 
-from selfspec.decoding.speculative import decode_speculative
+from selfspec.decoding.speculative import SpeculativeStep
 from selfspec.decoding.stop_rules import make_stop_rule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
-from selfspec.heads import ExitHeads, HeadsNotFoundError, fit_probe, save_heads
+from selfspec.heads import ExitHeads, HeadsNotFoundError, save_heads
 from selfspec.heads.card import ProbeCard
 from selfspec.heads.files import default_probes_dir, new_card
-from selfspec.methods.early_exit import EarlyExitDrafter
-from selfspec.methods.registry import build_decoder, heads_files
+from selfspec.training import fit_probe
+from selfspec.decoding.drafting import EarlyExitDrafter
+from selfspec.methods.registry import build_step, heads_files
 
 PROMPT = [1, 5, 9, 13, 17]
 
@@ -36,7 +36,7 @@ def home(tmp_path, monkeypatch):
 
 
 def _drafter(decoder) -> EarlyExitDrafter:
-    return decoder.keywords["drafter"]
+    return decoder.drafter
 
 
 def _probe_card(layer: int, draft_head: str, mode: str = "greedy") -> ProbeCard:
@@ -57,23 +57,23 @@ def _save_probes(executor, draft_head: str = "lm_head", layer: int = 3):
 def test_the_product_rule_has_no_cap_of_its_own_by_default(executor):
     limit = executor.row_attention_max - 1
     for name in ("adaspeed",):
-        assert _drafter(build_decoder(name, executor, {})).stop_rule.max_draft_len == limit
-        capped = build_decoder(name, executor, {"max_draft_len": 8})
+        assert _drafter(build_step(name, executor, {})).stop_rule.max_draft_len == limit
+        capped = build_step(name, executor, {"max_draft_len": 8})
         assert _drafter(capped).stop_rule.max_draft_len == 8
     # Draft & Verify keeps its paper's max_step_draft = 8
-    assert _drafter(build_decoder("dv", executor, {})).stop_rule.max_draft_len == 8
+    assert _drafter(build_step("dv", executor, {})).stop_rule.max_draft_len == 8
     with pytest.raises(InvalidArgumentError, match="max_draft_len"):
-        build_decoder("adaspeed", executor, {"max_draft_len": limit + 1})
+        build_step("adaspeed", executor, {"max_draft_len": limit + 1})
 
 
 def test_adaspeed_probe_drafts_like_adaspeed_and_reads_the_default_probes(executor, home):
     with pytest.raises(HeadsNotFoundError, match="train-probe"):
-        build_decoder("adaspeed-probe", executor, {"exit_layer": 3})
+        build_step("adaspeed-probe", executor, {"exit_layer": 3})
     probe = _save_probes(executor)
-    plain = _drafter(build_decoder("adaspeed", executor, {"exit_layer": 3}))
-    probed = _drafter(build_decoder("adaspeed-probe", executor, {"exit_layer": 3}))
-    assert plain.head is None and probed.head is None  # both draft with the model's lm_head
-    assert plain.scorer is None and torch.equal(probed.scorer.weight, probe.weight)
+    plain = _drafter(build_step("adaspeed", executor, {"exit_layer": 3}))
+    probed = _drafter(build_step("adaspeed-probe", executor, {"exit_layer": 3}))
+    assert plain.policy.head is None and probed.policy.head is None  # both draft with the model's lm_head
+    assert plain.policy.scorer is None and torch.equal(probed.policy.scorer.weight, probe.weight)
     assert probed.stop_rule.max_draft_len == plain.stop_rule.max_draft_len
     assert heads_files("adaspeed-probe", {}) == ["default-probes"]
     assert heads_files("adaspeed-probe", {"heads": "x"}) == ["x"]
@@ -83,7 +83,7 @@ def test_adaspeed_probe_drafts_like_adaspeed_and_reads_the_default_probes(execut
 def test_a_probe_trained_for_another_drafter_is_refused(executor, home):
     _save_probes(executor, draft_head="exit_head")
     with pytest.raises(InvalidArgumentError, match="trained on drafts of the exit_head"):
-        build_decoder("adaspeed-probe", executor, {"exit_layer": 3})
+        build_step("adaspeed-probe", executor, {"exit_layer": 3})
 
 
 def test_the_drafter_scores_with_the_probe_of_the_decoding_mode(executor):
@@ -98,15 +98,15 @@ def test_the_drafter_scores_with_the_probe_of_the_decoding_mode(executor):
     rule = make_stop_rule("product", gamma=0.5, adaptive=False)
     both = EarlyExitDrafter(executor, 3, rule, scorer=scorer("greedy"),
                             sampled_scorer=scorer("sampled"))
-    decoder = partial(decode_speculative, drafter=both)
-    run_decoder(executor, decoder, PROMPT, max_new_tokens=6)
+    decoder = SpeculativeStep(both)
+    run_step(executor, decoder, PROMPT, max_new_tokens=6)
     assert set(calls) == {"greedy"}
     calls.clear()
-    run_decoder(executor, decoder, PROMPT, max_new_tokens=6, sampling=_sampling())
+    run_step(executor, decoder, PROMPT, max_new_tokens=6, sampling=_sampling())
     assert set(calls) == {"sampled"}
     greedy_only = EarlyExitDrafter(executor, 3, rule, scorer=scorer("greedy"))
     with pytest.raises(InvalidArgumentError, match="no acceptance probe for sampled decoding"):
-        run_decoder(executor, partial(decode_speculative, drafter=greedy_only), PROMPT,
+        run_step(executor, SpeculativeStep(greedy_only), PROMPT,
                     max_new_tokens=6, sampling=_sampling())
 
 

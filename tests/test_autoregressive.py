@@ -4,7 +4,8 @@ import pytest
 import torch
 from tiny import VOCAB, tiny_model
 
-from selfspec.decoding.autoregressive import decode_autoregressive
+from selfspec.decoding import loop
+from selfspec.decoding.autoregressive import ArStep
 from selfspec.decoding.sampling import SamplingConfig
 from selfspec.decoding.state import DecodeOptions, DecodeState
 from selfspec.errors import InvalidArgumentError, PromptError
@@ -14,8 +15,7 @@ from selfspec.executor import LayerExecutor
 def _run(model, prompt, **options):
     state = DecodeState(LayerExecutor(model), prompt, DecodeOptions(**options))
     with torch.inference_mode():
-        decode_autoregressive(state)
-    state.finish()
+        loop.run(state, ArStep())
     return state
 
 

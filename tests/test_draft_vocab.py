@@ -2,28 +2,28 @@
 
 import math
 from collections import Counter
-from functools import partial
 
 import pytest
 import torch
-from tiny import VOCAB, exact_prefix_distribution, run_decoder, tiny_model
+from tiny import VOCAB, exact_prefix_distribution, run_step, tiny_model
 
 from selfspec.decoding.sampling import SamplingConfig
-from selfspec.decoding.speculative import decode_speculative
+from selfspec.decoding.speculative import SpeculativeStep
 from selfspec.decoding.stop_rules import make_stop_rule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.heads.modules import make_head, output_layer
-from selfspec.methods.draft_vocab import DraftVocab, check_draft_vocab, frequent_rows
-from selfspec.methods.dssd import CalibratedExits, DSSDDrafter
-from selfspec.methods.early_exit import EarlyExitDrafter
-from selfspec.methods.registry import build_decoder
+from selfspec.decoding.draft_vocab import DraftVocab, check_draft_vocab, frequent_rows
+from selfspec.decoding.drafting import DSSDDrafter
+from selfspec.decoding.exits import CalibratedExits
+from selfspec.decoding.drafting import EarlyExitDrafter
+from selfspec.methods.registry import build_step
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
 
 
 def _run(executor, decoder, **options):
-    return run_decoder(executor, decoder, PROMPT, **options)
+    return run_step(executor, decoder, PROMPT, **options)
 
 
 def test_frequent_rows_rank_by_count_break_ties_by_id_and_keep_eos():
@@ -57,11 +57,11 @@ def test_restricted_heads_score_exactly_the_kept_rows(kind):
 @pytest.mark.parametrize("size", [8, 64, VOCAB])
 def test_early_exit_with_a_reduced_vocabulary_is_lossless(arch, size):
     executor = LayerExecutor(tiny_model(arch, seed=21, num_layers=6))
-    reference = _run(executor, build_decoder("ar", executor, {}), max_new_tokens=40).tokens
+    reference = _run(executor, build_step("ar", executor, {}), max_new_tokens=40).tokens
     counts = torch.arange(VOCAB).flip(0)  # low ids "most frequent"
     vocab = frequent_rows(counts, size, always=[VOCAB - 1])
     drafter = EarlyExitDrafter(executor, 3, make_stop_rule("constant", draft_len=3), vocab=vocab)
-    state = _run(executor, partial(decode_speculative, drafter=drafter), max_new_tokens=40)
+    state = _run(executor, SpeculativeStep(drafter), max_new_tokens=40)
     assert state.tokens == reference
     assert state.stats.drafted > 0
     drafted = set(state.tokens[len(PROMPT):])
@@ -79,13 +79,13 @@ class HeadsWithThresholds:
 
 def test_dssd_with_a_reduced_vocabulary_is_lossless():
     executor = LayerExecutor(tiny_model("qwen2", seed=22, num_layers=8))
-    reference = _run(executor, build_decoder("ar", executor, {}), max_new_tokens=40).tokens
+    reference = _run(executor, build_step("ar", executor, {}), max_new_tokens=40).tokens
     out = output_layer(executor)
     heads = [make_head("lightweight", layer, out).prepare_inference() for layer in (2, 4, 6)]
     vocab = frequent_rows(torch.arange(VOCAB).flip(0), 96)
     exits = CalibratedExits(HeadsWithThresholds(heads, [0.5, 0.2, 0.05]), 0.9, "max_prob",
                             vocab, executor, draft_vocab=96)
-    state = _run(executor, partial(decode_speculative, drafter=DSSDDrafter(executor, exits, 6)),
+    state = _run(executor, SpeculativeStep(DSSDDrafter(executor, exits, 6)),
                  max_new_tokens=40)
     assert state.tokens == reference and state.stats.drafted > 0
 
@@ -93,9 +93,9 @@ def test_dssd_with_a_reduced_vocabulary_is_lossless():
 def test_draft_vocab_needs_heads_with_token_counts():
     executor = LayerExecutor(tiny_model("llama", seed=2))
     with pytest.raises(InvalidArgumentError, match="heads=PATH"):
-        build_decoder("layerskip", executor, {"exit_layer": 3, "draft_vocab": 16})
+        build_step("layerskip", executor, {"exit_layer": 3, "draft_vocab": 16})
     with pytest.raises(InvalidArgumentError, match="draft_vocab must be"):
-        build_decoder("layerskip", executor, {"exit_layer": 3, "draft_vocab": VOCAB + 1})
+        build_step("layerskip", executor, {"exit_layer": 3, "draft_vocab": VOCAB + 1})
 
 
 def test_sampling_with_a_reduced_vocabulary_reproduces_the_target_distribution():
@@ -106,7 +106,7 @@ def test_sampling_with_a_reduced_vocabulary_reproduces_the_target_distribution()
     exact = exact_prefix_distribution(executor, PROMPT, config, 3)
     vocab = DraftVocab(torch.arange(0, VOCAB, 2), VOCAB)
     drafter = EarlyExitDrafter(executor, 1, make_stop_rule("constant", draft_len=2), vocab=vocab)
-    decoder = partial(decode_speculative, drafter=drafter)
+    decoder = SpeculativeStep(drafter)
     n = 1500
     counts = Counter()
     for seed in range(n):

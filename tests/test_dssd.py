@@ -1,18 +1,18 @@
 """DSSD drafting, AdaSPEED with a probe, and calibrated early exit on tiny models."""
 
-from functools import partial
 
 import pytest
 import torch
-from tiny import run_decoder, tiny_model
+from tiny import run_step, tiny_model
 
-from selfspec.decoding.speculative import decode_speculative
+from selfspec.decoding.speculative import SpeculativeStep
 from selfspec.decoding.stop_rules import make_stop_rule
 from selfspec.executor import LayerExecutor
-from selfspec.methods.calibrated_exit import decode_calibrated_exit
-from selfspec.methods.dssd import CalibratedExits, DSSDDrafter
-from selfspec.methods.early_exit import EarlyExitDrafter
-from selfspec.methods.registry import build_decoder
+from selfspec.decoding.calibrated_exit import CalibratedExitStep
+from selfspec.decoding.drafting import DSSDDrafter
+from selfspec.decoding.exits import CalibratedExits
+from selfspec.decoding.drafting import EarlyExitDrafter
+from selfspec.methods.registry import build_step
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
 
@@ -31,7 +31,7 @@ class StubHeads:
 
 
 def _run(executor, decoder, **options):
-    return run_decoder(executor, decoder, PROMPT, **options)
+    return run_step(executor, decoder, PROMPT, **options)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -43,10 +43,10 @@ def _run(executor, decoder, **options):
 ])
 def test_dssd_greedy_equals_autoregressive(arch, taus):
     executor = LayerExecutor(tiny_model(arch, seed=11, num_layers=8))
-    reference = _run(executor, build_decoder("ar", executor, {}), max_new_tokens=40).tokens
+    reference = _run(executor, build_step("ar", executor, {}), max_new_tokens=40).tokens
     exits = CalibratedExits(StubHeads(executor, [2, 4, 6], taus), 0.9, "max_prob")
     drafter = DSSDDrafter(executor, exits, max_draft_len=6)
-    state = _run(executor, partial(decode_speculative, drafter=drafter), max_new_tokens=40)
+    state = _run(executor, SpeculativeStep(drafter), max_new_tokens=40)
     assert state.tokens == reference
     if taus[0] == 0.0:
         assert state.stats.mean_exit_layer == 2.0 and state.stats.drafted > 0
@@ -63,9 +63,9 @@ def test_dssd_mixes_exit_layers_and_stays_lossless_with_full_acceptance():
         layer.self_attn.o_proj.weight.zero_()
         layer.mlp.down_proj.weight.zero_()
     executor = LayerExecutor(model)
-    reference = _run(executor, build_decoder("ar", executor, {}), max_new_tokens=30).tokens
+    reference = _run(executor, build_step("ar", executor, {}), max_new_tokens=30).tokens
     exits = CalibratedExits(StubHeads(executor, [2, 4, 6], [0.6, 0.3, 0.0]), 0.9, "max_prob")
-    state = _run(executor, partial(decode_speculative, drafter=DSSDDrafter(executor, exits, 8)),
+    state = _run(executor, SpeculativeStep(DSSDDrafter(executor, exits, 8)),
                  max_new_tokens=30)
     assert state.tokens == reference
     assert state.stats.acceptance_rate == 1.0
@@ -74,7 +74,7 @@ def test_dssd_mixes_exit_layers_and_stays_lossless_with_full_acceptance():
 
 def test_probe_scores_reach_the_product_rule():
     executor = LayerExecutor(tiny_model("qwen2", seed=13))
-    reference = _run(executor, build_decoder("ar", executor, {}), max_new_tokens=30).tokens
+    reference = _run(executor, build_step("ar", executor, {}), max_new_tokens=30).tokens
     seen = []
 
     def probe(hidden):
@@ -83,7 +83,7 @@ def test_probe_scores_reach_the_product_rule():
 
     rule = make_stop_rule("product", gamma=0.4, adaptive=False)
     drafter = EarlyExitDrafter(executor, 3, rule, scorer=probe)
-    state = _run(executor, partial(decode_speculative, drafter=drafter), max_new_tokens=30)
+    state = _run(executor, SpeculativeStep(drafter), max_new_tokens=30)
     assert state.tokens == reference
     assert seen and all(s == (1, 1, 64) for s in seen)
     assert state.stats.drafted <= 2 * state.stats.verifications
@@ -93,12 +93,12 @@ def test_calibrated_early_exit_uses_heads_and_defers_deep_layers():
     executor = LayerExecutor(tiny_model("llama", seed=14, num_layers=8))
     # Thresholds that never pass: the lossy mode is then exactly autoregressive decoding.
     never = CalibratedExits(StubHeads(executor, [2, 4, 6], [2.0, 2.0, 2.0]), 0.9, "max_prob")
-    reference = _run(executor, build_decoder("ar", executor, {}), max_new_tokens=25).tokens
-    state = _run(executor, partial(decode_calibrated_exit, exits=never), max_new_tokens=25)
+    reference = _run(executor, build_step("ar", executor, {}), max_new_tokens=25).tokens
+    state = _run(executor, CalibratedExitStep(never), max_new_tokens=25)
     assert state.tokens == reference and state.stats.mean_exit_layer == 8.0
     # Always the first head: tokens come from layer 2 and the deep layers never run.
     always = CalibratedExits(StubHeads(executor, [2, 4, 6], [0.0, 0.0, 0.0]), 0.9, "max_prob")
-    state = _run(executor, partial(decode_calibrated_exit, exits=always), max_new_tokens=25)
+    state = _run(executor, CalibratedExitStep(always), max_new_tokens=25)
     assert state.stats.mean_exit_layer == 2.0
     assert state.stats.layer_forwards == 2 * 24
     assert state.cache.length(1) == state.seq_len - 1 and state.cache.length(7) == len(PROMPT)

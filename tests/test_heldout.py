@@ -16,8 +16,8 @@ from selfspec.data import Prompt
 from selfspec.errors import InvalidArgumentError
 from selfspec.heads import ExitHeads, make_head, output_layer, save_heads
 from selfspec.heads.card import PromptUse, TrainingInfo
-from selfspec.heads.corpus import CALIBRATION, TEST, TRAIN, split_of
 from selfspec.heads.files import new_card
+from selfspec.training.corpus import CALIBRATION, TEST, TRAIN, split_of
 
 PROMPTS = [Prompt("HumanEval/0", "def add(a, b):\n", chat=False),
            Prompt("HumanEval/1", "def sub(a, b):\n", chat=False)]

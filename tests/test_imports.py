@@ -87,3 +87,95 @@ def test_the_package_has_no_import_cycle():
     graph = import_graph()
     assert len(graph) > 40
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+# ------------------------------------------------------------------------ layering
+# DESIGN.md "Layers of the code": training is never imported by the code that decodes.
+DECODE_TIME_PACKAGES = ("heads", "decoding", "executor", "methods", "models")
+TRAINING = "selfspec.training"
+
+
+def _resolve(module: str, is_package: bool, level: int, name: str | None) -> str:
+    """The absolute name of ``from <level dots><name> import ...`` written in ``module``."""
+    if level == 0:
+        return name or ""
+    parts = module.split(".")
+    base = parts if is_package else parts[:-1]
+    base = base[:len(base) - (level - 1)]
+    return ".".join(base + ([name] if name else []))
+
+
+def imported_names(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Every module name an import in ``source`` (the text of ``module``) names.
+
+    Stricter than :func:`import_graph`: ``from a import b`` counts as ``a`` and ``a.b``;
+    relative imports are resolved; ``importlib.import_module("...")`` and
+    ``__import__("...")`` with a literal name count; and imports under ``TYPE_CHECKING``
+    count too (decoding code that names a training type still depends on training).
+    """
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, is_package, node.level, node.module)
+            names.add(base)
+            names |= {f"{base}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Call) and node.args \
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if called in ("import_module", "__import__"):
+                names.add(node.args[0].value)
+    return names
+
+
+def training_imports(source: str, module: str, is_package: bool = False) -> list[str]:
+    """The names under ``selfspec.training`` that ``source`` imports, sorted."""
+    return sorted(n for n in imported_names(source, module, is_package)
+                  if n == TRAINING or n.startswith(TRAINING + "."))
+
+
+def test_training_imports_finds_every_form():
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "import selfspec.training.corpus\n"
+        "from selfspec.training.pipeline import train\n"
+        "from ..training import probe\n"
+        "from .. import training\n"
+        "if TYPE_CHECKING:\n"
+        "    from selfspec.training.engine import Engine\n"
+        "def late():\n"
+        "    from selfspec import training as t\n"
+        "    import importlib\n"
+        "    importlib.import_module('selfspec.training.train')\n"
+        "    __import__('selfspec.training.plots')\n")
+    found = training_imports(source, "selfspec.heads.files")
+    for name in ("selfspec.training.corpus", "selfspec.training.pipeline",
+                 "selfspec.training.probe", "selfspec.training", "selfspec.training.engine",
+                 "selfspec.training.train", "selfspec.training.plots"):
+        assert name in found
+    assert training_imports("from . import files\nfrom selfspec.heads import load_heads\n"
+                            "import selfspec.trainingwheels\n", "selfspec.heads", True) == []
+    assert _resolve("selfspec.heads", True, 1, "files") == "selfspec.heads.files"
+    assert _resolve("selfspec.heads.files", False, 2, "training") == "selfspec.training"
+
+
+def test_decoding_code_never_imports_training():
+    """heads, decoding, executor, methods and models never import ``selfspec.training``,
+    at module level, inside a function, or under ``TYPE_CHECKING``."""
+    assert (ROOT / "training" / "__init__.py").is_file()
+    offenders: dict[str, list[str]] = {}
+    seen = dict.fromkeys(DECODE_TIME_PACKAGES, 0)
+    for path in sorted(ROOT.rglob("*.py")):
+        module = _module_name(path)
+        package = module.split(".")[1] if "." in module else ""
+        if package not in seen:
+            continue
+        seen[package] += 1
+        found = training_imports(path.read_text(encoding="utf-8"), module,
+                                 path.name == "__init__.py")
+        if found:
+            offenders[module] = found
+    assert all(seen.values()), f"no modules found for {[p for p, n in seen.items() if not n]}"
+    assert not offenders, f"decode-time modules import training: {offenders}"

@@ -95,7 +95,8 @@ def test_bad_input_is_refused_clearly(engine):
 
 def _drafted(engine, drafter, prompts):
     """Finished decode states of speculative decoding with ``drafter``, one per prompt."""
-    from selfspec.decoding.speculative import decode_speculative
+    from selfspec.decoding import loop
+    from selfspec.decoding.speculative import SpeculativeStep
     from selfspec.decoding.state import DecodeOptions, DecodeState
 
     states = []
@@ -103,7 +104,7 @@ def _drafted(engine, drafter, prompts):
         state = DecodeState(engine.executor, engine.encode(prompt), DecodeOptions(
             max_new_tokens=NEW_TOKENS, eos_token_ids=engine.eos_token_ids))
         with torch.inference_mode():
-            decode_speculative(state, drafter)
+            loop.run(state, SpeculativeStep(drafter))
         states.append(state)
     return states
 
@@ -112,7 +113,8 @@ def test_dssd_greedy_equals_autoregressive(engine, prompts, ar_outputs):
     """DSSD's per-token head choice with deferred KV catch-up, on the real model. The heads
     here are the model's own norm + lm_head at DSSD's default placement with fixed
     max-probability thresholds (trained, calibrated heads are not needed for losslessness)."""
-    from selfspec.methods.dssd import CalibratedExits, DSSDDrafter
+    from selfspec.decoding.drafting import DSSDDrafter
+    from selfspec.decoding.exits import CalibratedExits
 
     ex = engine.executor
 
@@ -134,7 +136,7 @@ def test_adaspeed_probe_greedy_equals_autoregressive(engine, prompts, ar_outputs
     the output (training probes is covered by test_heads)."""
     from selfspec.decoding.stop_rules import make_stop_rule
     from selfspec.heads.probe import LinearProbe
-    from selfspec.methods.early_exit import EarlyExitDrafter
+    from selfspec.decoding.drafting import EarlyExitDrafter
 
     ex = engine.executor
     probe = LinearProbe(24, engine.model.config.hidden_size)

@@ -2,30 +2,29 @@
 sampling reproduces the target distribution; verification reuses the drafting work."""
 
 from collections import Counter
-from functools import partial
 import math
 
 import pytest
 import torch
-from tiny import exact_prefix_distribution, run_decoder, tiny_model
+from tiny import exact_prefix_distribution, run_step, tiny_model
 
 from selfspec.decoding.sampling import SamplingConfig
-from selfspec.decoding.speculative import decode_speculative
+from selfspec.decoding.speculative import SpeculativeStep
 from selfspec.decoding.stop_rules import make_stop_rule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
-from selfspec.methods.early_exit import EarlyExitDrafter
-from selfspec.methods.registry import build_decoder
+from selfspec.decoding.drafting import EarlyExitDrafter
+from selfspec.methods.registry import build_step
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
 
 
 def _generate(executor, decoder, prompt=PROMPT, **options):
-    return run_decoder(executor, decoder, prompt, **options)
+    return run_step(executor, decoder, prompt, **options)
 
 
 def _ar_tokens(executor, **options):
-    return _generate(executor, build_decoder("ar", executor, {}), **options).tokens
+    return _generate(executor, build_step("ar", executor, {}), **options).tokens
 
 
 def _identity_last_layer(model):
@@ -53,7 +52,7 @@ CASES = [
 def test_greedy_equals_autoregressive(arch, method, options):
     executor = LayerExecutor(tiny_model(arch, seed=3))
     reference = _ar_tokens(executor, max_new_tokens=48)
-    state = _generate(executor, build_decoder(method, executor, options), max_new_tokens=48)
+    state = _generate(executor, build_step(method, executor, options), max_new_tokens=48)
     assert state.tokens == reference
     assert state.stats.verifications > 0 and state.stats.drafted > 0
 
@@ -61,7 +60,7 @@ def test_greedy_equals_autoregressive(arch, method, options):
 def test_fully_accepted_drafts_with_bonus_tokens():
     executor = LayerExecutor(_identity_last_layer(tiny_model("llama", seed=4)))
     reference = _ar_tokens(executor, max_new_tokens=40)
-    decoder = build_decoder("layerskip", executor, {"exit_layer": 5, "draft_len": 4})
+    decoder = build_step("layerskip", executor, {"exit_layer": 5, "draft_len": 4})
     state = _generate(executor, decoder, max_new_tokens=40)
     assert state.tokens == reference
     assert state.stats.acceptance_rate == 1.0
@@ -74,7 +73,7 @@ def test_drafts_rejected_at_the_first_token_still_progress():
     # A head that ranks tokens in reverse: its argmax is never the target's.
     anti_head = lambda hidden, vocab_rows=None: -executor.logits(hidden)  # noqa: E731
     drafter = EarlyExitDrafter(executor, 3, make_stop_rule("constant", draft_len=3), anti_head)
-    state = _generate(executor, partial(decode_speculative, drafter=drafter), max_new_tokens=30)
+    state = _generate(executor, SpeculativeStep(drafter), max_new_tokens=30)
     assert state.tokens == reference
     assert state.stats.accepted == 0 and state.stats.mean_accepted == 1.0
 
@@ -85,7 +84,7 @@ def test_generation_ends_on_eos_inside_a_draft(eos_index):
     free = _ar_tokens(executor, max_new_tokens=20)[len(PROMPT):]
     eos = frozenset({free[eos_index]})
     reference = _ar_tokens(executor, max_new_tokens=20, eos_token_ids=eos)
-    decoder = build_decoder("layerskip", executor, {"exit_layer": 5, "draft_len": 6})
+    decoder = build_step("layerskip", executor, {"exit_layer": 5, "draft_len": 6})
     state = _generate(executor, decoder, max_new_tokens=20, eos_token_ids=eos)
     assert state.tokens == reference
     assert state.stats.finish_reason == "eos"
@@ -93,7 +92,7 @@ def test_generation_ends_on_eos_inside_a_draft(eos_index):
 
 def test_max_new_tokens_is_exact_with_long_drafts():
     executor = LayerExecutor(_identity_last_layer(tiny_model("llama", seed=6)))
-    decoder = build_decoder("layerskip", executor, {"exit_layer": 5, "draft_len": 8})
+    decoder = build_step("layerskip", executor, {"exit_layer": 5, "draft_len": 8})
     for n in (1, 2, 7, 10):
         state = _generate(executor, decoder, max_new_tokens=n)
         assert state.num_generated == n
@@ -111,7 +110,7 @@ def test_verification_never_recomputes_the_draft_layers():
         return run_layers(hidden, positions, start, end, cache, skip)
 
     executor.run_layers = counting
-    decoder = build_decoder("layerskip", executor, {"exit_layer": exit_layer, "draft_len": 3})
+    decoder = build_step("layerskip", executor, {"exit_layer": exit_layer, "draft_len": 3})
     state = _generate(executor, decoder, max_new_tokens=30)
     decode_calls = calls[1:]  # the first call is the prefill
     # The first exit_layer layers only ever see one new token at a time...
@@ -132,18 +131,18 @@ def test_bad_configuration_is_refused_clearly():
     executor = LayerExecutor(tiny_model("llama"))
     for layer in (0, 6, -1, 2.5):
         with pytest.raises(InvalidArgumentError, match=r"exit_layer must be an integer in \[1, 5\]"):
-            build_decoder("layerskip", executor, {"exit_layer": layer})
+            build_step("layerskip", executor, {"exit_layer": layer})
     with pytest.raises(InvalidArgumentError, match="draft_len"):
-        build_decoder("layerskip", executor, {"exit_layer": 2, "draft_len": 0})
+        build_step("layerskip", executor, {"exit_layer": 2, "draft_len": 0})
     for gamma in (0.0, 1.0, 1.5):
         with pytest.raises(InvalidArgumentError, match="gamma"):
-            build_decoder("adaspeed", executor, {"exit_layer": 2, "gamma": gamma})
-    with pytest.raises(InvalidArgumentError, match="do not apply"):
-        build_decoder("layerskip", executor, {"gamma": 0.5})
+            build_step("adaspeed", executor, {"exit_layer": 2, "gamma": gamma})
+    with pytest.raises(InvalidArgumentError, match="does not take option.*gamma"):
+        build_step("layerskip", executor, {"gamma": 0.5})
     with pytest.raises(InvalidArgumentError, match="known methods"):
-        build_decoder("medusa", executor, {})
+        build_step("medusa", executor, {})
     with pytest.raises(InvalidArgumentError, match="does not take"):
-        build_decoder("ar", executor, {"exit_layer": 3})
+        build_step("ar", executor, {"exit_layer": 3})
 
 
 # ----------------------------------------------------------------------- sampling
@@ -157,7 +156,7 @@ def test_speculative_sampling_reproduces_the_target_distribution():
     exact = exact_prefix_distribution(executor, PROMPT, config, 3)
     # A shallow exit drafts from a distribution far from the target's, so a wrong
     # acceptance rule would show.
-    decoder = build_decoder("layerskip", executor, {"exit_layer": 1, "draft_len": 2})
+    decoder = build_step("layerskip", executor, {"exit_layer": 1, "draft_len": 2})
     n = 1500
     counts = Counter()
     for seed in range(n):
@@ -173,7 +172,7 @@ def test_speculative_sampling_reproduces_the_target_distribution():
 
 def test_speculative_sampling_is_reproducible_with_a_seed():
     executor = LayerExecutor(tiny_model("qwen2", seed=9))
-    decoder = build_decoder("adaspeed", executor, {"exit_layer": 2, "gamma": 0.2})
+    decoder = build_step("adaspeed", executor, {"exit_layer": 2, "gamma": 0.2})
     sampling = SamplingConfig(temperature=0.8, top_p=0.9, seed=11)
     a = _generate(executor, decoder, max_new_tokens=30, sampling=sampling).tokens
     b = _generate(executor, decoder, max_new_tokens=30, sampling=sampling).tokens

@@ -60,15 +60,15 @@ def tiny_tokenizer():
     return tokenizer
 
 
-def run_decoder(executor, decoder, prompt, **options):
-    """Run ``decoder`` on ``prompt`` (token ids) with ``DecodeOptions(**options)``; the
-    finished ``DecodeState``."""
+def run_step(executor, step, prompt, **options):
+    """Run the generation loop with ``step`` on ``prompt`` (token ids) and
+    ``DecodeOptions(**options)``; the finished ``DecodeState``."""
+    from selfspec.decoding import loop
     from selfspec.decoding.state import DecodeOptions, DecodeState
 
     state = DecodeState(executor, prompt, DecodeOptions(**options))
     with torch.inference_mode():
-        decoder(state)
-    state.finish()
+        loop.run(state, step)
     return state
 
 

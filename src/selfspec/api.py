@@ -5,25 +5,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from selfspec.decoding import loop
 from selfspec.decoding.sampling import SamplingConfig
-from selfspec.decoding.state import DecodeOptions, DecodeState, GenerationStats
+from selfspec.decoding.state import DecodeOptions, DecodeState
+from selfspec.decoding.stats import GenerationStats
+from selfspec.decoding.stop_strings import StopStringSink, Streamer
 from selfspec.errors import InvalidArgumentError, PromptError
 from selfspec.executor import LayerExecutor
-from selfspec.methods.registry import build_decoder
+from selfspec.methods.registry import MethodContext, get_method
 from selfspec.models.eos import eos_token_ids
 
 logger = logging.getLogger(__name__)
-
-
-class Streamer(Protocol):
-    """Anything with transformers' streamer interface (e.g. ``transformers.TextStreamer``)."""
-
-    def put(self, value: torch.Tensor) -> None: ...
-    def end(self) -> None: ...
 
 
 @dataclass
@@ -43,36 +39,12 @@ class GenerationResult:
     stats: GenerationStats
 
 
-class _StopStringSink:
-    """Streams committed tokens and stops at the first stop string.
-
-    Only the tail of the generated tokens is decoded at each commit (a stop string of n
-    characters spans at most n tokens), so checking costs O(1) per token.
-    """
-
-    def __init__(self, tokenizer: Any, stop: Sequence[str], streamer: Streamer | None) -> None:
-        self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
-        self.window = max((len(s) for s in self.stop), default=0)
-        self.streamer = streamer
-        self.generated: list[int] = []
-
-    def __call__(self, tokens: list[int]) -> bool:
-        self.generated.extend(tokens)
-        if self.streamer is not None:
-            self.streamer.put(torch.tensor(tokens))
-        if not self.stop:
-            return False
-        tail = self.tokenizer.decode(self.generated[-(self.window + len(tokens)):],
-                                     skip_special_tokens=True)
-        return any(s in tail for s in self.stop)
-
-
 class SelfSpec:
     """A loaded model ready to generate with any selfspec method.
 
     Build it with :func:`load`. Attributes: ``model`` (the HF model), ``tokenizer``,
-    ``executor`` (:class:`LayerExecutor`), ``name``.
+    ``executor`` (:class:`LayerExecutor`), ``methods`` (the :class:`MethodContext` methods
+    are built in: it keeps the head files they load), ``name``.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str) -> None:
@@ -80,6 +52,7 @@ class SelfSpec:
         self.tokenizer = tokenizer
         self.name = name
         self.executor = LayerExecutor(model, name=name)
+        self.methods = MethodContext(self.executor)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -133,7 +106,8 @@ class SelfSpec:
             chat: wrap a text prompt in the tokenizer's chat template as a user turn.
             stop: stop strings; generation ends once the text contains one (text is cut there).
             streamer: receives committed token ids as they come (``put``/``end``).
-            **method_options: options of the method (e.g. ``exit_layer``).
+            **method_options: options of the method (e.g. ``exit_layer``; ``selfspec
+                methods`` lists them).
 
         Returns:
             :class:`GenerationResult` with text, token ids and statistics.
@@ -147,21 +121,17 @@ class SelfSpec:
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         options = DecodeOptions(max_new_tokens=max_new_tokens, sampling=sampling,
                                 eos_token_ids=self.eos_token_ids)
-        decoder = build_decoder(method, self.executor, method_options)
+        step = get_method(method).make_step(self.methods, method_options)
         prompt_ids = self.encode(prompt, chat=chat)
-        sink = _StopStringSink(self.tokenizer, stop, streamer)
+        sink = StopStringSink(self.tokenizer, stop, streamer)
         state = DecodeState(self.executor, prompt_ids, options, sink)
         try:
-            decoder(state)
+            stats = loop.run(state, step)
         finally:
             if streamer is not None:
                 streamer.end()
-        stats = state.finish()
         generated = state.tokens[state.prompt_len:]
-        text = self.tokenizer.decode(generated, skip_special_tokens=True)
-        for s in stop:
-            if s and s in text:
-                text = text[: text.index(s)]
+        text = sink.cut(self.tokenizer.decode(generated, skip_special_tokens=True))
         logger.debug("generated %d tokens at %.1f tok/s", stats.new_tokens, stats.tokens_per_s)
         return GenerationResult(text=text, token_ids=generated, prompt_ids=prompt_ids, stats=stats)
 

@@ -1,4 +1,4 @@
-"""Command-line interface: ``selfspec generate | models``.
+"""Command-line interface: ``selfspec generate | methods | models | bench | heads``.
 
 The CLI is the only place that prints. Errors raised on purpose (:class:`SelfSpecError`)
 are shown as one line on stderr with exit status 2, without a traceback.
@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from selfspec.bench.cli import add_bench_parser
 from selfspec.errors import SelfSpecError
-from selfspec.heads.cli import add_heads_parser
+from selfspec.methods.options import OptionField
+from selfspec.training.cli import add_heads_parser
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -34,35 +35,54 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    spec = p.add_argument_group(
-        "method options (layerskip, dv, adaspeed, adaspeed-probe, dssd, early-exit)")
-    spec.add_argument("--exit-layer", type=int, default=None,
-                      help="layers the draft runs, in [1, L-1] (default: 3/4 of the depth)")
-    spec.add_argument("--draft-len", type=int, default=None,
-                      help="draft tokens per step for layerskip (default 4)")
-    spec.add_argument("--gamma", type=float, default=None,
-                      help="stop threshold in (0, 1) for dv/adaspeed (initial value if adaptive)")
-    spec.add_argument("--max-draft-len", type=int, default=None, help="longest draft")
-    spec.add_argument("--fixed-gamma", dest="adaptive", action="store_const", const=False,
-                      default=None, help="turn off the adaptive gamma update of dv/adaspeed")
-    spec.add_argument("--heads", default=None,
-                      help="exit heads: 'default' (trained with `selfspec heads train`) or a "
-                           "head file/directory; drafts use the head at --exit-layer")
-    spec.add_argument("--epsilon", type=float, default=None,
-                      help="DSSD accuracy level in [0, 1] for dssd / early-exit (default 0.9)")
-    spec.add_argument("--metric", default=None, choices=["entropy", "max_prob", "margin"],
-                      help="confidence metric of the calibrated heads (default entropy)")
-    spec.add_argument("--draft-vocab", type=int, default=None,
-                      help="draft heads score only the K most frequent tokens (ranked by the "
-                           "heads' token counts; needs --heads), e.g. 8192")
+    add_method_arguments(p)
     p.set_defaults(func=_cmd_generate)
 
 
-def _method_options(args: argparse.Namespace) -> dict:
+def method_option_fields() -> dict[str, list[tuple[str, OptionField]]]:
+    """Every method option by name: ``name -> [(method, field), ...]``, in registry order.
+
+    Raises:
+        TypeError: two methods declare the same option name with different types or
+            choices (one CLI flag could not serve both).
+    """
+    from selfspec.methods.registry import METHODS
+
+    by_name: dict[str, list[tuple[str, OptionField]]] = {}
+    for spec in METHODS.values():
+        for f in spec.fields:
+            by_name.setdefault(f.name, []).append((spec.name, f))
+    for name, uses in by_name.items():
+        kinds = {(f.type, f.info.choices) for _, f in uses}
+        if len(kinds) > 1:
+            raise TypeError(f"option {name!r} has different types in {[m for m, _ in uses]}")
+    return by_name
+
+
+def add_method_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per method option (from every method's ``Options``); unset flags stay
+    ``None`` and leave the value to the method."""
+    group = parser.add_argument_group(
+        "method options (each method takes some; `selfspec methods` lists which, with "
+        "defaults and ranges)")
+    for name, uses in method_option_fields().items():
+        f = uses[0][1]
+        methods = ", ".join(m for m, _ in uses)
+        help_text = f"{f.info.help}; range {f.range_label} [{methods}]"
+        if f.type is bool:
+            group.add_argument(f.flag, dest=name, action=argparse.BooleanOptionalAction,
+                               default=None, help=help_text)
+        else:
+            group.add_argument(f.flag, dest=name, type=f.type, default=None,
+                               choices=f.info.choices or None,
+                               metavar=f.type.__name__.upper() if not f.info.choices else None,
+                               help=help_text)
+
+
+def method_options(args: argparse.Namespace) -> dict:
     """The method options given on the command line (unset ones are left to the method)."""
-    names = ("exit_layer", "draft_len", "gamma", "max_draft_len", "adaptive", "heads",
-             "epsilon", "metric", "draft_vocab")
-    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    return {n: getattr(args, n) for n in method_option_fields()
+            if getattr(args, n, None) is not None}
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -75,7 +95,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from selfspec.methods.registry import get_method
 
     # Refuse bad options before spending seconds on loading the model.
-    get_method(args.method)
+    get_method(args.method).parse(method_options(args))
     DecodeOptions(max_new_tokens=args.max_new_tokens,
                   sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed))
     if args.threads:
@@ -85,7 +105,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     result = engine.generate(args.prompt, method=args.method, max_new_tokens=args.max_new_tokens,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                              seed=args.seed, chat=args.chat, stop=args.stop, streamer=streamer,
-                             **_method_options(args))
+                             **method_options(args))
     s = result.stats
     line = (f"[selfspec] {engine.name} · {args.method} · {s.new_tokens} new tokens · "
             f"{s.tokens_per_s:.1f} tok/s · TTFT {s.ttft_ms:.0f} ms · finish: {s.finish_reason}")
@@ -94,6 +114,34 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if s.exit_layer_total:
         line += f" · mean exit layer {s.mean_exit_layer:.1f}"
     print(line, file=sys.stderr)
+    return 0
+
+
+def _add_methods(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("methods", help="list decoding methods, their options and defaults",
+                       description="Every decoding method: whether it is lossless, the paper "
+                                   "it implements, and each option with its type, default, "
+                                   "range and help. L = the model's layers, R-1 = the longest "
+                                   "draft verified bit-exactly (63), V = vocabulary size.")
+    p.add_argument("name", nargs="?", default=None, help="one method (default: all)")
+    p.set_defaults(func=_cmd_methods)
+
+
+def _cmd_methods(args: argparse.Namespace) -> int:
+    from selfspec.methods.registry import METHODS, get_method
+
+    specs = [get_method(args.name)] if args.name else list(METHODS.values())
+    for i, spec in enumerate(specs):
+        if i:
+            print()
+        kind = "lossless" if spec.lossless else "lossy"
+        print(f"{spec.name}  ({kind}; {spec.paper})")
+        print(f"  {spec.summary}")
+        for f in spec.fields:
+            print(f"  {f.flag:<16} {f.type.__name__:<5}  default {f.default_label:<26} "
+                  f"range {f.range_label:<24} {f.info.help}")
+        if not spec.fields:
+            print("  (no options)")
     return 0
 
 
@@ -138,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_methods(sub)
     _add_models(sub)
     add_bench_parser(sub)
     add_heads_parser(sub)

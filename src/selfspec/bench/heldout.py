@@ -71,7 +71,7 @@ def seen_prompts(card, dataset: str, prompts: Sequence[Prompt]) -> set[str]:
     """Ids among ``prompts`` (of ``dataset``) that ``card`` (a ``HeadCard``) saw."""
     if card.records_prompts:
         return {p.id for p in prompts} & card.seen_prompts().get(dataset, set())
-    from selfspec.heads.corpus import CALIBRATION, TRAIN, dataset_of, split_of
+    from selfspec.training.corpus import CALIBRATION, TRAIN, dataset_of, split_of
 
     datasets = ({dataset_of(d) for d in card.training.data} if card.training is not None
                 else set(LEGACY_DEFAULT_DATASETS))

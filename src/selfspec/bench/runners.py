@@ -20,7 +20,7 @@ import torch
 from selfspec.api import SelfSpec
 from selfspec.bench.spec import MethodConfig
 from selfspec.errors import InvalidArgumentError
-from selfspec.methods.registry import METHODS, build_decoder, default_exit_layer
+from selfspec.methods.registry import METHODS, default_exit_layer
 
 logger = logging.getLogger(__name__)
 
@@ -147,12 +147,13 @@ class SelfSpecRunner:
         self.lossless = METHODS[config.name].lossless
 
     def setup(self) -> None:
-        """Build the decoder once so bad option values fail before any timing.
+        """Build the method's Step once (loading its head files) so bad option values fail
+        before any timing.
 
         Raises:
             InvalidArgumentError: an option value out of range.
         """
-        build_decoder(self.config.name, self.engine.executor, dict(self.config.options))
+        METHODS[self.config.name].make_step(self.engine.methods, dict(self.config.options))
 
     def run(self, prompt: EncodedPrompt, settings: RunSettings) -> RunOutput:
         start = self.clock()

@@ -1,6 +1,7 @@
 """Method specs of the benchmark: ``name[:key=value,...]``, lists of them, and sweep grids.
 
-Grammar (values are parsed as int, float, bool ``true``/``false``, else string)::
+Grammar (values are parsed by the type of the method's option, see ``selfspec methods``;
+for the ``hf-*`` baselines as int, float, bool ``true``/``false``, else string)::
 
     method  := NAME [":" KEY "=" VALUE (("," | ":") KEY "=" VALUE)*]
     methods := method ("," method)*          # a ","-item with "=" continues the previous method
@@ -101,25 +102,31 @@ def parse_value(text: str) -> Any:
 
 
 def validate(config: MethodConfig) -> MethodConfig:
-    """Check the name and the option names (values are checked when the method is built).
+    """Check the name, the option names and their values (types and ranges that do not
+    depend on the model; the rest is checked when the method is built), converting values
+    to each option's type.
 
     Raises:
         InvalidArgumentError: unknown method (the message lists every known one, the hf-*
-            baselines included) or an option the method does not take.
+            baselines included), an option the method does not take, or a bad value.
     """
     if config.name in METHODS:
-        accepted = METHODS[config.name].options
-    elif config.name in HF_BASELINES:
-        accepted = HF_BASELINES[config.name].options
-    else:
+        spec = METHODS[config.name]
+        spec.parse(config.options)  # raises on any bad option
+        fields = {f.name: f for f in spec.fields}
+        typed = {k: fields[k].coerce(v, spec.name) for k, v in config.options.items()}
+        return MethodConfig(config.name, typed)
+    if config.name not in HF_BASELINES:
         raise InvalidArgumentError(
             f"unknown method {config.name!r}; known methods: {', '.join(known_methods())}")
+    accepted = HF_BASELINES[config.name].options
     unknown = [k for k in config.options if k not in accepted]
     if unknown:
         raise InvalidArgumentError(
             f"method {config.name!r} does not take option(s) {', '.join(unknown)}; "
             f"it accepts: {', '.join(accepted) or 'none'}")
-    return config
+    return MethodConfig(config.name, {k: parse_value(v) if isinstance(v, str) else v
+                                      for k, v in config.options.items()})
 
 
 def _split_option(item: str, spec: str) -> tuple[str, str]:
@@ -145,7 +152,7 @@ def parse_method(spec: str) -> MethodConfig:
         key, value = _split_option(item, spec)
         if key in options:
             raise InvalidArgumentError(f"option {key!r} given twice in {spec!r}")
-        options[key] = parse_value(value)
+        options[key] = value  # typed by validate(), per the method's Options
     return validate(MethodConfig(name.strip(), options))
 
 
@@ -181,7 +188,7 @@ def _expand_values(text: str, spec: str) -> list[Any]:
                     f"bad range {item!r} in {spec!r}; write INT..INT with the smaller first")
             values.extend(range(start, stop + 1))
         else:
-            values.append(parse_value(item))
+            values.append(item)  # typed by validate()
     if not values:
         raise InvalidArgumentError(f"no values in {spec!r}")
     return values

@@ -1,12 +1,12 @@
 """The speculative step shared by every self-speculative method (DESIGN.md "The speculative step").
 
-One step: draft → verify → commit → rollback → update::
+One step: draft → verify → rollback → commit → update::
 
     draft  = drafter.draft(state)                  # DraftOutput
-    logits = drafter.target_logits(state, draft)   # only the layers the draft did not run
-    result = verify(draft, logits, sampling)       # VerifyOutput
+    target = drafter.target_logits(state, draft)   # only the layers the draft did not run
+    result = verify(draft, target.logits)          # VerifyOutput: greedy or rejection sampling
     state.cache.truncate(...); state.commit(result.committed_tokens)
-    drafter.update(StepStats(...))
+    drafter.update(stats)                          # StepStats: adaptive gamma
 
 Cache invariant between steps: with ``n`` committed tokens, every layer holds positions
 ``[0, n-1)``; the last committed token has not run through any layer yet. A step feeds that
@@ -23,9 +23,8 @@ from typing import Protocol
 import torch
 
 from selfspec.decoding.deferred import DeferredLayers
-from selfspec.decoding.sampling import choose_next
 from selfspec.decoding.state import DecodeState
-from selfspec.decoding.stop_rules import StepStats
+from selfspec.decoding.stats import StepStats
 from selfspec.decoding.verification import VerifyOutput, verify_greedy, verify_sampling
 
 
@@ -82,51 +81,49 @@ class Drafter(Protocol):
         """Learn from the verification result (e.g. adaptive gamma)."""
 
 
-def speculative_step(state: DecodeState, drafter: Drafter) -> VerifyOutput:
-    """Run one draft → verify → commit → rollback → update step on ``state``.
-
-    Returns:
-        The verification result (``committed_tokens`` were committed to ``state``).
-    """
+def verify(draft: DraftOutput, target: TargetOutput, state: DecodeState) -> VerifyOutput:
+    """Greedy verification (longest prefix equal to the target argmax) or, when sampling,
+    the Leviathan/Chen rejection rule with residual and bonus token
+    (:mod:`selfspec.decoding.verification`)."""
     sampling = state.options.sampling
-    start_len = state.seq_len
-    t0 = time.perf_counter()
-    # 1. draft
-    draft = drafter.draft(state)
-    t1 = time.perf_counter()
-    # 2. verify: the target's logits at the D+1 positions, then the acceptance rule
-    target = drafter.target_logits(state, draft)
     if sampling.greedy:
-        result = verify_greedy(draft.token_ids, target.logits)
-    else:
-        result = verify_sampling(draft.token_ids, draft.probs, target.logits, sampling,
-                                 state.generator)
-    t2 = time.perf_counter()
-    # 3. rollback the rejected positions in every layer, 4. commit
-    state.cache.truncate(start_len + result.num_accepted)
-    state.commit(result.committed_tokens)
-    # 5. update the drafter
-    drafter.update(StepStats(num_drafted=len(draft.tokens), num_accepted=result.num_accepted))
-    stats = state.stats
-    stats.drafted += len(draft.tokens)
-    stats.accepted += result.num_accepted
-    stats.verifications += 1
-    stats.draft_ms += (t1 - t0) * 1e3
-    stats.verify_ms += (t2 - t1) * 1e3
-    stats.layer_forwards += draft.layer_forwards + target.layer_forwards
-    stats.exit_layer_total += sum(draft.exit_layers)
-    return result
+        return verify_greedy(draft.token_ids, target.logits)
+    return verify_sampling(draft.token_ids, draft.probs, target.logits, sampling,
+                           state.generator)
 
 
-def decode_speculative(state: DecodeState, drafter: Drafter) -> None:
-    """Generate until ``state`` is done: prefill, first token from the full model, then
-    speculative steps.
+class SpeculativeStep:
+    """draft → verify → rollback → commit → update (the Step of every lossless
+    self-speculative method).
 
     Args:
-        state: a fresh :class:`DecodeState`.
-        drafter: the method's drafter.
+        drafter: the method's drafter (its stop rule decides the draft length).
     """
-    logits = state.prefill()  # [1, V]
-    state.commit([int(choose_next(logits, state.options.sampling, state.generator))])
-    while not state.done:
-        speculative_step(state, drafter)
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+
+    def start(self, state: DecodeState) -> None:
+        """Nothing to set up: the drafter's adaptive state was built with it."""
+
+    def __call__(self, state: DecodeState) -> StepStats:
+        start_len = state.seq_len
+        t0 = time.perf_counter()
+        # 1. draft
+        draft = self.drafter.draft(state)
+        t1 = time.perf_counter()
+        # 2. verify: the target's logits at the D+1 positions, then the acceptance rule
+        target = self.drafter.target_logits(state, draft)
+        result = verify(draft, target, state)
+        t2 = time.perf_counter()
+        # 3. rollback the rejected positions in every layer, 4. commit
+        state.cache.truncate(start_len + result.num_accepted)
+        kept = state.commit(result.committed_tokens)
+        stats = StepStats(num_drafted=len(draft.tokens), num_accepted=result.num_accepted,
+                          committed=len(kept), verified=True,
+                          exit_layers=tuple(draft.exit_layers),
+                          layer_forwards=draft.layer_forwards + target.layer_forwards,
+                          draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3)
+        # 5. update the drafter
+        self.drafter.update(stats)
+        return stats

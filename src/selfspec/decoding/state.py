@@ -1,8 +1,8 @@
-"""The state of one generation, shared by every decoding method.
+"""The state of one generation, shared by the loop and every Step.
 
-A method's loop only drafts, verifies and calls :meth:`DecodeState.commit`; the state owns
-the sequence, the KV cache, the stopping conditions (EOS, ``max_new_tokens``, the model's
-context, a caller's stop check) and the counters that become :class:`GenerationStats`.
+A Step only drafts, verifies and calls :meth:`DecodeState.commit`; the state owns the
+sequence, the KV cache, the stopping conditions (EOS, ``max_new_tokens``, the model's
+context, a caller's stop check) and the :class:`GenerationStats` the loop accumulates.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.decoding.sampling import SamplingConfig
+from selfspec.decoding.stats import GenerationStats
 from selfspec.errors import InvalidArgumentError, PromptError
 from selfspec.executor import KVCache, LayerExecutor
 
@@ -43,61 +44,6 @@ class DecodeOptions:
         if self.max_new_tokens < 1:
             raise InvalidArgumentError(
                 f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
-
-@dataclass
-class GenerationStats:
-    """What one generation did and how long it took.
-
-    Attributes:
-        prompt_tokens: prompt length in tokens.
-        new_tokens: tokens generated.
-        total_ms: wall time from the start of the prefill to the last commit, in ms.
-        ttft_ms: time to first token (prefill + first token), in ms.
-        tokens_per_s: ``new_tokens / total_ms`` in tokens per second.
-        drafted: draft tokens proposed (speculative methods; 0 for autoregressive).
-        accepted: draft tokens accepted by verification.
-        verifications: verification forwards run.
-        draft_ms / verify_ms: wall time spent drafting / verifying, in ms.
-        layer_forwards: decoder-layer evaluations of one token each, after the prefill.
-        exit_layer_total: sum over draft tokens of the layers their prediction ran.
-        finish_reason: ``"eos"``, ``"length"`` (max_new_tokens), ``"context"`` or ``"stop"``.
-    """
-
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    total_ms: float = 0.0
-    ttft_ms: float = 0.0
-    tokens_per_s: float = 0.0
-    drafted: int = 0
-    accepted: int = 0
-    verifications: int = 0
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
-    layer_forwards: int = 0
-    exit_layer_total: int = 0
-    finish_reason: str = ""
-
-    @property
-    def acceptance_rate(self) -> float:
-        """accepted / drafted (0 when nothing was drafted)."""
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_accepted(self) -> float:
-        """Tokens per verification: accepted draft tokens + the recovered/bonus token
-        (0 without verification)."""
-        return (self.accepted + self.verifications) / self.verifications if self.verifications else 0.0
-
-    @property
-    def mean_exit_layer(self) -> float:
-        """Mean number of layers a draft token's prediction ran (0 without drafts)."""
-        return self.exit_layer_total / self.drafted if self.drafted else 0.0
-
-    @property
-    def layer_forwards_per_token(self) -> float:
-        """Decoder-layer evaluations per generated token (L for autoregressive decoding)."""
-        return self.layer_forwards / self.new_tokens if self.new_tokens else 0.0
 
 
 class DecodeState:
@@ -159,6 +105,10 @@ class DecodeState:
     def positions(self, start: int, count: int) -> torch.Tensor:
         """``[1, count]`` int64 positions ``start .. start+count-1`` on the model's device."""
         return torch.arange(start, start + count, device=self.executor.device).unsqueeze(0)
+
+    def last_token(self) -> torch.Tensor:
+        """``[1, 1]`` int64 tensor of the last committed token on the model's device."""
+        return torch.tensor([[self.tokens[-1]]], device=self.executor.device)
 
     def commit(self, new_tokens: list[int]) -> list[int]:
         """Append accepted tokens to the sequence, stopping at EOS or a limit.

@@ -25,6 +25,9 @@ Rules (pick one by name with :func:`make_stop_rule`):
 - ``confidence`` — stop when the top-1 probability is ``< tau`` (KnapSpec §3.5, "Dynamic
   Drafting Exit", tau_conf = 0.7).
 
+- ``buffer``     — only ``max_draft_len`` and EOS (DSSD §4.3.1; its drafter stops when no
+  exit head is confident).
+
 Every rule also stops after ``max_draft_len`` tokens and after an EOS token (drafting past
 EOS is wasted work).
 """
@@ -38,10 +41,12 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol, runtime_checkable
 
+from selfspec.decoding.stats import StepStats
 from selfspec.errors import InvalidArgumentError
 
 __all__ = [
     "AdaptiveGamma",
+    "BufferStopRule",
     "ConfidenceStopRule",
     "ConstantStopRule",
     "DraftTokenInfo",
@@ -82,35 +87,6 @@ class DraftTokenInfo:
     top1_prob: float
     is_eos: bool = False
     score: float | None = None
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """Outcome of one verification, fed to :meth:`StopRule.update`.
-
-    Attributes:
-        num_drafted: draft tokens verified (``D``), >= 0.
-        num_accepted: draft tokens accepted, ``0 <= num_accepted <= num_drafted``
-            (the recovered / bonus token is not counted).
-
-    Raises:
-        InvalidArgumentError: the counts are negative or ``num_accepted > num_drafted``.
-    """
-
-    num_drafted: int
-    num_accepted: int
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.num_accepted <= self.num_drafted:
-            raise InvalidArgumentError(
-                "StepStats needs 0 <= num_accepted <= num_drafted; got "
-                f"num_accepted={self.num_accepted}, num_drafted={self.num_drafted}"
-            )
-
-    @property
-    def acceptance_rate(self) -> float:
-        """``num_accepted / num_drafted`` (0.0 for an empty draft)."""
-        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
 
 
 @runtime_checkable
@@ -216,6 +192,21 @@ class _BaseStopRule:
 
     def _stop_on(self, token: DraftTokenInfo) -> bool:
         raise NotImplementedError
+
+
+class BufferStopRule(_BaseStopRule):
+    """Only the buffer limit and EOS end the draft: DSSD (§4.3.1), whose drafter ends a
+    draft itself when no exit head is confident.
+
+    Args:
+        max_draft_len: the draft buffer, >= 1.
+
+    Raises:
+        InvalidArgumentError: ``max_draft_len < 1``.
+    """
+
+    def _stop_on(self, token: DraftTokenInfo) -> bool:
+        return False
 
 
 class ConstantStopRule(_BaseStopRule):
@@ -354,6 +345,7 @@ class ConfidenceStopRule(_BaseStopRule):
 
 
 STOP_RULES: Mapping[str, type] = MappingProxyType({
+    "buffer": BufferStopRule,
     "constant": ConstantStopRule,
     "threshold": ThresholdStopRule,
     "product": ProductStopRule,

@@ -151,7 +151,6 @@ class LayerExecutor:
         self.model = model
         self.config = config
         self.name = name or str(getattr(config, "_name_or_path", "") or "model")
-        self._assets: dict[object, object] = {}
         self.layers = list(model.model.layers)
         self.num_layers = len(self.layers)
         attn = self.layers[0].self_attn
@@ -176,12 +175,6 @@ class LayerExecutor:
         param = next(model.parameters())
         self.dtype = param.dtype
         self.device = param.device
-
-    def asset(self, key: object, factory: Callable[[], object]) -> object:
-        """A per-model resource (e.g. loaded exit heads), built by ``factory`` on first use."""
-        if key not in self._assets:
-            self._assets[key] = factory()
-        return self._assets[key]
 
     # ------------------------------------------------------------------ cache
     def new_cache(self, batch_size: int = 1, capacity: int = 256) -> KVCache:

@@ -1,4 +1,4 @@
-"""Exit heads, their training and calibration, and AdaSPEED acceptance probes.
+"""Exit heads and AdaSPEED acceptance probes as used while decoding.
 
 Public API (what drafters build on)::
 
@@ -9,18 +9,19 @@ Public API (what drafters build on)::
     confidences(logits)["entropy"]               # -H(p) in nats (higher = more confident)
     heads.probes[exit_layer](hidden) -> P(accept) [B, T]
 
-Sources: DSSD §3.2-3.4 (placement eq. 1, losses, calibration), AdaDecode §2.1 and
-Appendix D (lightweight heads E*·T, on-policy data), AdaSPEED §II.B (linear probe).
+Training, calibration runs, probe fitting and the ``selfspec heads`` command live in
+:mod:`selfspec.training`, which imports this package and is never imported by it.
+
+Sources: DSSD §3.2-3.4 (losses, calibration), AdaDecode §2.1 and Appendix D (lightweight
+heads E*·T), AdaSPEED §II.B (linear probe).
 """
 
 from selfspec.heads.calibration import (
     CONFIDENCE_METRICS,
-    DEFAULT_EPSILONS,
     DEFAULT_METRIC,
     Threshold,
     confidence,
     confidences,
-    roc_auc,
     threshold,
     thresholds,
 )
@@ -36,12 +37,10 @@ from selfspec.heads.files import (
     save_heads,
 )
 from selfspec.heads.modules import ExitHead, FullHead, LightweightHead, make_head, output_layer
-from selfspec.heads.placement import check_layers, default_layers
-from selfspec.heads.probe import LinearProbe, fit_probe
+from selfspec.heads.probe import LinearProbe
 
 __all__ = [
     "CONFIDENCE_METRICS",
-    "DEFAULT_EPSILONS",
     "DEFAULT_METRIC",
     "CalibrationSet",
     "ExitHead",
@@ -54,18 +53,14 @@ __all__ = [
     "LinearProbe",
     "NotCalibratedError",
     "Threshold",
-    "check_layers",
     "confidence",
     "confidences",
     "default_heads_dir",
     "default_probes_dir",
-    "default_layers",
-    "fit_probe",
     "load_heads",
     "make_head",
     "output_layer",
     "read_head_file",
-    "roc_auc",
     "save_heads",
     "threshold",
     "thresholds",

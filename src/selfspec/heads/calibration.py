@@ -1,4 +1,7 @@
-"""Confidence metrics, ROC AUC and calibrated thresholds τ_k(ε) (DSSD §3.4.1).
+"""Confidence metrics and calibrated thresholds τ_k(ε) (DSSD §3.4.1), as used while decoding.
+
+ROC AUC, ROC curves and the ε sweep of ``selfspec heads calibrate`` are training-side
+(:mod:`selfspec.training.calibration`).
 
 Every metric here is a *confidence*: higher means more confident, so one rule serves all of
 them — a head's prediction is used when ``confidence >= τ`` (DSSD §3.4.2, ``c_k ≥ τ_k``):
@@ -39,7 +42,6 @@ from selfspec.errors import InvalidArgumentError
 
 CONFIDENCE_METRICS = ("max_prob", "entropy", "margin")
 DEFAULT_METRIC = "entropy"  # DSSD §3.4.1: entropy has the highest AUC on every Pythia model.
-DEFAULT_EPSILONS = (0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)  # DSSD §4.2 sweep
 
 
 def check_metric(metric: str) -> str:
@@ -94,8 +96,14 @@ def confidence(logits: torch.Tensor, metric: str = DEFAULT_METRIC) -> torch.Tens
     return confidences(logits, (metric,))[metric]
 
 
-def _as_vectors(scores: torch.Tensor | Sequence[float], correct: torch.Tensor | Sequence[bool]
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def calibration_vectors(scores: torch.Tensor | Sequence[float],
+                        correct: torch.Tensor | Sequence[bool]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scores`` as float64 ``[M]`` and ``correct`` as bool ``[M]``, checked.
+
+    Raises:
+        InvalidArgumentError: empty input, length mismatch or NaN scores.
+    """
     s = torch.as_tensor(scores, dtype=torch.float64).reshape(-1)
     t = torch.as_tensor(correct).reshape(-1).to(torch.bool)
     if s.shape != t.shape:
@@ -106,74 +114,6 @@ def _as_vectors(scores: torch.Tensor | Sequence[float], correct: torch.Tensor | 
     if torch.isnan(s).any():
         raise InvalidArgumentError("confidence scores contain NaN")
     return s, t
-
-
-def roc_auc(scores: torch.Tensor | Sequence[float], correct: torch.Tensor | Sequence[bool]) -> float:
-    """Area under the ROC curve of ``scores`` as a detector of ``correct`` (DSSD §3.4.1).
-
-    Exact Mann–Whitney form: the probability that a random correct prediction scores higher
-    than a random wrong one, ties counting 1/2 (average ranks), which is the trapezoidal
-    area under the ROC curve through every distinct threshold.
-
-    Args:
-        scores: ``[M]`` confidences.
-        correct: ``[M]`` booleans.
-
-    Returns:
-        AUC in [0, 1]; NaN when all predictions are correct or all are wrong (undefined).
-
-    Raises:
-        InvalidArgumentError: empty input, length mismatch or NaN scores.
-    """
-    s, t = _as_vectors(scores, correct)
-    num_pos = int(t.sum())
-    num_neg = t.numel() - num_pos
-    if num_pos == 0 or num_neg == 0:
-        return math.nan
-    order = torch.argsort(s, stable=True)
-    sorted_s = s[order]
-    # Average rank (1-based) of each tie group.
-    _, inverse, counts = torch.unique_consecutive(sorted_s, return_inverse=True, return_counts=True)
-    ends = torch.cumsum(counts, 0).double()
-    avg_rank = ends - (counts.double() - 1) / 2
-    ranks = avg_rank[inverse]
-    rank_sum_pos = ranks[t[order]].sum().item()
-    return (rank_sum_pos - num_pos * (num_pos + 1) / 2) / (num_pos * num_neg)
-
-
-@dataclass(frozen=True)
-class RocCurve:
-    """ROC points, one per distinct threshold, from (0, 0) to (1, 1).
-
-    Attributes:
-        fpr: false-positive rates ``[P]`` (wrong predictions with ``score >= threshold``).
-        tpr: true-positive rates ``[P]``.
-        thresholds: ``[P]``; the first is ``+inf`` (nothing accepted).
-    """
-
-    fpr: list[float]
-    tpr: list[float]
-    thresholds: list[float]
-
-
-def roc_curve(scores: torch.Tensor | Sequence[float], correct: torch.Tensor | Sequence[bool]
-              ) -> RocCurve:
-    """ROC curve of ``scores`` against ``correct`` (thresholds at every distinct score).
-
-    Raises:
-        InvalidArgumentError: empty input, length mismatch or NaN scores.
-    """
-    s, t = _as_vectors(scores, correct)
-    order = torch.argsort(s, descending=True, stable=True)
-    s, t = s[order], t[order].double()
-    values, counts = torch.unique_consecutive(s, return_counts=True)
-    ends = torch.cumsum(counts, 0) - 1
-    tp = torch.cumsum(t, 0)[ends]
-    fp = (ends + 1).double() - tp
-    num_pos, num_neg = float(t.sum()), float(t.numel() - t.sum())
-    tpr = (tp / num_pos).tolist() if num_pos else [0.0] * len(values)
-    fpr = (fp / num_neg).tolist() if num_neg else [0.0] * len(values)
-    return RocCurve([0.0] + fpr, [0.0] + tpr, [math.inf] + values.tolist())
 
 
 @dataclass(frozen=True)
@@ -213,7 +153,7 @@ def thresholds(scores: torch.Tensor | Sequence[float], correct: torch.Tensor | S
         InvalidArgumentError: empty input, length mismatch, NaN scores or ε outside [0, 1].
     """
     eps = [check_epsilon(e) for e in epsilons]
-    s, t = _as_vectors(scores, correct)
+    s, t = calibration_vectors(scores, correct)
     total = s.numel()
     order = torch.argsort(s, stable=True)
     s, t = s[order], t[order].double()
@@ -240,27 +180,3 @@ def threshold(scores: torch.Tensor | Sequence[float], correct: torch.Tensor | Se
               epsilon: float) -> Threshold:
     """τ(ε) for one ε; see :func:`thresholds`."""
     return thresholds(scores, correct, [epsilon])[0]
-
-
-@dataclass(frozen=True)
-class Realised:
-    """What the rule ``confidence >= τ`` does on a set of tokens.
-
-    Attributes:
-        coverage: fraction of tokens accepted, in [0, 1].
-        precision: fraction of the accepted tokens that are correct; NaN if none accepted.
-    """
-
-    coverage: float
-    precision: float
-
-
-def realised(scores: torch.Tensor, correct: torch.Tensor, value: float) -> Realised:
-    """Apply a threshold ``value`` to held-out ``scores`` ``[M]`` with ``correct`` ``[M]``
-    (e.g. a test split, to check that the calibrated precision carries over)."""
-    if scores.numel() == 0:
-        return Realised(0.0, math.nan)
-    accepted = scores.double() >= value
-    n = int(accepted.sum())
-    precision = float(correct.bool()[accepted].double().mean()) if n else math.nan
-    return Realised(n / scores.numel(), precision)

@@ -148,7 +148,7 @@ class ProbeCard:
 
 @dataclass
 class TrainingInfo:
-    """How the heads were trained (see :mod:`selfspec.heads.train`).
+    """How the heads were trained (see :mod:`selfspec.training.train`).
 
     ``data``, ``requested_tokens``, ``max_new_tokens``, ``max_len`` and ``seed`` reproduce the
     exact corpus (and so the held-out problems) for a later ``selfspec heads calibrate``;

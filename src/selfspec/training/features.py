@@ -1,6 +1,6 @@
 """The hidden-state cache: one backbone pass per dataset, reused by every head and epoch.
 
-For a list of :class:`~selfspec.heads.corpus.CorpusItem` the frozen backbone runs once
+For a list of :class:`~selfspec.training.corpus.CorpusItem` the frozen backbone runs once
 (teacher forcing, batch 1, no gradient) and, for every scored position, we keep:
 
 - ``hidden[layer]`` ``[N, H]``: the hidden state leaving each requested layer (what a head
@@ -40,7 +40,7 @@ from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
 from selfspec.errors import InvalidArgumentError
-from selfspec.heads.corpus import CorpusItem
+from selfspec.training.corpus import CorpusItem
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -23,12 +22,9 @@ from selfspec.decoding.sampling import SamplingConfig, logits_to_probs
 from selfspec.errors import InvalidArgumentError
 from selfspec.heads.calibration import (
     CONFIDENCE_METRICS,
-    DEFAULT_EPSILONS,
     check_epsilon,
     check_metric,
     confidences,
-    realised,
-    roc_auc,
     thresholds,
 )
 from selfspec.heads.card import (
@@ -40,16 +36,6 @@ from selfspec.heads.card import (
     ThresholdRow,
     TrainingInfo,
 )
-from selfspec.heads.corpus import (
-    CALIBRATION,
-    TEST,
-    TRAIN,
-    CorpusItem,
-    build_corpus,
-    items_by_use,
-    parse_data_spec,
-)
-from selfspec.heads.features import FeatureSet, load_features
 from selfspec.heads.files import (
     DEFAULT_PROBES,
     CalibrationSet,
@@ -62,9 +48,22 @@ from selfspec.heads.files import (
 )
 from selfspec.heads.fingerprint import fingerprint
 from selfspec.heads.modules import ExitHead, output_layer
-from selfspec.heads.placement import check_layers, default_layers
-from selfspec.heads.probe import LinearProbe, ProbeTrainConfig, fit_probe
-from selfspec.heads.train import TrainConfig, train_heads
+from selfspec.heads.probe import LinearProbe
+from selfspec.training.calibration import DEFAULT_EPSILONS, realised, roc_auc
+from selfspec.training.corpus import (
+    CALIBRATION,
+    TEST,
+    TRAIN,
+    CorpusItem,
+    build_corpus,
+    items_by_use,
+    parse_data_spec,
+)
+from selfspec.training.engine import Engine
+from selfspec.training.features import FeatureSet, load_features
+from selfspec.training.placement import check_layers, default_layers
+from selfspec.training.probe import ProbeTrainConfig, fit_probe
+from selfspec.training.train import TrainConfig, train_heads
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +75,7 @@ DEFAULT_DATA = "stdlib,onpolicy:stdlib,onpolicy:sharegpt-chat"
 DEFAULT_TOKENS = 40_000
 
 
-def cache_root(engine: Any) -> Path:
+def cache_root(engine: Engine) -> Path:
     """``$SELFSPEC_HOME/heads-cache/<model>/<fingerprint>/``: on-policy generations and
     feature caches of one model (the dtype is part of each entry's key)."""
     from selfspec.heads.files import _safe_name
@@ -91,7 +90,7 @@ class DataRequest:
     """Which text to use.
 
     Attributes:
-        data: data spec (see :mod:`selfspec.heads.corpus`).
+        data: data spec (see :mod:`selfspec.training.corpus`).
         tokens: scored training tokens over all sources.
         max_new_tokens: length cap of on-policy generations.
         max_len: sequence length cap.
@@ -129,7 +128,7 @@ class PreparedData:
     features: FeatureSet
 
     def uses(self, uses: dict[int, str]) -> list[PromptUse]:
-        """Prompt records for the card (see :func:`~selfspec.heads.corpus.items_by_use`)."""
+        """Prompt records for the card (see :func:`~selfspec.training.corpus.items_by_use`)."""
         return items_by_use(self.items, uses)
 
 
@@ -137,7 +136,7 @@ HEAD_USES = {TRAIN: "train", CALIBRATION: "calibration", TEST: "test"}
 PROBE_USES = {TRAIN: "probe-train", CALIBRATION: "probe-eval", TEST: "probe-eval"}
 
 
-def prepare_features(engine: Any, request: DataRequest, layers: Sequence[int],
+def prepare_features(engine: Engine, request: DataRequest, layers: Sequence[int],
                      times: StageTimes, progress: bool = True) -> PreparedData:
     """Corpus + cached backbone features at ``layers`` (on-policy text generated if needed)."""
     data = parse_data_spec(request.data)
@@ -194,7 +193,7 @@ def dtype_label(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
-def train(engine: Any, request: TrainRequest, progress: bool = True) -> TrainOutcome:
+def train(engine: Engine, request: TrainRequest, progress: bool = True) -> TrainOutcome:
     """Train heads for ``engine``'s model, save them, calibrate them (see module doc).
 
     Raises:
@@ -286,7 +285,7 @@ def calibrate(heads: ExitHeads, features: FeatureSet, metrics: Sequence[str] = C
     Raises:
         InvalidArgumentError: no calibration tokens, bad metric, ε or draft vocabulary size.
     """
-    from selfspec.methods.draft_vocab import check_draft_vocab, frequent_rows
+    from selfspec.decoding.draft_vocab import check_draft_vocab, frequent_rows
 
     metrics = [check_metric(m) for m in metrics]
     epsilons = sorted(check_epsilon(e) for e in epsilons)
@@ -322,13 +321,13 @@ def calibrate(heads: ExitHeads, features: FeatureSet, metrics: Sequence[str] = C
     heads.card.calibration_draft_vocabs = sizes
 
 
-def _eos_ids(engine: Any) -> tuple[int, ...]:
+def _eos_ids(engine: Engine) -> tuple[int, ...]:
     from selfspec.models.eos import eos_token_ids
 
     return tuple(eos_token_ids(engine.executor.model))
 
 
-def calibrate_file(engine: Any, path: str, request: DataRequest | None = None,
+def calibrate_file(engine: Engine, path: str, request: DataRequest | None = None,
                    metrics: Sequence[str] = CONFIDENCE_METRICS,
                    epsilons: Sequence[float] = DEFAULT_EPSILONS, progress: bool = True,
                    draft_vocabs: Sequence[int] | None = None) -> TrainOutcome:
@@ -403,7 +402,7 @@ class Drafts:
 
 
 @torch.inference_mode()
-def draft_predictions(engine: Any, head: ExitHead | None, hidden: torch.Tensor,
+def draft_predictions(engine: Engine, head: ExitHead | None, hidden: torch.Tensor,
                       final: torch.Tensor | None = None, sampling: SamplingConfig | None = None,
                       batch_tokens: int = 512) -> Drafts:
     """What an early-exit drafter predicts from exit-layer states ``[N, H]`` with ``head``
@@ -423,7 +422,7 @@ def draft_predictions(engine: Any, head: ExitHead | None, hidden: torch.Tensor,
     return Drafts(torch.cat(tokens), torch.cat(top), torch.cat(alpha) if alpha else None)
 
 
-def train_probe(engine: Any, request: ProbeRequest, progress: bool = True) -> TrainOutcome:
+def train_probe(engine: Engine, request: ProbeRequest, progress: bool = True) -> TrainOutcome:
     """Fit an AdaSPEED probe at ``request.exit_layer`` and save it (see :class:`ProbeRequest`).
 
     Raises:

@@ -36,7 +36,8 @@ from tqdm.auto import tqdm
 
 from selfspec.errors import InvalidArgumentError
 from selfspec.heads.card import PromptUse, prompt_uses
-from selfspec.heads.onpolicy import DEFAULT_BATCH, generate_greedy_batch
+from selfspec.training.engine import Engine
+from selfspec.training.onpolicy import DEFAULT_BATCH, generate_greedy_batch
 
 logger = logging.getLogger(__name__)
 
@@ -127,12 +128,12 @@ def _ordered(prompts: list[Any], seed: int) -> list[Any]:
     return prompts
 
 
-def _eos_id(engine: Any) -> int | None:
+def _eos_id(engine: Engine) -> int | None:
     ids = sorted(engine.eos_token_ids)
     return ids[0] if ids else None
 
 
-def teacher_forced_item(engine: Any, source: str, prompt: Any) -> CorpusItem | None:
+def teacher_forced_item(engine: Engine, source: str, prompt: Any) -> CorpusItem | None:
     """Prompt + reference as one sequence (``None`` without a reference)."""
     if not prompt.reference:
         return None
@@ -229,7 +230,7 @@ class GenerationCache:
         self._dirty = 0
 
 
-def _onpolicy_maker(engine: Any, source: str, prompts: list[Any], cache: GenerationCache,
+def _onpolicy_maker(engine: Engine, source: str, prompts: list[Any], cache: GenerationCache,
                     bar: tqdm, max_new_tokens: int, batch_size: int
                     ) -> Callable[[Any], CorpusItem | None]:
     """``make(prompt)`` for :func:`select_items`: the cached generation, or a fresh one made
@@ -281,14 +282,15 @@ def onpolicy_cache_path(cache_root: Path, dataset: str, max_new_tokens: int) -> 
     return cache_root / "onpolicy" / f"{dataset}-greedy-{max_new_tokens}.json"
 
 
-def build_corpus(engine: Any, data: list[str], train_tokens: int, cache_root: Path, *,
+def build_corpus(engine: Engine, data: list[str], train_tokens: int, cache_root: Path, *,
                  max_new_tokens: int = 256, max_len: int = 1024, seed: int = 0,
                  eval_fraction: float = 0.25, progress: bool = True,
                  batch_size: int = DEFAULT_BATCH) -> list[CorpusItem]:
     """The items of every source of ``data``, each source with an equal share of the budget.
 
     Args:
-        engine: a ``SelfSpec`` engine (tokenizer, chat template, ``generate``).
+        engine: the model (an :class:`~selfspec.training.engine.Engine`, e.g. a ``SelfSpec``
+            engine: tokenizer, chat template, ``model.generate``).
         data: parsed data spec (:func:`parse_data_spec`).
         train_tokens: scored training tokens over all sources (each source gets
             ``train_tokens / len(data)``, and ``eval_fraction`` of that for calibration and

@@ -11,20 +11,22 @@ in bf16 on the 2-core dev machine (112 vs ~34 tok/s, 16 prompts × 128 tokens).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
+
+from selfspec.training.engine import Engine
 
 DEFAULT_BATCH = 16
 
 
 @torch.inference_mode()
-def generate_greedy_batch(engine: Any, prompts: Sequence[Sequence[int]],
+def generate_greedy_batch(engine: Engine, prompts: Sequence[Sequence[int]],
                           max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations of ``prompts`` generated together.
 
     Args:
-        engine: a ``SelfSpec`` engine (``model``, ``tokenizer``, ``eos_token_ids``).
+        engine: the model (:class:`~selfspec.training.engine.Engine`: ``model``, ``tokenizer``,
+            ``eos_token_ids``).
         prompts: token ids per prompt (each non-empty).
         max_new_tokens: length cap per continuation (>= 1).
 

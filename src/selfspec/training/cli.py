@@ -1,5 +1,5 @@
 """``selfspec heads train | calibrate | show | train-probe`` (the parser and printing;
-the work is in :mod:`selfspec.heads.pipeline`)."""
+the work is in :mod:`selfspec.training.pipeline`)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def _add_data_args(p: argparse.ArgumentParser, what: str | None = None) -> None:
     from selfspec.data import DATASETS
-    from selfspec.heads.pipeline import DEFAULT_DATA, DEFAULT_TOKENS
+    from selfspec.training.pipeline import DEFAULT_DATA, DEFAULT_TOKENS
 
     what = what or DEFAULT_DATA
     g = p.add_argument_group("data")
@@ -138,14 +138,14 @@ def _load_engine(args: argparse.Namespace, model: str | None, dtype: str | None)
 
 
 def _data_request(args: argparse.Namespace, default_tokens: int | None):
-    from selfspec.heads.corpus import parse_data_spec
-    from selfspec.heads.pipeline import DEFAULT_DATA, DEFAULT_TOKENS, DataRequest
+    from selfspec.training.corpus import parse_data_spec
+    from selfspec.training.pipeline import DEFAULT_DATA, DEFAULT_TOKENS, DataRequest
 
     # Refuse bad options before spending seconds on loading the model.
     if args.tokens is not None and args.tokens < 1:
         raise InvalidArgumentError(f"--tokens must be >= 1, got {args.tokens}")
     from selfspec.data.packages import require_dataset
-    from selfspec.heads.corpus import dataset_of
+    from selfspec.training.corpus import dataset_of
 
     for source in parse_data_spec(args.data or DEFAULT_DATA):
         require_dataset(dataset_of(source))
@@ -235,7 +235,7 @@ def _shown(eps: float, all_eps: list[float]) -> bool:
 
 def _plots(args: argparse.Namespace, heads, path: Path) -> list[Path]:
     from selfspec.extras import BENCH_INSTALL, is_installed
-    from selfspec.heads.plots import plot_epsilon_sweep, plot_roc
+    from selfspec.training.plots import plot_epsilon_sweep, plot_roc
 
     if not args.plots or not heads.calibration:
         return []
@@ -256,9 +256,9 @@ def _print_times(times) -> None:
 
 # ----------------------------------------------------------------------------- commands
 def _cmd_train(args: argparse.Namespace) -> int:
-    from selfspec.heads.calibration import DEFAULT_EPSILONS
-    from selfspec.heads.pipeline import DEFAULT_TOKENS, TrainRequest, train
-    from selfspec.heads.train import TrainConfig
+    from selfspec.training.calibration import DEFAULT_EPSILONS
+    from selfspec.training.pipeline import DEFAULT_TOKENS, TrainRequest, train
+    from selfspec.training.train import TrainConfig
 
     config = TrainConfig(kind=args.kind, init=args.init, loss=args.loss,
                          kl_direction=args.kl_direction, alpha=args.alpha, epochs=args.epochs,
@@ -284,9 +284,9 @@ def _report(args: argparse.Namespace, outcome) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from selfspec.heads.calibration import DEFAULT_EPSILONS
     from selfspec.heads.files import read_head_file, resolve_path
-    from selfspec.heads.pipeline import calibrate_file
+    from selfspec.training.calibration import DEFAULT_EPSILONS
+    from selfspec.training.pipeline import calibrate_file
 
     if args.path == "default":
         from selfspec.models.registry import DEFAULT_MODEL
@@ -324,7 +324,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_probe(args: argparse.Namespace) -> int:
-    from selfspec.heads.pipeline import DEFAULT_TOKENS, ProbeRequest, train_probe
+    from selfspec.training.pipeline import DEFAULT_TOKENS, ProbeRequest, train_probe
 
     from selfspec.decoding.sampling import SamplingConfig
 

@@ -96,13 +96,16 @@ def restricted_lm_head(executor: LayerExecutor, vocab: DraftVocab
 def restricted_head(executor: LayerExecutor, head: object | None, vocab: DraftVocab
                     ) -> Callable[[torch.Tensor], torch.Tensor]:
     """``head`` (an exit head with ``restricted``, or ``None`` = the model's own output) on
-    ``vocab.rows`` only, built once per executor, head and vocabulary."""
-    # id(head) is stable: the cached closure keeps the head alive.
-    key = ("restricted-head", id(head), vocab.key)
+    ``vocab.rows`` only: ``[B, T, H]`` → ``[B, T, R]``. Builds a copy of the kept rows: callers
+    that decode repeatedly keep the result (``selfspec.methods.base.MethodContext``).
+
+    Raises:
+        InvalidArgumentError: ``head`` cannot score a subset of the vocabulary.
+    """
     if head is None:
-        return executor.asset(key, lambda: restricted_lm_head(executor, vocab))
+        return restricted_lm_head(executor, vocab)
     if not hasattr(head, "restricted"):
         raise InvalidArgumentError(
             f"draft_vocab needs an exit head that can score a subset of the vocabulary; "
             f"{type(head).__name__} cannot")
-    return executor.asset(key, lambda: head.restricted(vocab.rows))
+    return head.restricted(vocab.rows)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from selfspec.heads.calibration import roc_auc, roc_curve
 from selfspec.heads.files import ExitHeads
+from selfspec.training.calibration import roc_auc, roc_curve
 
 logger = logging.getLogger(__name__)
 

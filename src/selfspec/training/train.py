@@ -1,7 +1,7 @@
 """Training exit heads on a frozen backbone (DSSD §3.3, AdaDecode §2.1 and Appendix D).
 
 Only the heads' parameters get gradients: the backbone's hidden states come from the
-feature cache (:mod:`selfspec.heads.features`), computed once without gradient. Losses, per
+feature cache (:mod:`selfspec.training.features`), computed once without gradient. Losses, per
 scored token, averaged over the batch (DSSD §3.3):
 
 - ``kl`` (default, DSSD's self-supervised ``L_self``): KL divergence between the final
@@ -35,10 +35,10 @@ import torch
 from tqdm.auto import tqdm
 
 from selfspec.errors import InvalidArgumentError
-from selfspec.heads.corpus import CALIBRATION, TEST, TRAIN
-from selfspec.heads.features import FeatureSet
-from selfspec.heads.losses import Teacher, cross_entropy, kl_divergence
 from selfspec.heads.modules import ExitHead, OutputLayer, make_head
+from selfspec.training.corpus import CALIBRATION, TEST, TRAIN
+from selfspec.training.features import FeatureSet
+from selfspec.training.losses import Teacher, cross_entropy, kl_divergence
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,70 @@
+"""The one generation loop (DESIGN.md "The loop and its Steps").
+
+Every method runs through :func:`run`::
+
+    logits = state.prefill()                 # 1. the prompt through every layer
+    state.commit([choose_next(logits)])      # 2. the first token, from the full model
+    step.start(state)                        # 3. per-generation state of the method
+    while not state.done:                    # 4. EOS, max_new_tokens, context, stop strings,
+        state.stats.add(step(state))         #    cancellation: all decided by state.commit
+    state.finish()                           # 5. timings
+
+A :class:`Step` commits at least one token per call and returns a :class:`StepStats`.
+Autoregressive decoding (:class:`~selfspec.decoding.autoregressive.ArStep`), the speculative
+step (:class:`~selfspec.decoding.speculative.SpeculativeStep`: drafter + stop rule +
+verifier) and lossy calibrated early exit
+(:class:`~selfspec.decoding.calibrated_exit.CalibratedExitStep`) are Steps; new methods
+add a Step or a drafter, never a loop.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from selfspec.decoding.sampling import choose_next
+from selfspec.decoding.state import DecodeState
+from selfspec.decoding.stats import GenerationStats, StepStats
+
+
+class Step(Protocol):
+    """One unit of decoding after the prefill.
+
+    A Step object is built per generation (its adaptive state, e.g. Draft & Verify's gamma,
+    lives for one generation) by a method's ``build``.
+    """
+
+    def start(self, state: DecodeState) -> None:
+        """Called once after the prefill committed the first token (cache holds the prompt)."""
+
+    def __call__(self, state: DecodeState) -> StepStats:
+        """Commit ``>= 1`` token to ``state`` (fewer only when ``state`` became done).
+
+        Cache invariant on entry and exit: with ``n`` committed tokens every layer holds KV
+        for positions ``[0, n-1)`` unless the Step itself defers layers (it then owns them
+        until it catches them up).
+        """
+
+
+def run(state: DecodeState, step: Step) -> GenerationStats:
+    """Generate with ``step`` until ``state`` is done.
+
+    Args:
+        state: a fresh :class:`DecodeState` (empty cache).
+        step: the method's Step.
+
+    Returns:
+        The finished :class:`GenerationStats` (also ``state.stats``).
+
+    Raises:
+        RuntimeError: a Step committed nothing while generation was not done (a method bug
+            that would otherwise loop forever).
+    """
+    logits = state.prefill()  # [1, V]
+    state.commit([int(choose_next(logits, state.options.sampling, state.generator))])
+    step.start(state)
+    while not state.done:
+        before = state.seq_len
+        state.stats.add(step(state))
+        if state.seq_len == before and not state.done:
+            raise RuntimeError(f"{type(step).__name__} committed no token")
+    return state.finish()

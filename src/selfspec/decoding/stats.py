@@ -1,0 +1,121 @@
+"""Statistics of decoding: what one step did (:class:`StepStats`) and what a whole
+generation did (:class:`GenerationStats`, the sum of its steps plus the loop's timings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from selfspec.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one :class:`~selfspec.decoding.loop.Step` call did.
+
+    A speculative step fills every field; an autoregressive step commits one token and
+    drafts nothing; the lossy early-exit step reports the token it emitted as one draft
+    token (``exit_layers`` = the layers its prediction ran) that nothing verified.
+
+    Attributes:
+        num_drafted: draft tokens proposed (``D``), >= 0.
+        num_accepted: draft tokens accepted by verification, ``0 <= num_accepted <= D``
+            (the recovered / bonus token is not counted).
+        committed: tokens committed to the sequence by this step (may be fewer than
+            ``num_accepted + 1`` when EOS or a limit cut the step short).
+        verified: a verification forward ran.
+        exit_layers: ``[D]`` layers each draft token's prediction ran (``exit_layer``).
+        layer_forwards: decoder-layer evaluations (one token through one layer).
+        draft_ms: wall time spent drafting, in ms.
+        verify_ms: wall time spent verifying (target forward + acceptance rule), in ms.
+
+    Raises:
+        InvalidArgumentError: negative counts or ``num_accepted > num_drafted``.
+    """
+
+    num_drafted: int = 0
+    num_accepted: int = 0
+    committed: int = 0
+    verified: bool = False
+    exit_layers: tuple[int, ...] = ()
+    layer_forwards: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_accepted <= self.num_drafted:
+            raise InvalidArgumentError(
+                "StepStats needs 0 <= num_accepted <= num_drafted; got "
+                f"num_accepted={self.num_accepted}, num_drafted={self.num_drafted}")
+
+    @property
+    def acceptance_rate(self) -> float:
+        """``num_accepted / num_drafted`` (0.0 for an empty draft)."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+
+@dataclass
+class GenerationStats:
+    """What one generation did and how long it took.
+
+    Attributes:
+        prompt_tokens: prompt length in tokens.
+        new_tokens: tokens generated.
+        total_ms: wall time from the start of the prefill to the last commit, in ms.
+        ttft_ms: time to first token (prefill + first token), in ms.
+        tokens_per_s: ``new_tokens / total_ms`` in tokens per second.
+        steps: Step calls after the prefill.
+        drafted: draft tokens proposed (speculative methods; 0 for autoregressive).
+        accepted: draft tokens accepted by verification.
+        verifications: verification forwards run.
+        draft_ms / verify_ms: wall time spent drafting / verifying, in ms.
+        layer_forwards: decoder-layer evaluations of one token each, after the prefill.
+        exit_layer_total: sum over draft tokens of the layers their prediction ran.
+        finish_reason: ``"eos"``, ``"length"`` (max_new_tokens), ``"context"`` or ``"stop"``.
+    """
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    total_ms: float = 0.0
+    ttft_ms: float = 0.0
+    tokens_per_s: float = 0.0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    verifications: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    layer_forwards: int = 0
+    exit_layer_total: int = 0
+    finish_reason: str = ""
+
+    def add(self, step: StepStats) -> None:
+        """Accumulate one step's statistics."""
+        self.steps += 1
+        self.drafted += step.num_drafted
+        self.accepted += step.num_accepted
+        self.verifications += int(step.verified)
+        self.draft_ms += step.draft_ms
+        self.verify_ms += step.verify_ms
+        self.layer_forwards += step.layer_forwards
+        self.exit_layer_total += sum(step.exit_layers)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / drafted (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens per verification: accepted draft tokens + the recovered/bonus token
+        (0 without verification)."""
+        return (self.accepted + self.verifications) / self.verifications if self.verifications else 0.0
+
+    @property
+    def mean_exit_layer(self) -> float:
+        """Mean number of layers a draft token's prediction ran (0 without drafts)."""
+        return self.exit_layer_total / self.drafted if self.drafted else 0.0
+
+    @property
+    def layer_forwards_per_token(self) -> float:
+        """Decoder-layer evaluations per generated token (L for autoregressive decoding)."""
+        return self.layer_forwards / self.new_tokens if self.new_tokens else 0.0

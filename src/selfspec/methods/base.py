@@ -1,0 +1,149 @@
+"""What a method is: a :class:`MethodSpec` (name, ``Options``, lossless, paper, ``build``) and
+the :class:`MethodContext` its ``build`` receives (the executor and the head files it loads).
+
+A method module under :mod:`selfspec.methods` defines an ``Options`` dataclass (fields
+declared with :func:`selfspec.methods.options.option`) and exports ``SPEC``; the registry
+lists the modules. Everything else — CLI flags, API keywords, benchmark specs, validation,
+``selfspec methods`` — is derived from the spec.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from selfspec.decoding.draft_vocab import DraftVocab, frequent_rows, restricted_head
+from selfspec.decoding.loop import Step
+from selfspec.errors import InvalidArgumentError
+from selfspec.executor import LayerExecutor
+from selfspec.methods.options import (
+    OptionField,
+    check_model_bounds,
+    model_symbols,
+    option_fields,
+    parse_options,
+)
+
+
+class MethodContext:
+    """The model a method is built for, and what methods load for it once.
+
+    Head files are cached by resolved path, size and modification time, so a file that was
+    retrained or recalibrated is read again; reduced draft vocabularies and heads restricted
+    to them are cached per loaded head file.
+
+    Args:
+        executor: the model's executor.
+    """
+
+    def __init__(self, executor: LayerExecutor) -> None:
+        self.executor = executor
+        self._heads: dict[tuple, Any] = {}
+        self._derived: dict[tuple, tuple[Any, Any]] = {}
+
+    def heads(self, path: str | os.PathLike) -> Any:
+        """The :class:`selfspec.heads.ExitHeads` at ``path`` (``"default"``,
+        ``"default-probes"``, a head file or directory) for this model.
+
+        Raises:
+            HeadsNotFoundError, HeadsModelMismatchError, CorruptModelFileError: see
+                :func:`selfspec.heads.load_heads`.
+        """
+        from selfspec.heads import load_heads
+        from selfspec.heads.files import resolve_path
+
+        resolved = resolve_path(path, self.executor.name)
+        try:
+            stat = resolved.stat()
+            key = (str(resolved.resolve()), stat.st_size, stat.st_mtime_ns)
+        except OSError:
+            return load_heads(path, self.executor)  # raises the not-found error
+        if key not in self._heads:
+            self._heads[key] = load_heads(path, self.executor)
+        return self._heads[key]
+
+    def draft_vocab(self, trained: Any, size: int) -> DraftVocab:
+        """The ``size`` most frequent tokens by ``trained``'s token counts, plus EOS ids.
+
+        Raises:
+            InvalidArgumentError: heads without token counts or a bad size.
+        """
+        from selfspec.models.eos import eos_token_ids
+
+        counts = None if trained is None else trained.token_counts
+        if counts is None:
+            raise InvalidArgumentError(
+                "draft_vocab ranks tokens by the token counts stored with trained heads: give "
+                "heads=PATH or heads=default (--heads on the command line); heads calibrated by "
+                "an older selfspec need `selfspec heads calibrate PATH` once")
+        key = ("vocab", id(trained), size)
+        if key not in self._derived:
+            vocab = frequent_rows(counts, size, eos_token_ids(self.executor.model))
+            self._derived[key] = (trained, vocab)  # holding trained keeps id() unique
+        return self._derived[key][1]
+
+    def restricted(self, head: Any, vocab: DraftVocab) -> Callable:
+        """``head`` (``None`` = the model's own output) scoring only ``vocab.rows``."""
+        key = ("restricted", id(head), vocab.key)
+        if key not in self._derived:
+            self._derived[key] = (head, restricted_head(self.executor, head, vocab))
+        return self._derived[key][1]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One decoding method.
+
+    Attributes:
+        name: the name used by ``--method``, ``generate(method=...)`` and ``--methods``.
+        summary: one line for ``selfspec methods`` and reports.
+        lossless: greedy output equals autoregressive greedy output (and sampling keeps the
+            model's distribution).
+        paper: the paper and section it implements.
+        options: its ``Options`` dataclass.
+        build: ``build(context, options) -> Step`` for one generation; raises
+            :class:`InvalidArgumentError` for options the model cannot take.
+        heads_files: ``heads_files(options) -> [path]``: the head files it reads (what a
+            benchmark checks its prompts against).
+    """
+
+    name: str
+    summary: str
+    lossless: bool
+    paper: str
+    options: type
+    build: Callable[[MethodContext, Any], Step]
+    heads_files: Callable[[Any], list[str]] = field(default=lambda options: [])
+
+    @property
+    def fields(self) -> list[OptionField]:
+        """Its options, in declaration order."""
+        return option_fields(self.options)
+
+    @property
+    def option_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields)
+
+    def parse(self, values: Mapping[str, Any], executor: LayerExecutor | None = None) -> Any:
+        """An ``Options`` instance from keyword values (strings are parsed); with
+        ``executor``, model-dependent ranges are checked too.
+
+        Raises:
+            InvalidArgumentError: unknown option, wrong type, value out of range.
+        """
+        symbols = None if executor is None else model_symbols(executor)
+        return parse_options(self.options, values, self.name, symbols)
+
+    def make_step(self, context: MethodContext, values: Mapping[str, Any] | Any) -> Step:
+        """Validate ``values`` (a mapping or an ``Options`` instance) for this model and build
+        the Step of one generation.
+
+        Raises:
+            InvalidArgumentError: see :meth:`parse`; a value outside its range for this model.
+        """
+        options = (values if isinstance(values, self.options)
+                   else self.parse(values, context.executor))
+        check_model_bounds(options, context.executor, self.name)
+        return self.build(context, options)

@@ -1,0 +1,107 @@
+"""What LayerSkip, Draft & Verify and AdaSPEED share: the early-exit drafter at one exit
+layer, its options and how it finds its head, probes and draft vocabulary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from selfspec.decoding.drafting import EarlyExitDrafter
+from selfspec.decoding.loop import Step
+from selfspec.decoding.speculative import SpeculativeStep
+from selfspec.decoding.stop_rules import StopRule
+from selfspec.errors import InvalidArgumentError
+from selfspec.executor import LayerExecutor
+from selfspec.heads.files import DEFAULT_PROBES
+from selfspec.methods.base import MethodContext
+from selfspec.methods.options import option
+
+EXIT_LAYER_HELP = "layers the draft runs: layers [0, exit_layer)"
+HEADS_HELP = ("exit heads: 'default' (from `selfspec heads train`) or a head file/directory; "
+              "drafts use the head at exit_layer when there is one")
+DRAFT_VOCAB_HELP = ("draft heads score only the K most frequent tokens (ranked by the heads' "
+                    "token counts; needs heads), FR-Spec §3")
+
+
+@dataclass(frozen=True)
+class ExitOptions:
+    """Options of every early-exit drafter."""
+
+    exit_layer: int | None = option(None, EXIT_LAYER_HELP, low=1, high="L-1",
+                                    default_text="3/4 of the depth")
+    heads: str | None = option(None, HEADS_HELP, default_text="none (the model's lm_head)")
+    draft_vocab: int | None = option(None, DRAFT_VOCAB_HELP, low=1, high="V",
+                                     default_text="none (full vocabulary)")
+
+
+def default_exit_layer(executor: LayerExecutor) -> int:
+    """Default exit layer: 3/4 of the depth. Without trained exit heads the model's own
+    ``lm_head`` only agrees with the final layer late in the stack."""
+    return max(1, min(executor.num_layers - 1, round(0.75 * executor.num_layers)))
+
+
+def heads_files(options: Any, probe: bool = False) -> list[str]:
+    """The head files an early-exit method reads: ``heads``, or with ``probe`` and no heads,
+    the model's default probes."""
+    if options.heads is not None:
+        return [str(options.heads)]
+    return [DEFAULT_PROBES] if probe else []
+
+
+def build_exit_step(context: MethodContext, options: ExitOptions, stop_rule: StopRule,
+                    probe: bool = False) -> Step:
+    """The speculative Step of an early-exit method whose draft length ``stop_rule``
+    decides; with ``probe``, AdaSPEED's linear probes (§II.B) score each draft token.
+
+    Raises:
+        InvalidArgumentError: options the model's heads cannot serve (no probe at the layer,
+            a probe for another drafter, draft_vocab without token counts).
+        HeadsNotFoundError: a missing head or probe file.
+    """
+    ex = context.executor
+    layer = default_exit_layer(ex) if options.exit_layer is None else options.exit_layer
+    trained = context.heads(options.heads) if options.heads is not None else None
+    # Trained heads: draft with the exit head at this layer when there is one, else with the
+    # model's own final norm + lm_head.
+    head = trained.head_at(layer) if trained is not None and layer in trained.layers else None
+    greedy_probe = sampled_probe = None
+    if probe:
+        greedy_probe, sampled_probe = _probes(context, trained, layer, head is not None)
+    vocab = restricted = None
+    if options.draft_vocab is not None:
+        vocab = context.draft_vocab(trained, options.draft_vocab)
+        restricted = context.restricted(head, vocab)
+    drafter = EarlyExitDrafter(ex, layer, stop_rule, head=head, scorer=greedy_probe,
+                               vocab=vocab, sampled_scorer=sampled_probe, restricted=restricted)
+    return SpeculativeStep(drafter)
+
+
+def _probes(context: MethodContext, trained: Any, layer: int, exit_head: bool) -> tuple:
+    """AdaSPEED probes at ``layer`` for the drafter, from the method's head file (``heads``)
+    or, when drafting with the model's own ``lm_head`` and no heads, from the model's default
+    probes: so ``adaspeed`` and ``adaspeed-probe`` with the same options draft identically
+    and differ only in the stop rule (AdaSPEED Table I).
+
+    Returns:
+        ``(greedy, sampled)`` probes at ``layer``, either ``None`` where not trained (the
+        drafter refuses that decoding mode with the command that trains the probe).
+
+    Raises:
+        InvalidArgumentError: no greedy or sampled probe at ``layer``, or a probe trained for
+            another drafter (exit head vs ``lm_head``).
+        HeadsNotFoundError: no probe file.
+    """
+    container = trained if trained is not None else context.heads(DEFAULT_PROBES)
+    drafter = "exit_head" if exit_head else "lm_head"
+    for card in container.card.probes:
+        if card.exit_layer == layer and card.draft_head != drafter:
+            raise InvalidArgumentError(
+                f"the {card.mode} probe at layer {layer} was trained on drafts of the "
+                f"{card.draft_head}, but this method drafts with the {drafter}; train a probe for "
+                f"this drafter with `selfspec heads train-probe --exit-layer {layer}` "
+                + ("--heads PATH" if exit_head else "(no --heads)"))
+    greedy = container.probes.get(layer)
+    sampled = container.sampled_probes.get(layer)
+    if greedy is None and sampled is None:
+        container.probe_at(layer)  # raises with the command that trains one
+    return greedy, sampled
