@@ -114,3 +114,24 @@ def _sampling():
     from selfspec.decoding.sampling import SamplingConfig
 
     return SamplingConfig(temperature=1.0, top_p=0.9, seed=1)
+
+
+def test_a_rewritten_head_file_is_read_again(executor, home):
+    """Head files are cached per model by path, size and mtime: a retrained file is not served
+    stale (the executor-held cache keyed by path alone was)."""
+    import os
+
+    from selfspec.methods.base import MethodContext
+
+    context = MethodContext(executor)
+    first = _save_probes(executor)
+    loaded = context.heads("default-probes")
+    assert context.heads("default-probes") is loaded  # cached
+    second = _save_probes(executor)
+    path = default_probes_dir(executor.name) / "heads.safetensors"
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # coarse mtime clocks
+    reloaded = context.heads("default-probes")
+    assert reloaded is not loaded
+    assert torch.equal(reloaded.probes[3].weight, second.weight)
+    assert not torch.equal(second.weight, first.weight)

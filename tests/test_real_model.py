@@ -52,6 +52,27 @@ def test_speculative_greedy_equals_autoregressive(engine, prompts, ar_outputs, m
         assert result.stats.verifications > 0
 
 
+def test_knapspec_greedy_equals_autoregressive(engine, prompts, ar_outputs):
+    """KnapSpec re-optimising its plan every 8 steps (whether it drafts or falls back to plain
+    decoding, the output is the model's), and fixed sub-layer plans of every kind."""
+    from selfspec.decoding.skip_drafter import SkipPlanDrafter
+    from selfspec.decoding.stop_rules import ConstantStopRule
+    from selfspec.executor.executor import SkipPlan
+
+    for prompt, reference in zip(prompts, ar_outputs):
+        result = engine.generate(prompt, method="knapspec", max_new_tokens=NEW_TOKENS,
+                                 reoptimize_every=8)
+        assert result.token_ids == reference
+    plans = [SkipPlan(skip_attention=frozenset(range(20, 28, 2))),
+             SkipPlan(skip_mlp=frozenset({22, 25, 27})),
+             SkipPlan(frozenset({21, 24}), frozenset({23, 26, 28}))]
+    for plan in plans:
+        drafter = SkipPlanDrafter(engine.executor, plan, ConstantStopRule(3))
+        states = _drafted(engine, drafter, prompts)
+        assert [s.tokens[s.prompt_len:] for s in states] == ar_outputs
+        assert all(s.stats.verifications > 0 for s in states)
+
+
 def test_sampling_is_reproducible_with_a_seed(engine, prompts):
     kwargs = dict(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=7)
     a = engine.generate(prompts[0], **kwargs).token_ids

@@ -87,7 +87,7 @@ class RunOutput:
     verifications: int | None = None
     draft_ms: float | None = None
     verify_ms: float | None = None
-    layer_forwards: int | None = None
+    layer_forwards: float | None = None
     finish_reason: str = ""
     exit_tokens: int | None = None
     exit_layer_total: int | None = None

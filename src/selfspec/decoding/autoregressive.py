@@ -20,4 +20,4 @@ class ArStep:
         token = state.last_token()                                        # [1, 1]
         logits = ex.forward(token, state.positions(state.seq_len - 1, 1), state.cache)[:, -1]
         kept = state.commit([int(choose_next(logits, state.options.sampling, state.generator))])
-        return StepStats(committed=len(kept), layer_forwards=ex.num_layers)
+        return StepStats(committed=len(kept), sublayers=2 * ex.num_layers)

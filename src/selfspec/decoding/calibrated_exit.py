@@ -22,6 +22,7 @@ from selfspec.decoding.exits import CalibratedExits, Exit
 from selfspec.decoding.sampling import choose_next
 from selfspec.decoding.state import DecodeState
 from selfspec.decoding.stats import StepStats
+from selfspec.errors import InvalidArgumentError
 
 
 class CalibratedExitStep:
@@ -32,10 +33,18 @@ class CalibratedExitStep:
     generation's ``mean_exit_layer`` is the mean exit layer and ``accepted`` stays 0.
 
     Args:
-        exits: calibrated heads at one ε.
+        exits: calibrated heads at one ε, over the full vocabulary.
+
+    Raises:
+        InvalidArgumentError: ``exits`` score a reduced draft vocabulary (without
+            verification a token outside it could never be emitted).
     """
 
     def __init__(self, exits: CalibratedExits) -> None:
+        if exits.vocab is not None:
+            raise InvalidArgumentError(
+                "lossy early exit emits tokens without verification, so its heads must score "
+                "the full vocabulary; drop draft_vocab")
         self.exits = exits
         self._deferred: DeferredLayers | None = None
 
@@ -58,5 +67,5 @@ class CalibratedExitStep:
         kept = state.commit([token])
         deferred.drop_completed()
         return StepStats(num_drafted=1, committed=len(kept), exit_layers=(exit.layer,),
-                         layer_forwards=deferred.layer_forwards - before,
+                         sublayers=2 * (deferred.layer_forwards - before),
                          draft_ms=(time.perf_counter() - t0) * 1e3)

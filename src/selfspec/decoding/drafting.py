@@ -106,8 +106,8 @@ class DraftBuilder:
         self.exit_layers.append(exit_layer)
 
     def build(self, executor: LayerExecutor, sampling: SamplingConfig,
-              deferred: DeferredLayers) -> DraftOutput:
-        """The :class:`DraftOutput`, its inputs pending in ``deferred``."""
+              deferred: DeferredLayers | None) -> DraftOutput:
+        """The :class:`DraftOutput`, its inputs pending in ``deferred`` (if any)."""
         picks = self.picks
         token_ids = (torch.stack([p.token for p in picks]) if picks
                      else torch.empty(0, dtype=torch.long, device=executor.device))
@@ -117,7 +117,8 @@ class DraftBuilder:
                      else torch.empty(0, executor.vocab_size, device=executor.device))
         return DraftOutput(tokens=[p.token_id for p in picks], token_ids=token_ids, probs=probs,
                            exit_layers=list(self.exit_layers),
-                           layer_forwards=deferred.layer_forwards, deferred=deferred)
+                           sublayers=0 if deferred is None else 2 * deferred.layer_forwards,
+                           deferred=deferred)
 
 
 def check_draft_len_limit(executor: LayerExecutor, max_draft_len: object) -> int:
@@ -153,7 +154,7 @@ def complete_to_last_layer(executor: LayerExecutor, state: DecodeState,
         deferred.add(draft.tokens[-1] if num else state.tokens[-1], state.seq_len - 1 + num)
     deferred.advance(executor.num_layers)
     logits = executor.logits(deferred.stacked())[0]  # [D+1, V]
-    return TargetOutput(logits=logits, layer_forwards=deferred.layer_forwards - before)
+    return TargetOutput(logits=logits, sublayers=2 * (deferred.layer_forwards - before))
 
 
 class ExitDrafter:

@@ -196,5 +196,3 @@ class CalibratedExits:
             if float(self._confidence(logits, self.metric)) >= tau:
                 return Exit(layer, logits)
         return None
-
-    first_passing = choose

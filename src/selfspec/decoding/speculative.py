@@ -39,7 +39,7 @@ class DraftOutput:
             (sampling only; ``None`` when greedy).
         exit_layers: ``[D]`` number of layers each draft token's prediction ran
             (``exit_layer``: layers ``[0, exit_layer)``).
-        layer_forwards: decoder-layer evaluations (one token through one layer) spent drafting.
+        sublayers: attention and MLP sub-layers (one token each) run while drafting.
         deferred: the drafted positions' pending inputs (their hidden states after the
             layers they ran, e.g. the exit-layer states LayerSkip reuses for verification),
             handed to :meth:`Drafter.target_logits`; ``None`` for a drafter without them.
@@ -49,7 +49,7 @@ class DraftOutput:
     token_ids: torch.Tensor
     probs: torch.Tensor | None
     exit_layers: list[int]
-    layer_forwards: int = 0
+    sublayers: int = 0
     deferred: DeferredLayers | None = None
 
 
@@ -60,11 +60,11 @@ class TargetOutput:
     Attributes:
         logits: ``[D+1, V]`` target logits: row ``i`` predicts the token after draft token
             ``i-1`` (row 0 after the last committed token); row ``D`` is the bonus position.
-        layer_forwards: decoder-layer evaluations spent.
+        sublayers: attention and MLP sub-layers (one token each) run.
     """
 
     logits: torch.Tensor
-    layer_forwards: int
+    sublayers: int
 
 
 class Drafter(Protocol):
@@ -122,7 +122,7 @@ class SpeculativeStep:
         stats = StepStats(num_drafted=len(draft.tokens), num_accepted=result.num_accepted,
                           committed=len(kept), verified=True,
                           exit_layers=tuple(draft.exit_layers),
-                          layer_forwards=draft.layer_forwards + target.layer_forwards,
+                          sublayers=draft.sublayers + target.sublayers,
                           draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3)
         # 5. update the drafter
         self.drafter.update(stats)

@@ -24,7 +24,8 @@ class StepStats:
             ``num_accepted + 1`` when EOS or a limit cut the step short).
         verified: a verification forward ran.
         exit_layers: ``[D]`` layers each draft token's prediction ran (``exit_layer``).
-        layer_forwards: decoder-layer evaluations (one token through one layer).
+        sublayers: attention and MLP sub-layers run, one token each (a full layer is 2;
+            a skip plan runs fewer).
         draft_ms: wall time spent drafting, in ms.
         verify_ms: wall time spent verifying (target forward + acceptance rule), in ms.
 
@@ -37,7 +38,7 @@ class StepStats:
     committed: int = 0
     verified: bool = False
     exit_layers: tuple[int, ...] = ()
-    layer_forwards: int = 0
+    sublayers: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
 
@@ -51,6 +52,11 @@ class StepStats:
     def acceptance_rate(self) -> float:
         """``num_accepted / num_drafted`` (0.0 for an empty draft)."""
         return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def layer_forwards(self) -> float:
+        """Decoder-layer evaluations: ``sublayers / 2``."""
+        return self.sublayers / 2
 
 
 @dataclass
@@ -68,7 +74,7 @@ class GenerationStats:
         accepted: draft tokens accepted by verification.
         verifications: verification forwards run.
         draft_ms / verify_ms: wall time spent drafting / verifying, in ms.
-        layer_forwards: decoder-layer evaluations of one token each, after the prefill.
+        sublayers: attention and MLP sub-layers run, one token each, after the prefill.
         exit_layer_total: sum over draft tokens of the layers their prediction ran.
         finish_reason: ``"eos"``, ``"length"`` (max_new_tokens), ``"context"`` or ``"stop"``.
     """
@@ -84,7 +90,7 @@ class GenerationStats:
     verifications: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
-    layer_forwards: int = 0
+    sublayers: int = 0
     exit_layer_total: int = 0
     finish_reason: str = ""
 
@@ -96,7 +102,7 @@ class GenerationStats:
         self.verifications += int(step.verified)
         self.draft_ms += step.draft_ms
         self.verify_ms += step.verify_ms
-        self.layer_forwards += step.layer_forwards
+        self.sublayers += step.sublayers
         self.exit_layer_total += sum(step.exit_layers)
 
     @property
@@ -114,6 +120,11 @@ class GenerationStats:
     def mean_exit_layer(self) -> float:
         """Mean number of layers a draft token's prediction ran (0 without drafts)."""
         return self.exit_layer_total / self.drafted if self.drafted else 0.0
+
+    @property
+    def layer_forwards(self) -> float:
+        """Decoder-layer evaluations of one token each (``sublayers / 2``), after the prefill."""
+        return self.sublayers / 2
 
     @property
     def layer_forwards_per_token(self) -> float:

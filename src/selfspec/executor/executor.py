@@ -194,14 +194,17 @@ class LayerExecutor:
 
         Each attention sub-layer appends the tokens' keys and values to its layer of
         ``cache`` and attends to everything that layer holds (causally among the new tokens).
-        With ``write_cache=False`` it attends to the same keys and values without appending
-        them: the cache is left exactly as it was (KnapSpec scores candidate skip plans on
-        recent tokens this way, §3.3).
+        With ``write_cache=False`` it attends to the layer's first ``positions[:, 0]``
+        positions plus the new tokens without appending anything: the cache is left exactly
+        as it was, the positions may be ones the cache already holds, and a batch-1 cache
+        serves a batch of ``B`` candidate states (KnapSpec scores skip plans on recent tokens
+        this way, §3.3).
 
         Args:
             hidden: ``[B, T, H]`` hidden states entering layer ``start``.
-            positions: ``[B, T]`` int64 absolute positions, consecutive; ``positions[:, 0]``
-                must equal the cache length of every layer run (no gaps).
+            positions: ``[B, T]`` int64 absolute positions, consecutive, the same in every
+                row; ``positions[:, 0]`` must equal the cache length of every layer run (no
+                gaps), or with ``write_cache=False`` be at most that length.
             start: first layer index to run (0-based, inclusive).
             end: one past the last layer to run (``start <= end <= L``).
             cache: the KV cache to read and append to.
@@ -258,9 +261,13 @@ class LayerExecutor:
             keys, values = cache.append(layer_idx, new_k, new_v, pos0)
         else:
             old_k, old_v = cache.get(layer_idx)
-            assert old_k.shape[2] == pos0, (
+            assert old_k.shape[2] >= pos0, (
                 f"KV cache layer {layer_idx} holds {old_k.shape[2]} positions; read-only "
-                f"attention must start there, got {pos0}")
+                f"attention cannot start after them, at {pos0}")
+            old_k, old_v = old_k[:, :, :pos0], old_v[:, :, :pos0]
+            if old_k.shape[0] != bsz:  # one cached sequence, B candidate states
+                old_k = old_k.expand(bsz, -1, -1, -1)
+                old_v = old_v.expand(bsz, -1, -1, -1)
             keys, values = torch.cat([old_k, new_k], dim=2), torch.cat([old_v, new_v], dim=2)
         # keys, values: [B, Hkv, S, hd]. Query heads sharing a KV head are stacked along the
         # sequence axis ([B, Hkv, G*T, hd]): plain SDPA on that layout is several times

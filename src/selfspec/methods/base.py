@@ -18,6 +18,7 @@ from selfspec.decoding.draft_vocab import DraftVocab, frequent_rows, restricted_
 from selfspec.decoding.loop import Step
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
+from selfspec.executor.cost_model import LatencyModel, cached_latency
 from selfspec.methods.options import (
     OptionField,
     check_model_bounds,
@@ -42,6 +43,16 @@ class MethodContext:
         self.executor = executor
         self._heads: dict[tuple, Any] = {}
         self._derived: dict[tuple, tuple[Any, Any]] = {}
+        self._latency: LatencyModel | None = None
+
+    def latency(self) -> LatencyModel:
+        """The model's measured sub-layer latencies on this machine (measured once, a few
+        seconds, then read from ``$SELFSPEC_HOME/latency``)."""
+        from selfspec.models.provision import selfspec_home
+
+        if self._latency is None:
+            self._latency = cached_latency(self.executor, selfspec_home())
+        return self._latency
 
     def heads(self, path: str | os.PathLike) -> Any:
         """The :class:`selfspec.heads.ExitHeads` at ``path`` (``"default"``,

@@ -12,7 +12,16 @@ from typing import Any
 from selfspec.decoding.loop import Step
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
-from selfspec.methods import adaspeed, adaspeed_probe, ar, dssd, dv, early_exit, layerskip
+from selfspec.methods import (
+    adaspeed,
+    adaspeed_probe,
+    ar,
+    dssd,
+    dv,
+    early_exit,
+    knapspec,
+    layerskip,
+)
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.exit_drafting import default_exit_layer
 
@@ -21,7 +30,7 @@ __all__ = ["METHODS", "MethodContext", "MethodSpec", "build_step", "default_exit
 
 METHODS: Mapping[str, MethodSpec] = {
     module.SPEC.name: module.SPEC
-    for module in (ar, layerskip, dv, adaspeed, adaspeed_probe, dssd, early_exit)
+    for module in (ar, layerskip, dv, adaspeed, adaspeed_probe, dssd, early_exit, knapspec)
 }
 
 

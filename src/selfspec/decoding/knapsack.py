@@ -1,0 +1,170 @@
+"""KnapSpec's layer selection: a 0/1 knapsack over attention and MLP sub-layers solved by
+dynamic programming on hidden states, then a Tokens-per-Time grid search (KnapSpec §3.3-3.5,
+Algorithm 1). Pure functions: the sub-layers are passed in as callables.
+
+Sub-layers are numbered ``i = 1 .. 2L``: odd ``i`` is the attention of layer ``(i-1)//2``,
+even ``i`` its MLP. ``X[i]`` (``[r, d]``) is the full model's residual stream after sub-layer
+``i`` on the ``r`` tokens of the recent history (``X[0]``: the embeddings). A state
+``g[i][j]`` is the best hidden state (by cosine similarity to ``X[i]``) reachable after the
+first ``i`` sub-layers having skipped sub-layers of total integer weight ``j``:
+
+    h_e = f_i(g[i-1][j])      (run sub-layer i)       → candidate for g[i][j]
+    h_s = g[i-1][j]           (skip it, weight w_i)   → candidate for g[i][j + w_i]
+
+A candidate replaces the current entry when its similarity is higher and above ``tau``
+(pruning (i)); skipped weight above ``max_skip`` is never reached (pruning (ii), ``K/2``).
+All live budgets of one row run through ``f_i`` in one batched call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+# f(i, hidden [B, r, d]) -> [B, r, d]: sub-layer i (1-based) applied to B candidate states.
+SubLayer = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The best plan found for one skipped-weight budget.
+
+    Attributes:
+        skipped_weight: total integer weight of the skipped sub-layers (the budget ``j``).
+        skip_attention: layer indices whose attention is skipped.
+        skip_mlp: layer indices whose MLP is skipped.
+        similarity: mean cosine similarity of its final state to ``X[2L]``.
+        hidden: ``[r, d]`` its final hidden state on the history tokens.
+    """
+
+    skipped_weight: int
+    skip_attention: frozenset[int]
+    skip_mlp: frozenset[int]
+    similarity: float
+    hidden: torch.Tensor
+
+
+def mean_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of the cosine similarity of ``a`` ``[..., r, d]`` and ``b`` ``[r, d]``
+    (computed in float32): ``[...]``."""
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).mean(-1)
+
+
+def knapsack_candidates(reference: Sequence[torch.Tensor], sublayer: SubLayer,
+                        w_attn: int, w_mlp: int, tau: float = 0.5,
+                        max_skip: int | None = None) -> list[Candidate]:
+    """Algorithm 1, forward search and backtracking: one :class:`Candidate` per reachable
+    skipped-weight budget (KnapSpec eq. 6-8).
+
+    Args:
+        reference: ``2L + 1`` tensors ``X[0..2L]``, each ``[r, d]``.
+        sublayer: ``sublayer(i, hidden [B, r, d]) -> [B, r, d]`` for ``i`` in ``1..2L``.
+        w_attn, w_mlp: integer weights of an attention / MLP sub-layer (>= 1).
+        tau: similarity below which a state is pruned (paper: 0.5).
+        max_skip: largest skipped weight explored (default ``K // 2`` with
+            ``K = L (w_attn + w_mlp)``, the paper's pruning (ii)).
+
+    Returns:
+        Candidates sorted by skipped weight (budget 0, the full model, first).
+
+    Raises:
+        ValueError: an even number of reference states, or a weight < 1.
+    """
+    if len(reference) % 2 != 1 or len(reference) < 3:
+        raise ValueError("reference must hold X[0..2L]: 2L + 1 states")
+    if w_attn < 1 or w_mlp < 1:
+        raise ValueError("sub-layer weights must be >= 1")
+    num_sub = len(reference) - 1
+    limit = (num_sub // 2) * (w_attn + w_mlp) // 2 if max_skip is None else max_skip
+    # row[j] = (hidden [r, d], similarity); back[i][j] = (previous budget, ran sub-layer i)
+    row: dict[int, tuple[torch.Tensor, float]] = {0: (reference[0], 1.0)}
+    back: list[dict[int, tuple[int, bool]]] = [{}]
+    for i in range(1, num_sub + 1):
+        w = w_attn if i % 2 == 1 else w_mlp
+        target = reference[i]
+        budgets = sorted(row)
+        states = torch.stack([row[j][0] for j in budgets])            # [B, r, d]
+        executed = sublayer(i, states)                                 # [B, r, d]
+        sim_e = mean_cosine(executed, target).tolist()
+        sim_s = mean_cosine(states, target).tolist()
+        new: dict[int, tuple[torch.Tensor, float]] = {}
+        links: dict[int, tuple[int, bool]] = {}
+        for b, j in enumerate(budgets):
+            best = new.get(j, (None, -2.0))[1]
+            if sim_e[b] > max(tau, best):
+                new[j], links[j] = (executed[b], sim_e[b]), (j, True)
+            if j + w <= limit:
+                best = new.get(j + w, (None, -2.0))[1]
+                if sim_s[b] > max(tau, best):
+                    new[j + w], links[j + w] = (states[b], sim_s[b]), (j, False)
+        row = new
+        back.append(links)
+        if not row:
+            return []
+    candidates = []
+    for j in sorted(row):
+        skip_attn, skip_mlp, budget = set(), set(), j
+        for i in range(num_sub, 0, -1):
+            budget, ran = back[i][budget]
+            if not ran:
+                (skip_attn if i % 2 == 1 else skip_mlp).add((i - 1) // 2)
+        candidates.append(Candidate(j, frozenset(skip_attn), frozenset(skip_mlp), row[j][1],
+                                    row[j][0]))
+    return candidates
+
+
+def tokens_per_time(alpha: float, gamma: int, t_draft: float, t_target: float) -> float:
+    """KnapSpec eq. 4: expected tokens per unit time of drafting ``gamma`` tokens at cost
+    ``t_draft`` each, with acceptance rate ``alpha``, then verifying at cost ``t_target``:
+    ``(1 - α^{γ+1}) / ((1 - α)(γ t_draft + t_target))`` (``(γ + 1) / (...)`` at α = 1)."""
+    expected = gamma + 1 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+    return expected / (gamma * t_draft + t_target)
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """The (plan, draft length) that maximises TPT, with its prediction.
+
+    Attributes:
+        candidate: the chosen :class:`Candidate` (``None``: no plan beats plain decoding).
+        draft_len: γ.
+        alpha: the estimated acceptance rate α̂ (eq. 9).
+        tpt: the predicted tokens per unit time.
+        ar_tpt: plain decoding's ``1 / t_target`` on the same scale.
+    """
+
+    candidate: Candidate | None
+    draft_len: int
+    alpha: float
+    tpt: float
+    ar_tpt: float
+
+
+def choose_plan(candidates: Sequence[Candidate], alphas: Sequence[float],
+                draft_costs: Sequence[float], t_target: float, max_draft_len: int = 10
+                ) -> PlanChoice:
+    """Grid search over candidates × ``γ in [1, max_draft_len]`` (KnapSpec §3.5, eq. 4).
+
+    Args:
+        candidates: from :func:`knapsack_candidates`.
+        alphas: α̂ of each candidate.
+        draft_costs: predicted time of one draft token with each candidate's plan.
+        t_target: predicted time of one verification.
+        max_draft_len: D (paper: 10).
+
+    Returns:
+        The best :class:`PlanChoice`; its ``candidate`` is ``None`` when no plan's TPT beats
+        plain decoding (``1 / t_target``), so the caller falls back to it.
+    """
+    ar_tpt = 1.0 / t_target
+    best = PlanChoice(None, 0, 0.0, ar_tpt, ar_tpt)
+    for cand, alpha, cost in zip(candidates, alphas, draft_costs):
+        if not cand.skip_attention and not cand.skip_mlp:
+            continue  # drafting with the full model is never worth it
+        for gamma in range(1, max_draft_len + 1):
+            tpt = tokens_per_time(alpha, gamma, cost, t_target)
+            if tpt > best.tpt:
+                best = PlanChoice(cand, gamma, alpha, tpt, ar_tpt)
+    return best

@@ -1,0 +1,213 @@
+"""The KnapSpec Step (KnapSpec §3, Algorithm 1): self-speculative decoding whose draft is a
+subset of attention and MLP sub-layers, re-chosen during generation by a knapsack DP over
+the recent tokens and a Tokens-per-Time grid search with measured, context-dependent
+latencies.
+
+Every ``reoptimize_every`` steps (paper: T = 64) the step:
+
+1. takes the ``r`` tokens committed by the last ``history_steps`` steps (paper: m = 5) and
+   runs the full model over them with read-only attention (the cache is not touched),
+   recording the residual stream after every sub-layer (``observe``): ``X[0..2L]``;
+2. solves the knapsack DP with integer weights from the latency model at the current context
+   length (:func:`~selfspec.decoding.knapsack.knapsack_candidates`; τ = 0.5, skipped weight
+   ≤ K/2), each sub-layer applied to all live budgets in one batched read-only call;
+3. estimates each candidate's acceptance rate α̂ as its next-token accuracy on the history
+   (eq. 9) and picks the (plan, γ) of highest predicted TPT (eq. 4); when no plan beats plain
+   decoding it decodes autoregressively until the next re-optimisation.
+
+Drafting then stops at γ_max or when the draft's top-1 probability falls below 0.7 (§3.5,
+"Dynamic Drafting Exit"). Verification is the full model: lossless.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from selfspec.decoding.autoregressive import ArStep
+from selfspec.decoding.knapsack import Candidate, PlanChoice, choose_plan, knapsack_candidates
+from selfspec.decoding.skip_drafter import SkipPlanDrafter
+from selfspec.decoding.speculative import SpeculativeStep
+from selfspec.decoding.state import DecodeState
+from selfspec.decoding.stats import StepStats
+from selfspec.decoding.stop_rules import ConfidenceStopRule
+from selfspec.executor import LayerExecutor
+from selfspec.executor.cost_model import LatencyModel
+from selfspec.executor.executor import SkipPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Reoptimization:
+    """One re-optimisation of the plan.
+
+    Attributes:
+        step: the Step call it ran before (0-based).
+        context_len: committed tokens at that point.
+        history_tokens: ``r``, the tokens the DP scored.
+        weights: ``(w_attn, w_mlp)``.
+        candidates: plans the DP returned.
+        choice: the chosen plan and γ with predicted α̂ and TPT (``candidate`` ``None``:
+            plain decoding).
+        ms: wall time of the re-optimisation.
+    """
+
+    step: int
+    context_len: int
+    history_tokens: int
+    weights: tuple[int, int]
+    candidates: int
+    choice: PlanChoice
+    ms: float
+
+
+@dataclass
+class KnapSpecConfig:
+    """KnapSpec's settings (paper values as defaults).
+
+    Attributes:
+        reoptimize_every: T, steps between re-optimisations.
+        history_steps: m, steps whose committed tokens the DP scores.
+        min_history: fewest tokens to score (early steps commit few; at the first step the
+            history is the end of the prompt).
+        tau: similarity pruning threshold τ.
+        max_draft_len: D, the largest γ searched and the draft cap.
+        confidence: stop drafting when the top-1 probability falls below this.
+        max_alpha_candidates: candidates whose α̂ is measured (spread over the budgets; the
+            ``lm_head`` over every candidate's history is the costly part on a CPU).
+        weight_cap: cap of the integer weights.
+    """
+
+    reoptimize_every: int = 64
+    history_steps: int = 5
+    min_history: int = 16
+    tau: float = 0.5
+    max_draft_len: int = 10
+    confidence: float = 0.7
+    max_alpha_candidates: int = 16
+    weight_cap: int = 5
+
+
+class KnapSpecStep:
+    """KnapSpec as a Step (see the module docstring).
+
+    Args:
+        executor: the model's executor.
+        latency: its measured :class:`LatencyModel`.
+        config: :class:`KnapSpecConfig`.
+    """
+
+    def __init__(self, executor: LayerExecutor, latency: LatencyModel,
+                 config: KnapSpecConfig | None = None) -> None:
+        self.executor = executor
+        self.latency = latency
+        self.config = config or KnapSpecConfig()
+        rule = ConfidenceStopRule(self.config.confidence, max_draft_len=self.config.max_draft_len)
+        self.drafter = SkipPlanDrafter(executor, SkipPlan(), rule)
+        self._speculative = SpeculativeStep(self.drafter)
+        self._ar = ArStep()
+        self.history: list[Reoptimization] = []
+        self._committed: deque[int] = deque(maxlen=self.config.history_steps)
+        self._calls = 0
+        self._speculate = False
+
+    def start(self, state: DecodeState) -> None:
+        """A new generation: the first step optimises on the end of the prompt."""
+        self.history = []
+        self._committed.clear()
+        self._calls = 0
+        self._speculate = False
+
+    def __call__(self, state: DecodeState) -> StepStats:
+        cfg = self.config
+        plan_ms = 0.0
+        if self._calls % cfg.reoptimize_every == 0:
+            t0 = time.perf_counter()
+            self._reoptimize(state)
+            plan_ms = (time.perf_counter() - t0) * 1e3
+        self._calls += 1
+        step = self._speculative if self._speculate else self._ar
+        stats = step(state)
+        self._committed.append(stats.committed)
+        if plan_ms:
+            stats = StepStats(stats.num_drafted, stats.num_accepted, stats.committed,
+                              stats.verified, stats.exit_layers, stats.sublayers,
+                              stats.draft_ms + plan_ms, stats.verify_ms)
+        return stats
+
+    # ------------------------------------------------------------------ planning
+    @torch.inference_mode()
+    def _reoptimize(self, state: DecodeState) -> None:
+        cfg, ex = self.config, self.executor
+        t0 = time.perf_counter()
+        available = state.seq_len - 1  # positions whose KV is in every layer
+        r = min(max(sum(self._committed), cfg.min_history), available - 1)
+        if r < 2:
+            return
+        start = available - r
+        tokens = torch.tensor([state.tokens[start:available]], device=ex.device)   # [1, r]
+        positions = state.positions(start, r)
+        reference = [ex.embed(tokens)[0]]                                          # X[0]
+
+        def record(layer_idx: int, sublayer: str, hidden: torch.Tensor) -> None:
+            reference.append(hidden[0])
+
+        ex.run_layers(ex.embed(tokens), positions, 0, ex.num_layers, state.cache,
+                      observe=record, write_cache=False)
+
+        def sublayer(i: int, states: torch.Tensor) -> torch.Tensor:
+            layer = (i - 1) // 2
+            plan = (SkipPlan(skip_mlp=frozenset({layer})) if i % 2 == 1
+                    else SkipPlan(skip_attention=frozenset({layer})))
+            return ex.run_layers(states, positions.expand(states.shape[0], r), layer, layer + 1,
+                                 state.cache, plan, write_cache=False)
+
+        # y of eq. 9: the target model's own next token at each history position (the
+        # committed token after generated positions; the model's prediction in the prompt).
+        labels = ex.logits(reference[-1].unsqueeze(0))[0].argmax(-1)              # [r]
+        n = state.seq_len
+        w_attn, w_mlp = self.latency.weights(n, cfg.weight_cap)
+        candidates = knapsack_candidates(reference, sublayer, w_attn, w_mlp, cfg.tau)
+        chosen = _spread(candidates, cfg.max_alpha_candidates)
+        alphas = self._alphas(chosen, labels)
+        plans = [SkipPlan(c.skip_attention, c.skip_mlp) for c in chosen]
+        costs = [self.latency.draft_ms(p, n) for p in plans]
+        choice = choose_plan(chosen, alphas, costs, self.latency.target_ms(n), cfg.max_draft_len)
+        self._speculate = choice.candidate is not None
+        if choice.candidate is not None:
+            self.drafter.plan = SkipPlan(choice.candidate.skip_attention,
+                                         choice.candidate.skip_mlp)
+        ms = (time.perf_counter() - t0) * 1e3
+        record_ = Reoptimization(self._calls, n, r, (w_attn, w_mlp), len(candidates), choice, ms)
+        self.history.append(record_)
+        logger.info("knapspec re-optimised at %d tokens in %.0f ms: %s", n, ms, _describe(choice))
+
+    def _alphas(self, candidates: list[Candidate], labels: torch.Tensor) -> list[float]:
+        """α̂ of each candidate: next-token accuracy of its final hidden state (eq. 9)."""
+        if not candidates:
+            return []
+        hidden = torch.stack([c.hidden for c in candidates])                      # [C, r, d]
+        predicted = self.executor.logits(hidden).argmax(-1)                       # [C, r]
+        return (predicted == labels).float().mean(-1).tolist()
+
+
+def _spread(candidates: list[Candidate], limit: int) -> list[Candidate]:
+    """At most ``limit`` candidates spread evenly over the budgets (the heaviest kept)."""
+    if len(candidates) <= limit:
+        return list(candidates)
+    step = (len(candidates) - 1) / (limit - 1)
+    return [candidates[round(k * step)] for k in range(limit)]
+
+
+def _describe(choice: PlanChoice) -> str:
+    if choice.candidate is None:
+        return f"plain decoding (no plan beats it; predicted {choice.ar_tpt * 1e3:.1f} tok/s)"
+    c = choice.candidate
+    return (f"skip {len(c.skip_attention)} attention + {len(c.skip_mlp)} MLP, γ={choice.draft_len}, "
+            f"α̂={choice.alpha:.2f}, predicted {choice.tpt * 1e3:.1f} vs plain "
+            f"{choice.ar_tpt * 1e3:.1f} tok/s")

@@ -1,0 +1,168 @@
+"""Measured latency model of one model on this machine (KnapSpec §3.1-3.4).
+
+One decoding token costs, per layer, an attention sub-layer whose time grows with the context
+length ``n`` (``t_attn(n) ≈ attn_slope_ms · n + attn_base_ms``: it reads ``n`` cached keys
+and values) and an MLP sub-layer of constant time, plus the final norm and ``lm_head`` once.
+The model predicts the time of a draft token under a :class:`SkipPlan`, of a verification,
+and a step's Tokens-per-Time (eq. 4); KnapSpec turns it into integer knapsack weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from selfspec.executor.executor import LayerExecutor, SkipPlan
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LENGTHS = (64, 256, 1024, 2048)
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """Sub-layer latencies of one model, dtype, thread count and machine, in ms.
+
+    Attributes:
+        num_layers: L.
+        attn_slope_ms: attention time per cached position (c2).
+        attn_base_ms: attention time at an empty cache (c3).
+        mlp_ms: one MLP sub-layer.
+        head_ms: the final norm + ``lm_head``.
+        key: what it was measured for (model, dtype, threads, machine).
+    """
+
+    num_layers: int
+    attn_slope_ms: float
+    attn_base_ms: float
+    mlp_ms: float
+    head_ms: float
+    key: str = ""
+
+    def t_attn(self, context_len: int) -> float:
+        """One attention sub-layer on one token over ``context_len`` cached positions, ms."""
+        return max(self.attn_slope_ms * context_len + self.attn_base_ms, 1e-6)
+
+    def weights(self, context_len: int, cap: int = 5) -> tuple[int, int]:
+        """KnapSpec §3.4 integer weights ``(w_attn, w_mlp)``: each latency divided by the
+        smaller one, rounded, capped at ``cap``."""
+        t_attn, t_mlp = self.t_attn(context_len), max(self.mlp_ms, 1e-6)
+        delta = min(t_attn, t_mlp)
+        return (min(cap, max(1, round(t_attn / delta))), min(cap, max(1, round(t_mlp / delta))))
+
+    def draft_ms(self, plan: SkipPlan, context_len: int) -> float:
+        """One draft token under ``plan``: the sub-layers it runs plus the output head."""
+        attn = self.num_layers - len(plan.skip_attention)
+        mlp = self.num_layers - len(plan.skip_mlp)
+        return attn * self.t_attn(context_len) + mlp * self.mlp_ms + self.head_ms
+
+    def target_ms(self, context_len: int) -> float:
+        """One verification, as the paper counts it: ``L (t_attn + t_mlp)`` plus the head."""
+        return self.num_layers * (self.t_attn(context_len) + self.mlp_ms) + self.head_ms
+
+    def predict(self, plan: SkipPlan, context_len: int, draft_len: int) -> float:
+        """Time of one speculative step, ms: ``γ t_draft(plan) + t_target``."""
+        return draft_len * self.draft_ms(plan, context_len) + self.target_ms(context_len)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> LatencyModel:
+        return cls(**json.loads(text))
+
+
+def machine_key(executor: LayerExecutor) -> str:
+    """What a measurement holds for: model, dtype, threads, processor."""
+    name = executor.name.replace("/", "_")
+    return (f"{name}-{str(executor.dtype).removeprefix('torch.')}-t{torch.get_num_threads()}-"
+            f"{platform.machine()}-{_cpu_name()}")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return "".join(c if c.isalnum() else "_" for c in line.split(":", 1)[1].strip())
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _time_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+@torch.inference_mode()
+def measure_latency(executor: LayerExecutor, lengths: tuple[int, ...] = DEFAULT_LENGTHS,
+                    repeats: int = 20, layer: int | None = None) -> LatencyModel:
+    """Measure the sub-layer latencies of ``executor``'s model on this machine.
+
+    One layer (default: the middle one) runs its attention alone and its MLP alone on one
+    token, over a cache of each length in ``lengths`` filled with random keys and values
+    (read-only: the cache is not changed); ``t_attn(n)`` is fitted by least squares.
+
+    Raises:
+        ValueError: fewer than two lengths.
+    """
+    if len(lengths) < 2:
+        raise ValueError("the attention fit needs at least two context lengths")
+    ex = executor
+    layer = ex.num_layers // 2 if layer is None else layer
+    hidden = torch.randn(1, 1, ex.config.hidden_size, dtype=ex.dtype, device=ex.device) * 0.1
+    only_attn = SkipPlan(skip_mlp=frozenset({layer}))
+    only_mlp = SkipPlan(skip_attention=frozenset({layer}))
+    attn_ms = []
+    mlp_samples = []
+    for n in lengths:
+        n = min(n, ex.max_positions - 1)
+        cache = ex.new_cache(capacity=n + 1)
+        shape = (1, ex.num_kv_heads, n, ex.head_dim)
+        cache.append(layer, torch.randn(shape, dtype=ex.dtype, device=ex.device),
+                     torch.randn(shape, dtype=ex.dtype, device=ex.device), 0)
+        pos = torch.tensor([[n]], device=ex.device)
+        attn_ms.append((n, _time_ms(lambda: ex.run_layers(hidden, pos, layer, layer + 1, cache,
+                                                          only_attn, write_cache=False), repeats)))
+        mlp_samples.append(_time_ms(lambda: ex.run_layers(hidden, pos, layer, layer + 1, cache,
+                                                          only_mlp, write_cache=False), repeats))
+    xs = [n for n, _ in attn_ms]
+    ys = [t for _, t in attn_ms]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var)
+    base = max(1e-6, mean_y - slope * mean_x)
+    head_ms = _time_ms(lambda: ex.logits(hidden), repeats)
+    return LatencyModel(ex.num_layers, slope, base, statistics.median(mlp_samples), head_ms,
+                        machine_key(ex))
+
+
+def cached_latency(executor: LayerExecutor, home: Path) -> LatencyModel:
+    """The latency model of ``executor`` on this machine, measured once and kept in
+    ``home/latency/<key>.json`` (a changed model, dtype, thread count or processor is a new
+    key; a corrupt file is measured again)."""
+    path = home / "latency" / f"{machine_key(executor)}.json"
+    try:
+        return LatencyModel.from_json(path.read_text())
+    except (OSError, ValueError, TypeError) as err:
+        if path.exists():
+            logger.warning("re-measuring latencies: %s is unreadable (%s)", path, err)
+    model = measure_latency(executor)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(model.to_json())
+    tmp.replace(path)
+    return model

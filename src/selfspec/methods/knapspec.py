@@ -1,0 +1,41 @@
+"""KnapSpec: training-free drafts made of a subset of attention and MLP sub-layers, chosen by
+a knapsack DP on cosine similarity and a Tokens-per-Time search with measured,
+context-dependent latencies, re-optimised during generation (KnapSpec §3, Algorithm 1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from selfspec.decoding.knapspec import KnapSpecConfig, KnapSpecStep
+from selfspec.decoding.loop import Step
+from selfspec.methods.base import MethodContext, MethodSpec
+from selfspec.methods.options import option
+
+
+@dataclass(frozen=True)
+class Options:
+    """KnapSpec's options (paper values as defaults)."""
+
+    reoptimize_every: int = option(64, "steps between re-optimisations of the plan (T)", low=1)
+    history_steps: int = option(5, "steps whose tokens the DP scores (m)", low=1)
+    tau: float = option(0.5, "similarity below which the DP prunes a state", low=-1, high=1)
+    max_draft_len: int = option(10, "largest draft length searched (D)", low=1, high="R-1")
+    confidence: float = option(0.7, "stop drafting when the top-1 probability falls below this",
+                               low=0, high=1, low_open=True, high_open=True)
+
+
+def build(context: MethodContext, options: Options) -> Step:
+    """The KnapSpec Step with this machine's measured latencies."""
+    config = KnapSpecConfig(reoptimize_every=options.reoptimize_every,
+                            history_steps=options.history_steps, tau=options.tau,
+                            max_draft_len=options.max_draft_len, confidence=options.confidence)
+    return KnapSpecStep(context.executor, context.latency(), config)
+
+
+SPEC = MethodSpec(
+    name="knapspec",
+    summary="draft with the attention/MLP sub-layers a knapsack DP picks for the best "
+            "predicted tokens per second; re-optimised as the context grows",
+    lossless=True,
+    paper="KnapSpec §3, Algorithm 1, eq. 4 and 9",
+    options=Options, build=build)

@@ -1,0 +1,127 @@
+"""KnapSpec's parts on tiny random models: sub-layer skip drafts are lossless for every kind
+of plan, the DP's read-only history pass reproduces the model, the latency model is measured
+and cached, and the whole method gives autoregressive greedy output."""
+
+import pytest
+import torch
+from tiny import run_step, tiny_model
+
+from selfspec.decoding.autoregressive import ArStep
+from selfspec.decoding.knapspec import KnapSpecConfig, KnapSpecStep
+from selfspec.decoding.skip_drafter import SkipPlanDrafter
+from selfspec.decoding.speculative import SpeculativeStep
+from selfspec.decoding.stop_rules import ConstantStopRule
+from selfspec.executor import LayerExecutor
+from selfspec.executor.cost_model import LatencyModel, cached_latency, measure_latency
+from selfspec.executor.executor import SkipPlan
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 12, 200, 31, 8, 77, 150, 9, 41, 2, 19, 88, 120]
+
+PLANS = {
+    "attention-only": SkipPlan(skip_attention=frozenset({1, 3, 4})),
+    "mlp-only": SkipPlan(skip_mlp=frozenset({0, 2, 5})),
+    "mixed": SkipPlan(skip_attention=frozenset({2, 5}), skip_mlp=frozenset({1, 2, 4})),
+    "everything-but-one": SkipPlan(skip_attention=frozenset(range(1, 6)),
+                                   skip_mlp=frozenset(range(6))),
+}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def executor(request):
+    return LayerExecutor(tiny_model(request.param, seed=4).float())
+
+
+@pytest.fixture(scope="module")
+def ar_tokens(executor):
+    return run_step(executor, ArStep(), PROMPT, max_new_tokens=40).tokens
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=list(PLANS))
+def test_skip_plan_drafts_are_lossless(executor, ar_tokens, plan):
+    drafter = SkipPlanDrafter(executor, PLANS[plan], ConstantStopRule(3))
+    state = run_step(executor, SpeculativeStep(drafter), PROMPT, max_new_tokens=40)
+    assert state.tokens == ar_tokens
+    assert state.stats.verifications > 0 and state.stats.drafted > 0
+    skipped = len(PLANS[plan].skip_attention) + len(PLANS[plan].skip_mlp)
+    # Draft tokens run 2L - skipped sub-layers; verification runs D + 1 full tokens.
+    assert state.stats.sublayers == (state.stats.drafted * (12 - skipped)
+                                     + 12 * (state.stats.drafted + state.stats.verifications))
+
+
+def test_read_only_history_pass_reproduces_the_model(executor):
+    """The DP scores plans on committed tokens with read-only attention over a cache prefix,
+    batched over budgets: the same hidden states as a fresh forward, and the cache untouched."""
+    ex = executor
+    ids = torch.tensor([PROMPT])
+    cache = ex.new_cache(capacity=64)
+    positions = torch.arange(len(PROMPT)).unsqueeze(0)
+    with torch.inference_mode():
+        full = ex.run_layers(ex.embed(ids), positions, 0, ex.num_layers, cache)
+        lengths = cache.lengths()
+        start = 12
+        seen = []
+        out = ex.run_layers(ex.embed(ids[:, start:]).expand(3, -1, -1),
+                            positions[:, start:].expand(3, -1), 0, ex.num_layers, cache,
+                            observe=lambda i, s, h: seen.append(h), write_cache=False)
+    assert cache.lengths() == lengths
+    assert len(seen) == 2 * ex.num_layers
+    for b in range(3):
+        assert torch.allclose(out[b], full[0, start:], atol=1e-5)
+
+
+def test_latency_model_is_measured_and_cached(executor, tmp_path):
+    model = measure_latency(executor, lengths=(8, 32, 64), repeats=3)
+    assert model.mlp_ms > 0 and model.attn_base_ms > 0 and model.attn_slope_ms >= 0
+    w_attn, w_mlp = model.weights(64)
+    assert 1 <= w_attn <= 5 and 1 <= w_mlp <= 5 and min(w_attn, w_mlp) == 1
+    plan = PLANS["mixed"]
+    assert model.draft_ms(plan, 64) < model.draft_ms(SkipPlan(), 64)
+    assert model.predict(plan, 64, 3) == pytest.approx(
+        3 * model.draft_ms(plan, 64) + model.target_ms(64))
+    first = cached_latency(executor, tmp_path)
+    assert cached_latency(executor, tmp_path) == first  # read back, not re-measured
+    (path,) = (tmp_path / "latency").iterdir()
+    path.write_text("{not json")
+    assert cached_latency(executor, tmp_path).num_layers == executor.num_layers
+
+
+def _latency(executor, attn=1.0, mlp=1.0):
+    return LatencyModel(executor.num_layers, 0.0, attn, mlp, 0.5, "hand-made")
+
+
+@pytest.mark.parametrize("attn,mlp", [(1.0, 1.0), (3.0, 1.0), (1.0, 3.0)])
+def test_knapspec_greedy_equals_autoregressive(executor, ar_tokens, attn, mlp):
+    step = KnapSpecStep(executor, _latency(executor, attn, mlp),
+                        KnapSpecConfig(reoptimize_every=6, min_history=8, tau=-1.0,
+                                       confidence=0.01))
+    state = run_step(executor, step, PROMPT, max_new_tokens=40)
+    assert state.tokens == ar_tokens
+    assert step.history and step.history[0].step == 0
+    unit = min(attn, mlp)
+    assert all(r.weights == (round(attn / unit), round(mlp / unit)) for r in step.history)
+
+
+def test_knapspec_drafts_when_a_plan_pays(ar_tokens):
+    """An identity last layer: skipping it is free and exact, so a plan pays."""
+    model = tiny_model("llama", seed=4).float()
+    layer = model.model.layers[-1]
+    layer.self_attn.o_proj.weight.zero_()
+    layer.mlp.down_proj.weight.zero_()
+    ex = LayerExecutor(model)
+    reference = run_step(ex, ArStep(), PROMPT, max_new_tokens=30).tokens
+    step = KnapSpecStep(ex, _latency(ex), KnapSpecConfig(reoptimize_every=8, confidence=0.01))
+    state = run_step(ex, step, PROMPT, max_new_tokens=30)
+    assert state.tokens == reference
+    choice = step.history[0].choice
+    assert choice.candidate is not None and choice.alpha == 1.0 and choice.tpt > choice.ar_tpt
+    assert state.stats.verifications > 0
+
+
+def test_knapspec_falls_back_to_plain_decoding_when_no_plan_pays(executor, ar_tokens):
+    # tau ~ 1 prunes every plan that changes the hidden states: only the full model is left.
+    step = KnapSpecStep(executor, _latency(executor), KnapSpecConfig(reoptimize_every=8,
+                                                                      tau=0.99999))
+    state = run_step(executor, step, PROMPT, max_new_tokens=40)
+    assert state.tokens == ar_tokens
+    assert all(r.choice.candidate is None for r in step.history)
+    assert state.stats.verifications == 0
