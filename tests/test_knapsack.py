@@ -95,11 +95,15 @@ def test_choose_plan_maximises_tpt_and_falls_back_to_plain_decoding():
     reference, sublayer, _ = _orthogonal_instance(2, 0)
     cands = knapsack_candidates(reference, sublayer, 1, 1, tau=-1.0)
     cheap = [1.0 - 0.2 * c.skipped_weight for c in cands]
-    good = choose_plan(cands, [0.9] * len(cands), cheap, t_target=1.0, max_draft_len=10)
+    good = choose_plan(cands, [0.9] * len(cands), cheap, lambda tokens: 1.0, max_draft_len=10)
     assert good.candidate is not None and good.candidate.skipped_weight == max(
         c.skipped_weight for c in cands)
     brute = max((tokens_per_time(0.9, g, cost, 1.0), g) for cost in cheap[1:]
                 for g in range(1, 11))
     assert good.tpt == pytest.approx(brute[0])
-    hopeless = choose_plan(cands, [0.0] * len(cands), cheap, t_target=1.0)
+    hopeless = choose_plan(cands, [0.0] * len(cands), cheap, lambda tokens: 1.0)
     assert hopeless.candidate is None and hopeless.tpt == hopeless.ar_tpt == 1.0
+    # On a CPU every verified token costs: a plan that pays on a GPU may not.
+    gpu = choose_plan(cands, [0.8] * len(cands), cheap, lambda tokens: 1.0)
+    cpu = choose_plan(cands, [0.8] * len(cands), cheap, lambda tokens: 1.0 + 0.5 * (tokens - 1))
+    assert gpu.candidate is not None and cpu.candidate is None

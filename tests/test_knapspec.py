@@ -77,7 +77,9 @@ def test_latency_model_is_measured_and_cached(executor, tmp_path):
     plan = PLANS["mixed"]
     assert model.draft_ms(plan, 64) < model.draft_ms(SkipPlan(), 64)
     assert model.predict(plan, 64, 3) == pytest.approx(
-        3 * model.draft_ms(plan, 64) + model.target_ms(64))
+        3 * model.draft_ms(plan, 64) + model.verify_ms(64, 4))
+    assert model.verify_ms(64, 4) == pytest.approx(model.target_ms(64) + 3 * model.verify_token_ms)
+    assert model.verify_token_ms >= 0 and model.batched_row_ms > 0
     first = cached_latency(executor, tmp_path)
     assert cached_latency(executor, tmp_path) == first  # read back, not re-measured
     (path,) = (tmp_path / "latency").iterdir()
@@ -125,3 +127,14 @@ def test_knapspec_falls_back_to_plain_decoding_when_no_plan_pays(executor, ar_to
     assert state.tokens == ar_tokens
     assert all(r.choice.candidate is None for r in step.history)
     assert state.stats.verifications == 0
+
+
+def test_knapspec_skips_planning_that_costs_more_than_its_budget(executor, ar_tokens):
+    dear = LatencyModel(executor.num_layers, 0.0, 1.0, 1.0, 0.5, batched_row_ms=1.0, key="dear")
+    step = KnapSpecStep(executor, dear, KnapSpecConfig(reoptimize_every=8))
+    state = run_step(executor, step, PROMPT, max_new_tokens=40)
+    assert state.tokens == ar_tokens and state.stats.verifications == 0
+    assert step.history and all(r.choice is None and r.predicted_ms > 0 for r in step.history)
+    paper = KnapSpecStep(executor, dear, KnapSpecConfig(reoptimize_every=8, plan_budget=1e9))
+    run_step(executor, paper, PROMPT, max_new_tokens=40)
+    assert all(r.choice is not None for r in paper.history)

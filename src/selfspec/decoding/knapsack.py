@@ -143,28 +143,30 @@ class PlanChoice:
 
 
 def choose_plan(candidates: Sequence[Candidate], alphas: Sequence[float],
-                draft_costs: Sequence[float], t_target: float, max_draft_len: int = 10
-                ) -> PlanChoice:
+                draft_costs: Sequence[float], verify_cost: Callable[[int], float],
+                max_draft_len: int = 10) -> PlanChoice:
     """Grid search over candidates × ``γ in [1, max_draft_len]`` (KnapSpec §3.5, eq. 4).
 
     Args:
         candidates: from :func:`knapsack_candidates`.
         alphas: α̂ of each candidate.
         draft_costs: predicted time of one draft token with each candidate's plan.
-        t_target: predicted time of one verification.
+        verify_cost: ``verify_cost(T)``: predicted time of a full forward of ``T`` tokens
+            (the verification of ``γ = T - 1`` draft tokens; ``T = 1`` is plain decoding).
+            The paper's GPU setting is a constant.
         max_draft_len: D (paper: 10).
 
     Returns:
         The best :class:`PlanChoice`; its ``candidate`` is ``None`` when no plan's TPT beats
-        plain decoding (``1 / t_target``), so the caller falls back to it.
+        plain decoding (``1 / verify_cost(1)``), so the caller falls back to it.
     """
-    ar_tpt = 1.0 / t_target
+    ar_tpt = 1.0 / verify_cost(1)
     best = PlanChoice(None, 0, 0.0, ar_tpt, ar_tpt)
     for cand, alpha, cost in zip(candidates, alphas, draft_costs):
         if not cand.skip_attention and not cand.skip_mlp:
             continue  # drafting with the full model is never worth it
         for gamma in range(1, max_draft_len + 1):
-            tpt = tokens_per_time(alpha, gamma, cost, t_target)
+            tpt = tokens_per_time(alpha, gamma, cost, verify_cost(gamma + 1))
             if tpt > best.tpt:
                 best = PlanChoice(cand, gamma, alpha, tpt, ar_tpt)
     return best

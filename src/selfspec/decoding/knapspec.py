@@ -17,6 +17,13 @@ Every ``reoptimize_every`` steps (paper: T = 64) the step:
 
 Drafting then stops at γ_max or when the draft's top-1 probability falls below 0.7 (§3.5,
 "Dynamic Drafting Exit"). Verification is the full model: lossless.
+
+Two departures for CPUs, where the paper's GPU assumptions fail: the TPT search charges a
+verification of ``γ + 1`` tokens its measured cost (not one token's), and a re-optimisation
+runs only when its predicted cost (the DP's rows × sub-layers at the measured batched cost)
+is at most ``plan_budget`` of the decoding time until the next one; otherwise the step keeps
+its current mode (plain decoding at first). So KnapSpec never pays more for planning than
+it can win, and falls back to plain decoding when planning is too dear.
 """
 
 from __future__ import annotations
@@ -53,8 +60,9 @@ class Reoptimization:
         weights: ``(w_attn, w_mlp)``.
         candidates: plans the DP returned.
         choice: the chosen plan and γ with predicted α̂ and TPT (``candidate`` ``None``:
-            plain decoding).
+            plain decoding); ``None`` when the re-optimisation was skipped as too dear.
         ms: wall time of the re-optimisation.
+        predicted_ms: its predicted cost.
     """
 
     step: int
@@ -62,8 +70,9 @@ class Reoptimization:
     history_tokens: int
     weights: tuple[int, int]
     candidates: int
-    choice: PlanChoice
+    choice: PlanChoice | None
     ms: float
+    predicted_ms: float = 0.0
 
 
 @dataclass
@@ -81,6 +90,8 @@ class KnapSpecConfig:
         max_alpha_candidates: candidates whose α̂ is measured (spread over the budgets; the
             ``lm_head`` over every candidate's history is the costly part on a CPU).
         weight_cap: cap of the integer weights.
+        plan_budget: largest share of the decoding time until the next re-optimisation that
+            a re-optimisation may cost (predicted); a huge value always plans (the paper).
     """
 
     reoptimize_every: int = 64
@@ -91,6 +102,7 @@ class KnapSpecConfig:
     confidence: float = 0.7
     max_alpha_candidates: int = 16
     weight_cap: int = 5
+    plan_budget: float = 0.05
 
 
 class KnapSpecStep:
@@ -149,6 +161,16 @@ class KnapSpecStep:
         r = min(max(sum(self._committed), cfg.min_history), available - 1)
         if r < 2:
             return
+        n = state.seq_len
+        w_attn, w_mlp = self.latency.weights(n, cfg.weight_cap)
+        predicted = self._planning_ms(r, w_attn, w_mlp)
+        horizon = min(state.remaining, cfg.reoptimize_every) * self.latency.verify_ms(n, 1)
+        if predicted > cfg.plan_budget * horizon:
+            self.history.append(Reoptimization(self._calls, n, r, (w_attn, w_mlp), 0, None,
+                                               0.0, predicted))
+            logger.info("knapspec skips re-optimising at %d tokens: predicted %.0f ms > %.0f%% "
+                        "of %.0f ms", n, predicted, 100 * cfg.plan_budget, horizon)
+            return
         start = available - r
         tokens = torch.tensor([state.tokens[start:available]], device=ex.device)   # [1, r]
         positions = state.positions(start, r)
@@ -170,22 +192,31 @@ class KnapSpecStep:
         # y of eq. 9: the target model's own next token at each history position (the
         # committed token after generated positions; the model's prediction in the prompt).
         labels = ex.logits(reference[-1].unsqueeze(0))[0].argmax(-1)              # [r]
-        n = state.seq_len
-        w_attn, w_mlp = self.latency.weights(n, cfg.weight_cap)
         candidates = knapsack_candidates(reference, sublayer, w_attn, w_mlp, cfg.tau)
         chosen = _spread(candidates, cfg.max_alpha_candidates)
         alphas = self._alphas(chosen, labels)
         plans = [SkipPlan(c.skip_attention, c.skip_mlp) for c in chosen]
         costs = [self.latency.draft_ms(p, n) for p in plans]
-        choice = choose_plan(chosen, alphas, costs, self.latency.target_ms(n), cfg.max_draft_len)
+        choice = choose_plan(chosen, alphas, costs, lambda t: self.latency.verify_ms(n, t),
+                             cfg.max_draft_len)
         self._speculate = choice.candidate is not None
         if choice.candidate is not None:
             self.drafter.plan = SkipPlan(choice.candidate.skip_attention,
                                          choice.candidate.skip_mlp)
         ms = (time.perf_counter() - t0) * 1e3
-        record_ = Reoptimization(self._calls, n, r, (w_attn, w_mlp), len(candidates), choice, ms)
+        record_ = Reoptimization(self._calls, n, r, (w_attn, w_mlp), len(candidates), choice, ms,
+                                 predicted)
         self.history.append(record_)
         logger.info("knapspec re-optimised at %d tokens in %.0f ms: %s", n, ms, _describe(choice))
+
+    def _planning_ms(self, r: int, w_attn: int, w_mlp: int) -> float:
+        """Predicted cost of one re-optimisation: at most ``K/2 + 1`` live budgets of ``r``
+        rows through ``2L`` sub-layers, and ``max_alpha_candidates × r`` rows through the
+        output head (counted as one sub-layer row each), at the measured batched cost."""
+        num_layers = self.executor.num_layers
+        budgets = num_layers * (w_attn + w_mlp) // 2 + 1
+        rows = budgets * r * 2 * num_layers + self.config.max_alpha_candidates * r
+        return rows * self.latency.batched_row_ms
 
     def _alphas(self, candidates: list[Candidate], labels: torch.Tensor) -> list[float]:
         """α̂ of each candidate: next-token accuracy of its final hidden state (eq. 9)."""

@@ -5,6 +5,11 @@ length ``n`` (``t_attn(n) ≈ attn_slope_ms · n + attn_base_ms``: it reads ``n`
 and values) and an MLP sub-layer of constant time, plus the final norm and ``lm_head`` once.
 The model predicts the time of a draft token under a :class:`SkipPlan`, of a verification,
 and a step's Tokens-per-Time (eq. 4); KnapSpec turns it into integer knapsack weights.
+
+Two measurements go beyond the paper, which assumes a GPU where verifying ``γ + 1`` tokens
+costs as much as one: the verification of ``T`` tokens (``verify_base_ms + T ·
+verify_token_ms``; on a CPU every extra token costs), and the time of a sub-layer on a batch
+of rows (``batched_row_ms``), from which a planner predicts its own cost.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from selfspec.executor.executor import LayerExecutor, SkipPlan
 logger = logging.getLogger(__name__)
 
 DEFAULT_LENGTHS = (64, 256, 1024, 2048)
+FORMAT = 2  # bump when the measured quantities change: older files are measured again
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,11 @@ class LatencyModel:
         attn_base_ms: attention time at an empty cache (c3).
         mlp_ms: one MLP sub-layer.
         head_ms: the final norm + ``lm_head``.
+        verify_base_ms / verify_token_ms: a full forward of ``T`` tokens at a short context
+            takes ``verify_base_ms + T · verify_token_ms`` beyond ``target_ms`` of one token
+            (0 = the paper's GPU assumption: verification costs one token's time).
+        batched_row_ms: one sub-layer (attention + MLP averaged) on one row of a large batch
+            of rows, read-only: what KnapSpec's DP pays per budget, token and sub-layer.
         key: what it was measured for (model, dtype, threads, machine).
     """
 
@@ -45,6 +56,9 @@ class LatencyModel:
     attn_base_ms: float
     mlp_ms: float
     head_ms: float
+    verify_base_ms: float = 0.0
+    verify_token_ms: float = 0.0
+    batched_row_ms: float = 0.0
     key: str = ""
 
     def t_attn(self, context_len: int) -> float:
@@ -68,16 +82,26 @@ class LatencyModel:
         """One verification, as the paper counts it: ``L (t_attn + t_mlp)`` plus the head."""
         return self.num_layers * (self.t_attn(context_len) + self.mlp_ms) + self.head_ms
 
+    def verify_ms(self, context_len: int, num_tokens: int) -> float:
+        """A full forward of ``num_tokens`` tokens (a verification of ``num_tokens - 1``
+        draft tokens), ms: ``target_ms`` plus the measured cost of the extra tokens."""
+        return self.target_ms(context_len) + max(0, num_tokens - 1) * self.verify_token_ms
+
     def predict(self, plan: SkipPlan, context_len: int, draft_len: int) -> float:
-        """Time of one speculative step, ms: ``γ t_draft(plan) + t_target``."""
-        return draft_len * self.draft_ms(plan, context_len) + self.target_ms(context_len)
+        """Time of one speculative step, ms: ``γ t_draft(plan) + t_verify(γ + 1)``."""
+        return (draft_len * self.draft_ms(plan, context_len)
+                + self.verify_ms(context_len, draft_len + 1))
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps({"format": FORMAT, **asdict(self)})
 
     @classmethod
     def from_json(cls, text: str) -> LatencyModel:
-        return cls(**json.loads(text))
+        """Raises: ValueError: not JSON, another format, or missing fields."""
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.pop("format", None) != FORMAT:
+            raise ValueError(f"not a format-{FORMAT} latency file")
+        return cls(**data)
 
 
 def machine_key(executor: LayerExecutor) -> str:
@@ -146,8 +170,49 @@ def measure_latency(executor: LayerExecutor, lengths: tuple[int, ...] = DEFAULT_
     slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var)
     base = max(1e-6, mean_y - slope * mean_x)
     head_ms = _time_ms(lambda: ex.logits(hidden), repeats)
+    verify_token_ms = _verify_token_ms(ex, min(256, ex.max_positions - 16), max(3, repeats // 4))
+    batched = _batched_row_ms(ex, layer, min(256, ex.max_positions - 32), max(3, repeats // 4))
     return LatencyModel(ex.num_layers, slope, base, statistics.median(mlp_samples), head_ms,
-                        machine_key(ex))
+                        0.0, verify_token_ms, batched, machine_key(ex))
+
+
+def _filled_cache(ex: LayerExecutor, n: int, layers: range):
+    cache = ex.new_cache(capacity=n + 64)
+    shape = (1, ex.num_kv_heads, n, ex.head_dim)
+    for layer in layers:
+        cache.append(layer, torch.randn(shape, dtype=ex.dtype, device=ex.device),
+                     torch.randn(shape, dtype=ex.dtype, device=ex.device), 0)
+    return cache
+
+
+def _verify_token_ms(ex: LayerExecutor, n: int, repeats: int) -> float:
+    """Extra ms per token of a full forward of T tokens (least squares over T = 1..12)."""
+    cache = _filled_cache(ex, n, range(ex.num_layers))
+    points = []
+    for tokens in (1, 4, 8, 12):
+        hidden = torch.randn(1, tokens, ex.config.hidden_size, dtype=ex.dtype,
+                             device=ex.device) * 0.1
+        pos = torch.arange(n, n + tokens, device=ex.device).unsqueeze(0)
+        points.append((tokens, _time_ms(lambda: ex.logits(ex.run_layers(
+            hidden, pos, 0, ex.num_layers, cache, write_cache=False)), repeats)))
+    mean_x = statistics.fmean(t for t, _ in points)
+    mean_y = statistics.fmean(y for _, y in points)
+    var = sum((t - mean_x) ** 2 for t, _ in points)
+    return max(0.0, sum((t - mean_x) * (y - mean_y) for t, y in points) / var)
+
+
+def _batched_row_ms(ex: LayerExecutor, layer: int, n: int, repeats: int) -> float:
+    """ms per row of one sub-layer on a batch of 16 × 16 rows, read-only (attention and
+    MLP averaged)."""
+    cache = _filled_cache(ex, n, range(layer, layer + 1))
+    batch, rows = 16, 16
+    hidden = torch.randn(batch, rows, ex.config.hidden_size, dtype=ex.dtype, device=ex.device)
+    pos = torch.arange(n - rows, n, device=ex.device).unsqueeze(0).expand(batch, rows)
+    total = 0.0
+    for plan in (SkipPlan(skip_mlp=frozenset({layer})), SkipPlan(skip_attention=frozenset({layer}))):
+        total += _time_ms(lambda: ex.run_layers(hidden * 0.1, pos, layer, layer + 1, cache, plan,
+                                                write_cache=False), repeats)
+    return total / 2 / (batch * rows)
 
 
 def cached_latency(executor: LayerExecutor, home: Path) -> LatencyModel:

@@ -22,13 +22,17 @@ class Options:
     max_draft_len: int = option(10, "largest draft length searched (D)", low=1, high="R-1")
     confidence: float = option(0.7, "stop drafting when the top-1 probability falls below this",
                                low=0, high=1, low_open=True, high_open=True)
+    plan_budget: float = option(0.05, "largest share of the decoding time until the next "
+                                "re-optimisation that one may cost (predicted); 1e9 = always (the paper)",
+                                low=0)
 
 
 def build(context: MethodContext, options: Options) -> Step:
     """The KnapSpec Step with this machine's measured latencies."""
     config = KnapSpecConfig(reoptimize_every=options.reoptimize_every,
                             history_steps=options.history_steps, tau=options.tau,
-                            max_draft_len=options.max_draft_len, confidence=options.confidence)
+                            max_draft_len=options.max_draft_len, confidence=options.confidence,
+                            plan_budget=options.plan_budget)
     return KnapSpecStep(context.executor, context.latency(), config)
 
 
