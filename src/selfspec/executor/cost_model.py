@@ -121,6 +121,15 @@ def _cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
+def _fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares ``(slope, intercept)`` of ``y = slope · x + intercept``."""
+    mean_x = statistics.fmean(x for x, _ in points)
+    mean_y = statistics.fmean(y for _, y in points)
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var
+    return slope, mean_y - slope * mean_x
+
+
 def _time_ms(fn, repeats: int) -> float:
     fn()  # warm-up
     samples = []
@@ -163,12 +172,8 @@ def measure_latency(executor: LayerExecutor, lengths: tuple[int, ...] = DEFAULT_
                                                           only_attn, write_cache=False), repeats)))
         mlp_samples.append(_time_ms(lambda: ex.run_layers(hidden, pos, layer, layer + 1, cache,
                                                           only_mlp, write_cache=False), repeats))
-    xs = [n for n, _ in attn_ms]
-    ys = [t for _, t in attn_ms]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mean_x) ** 2 for x in xs)
-    slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var)
-    base = max(1e-6, mean_y - slope * mean_x)
+    slope, base = _fit_line(attn_ms)
+    slope, base = max(0.0, slope), max(1e-6, base)
     head_ms = _time_ms(lambda: ex.logits(hidden), repeats)
     verify_token_ms = _verify_token_ms(ex, min(256, ex.max_positions - 16), max(3, repeats // 4))
     batched = _batched_row_ms(ex, layer, min(256, ex.max_positions - 32), max(3, repeats // 4))
@@ -195,10 +200,7 @@ def _verify_token_ms(ex: LayerExecutor, n: int, repeats: int) -> float:
         pos = torch.arange(n, n + tokens, device=ex.device).unsqueeze(0)
         points.append((tokens, _time_ms(lambda: ex.logits(ex.run_layers(
             hidden, pos, 0, ex.num_layers, cache, write_cache=False)), repeats)))
-    mean_x = statistics.fmean(t for t, _ in points)
-    mean_y = statistics.fmean(y for _, y in points)
-    var = sum((t - mean_x) ** 2 for t, _ in points)
-    return max(0.0, sum((t - mean_x) * (y - mean_y) for t, y in points) / var)
+    return max(0.0, _fit_line(points)[0])
 
 
 def _batched_row_ms(ex: LayerExecutor, layer: int, n: int, repeats: int) -> float:
