@@ -88,7 +88,7 @@ def test_latency_model_is_measured_and_cached(executor, tmp_path):
 
 
 def _latency(executor, attn=1.0, mlp=1.0):
-    return LatencyModel(executor.num_layers, 0.0, attn, mlp, 0.5, "hand-made")
+    return LatencyModel(executor.num_layers, 0.0, attn, mlp, 0.5, key="hand-made")
 
 
 @pytest.mark.parametrize("attn,mlp", [(1.0, 1.0), (3.0, 1.0), (1.0, 3.0)])

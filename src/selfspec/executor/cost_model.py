@@ -7,7 +7,7 @@ The model predicts the time of a draft token under a :class:`SkipPlan`, of a ver
 and a step's Tokens-per-Time (eq. 4); KnapSpec turns it into integer knapsack weights.
 
 Two measurements go beyond the paper, which assumes a GPU where verifying ``γ + 1`` tokens
-costs as much as one: the verification of ``T`` tokens (``verify_base_ms + T ·
+costs as much as one: the verification of ``T`` tokens (``target_ms + (T - 1) ·
 verify_token_ms``; on a CPU every extra token costs), and the time of a sub-layer on a batch
 of rows (``batched_row_ms``), from which a planner predicts its own cost.
 """
@@ -20,7 +20,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,7 +30,7 @@ from selfspec.executor.executor import LayerExecutor, SkipPlan
 logger = logging.getLogger(__name__)
 
 DEFAULT_LENGTHS = (64, 256, 1024, 2048)
-FORMAT = 2  # bump when the measured quantities change: older files are measured again
+FORMAT = 3  # bump when the measured quantities change: older files are measured again
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,8 @@ class LatencyModel:
         attn_base_ms: attention time at an empty cache (c3).
         mlp_ms: one MLP sub-layer.
         head_ms: the final norm + ``lm_head``.
-        verify_base_ms / verify_token_ms: a full forward of ``T`` tokens at a short context
-            takes ``verify_base_ms + T · verify_token_ms`` beyond ``target_ms`` of one token
-            (0 = the paper's GPU assumption: verification costs one token's time).
+        verify_token_ms: each token beyond the first of a full forward (0 = the paper's GPU
+            assumption: verifying ``T`` tokens costs one token's time).
         batched_row_ms: one sub-layer (attention + MLP averaged) on one row of a large batch
             of rows, read-only: what KnapSpec's DP pays per budget, token and sub-layer.
         key: what it was measured for (model, dtype, threads, machine).
@@ -56,10 +55,9 @@ class LatencyModel:
     attn_base_ms: float
     mlp_ms: float
     head_ms: float
-    verify_base_ms: float = 0.0
-    verify_token_ms: float = 0.0
-    batched_row_ms: float = 0.0
-    key: str = ""
+    verify_token_ms: float = field(default=0.0, kw_only=True)
+    batched_row_ms: float = field(default=0.0, kw_only=True)
+    key: str = field(default="", kw_only=True)
 
     def t_attn(self, context_len: int) -> float:
         """One attention sub-layer on one token over ``context_len`` cached positions, ms."""
@@ -178,7 +176,8 @@ def measure_latency(executor: LayerExecutor, lengths: tuple[int, ...] = DEFAULT_
     verify_token_ms = _verify_token_ms(ex, min(256, ex.max_positions - 16), max(3, repeats // 4))
     batched = _batched_row_ms(ex, layer, min(256, ex.max_positions - 32), max(3, repeats // 4))
     return LatencyModel(ex.num_layers, slope, base, statistics.median(mlp_samples), head_ms,
-                        0.0, verify_token_ms, batched, machine_key(ex))
+                        verify_token_ms=verify_token_ms, batched_row_ms=batched,
+                        key=machine_key(ex))
 
 
 def _filled_cache(ex: LayerExecutor, n: int, layers: range):
