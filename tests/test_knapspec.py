@@ -103,7 +103,7 @@ def test_knapspec_greedy_equals_autoregressive(executor, ar_tokens, attn, mlp):
     assert all(r.weights == (round(attn / unit), round(mlp / unit)) for r in step.history)
 
 
-def test_knapspec_drafts_when_a_plan_pays(ar_tokens):
+def test_knapspec_drafts_when_a_plan_pays():
     """An identity last layer: skipping it is free and exact, so a plan pays."""
     model = tiny_model("llama", seed=4).float()
     layer = model.model.layers[-1]

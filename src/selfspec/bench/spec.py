@@ -111,11 +111,8 @@ def validate(config: MethodConfig) -> MethodConfig:
             baselines included), an option the method does not take, or a bad value.
     """
     if config.name in METHODS:
-        spec = METHODS[config.name]
-        spec.parse(config.options)  # raises on any bad option
-        fields = {f.name: f for f in spec.fields}
-        typed = {k: fields[k].coerce(v, spec.name) for k, v in config.options.items()}
-        return MethodConfig(config.name, typed)
+        options = METHODS[config.name].parse(config.options)  # raises on any bad option
+        return MethodConfig(config.name, {k: getattr(options, k) for k in config.options})
     if config.name not in HF_BASELINES:
         raise InvalidArgumentError(
             f"unknown method {config.name!r}; known methods: {', '.join(known_methods())}")

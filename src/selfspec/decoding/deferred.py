@@ -58,6 +58,10 @@ class DeferredLayers:
         ids = torch.tensor([[token_id]], device=self.executor.device)
         self._pending.append(_Pending(position, 0, self.executor.embed(ids)))
 
+    def position(self, index: int = -1) -> int:
+        """Sequence position of the ``index``-th pending position (default: the last)."""
+        return self._pending[index].position
+
     def reached(self, index: int = -1) -> int:
         """Layers run so far by the ``index``-th pending position (default: the last)."""
         return self._pending[index].reached

@@ -1,5 +1,5 @@
-"""The one drafting loop of every early-exit drafter (LayerSkip, Draft & Verify, AdaSPEED,
-DSSD).
+"""The one drafting loop of every self-speculative drafter (LayerSkip, Draft & Verify,
+AdaSPEED, DSSD; KnapSpec's sub-layer plans in :mod:`selfspec.decoding.skip_drafter`).
 
 Per draft position::
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -146,11 +146,8 @@ class KnapSpecStep:
         step = self._speculative if self._speculate else self._ar
         stats = step(state)
         self._committed.append(stats.committed)
-        if plan_ms:
-            stats = StepStats(stats.num_drafted, stats.num_accepted, stats.committed,
-                              stats.verified, stats.exit_layers, stats.sublayers,
-                              stats.draft_ms + plan_ms, stats.verify_ms)
-        return stats
+        # Planning is drafting overhead: charge it to the step that paid it.
+        return replace(stats, draft_ms=stats.draft_ms + plan_ms) if plan_ms else stats
 
     # ------------------------------------------------------------------ planning
     @torch.inference_mode()

@@ -2,21 +2,24 @@
 
 A draft token runs the attention and MLP sub-layers a :class:`SkipPlan` keeps — a skipped
 attention writes no KV, a skipped MLP is the identity — then the model's final norm and
-``lm_head``. Unlike early exit, the draft's hidden states differ from the full model's in
-every layer after the first skipped sub-layer, so nothing of the draft is reused:
-verification drops the KV the draft wrote and runs the full model over the last committed
-token and the draft (``D + 1`` positions), filling every layer's KV.
+``lm_head``. The drafting loop is the shared one (:class:`ExitDrafter`); only the exit
+policy and verification differ from early exit. The draft's hidden states differ from the
+full model's in every layer after the first skipped sub-layer, so nothing of the draft is
+reused: verification drops the KV the draft wrote and runs the full model over the last
+committed token and the draft (``D + 1`` positions), filling every layer's KV.
 """
 
 from __future__ import annotations
 
 import torch
 
-from selfspec.decoding.drafting import DraftBuilder, check_draft_len_limit, pick_draft_token
+from selfspec.decoding.deferred import DeferredLayers
+from selfspec.decoding.drafting import ExitDrafter
+from selfspec.decoding.exits import Exit
+from selfspec.decoding.sampling import SamplingConfig
 from selfspec.decoding.speculative import DraftOutput, TargetOutput
 from selfspec.decoding.state import DecodeState
-from selfspec.decoding.stats import StepStats
-from selfspec.decoding.stop_rules import DraftTokenInfo, StopRule
+from selfspec.decoding.stop_rules import StopRule
 from selfspec.executor import LayerExecutor
 from selfspec.executor.executor import SkipPlan
 
@@ -26,7 +29,25 @@ def sublayers_run(executor: LayerExecutor, plan: SkipPlan) -> int:
     return 2 * executor.num_layers - len(plan.skip_attention) - len(plan.skip_mlp)
 
 
-class SkipPlanDrafter:
+class SkipPlanExit:
+    """Exit policy: the pending position (its embedding) runs every layer under ``plan``,
+    then the model's own final norm and ``lm_head``."""
+
+    vocab = None
+
+    def __init__(self, executor: LayerExecutor, plan: SkipPlan) -> None:
+        self.executor = executor
+        self.plan = plan
+
+    def choose(self, deferred: DeferredLayers, sampling: SamplingConfig) -> Exit:
+        ex = self.executor
+        position = torch.tensor([[deferred.position()]], device=ex.device)
+        hidden = ex.run_layers(deferred.hidden(), position, 0, ex.num_layers, deferred.cache,
+                               self.plan)
+        return Exit(ex.num_layers, ex.logits(hidden)[0, -1])
+
+
+class SkipPlanDrafter(ExitDrafter):
     """Drafts every token through the sub-layers of ``plan`` (a caller may change ``plan``
     between steps: KnapSpec re-optimises it).
 
@@ -40,30 +61,21 @@ class SkipPlanDrafter:
     """
 
     def __init__(self, executor: LayerExecutor, plan: SkipPlan, stop_rule: StopRule) -> None:
-        check_draft_len_limit(executor, stop_rule.max_draft_len)
-        self.executor = executor
-        self.plan = plan
-        self.stop_rule = stop_rule
+        super().__init__(executor, SkipPlanExit(executor, plan), stop_rule)
+
+    @property
+    def plan(self) -> SkipPlan:
+        """The sub-layers draft tokens skip."""
+        return self.policy.plan
+
+    @plan.setter
+    def plan(self, plan: SkipPlan) -> None:
+        self.policy.plan = plan
 
     def draft(self, state: DecodeState) -> DraftOutput:
         """Draft up to ``min(max_draft_len, remaining - 1)`` tokens with the plan's sub-layers."""
-        ex, plan, rule = self.executor, self.plan, self.stop_rule
-        sampling, eos = state.options.sampling, state.options.eos_token_ids
-        rule.reset()
-        draft = DraftBuilder()
-        token = state.last_token()                                         # [1, 1]
-        for index in range(min(rule.max_draft_len, state.remaining - 1)):
-            hidden = ex.run_layers(ex.embed(token), state.positions(state.seq_len - 1 + index, 1),
-                                   0, ex.num_layers, state.cache, plan)
-            pick = pick_draft_token(ex.logits(hidden)[0, -1], sampling, state.generator)
-            draft.append(pick, ex.num_layers)
-            token = pick.token.view(1, 1)
-            if rule.should_stop(DraftTokenInfo(index=index, token_id=pick.token_id,
-                                               prob=pick.prob, top1_prob=pick.top1_prob,
-                                               is_eos=pick.token_id in eos)):
-                break
-        out = draft.build(ex, sampling, None)
-        out.sublayers = len(out.tokens) * sublayers_run(ex, plan)
+        out = super().draft(state)
+        out.sublayers = len(out.tokens) * sublayers_run(self.executor, self.plan)
         return out
 
     def target_logits(self, state: DecodeState, draft: DraftOutput) -> TargetOutput:
@@ -75,7 +87,3 @@ class SkipPlanDrafter:
         ids = torch.tensor([[state.tokens[-1], *draft.tokens]], device=ex.device)
         logits = ex.forward(ids, state.positions(start, ids.shape[1]), state.cache)[0]
         return TargetOutput(logits=logits, sublayers=2 * ex.num_layers * ids.shape[1])
-
-    def update(self, stats: StepStats) -> None:
-        """Pass the verification result to the stop rule."""
-        self.stop_rule.update(stats)

@@ -254,8 +254,3 @@ def check_model_bounds(options: Any, executor: LayerExecutor, method: str) -> No
     for f in option_fields(type(options)):
         f.check_bounds(getattr(options, f.name), method, symbols)
 
-
-def given(options: Any) -> dict[str, Any]:
-    """The options that differ from their defaults (what a label or a report shows)."""
-    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
-            if getattr(options, f.name) != f.default}
