@@ -443,3 +443,27 @@ def test_cli_runs_a_benchmark_end_to_end(capsys, tmp_path):
     assert len(records) == 4 * 2
     assert "torch threads 1" in (out / "report.md").read_text()
     assert (out / "sweep-layerskip-exit_layer.png").exists()
+
+
+def test_adaptive_methods_report_their_draft_plans(tmp_path, monkeypatch):
+    """KnapSpec and CLaSp record each decision; the bench summarises them (decisions, skipped
+    sub-layers, predicted vs measured tok/s) in summary metrics, records.jsonl and report.md."""
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / "home"))  # KnapSpec's latency file
+    engine = _engine()
+    methods = parse_methods("ar,clasp:skip_ratio=0.3,knapspec:plan_budget=1e9,reoptimize_every=4")
+    options = BenchOptions(dataset="humaneval", max_new_tokens=16, out_dir=tmp_path,
+                           bandwidth_mib=1, score=False, plots=False)
+    report = run_benchmark(engine, methods, TEXT_PROMPTS, options)
+    by = {s.method.split(":")[0]: s for s in report.summaries}
+    assert all(s.failed is None for s in by.values()) and by["ar"].plans is None
+    clasp = by["clasp"].plans
+    assert clasp.decisions >= 2 and clasp.speculating == 1.0
+    assert clasp.mean_skipped_attention == clasp.mean_skipped_mlp == 2  # round(0.3 × 6)
+    assert clasp.predicted_tps is None
+    knap = by["knapspec"]
+    assert knap.plans.decisions >= 2 and knap.plans.predicted_tps > 0
+    assert knap.plans.measured_tps > 0 and 0 <= knap.plans.planning_share < 1
+    lines = [json.loads(x) for x in (tmp_path / "records.jsonl").read_text().splitlines()]
+    plans = [p for x in lines if x["method"].startswith("knapspec") for p in x["plans"]]
+    assert plans and {"skipped_attention", "predicted_tps", "measured_tps"} <= set(plans[0])
+    assert "## Draft plans" in (tmp_path / "report.md").read_text()

@@ -107,3 +107,23 @@ def test_choose_plan_maximises_tpt_and_falls_back_to_plain_decoding():
     gpu = choose_plan(cands, [0.8] * len(cands), cheap, lambda tokens: 1.0)
     cpu = choose_plan(cands, [0.8] * len(cands), cheap, lambda tokens: 1.0 + 0.5 * (tokens - 1))
     assert gpu.candidate is not None and cpu.candidate is None
+
+
+@pytest.mark.parametrize("bin_width", [2, 3])
+def test_binned_budgets_keep_one_consistent_plan_per_bin(bin_width):
+    """The CPU approximation keeps one state per bin of budgets: fewer candidates, each with
+    its true skipped weight and the similarity of its own plan, and the best overall
+    similarity at a given weight is never above the exact DP's."""
+    reference, sublayer, deltas = _orthogonal_instance(3, 5)
+    exact = {c.skipped_weight: c for c in knapsack_candidates(reference, sublayer, 1, 2, tau=-1.0)}
+    binned = knapsack_candidates(reference, sublayer, 1, 2, tau=-1.0, bin_width=bin_width)
+    assert len({c.skipped_weight // bin_width for c in binned}) == len(binned) < len(exact)
+    for c in binned:
+        weight = len(c.skip_attention) * 1 + len(c.skip_mlp) * 2
+        assert c.skipped_weight == weight
+        kept = [d for i, d in enumerate(deltas, start=1)
+                if not ((i % 2 == 1 and (i - 1) // 2 in c.skip_attention)
+                        or (i % 2 == 0 and (i - 1) // 2 in c.skip_mlp))]
+        h = reference[0] + sum(kept, torch.zeros(1))
+        assert c.similarity == pytest.approx(float(mean_cosine(h, reference[-1])), abs=1e-5)
+        assert c.similarity <= exact[weight].similarity + 1e-6

@@ -138,3 +138,18 @@ def test_knapspec_skips_planning_that_costs_more_than_its_budget(executor, ar_to
     paper = KnapSpecStep(executor, dear, KnapSpecConfig(reoptimize_every=8, plan_budget=1e9))
     run_step(executor, paper, PROMPT, max_new_tokens=40)
     assert all(r.choice is not None for r in paper.history)
+
+
+def test_knapspec_cheapens_a_dp_that_does_not_fit_its_budget(executor, ar_tokens):
+    """Between the exact DP and no planning: wider budget bins (then fewer history tokens)
+    until the predicted cost fits plan_budget; the output stays the model's own."""
+    costly = LatencyModel(executor.num_layers, 0.0, 1.0, 1.0, 0.5, batched_row_ms=0.0083,
+                          key="costly")
+    step = KnapSpecStep(executor, costly, KnapSpecConfig(reoptimize_every=8, tau=-1.0,
+                                                         confidence=0.01))
+    state = run_step(executor, step, PROMPT, max_new_tokens=40)
+    assert state.tokens == ar_tokens
+    assert step.history and all(r.choice is not None for r in step.history)
+    assert all(r.bin_width > 1 for r in step.history)
+    allowed = 0.05 * 8 * costly.verify_ms(len(PROMPT), 1)
+    assert all(r.predicted_ms <= allowed for r in step.history)

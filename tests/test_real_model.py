@@ -73,6 +73,49 @@ def test_knapspec_greedy_equals_autoregressive(engine, prompts, ar_outputs):
         assert all(s.stats.verifications > 0 for s in states)
 
 
+def test_del_greedy_equals_autoregressive(engine, prompts, ar_outputs):
+    """DEL re-choosing its exit layer and draft length from shadow tokens every 8 steps over
+    every exit layer: on this model the shallowest exits sometimes beat plain decoding's TPL,
+    so it drafts at some refreshes and decodes plainly at others; the output is the model's.
+    Half the tokens: each refresh is an extra forward over the recent tokens."""
+    verifications = 0
+    for prompt, reference in zip(prompts, ar_outputs):
+        result = engine.generate(prompt, method="del", max_new_tokens=NEW_TOKENS // 2,
+                                 num_candidates=0, refresh_every=8)
+        assert result.token_ids == reference[:NEW_TOKENS // 2]
+        verifications += result.stats.verifications
+    assert verifications > 0
+
+
+def test_swift_greedy_equals_autoregressive(engine, prompts, ar_outputs, tmp_path):
+    """SWIFT with a skip set from a short search (3 random sets scored on one 16-token
+    continuation; the output is the model's for any skip set), read from a skip-set file."""
+    from selfspec.decoding.skip_search import (
+        CalibrationSequence,
+        MatchnessScorer,
+        SearchSettings,
+        search_skip_set,
+        sublayers_of,
+    )
+    from selfspec.heads.skip_set import new_skip_set, save_skip_set
+
+    ids = engine.encode(prompts[1])
+    scorer = MatchnessScorer(engine.executor,
+                             [CalibrationSequence(tuple(ids + ar_outputs[1][:16]), len(ids) - 1)])
+    result = search_skip_set(scorer, engine.executor.num_layers,
+                             SearchSettings(trials=3, refine_steps=0))
+    assert len(sublayers_of(result.plan)) == round(0.45 * 56) and 0 < result.score <= 1
+    path = save_skip_set(new_skip_set(engine, result.plan, result.score, "fp32"),
+                         tmp_path / "swift-skip.json")
+    drafted = 0
+    for prompt, reference in zip(prompts, ar_outputs):
+        out = engine.generate(prompt, method="swift", skip_set=str(path),
+                              max_new_tokens=NEW_TOKENS)
+        assert out.token_ids == reference
+        drafted += out.stats.drafted
+    assert drafted > 0
+
+
 def test_sampling_is_reproducible_with_a_seed(engine, prompts):
     kwargs = dict(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=7)
     a = engine.generate(prompts[0], **kwargs).token_ids

@@ -1,7 +1,8 @@
 """Held-out check: which benchmark prompts shaped a method's heads, thresholds or probes?
 
 A head file's card lists every prompt that trained its heads, ranked its draft vocabulary,
-calibrated its thresholds τ_k(ε) or fitted its probes (:class:`selfspec.heads.card.PromptUse`).
+calibrated its thresholds τ_k(ε) or fitted its probes (:class:`selfspec.heads.card.PromptUse`);
+a SWIFT skip-set file (:mod:`selfspec.heads.skip_set`) lists the prompts its search scored.
 Before a run, :func:`check_held_out` compares the benchmark's prompts with the cards of the
 head files its methods read: by default prompts seen there are dropped (a benchmark on them
 would overstate acceptance and speed); with ``allow_in_sample`` they stay and the run is
@@ -98,19 +99,26 @@ def check_held_out(prompts: Sequence[Prompt], dataset: str, methods: Sequence[Me
         fails with that error when it is built, and the others run.
     """
     from selfspec.heads.files import read_head_file, resolve_path
+    from selfspec.heads.skip_set import HELD_OUT_PREFIX, read_skip_set, resolve_skip_set_path
     from selfspec.methods.registry import heads_files
 
     files: dict[str, list[str]] = {}
+    skip_sets: set[str] = set()  # JSON skip-set files (SWIFT), named "skip-set:PATH"
     for method in methods:
         if method.is_baseline:
             continue
         for name in heads_files(method.name, method.options):
-            files.setdefault(str(resolve_path(name, model)), []).append(method.label)
+            if name.startswith(HELD_OUT_PREFIX):
+                path = str(resolve_skip_set_path(name[len(HELD_OUT_PREFIX):], model))
+                skip_sets.add(path)
+            else:
+                path = str(resolve_path(name, model))
+            files.setdefault(path, []).append(method.label)
     seen: set[str] = set()
     legacy = []
     for path in list(files):
         try:
-            card = read_head_file(path).card
+            card = read_skip_set(path).card if path in skip_sets else read_head_file(path).card
         except SelfSpecError as err:
             logger.info("held-out check skips %s: %s", path, err)
             del files[path]

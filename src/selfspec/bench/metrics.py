@@ -18,6 +18,10 @@ Definitions (DESIGN.md glossary):
   or every token of a lossy early exit; DSSD Table 1's "avg. exit layer").
 - ``accuracy``: share of scored outputs that solve the task (HumanEval pass@1, GSM match).
 - ``roofline_fraction``: ``tokens_per_s`` / (measured bandwidth / weight bytes per token).
+- ``plans`` (methods that re-choose their draft: KnapSpec, CLaSp, DEL): decisions per
+  prompt, the share that chose to speculate, the mean sub-layers skipped, the mean predicted
+  tokens per second (KnapSpec's TPT) against the mean measured over the steps each decision
+  governed, and planning time as a share of wall time.
 """
 
 from __future__ import annotations
@@ -31,6 +35,50 @@ from selfspec.bench.roofline import Roofline
 
 AR = "ar"
 HF_AR = "hf-ar"
+
+
+@dataclass
+class PlanSummary:
+    """The draft decisions of an adaptive method over a run (see the module docstring).
+
+    Attributes:
+        decisions: decisions made, all prompts together.
+        per_prompt: mean decisions per prompt.
+        speculating: share of decisions that chose a draft (the rest: plain decoding).
+        mean_skipped_attention / mean_skipped_mlp: mean sub-layers skipped by the chosen
+            drafts (speculating decisions only).
+        predicted_tps / measured_tps: mean predicted and measured tokens per second over the
+            decisions that have both (``None`` without a time model).
+        planning_share: time spent deciding / wall time.
+    """
+
+    decisions: int
+    per_prompt: float
+    speculating: float
+    mean_skipped_attention: float | None
+    mean_skipped_mlp: float | None
+    predicted_tps: float | None
+    measured_tps: float | None
+    planning_share: float
+
+
+def summarize_plans(records: list[PromptRecord]) -> PlanSummary | None:
+    """The :class:`PlanSummary` of one method's records (``None`` when it made none)."""
+    plans = [p for r in records for p in r.output.plans]
+    if not plans:
+        return None
+    drafting = [p for p in plans if p.draft_len > 0]
+    timed = [p for p in plans if p.predicted_tps is not None and p.measured_tps is not None]
+    wall_ms = sum(r.output.wall_time_s for r in records) * 1e3
+    return PlanSummary(
+        decisions=len(plans), per_prompt=len(plans) / len(records),
+        speculating=len(drafting) / len(plans),
+        mean_skipped_attention=(statistics.fmean(p.skipped_attention for p in drafting)
+                                if drafting else None),
+        mean_skipped_mlp=statistics.fmean(p.skipped_mlp for p in drafting) if drafting else None,
+        predicted_tps=statistics.fmean(p.predicted_tps for p in timed) if timed else None,
+        measured_tps=statistics.fmean(p.measured_tps for p in timed) if timed else None,
+        planning_share=sum(p.planning_ms for p in plans) / wall_ms if wall_ms > 0 else 0.0)
 
 
 @dataclass
@@ -62,6 +110,7 @@ class MethodSummary:
     mean_exit_layer: float | None = None
     accuracy: float | None = None
     roofline_fraction: float | None = None
+    plans: PlanSummary | None = None
 
 
 def _ar_references(run: BenchRun, greedy: bool) -> dict[str, list[int]]:
@@ -141,6 +190,7 @@ def _summarize_one(method: str, lossless: bool, records: list[PromptRecord],
     s.accuracy = sum(scored) / len(scored) if scored else None
     if roofline is not None and s.tokens_per_s is not None:
         s.roofline_fraction = roofline.fraction(s.tokens_per_s)
+    s.plans = summarize_plans(records)
     return s
 
 

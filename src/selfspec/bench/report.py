@@ -141,6 +141,7 @@ def record_json(record: PromptRecord, matches_ar: bool | None) -> dict[str, Any]
         "layer_forwards": o.layer_forwards, "finish_reason": o.finish_reason,
         "exit_tokens": o.exit_tokens, "exit_layer_total": o.exit_layer_total,
         "matches_ar": matches_ar, "correct": record.correct,
+        "plans": [dataclasses.asdict(p) for p in o.plans],
         "token_ids": o.token_ids, "text": o.text,
         "choices": [{"index": 0, "turns": [o.text], "new_tokens": [record.new_tokens],
                      "wall_time": [o.wall_time_s], "accept_lengths": o.accept_lengths}],
@@ -203,6 +204,29 @@ def markdown_table(summaries: list[MethodSummary]) -> str:
     return "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n"
 
 
+PLAN_COLUMNS = ("method", "decisions / prompt", "speculating", "skipped attention",
+                "skipped MLP", "predicted tok/s", "measured tok/s", "planning")
+
+
+def plans_table(summaries: list[MethodSummary]) -> str:
+    """The draft decisions of adaptive methods (empty when no method made any)."""
+    rows = [[f"`{s.method}`", f"{p.per_prompt:.1f}", _pct(p.speculating),
+             _fmt(p.mean_skipped_attention, ".1f"), _fmt(p.mean_skipped_mlp, ".1f"),
+             _fmt(p.predicted_tps, ".1f"), _fmt(p.measured_tps, ".1f"), _pct(p.planning_share)]
+            for s in summaries if (p := s.plans) is not None]
+    if not rows:
+        return ""
+    head = [list(PLAN_COLUMNS), ["---"] + ["---:"] * (len(PLAN_COLUMNS) - 1)]
+    return ("\n## Draft plans\n\nMethods that re-choose their draft during generation: "
+            "decisions per prompt, the share that chose to draft (the rest decode plainly "
+            "until the next one), sub-layers the chosen drafts skip (a skipped layer counts "
+            "once in each column), predicted tokens per second (KnapSpec's TPT, eq. 4; – "
+            "without a time model) against tokens per second measured over the steps each "
+            "decision governed (planning excluded), and planning time as a share of wall "
+            "time.\n\n"
+            + "\n".join("| " + " | ".join(r) + " |" for r in head + rows) + "\n")
+
+
 def markdown_header(info: RunInfo) -> str:
     """The report header: model, dtype, dataset, machine, versions, bandwidth, date."""
     m = info.machine
@@ -250,6 +274,9 @@ drafted-token counts).
 def markdown_report(info: RunInfo, summaries: list[MethodSummary], plots: list[Path]) -> str:
     """The whole ``report.md``: header, table, notes, plot links."""
     parts = [markdown_header(info), markdown_table(summaries), _NOTES]
+    plans = plans_table(summaries)
+    if plans:
+        parts.append(plans)
     parts += [f"![{p.stem}]({p.name})\n" for p in plots]
     return "\n".join(parts)
 

@@ -19,6 +19,7 @@ import torch
 
 from selfspec.api import SelfSpec
 from selfspec.bench.spec import MethodConfig
+from selfspec.decoding.plan_log import PlanRecord
 from selfspec.errors import InvalidArgumentError
 from selfspec.methods.registry import METHODS, default_exit_layer
 
@@ -75,6 +76,7 @@ class RunOutput:
             every token of a lossy early exit) and the sum of their exit layers; None when
             the method does not exit early.
         finish_reason: ``"eos"``, ``"length"``, ... (``""`` when unknown).
+        plans: the draft decisions of an adaptive method (KnapSpec, CLaSp, DEL), in order.
     """
 
     token_ids: list[int]
@@ -91,6 +93,7 @@ class RunOutput:
     finish_reason: str = ""
     exit_tokens: int | None = None
     exit_layer_total: int | None = None
+    plans: list[PlanRecord] = field(default_factory=list)
 
 
 class Runner(Protocol):
@@ -178,7 +181,7 @@ class SelfSpecRunner:
             verify_ms=s.verify_ms if speculative else None,
             layer_forwards=s.layer_forwards, finish_reason=s.finish_reason,
             exit_tokens=s.drafted if s.exit_layer_total else None,
-            exit_layer_total=s.exit_layer_total or None)
+            exit_layer_total=s.exit_layer_total or None, plans=list(s.plans))
 
 
 def _hf_generate_kwargs(config: MethodConfig, engine: SelfSpec,

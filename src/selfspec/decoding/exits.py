@@ -101,7 +101,7 @@ class FixedExit:
                  scorer: Scorer | None = None, sampled_scorer: Scorer | None = None,
                  vocab: DraftVocab | None = None, restricted: RestrictedHead | None = None) -> None:
         self.executor = executor
-        self.exit_layer = check_exit_layer(executor, exit_layer)
+        self._exit_layer = check_exit_layer(executor, exit_layer)
         self.head = head
         self.scorer = scorer
         self.sampled_scorer = sampled_scorer
@@ -109,6 +109,25 @@ class FixedExit:
         if vocab is not None and restricted is None:
             restricted = restricted_head(executor, head, vocab)
         self._restricted = restricted
+
+    @property
+    def exit_layer(self) -> int:
+        """Layers run, in ``[1, L-1]``. Settable between drafts (DEL re-chooses it) when the
+        exit uses the model's own final norm + ``lm_head`` and no probe.
+
+        Raises:
+            InvalidArgumentError: (setting) out of range, or an exit head or probe is
+                attached: those were trained for one layer.
+        """
+        return self._exit_layer
+
+    @exit_layer.setter
+    def exit_layer(self, exit_layer: int) -> None:
+        if self.head is not None or self.scorer is not None or self.sampled_scorer is not None:
+            raise InvalidArgumentError(
+                f"this exit's head or probe was trained for layer {self._exit_layer}; build a "
+                "new exit to move it (only the model's own lm_head fits every layer)")
+        self._exit_layer = check_exit_layer(self.executor, exit_layer)
 
     def scorer_for(self, sampling: SamplingConfig) -> Scorer | None:
         """The acceptance estimator for this decoding mode (``None`` when unscored).

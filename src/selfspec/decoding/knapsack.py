@@ -1,6 +1,8 @@
 """KnapSpec's layer selection: a 0/1 knapsack over attention and MLP sub-layers solved by
 dynamic programming on hidden states, then a Tokens-per-Time grid search (KnapSpec §3.3-3.5,
-Algorithm 1). Pure functions: the sub-layers are passed in as callables.
+Algorithm 1). Pure functions: the sub-layers are passed in as callables. The DP itself
+(:func:`solve_knapsack`) takes any sequence of weighted items; CLaSp runs it over whole
+layers of weight 1.
 
 Sub-layers are numbered ``i = 1 .. 2L``: odd ``i`` is the attention of layer ``(i-1)//2``,
 even ``i`` its MLP. ``X[i]`` (``[r, d]``) is the full model's residual stream after sub-layer
@@ -52,11 +54,98 @@ def mean_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).mean(-1)
 
 
+@dataclass(frozen=True)
+class Solution:
+    """The best subset found for one skipped-weight budget of a generic knapsack over
+    sequential items (sub-layers for KnapSpec, whole layers for CLaSp).
+
+    Attributes:
+        skipped_weight: total integer weight of the skipped items (the budget ``j``).
+        skipped: 1-based indices of the skipped items.
+        similarity: mean cosine similarity of its final state to the reference's.
+        hidden: ``[r, d]`` its final hidden state on the history tokens.
+    """
+
+    skipped_weight: int
+    skipped: frozenset[int]
+    similarity: float
+    hidden: torch.Tensor
+
+
+def solve_knapsack(reference: Sequence[torch.Tensor], apply: SubLayer,
+                   weights: Sequence[int], tau: float = 0.5,
+                   max_skip: int | None = None, bin_width: int = 1) -> list[Solution]:
+    """The DP of KnapSpec Algorithm 1 (eq. 6-8) over any sequence of items: one
+    :class:`Solution` per reachable skipped-weight budget.
+
+    Args:
+        reference: ``N + 1`` tensors ``[r, d]``: the full model's state before the first item
+            and after each of the ``N`` items.
+        apply: ``apply(i, hidden [B, r, d]) -> [B, r, d]`` runs item ``i`` (1-based) on ``B``
+            candidate states at once.
+        weights: ``N`` integer weights (>= 1).
+        tau: similarity below which a state is pruned (KnapSpec: 0.5; -1 disables).
+        max_skip: largest skipped weight explored (default: half the total weight,
+            KnapSpec's pruning (ii)).
+
+    Returns:
+        Solutions sorted by skipped weight (budget 0, every item run, first); empty when
+        pruning removed every state.
+
+    Raises:
+        ValueError: ``len(reference) != len(weights) + 1``, no items, a weight < 1 or
+            ``bin_width`` < 1.
+    """
+    num_items = len(weights)
+    if num_items < 1 or len(reference) != num_items + 1:
+        raise ValueError(f"reference must hold {num_items + 1} states (one before the first "
+                         f"item and one after each), got {len(reference)}")
+    if min(weights) < 1 or bin_width < 1:
+        raise ValueError("item weights and bin_width must be >= 1")
+    limit = sum(weights) // 2 if max_skip is None else max_skip
+    # row[k] = (hidden [r, d], similarity, skipped weight) for bin k = weight // bin_width;
+    # back[i][k] = (previous bin, ran item i). bin_width 1 is the exact DP of eq. 6-8.
+    row: dict[int, tuple[torch.Tensor, float, int]] = {0: (reference[0], 1.0, 0)}
+    back: list[dict[int, tuple[int, bool]]] = [{}]
+    for i in range(1, num_items + 1):
+        w = weights[i - 1]
+        target = reference[i]
+        keys = sorted(row)
+        states = torch.stack([row[k][0] for k in keys])               # [B, r, d]
+        executed = apply(i, states)                                    # [B, r, d]
+        sim_e = mean_cosine(executed, target).tolist()
+        sim_s = mean_cosine(states, target).tolist()
+        new: dict[int, tuple[torch.Tensor, float, int]] = {}
+        links: dict[int, tuple[int, bool]] = {}
+        for b, k in enumerate(keys):
+            j = row[k][2]
+            if sim_e[b] > max(tau, new.get(k, (None, -2.0))[1]):
+                new[k], links[k] = (executed[b], sim_e[b], j), (k, True)
+            if j + w <= limit:
+                k2 = (j + w) // bin_width
+                if sim_s[b] > max(tau, new.get(k2, (None, -2.0))[1]):
+                    new[k2], links[k2] = (states[b], sim_s[b], j + w), (k, False)
+        row = new
+        back.append(links)
+        if not row:
+            return []
+    solutions = []
+    for k in sorted(row):
+        skipped, key = set(), k
+        for i in range(num_items, 0, -1):
+            key, ran = back[i][key]
+            if not ran:
+                skipped.add(i)
+        hidden, similarity, weight = row[k]
+        solutions.append(Solution(weight, frozenset(skipped), similarity, hidden))
+    return solutions
+
+
 def knapsack_candidates(reference: Sequence[torch.Tensor], sublayer: SubLayer,
                         w_attn: int, w_mlp: int, tau: float = 0.5,
-                        max_skip: int | None = None) -> list[Candidate]:
-    """Algorithm 1, forward search and backtracking: one :class:`Candidate` per reachable
-    skipped-weight budget (KnapSpec eq. 6-8).
+                        max_skip: int | None = None, bin_width: int = 1) -> list[Candidate]:
+    """Algorithm 1, forward search and backtracking over the ``2L`` sub-layers: one
+    :class:`Candidate` per reachable skipped-weight budget (KnapSpec eq. 6-8).
 
     Args:
         reference: ``2L + 1`` tensors ``X[0..2L]``, each ``[r, d]``.
@@ -65,6 +154,7 @@ def knapsack_candidates(reference: Sequence[torch.Tensor], sublayer: SubLayer,
         tau: similarity below which a state is pruned (paper: 0.5).
         max_skip: largest skipped weight explored (default ``K // 2`` with
             ``K = L (w_attn + w_mlp)``, the paper's pruning (ii)).
+        bin_width: see :func:`solve_knapsack` (1 = the paper's exact DP).
 
     Returns:
         Candidates sorted by skipped weight (budget 0, the full model, first).
@@ -76,43 +166,14 @@ def knapsack_candidates(reference: Sequence[torch.Tensor], sublayer: SubLayer,
         raise ValueError("reference must hold X[0..2L]: 2L + 1 states")
     if w_attn < 1 or w_mlp < 1:
         raise ValueError("sub-layer weights must be >= 1")
-    num_sub = len(reference) - 1
-    limit = (num_sub // 2) * (w_attn + w_mlp) // 2 if max_skip is None else max_skip
-    # row[j] = (hidden [r, d], similarity); back[i][j] = (previous budget, ran sub-layer i)
-    row: dict[int, tuple[torch.Tensor, float]] = {0: (reference[0], 1.0)}
-    back: list[dict[int, tuple[int, bool]]] = [{}]
-    for i in range(1, num_sub + 1):
-        w = w_attn if i % 2 == 1 else w_mlp
-        target = reference[i]
-        budgets = sorted(row)
-        states = torch.stack([row[j][0] for j in budgets])            # [B, r, d]
-        executed = sublayer(i, states)                                 # [B, r, d]
-        sim_e = mean_cosine(executed, target).tolist()
-        sim_s = mean_cosine(states, target).tolist()
-        new: dict[int, tuple[torch.Tensor, float]] = {}
-        links: dict[int, tuple[int, bool]] = {}
-        for b, j in enumerate(budgets):
-            best = new.get(j, (None, -2.0))[1]
-            if sim_e[b] > max(tau, best):
-                new[j], links[j] = (executed[b], sim_e[b]), (j, True)
-            if j + w <= limit:
-                best = new.get(j + w, (None, -2.0))[1]
-                if sim_s[b] > max(tau, best):
-                    new[j + w], links[j + w] = (states[b], sim_s[b]), (j, False)
-        row = new
-        back.append(links)
-        if not row:
-            return []
-    candidates = []
-    for j in sorted(row):
-        skip_attn, skip_mlp, budget = set(), set(), j
-        for i in range(num_sub, 0, -1):
-            budget, ran = back[i][budget]
-            if not ran:
-                (skip_attn if i % 2 == 1 else skip_mlp).add((i - 1) // 2)
-        candidates.append(Candidate(j, frozenset(skip_attn), frozenset(skip_mlp), row[j][1],
-                                    row[j][0]))
-    return candidates
+    num_layers = (len(reference) - 1) // 2
+    limit = num_layers * (w_attn + w_mlp) // 2 if max_skip is None else max_skip
+    solutions = solve_knapsack(reference, sublayer, [w_attn, w_mlp] * num_layers, tau, limit,
+                               bin_width)
+    return [Candidate(s.skipped_weight,
+                      frozenset((i - 1) // 2 for i in s.skipped if i % 2 == 1),
+                      frozenset((i - 1) // 2 for i in s.skipped if i % 2 == 0),
+                      s.similarity, s.hidden) for s in solutions]
 
 
 def tokens_per_time(alpha: float, gamma: int, t_draft: float, t_target: float) -> float:

@@ -20,23 +20,26 @@ Drafting then stops at γ_max or when the draft's top-1 probability falls below 
 
 Two departures for CPUs, where the paper's GPU assumptions fail: the TPT search charges a
 verification of ``γ + 1`` tokens its measured cost (not one token's), and a re-optimisation
-runs only when its predicted cost (the DP's rows × sub-layers at the measured batched cost)
-is at most ``plan_budget`` of the decoding time until the next one; otherwise the step keeps
-its current mode (plain decoding at first). So KnapSpec never pays more for planning than
-it can win, and falls back to plain decoding when planning is too dear.
+may cost (predicted: the DP's rows × sub-layers at the measured batched cost) at most
+``plan_budget`` of the decoding time until the next one. When the exact DP does not fit, it
+is cheapened — budgets grouped into bins that keep one state each (``bin_width``), then
+fewer history tokens — and when even the cheapest form does not fit the step keeps its
+current mode (plain decoding at first). So KnapSpec never pays more for planning than it
+can win, and falls back to plain decoding when planning is too dear.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, replace
 
 import torch
 
 from selfspec.decoding.autoregressive import ArStep
+from selfspec.decoding.history import CommittedWindow, read_history
 from selfspec.decoding.knapsack import Candidate, PlanChoice, choose_plan, knapsack_candidates
+from selfspec.decoding.plan_log import PlanLog, PlanRecord
 from selfspec.decoding.skip_drafter import SkipPlanDrafter
 from selfspec.decoding.speculative import SpeculativeStep
 from selfspec.decoding.state import DecodeState
@@ -47,6 +50,9 @@ from selfspec.executor.cost_model import LatencyModel
 from selfspec.executor.executor import SkipPlan
 
 logger = logging.getLogger(__name__)
+
+_MIN_TOKENS = 4  # fewest history tokens a cheapened re-optimisation scores
+_MAX_BIN = 16  # widest budget bin a cheapened re-optimisation uses
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,8 @@ class Reoptimization:
             plain decoding); ``None`` when the re-optimisation was skipped as too dear.
         ms: wall time of the re-optimisation.
         predicted_ms: its predicted cost.
+        bin_width: budget bin width of the DP (1 = the paper's exact DP; wider when the
+            exact DP would cost more than ``plan_budget`` allows).
     """
 
     step: int
@@ -73,6 +81,7 @@ class Reoptimization:
     choice: PlanChoice | None
     ms: float
     predicted_ms: float = 0.0
+    bin_width: int = 1
 
 
 @dataclass
@@ -124,13 +133,16 @@ class KnapSpecStep:
         self._speculative = SpeculativeStep(self.drafter)
         self._ar = ArStep()
         self.history: list[Reoptimization] = []
-        self._committed: deque[int] = deque(maxlen=self.config.history_steps)
+        self.plan_log = PlanLog()
+        self.last_candidates: list[Candidate] = []  # scored by the latest re-optimisation
+        self._committed = CommittedWindow(self.config.history_steps)
         self._calls = 0
         self._speculate = False
 
     def start(self, state: DecodeState) -> None:
         """A new generation: the first step optimises on the end of the prompt."""
         self.history = []
+        self.plan_log.clear()
         self._committed.clear()
         self._calls = 0
         self._speculate = False
@@ -144,8 +156,10 @@ class KnapSpecStep:
             plan_ms = (time.perf_counter() - t0) * 1e3
         self._calls += 1
         step = self._speculative if self._speculate else self._ar
+        t0 = time.perf_counter()
         stats = step(state)
-        self._committed.append(stats.committed)
+        self.plan_log.add(stats.committed, (time.perf_counter() - t0) * 1e3)
+        self._committed.add(stats.committed)
         # Planning is drafting overhead: charge it to the step that paid it.
         return replace(stats, draft_ms=stats.draft_ms + plan_ms) if plan_ms else stats
 
@@ -155,42 +169,37 @@ class KnapSpecStep:
         cfg, ex = self.config, self.executor
         t0 = time.perf_counter()
         available = state.seq_len - 1  # positions whose KV is in every layer
-        r = min(max(sum(self._committed), cfg.min_history), available - 1)
+        r = min(self._committed.tokens(cfg.min_history), available - 1)
         if r < 2:
             return
         n = state.seq_len
         w_attn, w_mlp = self.latency.weights(n, cfg.weight_cap)
-        predicted = self._planning_ms(r, w_attn, w_mlp)
         horizon = min(state.remaining, cfg.reoptimize_every) * self.latency.verify_ms(n, 1)
-        if predicted > cfg.plan_budget * horizon:
+        allowed = cfg.plan_budget * horizon
+        affordable = self._affordable(r, w_attn, w_mlp, allowed)
+        if affordable is None:
+            predicted = self._planning_ms(min(r, _MIN_TOKENS), w_attn, w_mlp, _MAX_BIN)
             self.history.append(Reoptimization(self._calls, n, r, (w_attn, w_mlp), 0, None,
                                                0.0, predicted))
-            logger.info("knapspec skips re-optimising at %d tokens: predicted %.0f ms > %.0f%% "
-                        "of %.0f ms", n, predicted, 100 * cfg.plan_budget, horizon)
+            logger.info("knapspec skips re-optimising at %d tokens: even its cheapest form "
+                        "costs %.0f ms > %.0f%% of %.0f ms", n, predicted,
+                        100 * cfg.plan_budget, horizon)
             return
-        start = available - r
-        tokens = torch.tensor([state.tokens[start:available]], device=ex.device)   # [1, r]
-        positions = state.positions(start, r)
-        reference = [ex.embed(tokens)[0]]                                          # X[0]
-
-        def record(layer_idx: int, sublayer: str, hidden: torch.Tensor) -> None:
-            reference.append(hidden[0])
-
-        ex.run_layers(ex.embed(tokens), positions, 0, ex.num_layers, state.cache,
-                      observe=record, write_cache=False)
+        r, bin_width = affordable
+        predicted = self._planning_ms(r, w_attn, w_mlp, bin_width)
+        history = read_history(ex, state, r)
 
         def sublayer(i: int, states: torch.Tensor) -> torch.Tensor:
             layer = (i - 1) // 2
             plan = (SkipPlan(skip_mlp=frozenset({layer})) if i % 2 == 1
                     else SkipPlan(skip_attention=frozenset({layer})))
-            return ex.run_layers(states, positions.expand(states.shape[0], r), layer, layer + 1,
-                                 state.cache, plan, write_cache=False)
+            return history.run(ex, state, states, layer, layer + 1, plan)
 
-        # y of eq. 9: the target model's own next token at each history position (the
-        # committed token after generated positions; the model's prediction in the prompt).
-        labels = ex.logits(reference[-1].unsqueeze(0))[0].argmax(-1)              # [r]
-        candidates = knapsack_candidates(reference, sublayer, w_attn, w_mlp, cfg.tau)
+        labels = history.labels(ex)                                                # [r]
+        candidates = knapsack_candidates(history.states, sublayer, w_attn, w_mlp, cfg.tau,
+                                         bin_width=bin_width)
         chosen = _spread(candidates, cfg.max_alpha_candidates)
+        self.last_candidates = chosen
         alphas = self._alphas(chosen, labels)
         plans = [SkipPlan(c.skip_attention, c.skip_mlp) for c in chosen]
         costs = [self.latency.draft_ms(p, n) for p in plans]
@@ -202,18 +211,34 @@ class KnapSpecStep:
                                          choice.candidate.skip_mlp)
         ms = (time.perf_counter() - t0) * 1e3
         record_ = Reoptimization(self._calls, n, r, (w_attn, w_mlp), len(candidates), choice, ms,
-                                 predicted)
+                                 predicted, bin_width)
         self.history.append(record_)
+        self.plan_log.decide(_plan_record(record_, choice))
         logger.info("knapspec re-optimised at %d tokens in %.0f ms: %s", n, ms, _describe(choice))
 
-    def _planning_ms(self, r: int, w_attn: int, w_mlp: int) -> float:
-        """Predicted cost of one re-optimisation: at most ``K/2 + 1`` live budgets of ``r``
-        rows through ``2L`` sub-layers, and ``max_alpha_candidates × r`` rows through the
-        output head (counted as one sub-layer row each), at the measured batched cost."""
-        num_layers = self.executor.num_layers
-        budgets = num_layers * (w_attn + w_mlp) // 2 + 1
-        rows = budgets * r * 2 * num_layers + self.config.max_alpha_candidates * r
-        return rows * self.latency.batched_row_ms
+    def _planning_ms(self, r: int, w_attn: int, w_mlp: int, bin_width: int = 1) -> float:
+        """Predicted cost of one re-optimisation at the measured batched cost per row: at
+        most ``K/2 / bin_width + 1`` live budgets of ``r`` rows through ``2L`` sub-layers,
+        and ``max_alpha_candidates × r`` rows through the output head (one head row costs
+        ``head_ms / mlp_ms`` sub-layer rows: both are weight-bound on one token)."""
+        num_layers, lat = self.executor.num_layers, self.latency
+        budgets = num_layers * (w_attn + w_mlp) // 2 // bin_width + 1
+        head_rows = self.config.max_alpha_candidates * r * lat.head_ms / max(lat.mlp_ms, 1e-6)
+        return (budgets * r * 2 * num_layers + head_rows) * lat.batched_row_ms
+
+    def _affordable(self, r: int, w_attn: int, w_mlp: int,
+                    allowed_ms: float) -> tuple[int, int] | None:
+        """The most faithful ``(history tokens, budget bin width)`` whose predicted cost fits
+        ``allowed_ms``: the paper's exact DP on ``r`` tokens if it fits, else wider budget
+        bins (up to 16), then fewer tokens (down to 4); ``None`` when nothing fits (CPU-side
+        cheapening; on a GPU the first option always fits)."""
+        tokens = [r] + [t for t in (r // 2, r // 4) if t >= _MIN_TOKENS] + (
+            [_MIN_TOKENS] if r > _MIN_TOKENS else [])
+        for t in dict.fromkeys(tokens):
+            for bin_width in (1, 2, 4, 8, _MAX_BIN):
+                if self._planning_ms(t, w_attn, w_mlp, bin_width) <= allowed_ms:
+                    return t, bin_width
+        return None
 
     def _alphas(self, candidates: list[Candidate], labels: torch.Tensor) -> list[float]:
         """α̂ of each candidate: next-token accuracy of its final hidden state (eq. 9)."""
@@ -230,6 +255,17 @@ def _spread(candidates: list[Candidate], limit: int) -> list[Candidate]:
         return list(candidates)
     step = (len(candidates) - 1) / (limit - 1)
     return [candidates[round(k * step)] for k in range(limit)]
+
+
+def _plan_record(reopt: Reoptimization, choice: PlanChoice) -> PlanRecord:
+    """The generic record of one re-optimisation (TPT per ms → tokens per second)."""
+    c = choice.candidate
+    return PlanRecord(step=reopt.step, context_len=reopt.context_len,
+                      skipped_attention=len(c.skip_attention) if c else 0,
+                      skipped_mlp=len(c.skip_mlp) if c else 0,
+                      draft_len=choice.draft_len if c else 0,
+                      predicted_tps=choice.tpt * 1e3, planning_ms=reopt.ms,
+                      description=_describe(choice))
 
 
 def _describe(choice: PlanChoice) -> str:

@@ -30,7 +30,10 @@ class Step(Protocol):
     """One unit of decoding after the prefill.
 
     A Step object is built per generation (its adaptive state, e.g. Draft & Verify's gamma,
-    lives for one generation) by a method's ``build``.
+    lives for one generation) by a method's ``build``. A Step that re-chooses its draft during
+    generation (KnapSpec, CLaSp, DEL) also has a ``plan_log``
+    (:class:`~selfspec.decoding.plan_log.PlanLog`); :func:`run` copies its records into
+    ``GenerationStats.plans``.
     """
 
     def start(self, state: DecodeState) -> None:
@@ -67,4 +70,8 @@ def run(state: DecodeState, step: Step) -> GenerationStats:
         state.stats.add(step(state))
         if state.seq_len == before and not state.done:
             raise RuntimeError(f"{type(step).__name__} committed no token")
-    return state.finish()
+    stats = state.finish()
+    plan_log = getattr(step, "plan_log", None)  # methods that re-choose their draft
+    if plan_log is not None:
+        stats.plans = plan_log.records()
+    return stats

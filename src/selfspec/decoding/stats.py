@@ -3,8 +3,9 @@ generation did (:class:`GenerationStats`, the sum of its steps plus the loop's t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from selfspec.decoding.plan_log import PlanRecord
 from selfspec.errors import InvalidArgumentError
 
 
@@ -77,6 +78,8 @@ class GenerationStats:
         sublayers: attention and MLP sub-layers run, one token each, after the prefill.
         exit_layer_total: sum over draft tokens of the layers their prediction ran.
         finish_reason: ``"eos"``, ``"length"`` (max_new_tokens), ``"context"`` or ``"stop"``.
+        plans: the draft decisions of a method that re-chooses its draft during generation
+            (:class:`~selfspec.decoding.plan_log.PlanRecord`; empty for the others).
     """
 
     prompt_tokens: int = 0
@@ -93,6 +96,7 @@ class GenerationStats:
     sublayers: int = 0
     exit_layer_total: int = 0
     finish_reason: str = ""
+    plans: list[PlanRecord] = field(default_factory=list)
 
     def add(self, step: StepStats) -> None:
         """Accumulate one step's statistics."""

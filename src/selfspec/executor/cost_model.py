@@ -138,6 +138,38 @@ def _time_ms(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
+@dataclass(frozen=True)
+class SublayerTimes:
+    """Measured time of one sub-layer on one token, ms.
+
+    Attributes:
+        context_len: cached positions it attended to.
+        attention_ms: the attention sub-layer (norm included).
+        mlp_ms: the MLP sub-layer (norm included).
+    """
+
+    context_len: int
+    attention_ms: float
+    mlp_ms: float
+
+
+@torch.inference_mode()
+def measure_sublayers(executor: LayerExecutor, context_len: int, repeats: int = 20,
+                      layer: int | None = None) -> SublayerTimes:
+    """Median time of ``layer``'s attention alone and MLP alone on one token over a cache of
+    ``context_len`` random keys and values (read-only: the cache is not changed)."""
+    ex = executor
+    layer = ex.num_layers // 2 if layer is None else layer
+    hidden = torch.randn(1, 1, ex.config.hidden_size, dtype=ex.dtype, device=ex.device) * 0.1
+    cache = _filled_cache(ex, context_len, range(layer, layer + 1))
+    pos = torch.tensor([[context_len]], device=ex.device)
+    times = [_time_ms(lambda: ex.run_layers(hidden, pos, layer, layer + 1, cache, plan,
+                                            write_cache=False), repeats)
+             for plan in (SkipPlan(skip_mlp=frozenset({layer})),
+                          SkipPlan(skip_attention=frozenset({layer})))]
+    return SublayerTimes(context_len, times[0], times[1])
+
+
 @torch.inference_mode()
 def measure_latency(executor: LayerExecutor, lengths: tuple[int, ...] = DEFAULT_LENGTHS,
                     repeats: int = 20, layer: int | None = None) -> LatencyModel:
@@ -154,22 +186,14 @@ def measure_latency(executor: LayerExecutor, lengths: tuple[int, ...] = DEFAULT_
         raise ValueError("the attention fit needs at least two context lengths")
     ex = executor
     layer = ex.num_layers // 2 if layer is None else layer
-    hidden = torch.randn(1, 1, ex.config.hidden_size, dtype=ex.dtype, device=ex.device) * 0.1
-    only_attn = SkipPlan(skip_mlp=frozenset({layer}))
-    only_mlp = SkipPlan(skip_attention=frozenset({layer}))
     attn_ms = []
     mlp_samples = []
     for n in lengths:
         n = min(n, ex.max_positions - 1)
-        cache = ex.new_cache(capacity=n + 1)
-        shape = (1, ex.num_kv_heads, n, ex.head_dim)
-        cache.append(layer, torch.randn(shape, dtype=ex.dtype, device=ex.device),
-                     torch.randn(shape, dtype=ex.dtype, device=ex.device), 0)
-        pos = torch.tensor([[n]], device=ex.device)
-        attn_ms.append((n, _time_ms(lambda: ex.run_layers(hidden, pos, layer, layer + 1, cache,
-                                                          only_attn, write_cache=False), repeats)))
-        mlp_samples.append(_time_ms(lambda: ex.run_layers(hidden, pos, layer, layer + 1, cache,
-                                                          only_mlp, write_cache=False), repeats))
+        times = measure_sublayers(ex, n, repeats, layer)
+        attn_ms.append((n, times.attention_ms))
+        mlp_samples.append(times.mlp_ms)
+    hidden = torch.randn(1, 1, ex.config.hidden_size, dtype=ex.dtype, device=ex.device) * 0.1
     slope, base = _fit_line(attn_ms)
     slope, base = max(0.0, slope), max(1e-6, base)
     head_ms = _time_ms(lambda: ex.logits(hidden), repeats)
@@ -178,6 +202,18 @@ def measure_latency(executor: LayerExecutor, lengths: tuple[int, ...] = DEFAULT_
     return LatencyModel(ex.num_layers, slope, base, statistics.median(mlp_samples), head_ms,
                         verify_token_ms=verify_token_ms, batched_row_ms=batched,
                         key=machine_key(ex))
+
+
+@torch.inference_mode()
+def measure_token_ms(executor: LayerExecutor, context_len: int, repeats: int = 10) -> float:
+    """Median time of one decoding token through every layer and the output head over
+    ``context_len`` cached (random) positions, read-only, ms."""
+    ex = executor
+    cache = _filled_cache(ex, context_len, range(ex.num_layers))
+    hidden = torch.randn(1, 1, ex.config.hidden_size, dtype=ex.dtype, device=ex.device) * 0.1
+    pos = torch.tensor([[context_len]], device=ex.device)
+    return _time_ms(lambda: ex.logits(ex.run_layers(hidden, pos, 0, ex.num_layers, cache,
+                                                    write_cache=False)), repeats)
 
 
 def _filled_cache(ex: LayerExecutor, n: int, layers: range):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from selfspec.decoding.draft_vocab import DraftVocab, frequent_rows, restricted_head
@@ -66,13 +67,19 @@ class MethodContext:
         from selfspec.heads.files import resolve_path
 
         resolved = resolve_path(path, self.executor.name)
+        return self.file_cached("heads", resolved, lambda: load_heads(path, self.executor))
+
+    def file_cached(self, kind: str, path: Path, load: Callable[[], Any]) -> Any:
+        """``load()``'s result for the file at ``path``, kept while the file is unchanged
+        (keyed by ``kind``, resolved path, size and mtime); a missing file is loaded each
+        time so its not-found error surfaces."""
         try:
-            stat = resolved.stat()
-            key = (str(resolved.resolve()), stat.st_size, stat.st_mtime_ns)
+            stat = path.stat()
         except OSError:
-            return load_heads(path, self.executor)  # raises the not-found error
+            return load()
+        key = (kind, str(path.resolve()), stat.st_size, stat.st_mtime_ns)
         if key not in self._heads:
-            self._heads[key] = load_heads(path, self.executor)
+            self._heads[key] = load()
         return self._heads[key]
 
     def draft_vocab(self, trained: Any, size: int) -> DraftVocab:

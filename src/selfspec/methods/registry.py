@@ -16,11 +16,14 @@ from selfspec.methods import (
     adaspeed,
     adaspeed_probe,
     ar,
+    clasp,
     dssd,
     dv,
+    dynamic_exit,
     early_exit,
     knapspec,
     layerskip,
+    swift,
 )
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.exit_drafting import default_exit_layer
@@ -30,7 +33,8 @@ __all__ = ["METHODS", "MethodContext", "MethodSpec", "build_step", "default_exit
 
 METHODS: Mapping[str, MethodSpec] = {
     module.SPEC.name: module.SPEC
-    for module in (ar, layerskip, dv, adaspeed, adaspeed_probe, dssd, early_exit, knapspec)
+    for module in (ar, layerskip, dv, adaspeed, adaspeed_probe, dssd, early_exit, knapspec, clasp,
+                   dynamic_exit, swift)
 }
 
 

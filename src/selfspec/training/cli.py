@@ -1,5 +1,6 @@
-"""``selfspec heads train | calibrate | show | train-probe`` (the parser and printing;
-the work is in :mod:`selfspec.training.pipeline`)."""
+"""``selfspec heads train | calibrate | show | train-probe | search-skip`` (the parser and
+printing; the work is in :mod:`selfspec.training.pipeline` and
+:mod:`selfspec.training.skip_search`)."""
 
 from __future__ import annotations
 
@@ -103,8 +104,9 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_data_args(c, "the data the heads were trained on")
     c.set_defaults(func=_cmd_calibrate)
 
-    s = sub.add_parser("show", help="print a head file's card")
-    s.add_argument("path", help="head file or directory, or 'default' (with --model)")
+    s = sub.add_parser("show", help="print a head file's card (or a skip-set .json file)")
+    s.add_argument("path", help="head file or directory, 'default' (with --model), or a "
+                                "skip-set .json file")
     s.add_argument("--model", default=None, help="model for 'default' (default: the registry default)")
     s.add_argument("--metric", default="entropy", choices=["max_prob", "entropy", "margin"])
     s.add_argument("--json", action="store_true", help="print the card as JSON")
@@ -124,6 +126,47 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     pr.add_argument("--top-p", type=float, default=1.0, help="nucleus mass of a sampled probe")
     _add_data_args(pr)
     pr.set_defaults(func=_cmd_train_probe)
+
+    _add_search_skip_parser(sub)
+
+
+def _add_search_skip_parser(sub: argparse._SubParsersAction) -> None:
+    """``selfspec heads search-skip`` (SWIFT's offline skip-set search)."""
+    from selfspec.decoding.skip_search import SearchSettings
+    from selfspec.training.skip_search import DEFAULT_SKIP_DATA, SkipSearchRequest
+
+    req, cfg = SkipSearchRequest(), SearchSettings()
+    k = sub.add_parser(
+        "search-skip", help="search the sub-layer skip set of --method swift (SWIFT §3)",
+        description="Search a fixed set of attention/MLP sub-layers to skip while drafting "
+                    "(SWIFT): random skip sets of --skip-ratio of the sub-layers, then swaps "
+                    "of one skipped and one kept sub-layer, keeping the set whose greedy "
+                    "tokens most often equal the full model's (matchness) on the model's own "
+                    "continuations of calibration prompts. Saves a small JSON file (default: "
+                    "$SELFSPEC_HOME/heads/<model>/swift-skip.json, what --method swift reads).")
+    _add_model_args(k, required=False)
+    g = k.add_argument_group("calibration text")
+    g.add_argument("--data", default=DEFAULT_SKIP_DATA,
+                   help="comma-separated datasets whose calibration-split prompts are used "
+                        f"(default: {DEFAULT_SKIP_DATA}; the file records every prompt used, "
+                        "and selfspec bench drops those prompts from its runs)")
+    g.add_argument("--prompts", type=int, default=req.prompts, help="calibration prompts")
+    g.add_argument("--max-new-tokens", type=int, default=req.max_new_tokens,
+                   help="greedy continuation per prompt: the scored positions")
+    g.add_argument("--window", type=int, default=req.window,
+                   help="positions scored per read-only window (the draft length mirrored)")
+    s = k.add_argument_group("search")
+    s.add_argument("--skip-ratio", type=float, default=cfg.skip_ratio,
+                   help="share of the sub-layers skipped (first and last layer always kept)")
+    s.add_argument("--trials", type=int, default=cfg.trials, help="random skip sets first")
+    s.add_argument("--refine-steps", type=int, default=cfg.refine_steps,
+                   help="stop the local search after this many swaps in a row without a gain")
+    s.add_argument("--max-evaluations", type=int, default=cfg.max_evaluations,
+                   help="skip sets scored in all")
+    s.add_argument("--seed", type=int, default=cfg.seed)
+    k.add_argument("--out", default=None, help=".json file or directory "
+                                               "(default: $SELFSPEC_HOME/heads/<model>/swift-skip.json)")
+    k.set_defaults(func=_cmd_search_skip)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -313,6 +356,16 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from selfspec.heads.files import read_head_file, resolve_path
     from selfspec.models.registry import DEFAULT_MODEL
 
+    if args.path.endswith(".json"):  # a skip-set file (selfspec heads search-skip)
+        from selfspec.heads.skip_set import read_skip_set
+
+        skip_set = read_skip_set(args.path)
+        if args.json:
+            print(json.dumps(skip_set.to_dict(), indent=1))
+        else:
+            print(args.path)
+            _print_skip_set(skip_set)
+        return 0
     path = resolve_path(args.path, args.model or DEFAULT_MODEL)
     card = read_head_file(path).card
     if args.json:
@@ -321,6 +374,43 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print(f"{path}")
         _print_card(card, args.metric)
     return 0
+
+
+def _cmd_search_skip(args: argparse.Namespace) -> int:
+    from selfspec.decoding.skip_search import SearchSettings
+    from selfspec.training.skip_search import SkipSearchRequest, check_request, search_skip
+
+    settings = SearchSettings(skip_ratio=args.skip_ratio, trials=args.trials,
+                              refine_steps=args.refine_steps,
+                              max_evaluations=args.max_evaluations, seed=args.seed)
+    request = SkipSearchRequest(data=args.data, prompts=args.prompts,
+                                max_new_tokens=args.max_new_tokens, window=args.window,
+                                settings=settings, out=args.out)
+    check_request(request)  # bad options and missing dataset packages: before the model
+    engine = _load_engine(args, args.model, args.dtype)
+    outcome = search_skip(engine, request, progress=not args.quiet)
+    _print_skip_set(outcome.skip_set)
+    result = outcome.result
+    print(f"{len(result.evaluations)} skip sets scored on {outcome.calibration_tokens} "
+          f"positions in {result.seconds:.0f} s (+ {outcome.prepare_s:.0f} s of continuations "
+          "and full-model passes)"
+          + ("; the best is a local optimum (no swap improves it)" if result.local_optimum else ""))
+    print(f"saved {outcome.path}")
+    return 0
+
+
+def _print_skip_set(skip_set, out=None) -> None:
+    """A skip-set file's contents (``search-skip``, ``show FILE.json``)."""
+    out = out or sys.stdout
+    card, plan = skip_set.card, skip_set.plan
+    print(f"model {card.model} (fingerprint {card.fingerprint.short()}), {card.num_layers} "
+          f"layers, searched in {card.dtype}", file=out)
+    skipped = len(plan.skip_attention) + len(plan.skip_mlp)
+    print(f"skip set: {skipped} of {2 * card.num_layers} sub-layers, matchness "
+          f"{_f(card.score)} on the calibration text", file=out)
+    print(f"  attention skipped in layers {sorted(plan.skip_attention)}", file=out)
+    print(f"  MLP skipped in layers       {sorted(plan.skip_mlp)}", file=out)
+    _print_prompts(card, out)
 
 
 def _cmd_train_probe(args: argparse.Namespace) -> int:
