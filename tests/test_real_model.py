@@ -73,6 +73,19 @@ def test_knapspec_greedy_equals_autoregressive(engine, prompts, ar_outputs):
         assert all(s.stats.verifications > 0 for s in states)
 
 
+def test_clasp_greedy_equals_autoregressive(engine, prompts, ar_outputs):
+    """CLaSp re-running its layer DP every 4 steps on the last steps' tokens and drafting
+    with the chosen 40% of the layers skipped: the output is the model's."""
+    drafted = 0
+    for prompt, reference in zip(prompts, ar_outputs):
+        result = engine.generate(prompt, method="clasp", max_new_tokens=NEW_TOKENS,
+                                 skip_ratio=0.4, reoptimize_every=4, history_steps=4)
+        assert result.token_ids == reference
+        assert result.stats.plans and all(p.skipped_attention == 12 for p in result.stats.plans)
+        drafted += result.stats.drafted
+    assert drafted > 0
+
+
 def test_del_greedy_equals_autoregressive(engine, prompts, ar_outputs):
     """DEL re-choosing its exit layer and draft length from shadow tokens every 8 steps over
     every exit layer: on this model the shallowest exits sometimes beat plain decoding's TPL,

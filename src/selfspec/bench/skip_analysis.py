@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import platform
 import statistics
 import sys
 import time
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     latency = cached_latency(engine.executor, selfspec_home())
     args.out.mkdir(parents=True, exist_ok=True)
     label = (f"{engine.name} {args.dtype}, {torch.get_num_threads()} threads, "
-             f"{latency.key.split('-t')[-1]}")
+             f"{platform.processor() or platform.machine()}")
     result: dict = {"model": engine.name, "dtype": args.dtype,
                     "threads": torch.get_num_threads(), "latency_model": asdict(latency)}
     if args.analysis == "latency":

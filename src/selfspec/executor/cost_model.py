@@ -30,7 +30,7 @@ from selfspec.executor.executor import LayerExecutor, SkipPlan
 logger = logging.getLogger(__name__)
 
 DEFAULT_LENGTHS = (64, 256, 1024, 2048)
-FORMAT = 3  # bump when the measured quantities change: older files are measured again
+FORMAT = 4  # bump when the measured quantities change: older files are measured again
 
 
 @dataclass(frozen=True)
@@ -154,19 +154,24 @@ class SublayerTimes:
 
 
 @torch.inference_mode()
-def measure_sublayers(executor: LayerExecutor, context_len: int, repeats: int = 20,
-                      layer: int | None = None) -> SublayerTimes:
-    """Median time of ``layer``'s attention alone and MLP alone on one token over a cache of
-    ``context_len`` random keys and values (read-only: the cache is not changed)."""
+def measure_sublayers(executor: LayerExecutor, context_len: int,
+                      repeats: int = 20) -> SublayerTimes:
+    """Median time of one attention and of one MLP sub-layer on one token over a cache of
+    ``context_len`` random keys and values (read-only: the cache is not changed).
+
+    Each is timed as all ``L`` sub-layers of its kind in one pass (a plan skipping every
+    sub-layer of the other kind), divided by ``L``: every layer's weights stream from
+    memory as in decoding. Timing one layer again and again would keep a small model's
+    weights in the processor's cache and undercount (SmolLM2 fp32: 2x).
+    """
     ex = executor
-    layer = ex.num_layers // 2 if layer is None else layer
+    every = frozenset(range(ex.num_layers))
     hidden = torch.randn(1, 1, ex.config.hidden_size, dtype=ex.dtype, device=ex.device) * 0.1
-    cache = _filled_cache(ex, context_len, range(layer, layer + 1))
+    cache = _filled_cache(ex, context_len, range(ex.num_layers))
     pos = torch.tensor([[context_len]], device=ex.device)
-    times = [_time_ms(lambda: ex.run_layers(hidden, pos, layer, layer + 1, cache, plan,
-                                            write_cache=False), repeats)
-             for plan in (SkipPlan(skip_mlp=frozenset({layer})),
-                          SkipPlan(skip_attention=frozenset({layer})))]
+    times = [_time_ms(lambda: ex.run_layers(hidden, pos, 0, ex.num_layers, cache, plan,
+                                            write_cache=False), repeats) / ex.num_layers
+             for plan in (SkipPlan(skip_mlp=every), SkipPlan(skip_attention=every))]
     return SublayerTimes(context_len, times[0], times[1])
 
 
@@ -175,9 +180,10 @@ def measure_latency(executor: LayerExecutor, lengths: tuple[int, ...] = DEFAULT_
                     repeats: int = 20, layer: int | None = None) -> LatencyModel:
     """Measure the sub-layer latencies of ``executor``'s model on this machine.
 
-    One layer (default: the middle one) runs its attention alone and its MLP alone on one
-    token, over a cache of each length in ``lengths`` filled with random keys and values
-    (read-only: the cache is not changed); ``t_attn(n)`` is fitted by least squares.
+    Every layer's attention alone, then every layer's MLP alone, runs on one token over a
+    cache of each length in ``lengths`` filled with random keys and values (read-only: the
+    cache is not changed; :func:`measure_sublayers`); ``t_attn(n)`` is fitted by least
+    squares. ``layer`` (default: the middle one) is the layer of the batched-row timing.
 
     Raises:
         ValueError: fewer than two lengths.
@@ -190,7 +196,7 @@ def measure_latency(executor: LayerExecutor, lengths: tuple[int, ...] = DEFAULT_
     mlp_samples = []
     for n in lengths:
         n = min(n, ex.max_positions - 1)
-        times = measure_sublayers(ex, n, repeats, layer)
+        times = measure_sublayers(ex, n, repeats)
         attn_ms.append((n, times.attention_ms))
         mlp_samples.append(times.mlp_ms)
     hidden = torch.randn(1, 1, ex.config.hidden_size, dtype=ex.dtype, device=ex.device) * 0.1
