@@ -95,7 +95,7 @@ def _latency(executor, attn=1.0, mlp=1.0):
 def test_knapspec_greedy_equals_autoregressive(executor, ar_tokens, attn, mlp):
     step = KnapSpecStep(executor, _latency(executor, attn, mlp),
                         KnapSpecConfig(reoptimize_every=6, min_history=8, tau=-1.0,
-                                       confidence=0.01))
+                                       confidence=0.01, plan_budget=1e9))
     state = run_step(executor, step, PROMPT, max_new_tokens=40)
     assert state.tokens == ar_tokens
     assert step.history and step.history[0].step == 0
@@ -111,7 +111,8 @@ def test_knapspec_drafts_when_a_plan_pays():
     layer.mlp.down_proj.weight.zero_()
     ex = LayerExecutor(model)
     reference = run_step(ex, ArStep(), PROMPT, max_new_tokens=30).tokens
-    step = KnapSpecStep(ex, _latency(ex), KnapSpecConfig(reoptimize_every=8, confidence=0.01))
+    step = KnapSpecStep(ex, _latency(ex), KnapSpecConfig(reoptimize_every=8, confidence=0.01,
+                                                          plan_budget=1e9))
     state = run_step(ex, step, PROMPT, max_new_tokens=30)
     assert state.tokens == reference
     choice = step.history[0].choice
@@ -122,7 +123,7 @@ def test_knapspec_drafts_when_a_plan_pays():
 def test_knapspec_falls_back_to_plain_decoding_when_no_plan_pays(executor, ar_tokens):
     # tau ~ 1 prunes every plan that changes the hidden states: only the full model is left.
     step = KnapSpecStep(executor, _latency(executor), KnapSpecConfig(reoptimize_every=8,
-                                                                      tau=0.99999))
+                                                                      tau=0.99999, plan_budget=1e9))
     state = run_step(executor, step, PROMPT, max_new_tokens=40)
     assert state.tokens == ar_tokens
     assert all(r.choice.candidate is None for r in step.history)
@@ -143,13 +144,28 @@ def test_knapspec_skips_planning_that_costs_more_than_its_budget(executor, ar_to
 def test_knapspec_cheapens_a_dp_that_does_not_fit_its_budget(executor, ar_tokens):
     """Between the exact DP and no planning: wider budget bins (then fewer history tokens)
     until the predicted cost fits plan_budget; the output stays the model's own."""
-    costly = LatencyModel(executor.num_layers, 0.0, 1.0, 1.0, 0.5, batched_row_ms=0.0083,
+    costly = LatencyModel(executor.num_layers, 0.0, 1.0, 1.0, 0.5, batched_row_ms=0.03,
                           key="costly")
     step = KnapSpecStep(executor, costly, KnapSpecConfig(reoptimize_every=8, tau=-1.0,
-                                                         confidence=0.01))
+                                                         confidence=0.01, plan_budget=0.5,
+                                                         max_backoff=1))
     state = run_step(executor, step, PROMPT, max_new_tokens=40)
     assert state.tokens == ar_tokens
     assert step.history and all(r.choice is not None for r in step.history)
     assert all(r.bin_width > 1 for r in step.history)
-    allowed = 0.05 * 8 * costly.verify_ms(len(PROMPT), 1)
+    allowed = 0.5 * 8 * costly.verify_ms(len(PROMPT), 1)
     assert all(r.predicted_ms <= allowed for r in step.history)
+
+
+def test_knapspec_backs_off_while_no_plan_pays(executor, ar_tokens):
+    """Re-optimisations that find nothing double the interval to the next (up to
+    max_backoff × T); max_backoff=1 keeps the paper's fixed T."""
+    backing = KnapSpecStep(executor, _latency(executor), KnapSpecConfig(
+        reoptimize_every=2, tau=0.99999, max_backoff=8, plan_budget=1e9))
+    state = run_step(executor, backing, PROMPT, max_new_tokens=40)
+    assert state.tokens == ar_tokens
+    assert [r.step for r in backing.history] == [0, 4, 12, 28]  # intervals 2T, 4T, 8T
+    fixed = KnapSpecStep(executor, _latency(executor), KnapSpecConfig(
+        reoptimize_every=8, tau=0.99999, max_backoff=1, plan_budget=1e9))
+    run_step(executor, fixed, PROMPT, max_new_tokens=40)
+    assert [r.step for r in fixed.history] == [0, 8, 16, 24, 32]

@@ -25,7 +25,9 @@ may cost (predicted: the DP's rows × sub-layers at the measured batched cost) a
 is cheapened — budgets grouped into bins that keep one state each (``bin_width``), then
 fewer history tokens — and when even the cheapest form does not fit the step keeps its
 current mode (plain decoding at first). So KnapSpec never pays more for planning than it
-can win, and falls back to plain decoding when planning is too dear.
+can win, and falls back to plain decoding when planning is too dear. The predicted cost
+counts the full model's pass over the history tokens too. While re-optimisations find no
+paying plan, the interval to the next one doubles (up to ``max_backoff × T``).
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ class KnapSpecConfig:
         weight_cap: cap of the integer weights.
         plan_budget: largest share of the decoding time until the next re-optimisation that
             a re-optimisation may cost (predicted); a huge value always plans (the paper).
+        max_backoff: after a re-optimisation that found no paying plan (or was too dear),
+            the interval to the next one doubles, up to ``max_backoff × T``; it returns to
+            ``T`` when a plan is chosen (1 = every ``T`` steps, the paper).
     """
 
     reoptimize_every: int = 64
@@ -112,6 +117,7 @@ class KnapSpecConfig:
     max_alpha_candidates: int = 16
     weight_cap: int = 5
     plan_budget: float = 0.05
+    max_backoff: int = 8
 
 
 class KnapSpecStep:
@@ -137,6 +143,9 @@ class KnapSpecStep:
         self.last_candidates: list[Candidate] = []  # scored by the latest re-optimisation
         self._committed = CommittedWindow(self.config.history_steps)
         self._calls = 0
+        self._next_plan = 0
+        self._interval = self.config.reoptimize_every
+        self._context_len = 0
         self._speculate = False
 
     def start(self, state: DecodeState) -> None:
@@ -145,15 +154,21 @@ class KnapSpecStep:
         self.plan_log.clear()
         self._committed.clear()
         self._calls = 0
+        self._next_plan = 0
+        self._interval = self.config.reoptimize_every
         self._speculate = False
 
     def __call__(self, state: DecodeState) -> StepStats:
         cfg = self.config
         plan_ms = 0.0
-        if self._calls % cfg.reoptimize_every == 0:
+        if self._calls >= self._next_plan:
             t0 = time.perf_counter()
             self._reoptimize(state)
             plan_ms = (time.perf_counter() - t0) * 1e3
+            # Back off while no plan pays: planning that keeps finding nothing is pure cost.
+            self._interval = (cfg.reoptimize_every if self._speculate else
+                              min(2 * self._interval, cfg.max_backoff * cfg.reoptimize_every))
+            self._next_plan = self._calls + self._interval
         self._calls += 1
         step = self._speculative if self._speculate else self._ar
         t0 = time.perf_counter()
@@ -172,9 +187,9 @@ class KnapSpecStep:
         r = min(self._committed.tokens(cfg.min_history), available - 1)
         if r < 2:
             return
-        n = state.seq_len
+        n = self._context_len = state.seq_len
         w_attn, w_mlp = self.latency.weights(n, cfg.weight_cap)
-        horizon = min(state.remaining, cfg.reoptimize_every) * self.latency.verify_ms(n, 1)
+        horizon = min(state.remaining, self._interval) * self.latency.verify_ms(n, 1)
         allowed = cfg.plan_budget * horizon
         affordable = self._affordable(r, w_attn, w_mlp, allowed)
         if affordable is None:
@@ -217,14 +232,16 @@ class KnapSpecStep:
         logger.info("knapspec re-optimised at %d tokens in %.0f ms: %s", n, ms, _describe(choice))
 
     def _planning_ms(self, r: int, w_attn: int, w_mlp: int, bin_width: int = 1) -> float:
-        """Predicted cost of one re-optimisation at the measured batched cost per row: at
+        """Predicted cost of one re-optimisation: the full model's read-only pass over the
+        ``r`` history tokens, then, at the measured batched cost per row, at
         most ``K/2 / bin_width + 1`` live budgets of ``r`` rows through ``2L`` sub-layers,
         and ``max_alpha_candidates × r`` rows through the output head (one head row costs
         ``head_ms / mlp_ms`` sub-layer rows: both are weight-bound on one token)."""
         num_layers, lat = self.executor.num_layers, self.latency
         budgets = num_layers * (w_attn + w_mlp) // 2 // bin_width + 1
         head_rows = self.config.max_alpha_candidates * r * lat.head_ms / max(lat.mlp_ms, 1e-6)
-        return (budgets * r * 2 * num_layers + head_rows) * lat.batched_row_ms
+        history = lat.verify_ms(self._context_len, r)  # the full model's pass over the r tokens
+        return history + (budgets * r * 2 * num_layers + head_rows) * lat.batched_row_ms
 
     def _affordable(self, r: int, w_attn: int, w_mlp: int,
                     allowed_ms: float) -> tuple[int, int] | None:

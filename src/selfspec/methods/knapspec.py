@@ -25,6 +25,8 @@ class Options:
     plan_budget: float = option(0.05, "largest share of the decoding time until the next "
                                 "re-optimisation that one may cost (predicted); 1e9 = always (the paper)",
                                 low=0)
+    max_backoff: int = option(8, "after a re-optimisation finds no paying plan, the interval to "
+                              "the next doubles up to this many times T (1 = the paper)", low=1)
 
 
 def build(context: MethodContext, options: Options) -> Step:
@@ -32,7 +34,7 @@ def build(context: MethodContext, options: Options) -> Step:
     config = KnapSpecConfig(reoptimize_every=options.reoptimize_every,
                             history_steps=options.history_steps, tau=options.tau,
                             max_draft_len=options.max_draft_len, confidence=options.confidence,
-                            plan_budget=options.plan_budget)
+                            plan_budget=options.plan_budget, max_backoff=options.max_backoff)
     return KnapSpecStep(context.executor, context.latency(), config)
 
 
