@@ -3,9 +3,10 @@
 - ``latency``: the latency model's predicted attention / MLP sub-layer and whole-token times
   against fresh measurements at context lengths 128 … 4096 (``latency.png``).
 - ``throughput`` (Figure 2): many sub-layer skip drafts (the knapsack DP's candidates on a
-  real prompt, each with several draft lengths) decoded on held-out prompts; the Pearson
-  correlation of measured throughput with the predicted Tokens-per-Time (eq. 4, measured α)
-  and with the acceptance rate (``throughput-vs-tpt.png``).
+  real prompt, each with several draft lengths) decoded on other prompts; the Pearson
+  correlation of measured throughput with KnapSpec's predicted Tokens-per-Time (eq. 4 with
+  α̂ of eq. 9 and the latency model) and with the measured acceptance rate
+  (``throughput-vs-tpt.png``).
 - ``context`` (Figure 3): the plan KnapSpec chooses after a prefix of a long document of
   128 … 4096 tokens: how many attention and MLP sub-layers it skips as the context grows
   (``skips-vs-context.png``).
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 
 from selfspec.decoding import loop
-from selfspec.decoding.knapsack import tokens_per_time
+from selfspec.decoding.knapsack import choose_plan, tokens_per_time
 from selfspec.decoding.knapspec import KnapSpecConfig, KnapSpecStep
 from selfspec.decoding.skip_drafter import SkipPlanDrafter
 from selfspec.decoding.speculative import SpeculativeStep
@@ -107,7 +108,7 @@ class ConfigPoint:
     draft_len: int
     acceptance_rate: float
     mean_accepted: float
-    predicted_tpt: float  # tokens per second, eq. 4 with the measured acceptance rate
+    predicted_tpt: float  # tokens per second, eq. 4 with α̂ (eq. 9) and the latency model
     tokens_per_s: float
 
 
@@ -117,9 +118,9 @@ def pearson(xs: list[float], ys: list[float]) -> float:
 
 
 def _candidate_plans(engine, prompt_ids: list[int], latency: LatencyModel,
-                     count: int) -> list[SkipPlan]:
+                     count: int) -> list[tuple[SkipPlan, float]]:
     """The knapsack DP's candidates on ``prompt_ids`` (history: its last 32 tokens), spread
-    over the budgets."""
+    over the budgets, each with its estimated acceptance rate α̂ (eq. 9)."""
     step = KnapSpecStep(engine.executor, latency,
                         KnapSpecConfig(plan_budget=1e9, min_history=32,
                                        max_alpha_candidates=count))
@@ -128,7 +129,8 @@ def _candidate_plans(engine, prompt_ids: list[int], latency: LatencyModel,
     state.commit([prompt_ids[-1]])  # any token: the history is the prompt's end
     step.start(state)
     step._reoptimize(state)
-    return [SkipPlan(c.skip_attention, c.skip_mlp) for c in step.last_candidates
+    return [(SkipPlan(c.skip_attention, c.skip_mlp), alpha)
+            for c, alpha in zip(step.last_candidates, step.last_alphas)
             if c.skip_attention or c.skip_mlp]
 
 
@@ -158,13 +160,14 @@ def throughput_points(engine, latency: LatencyModel, plan_prompt: list[int],
     ar_tps = _decode(engine, ArStep(), prompts, max_new_tokens)[0]
     points = []
     n = len(plan_prompt)
-    for plan in _candidate_plans(engine, plan_prompt, latency, plans):
+    for plan, alpha_hat in _candidate_plans(engine, plan_prompt, latency, plans):
         for gamma in draft_lens:
             drafter = SkipPlanDrafter(engine.executor, plan, ConstantStopRule(gamma))
             tps, drafted, accepted, verifications = _decode(
                 engine, SpeculativeStep(drafter), prompts, max_new_tokens)
             alpha = accepted / drafted if drafted else 0.0
-            tpt = 1e3 * tokens_per_time(alpha, gamma, latency.draft_ms(plan, n),
+            # KnapSpec's prediction: α̂ from the DP's history (eq. 9), the latency model (eq. 4)
+            tpt = 1e3 * tokens_per_time(alpha_hat, gamma, latency.draft_ms(plan, n),
                                         latency.verify_ms(n, gamma + 1))
             points.append(ConfigPoint(len(plan.skip_attention), len(plan.skip_mlp), gamma,
                                       alpha, (accepted + verifications) / max(1, verifications),
@@ -203,7 +206,8 @@ def plot_throughput(points: list[ConfigPoint], ar_tps: float, title: str, path: 
 # ------------------------------------------------------------------------------ context
 @dataclass(frozen=True)
 class ContextPoint:
-    """KnapSpec's choice after ``context_len`` tokens of a document."""
+    """KnapSpec's choice after ``context_len`` tokens of a document, and the best drafting
+    plan by TPT (the one it would draft with if plain decoding were slower)."""
 
     context_len: int
     w_attn: int
@@ -213,6 +217,10 @@ class ContextPoint:
     draft_len: int
     alpha: float
     candidates: int
+    best_skipped_attention: int
+    best_skipped_mlp: int
+    best_alpha: float
+    best_tpt_vs_plain: float
 
 
 @torch.inference_mode()
@@ -234,11 +242,19 @@ def context_points(engine, latency: LatencyModel, document: list[int],
         step._reoptimize(state)
         record = step.history[-1]
         c = record.choice.candidate
+        plans = [SkipPlan(k.skip_attention, k.skip_mlp) for k in step.last_candidates]
+        best = choose_plan(step.last_candidates, step.last_alphas,
+                           [latency.draft_ms(plan, n) for plan in plans],
+                           lambda t: latency.verify_ms(n, t), must_beat_plain=False)
+        b = best.candidate
         points.append(ContextPoint(n, *record.weights,
                                    len(c.skip_attention) if c else 0,
                                    len(c.skip_mlp) if c else 0,
                                    record.choice.draft_len, record.choice.alpha,
-                                   record.candidates))
+                                   record.candidates,
+                                   len(b.skip_attention) if b else 0,
+                                   len(b.skip_mlp) if b else 0, best.alpha,
+                                   best.tpt / best.ar_tpt))
         logger.info("context %d: %s", n, points[-1])
     return points
 
@@ -250,16 +266,25 @@ def plot_context(points: list[ContextPoint], num_layers: int, title: str, path: 
 
     fig, ax = plt.subplots(figsize=(6, 4))
     x = [p.context_len for p in points]
-    ax.plot(x, [p.skipped_attention / num_layers for p in points], "o-",
-            label="attention sub-layers skipped")
-    ax.plot(x, [p.skipped_mlp / num_layers for p in points], "s-", label="MLP sub-layers skipped")
+    ax.plot(x, [p.best_skipped_attention / num_layers for p in points], "o-",
+            label="attention skipped (best drafting plan by TPT)")
+    ax.plot(x, [p.best_skipped_mlp / num_layers for p in points], "s-",
+            label="MLP skipped (best drafting plan by TPT)")
+    ax.plot(x, [p.skipped_attention / num_layers for p in points], "o:", color="tab:blue",
+            alpha=0.5, label="attention skipped (chosen; 0 = plain decoding)")
+    ax.plot(x, [p.skipped_mlp / num_layers for p in points], "s:", color="tab:orange",
+            alpha=0.5, label="MLP skipped (chosen)")
+    for p in points:
+        ax.annotate(f"{p.w_attn}:{p.w_mlp}\n{p.best_tpt_vs_plain:.2f}x",
+                    (p.context_len, 0.92), fontsize=6, ha="center")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context length n (tokens)")
-    ax.set_ylabel(f"share of the {num_layers} layers' sub-layers")
+    ax.set_ylabel(f"share of the {num_layers} layers' sub-layers skipped")
+    ax.set_title(title + "\n(top: weights w_attn:w_mlp, best plan's predicted TPT / plain)",
+                 fontsize=8)
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -205,7 +205,7 @@ class PlanChoice:
 
 def choose_plan(candidates: Sequence[Candidate], alphas: Sequence[float],
                 draft_costs: Sequence[float], verify_cost: Callable[[int], float],
-                max_draft_len: int = 10) -> PlanChoice:
+                max_draft_len: int = 10, *, must_beat_plain: bool = True) -> PlanChoice:
     """Grid search over candidates × ``γ in [1, max_draft_len]`` (KnapSpec §3.5, eq. 4).
 
     Args:
@@ -216,13 +216,15 @@ def choose_plan(candidates: Sequence[Candidate], alphas: Sequence[float],
             (the verification of ``γ = T - 1`` draft tokens; ``T = 1`` is plain decoding).
             The paper's GPU setting is a constant.
         max_draft_len: D (paper: 10).
+        must_beat_plain: ``False`` returns the best drafting plan even when plain decoding
+            is predicted faster (analyses of what the DP prefers).
 
     Returns:
         The best :class:`PlanChoice`; its ``candidate`` is ``None`` when no plan's TPT beats
         plain decoding (``1 / verify_cost(1)``), so the caller falls back to it.
     """
     ar_tpt = 1.0 / verify_cost(1)
-    best = PlanChoice(None, 0, 0.0, ar_tpt, ar_tpt)
+    best = PlanChoice(None, 0, 0.0, ar_tpt if must_beat_plain else 0.0, ar_tpt)
     for cand, alpha, cost in zip(candidates, alphas, draft_costs):
         if not cand.skip_attention and not cand.skip_mlp:
             continue  # drafting with the full model is never worth it

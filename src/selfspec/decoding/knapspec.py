@@ -141,6 +141,7 @@ class KnapSpecStep:
         self.history: list[Reoptimization] = []
         self.plan_log = PlanLog()
         self.last_candidates: list[Candidate] = []  # scored by the latest re-optimisation
+        self.last_alphas: list[float] = []  # their α̂
         self._committed = CommittedWindow(self.config.history_steps)
         self._calls = 0
         self._next_plan = 0
@@ -215,7 +216,7 @@ class KnapSpecStep:
                                          bin_width=bin_width)
         chosen = _spread(candidates, cfg.max_alpha_candidates)
         self.last_candidates = chosen
-        alphas = self._alphas(chosen, labels)
+        alphas = self.last_alphas = self._alphas(chosen, labels)
         plans = [SkipPlan(c.skip_attention, c.skip_mlp) for c in chosen]
         costs = [self.latency.draft_ms(p, n) for p in plans]
         choice = choose_plan(chosen, alphas, costs, lambda t: self.latency.verify_ms(n, t),
