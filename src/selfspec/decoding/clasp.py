@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from selfspec.decoding.history import CommittedWindow, read_history
 from selfspec.decoding.knapsack import solve_knapsack
-from selfspec.decoding.plan_log import PlanLog, PlanRecord
+from selfspec.decoding.plan_log import PlanLog, PlanRecord, governed_call
 from selfspec.decoding.skip_drafter import SkipPlanDrafter
 from selfspec.decoding.speculative import SpeculativeStep
 from selfspec.decoding.state import DecodeState
@@ -135,12 +135,7 @@ class CLaSpStep:
             self._reoptimize(state)
             plan_ms = (time.perf_counter() - t0) * 1e3
         self._calls += 1
-        t0 = time.perf_counter()
-        stats = self._speculative(state)
-        self.plan_log.add(stats.committed, (time.perf_counter() - t0) * 1e3)
-        self._committed.add(stats.committed)
-        # The DP is drafting overhead: charge it to the step that paid it.
-        return replace(stats, draft_ms=stats.draft_ms + plan_ms) if plan_ms else stats
+        return governed_call(self._speculative, state, plan_ms, self.plan_log, self._committed)
 
     @torch.inference_mode()
     def _reoptimize(self, state: DecodeState) -> None:

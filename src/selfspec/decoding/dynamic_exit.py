@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -46,7 +46,7 @@ from selfspec.decoding.autoregressive import ArStep
 from selfspec.decoding.drafting import EarlyExitDrafter
 from selfspec.decoding.history import CommittedWindow, read_history
 from selfspec.decoding.knapsack import tokens_per_time
-from selfspec.decoding.plan_log import PlanLog, PlanRecord
+from selfspec.decoding.plan_log import PlanLog, PlanRecord, governed_call
 from selfspec.decoding.speculative import SpeculativeStep
 from selfspec.decoding.state import DecodeState
 from selfspec.decoding.stats import StepStats
@@ -221,12 +221,7 @@ class DELStep:
             refresh_ms = (time.perf_counter() - t0) * 1e3
         self._calls += 1
         step = self._speculative if self._speculate else self._ar
-        t0 = time.perf_counter()
-        stats = step(state)
-        self.plan_log.add(stats.committed, (time.perf_counter() - t0) * 1e3)
-        self._committed.add(stats.committed)
-        # The shadow-token forward is drafting overhead: charge it to the step that paid it.
-        return replace(stats, draft_ms=stats.draft_ms + refresh_ms) if refresh_ms else stats
+        return governed_call(step, state, refresh_ms, self.plan_log, self._committed)
 
     @torch.inference_mode()
     def _refresh(self, state: DecodeState) -> None:

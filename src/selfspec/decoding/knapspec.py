@@ -34,14 +34,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from selfspec.decoding.autoregressive import ArStep
 from selfspec.decoding.history import CommittedWindow, read_history
 from selfspec.decoding.knapsack import Candidate, PlanChoice, choose_plan, knapsack_candidates
-from selfspec.decoding.plan_log import PlanLog, PlanRecord
+from selfspec.decoding.plan_log import PlanLog, PlanRecord, governed_call
 from selfspec.decoding.skip_drafter import SkipPlanDrafter
 from selfspec.decoding.speculative import SpeculativeStep
 from selfspec.decoding.state import DecodeState
@@ -172,12 +172,7 @@ class KnapSpecStep:
             self._next_plan = self._calls + self._interval
         self._calls += 1
         step = self._speculative if self._speculate else self._ar
-        t0 = time.perf_counter()
-        stats = step(state)
-        self.plan_log.add(stats.committed, (time.perf_counter() - t0) * 1e3)
-        self._committed.add(stats.committed)
-        # Planning is drafting overhead: charge it to the step that paid it.
-        return replace(stats, draft_ms=stats.draft_ms + plan_ms) if plan_ms else stats
+        return governed_call(step, state, plan_ms, self.plan_log, self._committed)
 
     # ------------------------------------------------------------------ planning
     @torch.inference_mode()

@@ -6,7 +6,15 @@ with measured throughput; the benchmark reports both).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # type names only: no import cycle with the loop's modules
+    from selfspec.decoding.history import CommittedWindow
+    from selfspec.decoding.loop import Step
+    from selfspec.decoding.state import DecodeState
+    from selfspec.decoding.stats import StepStats
 
 
 @dataclass(frozen=True)
@@ -68,3 +76,16 @@ class PlanLog:
         """Every decision with its measured tokens per second."""
         return [replace(r, measured_tps=(1e3 * t / ms if ms > 0 else None))
                 for r, t, ms in zip(self._records, self._tokens, self._ms)]
+
+
+def governed_call(step: Step, state: DecodeState, plan_ms: float, plan_log: PlanLog,
+                  window: CommittedWindow) -> StepStats:
+    """One call of ``step`` under the latest decision of a re-planning Step (KnapSpec,
+    CLaSp, DEL): its tokens and time count towards that decision and the history window, and
+    ``plan_ms`` (the planning that preceded it, drafting overhead) is added to its
+    ``draft_ms``."""
+    t0 = time.perf_counter()
+    stats = step(state)
+    plan_log.add(stats.committed, (time.perf_counter() - t0) * 1e3)
+    window.add(stats.committed)
+    return replace(stats, draft_ms=stats.draft_ms + plan_ms) if plan_ms else stats
