@@ -44,6 +44,23 @@ logger = logging.getLogger(__name__)
 LENGTHS = (128, 256, 512, 1024, 2048, 4096)
 
 
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt, fig, path: Path, title: str | None = None) -> None:
+    if title is not None:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # ------------------------------------------------------------------------------ latency
 @dataclass(frozen=True)
 class LatencyPoint:
@@ -73,10 +90,7 @@ def latency_points(engine, model: LatencyModel, lengths=LENGTHS,
 
 
 def plot_latency(points: list[LatencyPoint], title: str, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     x = [p.context_len for p in points]
     for attr, label in (("attention", "attention sub-layer"), ("mlp", "MLP sub-layer")):
@@ -92,10 +106,7 @@ def plot_latency(points: list[LatencyPoint], title: str, path: Path) -> None:
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path, title)
 
 
 # --------------------------------------------------------------------------- throughput
@@ -177,10 +188,7 @@ def throughput_points(engine, latency: LatencyModel, plan_prompt: list[int],
 
 
 def plot_throughput(points: list[ConfigPoint], ar_tps: float, title: str, path: Path) -> dict:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     tps = [p.tokens_per_s for p in points]
     r_tpt = pearson([p.predicted_tpt for p in points], tps)
     r_acc = pearson([p.acceptance_rate for p in points], tps)
@@ -196,10 +204,7 @@ def plot_throughput(points: list[ConfigPoint], ar_tps: float, title: str, path: 
         ax.set_ylabel("measured throughput (tokens / s)")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path, title)
     return {"pcc_tpt": r_tpt, "pcc_acceptance": r_acc}
 
 
@@ -260,10 +265,7 @@ def context_points(engine, latency: LatencyModel, document: list[int],
 
 
 def plot_context(points: list[ContextPoint], num_layers: int, title: str, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     x = [p.context_len for p in points]
     ax.plot(x, [p.best_skipped_attention / num_layers for p in points], "o-",
@@ -285,9 +287,7 @@ def plot_context(points: list[ContextPoint], num_layers: int, title: str, path: 
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 # ---------------------------------------------------------------------------------- CLI
