@@ -16,6 +16,10 @@ Definitions (DESIGN.md glossary):
   the full model).
 - ``mean_exit_layer``: mean layer at which exit-layer predictions were made (draft tokens,
   or every token of a lossy early exit; DSSD Table 1's "avg. exit layer").
+- ``draft_rate``: draft tokens per generated token (AdaDecode's early-prediction rate:
+  tokens predicted at an intermediate layer, before verification).
+- ``mean_layer_batch``: mean positions per decoder-layer call of drafters that batch
+  deferred layers (AdaDecode's parallel layer calls); 1 for plain decoding.
 - ``accuracy``: share of scored outputs that solve the task (HumanEval pass@1, GSM match).
 - ``roofline_fraction``: ``tokens_per_s`` / (measured bandwidth / weight bytes per token).
 - ``plans`` (methods that re-choose their draft: KnapSpec, CLaSp, DEL): decisions per
@@ -108,6 +112,8 @@ class MethodSummary:
     parity: float | None = None
     ar_prefix: float | None = None
     mean_exit_layer: float | None = None
+    draft_rate: float | None = None
+    mean_layer_batch: float | None = None
     accuracy: float | None = None
     roofline_fraction: float | None = None
     plans: PlanSummary | None = None
@@ -169,6 +175,15 @@ def _summarize_one(method: str, lossless: bool, records: list[PromptRecord],
         s.mean_accepted = (accepted + verifications) / verifications
     if drafted and accepted is not None:
         s.acceptance_rate = accepted / drafted
+    if drafted is not None and s.new_tokens:
+        s.draft_rate = drafted / s.new_tokens
+    batches: list[int] = []
+    for o in outs:
+        batches.extend([0] * (len(o.layer_batches) - len(batches)))
+        for i, count in enumerate(o.layer_batches):
+            batches[i] += count
+    if sum(batches):
+        s.mean_layer_batch = sum((i + 1) * c for i, c in enumerate(batches)) / sum(batches)
     wall_ms = s.wall_time_s * 1e3
     draft_ms = _sum_known(o.draft_ms for o in outs)
     verify_ms = _sum_known(o.verify_ms for o in outs)

@@ -141,7 +141,7 @@ def record_json(record: PromptRecord, matches_ar: bool | None) -> dict[str, Any]
         "layer_forwards": o.layer_forwards, "finish_reason": o.finish_reason,
         "exit_tokens": o.exit_tokens, "exit_layer_total": o.exit_layer_total,
         "matches_ar": matches_ar, "correct": record.correct,
-        "plans": [dataclasses.asdict(p) for p in o.plans],
+        "plans": [dataclasses.asdict(p) for p in o.plans], "layer_batches": o.layer_batches,
         "token_ids": o.token_ids, "text": o.text,
         "choices": [{"index": 0, "turns": [o.text], "new_tokens": [record.new_tokens],
                      "wall_time": [o.wall_time_s], "accept_lengths": o.accept_lengths}],
@@ -178,7 +178,8 @@ def _pct(value: float | None) -> str:
 
 
 TABLE_COLUMNS = ("method", "tok/s", "median tok/s", "speedup vs ar", "speedup vs hf-ar",
-                 "mean accepted", "acceptance", "exit layer", "draft / verify",
+                 "mean accepted", "acceptance", "exit layer", "drafts / token", "layer batch",
+                 "draft / verify",
                  "layer fwd / token", "parity", "prefix = ar", "accuracy", "roofline", "status")
 
 
@@ -192,7 +193,7 @@ def table_row(s: MethodSummary) -> list[str]:
     return [f"`{s.method}`", _fmt(s.tokens_per_s, ".1f"), _fmt(s.median_tokens_per_s, ".1f"),
             _fmt(s.speedup_vs_ar, ".2f", "×"), _fmt(s.speedup_vs_hf_ar, ".2f", "×"),
             _fmt(s.mean_accepted, ".2f"), _pct(s.acceptance_rate), _fmt(s.mean_exit_layer, ".1f"),
-            split, _fmt(s.layer_forwards_per_token, ".1f"), _pct(s.parity), _pct(s.ar_prefix),
+            _fmt(s.draft_rate, ".2f"), _fmt(s.mean_layer_batch, ".2f"), split, _fmt(s.layer_forwards_per_token, ".1f"), _pct(s.parity), _pct(s.ar_prefix),
             _pct(s.accuracy),
             _pct(s.roofline_fraction), "ok" if s.lossless else "ok (lossy)"]
 
@@ -262,7 +263,9 @@ _NOTES = """\
 tok/s = all new tokens / all wall time (prefill included); speedups are ratios of tok/s in
 this run; mean accepted = tokens committed per verification (bonus token included);
 acceptance = accepted / drafted draft tokens; exit layer = mean layer of exit-layer
-predictions (draft tokens; every token of a lossy early exit); draft / verify = share of
+predictions (draft tokens; every token of a lossy early exit); drafts / token = draft tokens
+per generated token (AdaDecode's early-prediction rate); layer batch = mean positions per
+decoder-layer call of drafters that batch deferred layers; draft / verify = share of
 wall time; parity = share of prompts whose greedy output equals `ar`'s; prefix = ar = mean
 share of `ar`'s output repeated before the first differing token; accuracy = HumanEval pass@1,
 GSM exact match or a prompt file's reference match; roofline = tok/s over bandwidth / weight

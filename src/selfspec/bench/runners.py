@@ -77,6 +77,8 @@ class RunOutput:
             the method does not exit early.
         finish_reason: ``"eos"``, ``"length"``, ... (``""`` when unknown).
         plans: the draft decisions of an adaptive method (KnapSpec, CLaSp, DEL), in order.
+        layer_batches: ``[b-1]`` = decoder-layer calls that ran ``b`` positions together
+            (drafters with deferred layers: AdaDecode, DSSD, LayerSkip); empty when unknown.
     """
 
     token_ids: list[int]
@@ -94,6 +96,7 @@ class RunOutput:
     exit_tokens: int | None = None
     exit_layer_total: int | None = None
     plans: list[PlanRecord] = field(default_factory=list)
+    layer_batches: list[int] = field(default_factory=list)
 
 
 class Runner(Protocol):
@@ -147,7 +150,7 @@ class SelfSpecRunner:
         self.engine = engine
         self.config = config
         self.clock = clock
-        self.lossless = METHODS[config.name].lossless
+        self.lossless = METHODS[config.name].lossless_for(dict(config.options))
 
     def setup(self) -> None:
         """Build the method's Step once (loading its head files) so bad option values fail
@@ -181,7 +184,8 @@ class SelfSpecRunner:
             verify_ms=s.verify_ms if speculative else None,
             layer_forwards=s.layer_forwards, finish_reason=s.finish_reason,
             exit_tokens=s.drafted if s.exit_layer_total else None,
-            exit_layer_total=s.exit_layer_total or None, plans=list(s.plans))
+            exit_layer_total=s.exit_layer_total or None, plans=list(s.plans),
+            layer_batches=list(s.layer_batches))
 
 
 def _hf_generate_kwargs(config: MethodConfig, engine: SelfSpec,

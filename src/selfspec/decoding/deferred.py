@@ -43,6 +43,9 @@ class DeferredLayers:
         self.cache = cache
         self._pending: list[_Pending] = []
         self.layer_forwards = 0  # decoder-layer evaluations of one token each, cumulative
+        # layer_batches[b - 1]: decoder-layer calls that ran b positions together (AdaDecode's
+        # "sizes of the batched layer calls"), cumulative.
+        self.layer_batches: list[int] = []
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -82,6 +85,9 @@ class DeferredLayers:
                                      device=hidden.device).unsqueeze(0)
             out = self.executor.run_layers(hidden, positions, low, stop, self.cache)
             self.layer_forwards += len(group) * (stop - low)
+            if len(self.layer_batches) < len(group):
+                self.layer_batches.extend([0] * (len(group) - len(self.layer_batches)))
+            self.layer_batches[len(group) - 1] += stop - low
             for i, p in enumerate(group):
                 p.hidden, p.reached = out[:, i: i + 1], stop
 

@@ -62,10 +62,12 @@ class PickedToken:
 def pick_draft_token(logits: torch.Tensor, sampling: SamplingConfig,
                      generator: torch.Generator | None,
                      score: torch.Tensor | None = None,
-                     vocab: DraftVocab | None = None) -> PickedToken:
+                     vocab: DraftVocab | None = None,
+                     proposal: torch.Tensor | None = None) -> PickedToken:
     """Choose a draft token from ``[V]`` draft logits (``[R]`` over ``vocab.rows`` with a
     reduced draft vocabulary): argmax when greedy, else a sample from the transformed
-    distribution ``q`` (kept, as ``[V]``, for speculative sampling).
+    distribution ``q`` (kept, as ``[V]``, for speculative sampling), or from ``proposal``
+    (``[V]`` / ``[R]``) when the exit restricts it (AdaDecode eq. 1).
 
     One host sync brings the id, its probability, the top-1 probability and the score.
     """
@@ -75,7 +77,7 @@ def pick_draft_token(logits: torch.Tensor, sampling: SamplingConfig,
     if sampling.greedy:
         index = softmax.argmax()
     else:
-        q = logits_to_probs(logits, sampling)
+        q = logits_to_probs(logits, sampling) if proposal is None else proposal.float()
         index = sample(q.unsqueeze(0), generator)[0]
     token = index if vocab is None else vocab.rows[index]
     if q is not None and vocab is not None:
@@ -193,11 +195,11 @@ class ExitDrafter:
         token = state.tokens[-1]
         for index in range(min(rule.max_draft_len, state.remaining - 1)):
             deferred.add(token, state.seq_len - 1 + index)
-            exit = policy.choose(deferred, sampling)
+            exit = policy.choose(deferred, sampling, state.generator)
             if exit is None:  # no confident exit: verification produces this token
                 break
             pick = pick_draft_token(exit.logits, sampling, state.generator, exit.score,
-                                    policy.vocab)
+                                    policy.vocab, exit.proposal)
             token = pick.token_id
             draft.append(pick, exit.layer)
             if rule.should_stop(DraftTokenInfo(index=index, token_id=token, prob=pick.prob,

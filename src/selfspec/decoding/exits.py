@@ -9,6 +9,8 @@ exits at and returns that exit's logits:
 - :class:`CalibratedExits` — the first of several exit heads, shallowest first, whose
   confidence reaches its calibrated threshold τ_k(ε) (DSSD §3.4.1, §4.3.1); ``None`` when no
   head is confident.
+- :class:`~selfspec.decoding.adadecode.ThresholdExits` — the first head whose prediction
+  passes γ (AdaDecode eq. 1).
 """
 
 from __future__ import annotations
@@ -42,11 +44,15 @@ class Exit:
         logits: ``[V]`` the exit's logits for the position (``[R]`` over a reduced draft
             vocabulary's rows).
         score: ``[]`` an acceptance-probability estimate (AdaSPEED's probe), or ``None``.
+        proposal: ``[V]`` (``[R]``) the distribution a sampled draft token must be drawn from
+            when it is not ``logits``' transformed distribution (AdaDecode eq. 1 restricts it
+            to the tokens above γ), or ``None``.
     """
 
     layer: int
     logits: torch.Tensor
     score: torch.Tensor | None = None
+    proposal: torch.Tensor | None = None
 
 
 class ExitPolicy(Protocol):
@@ -58,9 +64,11 @@ class ExitPolicy(Protocol):
 
     vocab: DraftVocab | None
 
-    def choose(self, deferred: DeferredLayers, sampling: SamplingConfig) -> Exit | None:
+    def choose(self, deferred: DeferredLayers, sampling: SamplingConfig,
+               generator: torch.Generator | None = None) -> Exit | None:
         """Advance ``deferred``'s last position to its exit layer; its :class:`Exit`, or
-        ``None`` when the policy declines (the full model must predict it)."""
+        ``None`` when the policy declines (the full model must predict it). ``generator`` is
+        the generation's sampling generator (for policies whose exit decision is random)."""
 
 
 def check_exit_layer(executor: LayerExecutor, exit_layer: object) -> int:
@@ -147,7 +155,8 @@ class FixedExit:
                 f"{self.exit_layer}{flags}` (with the method's --heads, if any)")
         return scorer
 
-    def choose(self, deferred: DeferredLayers, sampling: SamplingConfig) -> Exit:
+    def choose(self, deferred: DeferredLayers, sampling: SamplingConfig,
+               generator: torch.Generator | None = None) -> Exit:
         """Run the last pending position to ``exit_layer``; its logits and probe score."""
         scorer = self.scorer_for(sampling)
         deferred.advance(self.exit_layer)
@@ -205,8 +214,8 @@ class CalibratedExits:
         self.exits = [(layer, head, tau) for layer, head, tau in zip(heads.layers, calls, taus)
                       if math.isfinite(tau)]
 
-    def choose(self, deferred: DeferredLayers, sampling: SamplingConfig | None = None
-               ) -> Exit | None:
+    def choose(self, deferred: DeferredLayers, sampling: SamplingConfig | None = None,
+               generator: torch.Generator | None = None) -> Exit | None:
         """Advance the last pending position head by head; the :class:`Exit` of the first
         head whose confidence reaches its threshold, or ``None`` (no head is confident)."""
         for layer, head, tau in self.exits:

@@ -39,7 +39,8 @@ class SkipPlanExit:
         self.executor = executor
         self.plan = plan
 
-    def choose(self, deferred: DeferredLayers, sampling: SamplingConfig) -> Exit:
+    def choose(self, deferred: DeferredLayers, sampling: SamplingConfig,
+               generator: torch.Generator | None = None) -> Exit:
         ex = self.executor
         position = torch.tensor([[deferred.position()]], device=ex.device)
         hidden = ex.run_layers(deferred.hidden(), position, 0, ex.num_layers, deferred.cache,

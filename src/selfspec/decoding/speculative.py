@@ -17,12 +17,14 @@ from position ``n + num_accepted`` on is rejected and rolled back in every layer
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from selfspec.decoding.deferred import DeferredLayers
+from selfspec.decoding.sampling import choose_next
 from selfspec.decoding.state import DecodeState
 from selfspec.decoding.stats import StepStats
 from selfspec.decoding.verification import VerifyOutput, verify_greedy, verify_sampling
@@ -92,16 +94,34 @@ def verify(draft: DraftOutput, target: TargetOutput, state: DecodeState) -> Veri
                            state.generator)
 
 
+def accept_all(draft: DraftOutput, target: TargetOutput, state: DecodeState) -> VerifyOutput:
+    """No verification (lossy): every draft token is committed, then the target's token at
+    the bonus position (argmax, or a draw from its transformed distribution). AdaDecode
+    Table 3's "w/o verification" ablation; the draft's KV is still completed in every layer,
+    so later tokens see a consistent cache."""
+    bonus = choose_next(target.logits[-1:], state.options.sampling, state.generator)
+    next_token = int(bonus[0])
+    return VerifyOutput(num_accepted=len(draft.tokens), next_token=next_token,
+                        committed_tokens=list(draft.tokens) + [next_token],
+                        num_drafted=len(draft.tokens))
+
+
+Verifier = Callable[[DraftOutput, TargetOutput, DecodeState], VerifyOutput]
+
+
 class SpeculativeStep:
     """draft → verify → rollback → commit → update (the Step of every lossless
     self-speculative method).
 
     Args:
         drafter: the method's drafter (its stop rule decides the draft length).
+        verifier: the acceptance rule: :func:`verify` (lossless, the default) or
+            :func:`accept_all` (an ablation).
     """
 
-    def __init__(self, drafter: Drafter) -> None:
+    def __init__(self, drafter: Drafter, verifier: Verifier | None = None) -> None:
         self.drafter = drafter
+        self.verifier = verify if verifier is None else verifier
 
     def start(self, state: DecodeState) -> None:
         """Nothing to set up: the drafter's adaptive state was built with it."""
@@ -114,7 +134,7 @@ class SpeculativeStep:
         t1 = time.perf_counter()
         # 2. verify: the target's logits at the D+1 positions, then the acceptance rule
         target = self.drafter.target_logits(state, draft)
-        result = verify(draft, target, state)
+        result = self.verifier(draft, target, state)
         t2 = time.perf_counter()
         # 3. rollback the rejected positions in every layer, 4. commit
         state.cache.truncate(start_len + result.num_accepted)
@@ -123,7 +143,9 @@ class SpeculativeStep:
                           committed=len(kept), verified=True,
                           exit_layers=tuple(draft.exit_layers),
                           sublayers=draft.sublayers + target.sublayers,
-                          draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3)
+                          draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3,
+                          layer_batches=(() if draft.deferred is None
+                                         else tuple(draft.deferred.layer_batches)))
         # 5. update the drafter
         self.drafter.update(stats)
         return stats

@@ -29,6 +29,8 @@ class StepStats:
             a skip plan runs fewer).
         draft_ms: wall time spent drafting, in ms.
         verify_ms: wall time spent verifying (target forward + acceptance rule), in ms.
+        layer_batches: ``layer_batches[b-1]`` = decoder-layer calls that ran ``b`` positions
+            together (drafters that batch deferred layers; empty otherwise).
 
     Raises:
         InvalidArgumentError: negative counts or ``num_accepted > num_drafted``.
@@ -42,6 +44,7 @@ class StepStats:
     sublayers: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    layer_batches: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_accepted <= self.num_drafted:
@@ -80,6 +83,8 @@ class GenerationStats:
         finish_reason: ``"eos"``, ``"length"`` (max_new_tokens), ``"context"`` or ``"stop"``.
         plans: the draft decisions of a method that re-chooses its draft during generation
             (:class:`~selfspec.decoding.plan_log.PlanRecord`; empty for the others).
+        layer_batches: ``layer_batches[b-1]`` = decoder-layer calls that ran ``b`` positions
+            together, summed over steps (empty for steps that do not report it).
     """
 
     prompt_tokens: int = 0
@@ -97,6 +102,7 @@ class GenerationStats:
     exit_layer_total: int = 0
     finish_reason: str = ""
     plans: list[PlanRecord] = field(default_factory=list)
+    layer_batches: list[int] = field(default_factory=list)
 
     def add(self, step: StepStats) -> None:
         """Accumulate one step's statistics."""
@@ -108,6 +114,11 @@ class GenerationStats:
         self.verify_ms += step.verify_ms
         self.sublayers += step.sublayers
         self.exit_layer_total += sum(step.exit_layers)
+        if step.layer_batches:
+            extra = len(step.layer_batches) - len(self.layer_batches)
+            self.layer_batches.extend([0] * max(extra, 0))
+            for i, count in enumerate(step.layer_batches):
+                self.layer_batches[i] += count
 
     @property
     def acceptance_rate(self) -> float:
@@ -129,6 +140,13 @@ class GenerationStats:
     def layer_forwards(self) -> float:
         """Decoder-layer evaluations of one token each (``sublayers / 2``), after the prefill."""
         return self.sublayers / 2
+
+    @property
+    def mean_layer_batch(self) -> float:
+        """Mean positions per batched decoder-layer call (0 when not reported)."""
+        calls = sum(self.layer_batches)
+        return (sum((i + 1) * c for i, c in enumerate(self.layer_batches)) / calls
+                if calls else 0.0)
 
     @property
     def layer_forwards_per_token(self) -> float:

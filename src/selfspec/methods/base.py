@@ -125,6 +125,8 @@ class MethodSpec:
             :class:`InvalidArgumentError` for options the model cannot take.
         heads_files: ``heads_files(options) -> [path]``: the head files it reads (what a
             benchmark checks its prompts against).
+        lossy_when: ``lossy_when(options) -> bool``: options that make a lossless method
+            lossy (an ablation such as AdaDecode without verification).
     """
 
     name: str
@@ -134,6 +136,16 @@ class MethodSpec:
     options: type
     build: Callable[[MethodContext, Any], Step]
     heads_files: Callable[[Any], list[str]] = field(default=lambda options: [])
+    lossy_when: Callable[[Any], bool] = field(default=lambda options: False)
+
+    def lossless_for(self, values: Mapping[str, Any] | Any) -> bool:
+        """Whether the method with these options (a mapping or an ``Options``) is lossless.
+
+        Raises:
+            InvalidArgumentError: see :meth:`parse`.
+        """
+        options = values if isinstance(values, self.options) else self.parse(values)
+        return self.lossless and not self.lossy_when(options)
 
     @property
     def fields(self) -> list[OptionField]:

@@ -13,6 +13,7 @@ from selfspec.decoding.loop import Step
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.methods import (
+    adadecode,
     adaspeed,
     adaspeed_probe,
     ar,
@@ -33,8 +34,8 @@ __all__ = ["METHODS", "MethodContext", "MethodSpec", "build_step", "default_exit
 
 METHODS: Mapping[str, MethodSpec] = {
     module.SPEC.name: module.SPEC
-    for module in (ar, layerskip, dv, adaspeed, adaspeed_probe, dssd, early_exit, knapspec, clasp,
-                   dynamic_exit, swift)
+    for module in (ar, layerskip, dv, adaspeed, adaspeed_probe, dssd, early_exit, adadecode,
+                   knapspec, clasp, dynamic_exit, swift)
 }
 
 
