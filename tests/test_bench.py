@@ -467,3 +467,21 @@ def test_adaptive_methods_report_their_draft_plans(tmp_path, monkeypatch):
     plans = [p for x in lines if x["method"].startswith("knapspec") for p in x["plans"]]
     assert plans and {"skipped_attention", "predicted_tps", "measured_tps"} <= set(plans[0])
     assert "## Draft plans" in (tmp_path / "report.md").read_text()
+
+
+def test_a_sweeps_default_row_lands_on_its_curve(tmp_path):
+    """AdaDecode's default row (γ = 0.75 unset) joins the γ sweep at 0.75, and the sweep
+    plot has Figure 5's panels (speedup, drafts per token, rejection rate)."""
+    from selfspec.bench import plots
+
+    configs = parse_methods("ar,adadecode") + parse_sweep("adadecode:gamma=0.5,0.9")
+    seen = [plots._with_default_sweep_values(c, configs).options for c in configs]
+    assert seen == [{}, {"gamma": 0.75}, {"gamma": 0.5}, {"gamma": 0.9}]
+    run = BenchRun(methods=[c.label for c in configs], lossless={c.label: True for c in configs})
+    for i, c in enumerate(configs):
+        run.records.append(PromptRecord(c.label, "p", 0, 3, _out([1] * (i + 2), 1.0, drafted=4,
+                                                                  accepted=i, verifications=2)))
+    summaries = summarize(run, greedy=True)
+    assert summaries[1].draft_rate is not None
+    assert [p.name for p in plots.plot_sweeps(configs, summaries, tmp_path)] == [
+        "sweep-adadecode-gamma.png"]

@@ -224,6 +224,7 @@ def test_training_lowers_kl_and_raises_agreement(trained):
     TrainConfig(kind="full", epochs=2, lr=1e-2, batch_tokens=64),
     TrainConfig(kind="full", init="random", epochs=2, lr=1e-2, batch_tokens=64),
     TrainConfig(loss="ce", epochs=2, lr=1e-2, batch_tokens=64),
+    TrainConfig(kind="full", epochs=2, lr=1e-2, batch_tokens=64, loss_vocab=32),
     TrainConfig(loss="hybrid", kl_direction="reverse", epochs=2, lr=1e-2, batch_tokens=64,
                 compute_dtype="fp32"),
 ])
@@ -237,6 +238,107 @@ def test_train_config_validates():
         TrainConfig(loss="mse")
     with pytest.raises(InvalidArgumentError):
         TrainConfig(alpha=1.0)
+
+
+# A restricted-vocabulary KL (TrainConfig.loss_vocab): our departure from AdaDecode §2.1's
+# full-vocabulary KL, over the rows a reduced draft vocabulary of the same size keeps.
+
+
+def test_restricted_kl_trains_on_the_draft_vocabulary_rows(executor, features):
+    from selfspec.decoding.draft_vocab import frequent_rows
+
+    eos = (255,)
+    result = train_heads(output_layer(executor), features, [2, 4],
+                         TrainConfig(epochs=4, lr=1e-2, batch_tokens=64, loss_vocab=32),
+                         progress=False, eos_ids=eos)
+    assert result.loss_history[-1] < 0.8 * result.loss_history[0]
+    assert any(not torch.equal(h.transform, torch.eye(64)) for h in result.heads)
+    # the rows: the 32 most frequent final-layer tokens of the training split, plus EOS ...
+    train = features.teacher_token[features.indices(TRAIN)]
+    expected = frequent_rows(torch.bincount(train, minlength=256), 32, eos).rows
+    assert torch.equal(result.loss_rows, expected) and 32 <= result.loss_rows.numel() <= 33
+    # ... which are exactly the rows draft_vocab=32 keeps with the counts the file stores
+    heads = _heads(executor, result)
+    calibrate(heads, features, epsilons=[0.9], draft_vocabs=[32], eos_ids=eos)
+    assert torch.equal(frequent_rows(heads.token_counts, 32, eos).rows, result.loss_rows)
+    # the full-vocabulary default is unchanged: no rows
+    assert TrainConfig().loss_vocab == 0
+
+
+def test_restricted_kl_equals_the_hand_computation():
+    from torch import nn
+
+    from selfspec.heads.modules import OutputLayer
+    from selfspec.training.losses import Teacher, kl_divergence
+    from selfspec.training.train import batch_loss, make_loss_vocab
+
+    # E* [V=5, H=2], identity norm, T = [[1, 0], [0, 2]]: logits are easy to write down.
+    weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, 0.0], [0.0, -1.0]])
+    out = OutputLayer(nn.Identity(), weight, None)
+    head = make_head("lightweight", 1, out, dtype=torch.float32)
+    with torch.no_grad():
+        head.transform.copy_(torch.tensor([[1.0, 0.0], [0.0, 2.0]]))
+    final = torch.tensor([[1.0, 2.0], [0.0, -1.0]])   # teacher logits E*·f
+    hidden = torch.tensor([[2.0, 0.5], [1.0, 1.0]])   # head logits E*·T·h
+    rows = torch.tensor([0, 2, 4])
+    config = TrainConfig(compute_dtype="fp32", loss_vocab=3)
+    loss = batch_loss([head], {1: hidden}, final, torch.zeros(2, dtype=torch.int64),
+                      make_loss_vocab(out, rows), config)
+
+    def softmax(z):
+        e = [math.exp(v) for v in z]
+        return [v / sum(e) for v in e]
+
+    teacher_rows = [[1.0, 3.0, -2.0], [0.0, -1.0, 1.0]]  # E*[rows]·f, by hand
+    head_rows = [[2.0, 3.0, -1.0], [1.0, 3.0, -2.0]]     # E*[rows]·T·h, by hand
+    hand = 0.0
+    for zp, zq in zip(teacher_rows, head_rows):
+        p, q = softmax(zp), softmax(zq)
+        hand += sum(pi * math.log(pi / qi) for pi, qi in zip(p, q)) / 2
+    assert loss.item() == pytest.approx(hand, rel=1e-5)
+    # a full head (its own copy of E*, no T) reads its own rows
+    full_head = make_head("full", 1, out, dtype=torch.float32)
+    full_loss = batch_loss([full_head], {1: hidden}, final, torch.zeros(2, dtype=torch.int64),
+                           make_loss_vocab(out, rows), config)
+    head_rows = [[2.0, 2.5, -0.5], [1.0, 2.0, -1.0]]      # E*[rows]·h, by hand
+    hand_full = 0.0
+    for zp, zq in zip(teacher_rows, head_rows):
+        p, q = softmax(zp), softmax(zq)
+        hand_full += sum(pi * math.log(pi / qi) for pi, qi in zip(p, q)) / 2
+    assert full_loss.item() == pytest.approx(hand_full, rel=1e-5)
+    # it is not the full-vocabulary KL (the renormalisation matters)
+    full = kl_divergence(head(hidden), Teacher.from_logits(final @ weight.T)).item()
+    assert full != pytest.approx(hand, rel=1e-3)
+    # and the full-vocabulary path gives the full KL
+    assert batch_loss([head], {1: hidden}, final, torch.zeros(2, dtype=torch.int64),
+                      make_loss_vocab(out, None),
+                      TrainConfig(compute_dtype="fp32")).item() == pytest.approx(full, rel=1e-6)
+
+
+def test_restricted_kl_options_are_checked(executor, features):
+    with pytest.raises(InvalidArgumentError, match="loss_vocab"):
+        TrainConfig(loss_vocab=-1)
+    with pytest.raises(InvalidArgumentError, match="KL loss only"):
+        TrainConfig(loss="hybrid", loss_vocab=64)
+    with pytest.raises(InvalidArgumentError, match=r"loss_vocab must be in \[1, 256\]"):
+        train_heads(output_layer(executor), features, [2], TrainConfig(loss_vocab=257),
+                    progress=False)
+
+
+def test_card_records_the_loss_vocabulary():
+    from selfspec.heads.card import HeadCard, TrainingInfo
+
+    card = new_card(tiny_model("llama"), "lightweight", [2])
+    card.training = TrainingInfo(loss="kl", kl_direction="forward", alpha=0.5, data=["stdlib"],
+                                 train_tokens=10, eval_tokens=5, epochs=1, lr=1e-3,
+                                 batch_tokens=8, compute_dtype="fp32", feature_dtype="fp32",
+                                 init="lm_head", seed=0, seconds=1.0, loss_vocab=16384)
+    data = card.to_dict()
+    assert HeadCard.from_dict(data).training.loss_vocab == 16384
+    assert "16384 most frequent tokens" in card.training.loss_vocabulary()
+    del data["training"]["loss_vocab"]  # a card written before the field: full vocabulary
+    old = HeadCard.from_dict(data).training
+    assert old.loss_vocab == 0 and old.loss_vocabulary() == "KL over the full vocabulary"
 
 
 def test_splits_are_by_problem_and_stable():

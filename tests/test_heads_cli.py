@@ -130,11 +130,26 @@ def test_train_show_calibrate_and_probe(capsys, home, model_dir, tmp_path):
     assert greedy.token_ids == engine.generate("def f(x):", max_new_tokens=8).token_ids
 
 
+def test_train_with_a_restricted_loss_vocabulary(capsys, home, model_dir, tmp_path):
+    heads_dir = tmp_path / "heads"
+    code, out, err = _run(capsys, "heads", "train", "--model", str(model_dir), "--dtype", "fp32",
+                          "--threads", "1", "--quiet", "--data", "humaneval", "--tokens", "600",
+                          "--layers", "2", "--epochs", "1", "--loss-vocab", "64",
+                          "--draft-vocab", "64", "--no-plots", "--out", str(heads_dir))
+    assert code == 0, err
+    assert "KL over the 64 most frequent tokens (+ EOS), renormalised" in out
+    card = json.loads((heads_dir / "card.json").read_text())
+    assert card["training"]["loss_vocab"] == 64 and card["calibration_draft_vocabs"] == [64]
+    code, out, err = _run(capsys, "heads", "show", str(heads_dir))
+    assert code == 0 and "KL over the 64 most frequent tokens" in out
+
+
 @pytest.mark.parametrize("argv,message", [
     (["heads", "train", "--model", "no-such-model"], "no-such-model"),
     (["heads", "show", "/nonexistent/heads"], "no head file"),
     (["heads", "train", "--data", "wikipedia"], "unknown data source"),
     (["heads", "train", "--tokens", "0"], "--tokens must be >= 1"),
+    (["heads", "train", "--loss", "ce", "--loss-vocab", "64"], "KL loss only"),
 ])
 def test_heads_errors_are_one_line(capsys, home, argv, message):
     code, _, err = _run(capsys, *argv)

@@ -5,7 +5,9 @@
   method and other options (when some method sets ``exit_layer``).
 - ``sweep-<method>-<option>.png``: speedup against an option that takes two or more
   numeric values in the run (γ, ε, draft_len, exit_layer), one line per setting of the
-  other options.
+  other options; for a drafting method, beside it the draft rate (drafts per generated
+  token: AdaDecode's early-prediction rate) and the rejection rate (1 − acceptance), the
+  three panels of AdaDecode's Figure 5.
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ def plot_sweeps(configs: Sequence[MethodConfig], summaries: Sequence[MethodSumma
                 out_dir: Path) -> list[Path]:
     """One plot per (method, option) swept over two or more numeric values."""
     measure = _speed_measure(summaries)
+    configs = [_with_default_sweep_values(c, configs) for c in configs]
     values: dict[tuple[str, str], set] = defaultdict(set)
     for config in configs:
         for key, value in config.options.items():
@@ -139,16 +142,63 @@ def plot_sweeps(configs: Sequence[MethodConfig], summaries: Sequence[MethodSumma
     for (name, key), seen in sorted(values.items()):
         if len(seen) < 2:
             continue
-        points: dict[str, list[tuple[float, float]]] = defaultdict(list)
-        for config, s in zip(configs, summaries):
-            y = getattr(s, measure.attr)
-            if config.name == name and _numeric(config.options.get(key)) and y is not None:
-                points[_others(config, key)].append((config.options[key], y))
-        if points:
+        panels = [(measure.label, lambda s: getattr(s, measure.attr))]
+        swept = [s for c, s in zip(configs, summaries) if c.name == name]
+        if any(s.draft_rate is not None for s in swept):
+            panels += [("drafts / generated token", lambda s: s.draft_rate),
+                       ("rejection rate", lambda s: (None if s.acceptance_rate is None
+                                                     else 1 - s.acceptance_rate))]
+        series = []
+        for label, get in panels:
+            points: dict[str, list[tuple[float, float]]] = defaultdict(list)
+            for config, s in zip(configs, summaries):
+                y = get(s)
+                if config.name == name and _numeric(config.options.get(key)) and y is not None:
+                    points[_others(config, key)].append((config.options[key], y))
+            series.append((label, points))
+        if series[0][1]:
             safe = re.sub(r"[^A-Za-z0-9_-]+", "_", f"sweep-{name}-{key}")
-            title = f"{name}: {measure.label}, by {key}"
-            paths.append(_line_plot(points, key, measure.label, title, out_dir / f"{safe}.png"))
+            paths.append(_panels_plot(series, key, f"{name}, by {key}", out_dir / f"{safe}.png"))
     return paths
+
+
+def _with_default_sweep_values(config: MethodConfig, configs: Sequence[MethodConfig]
+                               ) -> MethodConfig:
+    """``config`` with the defaults of options that other configs of its method set
+    numerically (a sweep's "default" row, e.g. AdaDecode's γ = 0.75, then lands on the curve)."""
+    from dataclasses import fields, replace
+
+    from selfspec.methods.registry import METHODS
+
+    spec = METHODS.get(config.name)
+    if spec is None:
+        return config
+    swept = {k for c in configs if c.name == config.name for k, v in c.options.items()
+             if _numeric(v)}
+    defaults = {f.name: f.default for f in fields(spec.options)}
+    extra = {k: defaults[k] for k in swept - set(config.options)
+             if _numeric(defaults.get(k))}
+    return replace(config, options={**config.options, **extra}) if extra else config
+
+
+def _panels_plot(series: list[tuple[str, dict[str, list[tuple[float, float]]]]], xlabel: str,
+                 title: str, path: Path) -> Path:
+    """One panel per ``(ylabel, {line: points})``, side by side, sharing the x axis."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(series), figsize=(5.5 * len(series), 4.2), squeeze=False)
+    for ax, (ylabel, points) in zip(axes[0], series):
+        for name, pts in sorted(points.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def write_plots(configs: Sequence[MethodConfig], summaries: Sequence[MethodSummary],

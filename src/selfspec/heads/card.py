@@ -152,7 +152,10 @@ class TrainingInfo:
 
     ``data``, ``requested_tokens``, ``max_new_tokens``, ``max_len`` and ``seed`` reproduce the
     exact corpus (and so the held-out problems) for a later ``selfspec heads calibrate``;
-    ``train_tokens`` / ``eval_tokens`` are what that corpus actually held.
+    ``train_tokens`` / ``eval_tokens`` are what that corpus actually held. ``loss_vocab``:
+    ``0`` = the KL was over the full vocabulary (AdaDecode §2.1); ``K > 0`` = over the ``K``
+    most frequent tokens plus EOS (the rows of ``draft_vocab=K``), renormalised over them
+    (our departure, for speed with large vocabularies; absent in older cards = 0).
     """
 
     loss: str
@@ -172,6 +175,13 @@ class TrainingInfo:
     requested_tokens: int = 0
     max_new_tokens: int = 256
     max_len: int = 1024
+    loss_vocab: int = 0
+
+    def loss_vocabulary(self) -> str:
+        """How the KL was computed, in words (for ``selfspec heads show``)."""
+        if self.loss_vocab:
+            return f"KL over the {self.loss_vocab} most frequent tokens (+ EOS), renormalised"
+        return "KL over the full vocabulary"
 
 
 @dataclass

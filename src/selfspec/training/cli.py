@@ -75,11 +75,17 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--kl-direction", default="forward", choices=["forward", "reverse"],
                    help="forward = KL(final || head) (default), reverse = KL(head || final)")
     t.add_argument("--alpha", type=float, default=0.5, help="CE weight of the hybrid loss")
+    t.add_argument("--loss-vocab", type=int, default=0, metavar="K",
+                   help="compute the KL over the K tokens the model emits most often on the "
+                        "training text (plus EOS), renormalised: the rows of --draft-vocab K, "
+                        "at K/V of the cost; 0 = the full vocabulary (default, AdaDecode §2.1)")
     t.add_argument("--epochs", type=int, default=3)
     t.add_argument("--lr", type=float, default=None, help="peak Adam learning rate")
     t.add_argument("--batch-tokens", type=int, default=256)
-    t.add_argument("--compute-dtype", default="bf16", choices=["bf16", "fp32"],
-                   help="dtype of the training matmuls (parameters stay fp32)")
+    t.add_argument("--compute-dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="dtype of the training matmuls (parameters stay fp32); auto = bf16 on "
+                        "a CPU with native bf16 (avx512_bf16/AMX), else fp32 (emulated bf16 "
+                        "matmuls are 5-7x slower)")
     t.add_argument("--out", default=None, help="directory or .safetensors file "
                                                "(default: $SELFSPEC_HOME/heads/<model>/default)")
     t.add_argument("--no-calibrate", dest="calibrate", action="store_false")
@@ -210,7 +216,7 @@ def _print_card(card, metric: str = "entropy", out=None) -> None:
     tr = card.training
     if tr:
         print(f"trained: loss {tr.loss}"
-              + (f" ({tr.kl_direction})" if tr.loss != "ce" else "")
+              + (f" ({tr.kl_direction}; {tr.loss_vocabulary()})" if tr.loss != "ce" else "")
               + f", data {','.join(tr.data)}, {tr.train_tokens} train / {tr.eval_tokens} held-out "
               f"tokens, {tr.epochs} epochs, lr {tr.lr:g}, {tr.compute_dtype} matmuls on "
               f"{tr.feature_dtype} features, {tr.seconds:.0f} s", file=out)
@@ -301,12 +307,16 @@ def _print_times(times) -> None:
 def _cmd_train(args: argparse.Namespace) -> int:
     from selfspec.training.calibration import DEFAULT_EPSILONS
     from selfspec.training.pipeline import DEFAULT_TOKENS, TrainRequest, train
+    from selfspec.executor.cpu import fast_matmul_dtype
     from selfspec.training.train import TrainConfig
 
     config = TrainConfig(kind=args.kind, init=args.init, loss=args.loss,
                          kl_direction=args.kl_direction, alpha=args.alpha, epochs=args.epochs,
-                         batch_tokens=args.batch_tokens, compute_dtype=args.compute_dtype,
-                         seed=args.seed, **({"lr": args.lr} if args.lr else {}))
+                         batch_tokens=args.batch_tokens,
+                         compute_dtype=(fast_matmul_dtype() if args.compute_dtype == "auto"
+                                        else args.compute_dtype),
+                         seed=args.seed, loss_vocab=args.loss_vocab,
+                         **({"lr": args.lr} if args.lr else {}))
     request = TrainRequest(layers=args.layers, train=config,
                            data=_data_request(args, DEFAULT_TOKENS), out=args.out,
                            calibrate=args.calibrate, epsilons=args.epsilon or DEFAULT_EPSILONS,

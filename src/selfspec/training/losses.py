@@ -6,6 +6,12 @@
 - ``ce``: ``-log q_{y}`` with ``y`` the next token of the text (DSSD ``L_CE``);
 - ``hybrid``: ``α·CE + (1 - α)·KL`` (DSSD ``L_hyb``).
 
+Every function takes logits over any set of vocabulary columns: ``[N, V]`` for the full
+vocabulary (AdaDecode §2.1), or ``[N, R]`` for a restricted one (``TrainConfig.loss_vocab``,
+our departure for ``V = 151,936`` on a CPU): a :class:`Teacher` built from the final layer's
+logits on the same ``R`` rows is then ``softmax`` renormalised over ``R``, and the KL is
+``KL(p_R || q_R)`` (see :mod:`selfspec.training.train`).
+
 The forward KL, the default, has a fused implementation (:func:`forward_kl`): with
 ``V = 49152`` the softmax-sized element-wise work costs as much as the matmuls, so it is done
 in row chunks that stay in cache, and the gradient ``(q - p) / N`` is produced in the same
@@ -27,7 +33,7 @@ class Teacher:
     """The final layer's distribution for a batch, shared by every head's loss.
 
     Attributes:
-        logp: ``[N, V]`` float32 log-probabilities.
+        logp: ``[N, V]`` float32 log-probabilities (``[N, R]`` over a restricted vocabulary).
         p: ``[N, V]`` float32 probabilities.
         neg_entropy: ``[N]`` float32 ``Σ_v p_v log p_v``.
     """
@@ -72,7 +78,8 @@ def forward_kl(logits: torch.Tensor, teacher: Teacher) -> torch.Tensor:
     """Mean ``KL(p_teacher || softmax(logits))`` over ``N`` tokens (scalar, nats).
 
     Args:
-        logits: ``[N, V]`` head logits (bf16 or fp32; the gradient has the same dtype).
+        logits: ``[N, V]`` head logits (bf16 or fp32; the gradient has the same dtype), or
+            ``[N, R]`` on the teacher's restricted rows.
         teacher: the batch's :class:`Teacher`.
     """
     return _ForwardKL.apply(logits, teacher.p, teacher.neg_entropy)

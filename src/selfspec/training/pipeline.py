@@ -206,7 +206,8 @@ def train(engine: Engine, request: TrainRequest, progress: bool = True) -> Train
     data = prepare_features(engine, request.data, layers, times, progress)
     features = data.features
     out = output_layer(engine)
-    result = train_heads(out, features, layers, request.train, progress=progress)
+    result = train_heads(out, features, layers, request.train, progress=progress,
+                         eos_ids=_eos_ids(engine))
     times.train_s = result.seconds
     cfg = request.train
     card = new_card(engine, cfg.kind, layers)
@@ -217,7 +218,8 @@ def train(engine: Engine, request: TrainRequest, progress: bool = True) -> Train
         batch_tokens=cfg.batch_tokens, compute_dtype=cfg.compute_dtype,
         feature_dtype=dtype_label(engine.executor.dtype), init=cfg.init, seed=request.data.seed,
         seconds=result.seconds, requested_tokens=request.data.tokens,
-        max_new_tokens=request.data.max_new_tokens, max_len=request.data.max_len)
+        max_new_tokens=request.data.max_new_tokens, max_len=request.data.max_len,
+        loss_vocab=cfg.loss_vocab)
     card.set_prompts(data.uses(HEAD_USES))
     card.heads = [HeadEval(a.layer, a.tokens, b.agreement, a.agreement, b.kl, a.kl,
                            a.confident_fraction, a.confident_agreement)
