@@ -164,6 +164,23 @@ def test_verification_must_use_the_exit_proposal_not_the_head_distribution():
         assert abs(counts[token] / n - p) < 0.03
 
 
+def _sampled_tv(executor, step, exact, n, length):
+    """Generate 3 tokens ``n`` times (seeds 0..n-1, T = 1, top-k 3) and compare the first
+    ``length`` tokens with ``exact``: ``(total variation, its bound, tokens drafted)``. Bound
+    (Bretagnolle–Huber–Carol, as in test_speculative): failure probability 1e-6."""
+    counts = Counter()
+    drafted = 0
+    for seed in range(n):
+        state = run_step(executor, step, PROMPT, max_new_tokens=3,
+                         sampling=SamplingConfig(temperature=1.0, top_k=3, seed=seed))
+        counts[tuple(state.tokens[len(PROMPT):len(PROMPT) + length])] += 1
+        drafted += state.stats.drafted
+    eps = math.sqrt((len(exact) * math.log(2) + math.log(1e6)) / (2 * n))
+    tv = 0.5 * sum(abs(counts[c] / n - p) for c, p in exact.items())
+    tv += 0.5 * sum(v / n for c, v in counts.items() if c not in exact)
+    return tv, eps, drafted
+
+
 @pytest.mark.parametrize("gamma,sharpen", [(0.3, 1.5), (0.6, 4.0)])
 def test_sampling_reproduces_the_target_distribution(gamma, sharpen):
     """Total variation between the empirical distribution of the first three tokens and the
@@ -177,17 +194,8 @@ def test_sampling_reproduces_the_target_distribution(gamma, sharpen):
     heads = [_own_head(executor, sharpen)] * 2
     step = _step(executor, heads, gamma, max_early=2, layers=[1, 3])
     n = 1500
-    counts = Counter()
-    drafted = 0
-    for seed in range(n):
-        state = run_step(executor, step, PROMPT, max_new_tokens=3,
-                         sampling=SamplingConfig(temperature=1.0, top_k=3, seed=seed))
-        counts[tuple(state.tokens[len(PROMPT):])] += 1
-        drafted += state.stats.drafted
+    tv, eps, drafted = _sampled_tv(executor, step, exact, n, 3)
     assert drafted > n // 3  # early predictions happened
-    eps = math.sqrt((len(exact) * math.log(2) + math.log(1e6)) / (2 * n))
-    tv = 0.5 * sum(abs(counts[c] / n - p) for c, p in exact.items())
-    tv += 0.5 * sum(v / n for c, v in counts.items() if c not in exact)
     assert tv < eps, f"TV {tv:.3f} >= bound {eps:.3f}"
 
 
@@ -240,15 +248,6 @@ def test_sampling_with_a_point_mass_proposal_is_exact():
 
     step = _step(executor, [head], 0.6, max_early=1, layers=[2])
     n = 3000
-    counts = Counter()
-    drafted = 0
-    for seed in range(n):
-        state = run_step(executor, step, PROMPT, max_new_tokens=3,
-                         sampling=SamplingConfig(temperature=1.0, top_k=3, seed=seed))
-        drafted += state.stats.drafted
-        counts[tuple(state.tokens[len(PROMPT):len(PROMPT) + 2])] += 1
+    tv, eps, drafted = _sampled_tv(executor, step, exact2, n, 2)
     assert 0.6 * n < drafted < 0.8 * n
-    eps = math.sqrt((len(exact2) * math.log(2) + math.log(1e6)) / (2 * n))
-    tv = 0.5 * sum(abs(counts[c] / n - p) for c, p in exact2.items())
-    tv += 0.5 * sum(v / n for c, v in counts.items() if c not in exact2)
     assert tv < eps, f"TV {tv:.3f} >= bound {eps:.3f}"
