@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from selfspec.bench.harness import BenchRun, PromptRecord
 from selfspec.bench.roofline import Roofline
+from selfspec.decoding.stats import add_batch_counts, mean_batch
 
 AR = "ar"
 HF_AR = "hf-ar"
@@ -179,11 +180,8 @@ def _summarize_one(method: str, lossless: bool, records: list[PromptRecord],
         s.draft_rate = drafted / s.new_tokens
     batches: list[int] = []
     for o in outs:
-        batches.extend([0] * (len(o.layer_batches) - len(batches)))
-        for i, count in enumerate(o.layer_batches):
-            batches[i] += count
-    if sum(batches):
-        s.mean_layer_batch = sum((i + 1) * c for i, c in enumerate(batches)) / sum(batches)
+        add_batch_counts(batches, o.layer_batches)
+    s.mean_layer_batch = mean_batch(batches)
     wall_ms = s.wall_time_s * 1e3
     draft_ms = _sum_known(o.draft_ms for o in outs)
     verify_ms = _sum_known(o.verify_ms for o in outs)

@@ -3,10 +3,25 @@ generation did (:class:`GenerationStats`, the sum of its steps plus the loop's t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from selfspec.decoding.plan_log import PlanRecord
 from selfspec.errors import InvalidArgumentError
+
+
+def add_batch_counts(total: list[int], counts: Sequence[int]) -> None:
+    """Add a batch-size histogram (``counts[b-1]`` = calls of ``b`` positions) into ``total``
+    in place, growing it as needed."""
+    total.extend([0] * (len(counts) - len(total)))
+    for i, count in enumerate(counts):
+        total[i] += count
+
+
+def mean_batch(counts: Sequence[int]) -> float | None:
+    """Mean batch size of a histogram ``counts[b-1]``; ``None`` when it is empty."""
+    calls = sum(counts)
+    return sum((i + 1) * c for i, c in enumerate(counts)) / calls if calls else None
 
 
 @dataclass(frozen=True)
@@ -114,11 +129,7 @@ class GenerationStats:
         self.verify_ms += step.verify_ms
         self.sublayers += step.sublayers
         self.exit_layer_total += sum(step.exit_layers)
-        if step.layer_batches:
-            extra = len(step.layer_batches) - len(self.layer_batches)
-            self.layer_batches.extend([0] * max(extra, 0))
-            for i, count in enumerate(step.layer_batches):
-                self.layer_batches[i] += count
+        add_batch_counts(self.layer_batches, step.layer_batches)
 
     @property
     def acceptance_rate(self) -> float:
@@ -144,9 +155,7 @@ class GenerationStats:
     @property
     def mean_layer_batch(self) -> float:
         """Mean positions per batched decoder-layer call (0 when not reported)."""
-        calls = sum(self.layer_batches)
-        return (sum((i + 1) * c for i, c in enumerate(self.layer_batches)) / calls
-                if calls else 0.0)
+        return mean_batch(self.layer_batches) or 0.0
 
     @property
     def layer_forwards_per_token(self) -> float:
