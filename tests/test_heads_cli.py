@@ -130,6 +130,35 @@ def test_train_show_calibrate_and_probe(capsys, home, model_dir, tmp_path):
     assert greedy.token_ids == engine.generate("def f(x):", max_new_tokens=8).token_ids
 
 
+def test_train_predictors_then_decode_with_specee(capsys, home, model_dir, tmp_path):
+    heads_dir = tmp_path / "heads"
+    common = ["--model", str(model_dir), "--dtype", "fp32", "--threads", "1", "--quiet",
+              "--data", "humaneval", "--tokens", "600"]
+    code, out, err = _run(capsys, "heads", "train", *common, "--layers", "2,4", "--epochs", "1",
+                          "--out", str(heads_dir), "--no-plots")
+    assert code == 0, err
+    code, out, err = _run(capsys, "heads", "train-predictors", *common, "--heads", str(heads_dir),
+                          "--draft-vocab", "64", "--epochs", "3", "--offline", "2")
+    assert code == 0, err
+    assert "SpecEE predictors: candidates = the layer-2 head's top-4 of 64 tokens" in out
+    assert "offline schedule" in out and "token accuracy" in out
+    card = json.loads((heads_dir / "card.json").read_text())
+    pc = card["predictors"]
+    assert pc["layers"] == [2, 3, 4, 5] and len(pc["offline_layers"]) == 2
+    assert 0 <= pc["candidate_recall"] <= 1 and len(pc["exit_frequency"]) == 4
+    assert {u["use"] for u in card["prompts"]} >= {"train", "predictor-train", "predictor-eval"}
+    code, out, err = _run(capsys, "heads", "show", str(heads_dir))
+    assert code == 0 and "SpecEE predictors" in out
+    engine = from_pretrained_model(tiny_model("llama", seed=3), tiny_tokenizer(), "tiny")
+    for kv in ("propagate", "deferred", "skip"):
+        result = engine.generate("def f(x):", method="specee", heads=str(heads_dir), kv=kv,
+                                 threshold=0.05, max_new_tokens=8)
+        assert result.stats.new_tokens == 8
+    code, out, err = _run(capsys, "heads", "train-predictors", *common, "--heads", str(heads_dir),
+                          "--candidate-layer", "3")
+    assert code != 0 and "no exit head at layer 3" in err
+
+
 def test_train_with_a_restricted_loss_vocabulary(capsys, home, model_dir, tmp_path):
     heads_dir = tmp_path / "heads"
     code, out, err = _run(capsys, "heads", "train", "--model", str(model_dir), "--dtype", "fp32",

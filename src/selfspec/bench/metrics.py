@@ -20,6 +20,9 @@ Definitions (DESIGN.md glossary):
   tokens predicted at an intermediate layer, before verification).
 - ``mean_layer_batch``: mean positions per decoder-layer call of drafters that batch
   deferred layers (AdaDecode's parallel layer calls); 1 for plain decoding.
+- ``predictor_share`` / ``kv_share`` (SpecEE): candidates + features + predictors, and
+  writing the skipped layers' KV, as fractions of wall time; ``exit_histogram[l]``: tokens
+  predicted after ``l`` layers (every exit-layer method).
 - ``accuracy``: share of scored outputs that solve the task (HumanEval pass@1, GSM match).
 - ``roofline_fraction``: ``tokens_per_s`` / (measured bandwidth / weight bytes per token).
 - ``plans`` (methods that re-choose their draft: KnapSpec, CLaSp, DEL): decisions per
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from selfspec.bench.harness import BenchRun, PromptRecord
 from selfspec.bench.roofline import Roofline
@@ -115,6 +118,9 @@ class MethodSummary:
     mean_exit_layer: float | None = None
     draft_rate: float | None = None
     mean_layer_batch: float | None = None
+    predictor_share: float | None = None
+    kv_share: float | None = None
+    exit_histogram: list[int] = field(default_factory=list)
     accuracy: float | None = None
     roofline_fraction: float | None = None
     plans: PlanSummary | None = None
@@ -188,6 +194,13 @@ def _summarize_one(method: str, lossless: bool, records: list[PromptRecord],
     if wall_ms > 0:
         s.draft_share = None if draft_ms is None else draft_ms / wall_ms
         s.verify_share = None if verify_ms is None else verify_ms / wall_ms
+    predictor_ms = _sum_known(o.predictor_ms for o in outs)
+    kv_ms = _sum_known(o.kv_ms for o in outs)
+    if wall_ms > 0:
+        s.predictor_share = None if predictor_ms is None else predictor_ms / wall_ms
+        s.kv_share = None if kv_ms is None else kv_ms / wall_ms
+    for o in outs:
+        add_batch_counts(s.exit_histogram, o.exit_counts)
     layer_forwards = _sum_known(o.layer_forwards for o in outs)
     if layer_forwards is not None and s.new_tokens:
         s.layer_forwards_per_token = layer_forwards / s.new_tokens

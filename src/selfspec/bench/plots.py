@@ -8,6 +8,9 @@
   other options; for a drafting method, beside it the draft rate (drafts per generated
   token: AdaDecode's early-prediction rate) and the rejection rate (1 − acceptance), the
   three panels of AdaDecode's Figure 5.
+- ``accuracy-vs-speedup.png``: task accuracy against speedup, one point per method, the
+  Pareto frontier drawn through the points no other point beats on both (SpecEE Figure 1's
+  view; when two or more methods were scored).
 """
 
 from __future__ import annotations
@@ -201,6 +204,40 @@ def _panels_plot(series: list[tuple[str, dict[str, list[tuple[float, float]]]]],
     return path
 
 
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points ``(speed, accuracy)`` that no other point beats on both (ties kept),
+    sorted by speed."""
+    front = [p for p in points
+             if not any(q[0] >= p[0] and q[1] >= p[1] and q != p for q in points)]
+    return sorted(set(front))
+
+
+def plot_accuracy_vs_speedup(summaries: Sequence[MethodSummary], path: Path) -> Path | None:
+    """Accuracy against speed, one labelled point per method, and the Pareto frontier;
+    ``None`` (nothing written) when fewer than two methods have both."""
+    measure = _speed_measure(summaries)
+    points = [(getattr(s, measure.attr), s.accuracy, s.method) for s in summaries
+              if s.accuracy is not None and getattr(s, measure.attr) is not None]
+    if len(points) < 2:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    ax.scatter([p[0] for p in points], [100 * p[1] for p in points], zorder=3)
+    for x, y, label in points:
+        ax.annotate(label, (x, 100 * y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    front = pareto_front([(x, y) for x, y, _ in points])
+    ax.plot([p[0] for p in front], [100 * p[1] for p in front], "--", color="grey",
+            label="Pareto frontier", zorder=2)
+    ax.set_xlabel(measure.label)
+    ax.set_ylabel("accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_plots(configs: Sequence[MethodConfig], summaries: Sequence[MethodSummary],
                 out_dir: Path) -> list[Path]:
     """Write every plot that applies to the run; returns their paths.
@@ -213,4 +250,7 @@ def write_plots(configs: Sequence[MethodConfig], summaries: Sequence[MethodSumma
                                                out_dir / "acceptance-vs-exit-layer.png")
     if acceptance is not None:
         paths.append(acceptance)
+    pareto = plot_accuracy_vs_speedup(summaries, out_dir / "accuracy-vs-speedup.png")
+    if pareto is not None:
+        paths.append(pareto)
     return paths + plot_sweeps(configs, summaries, out_dir)

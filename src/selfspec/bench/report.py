@@ -142,6 +142,7 @@ def record_json(record: PromptRecord, matches_ar: bool | None) -> dict[str, Any]
         "exit_tokens": o.exit_tokens, "exit_layer_total": o.exit_layer_total,
         "matches_ar": matches_ar, "correct": record.correct,
         "plans": [dataclasses.asdict(p) for p in o.plans], "layer_batches": o.layer_batches,
+        "exit_counts": o.exit_counts, "predictor_ms": o.predictor_ms, "kv_ms": o.kv_ms,
         "token_ids": o.token_ids, "text": o.text,
         "choices": [{"index": 0, "turns": [o.text], "new_tokens": [record.new_tokens],
                      "wall_time": [o.wall_time_s], "accept_lengths": o.accept_lengths}],
@@ -179,7 +180,7 @@ def _pct(value: float | None) -> str:
 
 TABLE_COLUMNS = ("method", "tok/s", "median tok/s", "speedup vs ar", "speedup vs hf-ar",
                  "mean accepted", "acceptance", "exit layer", "drafts / token", "layer batch",
-                 "draft / verify",
+                 "draft / verify", "predictor / KV",
                  "layer fwd / token", "parity", "prefix = ar", "accuracy", "roofline", "status")
 
 
@@ -190,10 +191,13 @@ def table_row(s: MethodSummary) -> list[str]:
             "FAILED: " + s.failed.replace("|", "\\|").replace("\n", " ")]
     split = ("–" if s.draft_share is None and s.verify_share is None
              else f"{_pct(s.draft_share)} / {_pct(s.verify_share)}")
+    overhead = ("–" if s.predictor_share is None
+                else f"{100 * s.predictor_share:.1f}% / {100 * (s.kv_share or 0):.1f}%")
     return [f"`{s.method}`", _fmt(s.tokens_per_s, ".1f"), _fmt(s.median_tokens_per_s, ".1f"),
             _fmt(s.speedup_vs_ar, ".2f", "×"), _fmt(s.speedup_vs_hf_ar, ".2f", "×"),
             _fmt(s.mean_accepted, ".2f"), _pct(s.acceptance_rate), _fmt(s.mean_exit_layer, ".1f"),
-            _fmt(s.draft_rate, ".2f"), _fmt(s.mean_layer_batch, ".2f"), split, _fmt(s.layer_forwards_per_token, ".1f"), _pct(s.parity), _pct(s.ar_prefix),
+            _fmt(s.draft_rate, ".2f"), _fmt(s.mean_layer_batch, ".2f"), split, overhead,
+            _fmt(s.layer_forwards_per_token, ".1f"), _pct(s.parity), _pct(s.ar_prefix),
             _pct(s.accuracy),
             _pct(s.roofline_fraction), "ok" if s.lossless else "ok (lossy)"]
 

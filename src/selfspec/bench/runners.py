@@ -79,6 +79,9 @@ class RunOutput:
         plans: the draft decisions of an adaptive method (KnapSpec, CLaSp, DEL), in order.
         layer_batches: ``[b-1]`` = decoder-layer calls that ran ``b`` positions together
             (drafters with deferred layers: AdaDecode, DSSD, LayerSkip); empty when unknown.
+        exit_counts: ``[l]`` = tokens predicted after ``l`` layers (the exit-layer histogram);
+            empty when unknown.
+        predictor_ms / kv_ms: SpecEE's candidate + predictor time and skipped-layer KV time.
     """
 
     token_ids: list[int]
@@ -97,6 +100,9 @@ class RunOutput:
     exit_layer_total: int | None = None
     plans: list[PlanRecord] = field(default_factory=list)
     layer_batches: list[int] = field(default_factory=list)
+    exit_counts: list[int] = field(default_factory=list)
+    predictor_ms: float | None = None
+    kv_ms: float | None = None
 
 
 class Runner(Protocol):
@@ -185,7 +191,9 @@ class SelfSpecRunner:
             layer_forwards=s.layer_forwards, finish_reason=s.finish_reason,
             exit_tokens=s.drafted if s.exit_layer_total else None,
             exit_layer_total=s.exit_layer_total or None, plans=list(s.plans),
-            layer_batches=list(s.layer_batches))
+            layer_batches=list(s.layer_batches), exit_counts=list(s.exit_counts),
+            predictor_ms=s.predictor_ms if s.predictor_calls else None,
+            kv_ms=s.kv_ms if s.predictor_calls else None)
 
 
 def _hf_generate_kwargs(config: MethodConfig, engine: SelfSpec,

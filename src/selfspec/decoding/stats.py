@@ -46,6 +46,11 @@ class StepStats:
         verify_ms: wall time spent verifying (target forward + acceptance rule), in ms.
         layer_batches: ``layer_batches[b-1]`` = decoder-layer calls that ran ``b`` positions
             together (drafters that batch deferred layers; empty otherwise).
+        predictor_ms: wall time of SpecEE's candidates, features and predictors (part of
+            ``draft_ms``), in ms.
+        predictor_calls: exit-predictor evaluations.
+        kv_ms: wall time spent writing the KV of layers an early-exited token skipped (part
+            of ``draft_ms``), in ms.
 
     Raises:
         InvalidArgumentError: negative counts or ``num_accepted > num_drafted``.
@@ -60,6 +65,9 @@ class StepStats:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     layer_batches: tuple[int, ...] = ()
+    predictor_ms: float = 0.0
+    predictor_calls: int = 0
+    kv_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_accepted <= self.num_drafted:
@@ -100,6 +108,9 @@ class GenerationStats:
             (:class:`~selfspec.decoding.plan_log.PlanRecord`; empty for the others).
         layer_batches: ``layer_batches[b-1]`` = decoder-layer calls that ran ``b`` positions
             together, summed over steps (empty for steps that do not report it).
+        exit_counts: ``exit_counts[l]`` = draft tokens whose prediction ran ``l`` layers (the
+            exit-layer histogram; grows as needed).
+        predictor_ms / predictor_calls / kv_ms: sums of the steps' fields (SpecEE).
     """
 
     prompt_tokens: int = 0
@@ -118,6 +129,10 @@ class GenerationStats:
     finish_reason: str = ""
     plans: list[PlanRecord] = field(default_factory=list)
     layer_batches: list[int] = field(default_factory=list)
+    exit_counts: list[int] = field(default_factory=list)
+    predictor_ms: float = 0.0
+    predictor_calls: int = 0
+    kv_ms: float = 0.0
 
     def add(self, step: StepStats) -> None:
         """Accumulate one step's statistics."""
@@ -130,6 +145,13 @@ class GenerationStats:
         self.sublayers += step.sublayers
         self.exit_layer_total += sum(step.exit_layers)
         add_batch_counts(self.layer_batches, step.layer_batches)
+        for layer in step.exit_layers:
+            if layer >= len(self.exit_counts):
+                self.exit_counts.extend([0] * (layer + 1 - len(self.exit_counts)))
+            self.exit_counts[layer] += 1
+        self.predictor_ms += step.predictor_ms
+        self.predictor_calls += step.predictor_calls
+        self.kv_ms += step.kv_ms
 
     @property
     def acceptance_rate(self) -> float:

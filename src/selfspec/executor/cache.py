@@ -7,6 +7,11 @@ in-place copy and reading is a view (no ``torch.cat`` on the decode path).
 
 Invariants (asserted): a layer's positions are ``0 .. length-1`` with no gaps, so an append
 must start exactly at the layer's current length; crops only shrink.
+
+A position may be held *masked* in a layer (:meth:`KVCache.append_masked`): it keeps its slot,
+so the no-gap rule holds, but attention never reads it. That is SpecEE's treatment of the
+layers an early-exited token skipped (no KV at all: later tokens attend to the tokens that did
+reach the layer). Layers without masked positions carry no mask and cost nothing extra.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class KVCache:
         self._keys = [torch.empty(dims, dtype=dtype, device=self.device) for _ in range(shape.num_layers)]
         self._values = [torch.empty(dims, dtype=dtype, device=self.device) for _ in range(shape.num_layers)]
         self._lengths = [0] * shape.num_layers
+        # Per layer: None (every held position is visible) or [capacity] bool, False = masked.
+        self._visible: list[torch.Tensor | None] = [None] * shape.num_layers
 
     @property
     def num_layers(self) -> int:
@@ -90,6 +97,11 @@ class KVCache:
                 n = self._lengths[i]
                 new[:, :, :n].copy_(old[:, :, :n])
                 store[i] = new
+        for i, old in enumerate(self._visible):
+            if old is not None:
+                grown = torch.ones(new_cap, dtype=torch.bool, device=old.device)
+                grown[: old.shape[0]] = old
+                self._visible[i] = grown
         self._capacity = new_cap
 
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor,
@@ -117,8 +129,46 @@ class KVCache:
         keys, values = self._keys[layer], self._values[layer]
         keys[:, :, length:end].copy_(key)
         values[:, :, length:end].copy_(value)
+        if self._visible[layer] is not None:
+            self._visible[layer][length:end] = True
         self._lengths[layer] = end
         return keys[:, :, :end], values[:, :, :end]
+
+    def append_masked(self, layer: int, start: int, count: int = 1) -> None:
+        """Hold ``count`` positions from ``start`` in ``layer`` without keys or values:
+        attention skips them (SpecEE's skipped layers; see the module doc).
+
+        Raises:
+            AssertionError: ``start`` leaves a gap or overwrites held positions.
+        """
+        length = self._lengths[layer]
+        assert start == length, (
+            f"KV cache layer {layer} holds {length} positions; an append must start there, got {start}")
+        end = length + count
+        if end > self._capacity:
+            self.reserve(end)
+        if self._visible[layer] is None:
+            self._visible[layer] = torch.ones(self._capacity, dtype=torch.bool, device=self.device)
+        self._keys[layer][:, :, length:end].zero_()
+        self._values[layer][:, :, length:end].zero_()
+        self._visible[layer][length:end] = False
+        self._lengths[layer] = end
+
+    def visible(self, layer: int) -> torch.Tensor | None:
+        """``[length(layer)]`` bool, False at masked positions; ``None`` when the layer holds
+        no masked position (the common case: attend to everything)."""
+        mask = self._visible[layer]
+        if mask is None:
+            return None
+        mask = mask[: self._lengths[layer]]
+        if bool(mask.all()):
+            return None
+        return mask
+
+    def masked_count(self, layer: int) -> int:
+        """Masked positions ``layer`` holds."""
+        mask = self.visible(layer)
+        return 0 if mask is None else int((~mask).sum())
 
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``[B, H_kv, length(layer), head_dim]`` of a layer's keys and values."""
@@ -156,3 +206,4 @@ class KVCache:
     def reset(self) -> None:
         """Empty every layer (storage is kept for reuse)."""
         self._lengths = [0] * self.shape.num_layers
+        self._visible = [None] * self.shape.num_layers

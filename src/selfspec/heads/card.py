@@ -18,9 +18,11 @@ CARD_FORMAT_VERSION = 2  # 2: ``prompts`` records which prompts each stage saw
 
 # Uses of a prompt that shape what decoding does (head weights, the draft-vocabulary ranking,
 # thresholds τ_k(ε), probe weights): a benchmark on such a prompt is in-sample. "test" and
-# "probe-eval" prompts are only scored for the card.
-IN_SAMPLE_USES = ("train", "calibration", "probe-train")
-PROMPT_USES = ("train", "calibration", "test", "probe-train", "probe-eval")
+# "probe-eval" prompts are only scored for the card. SpecEE's "predictor-eval" prompts rank the
+# layers of its offline schedule, so they are in-sample too.
+IN_SAMPLE_USES = ("train", "calibration", "probe-train", "predictor-train", "predictor-eval")
+PROMPT_USES = ("train", "calibration", "test", "probe-train", "probe-eval", "predictor-train",
+               "predictor-eval")
 
 
 def _finite_or_none(value: float | None) -> float | None:
@@ -147,6 +149,47 @@ class ProbeCard:
 
 
 @dataclass
+class PredictorCard:
+    """SpecEE exit predictors (SpecEE §4-5) stored with the head that drafts their candidates.
+
+    Attributes:
+        candidate_layer: exit layer of the head whose top-``k`` tokens are the candidates.
+        num_candidates: ``k``.
+        draft_vocab: the candidates were the top-``k`` over the ``K`` most frequent tokens (``0``
+            = the full vocabulary).
+        hidden: MLP width.
+        layers: exit layers with a predictor (sorted).
+        offline_layers: SpecEE's offline schedule: the layers where predictors exited held-out
+            tokens most often, most frequent first.
+        exit_frequency: ``[len(layers)]`` share of held-out tokens whose first predictor above
+            0.5 (every predictor active) was at that layer.
+        candidate_recall: share of held-out tokens whose final-layer token was a candidate
+            (no token can exit early otherwise).
+        base_rate / accuracy / precision: ``[len(layers)]`` held-out share of positive labels,
+            accuracy of ``predictor > 0.5``, and the share of its exits whose emitted candidate
+            was the final token.
+        train_tokens / eval_tokens: tokens per layer used.
+        epochs: training epochs; seconds: wall time.
+    """
+
+    candidate_layer: int
+    num_candidates: int
+    draft_vocab: int
+    hidden: int
+    layers: list[int]
+    offline_layers: list[int]
+    exit_frequency: list[float]
+    candidate_recall: float
+    base_rate: list[float]
+    accuracy: list[float]
+    precision: list[float]
+    train_tokens: int
+    eval_tokens: int
+    epochs: int
+    seconds: float
+
+
+@dataclass
 class TrainingInfo:
     """How the heads were trained (see :mod:`selfspec.training.train`).
 
@@ -192,7 +235,8 @@ class PromptUse:
     Attributes:
         use: one of :data:`PROMPT_USES`: ``train`` (head training and the token counts that
             rank a reduced draft vocabulary), ``calibration`` (τ_k(ε)), ``test`` (card
-            figures only), ``probe-train`` / ``probe-eval`` (AdaSPEED probes).
+            figures only), ``probe-train`` / ``probe-eval`` (AdaSPEED probes),
+            ``predictor-train`` / ``predictor-eval`` (SpecEE predictors and their schedule).
         dataset: the dataset name (``selfspec.data.DATASETS``; ``"stdlib"``, ``"humaneval"``).
         ids: the prompt ids, sorted.
     """
@@ -228,6 +272,7 @@ class HeadCard:
             (DSSD with ``draft_vocab=K`` uses those thresholds).
         calibration: per-head :class:`HeadCalibration` (empty until calibrated).
         probes: per-exit-layer :class:`ProbeCard`.
+        predictors: SpecEE's exit predictors (:class:`PredictorCard`), or ``None``.
         prompts: every prompt each stage used (:class:`PromptUse`); empty in files written
             before format 2, whose provenance :meth:`seen_prompts` cannot tell.
         created: ISO-8601 time of the last write.
@@ -249,6 +294,7 @@ class HeadCard:
     calibration_draft_vocabs: list[int] = field(default_factory=list)
     calibration: list[HeadCalibration] = field(default_factory=list)
     probes: list[ProbeCard] = field(default_factory=list)
+    predictors: PredictorCard | None = None
     prompts: list[PromptUse] = field(default_factory=list)
     created: str = ""
     selfspec_version: str = ""
@@ -284,6 +330,8 @@ class HeadCard:
             calibration_draft_vocabs=[int(k) for k in data.get("calibration_draft_vocabs", [])],
             calibration=[_head_calibration(c) for c in data.get("calibration", [])],
             probes=[ProbeCard(**_floats(p)) for p in data.get("probes", [])],
+            predictors=(None if data.get("predictors") is None
+                        else _predictor_card(data["predictors"])),
             prompts=[PromptUse(str(u["use"]), str(u["dataset"]), [str(i) for i in u["ids"]])
                      for u in data.get("prompts", [])],
             created=str(data.get("created", "")),
@@ -334,6 +382,13 @@ def _jsonable(obj: Any) -> Any:
 def _floats(data: dict[str, Any]) -> dict[str, Any]:
     """JSON ``null`` back to NaN for the float fields of the small cards."""
     return {k: (math.nan if v is None else v) for k, v in data.items()}
+
+
+def _predictor_card(data: dict[str, Any]) -> PredictorCard:
+    """A :class:`PredictorCard` from JSON (``null`` back to NaN, in lists too)."""
+    fixed = {k: [math.nan if x is None else x for x in v] if isinstance(v, list) else v
+             for k, v in _floats(data).items()}
+    return PredictorCard(**fixed)
 
 
 def _head_calibration(data: dict[str, Any]) -> HeadCalibration:

@@ -14,6 +14,10 @@ Layout of ``heads.safetensors`` (a directory path means ``<dir>/heads.safetensor
     calib.<layer>.v<K>.correct    [M] u8   the same on the K most frequent tokens only
     calib.<layer>.v<K>.<metric>   [M] f32  (DSSD with draft_vocab=K; K in the card's
                                            calibration_draft_vocabs)
+    predictor.fc1_weight          [P, 512, 3k]  SpecEE exit predictors at the card's
+    predictor.fc1_bias            [P, 512]      ``predictors.layers`` (float32; candidates
+    predictor.fc2_weight          [P, 512]      from the head at ``candidate_layer``)
+    predictor.fc2_bias            [P]
     vocab.token_counts            [V] i64  final-layer greedy tokens counted on the training
                                            split (ranks the draft vocabulary, ``draft_vocab``)
     metadata: {"format": "selfspec-heads", "card": <HeadCard JSON>}
@@ -48,6 +52,7 @@ from selfspec.heads.card import HeadCard
 from selfspec.heads.errors import HeadsModelMismatchError, HeadsNotFoundError, NotCalibratedError
 from selfspec.heads.fingerprint import fingerprint
 from selfspec.heads.modules import ExitHead, OutputLayer, make_head, output_layer
+from selfspec.heads.predictor import ExitPredictors
 from selfspec.heads.probe import LinearProbe
 
 logger = logging.getLogger(__name__)
@@ -92,6 +97,7 @@ class ExitHeads:
         token_counts: ``[V]`` int64 how often the final layer's greedy prediction was each
             token on the training text (set at calibration; ``None`` in older files). Ranks
             the tokens of a reduced draft vocabulary (``draft_vocab``).
+        predictors: SpecEE's exit predictors (card: ``card.predictors``), or ``None``.
     """
 
     layers: list[int]
@@ -102,6 +108,7 @@ class ExitHeads:
     token_counts: torch.Tensor | None = None
     sampled_probes: dict[int, LinearProbe] = field(default_factory=dict)
     vocab_calibration: dict[int, dict[int, CalibrationSet]] = field(default_factory=dict)
+    predictors: ExitPredictors | None = None
 
     def head_at(self, layer: int) -> ExitHead:
         """The head at ``layer``.
@@ -246,6 +253,9 @@ def _tensors(heads: ExitHeads) -> dict[str, torch.Tensor]:
             out[key + "correct"] = data.correct.to("cpu", torch.uint8).contiguous()
             for metric, s in data.scores.items():
                 out[key + metric] = s.to("cpu", torch.float32).contiguous()
+    if heads.predictors is not None:
+        for name, t in heads.predictors.tensors().items():
+            out[f"predictor.{name}"] = t.detach().to("cpu", torch.float32).contiguous().clone()
     if heads.token_counts is not None:
         out["vocab.token_counts"] = heads.token_counts.to("cpu", torch.int64).contiguous()
     return out
@@ -404,6 +414,13 @@ def _build(raw: HeadFile, out: OutputLayer, target: Path) -> ExitHeads:
         calibration = _calibration_sets(card, tensors, "calib.{}.")
         by_vocab = {k: _calibration_sets(card, tensors, f"calib.{{}}.v{k}.")
                     for k in card.calibration_draft_vocabs}
+        predictors = None
+        if card.predictors is not None:
+            pc = card.predictors
+            predictors = ExitPredictors(pc.layers, pc.num_candidates, pc.hidden)
+            predictors.load_tensors({k[len("predictor."):]: v for k, v in tensors.items()
+                                     if k.startswith("predictor.")})
+            predictors = predictors.to(device).eval().requires_grad_(False)
         counts = tensors.get("vocab.token_counts")
         if counts is not None and tuple(counts.shape) != (out.vocab_size,):
             raise InvalidArgumentError(
@@ -411,7 +428,8 @@ def _build(raw: HeadFile, out: OutputLayer, target: Path) -> ExitHeads:
     except (InvalidArgumentError, KeyError, RuntimeError) as err:
         raise _corrupt(target, f"incomplete tensors: {err}") from err
     return ExitHeads(list(card.layers), heads, card, probes, calibration,
-                     None if counts is None else counts.to(torch.int64), sampled, by_vocab)
+                     None if counts is None else counts.to(torch.int64), sampled, by_vocab,
+                     predictors)
 
 
 def _calibration_sets(card: HeadCard, tensors: dict[str, torch.Tensor], prefix: str

@@ -14,6 +14,11 @@ from selfspec.errors import InvalidArgumentError
 _EPS_SHOWN = (0.6, 0.7, 0.8, 0.9, 0.95)
 
 
+# SpecEE predictors: code and math text, teacher-forced (held out from HumanEval's and
+# GSM-Symbolic's benchmark prompts by the card's prompt records).
+PREDICTOR_DATA = "stdlib,gsm"
+
+
 def _ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
@@ -132,6 +137,25 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     pr.add_argument("--top-p", type=float, default=1.0, help="nucleus mass of a sampled probe")
     _add_data_args(pr)
     pr.set_defaults(func=_cmd_train_probe)
+
+    pp = sub.add_parser("train-predictors",
+                        help="train SpecEE's per-layer exit predictors (§4) and rank the offline "
+                             "layer schedule (§5) on held-out text")
+    _add_model_args(pp, required=True)
+    pp.add_argument("--heads", default="default",
+                    help="head file whose head drafts the candidates; the predictors are saved "
+                         "into it (default: the model's default heads)")
+    pp.add_argument("--candidate-layer", type=int, default=None,
+                    help="exit layer of the candidate head (default: the shallowest head)")
+    pp.add_argument("--k", type=int, default=4, help="speculative tokens per step (4 in the paper)")
+    pp.add_argument("--draft-vocab", type=int, default=16384,
+                    help="candidates = the head's top-k over the K most frequent tokens (0 = full "
+                         "vocabulary)")
+    pp.add_argument("--offline", type=int, default=None,
+                    help="offline layer-set size (default round(L/4), as SpecEE's 8 of 32)")
+    pp.add_argument("--epochs", type=int, default=30)
+    _add_data_args(pp, "stdlib,gsm")
+    pp.set_defaults(func=_cmd_train_predictors)
 
     _add_search_skip_parser(sub)
 
@@ -260,6 +284,7 @@ def _print_card(card, metric: str = "entropy", out=None) -> None:
               f"{_f(p.auc)} vs max-prob AUC {_f(p.max_prob_auc)}, BCE {_f(p.bce)}, "
               f"{p.train_tokens} train / {p.eval_tokens} held-out tokens, {p.seconds:.1f} s",
               file=out)
+    _print_predictors(card, out=out)
     _print_prompts(card, out)
 
 
@@ -421,6 +446,53 @@ def _print_skip_set(skip_set, out=None) -> None:
     print(f"  attention skipped in layers {sorted(plan.skip_attention)}", file=out)
     print(f"  MLP skipped in layers       {sorted(plan.skip_mlp)}", file=out)
     _print_prompts(card, out)
+
+
+def _cmd_train_predictors(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from selfspec.training.pipeline import DataRequest, PredictorRequest, train_predictors
+    from selfspec.training.predictors import PredictorTrainConfig
+
+    if args.epochs < 1:
+        raise InvalidArgumentError(f"--epochs must be >= 1, got {args.epochs}")
+    data = _data_request(args, 12_000)
+    if args.data is None:
+        data = replace(data, data=PREDICTOR_DATA)
+    request = PredictorRequest(heads=args.heads, candidate_layer=args.candidate_layer,
+                               num_candidates=args.k, draft_vocab=args.draft_vocab,
+                               offline=args.offline, data=data,
+                               config=PredictorTrainConfig(epochs=args.epochs))
+    assert isinstance(request.data, DataRequest)
+    engine = _load_engine(args, args.model, args.dtype)
+    outcome = train_predictors(engine, request, progress=not args.quiet)
+    _print_predictors(outcome.heads.card, outcome.evaluation)
+    _print_times(outcome.times)
+    print(f"saved {outcome.path}")
+    return 0
+
+
+def _print_predictors(card, evaluation=None, out=None) -> None:
+    pc = card.predictors
+    if pc is None:
+        return
+    vocab = f"top-{pc.num_candidates} of {pc.draft_vocab} tokens" if pc.draft_vocab else \
+        f"top-{pc.num_candidates} of the full vocabulary"
+    print(f"\nSpecEE predictors: candidates = the layer-{pc.candidate_layer} head's {vocab}; "
+          f"MLP {3 * pc.num_candidates}→{pc.hidden}→1 at layers {pc.layers[0]}..{pc.layers[-1]}; "
+          f"{pc.train_tokens} train / {pc.eval_tokens} held-out tokens, {pc.epochs} epochs, "
+          f"{pc.seconds:.0f} s", file=out)
+    print(f"candidate recall (final token among the candidates): {pc.candidate_recall:.3f}",
+          file=out)
+    print("layer  label rate  accuracy  precision  exit share", file=out)
+    for i, layer in enumerate(pc.layers):
+        print(f"{layer:5d}  {_f(pc.base_rate[i]):>10}  {_f(pc.accuracy[i]):>8}  "
+              f"{_f(pc.precision[i]):>9}  {_f(pc.exit_frequency[i]):>10}", file=out)
+    print(f"offline schedule (most frequent exits first): {pc.offline_layers}", file=out)
+    if evaluation is not None:
+        print(f"held-out, every predictor active at 0.5: token accuracy "
+              f"{evaluation.token_accuracy:.3f}, mean layers {evaluation.mean_exit_layer:.2f} "
+              f"of {card.num_layers}", file=out)
 
 
 def _cmd_train_probe(args: argparse.Namespace) -> int:

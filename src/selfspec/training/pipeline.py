@@ -1,8 +1,10 @@
-"""The stages behind ``selfspec heads train | calibrate | train-probe``, as functions.
+"""The stages behind ``selfspec heads train | calibrate | train-probe | train-predictors``, as
+functions.
 
     corpus (real text, on-policy generations) → features (one backbone pass, cached)
       → train heads → save → calibrate (DSSD §3.4.1) → save
       → train probes (AdaSPEED §II.B) → save
+      → train SpecEE predictors (SpecEE §4-5) → save
 
 Each stage takes and returns dataclasses; the CLI only parses arguments and prints.
 """
@@ -31,6 +33,7 @@ from selfspec.heads.card import (
     HeadCalibration,
     HeadEval,
     MetricCalibration,
+    PredictorCard,
     ProbeCard,
     PromptUse,
     ThresholdRow,
@@ -62,6 +65,15 @@ from selfspec.training.corpus import (
 from selfspec.training.engine import Engine
 from selfspec.training.features import FeatureSet, load_features
 from selfspec.training.placement import check_layers, default_layers
+from selfspec.training.predictors import (
+    PredictorData,
+    PredictorEval,
+    PredictorTrainConfig,
+    evaluate_predictors,
+    fit_predictors,
+    offline_schedule,
+    predictor_data,
+)
 from selfspec.training.probe import ProbeTrainConfig, fit_probe
 from selfspec.training.train import TrainConfig, train_heads
 
@@ -507,3 +519,132 @@ def probe_stats(probe: LinearProbe, hidden: torch.Tensor, labels: torch.Tensor,
     positive = y >= 0.5
     return ProbeStats(float(y.mean()), accuracy, roc_auc(prob, positive),
                       roc_auc(max_prob, positive), bce)
+
+
+# ------------------------------------------------------------------------- predictors
+PREDICTOR_USES = {TRAIN: "predictor-train", CALIBRATION: "predictor-eval", TEST: "predictor-eval"}
+DEFAULT_CANDIDATE_VOCAB = 16384
+
+
+@dataclass(frozen=True)
+class PredictorRequest:
+    """``selfspec heads train-predictors`` (SpecEE §4-5).
+
+    Attributes:
+        heads: head file whose head at ``candidate_layer`` drafts the candidates; the
+            predictors are saved into it.
+        candidate_layer: exit layer of that head (``None`` = the file's shallowest head).
+        num_candidates: ``k`` (4 in the paper).
+        draft_vocab: candidates are the head's top-``k`` over the ``K`` most frequent tokens
+            (``0`` = the full vocabulary; capped at ``V``).
+        offline: size of the offline layer set (``None`` = ``round(L/4)``, as SpecEE's 8 of 32).
+        data: :class:`DataRequest`.
+        config: :class:`~selfspec.training.predictors.PredictorTrainConfig`.
+    """
+
+    heads: str = "default"
+    candidate_layer: int | None = None
+    num_candidates: int = 4
+    draft_vocab: int = DEFAULT_CANDIDATE_VOCAB
+    offline: int | None = None
+    data: DataRequest = field(default_factory=DataRequest)
+    config: PredictorTrainConfig = field(default_factory=PredictorTrainConfig)
+
+
+@dataclass
+class PredictorOutcome:
+    """What :func:`train_predictors` did: the saved file, its heads and the held-out figures."""
+
+    path: Path
+    heads: ExitHeads
+    times: StageTimes
+    evaluation: PredictorEval
+
+
+@torch.inference_mode()
+def head_candidates(engine: Engine, head: ExitHead, hidden: torch.Tensor, k: int,
+                    vocab_rows: torch.Tensor | None, batch_tokens: int = 512) -> torch.Tensor:
+    """``[N, k]`` top-``k`` token ids of ``head`` on ``hidden`` ``[N, H]`` (over ``vocab_rows``
+    when given): the candidates SpecEE decoding drafts."""
+    call = head.restricted(vocab_rows) if vocab_rows is not None else (
+        lambda h: engine.executor.logits(h, head))
+    out = []
+    for start in range(0, hidden.shape[0], batch_tokens):
+        logits = call(hidden[start:start + batch_tokens].unsqueeze(0))[0]
+        top = torch.topk(logits, k, dim=-1).indices
+        out.append(top if vocab_rows is None else vocab_rows[top])
+    return torch.cat(out)
+
+
+def train_predictors(engine: Engine, request: PredictorRequest,
+                     progress: bool = True) -> PredictorOutcome:
+    """Fit SpecEE predictors at every layer from the candidate layer on, rank the offline
+    schedule on held-out text, and save them into ``request.heads``
+    (:mod:`selfspec.training.predictors`).
+
+    Raises:
+        InvalidArgumentError: bad ``num_candidates`` / ``draft_vocab`` / ``offline``, no head at
+            ``candidate_layer``, heads without token counts for a reduced vocabulary, or no
+            data.
+        HeadsNotFoundError, HeadsModelMismatchError, CorruptModelFileError: see
+            :func:`~selfspec.heads.load_heads`.
+    """
+    from selfspec.decoding.draft_vocab import frequent_rows
+    from selfspec.models.eos import eos_token_ids
+
+    ex = engine.executor
+    num_layers = ex.num_layers
+    if not 2 <= request.num_candidates <= 64:
+        raise InvalidArgumentError(f"--k must be in [2, 64], got {request.num_candidates}")
+    if request.draft_vocab < 0:
+        raise InvalidArgumentError(f"--draft-vocab must be >= 0, got {request.draft_vocab}")
+    target = resolve_path(request.heads, model_name(engine))
+    container = load_heads(target, engine)
+    if not container.layers:
+        raise InvalidArgumentError(f"{target} holds no exit heads to draft candidates with")
+    layer = container.layers[0] if request.candidate_layer is None else request.candidate_layer
+    head = container.head_at(layer)
+    offline = (max(1, round(num_layers / 4)) if request.offline is None else request.offline)
+    if not 1 <= offline <= num_layers - layer:
+        raise InvalidArgumentError(
+            f"--offline must be in [1, {num_layers - layer}] (predictor layers), got {offline}")
+    size = min(request.draft_vocab, ex.vocab_size)
+    rows = None
+    if size:
+        if container.token_counts is None:
+            raise InvalidArgumentError(
+                f"{target} has no token counts to rank a draft vocabulary; run `selfspec heads "
+                f"calibrate {target}` once, or pass --draft-vocab 0")
+        rows = frequent_rows(container.token_counts, size, eos_token_ids(ex.model)).rows
+    layers = list(range(layer, num_layers))
+    times = StageTimes()
+    prepared = prepare_features(engine, request.data, layers, times, progress)
+    features = prepared.features
+    train_idx, eval_idx = features.indices(TRAIN), features.indices(CALIBRATION, TEST)
+    if train_idx.numel() == 0 or eval_idx.numel() == 0:
+        raise InvalidArgumentError("the predictors need training and held-out tokens; give more data")
+    t0 = time.perf_counter()
+
+    def data_of(idx: torch.Tensor) -> PredictorData:
+        hidden = {x: features.hidden[x][idx] for x in layers}
+        cands = head_candidates(engine, head, hidden[layer], request.num_candidates, rows)
+        return predictor_data(ex, hidden, cands, features.teacher_token[idx], layers)
+
+    train_data, eval_data = data_of(train_idx), data_of(eval_idx)
+    predictors = fit_predictors(train_data, request.num_candidates, request.config)
+    evaluation = evaluate_predictors(predictors, eval_data, num_layers)
+    seconds = time.perf_counter() - t0
+    times.probe_s = seconds
+    container.predictors = predictors.to(ex.device)
+    container.card.predictors = PredictorCard(
+        candidate_layer=layer, num_candidates=request.num_candidates, draft_vocab=size,
+        hidden=request.config.hidden, layers=layers,
+        offline_layers=offline_schedule(layers, evaluation.exit_frequency, offline),
+        exit_frequency=evaluation.exit_frequency,
+        candidate_recall=float(eval_data.recall.float().mean()),
+        base_rate=evaluation.base_rate, accuracy=evaluation.accuracy,
+        precision=evaluation.precision, train_tokens=int(train_idx.numel()),
+        eval_tokens=int(eval_idx.numel()), epochs=request.config.epochs, seconds=seconds)
+    container.card.set_prompts(prepared.uses(PREDICTOR_USES))
+    save_heads(container, target)
+    return PredictorOutcome(target, container, times, evaluation)

@@ -1,0 +1,239 @@
+"""SpecEE: speculative early exiting (Xu et al. 2025) as a Step of the one decoding loop.
+
+Per token (batch 1):
+
+1. run layers ``[0, c)``; an exit head at layer ``c`` proposes ``k`` speculative tokens, the
+   candidates (:class:`HeadCandidates`; SpecEE uses an EAGLE draft head, which selfspec does
+   not have: an exit head of the model itself is the cheap drafter we already train, and its
+   top-``k`` costs one head call over the draft vocabulary);
+2. from layer ``c`` on, after each layer, the candidates' features (logits, local
+   probabilities, their change; :func:`~selfspec.heads.predictor.candidate_features`) and, at
+   the layers the scheduler activates, that layer's predictor MLP; the first predictor above
+   ``threshold`` ends the forward pass and emits the candidate with the highest local
+   probability (§4);
+3. otherwise the token runs every layer and the model's own head picks it;
+4. the layers the token skipped get their KV from a :mod:`~selfspec.decoding.skipped_kv`
+   policy.
+
+Two-level predictor scheduling (§5, :class:`PredictorSchedule`): offline, the layers where
+predictors exited most often on held-out text (the card's ``offline_layers``); online, a
+circular queue of the last 5 exit layers, each adding its neighbours ±2. A predictor runs at
+layer ℓ iff ℓ is in the offline set OR within 2 of one of the last 5 exits (the union, as in
+the public SpecEE code, which unions a fixed layer list with the queue's neighbourhoods from
+the fifth token on; we use the queue from the first exit). ``schedule="all"`` runs every
+predictor instead.
+
+Lossy by design (the paper: < 1% accuracy loss): no verification.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from selfspec.decoding.draft_vocab import DraftVocab
+from selfspec.decoding.sampling import choose_next
+from selfspec.decoding.skipped_kv import SkippedKV
+from selfspec.decoding.state import DecodeState
+from selfspec.decoding.stats import StepStats
+from selfspec.errors import InvalidArgumentError
+from selfspec.executor import LayerExecutor
+from selfspec.heads.predictor import ExitPredictors, candidate_features
+
+QUEUE_SIZE = 5   # SpecEE §5: the last 5 exit layers
+RADIUS = 2       # each adds its neighbours ±2
+
+
+class PredictorSchedule:
+    """Which layers' predictors run for the next token (SpecEE §5, module doc).
+
+    Args:
+        available: layers that have a predictor.
+        offline: the offline set (most frequent exit layers), or ``None`` = every available
+            layer, always (no scheduling).
+        queue_size: exits remembered by the online queue.
+        radius: neighbours each remembered exit adds on either side.
+
+    Raises:
+        InvalidArgumentError: an offline layer without a predictor, or a negative size.
+    """
+
+    def __init__(self, available: Sequence[int], offline: Sequence[int] | None,
+                 queue_size: int = QUEUE_SIZE, radius: int = RADIUS) -> None:
+        self.available = frozenset(int(x) for x in available)
+        if offline is not None and not set(offline) <= self.available:
+            raise InvalidArgumentError(
+                f"offline predictor layers {sorted(set(offline) - self.available)} have no "
+                f"predictor (predictors: {sorted(self.available)})")
+        if queue_size < 0 or radius < 0:
+            raise InvalidArgumentError("queue_size and radius must be >= 0")
+        self.offline = None if offline is None else frozenset(int(x) for x in offline)
+        self.radius = radius
+        self._recent: deque[int] = deque(maxlen=queue_size)
+        self._active = self._compute()
+
+    def _compute(self) -> frozenset[int]:
+        if self.offline is None:
+            return self.available
+        online = {e + d for e in self._recent for d in range(-self.radius, self.radius + 1)}
+        return self.offline | (online & self.available)
+
+    def active(self) -> frozenset[int]:
+        """Layers whose predictor runs for the next token."""
+        return self._active
+
+    def record(self, exit_layer: int) -> None:
+        """Remember where the last token exited (``L`` when it ran every layer)."""
+        if self.offline is None:
+            return
+        self._recent.append(int(exit_layer))
+        self._active = self._compute()
+
+    def reset(self) -> None:
+        """Forget the queue (a new generation)."""
+        self._recent.clear()
+        self._active = self._compute()
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The speculative tokens of one step.
+
+    Attributes:
+        ids: ``[k]`` int64 token ids, most likely first.
+        rows: ``[k, H]`` their ``lm_head`` rows.
+        bias: ``[k]`` their ``lm_head`` bias, or ``None``.
+    """
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    bias: torch.Tensor | None
+
+
+class HeadCandidates:
+    """``k`` speculative tokens: the top-``k`` of an exit head (SpecEE's draft model's role).
+
+    Args:
+        executor: the model's executor (its ``lm_head`` rows feed the features).
+        layer: the head's exit layer ``c``.
+        head: ``head(hidden [1, 1, H]) -> logits [1, 1, V or R]``.
+        k: number of candidates.
+        vocab: the head scores only ``vocab.rows`` (``R`` logits), or ``None`` (``V``).
+    """
+
+    def __init__(self, executor: LayerExecutor, layer: int, head: Callable[[torch.Tensor], torch.Tensor],
+                 k: int, vocab: DraftVocab | None = None) -> None:
+        self.layer = layer
+        self.head = head
+        self.k = k
+        self.vocab = vocab
+        self._weight = executor.lm_head.weight
+        self._bias = executor.lm_head.bias
+
+    def __call__(self, hidden: torch.Tensor) -> Candidates:
+        """Candidates from the hidden state ``[1, 1, H]`` leaving layer ``layer - 1``."""
+        logits = self.head(hidden)[0, -1]                      # [V] or [R]
+        top = torch.topk(logits, self.k).indices
+        ids = top if self.vocab is None else self.vocab.rows[top]
+        return Candidates(ids, self._weight[ids], None if self._bias is None else self._bias[ids])
+
+
+class SpecEEStep:
+    """One token per call, exiting at the first scheduled predictor above ``threshold``.
+
+    Its :class:`StepStats` reports the token as one unverified draft token whose
+    ``exit_layers`` entry is the layers it ran (L when no predictor fired), plus the time
+    spent on candidates, features and predictors (``predictor_ms``), their calls, and the time
+    spent settling the skipped layers' KV (``kv_ms``).
+
+    Args:
+        candidates: the speculative-token drafter (its ``layer`` is the first feature layer).
+        predictors: per-layer predictors; they must cover ``[candidates.layer, L)``
+            contiguously where they exist (features change against the previous layer).
+        schedule: which predictors run (reset at each generation).
+        threshold: exit when a predictor's output exceeds it (0.5 in the paper).
+        kv: ``kv(executor, cache) -> SkippedKV`` for one generation.
+
+    Raises:
+        InvalidArgumentError: ``k`` differs from the predictors' or predictors below the
+            candidate layer.
+    """
+
+    def __init__(self, candidates: HeadCandidates, predictors: ExitPredictors,
+                 schedule: PredictorSchedule, threshold: float,
+                 kv: Callable[[LayerExecutor, object], SkippedKV]) -> None:
+        if candidates.k != predictors.num_candidates:
+            raise InvalidArgumentError(
+                f"the predictors were trained on {predictors.num_candidates} candidates, got "
+                f"k={candidates.k}")
+        if min(predictors.layers) < candidates.layer:
+            raise InvalidArgumentError(
+                f"predictors at layers below the candidate layer {candidates.layer}: "
+                f"{[x for x in predictors.layers if x < candidates.layer]}")
+        self.candidates = candidates
+        self.predictors = predictors
+        self.schedule = schedule
+        self.threshold = threshold
+        self._make_kv = kv
+        self._kv: SkippedKV | None = None
+        self._feature_layers = frozenset(predictors.layers)
+        self._last = max(predictors.layers)
+
+    def start(self, state: DecodeState) -> None:
+        """Begin a generation: fresh KV policy state and schedule queue."""
+        self._kv = self._make_kv(state.executor, state.cache)
+        self.schedule.reset()
+
+    def __call__(self, state: DecodeState) -> StepStats:
+        ex, kv = state.executor, self._kv
+        assert kv is not None, "start() was not called"
+        t0 = time.perf_counter()
+        before, fill_before = kv.layer_forwards, kv.fill_ms
+        batches_before = list(kv.layer_batches)
+        kv.begin(state.tokens[-1], state.seq_len - 1)
+        first = self.candidates.layer
+        hidden = kv.advance(first)
+        tp = time.perf_counter()
+        cand = self.candidates(hidden)
+        predictor_s = time.perf_counter() - tp
+        active = self.schedule.active()
+        previous = None
+        exit_layer, token, calls = ex.num_layers, None, 0
+        for layer in range(first, self._last + 1):
+            hidden = kv.advance(layer)
+            if layer not in self._feature_layers:
+                continue
+            tp = time.perf_counter()
+            scores = candidate_features(ex.final_norm(hidden)[0, 0], cand.rows, cand.bias, previous)
+            previous = scores.probs
+            fire = False
+            if layer in active:
+                calls += 1
+                fire = float(self.predictors.prob(layer, scores.features)) > self.threshold
+            if fire:
+                pick = choose_next(scores.logits.unsqueeze(0), state.options.sampling,
+                                   state.generator)
+                token, exit_layer = int(cand.ids[int(pick)]), layer
+            predictor_s += time.perf_counter() - tp
+            if fire:
+                break
+        if token is None:
+            hidden = kv.advance(ex.num_layers)
+            logits = ex.logits(hidden)[0, -1]
+            token = int(choose_next(logits.unsqueeze(0), state.options.sampling, state.generator))
+            kv.finish()
+        else:
+            kv.stop(exit_layer)
+        self.schedule.record(exit_layer)
+        kept = state.commit([token])
+        batches = [n - (batches_before[i] if i < len(batches_before) else 0)
+                   for i, n in enumerate(kv.layer_batches)]
+        return StepStats(num_drafted=1, committed=len(kept), exit_layers=(exit_layer,),
+                         sublayers=2 * (kv.layer_forwards - before),
+                         draft_ms=(time.perf_counter() - t0) * 1e3,
+                         layer_batches=tuple(batches), predictor_ms=predictor_s * 1e3,
+                         predictor_calls=calls, kv_ms=kv.fill_ms - fill_before)

@@ -1,0 +1,203 @@
+"""Training SpecEE's exit predictors and their offline schedule (SpecEE §4-5).
+
+From one backbone pass over held-out text (teacher forcing; :mod:`selfspec.training.features`):
+
+1. candidates: the top-``k`` of the exit head at the candidate layer ``c`` (over the draft
+   vocabulary when one is given), per position — what decoding will draft;
+2. features at every layer ``ℓ ∈ [c, L)``: :func:`~selfspec.heads.predictor.candidate_features`
+   with the change taken against layer ``ℓ - 1`` (decoding computes them the same way);
+3. label at ``ℓ``: the candidate with the highest local probability equals the final layer's
+   greedy token (SpecEE §4);
+4. one MLP per layer, trained jointly (stacked weights) with the binary cross-entropy, Adam;
+5. held-out figures per layer, and the offline schedule: every predictor active, the first
+   one above 0.5 is where a held-out token would exit; layers ranked by how often that
+   happens, the most frequent ``offline`` kept (§5).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from selfspec.errors import InvalidArgumentError
+from selfspec.heads.predictor import (
+    PREDICTOR_HIDDEN,
+    ExitPredictors,
+    candidate_features,
+)
+
+
+@dataclass(frozen=True)
+class PredictorTrainConfig:
+    """Optimisation settings of :func:`fit_predictors`.
+
+    Attributes:
+        epochs: passes over the training tokens.
+        lr: Adam learning rate.
+        batch: tokens per step (every layer at once).
+        hidden: MLP width (512 in the paper).
+        seed: initialisation and shuffling.
+    """
+
+    epochs: int = 30
+    lr: float = 3e-3
+    batch: int = 512
+    hidden: int = PREDICTOR_HIDDEN
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class PredictorData:
+    """Features and labels of every predictor layer.
+
+    Attributes:
+        layers: ``[P]`` exit layers.
+        features: ``[P, N, 3k]`` float32.
+        labels: ``[P, N]`` bool: the top local candidate at that layer is the final token.
+        picks: ``[P, N]`` int64: the token each layer would emit (top local candidate).
+        recall: ``[N]`` bool: the final token is among the candidates.
+    """
+
+    layers: list[int]
+    features: torch.Tensor
+    labels: torch.Tensor
+    picks: torch.Tensor
+    recall: torch.Tensor
+
+
+@torch.inference_mode()
+def predictor_data(executor: object, hidden: dict[int, torch.Tensor], candidates: torch.Tensor,
+                   final_tokens: torch.Tensor, layers: list[int],
+                   batch_tokens: int = 2048) -> PredictorData:
+    """Features and labels (module doc, steps 2-3).
+
+    Args:
+        executor: the model's :class:`~selfspec.executor.LayerExecutor`.
+        hidden: ``{ℓ: [N, H]}`` hidden states leaving ``ℓ`` layers, for every ``ℓ`` in
+            ``layers``.
+        candidates: ``[N, k]`` int64 candidate ids per position.
+        final_tokens: ``[N]`` the final layer's greedy tokens.
+        layers: consecutive exit layers ``[c, c+1, ...]``.
+
+    Raises:
+        InvalidArgumentError: non-consecutive layers or a missing hidden state.
+    """
+    if layers != list(range(layers[0], layers[0] + len(layers))):
+        raise InvalidArgumentError(f"predictor layers must be consecutive, got {layers}")
+    missing = [x for x in layers if x not in hidden]
+    if missing:
+        raise InvalidArgumentError(f"no hidden states for layers {missing}")
+    weight, bias = executor.lm_head.weight, executor.lm_head.bias
+    n = candidates.shape[0]
+    features, labels, picks = [], [], []
+    for start in range(0, n, batch_tokens):
+        cand = candidates[start:start + batch_tokens]
+        rows = weight[cand]                                     # [n, k, H]
+        b = None if bias is None else bias[cand]
+        final = final_tokens[start:start + batch_tokens]
+        previous = None
+        f_chunk, l_chunk, p_chunk = [], [], []
+        for layer in layers:
+            normed = executor.final_norm(hidden[layer][start:start + batch_tokens])
+            scores = candidate_features(normed, rows, b, previous)
+            previous = scores.probs
+            pick = cand.gather(1, scores.probs.argmax(-1, keepdim=True)).squeeze(1)
+            f_chunk.append(scores.features)
+            p_chunk.append(pick)
+            l_chunk.append(pick == final)
+        features.append(torch.stack(f_chunk))
+        labels.append(torch.stack(l_chunk))
+        picks.append(torch.stack(p_chunk))
+    recall = (candidates == final_tokens.unsqueeze(1)).any(1)
+    return PredictorData(list(layers), torch.cat(features, 1), torch.cat(labels, 1),
+                         torch.cat(picks, 1), recall)
+
+
+def fit_predictors(data: PredictorData, num_candidates: int,
+                   config: PredictorTrainConfig = PredictorTrainConfig()) -> ExitPredictors:
+    """Train one MLP per layer on ``data`` (binary cross-entropy, Adam; module doc step 4).
+
+    Raises:
+        InvalidArgumentError: no training tokens.
+    """
+    n = data.features.shape[1]
+    if n == 0:
+        raise InvalidArgumentError("no training tokens for the predictors; give more data")
+    generator = torch.Generator().manual_seed(config.seed)
+    torch.manual_seed(config.seed)
+    model = ExitPredictors(data.layers, num_candidates, config.hidden)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    y = data.labels.float()
+    steps_per_epoch = math.ceil(n / config.batch)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.epochs * steps_per_epoch)
+    with torch.enable_grad():
+        for _ in range(config.epochs):
+            order = torch.randperm(n, generator=generator)
+            for start in range(0, n, config.batch):
+                idx = order[start:start + config.batch]
+                logits = model.logits_all(data.features[:, idx])
+                loss = F.binary_cross_entropy_with_logits(logits, y[:, idx])
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+    return model.eval().requires_grad_(False)
+
+
+@dataclass(frozen=True)
+class PredictorEval:
+    """Held-out quality of the predictors (module doc step 5).
+
+    Attributes:
+        base_rate / accuracy / precision: ``[P]`` per layer (see
+            :class:`~selfspec.heads.card.PredictorCard`).
+        exit_frequency: ``[P]`` share of tokens whose first predictor above ``threshold`` is
+            at that layer (every predictor active).
+        token_accuracy: share of tokens whose emitted token (exit candidate or final token)
+            is the final token, every predictor active.
+        mean_exit_layer: mean layers run per token, every predictor active (``L`` when none
+            fires).
+    """
+
+    base_rate: list[float]
+    accuracy: list[float]
+    precision: list[float]
+    exit_frequency: list[float]
+    token_accuracy: float
+    mean_exit_layer: float
+
+
+@torch.inference_mode()
+def evaluate_predictors(model: ExitPredictors, data: PredictorData, num_layers: int,
+                        threshold: float = 0.5) -> PredictorEval:
+    """Per-layer figures and the sequential-exit simulation on held-out ``data``."""
+    prob = torch.sigmoid(model.logits_all(data.features))      # [P, N]
+    fire = prob > threshold
+    labels = data.labels
+    n = labels.shape[1]
+    base = labels.float().mean(1)
+    acc = (fire == labels).float().mean(1)
+    hits = (fire & labels).float().sum(1)
+    shots = fire.float().sum(1)
+    precision = torch.where(shots > 0, hits / shots.clamp_min(1), torch.full_like(shots, math.nan))
+    fired_any = fire.any(0)
+    first = torch.where(fired_any, fire.float().argmax(0), torch.full((n,), -1))
+    freq = torch.stack([(first == i).float().mean() for i in range(len(data.layers))]) \
+        if n else torch.zeros(len(data.layers))
+    layer_of = torch.tensor(data.layers)
+    exit_layer = torch.where(fired_any, layer_of[first.clamp_min(0)], torch.full((n,), num_layers))
+    correct = torch.where(fired_any, labels.gather(0, first.clamp_min(0).unsqueeze(0)).squeeze(0),
+                          torch.ones(n, dtype=torch.bool))
+    return PredictorEval(base.tolist(), acc.tolist(), precision.tolist(), freq.tolist(),
+                         float(correct.float().mean()) if n else math.nan,
+                         float(exit_layer.float().mean()) if n else math.nan)
+
+
+def offline_schedule(layers: list[int], exit_frequency: list[float], size: int) -> list[int]:
+    """SpecEE's offline layer set: the ``size`` layers with the highest held-out exit
+    frequency, most frequent first (ties: shallower first)."""
+    ranked = sorted(range(len(layers)), key=lambda i: (-exit_frequency[i], layers[i]))
+    return [layers[i] for i in ranked[:size]]
