@@ -354,3 +354,22 @@ def test_pareto_front_keeps_points_nothing_beats_on_both():
 
     points = [(1.0, 0.5), (1.2, 0.45), (0.9, 0.4), (1.5, 0.3), (1.2, 0.3)]
     assert pareto_front(points) == [(1.0, 0.5), (1.2, 0.45), (1.5, 0.3)]
+
+
+def test_exit_histograms_in_the_bench_report():
+    from selfspec.bench.metrics import MethodSummary
+    from selfspec.bench.report import exit_histograms
+
+    lossy = MethodSummary(method="specee", lossless=False, exit_histogram=[0, 0, 1, 0, 3])
+    fixed = MethodSummary(method="layerskip", lossless=True, exit_histogram=[0, 0, 5])
+    text = exit_histograms([lossy, fixed])
+    assert "| `specee` | 4 | 2: 25%, 4: 75% |" in text and "layerskip" not in text
+    assert exit_histograms([fixed]) == ""
+
+
+def test_default_candidate_layer_is_the_deepest_head_in_the_first_half():
+    from selfspec.training.pipeline import default_candidate_layer
+
+    assert default_candidate_layer([6, 12, 18], 24) == 12
+    assert default_candidate_layer([7, 14, 21], 28) == 14
+    assert default_candidate_layer([20, 22], 24) == 20

@@ -105,9 +105,14 @@ def _line_plot(points: dict[str, list[tuple[float, float]]], xlabel: str, ylabel
     for name, pts in sorted(points.items()):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_title(title)
+    return _save_axes(plt, fig, ax, xlabel, ylabel, path)
+
+
+def _save_axes(plt, fig, ax, xlabel: str, ylabel: str, path: Path) -> Path:
+    """Label, grid and legend one plot's axes, write it to ``path`` and close it."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()
@@ -228,14 +233,7 @@ def plot_accuracy_vs_speedup(summaries: Sequence[MethodSummary], path: Path) -> 
     front = pareto_front([(x, y) for x, y, _ in points])
     ax.plot([p[0] for p in front], [100 * p[1] for p in front], "--", color="grey",
             label="Pareto frontier", zorder=2)
-    ax.set_xlabel(measure.label)
-    ax.set_ylabel("accuracy (%)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_axes(plt, fig, ax, measure.label, "accuracy (%)", path)
 
 
 def write_plots(configs: Sequence[MethodConfig], summaries: Sequence[MethodSummary],

@@ -232,6 +232,24 @@ def plans_table(summaries: list[MethodSummary]) -> str:
             + "\n".join("| " + " | ".join(r) + " |" for r in head + rows) + "\n")
 
 
+def exit_histograms(summaries: list[MethodSummary]) -> str:
+    """The exit-layer histogram of each method whose tokens exit at more than one layer
+    (lossy early exit, SpecEE; empty when none)."""
+    rows = []
+    for s in summaries:
+        counts = s.exit_histogram
+        total = sum(counts)
+        if total and sum(1 for c in counts if c) > 1:
+            cells = ", ".join(f"{layer}: {100 * c / total:.0f}%"
+                              for layer, c in enumerate(counts) if c)
+            rows.append(f"| `{s.method}` | {total} | {cells} |")
+    if not rows:
+        return ""
+    return ("\n## Exit layers\n\nShare of the tokens predicted after each number of layers "
+            "(the last = every layer ran).\n\n| method | tokens | layers: share |\n"
+            "| --- | ---: | --- |\n" + "\n".join(rows) + "\n")
+
+
 def markdown_header(info: RunInfo) -> str:
     """The report header: model, dtype, dataset, machine, versions, bandwidth, date."""
     m = info.machine
@@ -270,7 +288,8 @@ acceptance = accepted / drafted draft tokens; exit layer = mean layer of exit-la
 predictions (draft tokens; every token of a lossy early exit); drafts / token = draft tokens
 per generated token (AdaDecode's early-prediction rate); layer batch = mean positions per
 decoder-layer call of drafters that batch deferred layers; draft / verify = share of
-wall time; parity = share of prompts whose greedy output equals `ar`'s; prefix = ar = mean
+wall time; predictor / KV = SpecEE's candidates + predictors and its skipped-layer KV
+writes, as shares of wall time; parity = share of prompts whose greedy output equals `ar`'s; prefix = ar = mean
 share of `ar`'s output repeated before the first differing token; accuracy = HumanEval pass@1,
 GSM exact match or a prompt file's reference match; roofline = tok/s over bandwidth / weight
 bytes per token. – = not applicable or not known (transformers does not expose its
@@ -284,6 +303,9 @@ def markdown_report(info: RunInfo, summaries: list[MethodSummary], plots: list[P
     plans = plans_table(summaries)
     if plans:
         parts.append(plans)
+    exits = exit_histograms(summaries)
+    if exits:
+        parts.append(exits)
     parts += [f"![{p.stem}]({p.name})\n" for p in plots]
     return "\n".join(parts)
 

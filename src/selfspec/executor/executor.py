@@ -21,7 +21,6 @@ from selfspec.executor.cache import CacheShape, KVCache
 from selfspec.executor.linear import Linear
 from selfspec.models.common import SUPPORTED_MODEL_TYPES
 
-
 # observe(layer_idx, sublayer, hidden [B, T, H]): called after each sub-layer ("attention",
 # "mlp") of run_layers; skipped sub-layers pass the unchanged hidden state.
 Observer = Callable[[int, str, torch.Tensor], None]
@@ -220,9 +219,7 @@ class LayerExecutor:
         Raises:
             InvalidArgumentError: the layer range is outside ``[0, L]``.
         """
-        if not 0 <= start <= end <= self.num_layers:
-            raise InvalidArgumentError(
-                f"layer range [{start}, {end}) is outside [0, {self.num_layers}]")
+        self._check_range(start, end)
         if start == end:
             return hidden
         bsz, num_new, _ = hidden.shape
@@ -245,6 +242,11 @@ class LayerExecutor:
             if observe is not None:
                 observe(i, "mlp", hidden)
         return hidden
+
+    def _check_range(self, start: int, end: int) -> None:
+        if not 0 <= start <= end <= self.num_layers:
+            raise InvalidArgumentError(
+                f"layer range [{start}, {end}) is outside [0, {self.num_layers}]")
 
     def _attention(self, layer_idx: int, w: _LayerWeights, hidden: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, pos0: int,
@@ -331,9 +333,7 @@ class LayerExecutor:
         Raises:
             InvalidArgumentError: the layer range is outside ``[0, L]``.
         """
-        if not 0 <= start <= end <= self.num_layers:
-            raise InvalidArgumentError(
-                f"layer range [{start}, {end}) is outside [0, {self.num_layers}]")
+        self._check_range(start, end)
         if start == end:
             return
         bsz, num_new, _ = hidden.shape

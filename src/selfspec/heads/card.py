@@ -170,6 +170,9 @@ class PredictorCard:
             was the final token.
         train_tokens / eval_tokens: tokens per layer used.
         epochs: training epochs; seconds: wall time.
+        thresholds / token_accuracy / mean_layers: the held-out simulation at each threshold
+            (every predictor active): share of emitted tokens equal to the final layer's, and
+            mean layers run per token (``L`` for a token no predictor lets exit).
     """
 
     candidate_layer: int
@@ -187,6 +190,9 @@ class PredictorCard:
     eval_tokens: int
     epochs: int
     seconds: float
+    thresholds: list[float] = field(default_factory=list)
+    token_accuracy: list[float] = field(default_factory=list)
+    mean_layers: list[float] = field(default_factory=list)
 
 
 @dataclass

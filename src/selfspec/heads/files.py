@@ -47,9 +47,18 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
 from selfspec.errors import CorruptModelFileError, InvalidArgumentError
-from selfspec.heads.calibration import Threshold, check_epsilon, check_metric, thresholds
+from selfspec.heads.calibration import (
+    Threshold,
+    check_epsilon,
+    check_metric,
+    thresholds,
+)
 from selfspec.heads.card import HeadCard
-from selfspec.heads.errors import HeadsModelMismatchError, HeadsNotFoundError, NotCalibratedError
+from selfspec.heads.errors import (
+    HeadsModelMismatchError,
+    HeadsNotFoundError,
+    NotCalibratedError,
+)
 from selfspec.heads.fingerprint import fingerprint
 from selfspec.heads.modules import ExitHead, OutputLayer, make_head, output_layer
 from selfspec.heads.predictor import ExitPredictors

@@ -146,7 +146,8 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
                     help="head file whose head drafts the candidates; the predictors are saved "
                          "into it (default: the model's default heads)")
     pp.add_argument("--candidate-layer", type=int, default=None,
-                    help="exit layer of the candidate head (default: the shallowest head)")
+                    help="exit layer of the candidate head (default: the deepest head in the "
+                         "first half of the layers, else the shallowest)")
     pp.add_argument("--k", type=int, default=4, help="speculative tokens per step (4 in the paper)")
     pp.add_argument("--draft-vocab", type=int, default=16384,
                     help="candidates = the head's top-k over the K most frequent tokens (0 = full "
@@ -297,7 +298,7 @@ def _print_prompts(card, out) -> None:
     by_use: dict[str, list[str]] = {}
     for u in card.prompts:
         by_use.setdefault(u.use, []).append(f"{u.dataset} {len(u.ids)}")
-    print("\nprompts seen (selfspec bench drops train/calibration/probe-train prompts):",
+    print("\nprompts seen (selfspec bench drops train/calibration/probe-train/predictor prompts):",
           file=out)
     for use, parts in by_use.items():
         print(f"  {use:12s} " + ", ".join(parts), file=out)
@@ -330,9 +331,9 @@ def _print_times(times) -> None:
 
 # ----------------------------------------------------------------------------- commands
 def _cmd_train(args: argparse.Namespace) -> int:
+    from selfspec.executor.cpu import fast_matmul_dtype
     from selfspec.training.calibration import DEFAULT_EPSILONS
     from selfspec.training.pipeline import DEFAULT_TOKENS, TrainRequest, train
-    from selfspec.executor.cpu import fast_matmul_dtype
     from selfspec.training.train import TrainConfig
 
     config = TrainConfig(kind=args.kind, init=args.init, loss=args.loss,
@@ -413,7 +414,11 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 def _cmd_search_skip(args: argparse.Namespace) -> int:
     from selfspec.decoding.skip_search import SearchSettings
-    from selfspec.training.skip_search import SkipSearchRequest, check_request, search_skip
+    from selfspec.training.skip_search import (
+        SkipSearchRequest,
+        check_request,
+        search_skip,
+    )
 
     settings = SearchSettings(skip_ratio=args.skip_ratio, trials=args.trials,
                               refine_steps=args.refine_steps,
@@ -451,7 +456,7 @@ def _print_skip_set(skip_set, out=None) -> None:
 def _cmd_train_predictors(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from selfspec.training.pipeline import DataRequest, PredictorRequest, train_predictors
+    from selfspec.training.pipeline import PredictorRequest, train_predictors
     from selfspec.training.predictors import PredictorTrainConfig
 
     if args.epochs < 1:
@@ -463,16 +468,15 @@ def _cmd_train_predictors(args: argparse.Namespace) -> int:
                                num_candidates=args.k, draft_vocab=args.draft_vocab,
                                offline=args.offline, data=data,
                                config=PredictorTrainConfig(epochs=args.epochs))
-    assert isinstance(request.data, DataRequest)
     engine = _load_engine(args, args.model, args.dtype)
     outcome = train_predictors(engine, request, progress=not args.quiet)
-    _print_predictors(outcome.heads.card, outcome.evaluation)
+    _print_predictors(outcome.heads.card)
     _print_times(outcome.times)
     print(f"saved {outcome.path}")
     return 0
 
 
-def _print_predictors(card, evaluation=None, out=None) -> None:
+def _print_predictors(card, out=None) -> None:
     pc = card.predictors
     if pc is None:
         return
@@ -489,16 +493,16 @@ def _print_predictors(card, evaluation=None, out=None) -> None:
         print(f"{layer:5d}  {_f(pc.base_rate[i]):>10}  {_f(pc.accuracy[i]):>8}  "
               f"{_f(pc.precision[i]):>9}  {_f(pc.exit_frequency[i]):>10}", file=out)
     print(f"offline schedule (most frequent exits first): {pc.offline_layers}", file=out)
-    if evaluation is not None:
-        print(f"held-out, every predictor active at 0.5: token accuracy "
-              f"{evaluation.token_accuracy:.3f}, mean layers {evaluation.mean_exit_layer:.2f} "
-              f"of {card.num_layers}", file=out)
+    if pc.thresholds:
+        print("held-out, every predictor active: threshold → token accuracy, mean layers of "
+              f"{card.num_layers}", file=out)
+        for t, acc, layers in zip(pc.thresholds, pc.token_accuracy, pc.mean_layers):
+            print(f"  {t:.2f} → {_f(acc)}, {_f(layers, 2)}", file=out)
 
 
 def _cmd_train_probe(args: argparse.Namespace) -> int:
-    from selfspec.training.pipeline import DEFAULT_TOKENS, ProbeRequest, train_probe
-
     from selfspec.decoding.sampling import SamplingConfig
+    from selfspec.training.pipeline import DEFAULT_TOKENS, ProbeRequest, train_probe
 
     sampling = None
     if args.temperature != 0 or args.top_p != 1.0:
