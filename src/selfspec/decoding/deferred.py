@@ -99,6 +99,11 @@ class DeferredLayers:
             keep += 1
         del self._pending[:keep]
 
+    def release_last(self) -> None:
+        """Forget the last pending position without running its remaining layers: their KV
+        was settled another way (SpecEE's propagated or masked KV, :mod:`skipped_kv`)."""
+        del self._pending[-1]
+
     def hidden(self, index: int = -1) -> torch.Tensor:
         """``[1, 1, H]`` hidden state of the ``index``-th pending position (after the last
         layer it ran)."""

@@ -40,7 +40,6 @@ class SkippedKV(Protocol):
         fill_ms: time spent writing the skipped layers' KV (propagation), cumulative, ms.
     """
 
-    name: str
     layer_forwards: int
     layer_batches: list[int]
     fill_ms: float
@@ -60,11 +59,15 @@ class SkippedKV(Protocol):
 
 
 class DeferredKV:
-    """``deferred``: skipped layers run later, batched with the next token (exact KV)."""
+    """``deferred``: skipped layers run later, batched with the next token (exact KV).
 
-    name = "deferred"
+    The other policies reuse its layer running (:class:`DeferredLayers`) and settle the
+    skipped layers as soon as the token exits, so no position stays pending between tokens.
+    """
 
     def __init__(self, executor: LayerExecutor, cache: KVCache) -> None:
+        self.executor = executor
+        self.cache = cache
         self._deferred = DeferredLayers(executor, cache)
         self.fill_ms = 0.0
 
@@ -84,75 +87,41 @@ class DeferredKV:
         return self._deferred.hidden()
 
     def stop(self, exit_layer: int) -> None:
-        """Nothing now: the token stays pending at ``exit_layer`` until a later token needs
-        a deeper layer."""
+        """Nothing now: the token stays pending at ``exit_layer`` until a later token needs a
+        deeper layer."""
 
     def finish(self) -> None:
         self._deferred.drop_completed()
 
 
-class _DirectKV:
-    """A token runs alone, layer range by layer range; subclasses settle the skipped layers."""
-
-    name = ""
-
-    def __init__(self, executor: LayerExecutor, cache: KVCache) -> None:
-        self.executor = executor
-        self.cache = cache
-        self.layer_forwards = 0
-        self.layer_batches: list[int] = [0]
-        self.fill_ms = 0.0
-        self._hidden: torch.Tensor | None = None
-        self._positions: torch.Tensor | None = None
-        self._reached = 0
-
-    def begin(self, token_id: int, position: int) -> None:
-        ids = torch.tensor([[token_id]], device=self.executor.device)
-        self._hidden = self.executor.embed(ids)
-        self._positions = torch.tensor([[position]], device=self.executor.device)
-        self._reached = 0
-
-    def advance(self, target: int) -> torch.Tensor:
-        assert self._hidden is not None and self._positions is not None, "begin() first"
-        if target > self._reached:
-            self._hidden = self.executor.run_layers(self._hidden, self._positions,
-                                                    self._reached, target, self.cache)
-            self.layer_forwards += target - self._reached
-            self.layer_batches[0] += target - self._reached
-            self._reached = target
-        return self._hidden
+class _SettledKV(DeferredKV):
+    """Writes the skipped layers' KV when the token exits, then forgets the position."""
 
     def stop(self, exit_layer: int) -> None:
-        assert exit_layer == self._reached, "a token exits at the layer it reached"
+        assert exit_layer == self._deferred.reached(), "a token exits at the layer it reached"
         t0 = time.perf_counter()
-        self._fill(exit_layer)
+        self._fill(self._deferred.hidden(), self._deferred.position(), exit_layer)
+        self._deferred.release_last()
         self.fill_ms += (time.perf_counter() - t0) * 1e3
 
-    def _fill(self, exit_layer: int) -> None:
+    def _fill(self, hidden: torch.Tensor, position: int, exit_layer: int) -> None:
         raise NotImplementedError
 
-    def finish(self) -> None:
-        self._hidden = None
 
-
-class PropagatedKV(_DirectKV):
+class PropagatedKV(_SettledKV):
     """``propagate``: the skipped layers' K/V from the exit hidden state (CALM §3.3)."""
 
-    name = "propagate"
+    def _fill(self, hidden: torch.Tensor, position: int, exit_layer: int) -> None:
+        positions = torch.tensor([[position]], device=hidden.device)
+        self.executor.propagate_kv(hidden, positions, exit_layer, self.executor.num_layers,
+                                   self.cache)
 
-    def _fill(self, exit_layer: int) -> None:
-        self.executor.propagate_kv(self._hidden, self._positions, exit_layer,
-                                   self.executor.num_layers, self.cache)
 
-
-class MaskedKV(_DirectKV):
+class MaskedKV(_SettledKV):
     """``skip``: the skipped layers hold a masked slot; later tokens do not attend to it
     there (the public SpecEE code)."""
 
-    name = "skip"
-
-    def _fill(self, exit_layer: int) -> None:
-        position = int(self._positions[0, 0])
+    def _fill(self, hidden: torch.Tensor, position: int, exit_layer: int) -> None:
         for layer in range(exit_layer, self.executor.num_layers):
             self.cache.append_masked(layer, position)
 

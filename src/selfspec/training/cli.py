@@ -324,7 +324,7 @@ def _plots(args: argparse.Namespace, heads, path: Path) -> list[Path]:
 
 def _print_times(times) -> None:
     parts = [f"{name[:-2]} {getattr(times, name):.0f} s" for name in
-             ("corpus_s", "features_s", "train_s", "calibrate_s", "probe_s")
+             ("corpus_s", "features_s", "train_s", "calibrate_s", "probe_s", "predictors_s")
              if getattr(times, name)]
     print("wall time: " + ", ".join(parts))
 

@@ -125,6 +125,7 @@ class StageTimes:
     train_s: float = 0.0
     calibrate_s: float = 0.0
     probe_s: float = 0.0
+    predictors_s: float = 0.0
 
 
 @dataclass
@@ -650,7 +651,7 @@ def train_predictors(engine: Engine, request: PredictorRequest,
     evaluation = evaluate_predictors(predictors, eval_data, num_layers)
     sweep = [evaluate_predictors(predictors, eval_data, num_layers, t) for t in THRESHOLD_SWEEP]
     seconds = time.perf_counter() - t0
-    times.probe_s = seconds
+    times.predictors_s = seconds
     container.predictors = predictors.to(ex.device)
     container.card.predictors = PredictorCard(
         candidate_layer=layer, num_candidates=request.num_candidates, draft_vocab=size,
