@@ -11,7 +11,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from selfspec.bench.cli import add_bench_parser
+from selfspec.bench.cli import add_bench_cpu_parser, add_bench_parser
 from selfspec.errors import SelfSpecError
 from selfspec.methods.options import OptionField
 from selfspec.training.cli import add_heads_parser
@@ -178,18 +178,45 @@ def _cmd_models_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version_line() -> str:
+    import selfspec
+
+    return f"selfspec {selfspec.__version__}"
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    import platform
+
+    import torch
+    import transformers
+
+    from selfspec.executor.cpu import DTYPES, choose_formats, detect_cpu
+
+    print(f"{_version_line()} · python {platform.python_version()} · torch {torch.__version__} "
+          f"· transformers {transformers.__version__} · torch threads {torch.get_num_threads()}")
+    print(f"cpu: {detect_cpu().summary()}")
+    for name in ("bf16", "fp32"):
+        print(f"--dtype {name}: {choose_formats(DTYPES[name]).describe()}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``selfspec`` argument parser."""
     parser = argparse.ArgumentParser(
         prog="selfspec",
         description="Faster generation from a Hugging Face causal LM using its own layers.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_methods(sub)
     _add_models(sub)
     add_bench_parser(sub)
+    add_bench_cpu_parser(sub)
     add_heads_parser(sub)
+    info = sub.add_parser("info", help="versions, the CPU's abilities and the number formats "
+                                       "selfspec will use on it")
+    info.set_defaults(func=_cmd_info)
     return parser
 
 

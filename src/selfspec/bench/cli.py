@@ -166,3 +166,90 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if failed:
         print(f"failed: {', '.join(failed)} (see the table)", file=sys.stderr)
     return 1 if len(failed) == len(report.summaries) else 0
+
+
+def add_bench_cpu_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``bench-cpu`` subcommand (:mod:`selfspec.bench.formats`); returns its parser."""
+    p = subparsers.add_parser(
+        "bench-cpu", help="measure prefill, decoding, head training and batched generation "
+                          "with and without per-shape number formats on this CPU",
+        description="Measures each kind of work twice in one run: every matrix product in the "
+                    "weights' format (before) and with the automatic per-shape choice (after). "
+                    "--isa native,avx2 repeats it restricted to AVX2 kernels "
+                    "(ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2), to see on a machine "
+                    "with native bf16 what users of AVX2-only CPUs get. Writes formats-*.json "
+                    "and report.md to --out and prints the table.")
+    p.add_argument("--model", default=None,
+                   help="registry name, local directory or hub id (default: smollm2-135m-instruct)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"],
+                   help="weights' dtype (default bf16)")
+    p.add_argument("--lengths", default="256,1024,4096",
+                   help="prefill prompt lengths, comma-separated (default 256,1024,4096)")
+    p.add_argument("--decode-tokens", type=int, default=64, help="ar tokens to time (default 64)")
+    p.add_argument("--train-steps", type=int, default=2,
+                   help="heads-training steps to time per configuration (0 = skip; default 2)")
+    p.add_argument("--no-onpolicy", dest="onpolicy", action="store_false",
+                   help="skip batched on-policy generation")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--isa", default="native",
+                   help="comma-separated kernel sets to measure: native, avx2 (default native)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder (default runs/bench-cpu-<model>-<time>)")
+    p.add_argument("--json", type=Path, default=None, help=argparse.SUPPRESS)  # child runs
+    p.add_argument("--label", default="native", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_bench_cpu)
+    return p
+
+
+def cmd_bench_cpu(args: argparse.Namespace) -> int:
+    """Run ``selfspec bench-cpu``."""
+    import torch
+
+    from selfspec.bench import formats
+    from selfspec.errors import InvalidArgumentError
+
+    try:
+        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidArgumentError(f"--lengths takes integers, e.g. 256,1024; got {args.lengths!r}")
+    isas = [x.strip() for x in args.isa.split(",") if x.strip()]
+    unknown = [x for x in isas if x not in formats.ISA_ENV]
+    if unknown or not isas:
+        raise InvalidArgumentError(f"--isa takes {', '.join(formats.ISA_ENV)}; got {args.isa!r}")
+    if args.decode_tokens < 2 or args.train_steps < 0:
+        raise InvalidArgumentError("--decode-tokens must be >= 2 and --train-steps >= 0")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InvalidArgumentError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if args.json is not None:  # a child run: one ISA, this process
+        report = formats.measure(args.model, args.dtype, lengths, args.decode_tokens,
+                                 args.train_steps, args.onpolicy, isa=args.label)
+        formats.save_report(report, args.json)
+        return 0
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or Path("runs") / f"bench-cpu-{args.model or 'default'}-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    child = ["--dtype", args.dtype, "--lengths", args.lengths, "--decode-tokens",
+             str(args.decode_tokens), "--train-steps", str(args.train_steps)]
+    if args.model:
+        child += ["--model", args.model]
+    if not args.onpolicy:
+        child.append("--no-onpolicy")
+    if args.threads:
+        child += ["--threads", str(args.threads)]
+    reports = []
+    for isa in isas:
+        path = out / f"formats-{isa}.json"
+        if isa == "native" and len(isas) == 1:
+            report = formats.measure(args.model, args.dtype, lengths, args.decode_tokens,
+                                     args.train_steps, args.onpolicy, isa="native")
+            formats.save_report(report, path)
+        else:  # a fresh process: the ISA switches are read when the libraries load
+            report = formats.run_isa(isa, child, path)
+        reports.append(report)
+    table = formats.markdown(reports)
+    (out / "report.md").write_text(f"# selfspec bench-cpu\n\n{table}")
+    print(table)
+    print(f"written to {out}", file=sys.stderr)
+    return 0

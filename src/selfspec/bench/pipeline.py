@@ -206,7 +206,7 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
                    machine=collect_machine_info(), roofline=roofline, date=date,
                    command=options.command, held_out=held.describe(total),
                    in_sample=held.is_in_sample, in_sample_prompts=held.in_sample,
-                   dropped_prompts=held.dropped)
+                   dropped_prompts=held.dropped, formats=engine.executor.formats.describe())
     files = write_records(run, parity_flags(run, greedy), out_dir)
     plots = write_plots(list(methods), summaries, out_dir) if options.plots else []
     files += plots

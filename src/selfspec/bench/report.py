@@ -36,6 +36,7 @@ class MachineInfo:
         torch_threads: torch intra-op threads used for the run.
         platform: OS and architecture.
         python / torch / transformers / selfspec: versions.
+        capability: the CPU's number-format abilities (:meth:`CpuInfo.summary`).
     """
 
     cpu: str
@@ -46,6 +47,7 @@ class MachineInfo:
     torch: str
     transformers: str
     selfspec: str
+    capability: str = ""
 
 
 def _cpu_model() -> str:
@@ -63,12 +65,14 @@ def collect_machine_info() -> MachineInfo:
     import transformers
 
     import selfspec
+    from selfspec.executor.cpu import detect_cpu
 
     return MachineInfo(cpu=_cpu_model(), logical_cores=os.cpu_count() or 0,
                        torch_threads=torch.get_num_threads(),
                        platform=f"{platform.system()} {platform.release()} {platform.machine()}",
                        python=platform.python_version(), torch=torch.__version__,
-                       transformers=transformers.__version__, selfspec=selfspec.__version__)
+                       transformers=transformers.__version__, selfspec=selfspec.__version__,
+                       capability=detect_cpu().summary())
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,7 @@ class RunInfo:
         roofline: measured bandwidth and weight bytes per token (None if not measured).
         date: ISO 8601 UTC time the run started.
         command: the command line, for reproduction.
+        formats: the executor's number formats (:meth:`ComputeFormats.describe`).
         held_out: one line on how the prompts relate to the heads' training data.
         in_sample: True when prompts seen in training/calibration were kept.
         in_sample_prompts / dropped_prompts: ids of the seen prompts, and of those dropped.
@@ -103,6 +108,7 @@ class RunInfo:
     in_sample: bool = False
     in_sample_prompts: list[str] = dataclasses.field(default_factory=list)
     dropped_prompts: list[str] = dataclasses.field(default_factory=list)
+    formats: str = ""
 
 
 def now_iso() -> str:
@@ -256,13 +262,14 @@ def markdown_header(info: RunInfo) -> str:
     lines = [
         f"# selfspec bench: {info.model} on {info.dataset}"
         + (" (IN-SAMPLE)" if info.in_sample else ""), "",
-        f"- model: `{info.model}`, dtype {info.dtype}",
+        f"- model: `{info.model}`, dtype {info.dtype}"
+        + (f" ({info.formats})" if info.formats else ""),
         f"- dataset: {info.dataset}, n = {info.n} prompts, max new tokens {info.max_new_tokens}, "
         + ("greedy" if info.temperature == 0
            else f"temperature {info.temperature}"
            + (f", top-p {info.top_p}" if info.top_p < 1 else "") + f", seed {info.seed}"),
-        f"- machine: {m.cpu}, {m.logical_cores} logical cores, torch threads {m.torch_threads}, "
-        f"{m.platform}",
+        (f"- machine: {m.cpu}, {m.logical_cores} logical cores, torch threads "
+         f"{m.torch_threads}, {m.platform}" + (f"; {m.capability}" if m.capability else "")),
         f"- versions: python {m.python}, torch {m.torch}, transformers {m.transformers}, "
         f"selfspec {m.selfspec}",
     ]

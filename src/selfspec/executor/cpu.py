@@ -1,35 +1,250 @@
-"""What the processor can do, as far as dtype choice is concerned.
+"""What the processor can do, and which number format each kind of work runs in.
 
-On x86 CPUs without native bf16 instructions (``avx512_bf16`` or AMX), oneDNN emulates bf16
-matrix-matrix products at 5-7× the cost of fp32 ones, so training and verification matmuls
-should run in fp32 there; with them, bf16 is about twice as fast as fp32.
+On x86 CPUs without native bf16 instructions (``avx512_bf16`` or AMX), PyTorch emulates bf16
+matrix-matrix products: measured on a 2-thread AMD EPYC with AVX2 only, ``F.linear``
+[256×576]·[576×1536] takes 34 ms in bf16 and 4.5 ms in fp32 including the cast of the bf16
+weight to fp32, and bf16 cost grows linearly with the rows (about one matrix-vector product
+per row). One-token decoding is memory-bound, so bf16 weights still decode faster there
+(0.16 vs 0.39 ms per such matrix read from memory). Hence two formats per run
+(:class:`ComputeFormats`): the weights' own format for decoding and for everything that
+must be bit-consistent with it (verification), and the fast format for bulk matrix-matrix
+work (prefill, long blocks, training, feature extraction).
+
+Detection runs once per process (:func:`detect_cpu`): the CPU flags decide on x86; where they
+cannot (no ``/proc/cpuinfo``, other architectures) a short micro-benchmark does. The oneDNN
+and ATen switches that restrict the kernels to a lower instruction set
+(``ONEDNN_MAX_CPU_ISA=AVX2``, ``ATEN_CPU_CAPABILITY=avx2``) are honoured, so the AVX2-only
+behaviour can be reproduced on a machine with AVX-512 (``scripts/cpu_isa_compare.sh``).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
+from selfspec.errors import InvalidArgumentError
+
+logger = logging.getLogger(__name__)
+
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# Flags worth recording (x86 /proc/cpuinfo names; ARM's "bf16" feature as well).
+REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "bf16")
+# oneDNN ISA names (ONEDNN_MAX_CPU_ISA) from which bf16 matrix products are native.
+_ONEDNN_BF16_ISAS = frozenset({
+    "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16",
+    "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "AVX10_2_512",
+    "AVX10_2_512_AMX_2", "ALL", "DEFAULT"})
+# ATen capability levels that lack native bf16 dot products.
+_ATEN_NO_BF16 = frozenset({"default", "avx2", "zvector", "sve256", "vsx"})
+# A bf16 matrix product counts as native when it is at most this much slower than fp32 (the
+# micro-benchmark's verdict; emulation measures 5-8× slower).
+_BENCH_SLOWDOWN_LIMIT = 1.5
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """The processor as far as number formats are concerned.
+
+    Attributes:
+        arch: ``platform.machine()`` (``x86_64``, ``aarch64``, ...).
+        model: CPU model name (``/proc/cpuinfo``), or ``""``.
+        flags: the :data:`REPORTED_FLAGS` present, in that order.
+        aten_capability: ATen's kernel level (``torch.backends.cpu.get_cpu_capability()``:
+            ``AVX2``, ``AVX512``, ...), after any ``ATEN_CPU_CAPABILITY`` restriction.
+        onednn_max_isa: ``ONEDNN_MAX_CPU_ISA`` when set, else ``""``.
+        native_bf16: bf16 matrix-matrix products run natively (not emulated).
+        decided_by: ``"flags"`` or ``"micro-benchmark"`` (no x86 flags, or flags that say
+            native under an ISA restriction).
+    """
+
+    arch: str
+    model: str
+    flags: tuple[str, ...]
+    aten_capability: str
+    onednn_max_isa: str
+    native_bf16: bool
+    decided_by: str
+
+    def summary(self) -> str:
+        """One line, e.g. ``x86_64 AMD EPYC 7B13, AVX2 kernels, flags avx2 fma: bf16 emulated
+        (flags)``."""
+        isa = f", ONEDNN_MAX_CPU_ISA={self.onednn_max_isa}" if self.onednn_max_isa else ""
+        flags = " ".join(self.flags) or "none"
+        native = "native" if self.native_bf16 else "emulated"
+        return (f"{self.arch} {self.model or 'unknown CPU'}, {self.aten_capability} kernels"
+                f"{isa}, flags {flags}: bf16 matrix products {native} ({self.decided_by})")
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready fields."""
+        return asdict(self)
+
+
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    """CPU model name and feature flags from ``/proc/cpuinfo`` (``("", {})`` if unreadable)."""
+    model, flags = "", frozenset()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key = line.split(":", 1)[0].strip().lower()
+            if key in ("model name", "cpu model") and not model:
+                model = line.split(":", 1)[1].strip()
+            elif key in ("flags", "features") and not flags:  # x86 / ARM spelling
+                flags = frozenset(line.split(":", 1)[1].split())
+    except (OSError, IndexError):
+        pass
+    return model, flags
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of ``/proc/cpuinfo`` (empty where it is not readable)."""
+    return _cpuinfo()[1]
+
+
+def _bench_native_bf16(threads: int) -> bool:
+    """Time a [128×512]·[512×512] product in bf16 and fp32 (best of 3, ~20 ms in all)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 512, generator=gen)
+    w = torch.randn(512, 512, generator=gen)
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        xs, ws = x.to(dtype), w.to(dtype)
+        F.linear(xs, ws)  # warm-up (kernel selection, packing)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            F.linear(xs, ws)
+            times.append(time.perf_counter() - start)
+        best[dtype] = min(times)
+    ratio = best[torch.bfloat16] / max(best[torch.float32], 1e-9)
+    logger.info("bf16/fp32 matrix-product time ratio %.2f on %d threads", ratio, threads)
+    return ratio <= _BENCH_SLOWDOWN_LIMIT
+
+
+def classify(arch: str, flags: frozenset[str], onednn_max_isa: str, aten_capability: str,
+             bench: Callable[[], bool]) -> tuple[bool, str]:
+    """``(native_bf16, decided_by)`` for a processor described by its flags and the kernel
+    restrictions in force; ``bench()`` is called only where those cannot decide.
+
+    x86 with flags: native iff ``avx512_bf16`` or ``amx_bf16`` is present. Where the flags
+    say native but ``ONEDNN_MAX_CPU_ISA`` / ``ATEN_CPU_CAPABILITY`` restrict the kernels (which
+    library's bf16 path the restriction binds depends on the build), and anywhere without x86
+    flags (ARM, macOS), the micro-benchmark decides.
+    """
+    onednn = onednn_max_isa.strip().upper()
+    restricted = ((bool(onednn) and onednn not in _ONEDNN_BF16_ISAS)
+                  or aten_capability.lower() in _ATEN_NO_BF16)
+    if arch in ("x86_64", "AMD64", "i686") and flags:
+        native = bool(flags & NATIVE_BF16_FLAGS)
+        if not (native and restricted):
+            return native, "flags"
+    return bench(), "micro-benchmark"
 
 
 @lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of ``/proc/cpuinfo`` (empty where it is not readable)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+def detect_cpu() -> CpuInfo:
+    """Detect, once per process, whether this CPU multiplies bf16 matrices natively
+    (:func:`classify` on ``/proc/cpuinfo``, the environment and torch's kernel level)."""
+    arch = platform.machine()
+    model, flags = _cpuinfo()
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    aten = torch.backends.cpu.get_cpu_capability()
+    native, decided = classify(arch, flags, onednn, aten,
+                               lambda: _bench_native_bf16(torch.get_num_threads()))
+    info = CpuInfo(arch=arch, model=model, flags=tuple(f for f in REPORTED_FLAGS if f in flags),
+                   aten_capability=aten, onednn_max_isa=onednn, native_bf16=native,
+                   decided_by=decided)
+    logger.info("CPU: %s", info.summary())
+    return info
 
 
 def native_bf16() -> bool:
     """True when the CPU multiplies bf16 matrices natively (``avx512_bf16`` or AMX)."""
-    return bool(cpu_flags() & NATIVE_BF16_FLAGS)
+    return detect_cpu().native_bf16
 
 
 def fast_matmul_dtype() -> str:
     """``"bf16"`` on a CPU with native bf16, else ``"fp32"`` (emulated bf16 is slower)."""
     return "bf16" if native_bf16() else "fp32"
+
+
+@dataclass(frozen=True)
+class ComputeFormats:
+    """The number formats of one run.
+
+    Attributes:
+        weights: the weights' (and KV cache's) format; one-token decoding and every block
+            that must be bit-consistent with it (verification, deferred KV fills) compute in
+            it.
+        bulk: the format of bulk matrix-matrix work (prefill, blocks longer than the
+            verification limit, feature extraction): the weights are cast to it per call and
+            the outputs cast back, so storage and memory traffic stay in ``weights``.
+        reason: why, in words (for logs and reports).
+    """
+
+    weights: torch.dtype
+    bulk: torch.dtype
+    reason: str
+
+    @property
+    def upcast(self) -> bool:
+        """Bulk work runs in another format than the weights."""
+        return self.bulk != self.weights
+
+    def describe(self) -> str:
+        """E.g. ``weights bf16, bulk matrix products fp32 (bf16 emulated on this CPU)``."""
+        return (f"weights {DTYPE_NAMES.get(self.weights, self.weights)}, bulk matrix products "
+                f"{DTYPE_NAMES.get(self.bulk, self.bulk)} ({self.reason})")
+
+
+def choose_formats(weights: torch.dtype, device: torch.device | str = "cpu",
+                   bulk: str = "auto") -> ComputeFormats:
+    """Pick the bulk format for weights stored as ``weights`` on ``device``.
+
+    Args:
+        weights: the model's parameter dtype.
+        device: where it runs; only CPUs get a different bulk format.
+        bulk: ``"auto"`` (fp32 for bf16/fp16 weights on a CPU without native bf16, else the
+            weights' format), or ``"bf16"`` / ``"fp16"`` / ``"fp32"`` / ``"weights"`` to force.
+
+    Raises:
+        InvalidArgumentError: ``bulk`` is none of those.
+    """
+    if bulk == "weights":
+        return ComputeFormats(weights, weights, "as requested")
+    if bulk != "auto":
+        if bulk not in DTYPES:
+            raise InvalidArgumentError(
+                f"bulk compute format must be 'auto', 'weights' or one of {sorted(DTYPES)}, "
+                f"got {bulk!r}")
+        return ComputeFormats(weights, DTYPES[bulk], "as requested")
+    if torch.device(device).type != "cpu" or weights == torch.float32:
+        return ComputeFormats(weights, weights, "the weights' format")
+    if weights == torch.bfloat16 and native_bf16():
+        return ComputeFormats(weights, weights, "native bf16 on this CPU")
+    name = DTYPE_NAMES.get(weights, str(weights))
+    return ComputeFormats(weights, torch.float32, f"{name} matrix products emulated on this CPU")
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the OS can give without swapping (``MemAvailable``), or ``None`` if unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -6,6 +6,10 @@ blocked layout stream about 1.5× faster than ``F.linear`` on plain row-major we
 bf16/fp16 (measured on the 2-core dev machine: 15 vs 10 GB/s over one SmolLM2-135M token's
 weights), and give bit-identical results. fp32 keeps ``F.linear``: there the packed kernel
 rounds differently, and fp32 is the dtype used to check exactness against transformers.
+
+Bulk calls (prefill, long blocks) may compute in another format than the weights'
+(:class:`selfspec.executor.cpu.ComputeFormats`): on CPUs that emulate bf16 a cast of the
+weight to fp32 per call is 5-8× faster than the emulated bf16 product.
 """
 
 from __future__ import annotations
@@ -28,11 +32,14 @@ class Linear:
         bias: ``[N]`` or ``None``.
         pack: try packing (CPU, bf16/fp16, oneDNN available); falls back to ``F.linear``
             when the packed kernel is missing or disagrees with ``F.linear`` on a probe.
+        bulk_dtype: the format of bulk calls (``None`` = the weight's own).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool = True,
+                 bulk_dtype: torch.dtype | None = None) -> None:
         self.weight = weight
         self.bias = bias
+        self.bulk_dtype = None if bulk_dtype == weight.dtype else bulk_dtype
         self.packed: torch.Tensor | None = None
         if pack and _can_pack(weight):
             self.packed = _try_pack(weight, bias)
@@ -51,8 +58,14 @@ class Linear:
         """N."""
         return self.weight.shape[0]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``[..., K]`` → ``[..., N]``."""
+    def __call__(self, x: torch.Tensor, bulk: bool = False) -> torch.Tensor:
+        """``[..., K]`` → ``[..., N]`` in ``x``'s dtype; ``bulk=True`` computes in the bulk
+        format (not bit-consistent with the weight-format path: never for blocks that must
+        match one-token decoding)."""
+        if bulk and self.bulk_dtype is not None:
+            fmt = self.bulk_dtype
+            bias = None if self.bias is None else self.bias.to(fmt)
+            return F.linear(x.to(fmt), self.weight.to(fmt), bias).to(x.dtype)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         if x.numel() == x.shape[-1]:

@@ -205,6 +205,8 @@ class TrainingInfo:
     ``0`` = the KL was over the full vocabulary (AdaDecode §2.1); ``K > 0`` = over the ``K``
     most frequent tokens plus EOS (the rows of ``draft_vocab=K``), renormalised over them
     (our departure, for speed with large vocabularies; absent in older cards = 0).
+    ``cpu``: the CPU's number-format abilities where training ran (:meth:`CpuInfo.summary`;
+    ``""`` in older cards), which explain ``compute_dtype`` and ``seconds``.
     """
 
     loss: str
@@ -225,6 +227,7 @@ class TrainingInfo:
     max_new_tokens: int = 256
     max_len: int = 1024
     loss_vocab: int = 0
+    cpu: str = ""
 
     def loss_vocabulary(self) -> str:
         """How the KL was computed, in words (for ``selfspec heads show``)."""

@@ -245,6 +245,8 @@ def _print_card(card, metric: str = "entropy", out=None) -> None:
               + f", data {','.join(tr.data)}, {tr.train_tokens} train / {tr.eval_tokens} held-out "
               f"tokens, {tr.epochs} epochs, lr {tr.lr:g}, {tr.compute_dtype} matmuls on "
               f"{tr.feature_dtype} features, {tr.seconds:.0f} s", file=out)
+        if tr.cpu:
+            print(f"trained on: {tr.cpu}", file=out)
     if card.heads:
         print("\nlayer  agreement before → after   KL before → after   conf>0.8: share @ agreement",
               file=out)

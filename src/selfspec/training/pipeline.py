@@ -22,6 +22,7 @@ import torch
 
 from selfspec.decoding.sampling import SamplingConfig, logits_to_probs
 from selfspec.errors import InvalidArgumentError
+from selfspec.executor.cpu import detect_cpu
 from selfspec.heads.calibration import (
     CONFIDENCE_METRICS,
     check_epsilon,
@@ -232,7 +233,7 @@ def train(engine: Engine, request: TrainRequest, progress: bool = True) -> Train
         feature_dtype=dtype_label(engine.executor.dtype), init=cfg.init, seed=request.data.seed,
         seconds=result.seconds, requested_tokens=request.data.tokens,
         max_new_tokens=request.data.max_new_tokens, max_len=request.data.max_len,
-        loss_vocab=cfg.loss_vocab)
+        loss_vocab=cfg.loss_vocab, cpu=detect_cpu().summary())
     card.set_prompts(data.uses(HEAD_USES))
     card.heads = [HeadEval(a.layer, a.tokens, b.agreement, a.agreement, b.kl, a.kl,
                            a.confident_fraction, a.confident_agreement)
