@@ -213,10 +213,11 @@ def test_report_files_and_plots_are_written(tmp_path):
     md = (out / "report.md").read_text()
     for text in ("tiny-llama", "dtype fp32", "humaneval, n = 2", "max new tokens 8",
                  "torch threads", f"torch {torch.__version__}", "GB/s", "FAILED",
-                 "![speedup](speedup.png)"):
+                 "bf16 matrix products", "bulk matrix products fp32", "![speedup](speedup.png)"):
         assert text in md
     summary = json.loads((out / "summary.json").read_text())
     assert summary["run"]["machine"]["torch_threads"] == torch.get_num_threads()
+    assert summary["run"]["machine"]["capability"] and summary["run"]["formats"]
     assert summary["roofline"]["weight_bytes_per_token"] == weight_bytes_per_token(engine.model)
     assert [m["method"] for m in summary["methods"]] == list(runners)
     assert report.table == markdown_table(report.summaries)

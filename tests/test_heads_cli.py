@@ -51,6 +51,7 @@ def test_train_show_calibrate_and_probe(capsys, home, model_dir, tmp_path):
     assert (heads_dir / "epsilon.png").is_file()
     card = json.loads((heads_dir / "card.json").read_text())
     assert card["training"]["data"] == ["humaneval", "onpolicy:humaneval"]
+    assert "bf16 matrix products" in card["training"]["cpu"]  # where it trained, and how
     assert [h["layer"] for h in card["heads"]] == [2, 4]
     assert card["calibration_epsilons"] == [0.5, 0.8]
     # the card lists every prompt by use, each in the split the problem hash puts it in
