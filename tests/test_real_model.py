@@ -267,3 +267,20 @@ def test_adadecode_greedy_equals_autoregressive(engine, prompts, ar_outputs, opt
         assert result.token_ids == reference
         drafted += result.stats.drafted
     assert drafted > 0
+
+
+def test_bf16_greedy_parity_with_bulk_fp32_prefill(prompts):
+    """bf16 weights with bulk products in fp32 (the choice on CPUs that emulate bf16, forced
+    here so that it is tested on every CPU): every lossless method still gives exactly `ar`'s
+    greedy tokens, because only the prefill (shared by all) changes format."""
+    engine = selfspec.load("smollm2-135m-instruct", dtype="bf16", show_progress=False)
+    assert engine.executor.set_bulk("fp32").upcast
+    drafted = 0
+    for prompt in prompts[:2]:
+        reference = engine.generate(prompt, method="ar", max_new_tokens=NEW_TOKENS).token_ids
+        for method, options in (("layerskip", {"exit_layer": 20, "draft_len": 4}),
+                                ("dv", {"exit_layer": 22}), ("adadecode", {"heads": "none"})):
+            result = engine.generate(prompt, method=method, max_new_tokens=NEW_TOKENS, **options)
+            assert result.token_ids == reference, (method, prompt)
+            drafted += result.stats.drafted
+    assert drafted > 0
