@@ -106,11 +106,6 @@ def _cpuinfo() -> tuple[str, frozenset[str]]:
     return model, flags
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of ``/proc/cpuinfo`` (empty where it is not readable)."""
-    return _cpuinfo()[1]
-
-
 def _bench_native_bf16(threads: int) -> bool:
     """Time a [128×512]·[512×512] product in bf16 and fp32 (best of 3, ~20 ms in all)."""
     gen = torch.Generator().manual_seed(0)
