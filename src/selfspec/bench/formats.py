@@ -121,7 +121,7 @@ def measure_decode(engine: object, new_tokens: int, repeats: int = 3) -> float:
 
 def measure_train_step(engine: object, compute_dtype: str, steps: int = 3,
                        batch_tokens: int = 256, features_fp32: bool = False) -> float:
-    """Seconds per heads-training optimiser step (mean of ``steps`` after one warm-up step),
+    """Seconds per heads-training optimiser step (mean of ``steps`` after a warm-up step),
     on random hidden states shaped as the model's (the cost does not depend on the values)."""
     from selfspec.heads.modules import output_layer
     from selfspec.training.corpus import TRAIN
@@ -130,37 +130,28 @@ def measure_train_step(engine: object, compute_dtype: str, steps: int = 3,
 
     ex = engine.executor
     layers = [k * ex.num_layers // 5 for k in range(1, 5)]
-    n = batch_tokens * (steps + 1)
     gen = torch.Generator().manual_seed(0)
     dtype = torch.float32 if features_fp32 else ex.dtype
     hidden_size = engine.model.config.hidden_size
 
-    def states() -> torch.Tensor:
-        return torch.randn(n, hidden_size, generator=gen).to(dtype)
+    def random_features(n: int) -> FeatureSet:
+        def states() -> torch.Tensor:
+            return torch.randn(n, hidden_size, generator=gen).to(dtype)
 
-    features = FeatureSet(
-        hidden={layer: states() for layer in layers}, final=states(),
-        teacher_token=torch.randint(0, ex.vocab_size, (n,), generator=gen),
-        labels=torch.randint(0, ex.vocab_size, (n,), generator=gen),
-        split=torch.full((n,), TRAIN, dtype=torch.int8),
-        source=torch.zeros(n, dtype=torch.int16), sources=["random"])
+        return FeatureSet(
+            hidden={layer: states() for layer in layers}, final=states(),
+            teacher_token=torch.randint(0, ex.vocab_size, (n,), generator=gen),
+            labels=torch.randint(0, ex.vocab_size, (n,), generator=gen),
+            split=torch.full((n,), TRAIN, dtype=torch.int8),
+            source=torch.zeros(n, dtype=torch.int16), sources=["random"])
+
     config = TrainConfig(epochs=1, batch_tokens=batch_tokens, compute_dtype=compute_dtype,
                          lr=1e-4)
-    # One warm-up step is included in the run; time steps 2.. by subtraction of a 1-step run.
-    one = train_heads(output_layer(engine), _take(features, batch_tokens), layers, config,
-                      progress=False, eval_splits=())
-    many = train_heads(output_layer(engine), features, layers, config, progress=False,
-                       eval_splits=())
-    return max(many.seconds - one.seconds, 0.0) / max(many.steps - one.steps, 1)
-
-
-def _take(features: object, n: int) -> object:
-    from selfspec.training.features import FeatureSet
-
-    return FeatureSet(hidden={k: v[:n] for k, v in features.hidden.items()},
-                      final=features.final[:n], teacher_token=features.teacher_token[:n],
-                      labels=features.labels[:n], split=features.split[:n],
-                      source=features.source[:n], sources=features.sources)
+    train_heads(output_layer(engine), random_features(batch_tokens), layers, config,
+                progress=False, eval_splits=())  # warm-up step, not timed
+    timed = train_heads(output_layer(engine), random_features(batch_tokens * steps), layers,
+                        config, progress=False, eval_splits=())
+    return timed.seconds / max(timed.steps, 1)
 
 
 def measure_onpolicy(engine: object, batch: int = 16, new_tokens: int = 32) -> float:

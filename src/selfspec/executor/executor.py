@@ -178,6 +178,8 @@ class LayerExecutor:
         self._groups = self.num_heads // self.num_kv_heads
         self.row_attention_max = row_attention_max
         param = next(model.parameters())
+        self.dtype = param.dtype
+        self.device = param.device
         self._weights = [_layer_weights(layer, pack_weights) for layer in self.layers]
         self._lm_head = Linear(model.lm_head.weight, model.lm_head.bias, pack_weights)
         self.formats: ComputeFormats = self.set_bulk(bulk)
@@ -186,8 +188,6 @@ class LayerExecutor:
         self._rope_cos = torch.empty(0)
         self._rope_sin = torch.empty(0)
         self.max_positions = int(config.max_position_embeddings)
-        self.dtype = param.dtype
-        self.device = param.device
 
     def set_bulk(self, bulk: str = "auto") -> ComputeFormats:
         """Choose the bulk format again (``"auto"``, ``"weights"``, ``"bf16"``, ``"fp16"`` or
@@ -196,8 +196,7 @@ class LayerExecutor:
         Raises:
             InvalidArgumentError: an unknown format.
         """
-        param = next(self.model.parameters())
-        self.formats = choose_formats(param.dtype, param.device, bulk)
+        self.formats = choose_formats(self.dtype, self.device, bulk)
         fmt = self.formats.bulk if self.formats.upcast else None
         for w in self._weights:
             for lin in (w.qkv, w.o, w.gate_up, w.down):
@@ -255,7 +254,9 @@ class LayerExecutor:
         bsz, num_new, _ = hidden.shape
         pos0 = int(positions[0, 0])
         cos, sin = self._rope(hidden, positions)  # [B, T, 1, head_dim]
-        mask = _grouped_causal_mask(num_new, pos0 + num_new, self._groups, hidden.device)
+        # Blocks from position 0 use SDPA's is_causal and need no explicit mask.
+        mask = (_grouped_causal_mask(num_new, pos0 + num_new, self._groups, hidden.device)
+                if pos0 > 0 else None)
         skip_attn = skip.skip_attention if skip is not None else ()
         skip_mlp = skip.skip_mlp if skip is not None else ()
         bulk = self.is_bulk(pos0, num_new, bsz)
@@ -313,17 +314,18 @@ class LayerExecutor:
             visible = cache.visible(layer_idx)
             if visible is not None:
                 visible = torch.cat([visible[:pos0], visible.new_ones(num_new)])
-        # keys, values: [B, Hkv, S, hd]. Query heads sharing a KV head are stacked along the
-        # sequence axis ([B, Hkv, G*T, hd]): plain SDPA on that layout is several times
-        # faster on CPU than SDPA's own enable_gqa path.
-        if pos0 == 0 and num_new > 1 and visible is None:
-            # A block from position 0 sees only itself: plain causal attention, which SDPA's
+        if pos0 == 0 and num_new > 1:
+            # A block from position 0 sees only itself (all of it visible, as it was just
+            # computed): plain causal attention, which SDPA's
             # CPU flash kernel runs in half the time of the explicit mask (it skips the
             # masked blocks; 214 vs 494 ms for 4,096 tokens of SmolLM2-135M, one layer).
             out = F.scaled_dot_product_attention(
                 qk[:, :, :nq].transpose(1, 2), keys, values, is_causal=True,
                 scale=self.scaling, enable_gqa=groups > 1)          # [B, Hq, T, hd]
             return w.o(out.transpose(1, 2).reshape(bsz, num_new, nq * hd), bulk)
+        # keys, values: [B, Hkv, S, hd]. Query heads sharing a KV head are stacked along the
+        # sequence axis ([B, Hkv, G*T, hd]): plain SDPA on that layout is several times
+        # faster on CPU than SDPA's own enable_gqa path.
         q = qk[:, :, :nq].reshape(bsz, num_new, nkv, groups, hd).permute(0, 2, 3, 1, 4)
         if 1 < num_new <= self.row_attention_max and pos0 > 0:
             # Verification-sized blocks: one SDPA call per token, exactly the call decoding

@@ -57,9 +57,8 @@ def generate_greedy_batch(engine: Engine, prompts: Sequence[Sequence[int]],
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
                         device=device)
     out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
-                                max_new_tokens=max_new_tokens, pad_token_id=pad,
-                                eos_token_id=eos or None, temperature=None, top_p=None,
-                                top_k=None)
+                         max_new_tokens=max_new_tokens, pad_token_id=pad,
+                         eos_token_id=eos or None, temperature=None, top_p=None, top_k=None)
     stops = set(eos)
     results = []
     for row in out[:, width:].tolist():
@@ -76,8 +75,8 @@ def generation_model(engine: Engine) -> torch.nn.Module:
     """The model to run batched generation on: ``engine.model``, or a copy in the executor's
     bulk format (:attr:`LayerExecutor.formats`) when that differs and the copy fits in half
     of the available memory."""
-    formats = getattr(engine.executor, "formats", None)
-    if formats is None or not formats.upcast:
+    formats = engine.executor.formats
+    if not formats.upcast:
         return engine.model
     params = {id(p): p for p in engine.model.parameters()}.values()  # tied weights once
     need = sum(p.numel() for p in params) * formats.bulk.itemsize
