@@ -7,16 +7,16 @@ from selfspec.cli import main
 
 @pytest.mark.parametrize("argv,message", [
     (["generate", "--model", "no-such-model", "hi"], "smollm2-135m-instruct"),
-    (["generate", "--top-p", "0", "hi"], "top_p must be in (0, 1]"),
-    (["generate", "--temperature", "-1", "hi"], "temperature must be >= 0"),
-    (["generate", "--max-new-tokens", "0", "hi"], "max_new_tokens must be >= 1"),
+    (["generate", "--top-p", "0", "hi"], "--top-p: must be a finite number in (0, 1]"),
+    (["generate", "--temperature", "-1", "hi"], "--temperature: must be a finite number in [0, inf)"),
+    (["generate", "--max-new-tokens", "0", "hi"], "--max-new-tokens: must be an integer >= 1"),
     (["generate", "--method", "medusa", "hi"], "known methods: ar, layerskip, dv, adaspeed"),
     (["models", "fetch", "no-such-model"], "known"),
 ])
 def test_errors_are_one_line_with_exit_status_2(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and message in err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
 
 
 def test_models_list_names_the_registry(capsys):

@@ -425,8 +425,29 @@ def test_truncated_or_foreign_head_file_is_corrupt(executor, trained, tmp_path):
     from safetensors.torch import save_file
 
     save_file({"x": torch.zeros(2)}, str(path))
-    with pytest.raises(CorruptModelFileError, match="not a selfspec head file"):
+    with pytest.raises(CorruptModelFileError, match="not a selfspec head file") as err:
         load_heads(tmp_path, executor)
+    # A foreign safetensors file (say the model's own weights) is never to be deleted.
+    assert "delete" not in str(err.value).lower()
+
+
+def test_card_naming_a_layer_beyond_the_model_fails_at_load(executor, trained, tmp_path):
+    heads = _heads(executor, trained)
+    heads.layers[-1] = heads.card.layers[-1] = executor.num_layers + 10
+    save_heads(heads, tmp_path)
+    with pytest.raises(HeadsModelMismatchError, match=f"exit head at layer {executor.num_layers + 10}"):
+        load_heads(tmp_path, executor)
+
+
+def test_exit_layer_without_a_head_is_an_error_not_an_lm_head_draft(executor, trained, tmp_path):
+    path = save_heads(_heads(executor, trained), tmp_path)  # heads at layers 2 and 4
+    with pytest.raises(InvalidArgumentError, match=r"exit heads at layers \[2, 4\], not at exit layer 3"):
+        build_step("layerskip", executor, {"exit_layer": 3, "heads": str(path)})
+    with_head = build_step("layerskip", executor, {"exit_layer": 4, "heads": str(path)})
+    assert with_head.drafter.policy.head is not None
+    # Without exit_layer the head nearest 3/4 of the depth drafts (never the lm_head).
+    default = build_step("layerskip", executor, {"heads": str(path)})
+    assert default.drafter.policy.head is not None
 
 
 def test_missing_default_heads_say_how_to_train(executor, tmp_path, monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,14 @@ from selfspec.errors import InvalidArgumentError, PromptError
 from selfspec.executor import LayerExecutor
 from selfspec.methods.registry import MethodContext, get_method
 from selfspec.models.eos import eos_token_ids
+from selfspec.validation import (
+    check_bool,
+    check_stop,
+    check_text,
+    check_token_ids,
+    prompt_kind,
+    tensor_prompt,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,30 +71,49 @@ class SelfSpec:
     def encode(self, prompt: str | Sequence[int] | torch.Tensor, chat: bool = False) -> list[int]:
         """Token ids for ``prompt``: text (optionally through the chat template) or ids.
 
+        Args:
+            prompt: text (``str``), or token ids: a list of ints, a ``[T]`` or ``[1, T]``
+                integer tensor (torch or numpy).
+            chat: wrap text in the chat template as a user turn (text prompts only).
+
+        Returns:
+            The prompt's token ids, each in ``[0, V)``.
+
         Raises:
-            PromptError: empty prompt, or ``chat`` with a tokenizer that has no chat template.
+            PromptError: an empty prompt; text that is not valid Unicode; ``bytes`` (decode
+                them first); token ids that are not integers or lie outside the vocabulary;
+                a batch ``[B, T]`` with ``B > 1`` (one prompt at a time); ``chat`` with
+                token ids or with a tokenizer that has no chat template.
+            InvalidArgumentError: ``chat`` not a bool.
         """
-        if isinstance(prompt, torch.Tensor):
-            ids = prompt.reshape(-1).tolist()
-        elif isinstance(prompt, str):
-            if not prompt.strip():
-                raise PromptError("the prompt is empty; give some text to continue")
+        check_bool("chat", chat)
+        kind = prompt_kind(prompt)
+        if kind == "ids":
             if chat:
-                if not getattr(self.tokenizer, "chat_template", None):
-                    raise PromptError(
-                        f"model {self.name!r} has no chat template; drop --chat / chat=True")
-                ids = self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True,
-                    tokenize=True, return_dict=False)
-                if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                    ids = ids["input_ids"]
-            else:
-                ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+                raise PromptError("chat=True / --chat applies the chat template to text; "
+                                  "pass the prompt as a str, or drop chat for token ids")
+            raw = tensor_prompt(prompt) if hasattr(prompt, "shape") else list(prompt)
+            return check_token_ids(raw, self.vocab_size)
+        check_text("the prompt", prompt)
+        if not prompt.strip():
+            raise PromptError("the prompt is empty; give some text to continue")
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise PromptError(
+                    f"model {self.name!r} has no chat template; drop --chat / chat=True")
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True,
+                tokenize=True, return_dict=False)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
         else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise PromptError("the prompt is empty; give at least one token")
-        return list(ids)
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        return check_token_ids(list(ids), self.vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model can embed: ``[0, vocab_size)``."""
+        return int(self.model.get_input_embeddings().num_embeddings)
 
     @torch.inference_mode()
     def generate(self, prompt: str | Sequence[int] | torch.Tensor, method: str = "ar", *,
@@ -113,16 +141,17 @@ class SelfSpec:
             :class:`GenerationResult` with text, token ids and statistics.
 
         Raises:
-            PromptError: empty prompt, or a prompt that fills the model's context.
-            InvalidArgumentError: an option out of range or unknown to the method.
+            PromptError: see :meth:`encode`; a prompt that fills the model's context.
+            InvalidArgumentError: an argument of the wrong type or out of range (see
+                :mod:`selfspec.validation`), an option unknown to the method or out of its
+                range, an unknown method.
         """
-        if isinstance(stop, str):
-            stop = [stop]
+        stop = check_stop(stop)
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         options = DecodeOptions(max_new_tokens=max_new_tokens, sampling=sampling,
                                 eos_token_ids=self.eos_token_ids)
+        prompt_ids = self.encode(prompt, chat=chat)  # cheap checks before heads load
         step = get_method(method).make_step(self.methods, method_options)
-        prompt_ids = self.encode(prompt, chat=chat)
         sink = StopStringSink(self.tokenizer, stop, streamer)
         state = DecodeState(self.executor, prompt_ids, options, sink)
         try:
@@ -146,12 +175,19 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
         show_progress: show download/conversion progress bars.
 
     Raises:
+        InvalidArgumentError: ``model`` not a str / path, or a bad ``dtype``.
         ModelNotFoundError, ProvisioningError, UnsupportedArchitectureError: see
             :func:`selfspec.models.loading.load_model`.
     """
     from selfspec.models.loading import load_model
     from selfspec.models.registry import DEFAULT_MODEL
 
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise InvalidArgumentError(
+            f"model must be a registry name, a directory or a hub id (str); got "
+            f"{type(model).__name__}")
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
     loaded = load_model(model or DEFAULT_MODEL, dtype, show_progress=show_progress)
     return SelfSpec(loaded.model, loaded.tokenizer, loaded.name)
 

@@ -1,7 +1,8 @@
 """Command-line interface: ``selfspec generate | methods | models | bench | heads``.
 
 The CLI is the only place that prints. Errors raised on purpose (:class:`SelfSpecError`)
-are shown as one line on stderr with exit status 2, without a traceback.
+are shown as one line on stderr with exit status 2, without a traceback; any other exception
+as one line with exit status 1 (``--debug`` shows the traceback).
 """
 
 from __future__ import annotations
@@ -9,12 +10,22 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import typing
 from collections.abc import Sequence
 
 from selfspec.bench.cli import add_bench_cpu_parser, add_bench_parser
 from selfspec.errors import SelfSpecError
 from selfspec.methods.options import OptionField
 from selfspec.training.cli import add_heads_parser
+from selfspec.validation import (
+    SEED_MAX,
+    SEED_MIN,
+    check_stop,
+    check_text,
+    check_threads,
+    float_arg,
+    int_arg,
+)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -26,15 +37,15 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="registry name, local directory or Hugging Face hub id "
                         "(default: smollm2-135m-instruct)")
     p.add_argument("--method", default="ar", help="decoding method (default: ar)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = no top-k limit")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
-    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--max-new-tokens", type=int_arg(1), default=128)
+    p.add_argument("--temperature", type=float_arg(0.0), default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int_arg(0), default=0, help="0 = no top-k limit")
+    p.add_argument("--top-p", type=float_arg(0.0, 1.0, low_open=True), default=1.0, help="nucleus mass in (0, 1]")
+    p.add_argument("--seed", type=int_arg(SEED_MIN, SEED_MAX), default=None, help="seed for reproducible sampling")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=int_arg(1), default=None, help="torch intra-op threads")
     add_method_arguments(p)
     p.set_defaults(func=_cmd_generate)
 
@@ -98,7 +109,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     get_method(args.method).parse(method_options(args))
     DecodeOptions(max_new_tokens=args.max_new_tokens,
                   sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed))
-    if args.threads:
+    check_stop(args.stop)
+    check_text("the prompt", args.prompt)
+    if check_threads("--threads", args.threads):
         torch.set_num_threads(args.threads)
     engine = selfspec.load(args.model, dtype=args.dtype)
     streamer = TextStreamer(engine.tokenizer, skip_special_tokens=True)
@@ -200,12 +213,22 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (the full usage of ``generate``
+    runs to forty lines, burying the message) with a pointer to ``--help``."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``selfspec`` argument parser."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="selfspec",
         description="Faster generation from a Hugging Face causal LM using its own layers.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    parser.add_argument("--debug", action="store_true",
+                        help="debug logging, and show the traceback of any error")
     parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
@@ -221,18 +244,51 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``selfspec`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+    """Entry point of the ``selfspec`` console script; returns the exit status.
+
+    Exit status: 0 done, 1 an unexpected error (a one-line message; ``--debug`` shows the
+    traceback), 2 bad input or a known failure (:class:`SelfSpecError`, argparse usage
+    errors), 130 interrupted.
+    """
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as done:  # --help, --version, or a usage error already printed
+        return done.code if isinstance(done.code, int) else 2
+    logging.basicConfig(level=logging.DEBUG if args.debug else
+                        logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except SelfSpecError as err:
+        if args.debug:
+            raise
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of stdout went away (e.g. `| head`): not an error of ours.
+        sys.stderr.close()
+        return 1
+    except Exception as err:  # the last line of defence: one line, not a traceback
+        if args.debug:
+            raise
+        print(f"error: {_unexpected(err)}", file=sys.stderr)
+        return 1
+
+
+def _unexpected(err: BaseException) -> str:
+    """One line for an exception selfspec did not raise on purpose, with what to do."""
+    text = str(err).strip().splitlines()
+    what = f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+    if isinstance(err, MemoryError):
+        return (f"out of memory ({what}); try a smaller model, --dtype bf16, a shorter prompt "
+                "or fewer --max-new-tokens")
+    if isinstance(err, OSError):
+        return f"{what}; check the path, its permissions and the free disk space"
+    return (f"unexpected {what}. This is a bug in selfspec or an input it should have "
+            "refused: rerun with --debug for the traceback and report it")
 
 
 if __name__ == "__main__":

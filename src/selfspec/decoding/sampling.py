@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.errors import InvalidArgumentError
+from selfspec.validation import check_float, check_int, check_seed
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,9 @@ class SamplingConfig:
         seed: seed of the ``torch.Generator`` used for sampling; ``None`` = non-deterministic.
 
     Raises:
-        InvalidArgumentError: temperature < 0, top_k < 0, or top_p outside (0, 1].
+        InvalidArgumentError: temperature negative or not finite, top_k not an integer >= 0,
+            top_p outside (0, 1], seed not an integer that fits in 64 bits (bools and
+            strings are refused, not converted).
     """
 
     temperature: float = 0.0
@@ -35,16 +38,15 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise InvalidArgumentError(
-                f"temperature must be >= 0 (0 = greedy), got {self.temperature}"
-            )
-        if self.top_k < 0:
-            raise InvalidArgumentError(f"top_k must be >= 0 (0 = no limit), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidArgumentError(
-                f"top_p must be in (0, 1] (1 = no limit), got {self.top_p}"
-            )
+        # Shared by the CLI and the API (selfspec.validation): types and ranges, so that a
+        # string, a bool, NaN or an infinity never reaches torch.
+        object.__setattr__(self, "temperature", check_float(
+            "temperature", self.temperature, low=0.0, hint="0 = greedy, > 0 = sampling"))
+        object.__setattr__(self, "top_k", check_int("top_k", self.top_k, low=0,
+                                                    hint="0 = no limit"))
+        object.__setattr__(self, "top_p", check_float(
+            "top_p", self.top_p, low=0.0, low_open=True, high=1.0, hint="1 = no limit"))
+        object.__setattr__(self, "seed", check_seed(self.seed))
 
     @property
     def greedy(self) -> bool:
@@ -76,7 +78,10 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
     if config.greedy:
         raise InvalidArgumentError("greedy decoding (temperature 0) has no sampling "
                                    "distribution; use argmax or set temperature > 0")
-    logits = logits.float() / config.temperature
+    logits = logits.float()
+    # Shift so the largest logit is 0 before dividing: softmax is unchanged, and a tiny
+    # temperature (1e-45) sends the others to -inf instead of overflowing to inf - inf = NaN.
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / config.temperature
     vocab = logits.shape[-1]
     if 0 < config.top_k < vocab:
         kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]

@@ -17,6 +17,7 @@ from selfspec.decoding.sampling import SamplingConfig
 from selfspec.decoding.stats import GenerationStats
 from selfspec.errors import InvalidArgumentError, PromptError
 from selfspec.executor import KVCache, LayerExecutor
+from selfspec.validation import check_int
 
 # Called with each batch of newly committed token ids; returns True to stop generating
 # (stop strings, a user's cancel). Streaming output hangs off this too.
@@ -33,7 +34,8 @@ class DecodeOptions:
         eos_token_ids: generation ends after committing any of these ids.
 
     Raises:
-        InvalidArgumentError: ``max_new_tokens < 1``.
+        InvalidArgumentError: ``max_new_tokens`` not an integer >= 1 (bools and floats are
+            refused).
     """
 
     max_new_tokens: int = 128
@@ -41,9 +43,10 @@ class DecodeOptions:
     eos_token_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
+        check_int("max_new_tokens", self.max_new_tokens, low=1)
+        if not isinstance(self.sampling, SamplingConfig):
             raise InvalidArgumentError(
-                f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+                f"sampling must be a SamplingConfig; got {type(self.sampling).__name__}")
 
 
 class DecodeState:

@@ -316,8 +316,15 @@ class HeadFile:
 
 def _corrupt(path: Path, why: str) -> CorruptModelFileError:
     return CorruptModelFileError(
-        f"head file {path} is truncated or damaged ({why}). Delete it and train the heads again "
-        "(`selfspec heads train ...`), or restore a good copy.")
+        f"head file {path} is truncated or damaged ({why}). Train the heads again into it "
+        "(`selfspec heads train --out PATH`) or restore a good copy.")
+
+
+def _not_heads(path: Path, why: str) -> CorruptModelFileError:
+    # Not ours (e.g. the model's own model.safetensors): never advise deleting it.
+    return CorruptModelFileError(
+        f"{path} is not a selfspec head file ({why}); point --heads / heads= at a file "
+        "written by `selfspec heads train` (or 'default').")
 
 
 def read_head_file(path: str | os.PathLike) -> HeadFile:
@@ -340,9 +347,14 @@ def _read(path: Path) -> HeadFile:
             # later (cp, an editor) must not change heads and thresholds of a running process.
             tensors = {name: f.get_tensor(name).clone() for name in f.keys()}
     except (SafetensorError, OSError, RuntimeError, ValueError) as err:
-        raise _corrupt(path, str(err).splitlines()[0] if str(err) else type(err).__name__) from err
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CorruptModelFileError(
+            f"cannot read {path} as a safetensors file ({why}). If it is a selfspec head file "
+            "it is truncated or damaged: train the heads again into it (`selfspec heads train "
+            "--out PATH`) or restore a good copy; otherwise point --heads / heads= at a head "
+            "file.") from err
     if metadata.get("format") != FORMAT_TAG or "card" not in metadata:
-        raise _corrupt(path, "not a selfspec head file: the 'format'/'card' metadata is missing")
+        raise _not_heads(path, "its 'format'/'card' metadata is missing")
     try:
         card = HeadCard.from_dict(json.loads(metadata["card"]))
     except (KeyError, TypeError, ValueError) as err:
@@ -393,7 +405,32 @@ def load_heads(path: str | os.PathLike, source: object, *, check_model: bool = T
                 f"{card.fingerprint.short()}), not to the loaded model {name!r} (fingerprint "
                 f"{mine.short()}). Load model {card.model!r}, or train heads for this model with "
                 f"`selfspec heads train --model {name}`.")
+    _check_layers(card, int(_model_config(source).num_hidden_layers), target,
+                  same_depth=check_model)
     return _build(raw, out, target)
+
+
+def _check_layers(card: HeadCard, num_layers: int, target: Path, same_depth: bool) -> None:
+    """Every exit layer the card names (heads, probes, predictors) lies in ``[1, L-1]`` of the
+    model the heads are loaded for, so a bad card fails at load time, not mid-generation.
+
+    Raises:
+        HeadsModelMismatchError: a layer outside the model, or a card written for a model of
+            another depth.
+    """
+    named = {"exit head": list(card.layers),
+             "probe": [p.exit_layer for p in card.probes]}
+    if card.predictors is not None:
+        named["predictor"] = [*card.predictors.layers, card.predictors.candidate_layer]
+    bad = [f"{what} at layer {layer}" for what, layers in named.items() for layer in layers
+           if not 1 <= layer <= num_layers - 1]
+    if (same_depth and card.num_layers != num_layers) or bad:
+        raise HeadsModelMismatchError(
+            f"the card of {target} is for a {card.num_layers}-layer model"
+            + (f" and names {', '.join(bad)}" if bad else "")
+            + f", but the loaded model has {num_layers} layers (exit layers 1..{num_layers - 1}). "
+            f"Load the model the heads were trained for ({card.model!r}), or train heads for "
+            "this one with `selfspec heads train`.")
 
 
 def _build(raw: HeadFile, out: OutputLayer, target: Path) -> ExitHeads:

@@ -192,8 +192,9 @@ def _search_hint(model: str, path: str | os.PathLike) -> str:
 # ------------------------------------------------------------------------------- read
 def _corrupt(path: Path, why: str, model: str) -> CorruptModelFileError:
     return CorruptModelFileError(
-        f"skip-set file {path} is truncated or damaged ({why}). Delete it and search again "
-        f"with {_search_hint(model, path)}, or restore a good copy.")
+        f"{path} is not a readable skip-set file ({why}). If it is one, search again into it "
+        f"with {_search_hint(model, path)} or restore a good copy; otherwise point "
+        "--skip-set at a file written by `selfspec heads search-skip`.")
 
 
 def read_skip_set(path: str | os.PathLike, model: str | None = None) -> SkipSet:

@@ -18,7 +18,7 @@ from selfspec.methods.options import option
 
 EXIT_LAYER_HELP = "layers the draft runs: layers [0, exit_layer)"
 HEADS_HELP = ("exit heads: 'default' (from `selfspec heads train`) or a head file/directory; "
-              "drafts use the head at exit_layer when there is one")
+              "drafts use the head at exit_layer (an error if there is none)")
 DRAFT_VOCAB_HELP = ("draft heads score only the K most frequent tokens (ranked by the heads' "
                     "token counts; needs heads), FR-Spec §3")
 
@@ -28,7 +28,7 @@ class ExitOptions:
     """Options of every early-exit drafter."""
 
     exit_layer: int | None = option(None, EXIT_LAYER_HELP, low=1, high="L-1",
-                                    default_text="3/4 of the depth")
+                                    default_text="3/4 depth / nearest head")
     heads: str | None = option(None, HEADS_HELP, default_text="none (the model's lm_head)")
     draft_vocab: int | None = option(None, DRAFT_VOCAB_HELP, low=1, high="V",
                                      default_text="none (full vocabulary)")
@@ -59,11 +59,13 @@ def build_exit_step(context: MethodContext, options: ExitOptions, stop_rule: Sto
         HeadsNotFoundError: a missing head or probe file.
     """
     ex = context.executor
-    layer = default_exit_layer(ex) if options.exit_layer is None else options.exit_layer
     trained = context.heads(options.heads) if options.heads is not None else None
-    # Trained heads: draft with the exit head at this layer when there is one, else with the
-    # model's own final norm + lm_head.
-    head = trained.head_at(layer) if trained is not None and layer in trained.layers else None
+    layer = options.exit_layer
+    if layer is None:
+        layer = default_exit_layer(ex)
+        if trained is not None and trained.layers:
+            layer = min(trained.layers, key=lambda h: (abs(h - layer), -h))
+    head = _exit_head(trained, layer, options.heads, probe)
     greedy_probe = sampled_probe = None
     if probe:
         greedy_probe, sampled_probe = _probes(context, trained, layer, head is not None)
@@ -74,6 +76,29 @@ def build_exit_step(context: MethodContext, options: ExitOptions, stop_rule: Sto
     drafter = EarlyExitDrafter(ex, layer, stop_rule, head=head, scorer=greedy_probe,
                                vocab=vocab, sampled_scorer=sampled_probe, restricted=restricted)
     return SpeculativeStep(drafter)
+
+
+def _exit_head(trained: Any, layer: int, path: str | None, probe: bool) -> Any:
+    """The exit head the draft uses at ``layer``: the file's head there, or ``None`` (the
+    model's own final norm + ``lm_head``) when the file holds no heads at all (probes only),
+    or holds a probe at ``layer`` trained on ``lm_head`` drafts for a probe method.
+
+    Raises:
+        InvalidArgumentError: the file has heads but none at ``layer``: drafting with the
+            model's ``lm_head`` instead would silently be another method.
+    """
+    if trained is None or not trained.layers:
+        return None
+    if layer in trained.layers:
+        return trained.head_at(layer)
+    if probe and any(c.exit_layer == layer and c.draft_head == "lm_head"
+                     for c in trained.card.probes):
+        return None
+    raise InvalidArgumentError(
+        f"the heads in {path!r} have exit heads at layers {trained.layers}, not at exit layer "
+        f"{layer}; choose --exit-layer (exit_layer=) among {trained.layers}, train a head there "
+        f"(`selfspec heads train --layers {layer}`), or drop --heads to draft with the model's "
+        "own lm_head")
 
 
 def _probes(context: MethodContext, trained: Any, layer: int, exit_head: bool) -> tuple:

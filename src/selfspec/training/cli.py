@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from selfspec.errors import InvalidArgumentError
+from selfspec.validation import SEED_MAX, SEED_MIN, float_arg, int_arg
 
 _EPS_SHOWN = (0.6, 0.7, 0.8, 0.9, 0.95)
 
@@ -44,11 +45,11 @@ def _add_data_args(p: argparse.ArgumentParser, what: str | None = None) -> None:
                         "+ reference text; onpolicy:DATASET = the model's own greedy answers "
                         f"(default: {what}; the card records every prompt used, and "
                         "selfspec bench drops those prompts from its runs)")
-    g.add_argument("--tokens", type=int, default=None,
+    g.add_argument("--tokens", type=int_arg(1), default=None,
                    help="scored training tokens over all sources; held-out calibration and test "
                         f"text add 25%% each (default: {DEFAULT_TOKENS})")
-    g.add_argument("--max-new-tokens", type=int, default=256, help="on-policy answer length cap")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=int_arg(1), default=256, help="on-policy answer length cap")
+    g.add_argument("--seed", type=int_arg(SEED_MIN, SEED_MAX), default=0)
 
 
 def _add_model_args(p: argparse.ArgumentParser, required: bool) -> None:
@@ -57,7 +58,7 @@ def _add_model_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
                    help="backbone dtype (default bf16, the default decoding dtype; calibrate: "
                         "the dtype the heads were trained with)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=int_arg(1), default=None, help="torch intra-op threads")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -79,14 +80,14 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--loss", default="kl", choices=["kl", "ce", "hybrid"])
     t.add_argument("--kl-direction", default="forward", choices=["forward", "reverse"],
                    help="forward = KL(final || head) (default), reverse = KL(head || final)")
-    t.add_argument("--alpha", type=float, default=0.5, help="CE weight of the hybrid loss")
-    t.add_argument("--loss-vocab", type=int, default=0, metavar="K",
+    t.add_argument("--alpha", type=float_arg(0.0, 1.0), default=0.5, help="CE weight of the hybrid loss")
+    t.add_argument("--loss-vocab", type=int_arg(0), default=0, metavar="K",
                    help="compute the KL over the K tokens the model emits most often on the "
                         "training text (plus EOS), renormalised: the rows of --draft-vocab K, "
                         "at K/V of the cost; 0 = the full vocabulary (default, AdaDecode §2.1)")
-    t.add_argument("--epochs", type=int, default=3)
-    t.add_argument("--lr", type=float, default=None, help="peak Adam learning rate")
-    t.add_argument("--batch-tokens", type=int, default=256)
+    t.add_argument("--epochs", type=int_arg(1), default=3)
+    t.add_argument("--lr", type=float_arg(0.0, low_open=True), default=None, help="peak Adam learning rate")
+    t.add_argument("--batch-tokens", type=int_arg(1), default=256)
     t.add_argument("--compute-dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="dtype of the training matmuls (parameters stay fp32); auto = bf16 on "
                         "a CPU with native bf16 (avx512_bf16/AMX), else fp32 (emulated bf16 "
@@ -125,16 +126,16 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
 
     pr = sub.add_parser("train-probe", help="train an AdaSPEED acceptance probe (§II.B)")
     _add_model_args(pr, required=True)
-    pr.add_argument("--exit-layer", type=int, required=True)
+    pr.add_argument("--exit-layer", type=int_arg(1), required=True)
     pr.add_argument("--heads", default=None,
                     help="head file whose head at the exit layer drafts (the probe is saved "
                          "into it); default: lm_head drafting, saved under <model>/probes/")
     pr.add_argument("--out", default=None, help="where to save an lm_head probe")
-    pr.add_argument("--temperature", type=float, default=0.0,
+    pr.add_argument("--temperature", type=float_arg(0.0), default=0.0,
                     help="0 = a probe for greedy decoding (default); > 0 = a probe for sampled "
                          "decoding, trained on the expected acceptance of speculative sampling "
                          "at this temperature and --top-p (AdaSPEED Table I's top-p rows)")
-    pr.add_argument("--top-p", type=float, default=1.0, help="nucleus mass of a sampled probe")
+    pr.add_argument("--top-p", type=float_arg(0.0, 1.0, low_open=True), default=1.0, help="nucleus mass of a sampled probe")
     _add_data_args(pr)
     pr.set_defaults(func=_cmd_train_probe)
 
@@ -145,16 +146,16 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     pp.add_argument("--heads", default="default",
                     help="head file whose head drafts the candidates; the predictors are saved "
                          "into it (default: the model's default heads)")
-    pp.add_argument("--candidate-layer", type=int, default=None,
+    pp.add_argument("--candidate-layer", type=int_arg(1), default=None,
                     help="exit layer of the candidate head (default: the deepest head in the "
                          "first half of the layers, else the shallowest)")
-    pp.add_argument("--k", type=int, default=4, help="speculative tokens per step (4 in the paper)")
-    pp.add_argument("--draft-vocab", type=int, default=16384,
+    pp.add_argument("--k", type=int_arg(1), default=4, help="speculative tokens per step (4 in the paper)")
+    pp.add_argument("--draft-vocab", type=int_arg(0), default=16384,
                     help="candidates = the head's top-k over the K most frequent tokens (0 = full "
                          "vocabulary)")
-    pp.add_argument("--offline", type=int, default=None,
+    pp.add_argument("--offline", type=int_arg(1), default=None,
                     help="offline layer-set size (default round(L/4), as SpecEE's 8 of 32)")
-    pp.add_argument("--epochs", type=int, default=30)
+    pp.add_argument("--epochs", type=int_arg(1), default=30)
     _add_data_args(pp, "stdlib,gsm")
     pp.set_defaults(func=_cmd_train_predictors)
 
@@ -181,20 +182,21 @@ def _add_search_skip_parser(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated datasets whose calibration-split prompts are used "
                         f"(default: {DEFAULT_SKIP_DATA}; the file records every prompt used, "
                         "and selfspec bench drops those prompts from its runs)")
-    g.add_argument("--prompts", type=int, default=req.prompts, help="calibration prompts")
-    g.add_argument("--max-new-tokens", type=int, default=req.max_new_tokens,
+    g.add_argument("--prompts", type=int_arg(1), default=req.prompts, help="calibration prompts")
+    g.add_argument("--max-new-tokens", type=int_arg(1), default=req.max_new_tokens,
                    help="greedy continuation per prompt: the scored positions")
-    g.add_argument("--window", type=int, default=req.window,
+    g.add_argument("--window", type=int_arg(1), default=req.window,
                    help="positions scored per read-only window (the draft length mirrored)")
     s = k.add_argument_group("search")
-    s.add_argument("--skip-ratio", type=float, default=cfg.skip_ratio,
+    s.add_argument("--skip-ratio", type=float_arg(0.0, 1.0, low_open=True, high_open=True),
+                   default=cfg.skip_ratio,
                    help="share of the sub-layers skipped (first and last layer always kept)")
-    s.add_argument("--trials", type=int, default=cfg.trials, help="random skip sets first")
-    s.add_argument("--refine-steps", type=int, default=cfg.refine_steps,
+    s.add_argument("--trials", type=int_arg(1), default=cfg.trials, help="random skip sets first")
+    s.add_argument("--refine-steps", type=int_arg(0), default=cfg.refine_steps,
                    help="stop the local search after this many swaps in a row without a gain")
-    s.add_argument("--max-evaluations", type=int, default=cfg.max_evaluations,
+    s.add_argument("--max-evaluations", type=int_arg(1), default=cfg.max_evaluations,
                    help="skip sets scored in all")
-    s.add_argument("--seed", type=int, default=cfg.seed)
+    s.add_argument("--seed", type=int_arg(SEED_MIN, SEED_MAX), default=cfg.seed)
     k.add_argument("--out", default=None, help=".json file or directory "
                                                "(default: $SELFSPEC_HOME/heads/<model>/swift-skip.json)")
     k.set_defaults(func=_cmd_search_skip)

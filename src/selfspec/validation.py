@@ -1,0 +1,268 @@
+"""Checks of user input at the boundary (CLI and Python API share them).
+
+Every public entry point validates its arguments here before any work starts, so a bad value
+is an :class:`~selfspec.errors.InvalidArgumentError` (or :class:`~selfspec.errors.PromptError`)
+that names the argument, its valid range and what was given — never a traceback from deep
+inside torch, and never a silently reinterpreted value (``True`` read as ``1``, a ``[2, T]``
+batch flattened into one prompt, bytes read as token ids).
+
+Method options are checked by their ``Options`` dataclasses
+(:mod:`selfspec.methods.options`); this module covers what every generation takes: the
+prompt, the token budget, sampling settings, stop strings, threads.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+from selfspec.errors import InvalidArgumentError, PromptError
+
+# torch.Generator.manual_seed takes any value representable in 64 bits, signed or not.
+SEED_MIN = -(1 << 63)
+SEED_MAX = (1 << 64) - 1
+
+
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer that is not a bool (``True`` is not layer 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None,
+              hint: str = "") -> int:
+    """``value`` as an ``int``, checked to be an integer (not a bool, not a float) in
+    ``[low, high]``.
+
+    Raises:
+        InvalidArgumentError: wrong type or out of range; the message names ``name``.
+    """
+    if not is_int(value) or (low is not None and value < low) or (
+            high is not None and value > high):
+        raise InvalidArgumentError(
+            f"{name} must be an integer{_range(low, high)}{_hint(hint)}; got {value!r}".lstrip())
+    return int(value)
+
+
+def check_float(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+                low_open: bool = False, high_open: bool = False, hint: str = "") -> float:
+    """``value`` as a finite ``float`` in the range given (bounds inclusive unless ``*_open``).
+    ints are accepted; bools, strings, NaN and infinities are not.
+
+    Raises:
+        InvalidArgumentError: wrong type, not finite, or out of range.
+    """
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if ok:
+        value = float(value)
+        ok = math.isfinite(value)
+        if ok and low is not None:
+            ok = value > low if low_open else value >= low
+        if ok and high is not None:
+            ok = value < high if high_open else value <= high
+    if not ok:
+        left = "(" if low_open or low is None else "["
+        right = ")" if high_open or high is None else "]"
+        where = "" if low is None and high is None else (
+            f" in {left}{'-inf' if low is None else _num(low)}, "
+            f"{'inf' if high is None else _num(high)}{right}")
+        raise InvalidArgumentError(
+            f"{name} must be a finite number{where}{_hint(hint)}; got {value!r}".lstrip())
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a bool.
+
+    Raises:
+        InvalidArgumentError: anything else (``"yes"``, ``1``, ``None``).
+    """
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{name} must be True or False; got {value!r}")
+    return value
+
+
+def check_seed(seed: Any) -> int | None:
+    """A sampling seed: ``None`` or an integer that fits in 64 bits.
+
+    Raises:
+        InvalidArgumentError: a float, a string, or an integer beyond 64 bits.
+    """
+    if seed is None:
+        return None
+    return check_int("seed", seed, low=SEED_MIN, high=SEED_MAX,
+                     hint="it seeds torch.Generator, which takes 64-bit values")
+
+
+def check_threads(name: str, threads: Any) -> int | None:
+    """A thread count: ``None`` (keep torch's setting) or an integer >= 1.
+
+    Raises:
+        InvalidArgumentError: 0, a negative number or a non-integer.
+    """
+    if threads is None:
+        return None
+    return check_int(name, threads, low=1, hint="omit it to keep torch's default")
+
+
+def check_stop(stop: Any) -> tuple[str, ...]:
+    """Stop strings: one string or a sequence of non-empty strings.
+
+    Raises:
+        InvalidArgumentError: an empty string (it would stop before the first token), a
+            non-string item, or a value that is not a string or a sequence of strings.
+    """
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, Sequence) or isinstance(items, (bytes, bytearray)):
+        raise InvalidArgumentError(
+            f"stop must be a string or a list of strings; got {type(stop).__name__}")
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise InvalidArgumentError(
+                f"every stop string must be non-empty text; got {item!r}")
+        check_text("a stop string", item)
+    return tuple(items)
+
+
+def check_text(what: str, text: str) -> str:
+    """``text`` if it can be encoded as UTF-8 (no lone surrogates, which is what invalid
+    bytes on a command line become in Python).
+
+    Raises:
+        PromptError: ``text`` holds characters no tokenizer can encode.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise PromptError(
+            f"{what} is not valid text: the character at position {err.start} "
+            f"({text[err.start]!r}) is not Unicode (invalid UTF-8 bytes?); pass UTF-8 text"
+        ) from None
+    return text
+
+
+def check_token_ids(ids: Sequence[Any], vocab_size: int) -> list[int]:
+    """Token ids as a list of ints, each in ``[0, vocab_size)``.
+
+    Raises:
+        PromptError: an item that is not an integer (floats, bools, nested lists) or an id
+            outside the vocabulary; the message gives its position.
+    """
+    out = []
+    for i, t in enumerate(ids):
+        if not is_int(t):
+            raise PromptError(
+                f"token ids must be integers; item {i} is {t!r} ({type(t).__name__}). Pass "
+                "text as a str, or a list / 1-D integer tensor of token ids")
+        if not 0 <= t < vocab_size:
+            raise PromptError(
+                f"token id {t} at position {i} is outside the vocabulary [0, {vocab_size})")
+        out.append(int(t))
+    if not out:
+        raise PromptError("the prompt is empty; give at least one token")
+    return out
+
+
+def tensor_prompt(prompt: Any) -> list[Any]:
+    """The token ids of a ``[T]`` or ``[1, T]`` integer tensor (torch or numpy).
+
+    Raises:
+        PromptError: a float or bool tensor, a batch ``[B, T]`` with ``B > 1`` (one prompt at
+            a time), or another shape.
+    """
+    dtype = str(prompt.dtype)
+    if "int" not in dtype or dtype.startswith("torch.bool"):
+        raise PromptError(
+            f"a tensor prompt must hold integer token ids; got dtype {dtype}")
+    shape = tuple(prompt.shape)
+    if len(shape) == 2 and shape[0] > 1:
+        raise PromptError(
+            f"a prompt tensor of shape {list(shape)} is a batch of {shape[0]} prompts; "
+            "batches are not supported yet: generate one prompt at a time ([T] or [1, T])")
+    if len(shape) == 2:
+        return prompt.reshape(-1).tolist()
+    if len(shape) != 1:
+        raise PromptError(
+            f"a prompt tensor must have shape [T] or [1, T]; got {list(shape)}")
+    return prompt.tolist()
+
+
+def prompt_kind(prompt: Any) -> str:
+    """``"text"`` or ``"ids"`` for a prompt the API takes.
+
+    Raises:
+        PromptError: ``bytes`` (decode them first), ``None``, a number or another type.
+    """
+    if isinstance(prompt, str):
+        return "text"
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise PromptError(
+            "a bytes prompt is ambiguous (text or token ids?): decode it to str "
+            "(prompt.decode('utf-8')) or pass a list of token ids")
+    if hasattr(prompt, "dtype") and hasattr(prompt, "shape"):
+        return "ids"
+    if isinstance(prompt, Sequence):
+        return "ids"
+    raise PromptError(
+        f"the prompt must be text (str), a list of token ids or a 1-D integer tensor; got "
+        f"{type(prompt).__name__}")
+
+
+def _range(low: int | None, high: int | None) -> str:
+    if low is None and high is None:
+        return ""
+    if high is None:
+        return f" >= {low}"
+    if low is None:
+        return f" <= {high}"
+    return f" in [{low}, {high}]"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _hint(hint: str) -> str:
+    return f" ({hint})" if hint else ""
+
+
+def int_arg(low: int | None = None, high: int | None = None):
+    """An argparse ``type=`` that parses an integer in ``[low, high]``, so a bad value is a
+    usage error at parse time (exit status 2) before anything is loaded."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        try:
+            return check_int("", value, low=low, high=high)
+        except InvalidArgumentError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    parse.__name__ = "int"  # argparse names the type in its messages
+    return parse
+
+
+def float_arg(low: float | None = None, high: float | None = None, *, low_open: bool = False,
+              high_open: bool = False):
+    """An argparse ``type=`` for a finite number in the range given (see :func:`check_float`)."""
+    import argparse
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        try:
+            return check_float("", value, low=low, high=high, low_open=low_open,
+                               high_open=high_open)
+        except InvalidArgumentError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    parse.__name__ = "float"
+    return parse
