@@ -159,27 +159,41 @@ def _cmd_methods(args: argparse.Namespace) -> int:
 
 
 def _add_models(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("models", help="list or fetch registry models")
+    p = sub.add_parser("models", help="list, fetch or verify registry models")
     msub = p.add_subparsers(dest="models_cmd", required=True)
-    ls = msub.add_parser("list", help="list registry models and whether they are cached")
+    ls = msub.add_parser("list", help="list registry models and whether they are cached and intact "
+                                      "(checked as a load checks them)")
     ls.set_defaults(func=_cmd_models_list)
     fetch = msub.add_parser("fetch", help="download, verify and convert a registry model")
     fetch.add_argument("name")
     fetch.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     fetch.add_argument("--force", action="store_true", help="fetch again even if cached")
     fetch.set_defaults(func=_cmd_models_fetch)
+    verify = msub.add_parser(
+        "verify", help="hash every file of the cached entries against their manifests (exit status 1 if one "
+                       "is corrupt) and remove what interrupted fetches left behind")
+    verify.add_argument("names", nargs="*", metavar="NAME", help="registry models to check (default: all cached)")
+    verify.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="check only this dtype's entries")
+    verify.set_defaults(func=_cmd_models_verify)
 
 
 def _cmd_models_list(args: argparse.Namespace) -> int:
     from selfspec.models.common import dtype_name
-    from selfspec.models.provision import cached_dtypes
+    from selfspec.models.integrity import Depth, check_entry
+    from selfspec.models.provision import cached_dtypes, entry_dir
     from selfspec.models.registry import DEFAULT_MODEL, REGISTRY
 
     for name, spec in REGISTRY.items():
-        cached = [dtype_name(d) for d in cached_dtypes(name)]
+        groups: dict[str, list[str]] = {"cached": [], "corrupt": []}
+        for dtype in cached_dtypes(name):
+            status = check_entry(entry_dir(name, dtype), Depth.LOAD).status
+            label = dtype_name(dtype) + (" (unverified)" if status == "unverified" else "")
+            groups["corrupt" if status == "corrupt" else "cached"].append(label)
+        state = "; ".join(f"{key}: {', '.join(labels)}" for key, labels in groups.items() if labels)
+        if groups["corrupt"]:
+            state += " (see `selfspec models verify`)"
         mark = " (default)" if name == DEFAULT_MODEL else ""
-        state = f"cached: {', '.join(cached)}" if cached else "not fetched"
-        print(f"{name}{mark}\t{spec.architecture}, {spec.num_layers} layers\t{state}")
+        print(f"{name}{mark}\t{spec.architecture}, {spec.num_layers} layers\t{state or 'not fetched'}")
     return 0
 
 
@@ -189,6 +203,34 @@ def _cmd_models_fetch(args: argparse.Namespace) -> int:
     path = fetch(args.name, args.dtype, force=args.force)
     print(path)
     return 0
+
+
+def _cmd_models_verify(args: argparse.Namespace) -> int:
+    from selfspec.models.common import dtype_name, parse_dtype
+    from selfspec.models.integrity import Depth, check_entry, fetch_command
+    from selfspec.models.provision import cached_dtypes, clean_leftovers, entry_dir
+    from selfspec.models.registry import REGISTRY, get_spec
+
+    names = [get_spec(n).name for n in args.names] or list(REGISTRY)
+    corrupt = 0
+    for name in names:
+        for path in clean_leftovers(name):
+            print(f"removed {path} (left behind by an interrupted fetch or a replaced entry)")
+        dtypes = [d for d in cached_dtypes(name) if args.dtype is None or d is parse_dtype(args.dtype)]
+        if not dtypes and args.names:
+            print(f"{name}\t{args.dtype or '-'}\tnot fetched")
+        for dtype in dtypes:
+            check = check_entry(entry_dir(name, dtype), Depth.FULL)
+            if check.status == "corrupt":
+                corrupt += 1
+                problems = "; ".join(p.describe() for p in check.problems)
+                line = f"corrupt: {problems}; run `{fetch_command(name, dtype)}`"
+            elif check.status == "unverified":
+                line = f"unverified: no file hashes (fetched by an older selfspec); run `{fetch_command(name, dtype)}`"
+            else:
+                line = f"ok ({len(check.records or ())} files, {sum(r.size for r in check.records or ()) / 1e6:.0f} MB)"
+            print(f"{name}\t{dtype_name(dtype)}\t{line}")
+    return 1 if corrupt else 0
 
 
 def _version_line() -> str:

@@ -19,14 +19,21 @@ import torch
 from huggingface_hub import constants as hub_constants
 from huggingface_hub.errors import EntryNotFoundError
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from selfspec.errors import (
     CorruptModelFileError,
     ModelNotFoundError,
+    SelfSpecError,
 )
-from selfspec.models import provision
+from selfspec.models import integrity, provision
 from selfspec.models.common import (
     check_config,
     check_model_type,
@@ -64,8 +71,13 @@ class LoadedModel:
     dtype: torch.dtype
 
 
-def read_config(model_dir: Path, source: str) -> PretrainedConfig:
+def read_config(model_dir: Path, source: str, repair_hint: str | None = None) -> PretrainedConfig:
     """Read and check ``model_dir/config.json`` without touching the weights.
+
+    Args:
+        model_dir: the model directory.
+        source: model name used in messages.
+        repair_hint: what to tell the user when the config is missing (default: what a model directory is).
 
     Raises:
         ModelNotFoundError: no readable ``config.json``.
@@ -75,9 +87,8 @@ def read_config(model_dir: Path, source: str) -> PretrainedConfig:
     try:
         raw = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise ModelNotFoundError(
-            f"{source}: cannot read {config_path} ({err}); a model directory is one written by save_pretrained"
-        ) from err
+        hint = repair_hint or "a model directory is one written by save_pretrained"
+        raise ModelNotFoundError(f"{source}: cannot read {config_path} ({err}); {hint}") from err
     # Check the type before AutoConfig, which rejects types transformers does not know with a vaguer message.
     check_model_type(raw.get("model_type"), source)
     config = AutoConfig.from_pretrained(model_dir)
@@ -123,7 +134,7 @@ def load_model_dir(
     *,
     name: str | None = None,
     show_progress: bool = True,
-    corrupt_hint: str | None = None,
+    repair_hint: str | None = None,
 ) -> LoadedModel:
     """Load a ``save_pretrained`` directory (safetensors weights + tokenizer), checking the config first.
 
@@ -133,7 +144,9 @@ def load_model_dir(
         name: name recorded in the result (default: the directory).
         show_progress: unused for local safetensors loads (seconds at most, so no bar);
             kept for a uniform signature.
-        corrupt_hint: what to tell the user when the weights are unreadable (default: re-save them).
+        repair_hint: what to tell the user when a file is missing or unreadable (default: advice
+            for a user's own directory, i.e. re-save it with save_pretrained; a registry entry
+            passes the command that fetches it again).
 
     Raises:
         ModelNotFoundError: no config.json, no safetensors weights, or no tokenizer in ``model_dir``.
@@ -141,14 +154,15 @@ def load_model_dir(
         CorruptModelFileError: the safetensors files are truncated or unreadable.
     """
     source = name or str(model_dir)
-    config = read_config(model_dir, source)
+    config = read_config(model_dir, source, repair_hint)
     if not any(model_dir.glob("*.safetensors")):
-        raise ModelNotFoundError(
-            f"{source}: no *.safetensors weights in {model_dir}. selfspec never loads pickled weights "
-            "(pytorch_model.bin); re-save the model with model.save_pretrained(dir) to write safetensors."
+        hint = repair_hint or (
+            "selfspec never loads pickled weights (pytorch_model.bin); re-save the model with "
+            "model.save_pretrained(dir) to write safetensors"
         )
-    tokenizer = _load_tokenizer(model_dir, source)
-    hint = corrupt_hint or f"re-save the model to {model_dir} with save_pretrained"
+        raise ModelNotFoundError(f"{source}: no *.safetensors weights in {model_dir}; {hint}.")
+    tokenizer = _load_tokenizer(model_dir, source, repair_hint)
+    hint = repair_hint or f"re-save the model to {model_dir} with save_pretrained"
     try:
         with transformers_progress(False):
             model = AutoModelForCausalLM.from_pretrained(
@@ -161,29 +175,54 @@ def load_model_dir(
     return LoadedModel(model=model, tokenizer=tokenizer, name=source, path=model_dir, dtype=dtype)
 
 
-def _load_tokenizer(model_dir: Path, source: str) -> PreTrainedTokenizerBase:
+def _load_tokenizer(model_dir: Path, source: str, repair_hint: str | None) -> PreTrainedTokenizerBase:
     """The tokenizer saved beside the model; ModelNotFoundError if there is none."""
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, TypeError) as err:
-        raise ModelNotFoundError(
-            f"{source}: no usable tokenizer in {model_dir} ({err}); save one there with tokenizer.save_pretrained(dir)"
-        ) from err
+        hint = repair_hint or "save one there with tokenizer.save_pretrained(dir)"
+        raise ModelNotFoundError(f"{source}: no usable tokenizer in {model_dir} ({err}); {hint}") from err
 
 
 def _load_registry_model(name: str, dtype: torch.dtype, show_progress: bool) -> LoadedModel:
-    """Load a registry model from the cache, casting a float32 entry or fetching when ``dtype`` is missing."""
+    """Load a registry model from the cache, casting a float32 entry or fetching when ``dtype`` is missing.
+
+    The entry's files are checked against its manifest first (:func:`integrity.require_intact`),
+    and everything is read from the version the entry pointed at when the load began. If that
+    version was replaced by a concurrent ``fetch --force`` and deleted before its files were
+    opened, the load starts once more on the new version.
+
+    Raises:
+        CorruptModelFileError: a file of the entry is missing or differs from its record.
+        ModelNotFoundError: an entry without recorded hashes lacks a file.
+        ProvisioningError: the entry had to be fetched and the fetch failed.
+    """
     if provision.is_cached(name, dtype):
-        entry = provision.entry_dir(name, dtype)
+        entry_dtype, link = dtype, provision.entry_dir(name, dtype)
     elif provision.is_cached(name, torch.float32):
         # Casting the float32 entry gives the same weights a fresh conversion would (one rounding from
         # the de-quantised float32 values), without downloading again.
         logger.info("%s: no %s cache entry; casting the float32 entry", name, dtype_name(dtype))
-        entry = provision.entry_dir(name, torch.float32)
+        entry_dtype, link = torch.float32, provision.entry_dir(name, torch.float32)
     else:
-        entry = provision.fetch(name, dtype, show_progress=show_progress)
-    hint = f"delete {entry} and run `selfspec models fetch {name}`"
-    return load_model_dir(entry, dtype, name=name, show_progress=show_progress, corrupt_hint=hint)
+        entry_dtype, link = dtype, provision.fetch(name, dtype, show_progress=show_progress)
+    entry = provision.pinned_entry(link)
+    try:
+        return _load_entry(entry, name, dtype, entry_dtype, show_progress)
+    except SelfSpecError:
+        if provision.pinned_entry(link) == entry:  # not replaced meanwhile: a real problem
+            raise
+    logger.info("%s: the cache entry was replaced while it was being loaded; loading the new one", name)
+    return _load_entry(provision.pinned_entry(link), name, dtype, entry_dtype, show_progress)
+
+
+def _load_entry(
+    entry: Path, name: str, dtype: torch.dtype, entry_dtype: torch.dtype, show_progress: bool
+) -> LoadedModel:
+    """Check the registry entry ``entry`` (``name`` in ``entry_dtype``) against its manifest, then load it in ``dtype``."""
+    integrity.require_intact(entry, name, entry_dtype)
+    hint = f"run `{integrity.fetch_command(name, entry_dtype)}` to fetch it again"
+    return load_model_dir(entry, dtype, name=name, show_progress=show_progress, repair_hint=hint)
 
 
 def _load_hub_model(repo_id: str, dtype: torch.dtype, show_progress: bool) -> LoadedModel:

