@@ -277,6 +277,21 @@ def test_overwrite_removes_the_stale_files_of_a_run_with_other_methods(engine, t
     assert json.loads((out / RUN_FILE).read_text())["settings"]["methods"] == ["ar"]
 
 
+def test_results_of_a_run_without_a_journal_are_refused_then_overwritten(engine, tmp_path):
+    """Folders written before the journal existed: only known output names, no run.json."""
+    out = tmp_path / "out"
+    (out / "specbench").mkdir(parents=True)
+    for name in ("records.jsonl", "summary.json", "report.md", "speedup.png",
+                 "specbench/dv.jsonl"):
+        (out / name).write_text("old")
+    with pytest.raises(InvalidArgumentError, match="already holds selfspec bench results; "
+                                                   "pass --overwrite"):
+        _bench(engine, out)
+    _bench(engine, out, overwrite=True)
+    assert sorted(p.name for p in (out / "specbench").iterdir()) == ["ar.jsonl", SKIP_FILE]
+    assert not (out / "speedup.png").exists() and len(_lines(out / "records.jsonl")) == 10
+
+
 @pytest.mark.parametrize("foreign", ["notes.txt", "specbench/README", "data/x.csv"])
 def test_a_folder_with_foreign_files_is_never_wiped(engine, tmp_path, foreign):
     out = tmp_path / "out"
