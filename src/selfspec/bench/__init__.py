@@ -2,5 +2,6 @@
 
 spec (method specs, sweeps) → runners (selfspec methods, hf-* baselines) → harness
 (warm-up, interleaved runs) → accuracy → metrics → report / plots; ``pipeline`` wires
-them, ``cli`` is the command. The core never imports this package.
+them, ``outdir`` keeps the output folder (journal, resume, no silent overwrite), ``cli``
+is the command. The core never imports this package.
 """

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
+import signal
 import sys
+from collections.abc import Iterator
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -64,6 +68,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="prompts each method generates for before timing (default 1)")
     p.add_argument("--out", type=Path, default=None,
                    help="output directory (default: out/bench/MODEL-DATASET-TIME)")
+    p.add_argument("--resume", type=Path, default=None, metavar="DIR",
+                   help="continue the interrupted run saved in DIR (in place of --out): repeat "
+                        "its options; generations it finished are not run again")
+    p.add_argument("--overwrite", action="store_true",
+                   help="with --out: replace the folder's previous selfspec bench outputs "
+                        "(refused if it holds other files); without it a non-empty --out is "
+                        "refused")
     p.add_argument("--no-accuracy", dest="score", action="store_false",
                    help="skip HumanEval / GSM / --prompts reference scoring of the outputs")
     p.add_argument("--bandwidth-mib", type=int, default=512,
@@ -111,12 +122,22 @@ def _prompts(args: argparse.Namespace, dataset: str) -> list:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Run the benchmark; prints the table on stdout and the progress bar on stderr."""
+    """Run the benchmark; prints the table on stdout and the progress bar on stderr.
+
+    On Ctrl-C (or SIGTERM) or a crash, says where the finished generations are and how to
+    resume, then lets the exception through.
+    """
     import torch
     from tqdm import tqdm
 
     import selfspec
-    from selfspec.bench.pipeline import BenchOptions, run_benchmark
+    from selfspec.bench import outdir
+    from selfspec.bench.pipeline import (
+        BenchOptions,
+        output_mode,
+        run_benchmark,
+        run_identity,
+    )
     from selfspec.bench.plots import require_matplotlib
     from selfspec.bench.report import ensure_writable
     from selfspec.data.promptfile import file_label
@@ -133,39 +154,118 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.threads is not None and args.threads < 1:
         raise InvalidArgumentError(f"--threads must be >= 1, got {args.threads}")
+    if args.resume is not None and args.out is not None:
+        raise InvalidArgumentError("--resume DIR names the output folder; drop --out")
+    if args.overwrite and args.out is None:
+        raise InvalidArgumentError("--overwrite needs --out DIR (the default output folder is "
+                                   "always a new one)")
     if args.plots:
         require_matplotlib()
     dataset = args.dataset if args.prompts is None else file_label(args.prompts)
     prompts = _prompts(args, dataset)
     model = args.model or DEFAULT_MODEL
-    out = args.out or Path("out", "bench", "{}-{}-{}".format(
-        Path(model).name, dataset.replace(":", "-"), datetime.now().strftime("%Y%m%d-%H%M%S")))
-    ensure_writable(out)
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = selfspec.load(model, dtype=args.dtype)
+    out = args.resume or args.out
     options = BenchOptions(
-        dataset=dataset, max_new_tokens=args.max_new_tokens, out_dir=out,
+        dataset=dataset, max_new_tokens=args.max_new_tokens, out_dir=out or Path(),
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, warmup_prompts=args.warmup,
         score=args.score, bandwidth_mib=args.bandwidth_mib, plots=args.plots,
         command="selfspec " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "",
-        allow_in_sample=args.allow_in_sample)
-    warm = min(args.warmup, len(prompts)) * len(methods)
-    with tqdm(total=warm + len(prompts) * len(methods), desc="bench", unit="gen",
-              file=sys.stderr, dynamic_ncols=True) as bar:
+        allow_in_sample=args.allow_in_sample, resume=args.resume is not None,
+        overwrite=args.overwrite)
+    if out is None:  # a new folder, never one another run took
+        out = outdir.claim_new_dir(Path("out", "bench", "{}-{}-{}".format(
+            Path(model).name, dataset.replace(":", "-"),
+            datetime.now().strftime("%Y%m%d-%H%M%S"))))
+        options = replace(options, out_dir=out)
+    else:
+        identity = run_identity(model, args.dtype, methods, prompts, options)
+        outdir.check_out_dir(out, output_mode(options), identity)
+        ensure_writable(out)
+    engine = selfspec.load(model, dtype=args.dtype)
+    started = False
+    with tqdm(total=None, desc="bench", unit="gen", file=sys.stderr,
+              dynamic_ncols=True) as bar:
         def progress(event) -> None:
+            nonlocal started
+            if event.phase == "start":
+                started = True
+                bar.reset(total=event.total)
+                return
             if event.phase == "score":
                 return
             bar.set_postfix_str(f"{event.phase} {event.method} {event.prompt_id}", refresh=False)
             bar.update(1)
 
-        report = run_benchmark(engine, methods, prompts, options, progress=progress)
+        try:
+            with _sigterm_as_interrupt():
+                report = run_benchmark(engine, methods, prompts, options, progress=progress)
+        except BaseException:
+            if started:
+                bar.close()
+                _say_how_to_resume(out, args)
+            raise
     print(report.table, end="")
     failed = [s.method for s in report.summaries if s.failed]
     print(f"\nreport: {out / 'report.md'}  ({len(report.files)} files in {out})", file=sys.stderr)
+    if len(report.info.sessions) > 1:
+        print(f"resumed: {len(report.info.sessions)} processes made this run; their timings "
+              "are mixed (see report.md)", file=sys.stderr)
     if failed:
         print(f"failed: {', '.join(failed)} (see the table)", file=sys.stderr)
     return 1 if len(failed) == len(report.summaries) else 0
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt while benchmarking, so ``kill`` also leaves the
+    partial report (main thread only; the previous handler is restored)."""
+    def interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _say_how_to_resume(out: Path, args: argparse.Namespace) -> None:
+    from selfspec.bench import outdir
+
+    try:
+        saved = outdir.read_saved_run(out)
+    except Exception:  # noqa: BLE001 - a hint must not hide the real error
+        saved = None
+    if saved is None:
+        return
+    done = f"{len(saved.records)} of {saved.planned} generations"
+    print(f"\nstopped: {done} finished; they are saved in {out} ({outdir.JOURNAL_FILE}, and a "
+          "partial records.jsonl, summary.json and report.md)", file=sys.stderr)
+    if sys.argv[1:2] == ["bench"]:
+        argv = _without_out_flags(sys.argv[2:])
+        command = "selfspec bench " + shlex.join([*argv, "--resume", str(out)])
+    else:
+        command = f"selfspec bench <the same options> --resume {shlex.quote(str(out))}"
+    print(f"continue with: {command}", file=sys.stderr)
+
+
+def _without_out_flags(argv: list[str]) -> list[str]:
+    """``argv`` without ``--out``/``--resume`` (and their values) and ``--overwrite``."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--out", "--resume"):
+            skip = True
+        elif arg != "--overwrite" and not arg.startswith(("--out=", "--resume=")):
+            kept.append(arg)
+    return kept
 
 
 def add_bench_cpu_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

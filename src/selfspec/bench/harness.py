@@ -5,6 +5,10 @@ sampling settings and model for every method; warm-up runs are not recorded; met
 interleaved prompt by prompt (A B C A B C ...) so drift of the machine (thermal, other
 processes) hits all of them alike. A method that raises is marked failed and skipped from
 then on; the others go on.
+
+Crash safety: each record and failure goes to a :class:`RecordSink` (the run folder's
+journal) as soon as it happens, and a run can start from the results of an earlier process
+of the same run, skipping the (method, prompt) pairs it finished.
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from selfspec.bench.runners import EncodedPrompt, RunOutput, Runner, RunSettings
+from selfspec.bench.runners import EncodedPrompt, Runner, RunOutput, RunSettings
 
 logger = logging.getLogger(__name__)
 
@@ -50,19 +55,30 @@ class PromptRecord:
 
 @dataclass(frozen=True)
 class ProgressEvent:
-    """Reported after each generation (warm-up included).
+    """Reported after each generation (warm-up included), and once before the first.
 
     Attributes:
-        phase: ``"warmup"`` or ``"run"``.
-        method: the method's label.
-        prompt_id: the prompt's id.
+        phase: ``"start"`` (before anything runs), ``"warmup"``, ``"run"`` or ``"score"``.
+        method: the method's label (``""`` for ``"start"``).
+        prompt_id: the prompt's id (``""`` for ``"start"``).
         failed: True when this generation raised (the method is skipped from now on).
+        total: for ``"start"``: the generations this call will run, warm-ups included
+            (pairs an earlier process finished are not counted).
     """
 
     phase: str
     method: str
     prompt_id: str
     failed: bool = False
+    total: int = 0
+
+
+class RecordSink(Protocol):
+    """Told of each result the moment it exists (e.g. a journal on disk)."""
+
+    def record(self, record: PromptRecord) -> None: ...
+
+    def failure(self, method: str, message: str) -> None: ...
 
 
 @dataclass
@@ -88,7 +104,8 @@ def _describe(err: BaseException) -> str:
 
 def run_bench(runners: Sequence[Runner], prompts: Sequence[EncodedPrompt], settings: RunSettings,
               *, warmup_prompts: int = 1, warmup_tokens: int = 32,
-              progress: Callable[[ProgressEvent], None] | None = None) -> BenchRun:
+              progress: Callable[[ProgressEvent], None] | None = None,
+              run: BenchRun | None = None, sink: RecordSink | None = None) -> BenchRun:
     """Run every method on every prompt, interleaved, after a warm-up.
 
     Args:
@@ -100,52 +117,76 @@ def run_bench(runners: Sequence[Runner], prompts: Sequence[EncodedPrompt], setti
         warmup_tokens: ``max_new_tokens`` of the warm-up generations (at most
             ``settings.max_new_tokens``).
         progress: called after each generation (e.g. to advance a progress bar).
+        run: the results of an earlier process of the same run, filled in place: its
+            (method, prompt) pairs are skipped, its failed methods stay failed, and methods
+            with nothing left to run are neither set up nor warmed up. If this call raises
+            (``KeyboardInterrupt`` included), ``run`` holds everything that finished.
+        sink: told of each record and failure as it happens.
 
     Returns:
-        The records and the failures.
+        The records (in run order: prompt by prompt, methods in order) and the failures.
     """
-    result = BenchRun(methods=[r.config.label for r in runners],
-                      lossless={r.config.label: r.lossless for r in runners})
+    labels = [r.config.label for r in runners]
+    result = run if run is not None else BenchRun(methods=labels)
+    result.methods = labels
+    result.lossless = {r.config.label: r.lossless for r in runners}
+    done = {(r.method, r.prompt_id) for r in result.records}
+    todo = [r for r in runners if r.config.label not in result.failures
+            and any((r.config.label, p.id) not in done for p in prompts)]
+    warm = min(warmup_prompts, len(prompts))
+    if progress:
+        left = sum((r.config.label, p.id) not in done for r in todo for p in prompts)
+        progress(ProgressEvent("start", "", "", total=left + warm * len(todo)))
     alive: list[Runner] = []
-    for runner in runners:
+    for runner in todo:
         try:
             runner.setup()
             alive.append(runner)
         except Exception as err:  # noqa: BLE001 - any failure marks this one method failed
-            _fail(result, runner, err, "setup")
+            _fail(result, sink, runner, err, "setup")
     warmup = RunSettings(min(warmup_tokens, settings.max_new_tokens), settings.temperature,
-                         settings.seed)
-    for prompt in prompts[:warmup_prompts]:
+                         settings.seed, settings.top_p)
+    for prompt in prompts[:warm]:
         for runner in list(alive):
-            ok = _try_run(result, runner, prompt, warmup, "warm-up") is not None
+            ok = _try_run(result, sink, runner, prompt, warmup, "warm-up") is not None
             if not ok:
                 alive.remove(runner)
             if progress:
                 progress(ProgressEvent("warmup", runner.config.label, prompt.id, not ok))
     for index, prompt in enumerate(prompts):
         for runner in list(alive):
-            output = _try_run(result, runner, prompt, settings, f"prompt {prompt.id}")
+            if (runner.config.label, prompt.id) in done:
+                continue
+            output = _try_run(result, sink, runner, prompt, settings, f"prompt {prompt.id}")
             if output is None:
                 alive.remove(runner)
             else:
-                result.records.append(PromptRecord(runner.config.label, prompt.id, index,
-                                                   len(prompt.ids), output))
+                record = PromptRecord(runner.config.label, prompt.id, index, len(prompt.ids),
+                                      output)
+                result.records.append(record)
+                if sink:
+                    sink.record(record)
             if progress:
                 progress(ProgressEvent("run", runner.config.label, prompt.id, output is None))
+    order = {label: i for i, label in enumerate(labels)}
+    result.records.sort(key=lambda r: (r.prompt_index, order.get(r.method, len(order))))
     return result
 
 
-def _fail(result: BenchRun, runner: Runner, err: Exception, where: str) -> None:
+def _fail(result: BenchRun, sink: RecordSink | None, runner: Runner, err: Exception,
+          where: str) -> None:
     label = runner.config.label
     result.failures[label] = f"{where}: {_describe(err)}"
+    if sink:
+        sink.failure(label, result.failures[label])
     logger.warning("method %s failed in %s: %s", label, where, _describe(err),
                    exc_info=logger.isEnabledFor(logging.DEBUG))
 
 
-def _try_run(result: BenchRun, runner: Runner, prompt: EncodedPrompt, settings: RunSettings,
-             where: str) -> RunOutput | None:
+def _try_run(result: BenchRun, sink: RecordSink | None, runner: Runner, prompt: EncodedPrompt,
+             settings: RunSettings, where: str) -> RunOutput | None:
     try:
         return runner.run(prompt, settings)
     except Exception as err:  # noqa: BLE001 - any failure marks this one method failed
-        _fail(result, runner, err, where)
+        _fail(result, sink, runner, err, where)
         return None

@@ -2,11 +2,16 @@
 
 The CLI (``selfspec bench``) parses arguments and loads the model, then calls
 :func:`run_benchmark`; tests call it with a tiny model, a scripted runner factory or a fake
-clock.
+clock. Each generation is journaled in the output folder as it finishes
+(:mod:`selfspec.bench.outdir`): an interrupted run leaves its finished generations and a
+partial report, and ``resume`` finishes it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +25,13 @@ from selfspec.bench import accuracy
 from selfspec.bench.harness import BenchRun, ProgressEvent, run_bench
 from selfspec.bench.heldout import check_held_out
 from selfspec.bench.metrics import MethodSummary, parity_flags, summarize
+from selfspec.bench.outdir import (
+    OutputMode,
+    RunFolder,
+    RunIdentity,
+    check_out_dir,
+    open_run_folder,
+)
 from selfspec.bench.plots import require_matplotlib, write_plots
 from selfspec.bench.report import (
     RunInfo,
@@ -30,9 +42,16 @@ from selfspec.bench.report import (
     now_iso,
     write_records,
     write_summary,
+    write_text_atomic,
 )
 from selfspec.bench.roofline import Roofline, measure_bandwidth, weight_bytes_per_token
-from selfspec.bench.runners import Clock, EncodedPrompt, Runner, RunSettings, make_runner
+from selfspec.bench.runners import (
+    Clock,
+    EncodedPrompt,
+    Runner,
+    RunSettings,
+    make_runner,
+)
 from selfspec.bench.spec import MethodConfig
 from selfspec.data import Prompt
 from selfspec.errors import InvalidArgumentError
@@ -48,7 +67,8 @@ class BenchOptions:
         dataset: dataset name, or a prompt file's ``file:<stem>`` label (for the header and
             the accuracy scorer).
         max_new_tokens: per prompt (>= 1).
-        out_dir: where the files go (created; must be writable).
+        out_dir: where the files go (created; must be writable; must be missing or empty
+            unless ``resume`` or ``overwrite``).
         temperature: 0 = greedy; > 0 = sampling, seeded with ``seed``.
         seed: sampling seed.
         top_p: nucleus mass when sampling (1 = off).
@@ -60,6 +80,10 @@ class BenchOptions:
         command: the command line, recorded in the report.
         allow_in_sample: keep prompts that a method's heads, thresholds or probes saw (the
             run is labelled in-sample); by default they are dropped (:mod:`.heldout`).
+        resume: continue the interrupted run saved in ``out_dir`` (the settings must match
+            the saved ones); the (method, prompt) pairs it finished are not run again.
+        overwrite: remove ``out_dir``'s previous benchmark outputs first (refused when it
+            holds files a benchmark run does not write).
     """
 
     dataset: str
@@ -75,6 +99,8 @@ class BenchOptions:
     plots: bool = True
     command: str = ""
     allow_in_sample: bool = False
+    resume: bool = False
+    overwrite: bool = False
 
 
 @dataclass
@@ -109,6 +135,41 @@ def encode_prompts(engine: SelfSpec, prompts: Sequence[Prompt]) -> list[EncodedP
         PromptError: a chat dataset on a model without a chat template, an empty prompt.
     """
     return [EncodedPrompt(p.id, engine.encode(p.text, chat=p.chat)) for p in prompts]
+
+
+def output_mode(options: BenchOptions) -> OutputMode:
+    """What ``options`` ask to do with an existing output folder.
+
+    Raises:
+        InvalidArgumentError: both ``resume`` and ``overwrite``.
+    """
+    if options.resume and options.overwrite:
+        raise InvalidArgumentError("--resume continues the run saved in a folder and "
+                                   "--overwrite replaces it; pass one of them")
+    if options.resume:
+        return OutputMode.RESUME
+    return OutputMode.OVERWRITE if options.overwrite else OutputMode.NEW
+
+
+def run_identity(model: str, dtype: str, methods: Sequence[MethodConfig],
+                 prompts: Sequence[Prompt], options: BenchOptions,
+                 run_prompts: Sequence[Prompt] | None = None) -> RunIdentity:
+    """The settings a resumed run must share with the saved one.
+
+    Args:
+        model: the model as asked for (``engine.name``); dtype: ``"bf16"``, ``"fp32"``, ...
+        methods / prompts / options: as given to :func:`run_benchmark`.
+        run_prompts: the prompts left after the held-out check (None: not known yet).
+    """
+    digest = hashlib.sha256(json.dumps([[p.id, p.text, p.chat] for p in prompts]).encode())
+    return RunIdentity(
+        model=model, dtype=dtype, dataset=options.dataset, prompts=tuple(p.id for p in prompts),
+        prompts_sha256=digest.hexdigest(), methods=tuple(m.label for m in methods),
+        max_new_tokens=options.max_new_tokens, temperature=float(options.temperature),
+        top_p=float(options.top_p), seed=options.seed, warmup_prompts=options.warmup_prompts,
+        warmup_tokens=options.warmup_tokens, allow_in_sample=options.allow_in_sample,
+        torch_threads=torch.get_num_threads(),
+        run_prompts=None if run_prompts is None else tuple(p.id for p in run_prompts))
 
 
 def _assistant_loader(dtype: torch.dtype) -> Callable[[str], torch.nn.Module]:
@@ -156,9 +217,16 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
     are dropped first, or kept and labelled with ``options.allow_in_sample``
     (:func:`selfspec.bench.heldout.check_held_out`).
 
+    Each generation is appended to ``journal.jsonl`` in ``options.out_dir`` as it finishes.
+    If the run stops early (``KeyboardInterrupt``, any exception), the exception propagates
+    after ``run.json`` is marked interrupted and partial ``records.jsonl``, ``summary.json``
+    and ``report.md`` are written from what finished; ``options.resume`` continues it.
+
     Raises:
         InvalidArgumentError: no methods or prompts, every prompt in-sample, the output
-            directory is not writable.
+            directory is not writable, is not empty (without ``resume`` / ``overwrite``),
+            holds foreign files (``overwrite``), holds no unfinished run or one with other
+            settings (``resume``), or another process is writing it.
         PromptError: a prompt the model cannot take (e.g. chat prompts without a chat template).
         MissingDependencyError: ``options.plots`` and matplotlib is not installed (checked first).
     """
@@ -166,6 +234,7 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
         raise InvalidArgumentError("no methods to benchmark")
     if not prompts:
         raise InvalidArgumentError("no prompts to benchmark on")
+    mode = output_mode(options)
     if options.plots:
         require_matplotlib()
     held = check_held_out(prompts, options.dataset, methods, engine.name, options.allow_in_sample)
@@ -178,13 +247,16 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
             f"all {len(prompts)} prompts were seen in training or calibration by "
             f"{', '.join(held.files)}; pick other prompts (--seed, --dataset, --prompts), "
             "heads trained on other data, or pass --allow-in-sample for an in-sample run")
+    out_dir = Path(options.out_dir)
+    dtype = dtype_label(engine.model.dtype)
+    identity = run_identity(engine.name, dtype, methods, prompts, options, held.prompts)
+    check_out_dir(out_dir, mode, identity)  # refused before any measurement
+    ensure_writable(out_dir)
     total, prompts = len(prompts), held.prompts
-    out_dir = ensure_writable(Path(options.out_dir))
-    date = now_iso()
     encoded = encode_prompts(engine, prompts)
     if runner_factory is None:
         loader = _assistant_loader(engine.model.dtype)
-        runner_factory = lambda m: make_runner(engine, m, clock, loader)  # noqa: E731
+        runner_factory = lambda m: make_runner(engine, m, clock, loader)
     runners = [runner_factory(m) for m in methods]
     roofline = None
     if options.bandwidth_mib > 0:
@@ -194,27 +266,64 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
                     roofline.tokens_per_s)
     settings = RunSettings(options.max_new_tokens, options.temperature, options.seed,
                            options.top_p)
-    run = run_bench(runners, encoded, settings, warmup_prompts=options.warmup_prompts,
-                    warmup_tokens=options.warmup_tokens, progress=progress)
-    if options.score:
-        score_outputs(run, prompts, options.dataset, progress)
+    machine = collect_machine_info()
     greedy = options.temperature == 0
-    summaries = summarize(run, greedy=greedy, roofline=roofline)
-    info = RunInfo(model=engine.name, dtype=dtype_label(engine.model.dtype),
-                   dataset=options.dataset, n=len(prompts), max_new_tokens=options.max_new_tokens,
-                   temperature=options.temperature, seed=options.seed, top_p=options.top_p,
-                   machine=collect_machine_info(), roofline=roofline, date=date,
-                   command=options.command, held_out=held.describe(total),
-                   in_sample=held.is_in_sample, in_sample_prompts=held.in_sample,
-                   dropped_prompts=held.dropped, formats=engine.executor.formats.describe())
-    files = write_records(run, parity_flags(run, greedy), out_dir)
-    plots = write_plots(list(methods), summaries, out_dir) if options.plots else []
-    files += plots
-    files.append(write_summary(info, summaries, out_dir))
-    report_path = out_dir / "report.md"
-    report_path.write_text(markdown_report(info, summaries, plots))
-    files.append(report_path)
+    planned = len(methods) * len(prompts)
+    with open_run_folder(out_dir, mode, identity, planned=planned, command=options.command,
+                         started=now_iso()) as folder:
+        run = BenchRun(methods=[m.label for m in methods],
+                       records=list(folder.previous.records),
+                       failures=dict(folder.previous.failures))
+
+        def header(status: str) -> RunInfo:
+            return RunInfo(
+                model=engine.name, dtype=dtype, dataset=options.dataset, n=len(prompts),
+                max_new_tokens=options.max_new_tokens, temperature=options.temperature,
+                seed=options.seed, top_p=options.top_p, machine=machine, roofline=roofline,
+                date=folder.sessions[0], command=options.command, held_out=held.describe(total),
+                in_sample=held.is_in_sample, in_sample_prompts=held.in_sample,
+                dropped_prompts=held.dropped, formats=engine.executor.formats.describe(),
+                status=status, generations=len(run.records), planned=planned,
+                sessions=list(folder.sessions))
+
+        try:
+            run_bench(runners, encoded, settings, warmup_prompts=options.warmup_prompts,
+                      warmup_tokens=options.warmup_tokens, progress=progress, run=run,
+                      sink=folder)
+            if options.score:
+                score_outputs(run, prompts, options.dataset, progress)
+            summaries = summarize(run, greedy=greedy, roofline=roofline)
+            info = header("complete")
+            files = write_records(run, parity_flags(run, greedy), out_dir)
+            plots = write_plots(list(methods), summaries, out_dir) if options.plots else []
+            files += plots
+            files.append(write_summary(info, summaries, out_dir))
+            files.append(write_text_atomic(out_dir / "report.md",
+                                           markdown_report(info, summaries, plots)))
+        except BaseException:
+            _save_partial(folder, run, header("interrupted"), greedy, roofline)
+            raise
+        folder.set_status("complete")
     table = markdown_table(summaries)
     if held.is_in_sample:
         table += f"\n{held.describe(total)}\n"
     return BenchReport(info, run, summaries, table, files)
+
+
+def _save_partial(folder: RunFolder, run: BenchRun, info: RunInfo, greedy: bool,
+                  roofline: Roofline | None) -> None:
+    """Mark the run interrupted and write the report files of what finished (unscored: the
+    scorer may have stopped half way)."""
+    try:
+        folder.set_status("interrupted")
+        unscored = dataclasses.replace(
+            run, records=[dataclasses.replace(r, correct=None) for r in run.records])
+        summaries = summarize(unscored, greedy=greedy, roofline=roofline)
+        write_records(unscored, parity_flags(unscored, greedy), folder.path)
+        write_summary(info, summaries, folder.path)
+        write_text_atomic(folder.path / "report.md", markdown_report(info, summaries, []))
+    except Exception as err:  # noqa: BLE001 - the journal already holds every record
+        logger.warning("could not write the partial report in %s: %s (journal.jsonl holds "
+                       "every finished generation)", folder.path, err)
+    logger.info("run interrupted after %d of %d generations; they are saved in %s",
+                   info.generations, info.planned, folder.path)

@@ -14,7 +14,7 @@ import os
 import platform
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,8 @@ import torch
 from selfspec.bench.harness import BenchRun, PromptRecord
 from selfspec.bench.metrics import MethodSummary
 from selfspec.bench.roofline import Roofline
+from selfspec.bench.runners import RunOutput
+from selfspec.decoding.plan_log import PlanRecord
 from selfspec.errors import InvalidArgumentError
 
 
@@ -90,6 +92,10 @@ class RunInfo:
         held_out: one line on how the prompts relate to the heads' training data.
         in_sample: True when prompts seen in training/calibration were kept.
         in_sample_prompts / dropped_prompts: ids of the seen prompts, and of those dropped.
+        status: ``"complete"``, or ``"interrupted"`` for the partial report of a run that
+            stopped early (no accuracy, no plots).
+        generations / planned: generations recorded, and planned (methods × prompts).
+        sessions: ISO start times of the processes that ran it (more than one: resumed).
     """
 
     model: str
@@ -109,11 +115,20 @@ class RunInfo:
     in_sample_prompts: list[str] = dataclasses.field(default_factory=list)
     dropped_prompts: list[str] = dataclasses.field(default_factory=list)
     formats: str = ""
+    status: str = "complete"
+    generations: int = 0
+    planned: int = 0
+    sessions: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def partial(self) -> bool:
+        """True for the report of an interrupted run."""
+        return self.status != "complete"
 
 
 def now_iso() -> str:
     """The current UTC time, ISO 8601, to the second."""
-    return datetime.now(timezone.utc).replace(microsecond=0).isoformat()
+    return datetime.now(UTC).replace(microsecond=0).isoformat()
 
 
 def ensure_writable(out_dir: Path) -> Path:
@@ -132,6 +147,15 @@ def ensure_writable(out_dir: Path) -> Path:
             f"cannot write benchmark results to {out_dir}: {err.strerror or err}; "
             "pass --out with a writable directory") from None
     return out_dir
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    """Write ``path`` through a temporary file renamed over it, so a crash leaves the old
+    file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
 
 
 def record_json(record: PromptRecord, matches_ar: bool | None) -> dict[str, Any]:
@@ -155,24 +179,45 @@ def record_json(record: PromptRecord, matches_ar: bool | None) -> dict[str, Any]
     }
 
 
+def record_from_json(data: dict[str, Any]) -> PromptRecord:
+    """The record a :func:`record_json` line holds (``matches_ar`` is not kept: it is
+    recomputed from the whole run).
+
+    Raises:
+        KeyError, TypeError, ValueError: ``data`` is not such a line.
+    """
+    output = RunOutput(
+        token_ids=[int(t) for t in data["token_ids"]], text=data["text"],
+        wall_time_s=data["wall_time"], ttft_ms=data["ttft_ms"],
+        accept_lengths=data["accept_lengths"], drafted=data["drafted"],
+        accepted=data["accepted"], verifications=data["verifications"],
+        draft_ms=data["draft_ms"], verify_ms=data["verify_ms"],
+        layer_forwards=data["layer_forwards"], finish_reason=data["finish_reason"],
+        exit_tokens=data["exit_tokens"], exit_layer_total=data["exit_layer_total"],
+        plans=[PlanRecord(**p) for p in data["plans"]], layer_batches=data["layer_batches"],
+        exit_counts=data["exit_counts"], predictor_ms=data["predictor_ms"], kv_ms=data["kv_ms"])
+    return PromptRecord(data["method"], data["question_id"], data["prompt_index"],
+                        data["prompt_tokens"], output, data.get("correct"))
+
+
 def _safe_name(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9._=-]+", "_", label)
 
 
 def write_records(run: BenchRun, parity: dict[tuple[str, str], bool], out_dir: Path) -> list[Path]:
-    """Write ``records.jsonl`` and ``specbench/<method>.jsonl``; returns the paths."""
-    lines = {m: [] for m in run.methods}
-    for r in run.records:
+    """Write ``records.jsonl`` and ``specbench/<method>.jsonl`` (methods in run order, each
+    method's prompts in prompt order; each file replaced atomically); returns the paths."""
+    lines: dict[str, list[str]] = {m: [] for m in run.methods}
+    for r in sorted(run.records, key=lambda r: r.prompt_index):
         lines[r.method].append(json.dumps(record_json(r, parity.get((r.method, r.prompt_id)))))
-    paths = [out_dir / "records.jsonl"]
-    paths[0].write_text("".join(line + "\n" for m in run.methods for line in lines[m]))
+    paths = [write_text_atomic(out_dir / "records.jsonl",
+                               "".join(line + "\n" for m in run.methods for line in lines[m]))]
     spec_dir = out_dir / "specbench"
     spec_dir.mkdir(exist_ok=True)
     for method, method_lines in lines.items():
         if method_lines:
-            path = spec_dir / f"{_safe_name(method)}.jsonl"
-            path.write_text("".join(line + "\n" for line in method_lines))
-            paths.append(path)
+            paths.append(write_text_atomic(spec_dir / f"{_safe_name(method)}.jsonl",
+                                           "".join(line + "\n" for line in method_lines)))
     return paths
 
 
@@ -261,7 +306,8 @@ def markdown_header(info: RunInfo) -> str:
     m = info.machine
     lines = [
         f"# selfspec bench: {info.model} on {info.dataset}"
-        + (" (IN-SAMPLE)" if info.in_sample else ""), "",
+        + (" (IN-SAMPLE)" if info.in_sample else "")
+        + (" (PARTIAL: INTERRUPTED)" if info.partial else ""), "",
         f"- model: `{info.model}`, dtype {info.dtype}"
         + (f" ({info.formats})" if info.formats else ""),
         f"- dataset: {info.dataset}, n = {info.n} prompts, max new tokens {info.max_new_tokens}, "
@@ -270,8 +316,8 @@ def markdown_header(info: RunInfo) -> str:
            + (f", top-p {info.top_p}" if info.top_p < 1 else "") + f", seed {info.seed}"),
         (f"- machine: {m.cpu}, {m.logical_cores} logical cores, torch threads "
          f"{m.torch_threads}, {m.platform}" + (f"; {m.capability}" if m.capability else "")),
-        f"- versions: python {m.python}, torch {m.torch}, transformers {m.transformers}, "
-        f"selfspec {m.selfspec}",
+        (f"- versions: python {m.python}, torch {m.torch}, transformers {m.transformers}, "
+         f"selfspec {m.selfspec}"),
     ]
     if info.roofline is not None:
         r = info.roofline
@@ -282,6 +328,15 @@ def markdown_header(info: RunInfo) -> str:
             f"{r.weight_bytes / 1e6:.1f} MB; roofline {r.tokens_per_s:.1f} tok/s")
     if info.held_out:
         lines.append(f"- {info.held_out}")
+    if info.partial:
+        lines.append(f"- **partial**: the run was interrupted after {info.generations} of "
+                     f"{info.planned} generations; this report covers those only (accuracy "
+                     "not scored, no plots); continue it with `selfspec bench` and the same "
+                     "options plus `--resume <this folder>`")
+    if len(info.sessions) > 1:
+        lines.append(f"- resumed: generated by {len(info.sessions)} processes (started "
+                     f"{', '.join(info.sessions)}); their timings are mixed in every rate and "
+                     "speedup, so a change of machine load between them shows in the numbers")
     lines.append(f"- date: {info.date}")
     if info.command:
         lines.append(f"- command: `{info.command}`")
@@ -334,6 +389,4 @@ def write_summary(info: RunInfo, summaries: list[MethodSummary], out_dir: Path) 
     header = {k: v for k, v in _jsonable(info).items() if k != "roofline"}
     payload = {"run": header, "roofline": roofline,
                "methods": [_jsonable(s) for s in summaries]}
-    path = out_dir / "summary.json"
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    return path
+    return write_text_atomic(out_dir / "summary.json", json.dumps(payload, indent=2) + "\n")
