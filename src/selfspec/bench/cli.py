@@ -13,6 +13,7 @@ from datetime import datetime
 from pathlib import Path
 
 from selfspec.data import DATASETS
+from selfspec.validation import SEED_MAX, SEED_MIN, float_arg, int_arg
 
 DEFAULT_BASELINES = ("hf-ar", "hf-early-exit", "hf-prompt-lookup")
 
@@ -53,18 +54,19 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                              '"reference": ... (optional, scored for accuracy)}')
     p.add_argument("--n", type=int, default=None,
                    help="prompts per method (default: 10 of a --dataset, all of --prompts)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int_arg(1), default=128)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0,
+    p.add_argument("--temperature", type=float_arg(0.0), default=0.0,
+                   help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float_arg(0.0, 1.0, low_open=True), default=1.0,
                    help="nucleus mass in (0, 1] when sampling (default 1 = off)")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=int_arg(SEED_MIN, SEED_MAX), default=0,
                    help="sampling seed; prompt selection: 0 = the dataset's (or file's) "
                         "first n prompts, else a seeded sample (default 0)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=int_arg(1), default=None,
                    help="torch intra-op threads, fixed for the run and recorded "
                         "(default: torch's default)")
-    p.add_argument("--warmup", type=int, default=1,
+    p.add_argument("--warmup", type=int_arg(0), default=1,
                    help="prompts each method generates for before timing (default 1)")
     p.add_argument("--out", type=Path, default=None,
                    help="output directory (default: out/bench/MODEL-DATASET-TIME)")
@@ -77,7 +79,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "refused")
     p.add_argument("--no-accuracy", dest="score", action="store_false",
                    help="skip HumanEval / GSM / --prompts reference scoring of the outputs")
-    p.add_argument("--bandwidth-mib", type=int, default=512,
+    p.add_argument("--bandwidth-mib", type=int_arg(0), default=512,
                    help="buffer for the bandwidth measurement in MiB (0 = skip the roofline)")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
     p.add_argument("--allow-in-sample", action="store_true",
@@ -146,14 +148,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     # Everything that can be refused is refused before the model loads (seconds to minutes).
     methods = _methods(args)
-    if args.max_new_tokens < 1:
-        raise InvalidArgumentError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise InvalidArgumentError(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise InvalidArgumentError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.threads is not None and args.threads < 1:
-        raise InvalidArgumentError(f"--threads must be >= 1, got {args.threads}")
     if args.resume is not None and args.out is not None:
         raise InvalidArgumentError("--resume DIR names the output folder; drop --out")
     if args.overwrite and args.out is None:
@@ -285,12 +279,12 @@ def add_bench_cpu_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
                    help="weights' dtype (default bf16)")
     p.add_argument("--lengths", default="256,1024,4096",
                    help="prefill prompt lengths, comma-separated (default 256,1024,4096)")
-    p.add_argument("--decode-tokens", type=int, default=64, help="ar tokens to time (default 64)")
-    p.add_argument("--train-steps", type=int, default=2,
+    p.add_argument("--decode-tokens", type=int_arg(2), default=64, help="ar tokens to time (default 64)")
+    p.add_argument("--train-steps", type=int_arg(0), default=2,
                    help="heads-training steps to time per configuration (0 = skip; default 2)")
     p.add_argument("--no-onpolicy", dest="onpolicy", action="store_false",
                    help="skip batched on-policy generation")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=int_arg(1), default=None, help="torch intra-op threads")
     p.add_argument("--isa", default="native",
                    help="comma-separated kernel sets to measure: native, avx2 (default native)")
     p.add_argument("--out", type=Path, default=None,
