@@ -117,7 +117,7 @@ def test_every_id_form_gives_the_same_prompt(engine):
     {"max_new_tokens": 0}, {"temperature": "0.5"}, {"temperature": math.inf},
     {"temperature": math.nan}, {"temperature": True}, {"top_k": 2.5}, {"top_k": True},
     {"top_p": 0.0}, {"top_p": 1.5}, {"seed": 2**70}, {"seed": "x"}, {"seed": 1.5},
-    {"stop": 5}, {"stop": [None]}, {"stop": ""},
+    {"stop": 5}, {"stop": [None]}, {"stop": ""}, {"streamer": print},
     {"method": "layerskip", "exit_layer": True},
 ])
 def test_bad_generation_arguments_are_refused(engine, kwargs):

@@ -147,6 +147,11 @@ class SelfSpec:
                 range, an unknown method.
         """
         stop = check_stop(stop)
+        if streamer is not None and not (callable(getattr(streamer, "put", None))
+                                         and callable(getattr(streamer, "end", None))):
+            raise InvalidArgumentError(
+                f"streamer must have put(token_ids) and end() methods (like transformers' "
+                f"TextStreamer); got {type(streamer).__name__}")
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         options = DecodeOptions(max_new_tokens=max_new_tokens, sampling=sampling,
                                 eos_token_ids=self.eos_token_ids)
