@@ -178,7 +178,7 @@ def test_train_with_a_restricted_loss_vocabulary(capsys, home, model_dir, tmp_pa
     (["heads", "train", "--model", "no-such-model"], "no-such-model"),
     (["heads", "show", "/nonexistent/heads"], "no head file"),
     (["heads", "train", "--data", "wikipedia"], "unknown data source"),
-    (["heads", "train", "--tokens", "0"], "--tokens must be >= 1"),
+    (["heads", "train", "--tokens", "0"], "--tokens: must be an integer >= 1"),
     (["heads", "train", "--loss", "ce", "--loss-vocab", "64"], "KL loss only"),
 ])
 def test_heads_errors_are_one_line(capsys, home, argv, message):

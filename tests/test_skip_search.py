@@ -322,8 +322,8 @@ def test_search_skip_command(capsys, tmp_path, monkeypatch, model_dir):
 
 @pytest.mark.parametrize("extra,message", [
     (["--data", "wikipedia"], "unknown data source"),
-    (["--skip-ratio", "1.5"], "skip_ratio must be in"),
-    (["--prompts", "0"], "--prompts must be >= 1"),
+    (["--skip-ratio", "1.5"], "--skip-ratio: must be a finite number in (0, 1)"),
+    (["--prompts", "0"], "--prompts: must be an integer >= 1"),
     (["--trials", "50", "--max-evaluations", "10"], "max_evaluations"),
 ])
 def test_search_skip_refuses_bad_options_before_loading(capsys, monkeypatch, extra, message):
