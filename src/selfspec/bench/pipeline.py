@@ -52,6 +52,7 @@ from selfspec.bench.runners import (
     RunSettings,
     make_runner,
 )
+from selfspec.bench.sandbox import Sandbox, find_sandbox
 from selfspec.bench.spec import MethodConfig
 from selfspec.data import Prompt
 from selfspec.errors import InvalidArgumentError
@@ -75,6 +76,8 @@ class BenchOptions:
         warmup_prompts: prompts each method generates for, untimed, before the run.
         warmup_tokens: ``max_new_tokens`` of the warm-up generations.
         score: run the task-accuracy scorer on the outputs (HumanEval, GSM).
+        unsafe_run_code: with no sandbox on this machine, run HumanEval completions
+            unsandboxed instead of refusing (:mod:`selfspec.bench.sandbox`).
         bandwidth_mib: buffer of the bandwidth measurement in MiB (0 = do not measure).
         plots: write the PNG plots.
         command: the command line, recorded in the report.
@@ -95,6 +98,7 @@ class BenchOptions:
     warmup_prompts: int = 1
     warmup_tokens: int = 32
     score: bool = True
+    unsafe_run_code: bool = False
     bandwidth_mib: int = 512
     plots: bool = True
     command: str = ""
@@ -181,13 +185,16 @@ def _assistant_loader(dtype: torch.dtype) -> Callable[[str], torch.nn.Module]:
 
 
 def score_outputs(run: BenchRun, prompts: Sequence[Prompt], dataset: str,
-                  progress: Callable[[ProgressEvent], None] | None = None) -> None:
-    """Set ``record.correct`` on every record of a dataset with an automatic scorer."""
+                  progress: Callable[[ProgressEvent], None] | None = None,
+                  sandbox: Sandbox | None = None) -> None:
+    """Set ``record.correct`` on every record of a dataset with an automatic scorer;
+    generated code (HumanEval) runs in ``sandbox`` (default: the best one available)."""
     if accuracy.scorer(dataset) is None:
         return
     by_id = {p.id: p for p in prompts}
     for record in run.records:
-        verdict = accuracy.score(dataset, by_id[record.prompt_id], record.output.text)
+        verdict = accuracy.score(dataset, by_id[record.prompt_id], record.output.text,
+                                 sandbox=sandbox)
         record.correct = None if verdict is None else verdict.correct
         if progress:
             progress(ProgressEvent("score", record.method, record.prompt_id))
@@ -229,6 +236,8 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
             settings (``resume``), or another process is writing it.
         PromptError: a prompt the model cannot take (e.g. chat prompts without a chat template).
         MissingDependencyError: ``options.plots`` and matplotlib is not installed (checked first).
+        SandboxUnavailableError: HumanEval scoring with no sandbox for its code and no
+            ``unsafe_run_code`` (checked before generating).
     """
     if not methods:
         raise InvalidArgumentError("no methods to benchmark")
@@ -237,6 +246,9 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
     mode = output_mode(options)
     if options.plots:
         require_matplotlib()
+    # Scoring HumanEval runs the model's code: find the sandbox before generating anything.
+    sandbox = (find_sandbox(options.unsafe_run_code)
+               if options.score and accuracy.runs_code(options.dataset) else None)
     held = check_held_out(prompts, options.dataset, methods, engine.name, options.allow_in_sample)
     if held.dropped:
         logger.warning("dropped %d of %d prompts seen by %s in training/calibration (pass "
@@ -284,14 +296,15 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
                 in_sample=held.is_in_sample, in_sample_prompts=held.in_sample,
                 dropped_prompts=held.dropped, formats=engine.executor.formats.describe(),
                 status=status, generations=len(run.records), planned=planned,
-                sessions=list(folder.sessions))
+                sessions=list(folder.sessions),
+                sandbox=sandbox.describe() if sandbox is not None else "")
 
         try:
             run_bench(runners, encoded, settings, warmup_prompts=options.warmup_prompts,
                       warmup_tokens=options.warmup_tokens, progress=progress, run=run,
                       sink=folder)
             if options.score:
-                score_outputs(run, prompts, options.dataset, progress)
+                score_outputs(run, prompts, options.dataset, progress, sandbox)
             summaries = summarize(run, greedy=greedy, roofline=roofline)
             info = header("complete")
             files = write_records(run, parity_flags(run, greedy), out_dir)

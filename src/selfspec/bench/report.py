@@ -96,6 +96,7 @@ class RunInfo:
             stopped early (no accuracy, no plots).
         generations / planned: generations recorded, and planned (methods × prompts).
         sessions: ISO start times of the processes that ran it (more than one: resumed).
+        sandbox: what isolated generated code while it was scored (empty: none ran).
     """
 
     model: str
@@ -119,6 +120,7 @@ class RunInfo:
     generations: int = 0
     planned: int = 0
     sessions: list[str] = dataclasses.field(default_factory=list)
+    sandbox: str = ""
 
     @property
     def partial(self) -> bool:
@@ -328,6 +330,8 @@ def markdown_header(info: RunInfo) -> str:
             f"{r.weight_bytes / 1e6:.1f} MB; roofline {r.tokens_per_s:.1f} tok/s")
     if info.held_out:
         lines.append(f"- {info.held_out}")
+    if info.sandbox:
+        lines.append(f"- generated code scored in: {info.sandbox}")
     if info.partial:
         lines.append(f"- **partial**: the run was interrupted after {info.generations} of "
                      f"{info.planned} generations; this report covers those only (accuracy "
