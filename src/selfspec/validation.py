@@ -232,37 +232,26 @@ def _hint(hint: str) -> str:
 def int_arg(low: int | None = None, high: int | None = None):
     """An argparse ``type=`` that parses an integer in ``[low, high]``, so a bad value is a
     usage error at parse time (exit status 2) before anything is loaded."""
-    import argparse
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        try:
-            return check_int("", value, low=low, high=high)
-        except InvalidArgumentError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-
-    parse.__name__ = "int"  # argparse names the type in its messages
-    return parse
+    return _arg_type(int, "an integer", lambda v: check_int("", v, low=low, high=high))
 
 
 def float_arg(low: float | None = None, high: float | None = None, *, low_open: bool = False,
               high_open: bool = False):
     """An argparse ``type=`` for a finite number in the range given (see :func:`check_float`)."""
+    return _arg_type(float, "a number", lambda v: check_float(
+        "", v, low=low, high=high, low_open=low_open, high_open=high_open))
+
+
+def _arg_type(kind: type, what: str, check):
     import argparse
 
-    def parse(text: str) -> float:
+    def parse(text: str):
         try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        try:
-            return check_float("", value, low=low, high=high, low_open=low_open,
-                               high_open=high_open)
-        except InvalidArgumentError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
+            return check(kind(text))
+        except ValueError as err:  # InvalidArgumentError is a ValueError too
+            message = str(err) if isinstance(err, InvalidArgumentError) else (
+                f"expected {what}, got {text!r}")
+            raise argparse.ArgumentTypeError(message) from None
 
-    parse.__name__ = "float"
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
