@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from filelock import FileLock
-from tiny import tiny_model, tiny_tokenizer
+from tiny import save_tiny
 
 from selfspec.cli import main
 from selfspec.errors import CorruptModelFileError, ModelNotFoundError, ProvisioningError
@@ -32,10 +32,7 @@ FETCH_AGAIN = f"selfspec models fetch {SMOLLM2} --dtype fp32 --force"
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 2-layer Llama saved with save_pretrained, with its tokenizer."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama", num_layers=2).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
+    return save_tiny(tmp_path_factory.mktemp("tiny-llama"), num_layers=2)
 
 
 @dataclass

@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from tiny import tiny_model, tiny_tokenizer
+from tiny import save_tiny
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -42,9 +42,10 @@ from selfspec.models import (
     get_spec,
     is_cached,
     load_model,
+    loading,
     parse_dtype,
+    provision,
 )
-from selfspec.models import loading, provision
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -62,10 +63,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 2-layer Llama saved with save_pretrained (safetensors) and a tokenizer."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama", num_layers=2).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
+    return save_tiny(tmp_path_factory.mktemp("tiny-llama"), num_layers=2)
 
 
 @pytest.fixture

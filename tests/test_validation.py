@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny import VOCAB, tiny_model, tiny_tokenizer
+from tiny import VOCAB, save_tiny, tiny_model, tiny_tokenizer
 
 from selfspec import from_pretrained_model
 from selfspec.cli import main
@@ -27,10 +27,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-model")
-    tiny_model("llama", seed=3).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
+    return save_tiny(tmp_path_factory.mktemp("tiny-model"), seed=3)
 
 
 # ------------------------------------------------------------------------- unit checks

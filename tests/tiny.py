@@ -90,3 +90,11 @@ def exact_prefix_distribution(executor, prompt, config, length):
                     nxt[prefix + (tok,)] = mass * float(probs[tok])
             dist = nxt
     return dist
+
+
+def save_tiny(path, arch: str = "llama", **model_args):
+    """Save a tiny random model and :func:`tiny_tokenizer` to ``path`` with
+    ``save_pretrained`` (a local model directory ``--model`` accepts); returns ``path``."""
+    tiny_model(arch, **model_args).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
