@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from selfspec.bench.memory import PeakRss
 from selfspec.bench.runners import EncodedPrompt, Runner, RunOutput, RunSettings
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ class PromptRecord:
         prompt_tokens: prompt length in tokens.
         output: what the runner returned.
         correct: task accuracy of the output (None when not scored).
+        peak_rss_mib: the process's peak resident memory during this generation in MiB
+            (:mod:`selfspec.bench.memory`; None where it cannot be measured).
     """
 
     method: str
@@ -42,6 +45,7 @@ class PromptRecord:
     prompt_tokens: int
     output: RunOutput
     correct: bool | None = None
+    peak_rss_mib: float | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -137,6 +141,7 @@ def run_bench(runners: Sequence[Runner], prompts: Sequence[EncodedPrompt], setti
     if progress:
         left = sum((r.config.label, p.id) not in done for r in todo for p in prompts)
         progress(ProgressEvent("start", "", "", total=left + warm * len(todo)))
+    memory = PeakRss.probe()
     alive: list[Runner] = []
     for runner in todo:
         try:
@@ -157,12 +162,13 @@ def run_bench(runners: Sequence[Runner], prompts: Sequence[EncodedPrompt], setti
         for runner in list(alive):
             if (runner.config.label, prompt.id) in done:
                 continue
+            memory.reset()
             output = _try_run(result, sink, runner, prompt, settings, f"prompt {prompt.id}")
             if output is None:
                 alive.remove(runner)
             else:
                 record = PromptRecord(runner.config.label, prompt.id, index, len(prompt.ids),
-                                      output)
+                                      output, peak_rss_mib=memory.read_mib())
                 result.records.append(record)
                 if sink:
                     sink.record(record)

@@ -25,6 +25,9 @@ Definitions (DESIGN.md glossary):
   predicted after ``l`` layers (every exit-layer method).
 - ``accuracy``: share of scored outputs that solve the task (HumanEval pass@1, GSM match).
 - ``roofline_fraction``: ``tokens_per_s`` / (measured bandwidth / weight bytes per token).
+- ``peak_rss_mib``: the largest peak resident memory of the process during one of the
+  method's generations (MiB; the weights every method shares are included, so differences
+  between methods are what a method adds: heads, a draft copy, buffers).
 - ``plans`` (methods that re-choose their draft: KnapSpec, CLaSp, DEL): decisions per
   prompt, the share that chose to speculate, the mean sub-layers skipped, the mean predicted
   tokens per second (KnapSpec's TPT) against the mean measured over the steps each decision
@@ -123,6 +126,7 @@ class MethodSummary:
     exit_histogram: list[int] = field(default_factory=list)
     accuracy: float | None = None
     roofline_fraction: float | None = None
+    peak_rss_mib: float | None = None
     plans: PlanSummary | None = None
 
 
@@ -216,6 +220,8 @@ def _summarize_one(method: str, lossless: bool, records: list[PromptRecord],
     s.accuracy = sum(scored) / len(scored) if scored else None
     if roofline is not None and s.tokens_per_s is not None:
         s.roofline_fraction = roofline.fraction(s.tokens_per_s)
+    peaks = [r.peak_rss_mib for r in records if r.peak_rss_mib is not None]
+    s.peak_rss_mib = max(peaks) if peaks else None
     s.plans = summarize_plans(records)
     return s
 

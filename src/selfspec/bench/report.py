@@ -173,6 +173,7 @@ def record_json(record: PromptRecord, matches_ar: bool | None) -> dict[str, Any]
         "layer_forwards": o.layer_forwards, "finish_reason": o.finish_reason,
         "exit_tokens": o.exit_tokens, "exit_layer_total": o.exit_layer_total,
         "matches_ar": matches_ar, "correct": record.correct,
+        "peak_rss_mib": record.peak_rss_mib,
         "plans": [dataclasses.asdict(p) for p in o.plans], "layer_batches": o.layer_batches,
         "exit_counts": o.exit_counts, "predictor_ms": o.predictor_ms, "kv_ms": o.kv_ms,
         "token_ids": o.token_ids, "text": o.text,
@@ -199,7 +200,8 @@ def record_from_json(data: dict[str, Any]) -> PromptRecord:
         plans=[PlanRecord(**p) for p in data["plans"]], layer_batches=data["layer_batches"],
         exit_counts=data["exit_counts"], predictor_ms=data["predictor_ms"], kv_ms=data["kv_ms"])
     return PromptRecord(data["method"], data["question_id"], data["prompt_index"],
-                        data["prompt_tokens"], output, data.get("correct"))
+                        data["prompt_tokens"], output, data.get("correct"),
+                        data.get("peak_rss_mib"))
 
 
 def _safe_name(label: str) -> str:
@@ -234,7 +236,8 @@ def _pct(value: float | None) -> str:
 TABLE_COLUMNS = ("method", "tok/s", "median tok/s", "speedup vs ar", "speedup vs hf-ar",
                  "mean accepted", "acceptance", "exit layer", "drafts / token", "layer batch",
                  "draft / verify", "predictor / KV",
-                 "layer fwd / token", "parity", "prefix = ar", "accuracy", "roofline", "status")
+                 "layer fwd / token", "parity", "prefix = ar", "accuracy", "roofline",
+                 "peak RSS MiB", "status")
 
 
 def table_row(s: MethodSummary) -> list[str]:
@@ -252,7 +255,8 @@ def table_row(s: MethodSummary) -> list[str]:
             _fmt(s.draft_rate, ".2f"), _fmt(s.mean_layer_batch, ".2f"), split, overhead,
             _fmt(s.layer_forwards_per_token, ".1f"), _pct(s.parity), _pct(s.ar_prefix),
             _pct(s.accuracy),
-            _pct(s.roofline_fraction), "ok" if s.lossless else "ok (lossy)"]
+            _pct(s.roofline_fraction), _fmt(s.peak_rss_mib, ".0f"),
+            "ok" if s.lossless else "ok (lossy)"]
 
 
 def markdown_table(summaries: list[MethodSummary]) -> str:

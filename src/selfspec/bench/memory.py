@@ -1,0 +1,63 @@
+"""Peak resident memory (RSS) of one generation, for the benchmark's memory column.
+
+Methods run interleaved in one process, so the process-wide peak (``ru_maxrss``) would charge
+every method with the largest one's. On Linux the kernel's high-water mark of the process
+(``VmHWM`` in ``/proc/self/status``) can be reset to the current RSS by writing ``5`` to
+``/proc/self/clear_refs`` (proc(5)); resetting it before a generation and reading it after
+gives that generation's peak. Where that is not possible (other systems, a restricted
+``/proc``) the probe reports nothing rather than a misleading number.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+_RESET_PEAK = "5"  # proc(5): reset the peak resident set size ("high water mark")
+
+
+@dataclass
+class PeakRss:
+    """Resettable peak-RSS probe of this process (Linux).
+
+    Attributes:
+        available: whether resetting and reading the peak works here (probed on creation).
+    """
+
+    available: bool = False
+
+    @classmethod
+    def probe(cls) -> PeakRss:
+        """A probe that works here, or one that reports ``None`` (logged once)."""
+        probe = cls(available=True)
+        try:
+            probe.reset()
+            if probe.read_mib() is None:
+                raise OSError("no VmHWM in /proc/self/status")
+        except OSError as err:
+            logger.info("peak RSS per generation unavailable: %s", err)
+            return cls(available=False)
+        return probe
+
+    def reset(self) -> None:
+        """Set the peak to the current RSS.
+
+        Raises:
+            OSError: ``/proc/self/clear_refs`` cannot be written (only from :meth:`probe`).
+        """
+        if self.available:
+            _CLEAR_REFS.write_text(_RESET_PEAK)
+
+    def read_mib(self) -> float | None:
+        """The peak RSS since the last :meth:`reset`, in MiB (``None`` if unavailable)."""
+        if not self.available:
+            return None
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # the kernel reports kB
+        return None
