@@ -4,14 +4,19 @@ Methods run interleaved in one process, so the process-wide peak (``ru_maxrss``)
 every method with the largest one's. On Linux the kernel's high-water mark of the process
 (``VmHWM`` in ``/proc/self/status``) can be reset to the current RSS by writing ``5`` to
 ``/proc/self/clear_refs`` (proc(5)); resetting it before a generation and reading it after
-gives that generation's peak. Where that is not possible (other systems, a restricted
-``/proc``) the probe reports nothing rather than a misleading number.
+gives that generation's peak. Freed memory that the C allocator keeps for reuse still counts
+as resident, so an earlier method's large buffers would raise every later method's baseline:
+:meth:`PeakRss.reset` first returns it to the system (glibc ``malloc_trim``, where present).
+Where the peak cannot be reset (other systems, a restricted ``/proc``) the probe reports
+nothing rather than a misleading number.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -30,6 +35,11 @@ class PeakRss:
     """
 
     available: bool = False
+    _trim: object = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.available and self._trim is None:
+            self._trim = _malloc_trim()
 
     @classmethod
     def probe(cls) -> PeakRss:
@@ -51,6 +61,8 @@ class PeakRss:
             OSError: ``/proc/self/clear_refs`` cannot be written (only from :meth:`probe`).
         """
         if self.available:
+            if self._trim is not None:
+                self._trim(0)  # hand freed heap memory back, so it stops counting as resident
             _CLEAR_REFS.write_text(_RESET_PEAK)
 
     def read_mib(self) -> float | None:
@@ -61,3 +73,15 @@ class PeakRss:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024  # the kernel reports kB
         return None
+
+
+def _malloc_trim():
+    """glibc's ``malloc_trim`` (``int malloc_trim(size_t pad)``), or None elsewhere."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
