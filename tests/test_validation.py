@@ -222,3 +222,31 @@ def test_unexpected_errors_are_one_line_and_debug_shows_the_traceback(monkeypatc
     assert err.count("\n") == 1
     with pytest.raises(RuntimeError):
         main(["--debug", "methods"])
+
+
+_commands = {
+    "bench": ["--methods", "ar", "--n", "--max-new-tokens", "--temperature", "--top-p", "--seed",
+              "--threads", "--warmup", "--bandwidth-mib", "--out"],
+    "heads train": ["--layers", "--alpha", "--loss-vocab", "--epochs", "--lr", "--batch-tokens",
+                    "--tokens", "--max-new-tokens", "--seed", "--threads", "--epsilon"],
+    "heads search-skip": ["--prompts", "--max-new-tokens", "--window", "--skip-ratio",
+                          "--trials", "--refine-steps", "--max-evaluations", "--seed"],
+}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # capsys is read per example
+@given(command=st.sampled_from(sorted(_commands)), data=st.data())
+def test_every_command_refuses_bad_flags_in_one_line_before_loading(
+        command, data, capsys, tmp_path):
+    flags = [f for f in _commands[command] if f.startswith("--")]
+    chosen = data.draw(st.dictionaries(st.sampled_from(flags), _flag_values, max_size=3))
+    argv = [*command.split(), "--model", "no-such-model"]
+    for flag, value in chosen.items():
+        argv.append(f"{flag}={value if flag != '--out' else tmp_path / value}")
+    status = main(argv)
+    err = capsys.readouterr().err
+    # Whatever the flags, the run ends before any work: a bad flag or the unknown model.
+    assert status == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and "Traceback" not in err
