@@ -5,7 +5,13 @@ torch's int4 packed kernel (asymmetric min/max, group G), lm_head stays bf16.
 
     python docs/results/executor-profile/int4_probe.py 32
 """
-import time, torch, selfspec, sys
+import sys
+import time
+
+import torch
+
+import selfspec
+
 torch.set_num_threads(2)
 G = int(sys.argv[1]) if len(sys.argv) > 1 else 64
 

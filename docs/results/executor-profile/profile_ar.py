@@ -29,7 +29,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = selfspec.load(args.model, dtype=args.dtype, show_progress=False)
-    gen = dict(max_new_tokens=args.tokens, method="ar")
+    gen = {"max_new_tokens": args.tokens, "method": "ar"}
     engine.generate(PROMPT, **gen)  # warm-up
     t0 = time.perf_counter()
     plain = engine.generate(PROMPT, **gen)
@@ -41,11 +41,11 @@ def main() -> None:
     n = plain.stats.new_tokens
     rows = sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]
     per_tok_ms = 1e3 * wall / n
-    lines = [f"# `ar` decode profile: {args.model}, {args.dtype}, {args.threads} threads, "
-             f"{n} tokens\n",
+    lines = [(f"# `ar` decode profile: {args.model}, {args.dtype}, {args.threads} threads, "
+              f"{n} tokens\n"),
              f"- unprofiled: {n / wall:.1f} tok/s, {per_tok_ms:.2f} ms per token (prefill included)",
-             f"- profiled run: operator self time {total_self_us / 1e3 / n:.2f} ms per token "
-             "(the profiler adds its own per-call cost, so shares are what to read)\n",
+             (f"- profiled run: operator self time {total_self_us / 1e3 / n:.2f} ms per token "
+              "(the profiler adds its own per-call cost, so shares are what to read)\n"),
              "| operator | calls / token | self ms / token | share of operator time |",
              "|---|---:|---:|---:|"]
     for e in rows:
