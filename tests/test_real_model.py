@@ -284,3 +284,34 @@ def test_bf16_greedy_parity_with_bulk_fp32_prefill(prompts):
             assert result.token_ids == reference, (method, prompt)
             drafted += result.stats.drafted
     assert drafted > 0
+
+
+@pytest.mark.skipif(not __import__("selfspec.executor.fp16_rows", fromlist=["x"])
+                    .fbgemm_fp16_available(), reason="FBGEMM's fp16 linear is x86-only")
+def test_bf16_greedy_parity_on_fp16_rows(prompts):
+    """Every matrix on FBGEMM's fp16 kernel (the fast verification path on CPUs that emulate
+    bf16, forced here on every x86 CPU): a 33-token verification block gives each position
+    exactly its one-token logits, and lossless methods give exactly `ar`'s greedy tokens."""
+    engine = selfspec.load("smollm2-135m-instruct", dtype="bf16", show_progress=False)
+    ex = engine.executor
+    assert ex.set_bulk("auto", "fp16").rows == "fp16"
+    ids = engine.tokenizer(prompts[0])["input_ids"]
+    block = list(range(1000, 1033))
+    with torch.inference_mode():
+        cache = ex.new_cache()
+        ex.forward(torch.tensor([ids]), torch.arange(len(ids))[None], cache)
+        alone = torch.stack([ex.forward(torch.tensor([[t]]), torch.tensor([[len(ids) + i]]),
+                                        cache)[0, -1] for i, t in enumerate(block)])
+        cache.truncate(len(ids))
+        together = ex.forward(torch.tensor([block]),
+                              torch.arange(len(ids), len(ids) + len(block))[None], cache)[0]
+    assert torch.equal(together, alone)
+    drafted = 0
+    for prompt in prompts[:2]:
+        reference = engine.generate(prompt, method="ar", max_new_tokens=NEW_TOKENS).token_ids
+        for method, options in (("layerskip", {"exit_layer": 20, "draft_len": 4}),
+                                ("knapspec", {}), ("adadecode", {"heads": "none"})):
+            result = engine.generate(prompt, method=method, max_new_tokens=NEW_TOKENS, **options)
+            assert result.token_ids == reference, (method, prompt)
+            drafted += result.stats.drafted
+    assert drafted > 0

@@ -56,11 +56,12 @@ class SelfSpec:
     are built in: it keeps the head files they load), ``name``.
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str,
+                 decode_kernel: str = "auto") -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
-        self.executor = LayerExecutor(model, name=name)
+        self.executor = LayerExecutor(model, name=name, rows=decode_kernel)
         self.methods = MethodContext(self.executor)
 
     @property
@@ -171,16 +172,22 @@ class SelfSpec:
 
 
 def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
-         show_progress: bool = True) -> SelfSpec:
+         show_progress: bool = True, decode_kernel: str = "auto") -> SelfSpec:
     """Load a model by registry name, local directory or hub id (fetching it on first use).
 
     Args:
         model: registry name (default ``smollm2-135m-instruct``), local directory or hub id.
         dtype: ``"bf16"`` / ``"fp32"`` / ``"fp16"`` or a ``torch.dtype``.
         show_progress: show download/conversion progress bars.
+        decode_kernel: the kernel of decoding and verification products: ``"auto"`` (on a
+            CPU that emulates bf16, FBGEMM's fp16-weight kernel for matrices of 4 MiB and
+            more), ``"fp16"`` (that kernel for every matrix: fastest verification, slower
+            ``ar`` on small models), ``"weights"`` (the weights' own format). See
+            :func:`selfspec.executor.cpu.choose_rows`.
 
     Raises:
-        InvalidArgumentError: ``model`` not a str / path, or a bad ``dtype``.
+        InvalidArgumentError: ``model`` not a str / path, a bad ``dtype`` or
+            ``decode_kernel``.
         ModelNotFoundError, ProvisioningError, UnsupportedArchitectureError: see
             :func:`selfspec.models.loading.load_model`.
     """
@@ -193,8 +200,13 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
             f"{type(model).__name__}")
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
+    from selfspec.executor.cpu import ROWS_FORMATS
+
+    if decode_kernel not in ROWS_FORMATS:
+        raise InvalidArgumentError(
+            f"decode_kernel must be one of {', '.join(ROWS_FORMATS)}, got {decode_kernel!r}")
     loaded = load_model(model or DEFAULT_MODEL, dtype, show_progress=show_progress)
-    return SelfSpec(loaded.model, loaded.tokenizer, loaded.name)
+    return SelfSpec(loaded.model, loaded.tokenizer, loaded.name, decode_kernel)
 
 
 def from_pretrained_model(model: torch.nn.Module, tokenizer: Any, name: str = "model") -> SelfSpec:

@@ -45,6 +45,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    p.add_argument("--decode-kernel", default="auto", choices=["auto", "weights", "fp16"],
+                   help="kernel of decoding and verification products: auto (on CPUs that emulate bf16, FBGEMM's "
+                   "fp16-weight kernel for matrices >= 4 MiB), fp16 (that kernel for every matrix: "
+                   "cheapest verification), weights (the weights' own format)")
     p.add_argument("--threads", type=int_arg(1), default=None, help="torch intra-op threads")
     add_method_arguments(p)
     p.set_defaults(func=_cmd_generate)
@@ -113,7 +117,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     check_text("the prompt", args.prompt)
     if check_threads("--threads", args.threads):
         torch.set_num_threads(args.threads)
-    engine = selfspec.load(args.model, dtype=args.dtype)
+    engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel)
     streamer = TextStreamer(engine.tokenizer, skip_special_tokens=True)
     result = engine.generate(args.prompt, method=args.method, max_new_tokens=args.max_new_tokens,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -56,6 +56,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="prompts per method (default: 10 of a --dataset, all of --prompts)")
     p.add_argument("--max-new-tokens", type=int_arg(1), default=128)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    p.add_argument("--decode-kernel", default="auto", choices=["auto", "weights", "fp16"],
+                   help="kernel of decoding and verification products: auto (on CPUs that emulate bf16, FBGEMM's "
+                   "fp16-weight kernel for matrices >= 4 MiB), fp16 (that kernel for every matrix: "
+                   "cheapest verification), weights (the weights' own format)")
     p.add_argument("--temperature", type=float_arg(0.0), default=0.0,
                    help="0 = greedy (default)")
     p.add_argument("--top-p", type=float_arg(0.0, 1.0, low_open=True), default=1.0,
@@ -182,7 +186,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         identity = run_identity(model, args.dtype, methods, prompts, options)
         outdir.check_out_dir(out, output_mode(options), identity)
         ensure_writable(out)
-    engine = selfspec.load(model, dtype=args.dtype)
+    engine = selfspec.load(model, dtype=args.dtype, decode_kernel=args.decode_kernel)
     started = False
     with tqdm(total=None, desc="bench", unit="gen", file=sys.stderr,
               dynamic_ncols=True) as bar:

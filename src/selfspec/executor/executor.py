@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from selfspec.errors import InvalidArgumentError, UnsupportedArchitectureError
 from selfspec.executor.cache import CacheShape, KVCache
 from selfspec.executor.cpu import ComputeFormats, choose_formats
+from selfspec.executor.fp16_rows import Fp16Rows
 from selfspec.executor.linear import Linear
 from selfspec.models.common import SUPPORTED_MODEL_TYPES
 
@@ -142,6 +143,10 @@ class LayerExecutor:
             and ``lm_head`` on more than ``row_attention_max`` rows; everything else, decoding
             included, computes in the weights' format, so verification stays bit-consistent
             with one-token decoding. ``formats`` holds the choice.
+        rows: the kernel of decoding and verification products
+            (:func:`selfspec.executor.cpu.choose_rows`: ``"auto"`` = FBGEMM's fp16-weight
+            kernel for the larger bf16 matrices on a CPU that emulates bf16, which keeps fp16
+            copies of them; ``"fp16"`` = every matrix; ``"weights"`` = the weights' own).
 
     Raises:
         UnsupportedArchitectureError: ``config.model_type`` is not one of
@@ -150,7 +155,7 @@ class LayerExecutor:
 
     def __init__(self, model: torch.nn.Module, pack_weights: bool = True,
                  row_attention_max: int = 64, name: str | None = None,
-                 bulk: str = "auto") -> None:
+                 bulk: str = "auto", rows: str = "auto") -> None:
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedArchitectureError(
@@ -182,27 +187,46 @@ class LayerExecutor:
         self.device = param.device
         self._weights = [_layer_weights(layer, pack_weights) for layer in self.layers]
         self._lm_head = Linear(model.lm_head.weight, model.lm_head.bias, pack_weights)
-        self.formats: ComputeFormats = self.set_bulk(bulk)
+        self._fp16_rows: Fp16Rows | None = None
+        self.formats: ComputeFormats = self.set_bulk(bulk, rows)
         # RoPE variants whose frequencies depend on the sequence length cannot use a table.
         self._rope_dynamic = "dynamic" in str(getattr(self.rotary_emb, "rope_type", ""))
         self._rope_cos = torch.empty(0)
         self._rope_sin = torch.empty(0)
         self.max_positions = int(config.max_position_embeddings)
 
-    def set_bulk(self, bulk: str = "auto") -> ComputeFormats:
+    def set_bulk(self, bulk: str = "auto", rows: str | None = None) -> ComputeFormats:
         """Choose the bulk format again (``"auto"``, ``"weights"``, ``"bf16"``, ``"fp16"`` or
-        ``"fp32"``; see :func:`selfspec.executor.cpu.choose_formats`) and return it.
+        ``"fp32"``; see :func:`selfspec.executor.cpu.choose_formats`) and, given ``rows``, the
+        decoding kernel (``None`` keeps the current one); return the formats.
 
         Raises:
             InvalidArgumentError: an unknown format.
         """
-        self.formats = choose_formats(self.dtype, self.device, bulk)
-        fmt = self.formats.bulk if self.formats.upcast else None
-        for w in self._weights:
-            for lin in (w.qkv, w.o, w.gate_up, w.down):
-                lin.bulk_dtype = fmt
-        self._lm_head.bulk_dtype = fmt
-        return self.formats
+        if rows is None:
+            rows = self.formats.rows if hasattr(self, "formats") else "auto"
+        formats = choose_formats(self.dtype, self.device, bulk, rows)
+        fmt = formats.bulk if formats.upcast else None
+        linears = [lin for w in self._weights for lin in (w.qkv, w.o, w.gate_up, w.down)]
+        linears.append(self._lm_head)
+        changed = not hasattr(self, "formats") or (
+            (formats.rows, formats.rows_min_bytes)
+            != (self.formats.rows, self.formats.rows_min_bytes))
+        if changed:
+            self._fp16_rows = (Fp16Rows(max(64, self.row_attention_max), formats.rows_min_bytes)
+                               if formats.rows == "fp16" else None)
+        for lin in linears:
+            lin.bulk_dtype = fmt
+            if changed:
+                lin.set_rows(self._fp16_rows)
+        self.formats = formats
+        return formats
+
+    @property
+    def fp16_rows(self) -> Fp16Rows | None:
+        """The fp16-weight decoding kernel in use (heads built for this executor use it too),
+        or ``None``."""
+        return self._fp16_rows
 
     # ------------------------------------------------------------------ cache
     def new_cache(self, batch_size: int = 1, capacity: int = 256) -> KVCache:

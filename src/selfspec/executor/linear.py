@@ -9,7 +9,9 @@ rounds differently, and fp32 is the dtype used to check exactness against transf
 
 Bulk calls (prefill, long blocks) may compute in another format than the weights'
 (:class:`selfspec.executor.cpu.ComputeFormats`): on CPUs that emulate bf16 a cast of the
-weight to fp32 per call is 5-8× faster than the emulated bf16 product.
+weight to fp32 per call is 5-8× faster than the emulated bf16 product. There, decoding and
+verification use FBGEMM's fp16-weight kernel instead of the emulated bf16 one
+(:mod:`selfspec.executor.fp16_rows`), whose cost hardly grows with the rows.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import logging
 
 import torch
 import torch.nn.functional as F
+
+from selfspec.executor.fp16_rows import Fp16Rows
 
 logger = logging.getLogger(__name__)
 
@@ -33,25 +37,38 @@ class Linear:
         pack: try packing (CPU, bf16/fp16, oneDNN available); falls back to ``F.linear``
             when the packed kernel is missing or disagrees with ``F.linear`` on a probe.
         bulk_dtype: the format of bulk calls (``None`` = the weight's own).
+        rows: compute non-bulk calls (decoding, verification) with this fp16-weight kernel
+            (an extra fp16 copy of the weight); ``None`` or a weight it cannot take keeps the
+            weight's own format.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool = True,
-                 bulk_dtype: torch.dtype | None = None) -> None:
+                 bulk_dtype: torch.dtype | None = None, rows: Fp16Rows | None = None) -> None:
         self.weight = weight
         self.bias = bias
         self.bulk_dtype = None if bulk_dtype == weight.dtype else bulk_dtype
         self.packed: torch.Tensor | None = None
-        if pack and _can_pack(weight):
+        self.rows: Fp16Rows | None = None
+        self.fp16: torch.Tensor | None = None
+        self.set_rows(rows)
+        if self.fp16 is None and pack and _can_pack(weight):
             self.packed = _try_pack(weight, bias)
+
+    def set_rows(self, rows: Fp16Rows | None) -> None:
+        """Use (``rows``) or stop using (``None``) the fp16-weight kernel for non-bulk calls."""
+        self.rows, self.fp16 = None, None
+        if rows is not None and self.weight.device.type == "cpu":
+            self.fp16 = rows.prepack(self.weight, self.bias)
+            self.rows = rows if self.fp16 is not None else None
 
     @classmethod
     def of_rows(cls, weight: torch.Tensor, bias: torch.Tensor | None,
-                rows: torch.Tensor) -> Linear:
+                rows: torch.Tensor, kernel: Fp16Rows | None = None) -> Linear:
         """A packed copy of output rows ``rows`` ``[R]`` of ``weight`` ``[N, K]`` (and
-        ``bias``): ``[..., K]`` → ``[..., R]``."""
+        ``bias``): ``[..., K]`` → ``[..., R]``, on the fp16-weight ``kernel`` if given."""
         rows = rows.to(weight.device)
         return cls(weight.detach()[rows].contiguous(),
-                   None if bias is None else bias.detach()[rows].contiguous())
+                   None if bias is None else bias.detach()[rows].contiguous(), rows=kernel)
 
     @property
     def out_features(self) -> int:
@@ -60,12 +77,16 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, bulk: bool = False) -> torch.Tensor:
         """``[..., K]`` → ``[..., N]`` in ``x``'s dtype; ``bulk=True`` computes in the bulk
-        format (not bit-consistent with the weight-format path: never for blocks that must
-        match one-token decoding)."""
+        format, or on the fp16 copy without row padding (not bit-consistent with the
+        non-bulk path: never for blocks that must match one-token decoding)."""
+        if bulk and self.rows is not None:
+            return self.rows.bulk(x, self.fp16)
         if bulk and self.bulk_dtype is not None:
             fmt = self.bulk_dtype
             bias = None if self.bias is None else self.bias.to(fmt)
             return F.linear(x.to(fmt), self.weight.to(fmt), bias).to(x.dtype)
+        if self.rows is not None:
+            return self.rows(x, self.fp16)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         if x.numel() == x.shape[-1]:
