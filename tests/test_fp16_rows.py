@@ -7,14 +7,13 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny import tiny_model, tiny_tokenizer
 
 import selfspec
 from selfspec.errors import InvalidArgumentError
-from selfspec.executor import LayerExecutor
-from selfspec.executor import cpu
+from selfspec.executor import LayerExecutor, cpu
 from selfspec.executor.fp16_rows import Fp16Rows, _probe_pads, fbgemm_fp16_available
 from selfspec.executor.linear import Linear
-from tests.tiny import tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.skipif(not fbgemm_fp16_available(),
                                 reason="FBGEMM's fp16 linear is x86-only")

@@ -229,6 +229,20 @@ def test_adaspeed_probe_greedy_equals_autoregressive(engine, prompts, ar_outputs
     assert drafts > 0
 
 
+def _block_is_bit_identical_to_one_token_decoding(ex, ids, block):
+    """Whether ``block`` (token ids after prompt ``ids``) verified in one forward gives each
+    position exactly the logits of decoding it alone."""
+    with torch.inference_mode():
+        cache = ex.new_cache()
+        ex.forward(torch.tensor([ids]), torch.arange(len(ids))[None], cache)
+        alone = torch.stack([ex.forward(torch.tensor([[t]]), torch.tensor([[len(ids) + i]]),
+                                        cache)[0, -1] for i, t in enumerate(block)])
+        cache.truncate(len(ids))
+        together = ex.forward(torch.tensor([block]),
+                              torch.arange(len(ids), len(ids) + len(block))[None], cache)[0]
+    return torch.equal(together, alone)
+
+
 @pytest.mark.parametrize("row_attention_max", [64, pytest.param(16, marks=pytest.mark.xfail(
     strict=True, reason="multi-row SDPA rounds differently in bf16: why blocks go per token"))])
 def test_bf16_verification_blocks_are_bit_identical_to_one_token_decoding(row_attention_max):
@@ -242,15 +256,7 @@ def test_bf16_verification_blocks_are_bit_identical_to_one_token_decoding(row_at
     prompt = loaded.tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th number.\"\"\"\n")
     ids = prompt["input_ids"]
     block = list(range(1000, 1033))  # 33 = a 32-token draft plus its bonus position
-    with torch.inference_mode():
-        cache = ex.new_cache()
-        ex.forward(torch.tensor([ids]), torch.arange(len(ids))[None], cache)
-        alone = torch.stack([ex.forward(torch.tensor([[t]]), torch.tensor([[len(ids) + i]]),
-                                        cache)[0, -1] for i, t in enumerate(block)])
-        cache.truncate(len(ids))
-        together = ex.forward(torch.tensor([block]),
-                              torch.arange(len(ids), len(ids) + len(block))[None], cache)[0]
-    assert torch.equal(together, alone)
+    assert _block_is_bit_identical_to_one_token_decoding(ex, ids, block)
 
 
 @pytest.mark.parametrize("options", [
@@ -297,15 +303,7 @@ def test_bf16_greedy_parity_on_fp16_rows(prompts):
     assert ex.set_bulk("auto", "fp16").rows == "fp16"
     ids = engine.tokenizer(prompts[0])["input_ids"]
     block = list(range(1000, 1033))
-    with torch.inference_mode():
-        cache = ex.new_cache()
-        ex.forward(torch.tensor([ids]), torch.arange(len(ids))[None], cache)
-        alone = torch.stack([ex.forward(torch.tensor([[t]]), torch.tensor([[len(ids) + i]]),
-                                        cache)[0, -1] for i, t in enumerate(block)])
-        cache.truncate(len(ids))
-        together = ex.forward(torch.tensor([block]),
-                              torch.arange(len(ids), len(ids) + len(block))[None], cache)[0]
-    assert torch.equal(together, alone)
+    assert _block_is_bit_identical_to_one_token_decoding(ex, ids, block)
     drafted = 0
     for prompt in prompts[:2]:
         reference = engine.generate(prompt, method="ar", max_new_tokens=NEW_TOKENS).token_ids
@@ -313,5 +311,40 @@ def test_bf16_greedy_parity_on_fp16_rows(prompts):
                                 ("knapspec", {}), ("adadecode", {"heads": "none"})):
             result = engine.generate(prompt, method=method, max_new_tokens=NEW_TOKENS, **options)
             assert result.token_ids == reference, (method, prompt)
+            drafted += result.stats.drafted
+    assert drafted > 0
+
+
+@pytest.mark.skipif(not __import__("selfspec.executor.quant", fromlist=["x"])
+                    .quantized_kernels_available("int8"), reason="FBGEMM is x86-only")
+def test_drafts_on_quantized_weights_keep_the_greedy_tokens(engine, prompts, ar_outputs):
+    """QSpec-style drafting on int8/int4 copies of the model's own layers, and DSSD drafting
+    on int8 layers (its heads here: the model's own norm + lm_head at fixed thresholds):
+    verification by the full-precision model gives exactly `ar`'s tokens."""
+    from selfspec.decoding.drafting import DSSDDrafter
+    from selfspec.decoding.exits import CalibratedExits
+    from selfspec.decoding.quant_draft import RecomputedVerification
+
+    view = engine.executor.draft_view("int8")
+
+    class OwnHeads:
+        layers = [12, 24]
+        heads = [lambda h, vocab_rows=None: view.logits(h)] * 2
+
+        def thresholds(self, epsilon, metric, draft_vocab=None):
+            return [0.8, 0.4]
+
+    drafter = RecomputedVerification(
+        DSSDDrafter(view, CalibratedExits(OwnHeads(), 0.9, "max_prob"), max_draft_len=8),
+        engine.executor)
+    drafted = 0
+    for state, reference in zip(_drafted(engine, drafter, prompts[:2]), ar_outputs):
+        assert state.tokens[state.prompt_len:] == reference
+        drafted += state.stats.drafted
+    for prompt, reference in zip(prompts[:2], ar_outputs):
+        for fmt in ("int8", "int4"):
+            result = engine.generate(prompt, method="qspec", draft_weights=fmt,
+                                     max_new_tokens=NEW_TOKENS)
+            assert result.token_ids == reference, fmt
             drafted += result.stats.drafted
     assert drafted > 0

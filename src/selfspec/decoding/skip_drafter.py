@@ -80,11 +80,16 @@ class SkipPlanDrafter(ExitDrafter):
         return out
 
     def target_logits(self, state: DecodeState, draft: DraftOutput) -> TargetOutput:
-        """Drop the draft's KV, then run the full model over the last committed token and
-        the draft: ``[D+1, V]`` target logits."""
-        ex = self.executor
-        start = state.seq_len - 1
-        state.cache.truncate(start)
-        ids = torch.tensor([[state.tokens[-1], *draft.tokens]], device=ex.device)
-        logits = ex.forward(ids, state.positions(start, ids.shape[1]), state.cache)[0]
-        return TargetOutput(logits=logits, sublayers=2 * ex.num_layers * ids.shape[1])
+        """:func:`recompute_target_logits`: ``[D+1, V]`` from the full model."""
+        return recompute_target_logits(self.executor, state, draft)
+
+
+def recompute_target_logits(executor: LayerExecutor, state: DecodeState,
+                            draft: DraftOutput) -> TargetOutput:
+    """Drop the KV the draft wrote, then run ``executor`` (the full model) over the last
+    committed token and the draft: ``[D+1, V]`` target logits, every layer's KV filled."""
+    start = state.seq_len - 1
+    state.cache.truncate(start)
+    ids = torch.tensor([[state.tokens[-1], *draft.tokens]], device=executor.device)
+    logits = executor.forward(ids, state.positions(start, ids.shape[1]), state.cache)[0]
+    return TargetOutput(logits=logits, sublayers=2 * executor.num_layers * ids.shape[1])

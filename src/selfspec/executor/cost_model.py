@@ -103,10 +103,14 @@ class LatencyModel:
 
 
 def machine_key(executor: LayerExecutor) -> str:
-    """What a measurement holds for: model, dtype, threads, processor."""
+    """What a measurement holds for: model, dtype, decoding kernel, threads, processor."""
     name = executor.name.replace("/", "_")
-    return (f"{name}-{str(executor.dtype).removeprefix('torch.')}-t{torch.get_num_threads()}-"
-            f"{platform.machine()}-{_cpu_name()}")
+    formats = getattr(executor, "formats", None)
+    kernel = ""
+    if formats is not None and formats.rows != "weights":
+        kernel = f"-{formats.rows}rows{formats.rows_min_bytes >> 20}M"
+    return (f"{name}-{str(executor.dtype).removeprefix('torch.')}{kernel}-t"
+            f"{torch.get_num_threads()}-{platform.machine()}-{_cpu_name()}")
 
 
 def _cpu_name() -> str:

@@ -10,8 +10,9 @@ different cache lengths.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -189,6 +190,8 @@ class LayerExecutor:
         self._lm_head = Linear(model.lm_head.weight, model.lm_head.bias, pack_weights)
         self._fp16_rows: Fp16Rows | None = None
         self.formats: ComputeFormats = self.set_bulk(bulk, rows)
+        self.draft_weights: str | None = None  # set on the views of draft_view()
+        self._draft_views: dict[str, LayerExecutor] = {}
         # RoPE variants whose frequencies depend on the sequence length cannot use a table.
         self._rope_dynamic = "dynamic" in str(getattr(self.rotary_emb, "rope_type", ""))
         self._rope_cos = torch.empty(0)
@@ -221,6 +224,34 @@ class LayerExecutor:
                 lin.set_rows(self._fp16_rows)
         self.formats = formats
         return formats
+
+    def draft_view(self, fmt: str) -> LayerExecutor:
+        """This executor on quantized copies of every decoder layer's linears and of
+        ``lm_head`` (:mod:`selfspec.executor.quant`), for drafting only: everything else
+        (embedding, norms, RoPE, the KV cache layout) is shared, and its KV writes are meant
+        to be dropped (verification recomputes them with the full weights). Built once per
+        format and kept (one extra quantized copy of the weights: ~1/2 for int8, ~1/4 for
+        int4).
+
+        Raises:
+            InvalidArgumentError: an unknown format or one without a kernel here
+                (:func:`selfspec.executor.quant.check_draft_weights`).
+        """
+        from selfspec.executor.quant import check_draft_weights, quantize_linear
+
+        fmt = check_draft_weights(fmt)
+        view = self._draft_views.get(fmt)
+        if view is None:
+            view = copy.copy(self)
+            view._weights = [replace(w, **{name: quantize_linear(getattr(w, name).weight,
+                                                                 getattr(w, name).bias, fmt)
+                                           for name in ("qkv", "o", "gate_up", "down")})
+                             for w in self._weights]
+            view._lm_head = quantize_linear(self._lm_head.weight, self._lm_head.bias, fmt)
+            view.draft_weights = fmt
+            view._draft_views = {}
+            self._draft_views[fmt] = view
+        return view
 
     @property
     def fp16_rows(self) -> Fp16Rows | None:

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 from selfspec.decoding.drafting import DSSDDrafter
 from selfspec.decoding.exits import CalibratedExits
 from selfspec.decoding.loop import Step
+from selfspec.decoding.quant_draft import RecomputedVerification
 from selfspec.decoding.speculative import SpeculativeStep
 from selfspec.heads.calibration import CONFIDENCE_METRICS, DEFAULT_METRIC
 from selfspec.heads.files import DEFAULT as DEFAULT_HEADS
 from selfspec.methods.base import MethodContext, MethodSpec
-from selfspec.methods.exit_drafting import DRAFT_VOCAB_HELP
+from selfspec.executor.quant import DRAFT_WEIGHT_FORMATS
+from selfspec.methods.exit_drafting import DRAFT_VOCAB_HELP, DRAFT_WEIGHTS_HELP
 from selfspec.methods.options import option
 
 HEADS_HELP = ("calibrated exit heads: 'default' (from `selfspec heads train`) or a head "
@@ -37,6 +39,8 @@ class Options(CalibratedOptions):
     max_draft_len: int = option(32, "the draft buffer", low=1, high="R-1")
     draft_vocab: int | None = option(None, DRAFT_VOCAB_HELP, low=1, high="V",
                                      default_text="none (full vocabulary)")
+    draft_weights: str | None = option(None, DRAFT_WEIGHTS_HELP, choices=DRAFT_WEIGHT_FORMATS,
+                                       default_text="none (the model's own weights)")
 
 
 def calibrated_exits(context: MethodContext, options: CalibratedOptions,
@@ -59,7 +63,12 @@ def calibrated_exits(context: MethodContext, options: CalibratedOptions,
 def build(context: MethodContext, options: Options) -> Step:
     """DSSD drafter (calibrated exits + buffer stop rule) + verifier."""
     exits = calibrated_exits(context, options, options.draft_vocab)
-    return SpeculativeStep(DSSDDrafter(context.executor, exits, options.max_draft_len))
+    ex = context.executor
+    if options.draft_weights is None:
+        return SpeculativeStep(DSSDDrafter(ex, exits, options.max_draft_len))
+    # Drafts on quantized layers: their KV and hidden states are not the model's.
+    drafter = DSSDDrafter(ex.draft_view(options.draft_weights), exits, options.max_draft_len)
+    return SpeculativeStep(RecomputedVerification(drafter, ex))
 
 
 SPEC = MethodSpec(

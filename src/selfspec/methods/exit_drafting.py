@@ -8,10 +8,12 @@ from typing import Any
 
 from selfspec.decoding.drafting import EarlyExitDrafter
 from selfspec.decoding.loop import Step
+from selfspec.decoding.quant_draft import RecomputedVerification
 from selfspec.decoding.speculative import SpeculativeStep
 from selfspec.decoding.stop_rules import StopRule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
+from selfspec.executor.quant import DRAFT_WEIGHT_FORMATS
 from selfspec.heads.files import DEFAULT_PROBES
 from selfspec.methods.base import MethodContext
 from selfspec.methods.options import option
@@ -19,6 +21,8 @@ from selfspec.methods.options import option
 EXIT_LAYER_HELP = "layers the draft runs: layers [0, exit_layer)"
 HEADS_HELP = ("exit heads: 'default' (from `selfspec heads train`) or a head file/directory; "
               "drafts use the head at exit_layer (an error if there is none)")
+DRAFT_WEIGHTS_HELP = ("draft on int8 (W8A8) or int4 copies of the layers; verification then "
+                      "recomputes every layer with the model's own weights (QSpec-style)")
 DRAFT_VOCAB_HELP = ("draft heads score only the K most frequent tokens (ranked by the heads' "
                     "token counts; needs heads), FR-Spec §3")
 
@@ -32,6 +36,8 @@ class ExitOptions:
     heads: str | None = option(None, HEADS_HELP, default_text="none (the model's lm_head)")
     draft_vocab: int | None = option(None, DRAFT_VOCAB_HELP, low=1, high="V",
                                      default_text="none (full vocabulary)")
+    draft_weights: str | None = option(None, DRAFT_WEIGHTS_HELP, choices=DRAFT_WEIGHT_FORMATS,
+                                       default_text="none (the model's own weights)")
 
 
 def default_exit_layer(executor: LayerExecutor) -> int:
@@ -73,8 +79,12 @@ def build_exit_step(context: MethodContext, options: ExitOptions, stop_rule: Sto
     if options.draft_vocab is not None:
         vocab = context.draft_vocab(trained, options.draft_vocab)
         restricted = context.restricted(head, vocab)
-    drafter = EarlyExitDrafter(ex, layer, stop_rule, head=head, scorer=greedy_probe,
+    draft_ex = ex if options.draft_weights is None else ex.draft_view(options.draft_weights)
+    drafter = EarlyExitDrafter(draft_ex, layer, stop_rule, head=head, scorer=greedy_probe,
                                vocab=vocab, sampled_scorer=sampled_probe, restricted=restricted)
+    if options.draft_weights is not None:
+        # The draft's KV and hidden states are not the model's: verify from scratch.
+        return SpeculativeStep(RecomputedVerification(drafter, ex))
     return SpeculativeStep(drafter)
 
 

@@ -10,7 +10,7 @@ its help text, valid range or choices, and how to show a default that depends on
                                         default_text="3/4 of the depth")
 
 Bounds are numbers or one of the model-dependent symbols of :data:`MODEL_BOUNDS`
-(``"L-1"``: layers − 1, ``"R-1"``: the longest bit-exact draft, ``"V"``: vocabulary size),
+(``"L"``: layers, ``"L-1"``: layers − 1, ``"R-1"``: the longest bit-exact draft, ``"V"``: vocabulary size),
 checked once the model is known (:func:`check_model_bounds`).
 """
 
@@ -28,6 +28,7 @@ from selfspec.executor import LayerExecutor
 
 # Model-dependent bounds: symbol -> (value for an executor, meaning).
 MODEL_BOUNDS: Mapping[str, tuple[Callable[[LayerExecutor], int], str]] = {
+    "L": (lambda ex: ex.num_layers, "the model's layers"),
     "L-1": (lambda ex: ex.num_layers - 1, "the model's layers - 1"),
     "R-1": (lambda ex: max(1, ex.row_attention_max - 1),
             "the longest draft verified bit-exactly, 63 by default"),

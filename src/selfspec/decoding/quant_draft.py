@@ -1,0 +1,66 @@
+"""Drafting on quantized copies of the model's own weights (QSpec-style self-speculation,
+Zhao et al. 2024, "QSpec: Speculative Decoding with Complementary Quantization Schemes":
+the draft is the same network at lower precision; no second model).
+
+The draft runs on :meth:`LayerExecutor.draft_view` (int8 or int4 copies of every linear), so
+its hidden states and the KV it writes are not the model's: verification drops that KV and
+runs the full-precision model over the last committed token and the draft (``D + 1``
+positions), as for sub-layer skip drafts. The output is exactly the full model's (greedy:
+its argmax tokens; sampling: its distribution, by the usual acceptance rule).
+"""
+
+from __future__ import annotations
+
+from selfspec.decoding.drafting import ExitDrafter
+from selfspec.decoding.skip_drafter import SkipPlanExit, recompute_target_logits
+from selfspec.decoding.speculative import DraftOutput, TargetOutput
+from selfspec.decoding.state import DecodeState
+from selfspec.decoding.stats import StepStats
+from selfspec.decoding.stop_rules import StopRule
+from selfspec.executor import LayerExecutor
+from selfspec.executor.executor import SkipPlan
+
+
+class RecomputedVerification:
+    """Wraps a drafter whose drafts ran on other weights (a :meth:`~LayerExecutor.draft_view`)
+    so that verification recomputes every layer with the model's own weights.
+
+    Args:
+        drafter: any :class:`~selfspec.decoding.drafting.ExitDrafter` built on the view.
+        target: the full-precision executor.
+    """
+
+    def __init__(self, drafter: ExitDrafter, target: LayerExecutor) -> None:
+        self.drafter = drafter
+        self.target = target
+
+    def draft(self, state: DecodeState) -> DraftOutput:
+        """The wrapped drafter's draft (on the quantized weights)."""
+        return self.drafter.draft(state)
+
+    def target_logits(self, state: DecodeState, draft: DraftOutput) -> TargetOutput:
+        """:func:`recompute_target_logits` on the full model."""
+        return recompute_target_logits(self.target, state, draft)
+
+    def update(self, stats: StepStats) -> None:
+        """Pass the verification result on (adaptive stop rules)."""
+        self.drafter.update(stats)
+
+
+def quantized_drafter(target: LayerExecutor, fmt: str, stop_rule: StopRule,
+                      exit_layer: int | None = None) -> RecomputedVerification:
+    """Draft with layers ``[0, exit_layer)`` (default all) of the model on ``fmt`` weights
+    (``"int8"`` / ``"int4"``), then the final norm and ``lm_head`` on them too.
+
+    Raises:
+        InvalidArgumentError: an unknown or unavailable format, a bad ``exit_layer``, or a stop
+            rule whose longest draft exceeds the bit-exact verification limit.
+    """
+    from selfspec.decoding.exits import check_exit_layer
+
+    view = target.draft_view(fmt)
+    layers = (target.num_layers if exit_layer in (None, target.num_layers)
+              else check_exit_layer(target, exit_layer))
+    rest = frozenset(range(layers, target.num_layers))
+    drafter = ExitDrafter(view, SkipPlanExit(view, SkipPlan(rest, rest)), stop_rule)
+    return RecomputedVerification(drafter, target)

@@ -1,0 +1,165 @@
+"""Quantized copies of the model's own linear layers, for drafting (QSpec-style
+self-speculation: the draft runs the same layers on low-precision weights and the full-
+precision model verifies, so the output stays exactly the full model's).
+
+Two formats, each on a kernel that ships in PyTorch's x86 CPU wheels:
+
+- ``int8``: int8 weights (symmetric, one scale per output channel) with activations
+  quantized per call (one scale per block, 7-bit as FBGEMM requires without VNNI): FBGEMM's
+  ``quantized::linear_dynamic``. W8A8 is lossy, which a draft may be.
+- ``int4``: int4 weights (asymmetric, one scale and offset per group of 32 inputs), bf16
+  activations: ``aten::_weight_int4pack_mm_for_cpu`` (torchao's int4 CPU layout calls the
+  same kernel, so torchao would add nothing here).
+
+Why int8 is the default: on the 2-core AVX2 EPYC (torch 2.13.0, 2 threads) one forward of
+Qwen2.5-Coder-1.5B takes 188 ms with bf16 weights, 116 ms with int8 weight-only
+(``_weight_int8pack_mm``), 124 ms with int4 (group 32 or 128) and 75 ms with FBGEMM's W8A8
+(``docs/results/executor-profile``): torch's int4 kernel unpacks nibbles at a rate well
+below the memory bandwidth on AVX2, while FBGEMM's int8 dot products (``vpmaddubsw``) keep
+up with it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from selfspec.errors import InvalidArgumentError
+
+DRAFT_WEIGHT_FORMATS = ("int8", "int4")
+INT4_GROUP = 32  # group 64 already changed SmolLM2's first greedy token (int4_probe.py)
+
+
+def quantized_kernels_available(fmt: str) -> bool:
+    """Whether this torch build has the kernel of ``fmt`` (``int8`` needs FBGEMM)."""
+    if fmt == "int8":
+        return ("fbgemm" in torch.backends.quantized.supported_engines
+                and hasattr(torch.ops.quantized, "linear_dynamic"))
+    if fmt == "int4":
+        return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    return False
+
+
+def check_draft_weights(fmt: object) -> str:
+    """Validate a draft weight format.
+
+    Raises:
+        InvalidArgumentError: not one of :data:`DRAFT_WEIGHT_FORMATS`, or its kernel is not in
+            this torch build.
+    """
+    if fmt not in DRAFT_WEIGHT_FORMATS:
+        raise InvalidArgumentError(
+            f"draft weights must be one of {', '.join(DRAFT_WEIGHT_FORMATS)}, got {fmt!r}")
+    if not quantized_kernels_available(str(fmt)):
+        raise InvalidArgumentError(
+            f"this torch build has no {fmt} kernel (int8 needs FBGEMM, in x86 CPU wheels); "
+            f"choose another --draft-weights format")
+    return str(fmt)
+
+
+class Int8DynamicLinear:
+    """``y ≈ x Wᵀ + b`` with int8 weights and per-call int8 activations (FBGEMM).
+
+    Args:
+        weight: ``[N, K]`` float weight (any float dtype).
+        bias: ``[N]`` or ``None``.
+
+    Calls take ``[..., K]`` in any float dtype and return ``[..., N]`` in it.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).double()
+        with warnings.catch_warnings():
+            # Quantized tensors are deprecated as a user API, not FBGEMM's packed linear,
+            # which takes one to build its packed weight.
+            warnings.simplefilter("ignore", UserWarning)
+            qweight = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long),
+                                                 0, torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(
+            qweight, None if bias is None else bias.detach().float())
+        self.out_features = w.shape[0]
+
+    def __call__(self, x: torch.Tensor, bulk: bool = False) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).float()
+        out = torch.ops.quantized.linear_dynamic(flat, self.packed, True)
+        return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+
+
+class Int4Linear:
+    """``y ≈ x Wᵀ + b`` with group-wise asymmetric int4 weights (torch's CPU int4 kernel).
+
+    Args:
+        weight: ``[N, K]`` float weight; ``K`` must be a multiple of ``group``.
+        bias: ``[N]`` or ``None``.
+        group: inputs per scale/offset pair.
+
+    Raises:
+        InvalidArgumentError: ``K`` is not a multiple of ``group``.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 group: int = INT4_GROUP) -> None:
+        w = weight.detach().float()
+        n, k = w.shape
+        if k % group:
+            raise InvalidArgumentError(
+                f"int4 weights need the input size ({k}) to be a multiple of the group ({group})")
+        codes, scale, zero = quantize_int4(w, group)
+        # The kernel computes (q - 8) * scale + zero_point with zero_point = min + 8 * scale.
+        self.scales_zeros = torch.stack([scale, zero + 8 * scale], dim=-1).transpose(0, 1) \
+            .contiguous().to(torch.bfloat16)                                    # [K/g, N, 2]
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        self.group = group
+        self.bias = None if bias is None else bias.detach()
+        self.out_features = n
+
+    def __call__(self, x: torch.Tensor, bulk: bool = False) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group,
+                                                        self.scales_zeros)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+
+
+def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                             torch.Tensor]:
+    """Asymmetric min/max int4 quantization per group of ``group`` inputs.
+
+    Args:
+        weight: ``[N, K]`` float.
+
+    Returns:
+        ``(codes [N, K] int32 in [0, 15], scale [N, K/group], minimum [N, K/group])``, with
+        ``weight ≈ codes * scale + minimum`` (error at most ``scale / 2`` per entry).
+    """
+    n, k = weight.shape
+    grouped = weight.reshape(n, k // group, group)
+    low = grouped.amin(dim=-1)
+    scale = ((grouped.amax(dim=-1) - low) / 15).clamp(min=1e-8)
+    codes = ((grouped - low[..., None]) / scale[..., None]).round().clamp(0, 15)
+    return codes.reshape(n, k).to(torch.int32), scale, low
+
+
+def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The float weight ``[N, K]`` that :func:`quantize_int4`'s output stands for."""
+    n, k = codes.shape
+    groups = scale.shape[1]
+    return (codes.reshape(n, groups, -1).float() * scale[..., None] + low[..., None]).reshape(n, k)
+
+
+def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None,
+                    fmt: str) -> Int8DynamicLinear | Int4Linear:
+    """A quantized copy of one linear layer in ``fmt`` (:data:`DRAFT_WEIGHT_FORMATS`).
+
+    Raises:
+        InvalidArgumentError: an unknown format, or int4 on an input size not a multiple of
+            the group.
+    """
+    if fmt == "int8":
+        return Int8DynamicLinear(weight, bias)
+    if fmt == "int4":
+        return Int4Linear(weight, bias)
+    raise InvalidArgumentError(f"unknown weight format {fmt!r}")

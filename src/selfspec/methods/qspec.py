@@ -1,0 +1,47 @@
+"""QSpec-style self-speculation: draft with the model's own layers on int8 (or int4) weight
+copies, verify with the model itself (Zhao et al. 2024, QSpec §3; here the draft is W8A8
+or W4A16 and the verifier the bf16/fp32 model, so the output is exactly the model's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from selfspec.decoding.loop import Step
+from selfspec.decoding.quant_draft import quantized_drafter
+from selfspec.decoding.speculative import SpeculativeStep
+from selfspec.decoding.stop_rules import ConfidenceStopRule, ConstantStopRule
+from selfspec.executor.quant import DRAFT_WEIGHT_FORMATS
+from selfspec.methods.base import MethodContext, MethodSpec
+from selfspec.methods.options import option
+
+
+@dataclass(frozen=True)
+class Options:
+    """QSpec's options."""
+
+    draft_weights: str = option("int8", "format of the draft's weight copy: int8 (W8A8, "
+                                "FBGEMM) or int4 (weight-only, groups of 32)",
+                                choices=DRAFT_WEIGHT_FORMATS)
+    max_draft_len: int = option(12, "longest draft (D)", low=1, high="R-1")
+    confidence: float = option(0.3, "stop drafting when the draft's top-1 probability falls "
+                               "below this (0 = always draft max_draft_len)", low=0, high=1,
+                               high_open=True)
+    exit_layer: int | None = option(None, "layers the draft runs: [0, exit_layer)", low=1,
+                                    high="L", default_text="all")
+
+
+def build(context: MethodContext, options: Options) -> Step:
+    """Quantized-weights drafter + confidence stop rule + verification by the full model."""
+    rule = (ConfidenceStopRule(options.confidence, max_draft_len=options.max_draft_len)
+            if options.confidence > 0 else ConstantStopRule(options.max_draft_len))
+    return SpeculativeStep(quantized_drafter(context.executor, options.draft_weights, rule,
+                                             options.exit_layer))
+
+
+SPEC = MethodSpec(
+    name="qspec",
+    summary="draft with the model's own layers on int8/int4 weight copies, verify with the "
+            "model (no second model, no training)",
+    lossless=True,
+    paper="QSpec (Zhao et al. 2024) §3, self-speculation across quantization schemes",
+    options=Options, build=build)
