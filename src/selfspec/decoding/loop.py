@@ -7,7 +7,8 @@ Every method runs through :func:`run`::
     step.start(state)                        # 3. per-generation state of the method
     while not state.done:                    # 4. EOS, max_new_tokens, context, stop strings,
         state.stats.add(step(state))         #    cancellation: all decided by state.commit
-    state.finish()                           # 5. timings
+    step.finish(state)                       # 5. optional: e.g. remember the text
+    state.finish()                           # 6. timings
 
 A :class:`Step` commits at least one token per call and returns a :class:`StepStats`.
 Autoregressive decoding (:class:`~selfspec.decoding.autoregressive.ArStep`), the speculative
@@ -48,6 +49,14 @@ class Step(Protocol):
         """
 
 
+def _finish(step: Step, state: DecodeState) -> None:
+    """Call the Step's optional ``finish(state)`` (after the last commit; the n-gram drafters
+    add the finished text to the engine's history there)."""
+    finish = getattr(step, "finish", None)
+    if finish is not None:
+        finish(state)
+
+
 def run(state: DecodeState, step: Step) -> GenerationStats:
     """Generate with ``step`` until ``state`` is done.
 
@@ -70,6 +79,7 @@ def run(state: DecodeState, step: Step) -> GenerationStats:
         state.stats.add(step(state))
         if state.seq_len == before and not state.done:
             raise RuntimeError(f"{type(step).__name__} committed no token")
+    _finish(step, state)
     stats = state.finish()
     plan_log = getattr(step, "plan_log", None)  # methods that re-choose their draft
     if plan_log is not None:

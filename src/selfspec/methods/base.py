@@ -17,6 +17,7 @@ from typing import Any
 
 from selfspec.decoding.draft_vocab import DraftVocab, frequent_rows, restricted_head
 from selfspec.decoding.loop import Step
+from selfspec.decoding.ngram import SuffixAutomaton
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.cost_model import LatencyModel, cached_latency
@@ -45,6 +46,7 @@ class MethodContext:
         self._heads: dict[tuple, Any] = {}
         self._derived: dict[tuple, tuple[Any, Any]] = {}
         self._latency: LatencyModel | None = None
+        self._history: SuffixAutomaton | None = None
 
     def latency(self) -> LatencyModel:
         """The model's measured sub-layer latencies on this machine (measured once, a few
@@ -54,6 +56,14 @@ class MethodContext:
         if self._latency is None:
             self._latency = cached_latency(self.executor, selfspec_home())
         return self._latency
+
+    def history(self) -> SuffixAutomaton:
+        """The engine's suffix automaton of earlier texts (finished prompts + outputs), kept
+        for the life of this context (the engine, or the server): the n-gram drafters'
+        second source (:mod:`selfspec.decoding.ngram`)."""
+        if self._history is None:
+            self._history = SuffixAutomaton()
+        return self._history
 
     def heads(self, path: str | os.PathLike) -> Any:
         """The :class:`selfspec.heads.ExitHeads` at ``path`` (``"default"``,

@@ -24,6 +24,7 @@ from selfspec.methods import (
     early_exit,
     knapspec,
     layerskip,
+    ngram,
     qspec,
     specee,
     swift,
@@ -37,7 +38,7 @@ __all__ = ["METHODS", "MethodContext", "MethodSpec", "build_step", "default_exit
 METHODS: Mapping[str, MethodSpec] = {
     module.SPEC.name: module.SPEC
     for module in (ar, layerskip, dv, adaspeed, adaspeed_probe, dssd, early_exit, adadecode,
-                   knapspec, clasp, dynamic_exit, swift, specee, qspec)
+                   knapspec, clasp, dynamic_exit, swift, specee, qspec, ngram)
 }
 
 
