@@ -50,6 +50,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    "fp16-weight kernel for matrices >= 4 MiB), fp16 (that kernel for every matrix: "
                    "cheapest verification), weights (the weights' own format)")
     p.add_argument("--threads", type=int_arg(1), default=None, help="torch intra-op threads")
+    p.add_argument("--explain", action="store_true",
+                   help="auto: print what each drafter did (steps, acceptance, predicted vs "
+                        "measured tokens/s)")
     add_method_arguments(p)
     p.set_defaults(func=_cmd_generate)
 
@@ -128,10 +131,25 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             f"{s.tokens_per_s:.1f} tok/s · TTFT {s.ttft_ms:.0f} ms · finish: {s.finish_reason}")
     if s.verifications:
         line += (f" · acceptance {s.acceptance_rate:.2f} · mean accepted {s.mean_accepted:.2f}")
-    if s.exit_layer_total:
+    if s.exit_layer_total and not s.drafters:
         line += f" · mean exit layer {s.mean_exit_layer:.1f}"
+    if s.drafters:
+        line += " · steps: " + ", ".join(f"{name} {u.steps}" for name, u in s.drafters.items())
     print(line, file=sys.stderr)
+    if args.explain and s.drafters:
+        print(explain_drafters(s), file=sys.stderr)
     return 0
+
+
+def explain_drafters(stats) -> str:
+    """A table of what each drafter of ``auto`` did: steps, acceptance, predicted vs measured
+    tokens per second."""
+    rows = ["  drafter   steps  drafted  accepted  acceptance  tok/s predicted  tok/s measured"]
+    for name, u in stats.drafters.items():
+        rows.append(f"  {name:<9} {u.steps:>5}  {u.drafted:>7}  {u.accepted:>8}  "
+                    f"{u.acceptance_rate:>10.2f}  {u.predicted_tokens_per_s:>15.1f}  "
+                    f"{u.tokens_per_s:>14.1f}")
+    return "\n".join(rows)
 
 
 def _add_methods(sub: argparse._SubParsersAction) -> None:

@@ -135,6 +135,10 @@ class NgramDrafter:
         self._pending = choice
         return choice
 
+    def discard(self) -> None:
+        """Forget the choice of :meth:`choose` (a caller ran another drafter instead)."""
+        self._pending = None
+
     def draft(self, state: DecodeState) -> DraftOutput:
         """The first ``γ`` tokens of the chosen proposal (:meth:`choose` if not called)."""
         choice = self._pending if self._pending is not None else self.choose(state)

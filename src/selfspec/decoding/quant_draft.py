@@ -34,6 +34,11 @@ class RecomputedVerification:
         self.drafter = drafter
         self.target = target
 
+    @property
+    def stop_rule(self) -> StopRule:
+        """The wrapped drafter's stop rule."""
+        return self.drafter.stop_rule
+
     def draft(self, state: DecodeState) -> DraftOutput:
         """The wrapped drafter's draft (on the quantized weights)."""
         return self.drafter.draft(state)

@@ -51,6 +51,11 @@ class StepStats:
         predictor_calls: exit-predictor evaluations.
         kv_ms: wall time spent writing the KV of layers an early-exited token skipped (part
             of ``draft_ms``), in ms.
+        drafter: the drafter that ran, for a Step that chooses one per step (``auto``);
+            ``""`` otherwise.
+        step_ms: wall time of the whole step, ms (``auto``; 0 when not measured).
+        predicted_tokens / predicted_ms: what the chooser predicted the step would commit and
+            take (0 when nothing was predicted).
 
     Raises:
         InvalidArgumentError: negative counts or ``num_accepted > num_drafted``.
@@ -68,6 +73,10 @@ class StepStats:
     predictor_ms: float = 0.0
     predictor_calls: int = 0
     kv_ms: float = 0.0
+    drafter: str = ""
+    step_ms: float = 0.0
+    predicted_tokens: float = 0.0
+    predicted_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_accepted <= self.num_drafted:
@@ -84,6 +93,51 @@ class StepStats:
     def layer_forwards(self) -> float:
         """Decoder-layer evaluations: ``sublayers / 2``."""
         return self.sublayers / 2
+
+
+@dataclass
+class DrafterUsage:
+    """What one drafter did within a generation whose Step chooses drafters (``auto``).
+
+    Attributes:
+        steps: steps it ran.
+        drafted / accepted / committed: draft tokens proposed, accepted, tokens committed.
+        ms: wall time of its steps, ms.
+        predicted_tokens / predicted_ms: the chooser's predictions for those steps, summed.
+    """
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    committed: int = 0
+    ms: float = 0.0
+    predicted_tokens: float = 0.0
+    predicted_ms: float = 0.0
+
+    def add(self, step: StepStats) -> None:
+        """Accumulate one step."""
+        self.steps += 1
+        self.drafted += step.num_drafted
+        self.accepted += step.num_accepted
+        self.committed += step.committed
+        self.ms += step.step_ms
+        self.predicted_tokens += step.predicted_tokens
+        self.predicted_ms += step.predicted_ms
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Measured tokens per second of its steps."""
+        return self.committed / self.ms * 1e3 if self.ms > 0 else 0.0
+
+    @property
+    def predicted_tokens_per_s(self) -> float:
+        """Predicted tokens per second of its steps."""
+        return self.predicted_tokens / self.predicted_ms * 1e3 if self.predicted_ms > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / drafted (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
 
 
 @dataclass
@@ -111,6 +165,7 @@ class GenerationStats:
         exit_counts: ``exit_counts[l]`` = draft tokens whose prediction ran ``l`` layers (the
             exit-layer histogram; grows as needed).
         predictor_ms / predictor_calls / kv_ms: sums of the steps' fields (SpecEE).
+        drafters: per drafter name, what it did (``auto``; empty for the other methods).
     """
 
     prompt_tokens: int = 0
@@ -133,6 +188,7 @@ class GenerationStats:
     predictor_ms: float = 0.0
     predictor_calls: int = 0
     kv_ms: float = 0.0
+    drafters: dict[str, DrafterUsage] = field(default_factory=dict)
 
     def add(self, step: StepStats) -> None:
         """Accumulate one step's statistics."""
@@ -152,6 +208,8 @@ class GenerationStats:
         self.predictor_ms += step.predictor_ms
         self.predictor_calls += step.predictor_calls
         self.kv_ms += step.kv_ms
+        if step.drafter:
+            self.drafters.setdefault(step.drafter, DrafterUsage()).add(step)
 
     @property
     def acceptance_rate(self) -> float:

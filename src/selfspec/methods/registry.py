@@ -17,6 +17,7 @@ from selfspec.methods import (
     adaspeed,
     adaspeed_probe,
     ar,
+    auto,
     clasp,
     dssd,
     dv,
@@ -38,7 +39,7 @@ __all__ = ["METHODS", "MethodContext", "MethodSpec", "build_step", "default_exit
 METHODS: Mapping[str, MethodSpec] = {
     module.SPEC.name: module.SPEC
     for module in (ar, layerskip, dv, adaspeed, adaspeed_probe, dssd, early_exit, adadecode,
-                   knapspec, clasp, dynamic_exit, swift, specee, qspec, ngram)
+                   knapspec, clasp, dynamic_exit, swift, specee, qspec, ngram, auto)
 }
 
 

@@ -1,0 +1,176 @@
+"""``auto``: each step, run the drafter predicted to give the most tokens per second.
+
+Candidates per step (KnapSpec eq. 4 for each, :func:`~selfspec.decoding.tpt.best_draft_len`)::
+
+    ar        1 / t_forward(1)
+    ngram     E(γ) / t_forward(γ + 1)                       # free draft, when a match exists
+    model d   E_d(γ) / (γ t_draft,d + t_forward(γ + 1))     # qspec, layerskip, dssd, ...
+
+``t_forward(T)`` is the measured latency model corrected online by the forwards this
+generation ran (:class:`~selfspec.decoding.tpt.ForwardCosts`); ``t_draft,d`` a moving average
+of drafter ``d``'s measured ms per draft token; ``E(γ)`` follows from an online per-token
+acceptance estimate per drafter (and, for n-gram drafts, per match length). The best
+candidate runs with its ``γ`` as the cap of its own stop rule; ``ar`` wins when nothing is
+predicted to pay, so ``auto`` falls back to plain decoding by construction. Every drafter is
+lossless (its draft is verified by the full model), so ``auto`` is too, whatever it picks.
+
+A model drafter that has not run yet, or not for ``explore_every`` steps while predicted to
+be within ``explore_margin`` of the best, runs once to refresh its estimates (a drafter whose
+estimates only come from running it would otherwise never be tried again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from selfspec.decoding.autoregressive import ArStep
+from selfspec.decoding.ngram import SuffixAutomaton
+from selfspec.decoding.ngram_drafter import NgramDrafter
+from selfspec.decoding.speculative import SpeculativeStep
+from selfspec.decoding.state import DecodeState
+from selfspec.decoding.stats import StepStats
+from selfspec.decoding.stop_rules import StopRule
+from selfspec.decoding.tpt import (
+    AcceptanceEstimate,
+    ForwardCosts,
+    MovingAverage,
+    TptChoice,
+    best_draft_len,
+)
+
+
+@dataclass
+class ModelDrafter:
+    """A drafter that runs model layers (qspec, layerskip, dssd, ...) as an ``auto``
+    candidate.
+
+    Attributes:
+        name: the method it comes from.
+        step: its speculative step.
+        stop_rule: its stop rule (``auto`` caps ``max_draft_len`` per step).
+        acceptance: its per-token acceptance estimate.
+        draft_ms: moving average of its ms per draft token (``None`` until it has run).
+        last_run: the step index it last ran at (-1: never).
+    """
+
+    name: str
+    step: SpeculativeStep
+    stop_rule: StopRule
+    acceptance: AcceptanceEstimate
+    draft_ms: MovingAverage | None = None
+    last_run: int = -1
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One drafter's prediction for this step."""
+
+    name: str
+    plan: TptChoice
+    drafter: ModelDrafter | None = None
+
+
+class AutoStep:
+    """The Step of ``--method auto``.
+
+    Args:
+        costs: forward-time predictions (shared with the n-gram drafter).
+        ngram: the n-gram drafter, or ``None``.
+        models: model drafters to choose among.
+        history: where the finished text goes (the engine's suffix automaton), or ``None``.
+        max_draft_len: longest draft of any drafter.
+        explore_every: steps after which a model drafter predicted to be close to the best
+            runs again to refresh its estimates (0: never re-explore).
+        explore_margin: "close": predicted tokens/s within this fraction of the best.
+    """
+
+    def __init__(self, costs: ForwardCosts, ngram: NgramDrafter | None,
+                 models: list[ModelDrafter], history: SuffixAutomaton | None = None,
+                 max_draft_len: int = 16, explore_every: int = 64,
+                 explore_margin: float = 0.25) -> None:
+        self.costs = costs
+        self.ngram = ngram
+        self.ngram_step = None if ngram is None else SpeculativeStep(ngram)
+        self.models = models
+        self.history = history
+        self.max_draft_len = max_draft_len
+        self.explore_every = explore_every
+        self.explore_margin = explore_margin
+        self._ar = ArStep()
+        self._steps = 0
+
+    def start(self, state: DecodeState) -> None:
+        """Nothing to set up: estimates live for one generation."""
+
+    def candidates(self, state: DecodeState) -> list[Candidate]:
+        """Every drafter's predicted best draft length, tokens and time for this step."""
+        costs = self.costs
+        costs.context_len = state.seq_len
+        found = [Candidate("ar", TptChoice(0, 1.0, costs.forward_ms(1)))]
+        if self.ngram is not None:
+            choice = self.ngram.choose(state)
+            if choice.plan.draft_len > 0:
+                found.append(Candidate("ngram", choice.plan))
+        limit = min(self.max_draft_len, state.remaining - 1)
+        if limit >= 1:
+            for model in self.models:
+                alpha = model.acceptance.rate(model.name)
+                ms = (model.draft_ms.value if model.draft_ms is not None
+                      else 0.5 * costs.forward_ms(1))
+                found.append(Candidate(model.name, best_draft_len([alpha] * limit, ms,
+                                                                  costs.forward_ms, min_len=1),
+                                       model))
+        return found
+
+    def choose(self, state: DecodeState) -> Candidate:
+        """The candidate to run: the best predicted tokens/s, or a model drafter due for
+        exploration."""
+        found = self.candidates(state)
+        best = max(found, key=lambda c: c.plan.tokens_per_s)
+        for c in found:
+            model = c.drafter
+            if model is None or c is best:
+                continue
+            never = model.last_run < 0
+            due = (self.explore_every and self._steps - model.last_run >= self.explore_every
+                   and c.plan.tokens_per_s >= (1 - self.explore_margin) * best.plan.tokens_per_s)
+            if never or due:
+                return c
+        return best
+
+    def __call__(self, state: DecodeState) -> StepStats:
+        choice = self.choose(state)
+        if self.ngram is not None and choice.name != "ngram":
+            self.ngram.discard()
+        t0 = time.perf_counter()
+        if choice.name == "ar":
+            stats = self._ar(state)
+        elif choice.name == "ngram":
+            stats = self.ngram_step(state)
+        else:
+            model = choice.drafter
+            model.stop_rule.max_draft_len = choice.plan.draft_len
+            stats = model.step(state)
+            model.acceptance.update(model.name, stats.num_drafted, stats.num_accepted)
+            if stats.num_drafted:
+                per_token = stats.draft_ms / stats.num_drafted
+                if model.draft_ms is None:
+                    model.draft_ms = MovingAverage(per_token)
+                model.draft_ms.observe(per_token)
+            model.last_run = self._steps
+        ms = (time.perf_counter() - t0) * 1e3
+        if choice.name == "ar":
+            self.costs.observe(1, ms)
+        elif choice.name != "ngram":  # the n-gram drafter records its own forwards
+            self.costs.observe(stats.num_drafted + 1, stats.verify_ms)
+        self._steps += 1
+        return dataclasses.replace(stats, drafter=choice.name, step_ms=ms,
+                                   predicted_tokens=choice.plan.tokens,
+                                   predicted_ms=choice.plan.ms)
+
+    def finish(self, state: DecodeState) -> None:
+        """Add the finished text to the engine's history."""
+        if self.history is not None:
+            self.history.add(state.tokens)

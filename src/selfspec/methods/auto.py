@@ -1,0 +1,109 @@
+"""``auto``: per step, the drafter predicted to give the most tokens per second (n-gram
+match, a model drafter such as qspec or DSSD, or plain decoding), from the measured latency
+model and online acceptance estimates (KnapSpec eq. 4 as the objective). Lossless: every
+candidate is verified by the full model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from selfspec.decoding.auto import AutoStep, ModelDrafter
+from selfspec.decoding.loop import Step
+from selfspec.decoding.ngram_drafter import NgramDrafter, NgramSettings
+from selfspec.decoding.tpt import AcceptanceEstimate, ForwardCosts
+from selfspec.errors import InvalidArgumentError
+from selfspec.executor.quant import quantized_kernels_available
+from selfspec.methods.base import MethodContext, MethodSpec
+from selfspec.methods.options import option
+
+#: Model drafters ``auto`` can choose among, and the options each gets (besides ``heads``).
+MODEL_DRAFTERS = {
+    "qspec": {},
+    "layerskip": {},
+    "dv": {},
+    "adaspeed": {},
+    "dssd": {},
+}
+HEADS_METHODS = ("layerskip", "dv", "adaspeed", "dssd")
+
+
+@dataclass(frozen=True)
+class Options:
+    """``auto``'s options."""
+
+    drafters: str | None = option(
+        None, "comma-separated drafters to choose among besides ar: ngram, "
+        + ", ".join(MODEL_DRAFTERS), default_text="ngram,qspec (+dssd with heads)")
+    heads: str | None = option(None, "exit heads for the head drafters (dssd, layerskip, dv, "
+                               "adaspeed): 'default' or a head file/directory",
+                               default_text="none")
+    max_draft_len: int = option(16, "longest draft of any drafter", low=1, high="R-1")
+    history: bool = option(True, "n-gram drafts also from this engine's earlier prompts and "
+                           "outputs")
+    explore_every: int = option(64, "steps after which a model drafter predicted close to "
+                                "the best runs again to refresh its estimates (0 = never)",
+                                low=0, high=1 << 20)
+
+
+def drafter_names(options: Options) -> list[str]:
+    """The drafters ``auto`` chooses among with ``options`` (besides ``ar``).
+
+    Raises:
+        InvalidArgumentError: an unknown or repeated name, or a head drafter without heads.
+    """
+    if options.drafters is None:
+        names = ["ngram"] + (["qspec"] if quantized_kernels_available("int8") else [])
+        return names + (["dssd"] if options.heads is not None else [])
+    names = [n.strip() for n in options.drafters.split(",") if n.strip()]
+    known = ["ngram", *MODEL_DRAFTERS]
+    for name in names:
+        if name not in known:
+            raise InvalidArgumentError(
+                f"auto: unknown drafter {name!r} in drafters={options.drafters!r}; choose "
+                f"among {', '.join(known)}")
+    if len(set(names)) != len(names):
+        raise InvalidArgumentError(f"auto: drafters={options.drafters!r} repeats a name")
+    if "dssd" in names and options.heads is None:
+        raise InvalidArgumentError("auto: the dssd drafter needs calibrated heads: give "
+                                   "heads=default (--heads default) or a head file")
+    return names
+
+
+def build(context: MethodContext, options: Options) -> Step:
+    """n-gram drafter, model drafters built by their own methods, and the chooser."""
+    from selfspec.methods.registry import get_method
+
+    names = drafter_names(options)
+    costs = ForwardCosts(context.latency())
+    history = context.history() if options.history else None
+    ngram = None
+    if "ngram" in names:
+        ngram = NgramDrafter(context.executor, costs,
+                             NgramSettings(max_draft_len=options.max_draft_len), history)
+    models = []
+    for name in names:
+        if name == "ngram":
+            continue
+        values = dict(MODEL_DRAFTERS[name])
+        if name in HEADS_METHODS and options.heads is not None:
+            values["heads"] = options.heads
+        step = get_method(name).make_step(context, values)
+        models.append(ModelDrafter(name, step, step.drafter.stop_rule,
+                                   AcceptanceEstimate(prior=0.7)))
+    return AutoStep(costs, ngram, models, history if ngram is not None else None,
+                    max_draft_len=options.max_draft_len, explore_every=options.explore_every)
+
+
+def heads_files(options: Options) -> list[str]:
+    """The head file the head drafters read."""
+    return [] if options.heads is None else [str(options.heads)]
+
+
+SPEC = MethodSpec(
+    name="auto",
+    summary="each step, the drafter predicted to give the most tokens/s (n-gram match, "
+            "int8 self-draft, trained heads) or plain decoding; never drafts at a loss "
+            "predicted by the measured latency model",
+    lossless=True,
+    paper="KnapSpec eq. 4 (Tokens-per-Time) as the per-step objective over drafters",
+    options=Options, build=build, heads_files=heads_files)

@@ -1,0 +1,124 @@
+"""``auto`` (decoding/auto.py, methods/auto.py): whatever drafter it picks, the output is
+the model's; it picks by predicted tokens per second and falls back to plain decoding."""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from tiny import exact_prefix_distribution, run_step, tiny_model, tiny_tokenizer
+
+import selfspec
+from selfspec.decoding.auto import AutoStep, ModelDrafter
+from selfspec.decoding.autoregressive import ArStep
+from selfspec.decoding.ngram_drafter import NgramDrafter, NgramSettings
+from selfspec.decoding.quant_draft import quantized_drafter
+from selfspec.decoding.sampling import SamplingConfig
+from selfspec.decoding.speculative import SpeculativeStep
+from selfspec.decoding.stop_rules import ConstantStopRule
+from selfspec.decoding.tpt import AcceptanceEstimate, ForwardCosts
+from selfspec.errors import InvalidArgumentError
+from selfspec.executor import LayerExecutor
+from selfspec.executor.cost_model import LatencyModel
+from selfspec.executor.quant import quantized_kernels_available
+
+needs_int8 = pytest.mark.skipif(not quantized_kernels_available("int8"),
+                                reason="torch built without FBGEMM")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_keeps_the_greedy_tokens_with_every_drafter(arch, dtype):
+    engine = selfspec.from_pretrained_model(tiny_model(arch, seed=5, dtype=dtype),
+                                            tiny_tokenizer(), name=f"tiny-{arch}")
+    drafters = "ngram,layerskip,dv" + (",qspec" if quantized_kernels_available("int8") else "")
+    used = Counter()
+    for prompt in ["abcabcabcab", "def f(x):\n    return x\ndef g(x):\n    return"]:
+        reference = engine.generate(prompt, max_new_tokens=40).token_ids
+        for options in ({}, {"drafters": drafters, "explore_every": 2},
+                        {"drafters": "ngram", "history": False}):
+            result = engine.generate(prompt, method="auto", max_new_tokens=40, **options)
+            assert result.token_ids == reference, options
+            used.update({k: v.steps for k, v in result.stats.drafters.items()})
+            assert sum(u.steps for u in result.stats.drafters.values()) == result.stats.steps
+    assert {"ngram", "layerskip", "dv"} <= set(used)
+
+
+LATENCY = LatencyModel(6, 0.0, 1.0, 1.0, 1.0, verify_token_ms=0.05)
+
+
+class FixedCosts(ForwardCosts):
+    """Forward times from the latency model only (no wall-clock: deterministic choices)."""
+
+    def observe(self, num_tokens, ms):
+        pass
+
+
+def test_auto_falls_back_to_ar_when_drafts_do_not_pay():
+    """Verification of T tokens costing T forwards: no draft can pay, so every step after
+    the first exploration is plain decoding."""
+    executor = LayerExecutor(tiny_model("llama", seed=3))
+    steep = LatencyModel(6, 0.0, 1.0, 1.0, 1.0, verify_token_ms=13.0)
+    costs = FixedCosts(steep)
+    ngram = NgramDrafter(executor, costs, NgramSettings(min_ngram=1))
+    prompt = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4]
+    state = run_step(executor, AutoStep(costs, ngram, []), prompt, max_new_tokens=20)
+    assert set(state.stats.drafters) == {"ar"} and state.stats.drafted == 0
+    reference = run_step(executor, ArStep(), prompt, max_new_tokens=20)
+    assert state.tokens == reference.tokens
+
+
+@needs_int8
+def test_auto_explores_each_model_drafter_then_follows_the_prediction():
+    executor = LayerExecutor(tiny_model("llama", seed=3))
+    costs = FixedCosts(LATENCY)
+    rule = ConstantStopRule(4)
+    model = ModelDrafter("qspec", SpeculativeStep(quantized_drafter(executor, "int8", rule)),
+                         rule, AcceptanceEstimate(prior=0.7))
+    step = AutoStep(costs, None, [model], explore_every=0)
+    state = run_step(executor, step, [3, 4, 5], max_new_tokens=12)
+    usage = state.stats.drafters
+    assert usage["qspec"].steps >= 1  # explored at the first step
+    for name, u in usage.items():  # predictions are recorded for every step
+        assert u.predicted_ms > 0 and u.predicted_tokens >= u.steps, name
+
+
+def test_auto_options_are_checked():
+    engine = selfspec.from_pretrained_model(tiny_model("llama"), tiny_tokenizer(), name="tiny")
+    with pytest.raises(InvalidArgumentError, match="unknown drafter 'eagle'"):
+        engine.generate("a", method="auto", max_new_tokens=2, drafters="ngram,eagle")
+    with pytest.raises(InvalidArgumentError, match="repeats"):
+        engine.generate("a", method="auto", max_new_tokens=2, drafters="ngram,ngram")
+    with pytest.raises(InvalidArgumentError, match="dssd drafter needs calibrated heads"):
+        engine.generate("a", method="auto", max_new_tokens=2, drafters="dssd")
+
+
+def test_auto_sampling_reproduces_the_target_distribution():
+    """auto mixes drafters step by step; each is exact, so the mixture is: TV within a
+    Hoeffding bound of the exact 3-token distribution."""
+    executor = LayerExecutor(tiny_model("llama", seed=8))
+    prompt = run_step(executor, ArStep(), [3, 4], max_new_tokens=14).tokens
+    config = SamplingConfig(temperature=1.0, top_k=3)
+    exact = exact_prefix_distribution(executor, prompt, config, 3)
+    n, steps = 1200, Counter()
+    counts = Counter()
+    for seed in range(n):
+        costs = FixedCosts(LATENCY)
+        models = []
+        if quantized_kernels_available("int8"):
+            rule = ConstantStopRule(2)
+            models.append(ModelDrafter("qspec", SpeculativeStep(quantized_drafter(
+                executor, "int8", rule)), rule, AcceptanceEstimate(prior=0.7),
+                last_run=0))  # no forced exploration: the choice follows the prediction
+        ngram = NgramDrafter(executor, costs, NgramSettings(min_ngram=1, min_share=0.0,
+                                                            prior=0.9))
+        state = run_step(executor, AutoStep(costs, ngram, models, explore_every=0), prompt,
+                         max_new_tokens=3,
+                         sampling=SamplingConfig(temperature=1.0, top_k=3, seed=seed))
+        counts[tuple(state.tokens[len(prompt):])] += 1
+        steps.update({k: v.steps for k, v in state.stats.drafters.items()})
+    assert steps["ngram"] > 0 and (steps["qspec"] > 0 or not models)
+    eps = math.sqrt((len(exact) * math.log(2) + math.log(1e6)) / (2 * n))
+    tv = 0.5 * sum(abs(counts[c] / n - p) for c, p in exact.items())
+    tv += 0.5 * sum(v / n for c, v in counts.items() if c not in exact)
+    assert tv < eps, f"TV {tv:.3f} >= bound {eps:.3f}"
