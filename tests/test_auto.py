@@ -122,3 +122,27 @@ def test_auto_sampling_reproduces_the_target_distribution():
     tv = 0.5 * sum(abs(counts[c] / n - p) for c, p in exact.items())
     tv += 0.5 * sum(v / n for c, v in counts.items() if c not in exact)
     assert tv < eps, f"TV {tv:.3f} >= bound {eps:.3f}"
+
+
+def test_bench_gives_each_method_its_own_history_emptied_after_the_warmup():
+    """ngram and auto must not draft from each other's output of the same prompt, nor from
+    the warm-up's, so their timings measure one request each as a server would see it."""
+    from selfspec.bench.harness import run_bench
+    from selfspec.bench.runners import EncodedPrompt, RunSettings, make_runner
+    from selfspec.bench.spec import parse_method
+
+    engine = selfspec.from_pretrained_model(tiny_model("llama", seed=5), tiny_tokenizer(),
+                                            name="tiny")
+    prompts = [EncodedPrompt("p0", [3, 4, 5, 3, 4]), EncodedPrompt("p1", [7, 8, 7, 8])]
+    runners = [make_runner(engine, parse_method(m)) for m in ("ngram", "auto")]
+    run = run_bench(runners, prompts, RunSettings(max_new_tokens=12), warmup_prompts=1,
+                    warmup_tokens=4)
+    assert not run.failures
+    for runner in runners:
+        texts = runner.history.texts
+        assert len(texts) == 2  # the two timed prompts, not the warm-up, not the other method
+        assert [t[:len(p.ids)] for t, p in zip(texts, prompts, strict=True)] == [
+            p.ids for p in prompts]
+    assert len(engine.methods.history()) == 0
+    assert {r.method: r.output.drafter_steps != {} for r in run.records} == {
+        "ngram": False, "auto": True}

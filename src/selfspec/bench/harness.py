@@ -158,6 +158,10 @@ def run_bench(runners: Sequence[Runner], prompts: Sequence[EncodedPrompt], setti
                 alive.remove(runner)
             if progress:
                 progress(ProgressEvent("warmup", runner.config.label, prompt.id, not ok))
+    for runner in alive:  # what a method learnt from the warm-up prompts is not measured
+        forget = getattr(runner, "forget", None)
+        if forget is not None:
+            forget()
     for index, prompt in enumerate(prompts):
         for runner in list(alive):
             if (runner.config.label, prompt.id) in done:

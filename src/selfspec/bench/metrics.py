@@ -128,6 +128,7 @@ class MethodSummary:
     roofline_fraction: float | None = None
     peak_rss_mib: float | None = None
     plans: PlanSummary | None = None
+    drafter_steps: dict[str, int] = field(default_factory=dict)
 
 
 def _ar_references(run: BenchRun, greedy: bool) -> dict[str, list[int]]:
@@ -205,6 +206,8 @@ def _summarize_one(method: str, lossless: bool, records: list[PromptRecord],
         s.kv_share = None if kv_ms is None else kv_ms / wall_ms
     for o in outs:
         add_batch_counts(s.exit_histogram, o.exit_counts)
+        for name, steps in o.drafter_steps.items():
+            s.drafter_steps[name] = s.drafter_steps.get(name, 0) + steps
     layer_forwards = _sum_known(o.layer_forwards for o in outs)
     if layer_forwards is not None and s.new_tokens:
         s.layer_forwards_per_token = layer_forwards / s.new_tokens

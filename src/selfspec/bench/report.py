@@ -176,7 +176,7 @@ def record_json(record: PromptRecord, matches_ar: bool | None) -> dict[str, Any]
         "peak_rss_mib": record.peak_rss_mib,
         "plans": [dataclasses.asdict(p) for p in o.plans], "layer_batches": o.layer_batches,
         "exit_counts": o.exit_counts, "predictor_ms": o.predictor_ms, "kv_ms": o.kv_ms,
-        "token_ids": o.token_ids, "text": o.text,
+        "drafter_steps": o.drafter_steps, "token_ids": o.token_ids, "text": o.text,
         "choices": [{"index": 0, "turns": [o.text], "new_tokens": [record.new_tokens],
                      "wall_time": [o.wall_time_s], "accept_lengths": o.accept_lengths}],
     }
@@ -198,7 +198,8 @@ def record_from_json(data: dict[str, Any]) -> PromptRecord:
         layer_forwards=data["layer_forwards"], finish_reason=data["finish_reason"],
         exit_tokens=data["exit_tokens"], exit_layer_total=data["exit_layer_total"],
         plans=[PlanRecord(**p) for p in data["plans"]], layer_batches=data["layer_batches"],
-        exit_counts=data["exit_counts"], predictor_ms=data["predictor_ms"], kv_ms=data["kv_ms"])
+        exit_counts=data["exit_counts"], predictor_ms=data["predictor_ms"], kv_ms=data["kv_ms"],
+        drafter_steps={str(k): int(v) for k, v in data.get("drafter_steps", {}).items()})
     return PromptRecord(data["method"], data["question_id"], data["prompt_index"],
                         data["prompt_tokens"], output, data.get("correct"),
                         data.get("peak_rss_mib"))
@@ -307,6 +308,24 @@ def exit_histograms(summaries: list[MethodSummary]) -> str:
             "| --- | ---: | --- |\n" + "\n".join(rows) + "\n")
 
 
+def drafter_mix(summaries: list[MethodSummary]) -> str:
+    """The share of steps each drafter ran, for methods that choose one per step (``auto``;
+    empty when none)."""
+    rows = []
+    for s in summaries:
+        total = sum(s.drafter_steps.values())
+        if total:
+            cells = ", ".join(f"{name}: {100 * n / total:.0f}%"
+                              for name, n in sorted(s.drafter_steps.items(),
+                                                    key=lambda kv: -kv[1]))
+            rows.append(f"| `{s.method}` | {total} | {cells} |")
+    if not rows:
+        return ""
+    return ("\n## Drafters chosen\n\nShare of the decoding steps each drafter ran (`ar` = a "
+            "plain decoding step: no draft was predicted to pay).\n\n| method | steps | "
+            "drafter: share |\n| --- | ---: | --- |\n" + "\n".join(rows) + "\n")
+
+
 def markdown_header(info: RunInfo) -> str:
     """The report header: model, dtype, dataset, machine, versions, bandwidth, date."""
     m = info.machine
@@ -376,6 +395,9 @@ def markdown_report(info: RunInfo, summaries: list[MethodSummary], plots: list[P
     exits = exit_histograms(summaries)
     if exits:
         parts.append(exits)
+    mix = drafter_mix(summaries)
+    if mix:
+        parts.append(mix)
     parts += [f"![{p.stem}]({p.name})\n" for p in plots]
     return "\n".join(parts)
 

@@ -19,6 +19,7 @@ import torch
 
 from selfspec.api import SelfSpec
 from selfspec.bench.spec import MethodConfig
+from selfspec.decoding.ngram import SuffixAutomaton
 from selfspec.decoding.plan_log import PlanRecord
 from selfspec.errors import InvalidArgumentError
 from selfspec.methods.registry import METHODS, default_exit_layer
@@ -82,6 +83,7 @@ class RunOutput:
         exit_counts: ``[l]`` = tokens predicted after ``l`` layers (the exit-layer histogram);
             empty when unknown.
         predictor_ms / kv_ms: SpecEE's candidate + predictor time and skipped-layer KV time.
+        drafter_steps: steps each drafter ran (``auto``; empty otherwise).
     """
 
     token_ids: list[int]
@@ -103,6 +105,7 @@ class RunOutput:
     exit_counts: list[int] = field(default_factory=list)
     predictor_ms: float | None = None
     kv_ms: float | None = None
+    drafter_steps: dict[str, int] = field(default_factory=dict)
 
 
 class Runner(Protocol):
@@ -157,6 +160,13 @@ class SelfSpecRunner:
         self.config = config
         self.clock = clock
         self.lossless = METHODS[config.name].lossless_for(dict(config.options))
+        # The n-gram drafters' history of earlier texts, this method's own: drafting from
+        # another method's output of the same prompt would not be a measurement.
+        self.history = SuffixAutomaton()
+
+    def forget(self) -> None:
+        """Drop the history (after the warm-up, which saw the first prompts)."""
+        self.history.clear()
 
     def setup(self) -> None:
         """Build the method's Step once (loading its head files) so bad option values fail
@@ -168,14 +178,18 @@ class SelfSpecRunner:
         METHODS[self.config.name].make_step(self.engine.methods, dict(self.config.options))
 
     def run(self, prompt: EncodedPrompt, settings: RunSettings) -> RunOutput:
-        start = self.clock()
-        recorder = _CommitRecorder(self.clock, start, skip_first=False)
-        result = self.engine.generate(
-            prompt.ids, method=self.config.name, max_new_tokens=settings.max_new_tokens,
-            temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed,
-            streamer=recorder,
-            **self.config.options)
-        wall = self.clock() - start
+        previous = self.engine.methods.use_history(self.history)
+        try:
+            start = self.clock()
+            recorder = _CommitRecorder(self.clock, start, skip_first=False)
+            result = self.engine.generate(
+                prompt.ids, method=self.config.name, max_new_tokens=settings.max_new_tokens,
+                temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed,
+                streamer=recorder,
+                **self.config.options)
+            wall = self.clock() - start
+        finally:
+            self.engine.methods.use_history(previous)
         s = result.stats
         speculative = s.verifications > 0
         # accept_lengths starts with the prefill's token (1); then one entry per verification
@@ -193,7 +207,8 @@ class SelfSpecRunner:
             exit_layer_total=s.exit_layer_total or None, plans=list(s.plans),
             layer_batches=list(s.layer_batches), exit_counts=list(s.exit_counts),
             predictor_ms=s.predictor_ms if s.predictor_calls else None,
-            kv_ms=s.kv_ms if s.predictor_calls else None)
+            kv_ms=s.kv_ms if s.predictor_calls else None,
+            drafter_steps={name: u.steps for name, u in s.drafters.items()})
 
 
 def _hf_generate_kwargs(config: MethodConfig, engine: SelfSpec,

@@ -65,6 +65,13 @@ class MethodContext:
             self._history = SuffixAutomaton()
         return self._history
 
+    def use_history(self, history: SuffixAutomaton | None) -> SuffixAutomaton | None:
+        """Make ``history`` the one :meth:`history` returns (``None``: a new one on next use);
+        returns the previous one. A benchmark gives each method its own, so no method drafts
+        from another's output of the same prompt."""
+        previous, self._history = self._history, history
+        return previous
+
     def heads(self, path: str | os.PathLike) -> Any:
         """The :class:`selfspec.heads.ExitHeads` at ``path`` (``"default"``,
         ``"default-probes"``, a head file or directory) for this model.
