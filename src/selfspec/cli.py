@@ -50,6 +50,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    "fp16-weight kernel for matrices >= 4 MiB), fp16 (that kernel for every matrix: "
                    "cheapest verification), weights (the weights' own format)")
     p.add_argument("--threads", type=int_arg(1), default=None, help="torch intra-op threads")
+    p.add_argument("--compare-ar", action="store_true",
+                   help="also generate with plain autoregressive decoding (ar) on the same "
+                        "prompt afterwards and print the speedup measured in this run and "
+                        "whether the outputs are identical")
     p.add_argument("--explain", action="store_true",
                    help="auto: print what each drafter did (steps, acceptance, predicted vs "
                         "measured tokens/s)")
@@ -121,6 +125,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if check_threads("--threads", args.threads):
         torch.set_num_threads(args.threads)
     engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel)
+    if args.compare_ar and args.method != "ar":
+        _warm_up(engine, args)
     streamer = TextStreamer(engine.tokenizer, skip_special_tokens=True)
     result = engine.generate(args.prompt, method=args.method, max_new_tokens=args.max_new_tokens,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -138,7 +144,30 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print(line, file=sys.stderr)
     if args.explain and s.drafters:
         print(explain_drafters(s), file=sys.stderr)
+    if args.compare_ar and args.method != "ar":
+        base = engine.generate(args.prompt, method="ar", max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, top_k=args.top_k,
+                               top_p=args.top_p, seed=args.seed, chat=args.chat,
+                               stop=args.stop)
+        same = "identical" if base.token_ids == result.token_ids else (
+            "differ" + ("" if args.temperature > 0 else " (greedy: a lossy method)"))
+        speedup = s.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else 0.0
+        print(f"[selfspec] ar on the same prompt: {base.stats.tokens_per_s:.1f} tok/s → "
+              f"{args.method} is {speedup:.2f}x ar (measured in this run); outputs {same}",
+              file=sys.stderr)
     return 0
+
+
+def _warm_up(engine, args: argparse.Namespace) -> None:
+    """A few tokens of ``ar`` and of the method on another prompt, so neither timed run of
+    ``--compare-ar`` pays one-time costs (first calls of each shape, quantized copies); the
+    method's history of earlier texts is left as it was."""
+    previous = engine.methods.use_history(None)
+    try:
+        for method, options in (("ar", {}), (args.method, method_options(args))):
+            engine.generate("Hello", method=method, max_new_tokens=8, **options)
+    finally:
+        engine.methods.use_history(previous)
 
 
 def explain_drafters(stats) -> str:
