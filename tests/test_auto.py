@@ -146,3 +146,26 @@ def test_bench_gives_each_method_its_own_history_emptied_after_the_warmup():
     assert len(engine.methods.history()) == 0
     assert {r.method: r.output.drafter_steps != {} for r in run.records} == {
         "ngram": False, "auto": True}
+
+
+def test_generate_compare_ar_and_explain_print_the_speedup_and_the_drafters(tmp_path, capsys):
+    from tiny import save_tiny
+
+    from selfspec.cli import main
+
+    model = save_tiny(tmp_path / "tiny", seed=5)
+    code = main(["generate", "--model", str(model), "--dtype", "fp32", "--method", "auto",
+                 "--compare-ar", "--explain", "--max-new-tokens", "24", "abcabcabcab"])
+    err = capsys.readouterr().err
+    assert code == 0
+    assert "x ar (measured in this run); outputs identical" in err
+    assert "tok/s predicted" in err and "steps:" in err
+
+
+def test_report_shows_the_share_of_steps_each_drafter_ran():
+    from selfspec.bench.metrics import MethodSummary
+    from selfspec.bench.report import drafter_mix
+
+    assert drafter_mix([MethodSummary("ar", True)]) == ""
+    text = drafter_mix([MethodSummary("auto", True, drafter_steps={"ar": 30, "ngram": 10})])
+    assert "| `auto` | 40 | ar: 75%, ngram: 25% |" in text

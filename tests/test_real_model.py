@@ -348,3 +348,18 @@ def test_drafts_on_quantized_weights_keep_the_greedy_tokens(engine, prompts, ar_
             assert result.token_ids == reference, fmt
             drafted += result.stats.drafted
     assert drafted > 0
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_ngram_and_auto_greedy_equal_autoregressive(prompts, dtype):
+    """Free n-gram drafts (prompt lookup, then the same prompt again drafting from the
+    engine's history) and `auto`'s per-step mix of drafters give exactly `ar`'s tokens."""
+    engine = selfspec.load("smollm2-135m-instruct", dtype=dtype, show_progress=False)
+    drafted = {"ngram": 0, "auto": 0}
+    for prompt in prompts[:2]:
+        reference = engine.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids
+        for method in ("ngram", "ngram", "auto"):
+            result = engine.generate(prompt, method=method, max_new_tokens=NEW_TOKENS)
+            assert result.token_ids == reference, (method, dtype, prompt)
+            drafted[method] += result.stats.drafted
+    assert drafted["ngram"] > 0 and drafted["auto"] > 0

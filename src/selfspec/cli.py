@@ -36,7 +36,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None,
                    help="registry name, local directory or Hugging Face hub id "
                         "(default: smollm2-135m-instruct)")
-    p.add_argument("--method", default="ar", help="decoding method (default: ar)")
+    p.add_argument("--method", default="auto",
+                   help="decoding method (default: auto, which picks n-gram, int8 self-draft "
+                        "or plain decoding each step by predicted tokens/s; lossless); "
+                        "`selfspec methods` lists them")
     p.add_argument("--max-new-tokens", type=int_arg(1), default=128)
     p.add_argument("--temperature", type=float_arg(0.0), default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int_arg(0), default=0, help="0 = no top-k limit")

@@ -13,17 +13,13 @@ from selfspec.decoding.ngram_drafter import NgramDrafter, NgramSettings
 from selfspec.decoding.tpt import AcceptanceEstimate, ForwardCosts
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor.quant import quantized_kernels_available
+from selfspec.methods import adaspeed, dssd, dv, layerskip, qspec
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.options import option
 
-#: Model drafters ``auto`` can choose among, and the options each gets (besides ``heads``).
-MODEL_DRAFTERS = {
-    "qspec": {},
-    "layerskip": {},
-    "dv": {},
-    "adaspeed": {},
-    "dssd": {},
-}
+#: Model drafters ``auto`` can choose among (built by their own methods, default options).
+MODEL_DRAFTERS: dict[str, MethodSpec] = {
+    m.SPEC.name: m.SPEC for m in (qspec, layerskip, dv, adaspeed, dssd)}
 HEADS_METHODS = ("layerskip", "dv", "adaspeed", "dssd")
 
 
@@ -71,8 +67,6 @@ def drafter_names(options: Options) -> list[str]:
 
 def build(context: MethodContext, options: Options) -> Step:
     """n-gram drafter, model drafters built by their own methods, and the chooser."""
-    from selfspec.methods.registry import get_method
-
     names = drafter_names(options)
     costs = ForwardCosts(context.latency())
     history = context.history() if options.history else None
@@ -84,10 +78,8 @@ def build(context: MethodContext, options: Options) -> Step:
     for name in names:
         if name == "ngram":
             continue
-        values = dict(MODEL_DRAFTERS[name])
-        if name in HEADS_METHODS and options.heads is not None:
-            values["heads"] = options.heads
-        step = get_method(name).make_step(context, values)
+        values = {"heads": options.heads} if name in HEADS_METHODS and options.heads else {}
+        step = MODEL_DRAFTERS[name].make_step(context, values)
         models.append(ModelDrafter(name, step, step.drafter.stop_rule,
                                    AcceptanceEstimate(prior=0.7)))
     return AutoStep(costs, ngram, models, history if ngram is not None else None,
