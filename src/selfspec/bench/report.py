@@ -301,10 +301,16 @@ def exit_histograms(summaries: list[MethodSummary]) -> str:
             cells = ", ".join(f"{layer}: {100 * c / total:.0f}%"
                               for layer, c in enumerate(counts) if c)
             rows.append(f"| `{s.method}` | {total} | {cells} |")
+    return _share_section("Exit layers", "Share of the tokens predicted after each number of "
+                          "layers (the last = every layer ran).", "tokens", "layers", rows)
+
+
+def _share_section(title: str, intro: str, count: str, key: str, rows: list[str]) -> str:
+    """A report section: ``title``, ``intro`` and a ``method | count | key: share`` table
+    (empty without rows)."""
     if not rows:
         return ""
-    return ("\n## Exit layers\n\nShare of the tokens predicted after each number of layers "
-            "(the last = every layer ran).\n\n| method | tokens | layers: share |\n"
+    return (f"\n## {title}\n\n{intro}\n\n| method | {count} | {key}: share |\n"
             "| --- | ---: | --- |\n" + "\n".join(rows) + "\n")
 
 
@@ -319,11 +325,9 @@ def drafter_mix(summaries: list[MethodSummary]) -> str:
                               for name, n in sorted(s.drafter_steps.items(),
                                                     key=lambda kv: -kv[1]))
             rows.append(f"| `{s.method}` | {total} | {cells} |")
-    if not rows:
-        return ""
-    return ("\n## Drafters chosen\n\nShare of the decoding steps each drafter ran (`ar` = a "
-            "plain decoding step: no draft was predicted to pay).\n\n| method | steps | "
-            "drafter: share |\n| --- | ---: | --- |\n" + "\n".join(rows) + "\n")
+    return _share_section("Drafters chosen", "Share of the decoding steps each drafter ran "
+                          "(`ar` = a plain decoding step: no draft was predicted to pay).",
+                          "steps", "drafter", rows)
 
 
 def markdown_header(info: RunInfo) -> str:
