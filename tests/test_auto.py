@@ -169,3 +169,14 @@ def test_report_shows_the_share_of_steps_each_drafter_ran():
     assert drafter_mix([MethodSummary("ar", True)]) == ""
     text = drafter_mix([MethodSummary("auto", True, drafter_steps={"ar": 30, "ngram": 10})])
     assert "| `auto` | 40 | ar: 75%, ngram: 25% |" in text
+
+
+def test_bad_drafter_lists_are_refused_before_a_model_loads(capsys):
+    from selfspec.cli import main
+
+    assert main(["generate", "--model", "no-such-model", "--method", "auto", "--drafters",
+                 "ngram,foo", "x"]) != 0
+    assert "unknown drafter 'foo'" in capsys.readouterr().err  # not "no-such-model"
+    assert main(["generate", "--method", "ngram", "--min-ngram", "5", "--max-ngram", "2",
+                 "x"]) != 0
+    assert "must not exceed max_ngram" in capsys.readouterr().err

@@ -15,8 +15,13 @@ from selfspec.methods.options import MODEL_BOUNDS, option_fields
 from selfspec.methods.registry import METHODS, build_step, get_method
 
 
+EXAMPLES = {"drafters": "ngram"}  # free-form strings whose content is checked
+
+
 def _valid(field):
     """A value every model accepts."""
+    if field.name in EXAMPLES:
+        return EXAMPLES[field.name]
     if field.default is not None:
         return field.default
     if field.type is int:

@@ -40,6 +40,9 @@ class Options:
                                 "the best runs again to refresh its estimates (0 = never)",
                                 low=0, high=1 << 20)
 
+    def __post_init__(self) -> None:
+        drafter_names(self)  # refuse bad drafter lists when parsed, before a model loads
+
 
 def drafter_names(options: Options) -> list[str]:
     """The drafters ``auto`` chooses among with ``options`` (besides ``ar``).

@@ -27,6 +27,9 @@ class Options:
     history: bool = option(True, "also draft from this engine's earlier prompts and outputs "
                            "(kept for the life of the process or server)")
 
+    def __post_init__(self) -> None:
+        settings(self)  # refuse min_ngram > max_ngram when parsed, before a model loads
+
 
 def settings(options: Options) -> NgramSettings:
     """The drafter settings of ``options``.
