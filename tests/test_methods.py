@@ -14,7 +14,6 @@ from selfspec.errors import InvalidArgumentError
 from selfspec.methods.options import MODEL_BOUNDS, option_fields
 from selfspec.methods.registry import METHODS, build_step, get_method
 
-
 EXAMPLES = {"drafters": "ngram"}  # free-form strings whose content is checked
 
 
