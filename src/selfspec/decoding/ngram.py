@@ -165,7 +165,7 @@ class SuffixAutomaton:
         self.num_tokens = 0
         self._s = _States()
         self._occ: list[int] | None = None
-        self.version = 0  # bumped when states are rebuilt (matchers restart)
+        self.version = 0  # bumped when texts change (matchers restart)
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -202,6 +202,7 @@ class SuffixAutomaton:
         self.texts.append(tokens)
         self.num_tokens += len(tokens)
         self._occ = None
+        self.version += 1  # a split state may now hold a running match: matchers start again
 
     def _new_state(self, length: int, link: int, nxt: dict[int, int]) -> int:
         s = self._s
