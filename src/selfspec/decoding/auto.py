@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from selfspec.decoding.autoregressive import ArStep
 from selfspec.decoding.ngram import SuffixAutomaton
@@ -51,7 +51,7 @@ class ModelDrafter:
         step: its speculative step.
         stop_rule: its stop rule (``auto`` caps ``max_draft_len`` per step).
         acceptance: its per-token acceptance estimate.
-        draft_ms: moving average of its ms per draft token (``None`` until it has run).
+        draft_ms: moving average of its ms per draft token (no observation until it has run).
         last_run: the step index it last ran at (-1: never).
     """
 
@@ -59,7 +59,7 @@ class ModelDrafter:
     step: SpeculativeStep
     stop_rule: StopRule
     acceptance: AcceptanceEstimate
-    draft_ms: MovingAverage | None = None
+    draft_ms: MovingAverage = field(default_factory=lambda: MovingAverage(0.0))
     last_run: int = -1
 
 
@@ -117,7 +117,7 @@ class AutoStep:
         if limit >= 1:
             for model in self.models:
                 alpha = model.acceptance.rate(model.name)
-                ms = (model.draft_ms.value if model.draft_ms is not None
+                ms = (model.draft_ms.value if model.draft_ms.count
                       else 0.5 * costs.forward_ms(1))
                 found.append(Candidate(model.name, best_draft_len([alpha] * limit, ms,
                                                                   costs.forward_ms, min_len=1),
@@ -155,10 +155,7 @@ class AutoStep:
             stats = model.step(state)
             model.acceptance.update(model.name, stats.num_drafted, stats.num_accepted)
             if stats.num_drafted:
-                per_token = stats.draft_ms / stats.num_drafted
-                if model.draft_ms is None:
-                    model.draft_ms = MovingAverage(per_token)
-                model.draft_ms.observe(per_token)
+                model.draft_ms.observe(stats.draft_ms / stats.num_drafted)
             model.last_run = self._steps
         ms = (time.perf_counter() - t0) * 1e3
         if choice.name == "ar":
