@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from selfspec.decoding import loop
+from selfspec.decoding.batch import run_batch
 from selfspec.decoding.sampling import SamplingConfig
 from selfspec.decoding.state import DecodeOptions, DecodeState
 from selfspec.decoding.stats import GenerationStats
@@ -121,11 +122,12 @@ class SelfSpec:
                  max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, chat: bool = False,
                  stop: Sequence[str] = (), streamer: Streamer | None = None,
-                 **method_options: Any) -> GenerationResult:
+                 **method_options: Any) -> GenerationResult | list[GenerationResult]:
         """Generate a continuation of ``prompt`` with ``method``.
 
         Args:
-            prompt: text, or token ids (``[T]`` or ``[1, T]``).
+            prompt: text, or token ids (``[T]`` or ``[1, T]``); a list of texts or of id
+                lists is a batch (:meth:`generate_batch`, one result per prompt).
             method: a registered method name (``selfspec.methods.registry.METHODS``).
             max_new_tokens: at most this many new tokens (>= 1).
             temperature: 0 = greedy; > 0 = sampling.
@@ -147,15 +149,21 @@ class SelfSpec:
                 :mod:`selfspec.validation`), an option unknown to the method or out of its
                 range, an unknown method.
         """
+        if _is_batch(prompt):
+            if streamer is not None:
+                raise InvalidArgumentError(
+                    "streamer takes one generation; stream a batch through `selfspec serve`, "
+                    "or generate the prompts one at a time")
+            return self.generate_batch(
+                prompt, method, max_new_tokens=max_new_tokens, temperature=temperature,
+                top_k=top_k, top_p=top_p, seed=seed, chat=chat, stop=stop, **method_options)
         stop = check_stop(stop)
         if streamer is not None and not (callable(getattr(streamer, "put", None))
                                          and callable(getattr(streamer, "end", None))):
             raise InvalidArgumentError(
                 f"streamer must have put(token_ids) and end() methods (like transformers' "
                 f"TextStreamer); got {type(streamer).__name__}")
-        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        options = DecodeOptions(max_new_tokens=max_new_tokens, sampling=sampling,
-                                eos_token_ids=self.eos_token_ids)
+        options = self.decode_options(max_new_tokens, temperature, top_k, top_p, seed)
         prompt_ids = self.encode(prompt, chat=chat)  # cheap checks before heads load
         step = get_method(method).make_step(self.methods, method_options)
         sink = StopStringSink(self.tokenizer, stop, streamer)
@@ -165,10 +173,71 @@ class SelfSpec:
         finally:
             if streamer is not None:
                 streamer.end()
+        logger.debug("generated %d tokens at %.1f tok/s", stats.new_tokens, stats.tokens_per_s)
+        return self.result(state, sink)
+
+    @torch.inference_mode()
+    def generate_batch(self, prompts: Sequence[str | Sequence[int] | torch.Tensor],
+                       method: str = "ar", *, max_new_tokens: int = 128,
+                       temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                       seed: int | None = None, chat: bool = False, stop: Sequence[str] = (),
+                       **method_options: Any) -> list[GenerationResult]:
+        """Generate a continuation of every prompt together, as one ragged batch
+        (:mod:`selfspec.decoding.batch`): rows of any lengths, each accepting its own number
+        of draft tokens per step and finishing on its own (EOS, stop strings, budget).
+
+        Each row is the generation its prompt would get alone (same greedy tokens; sampling
+        with ``seed`` seeds every row's generator alike). Methods with a batched step
+        (``selfspec methods``: ar, ngram, auto) share one forward per step across rows; the
+        others run their rows one after another.
+
+        Args:
+            prompts: ``B >= 1`` prompts, each as :meth:`generate` takes it.
+            method / max_new_tokens / ... / **method_options: as :meth:`generate`, for every
+                row.
+
+        Returns:
+            One :class:`GenerationResult` per prompt, in order.
+
+        Raises:
+            PromptError, InvalidArgumentError: as :meth:`generate`, for any prompt (nothing
+                runs then); an empty list of prompts.
+        """
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+            raise InvalidArgumentError("prompts must be a non-empty list of prompts")
+        stop = check_stop(stop)
+        options = self.decode_options(max_new_tokens, temperature, top_k, top_p, seed)
+        all_ids = [self.encode(p, chat=chat) for p in prompts]
+        step = get_method(method).make_batch_step(self.methods, method_options)
+        sinks = [StopStringSink(self.tokenizer, stop, None) for _ in all_ids]
+        states = [DecodeState(self.executor, ids, options, sink)
+                  for ids, sink in zip(all_ids, sinks)]
+        run_batch(states, step)
+        return [self.result(state, sink) for state, sink in zip(states, sinks)]
+
+    def decode_options(self, max_new_tokens: int, temperature: float, top_k: int,
+                       top_p: float, seed: int | None) -> DecodeOptions:
+        """Limits and sampling of one generation, with this model's EOS ids.
+
+        Raises:
+            InvalidArgumentError: a value of the wrong type or out of range.
+        """
+        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        return DecodeOptions(max_new_tokens=max_new_tokens, sampling=sampling,
+                             eos_token_ids=self.eos_token_ids)
+
+    def result(self, state: DecodeState, sink: StopStringSink) -> GenerationResult:
+        """The :class:`GenerationResult` of a finished ``state`` (text cut at a stop string)."""
         generated = state.tokens[state.prompt_len:]
         text = sink.cut(self.tokenizer.decode(generated, skip_special_tokens=True))
-        logger.debug("generated %d tokens at %.1f tok/s", stats.new_tokens, stats.tokens_per_s)
-        return GenerationResult(text=text, token_ids=generated, prompt_ids=prompt_ids, stats=stats)
+        return GenerationResult(text=text, token_ids=generated,
+                                prompt_ids=state.tokens[: state.prompt_len], stats=state.stats)
+
+
+def _is_batch(prompt: Any) -> bool:
+    """A list or tuple of prompts (texts or id lists), as opposed to one prompt's ids."""
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and all(isinstance(p, (str, list, tuple)) or hasattr(p, "shape") for p in prompt))
 
 
 def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,

@@ -17,6 +17,7 @@ from selfspec.bench.cli import add_bench_cpu_parser, add_bench_parser
 from selfspec.errors import SelfSpecError
 from selfspec.methods.options import OptionField
 from selfspec.training.cli import add_heads_parser
+from selfspec.serving.cli import add_serve_parser
 from selfspec.validation import (
     SEED_MAX,
     SEED_MIN,
@@ -333,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_bench_cpu_parser(sub)
     add_heads_parser(sub)
+    add_serve_parser(sub)
     info = sub.add_parser("info", help="versions, the CPU's abilities and the number formats "
                                        "selfspec will use on it")
     info.set_defaults(func=_cmd_info)

@@ -330,6 +330,69 @@ class LayerExecutor:
                 observe(i, "mlp", hidden)
         return hidden
 
+    def run_rows(self, hidden: torch.Tensor, positions: torch.Tensor, start: int, end: int,
+                 caches: Sequence[KVCache]) -> torch.Tensor:
+        """Run layers ``[start, end)`` on a ragged batch: row ``b`` is its own sequence with
+        its own KV cache ``caches[b]`` and its own positions.
+
+        The matrix products run once for all ``B·T`` rows (decoding is bound by reading the
+        weights, so ``B`` rows cost little more than one); attention runs per row against
+        that row's cache, with exactly the call one-row decoding (``T = 1``) or verification
+        (``T > 1``) makes, so a row's result does not depend on the other rows up to the
+        matrix kernels' rounding (none with the row-consistent fp16 kernel).
+
+        Args:
+            hidden: ``[B, T, H]`` hidden states entering layer ``start``.
+            positions: ``[B, T]`` int64; row ``b`` is consecutive from ``positions[b, 0]``,
+                which must equal ``caches[b]``'s length in every layer run and be ``> 0``
+                (a row's prompt is prefilled alone, with :meth:`forward`).
+            start / end: the layer range, ``0 <= start <= end <= L``.
+            caches: ``B`` batch-1 caches, one per row.
+
+        Returns:
+            ``[B, T, H]`` hidden states leaving layer ``end - 1``.
+
+        Raises:
+            InvalidArgumentError: the layer range is outside ``[0, L]``, or ``caches`` does not
+                hold one cache per row.
+        """
+        self._check_range(start, end)
+        bsz, num_new, _ = hidden.shape
+        if len(caches) != bsz:
+            raise InvalidArgumentError(f"run_rows needs one KV cache per row: {bsz} rows, "
+                                       f"{len(caches)} caches")
+        starts = positions[:, 0].tolist()
+        assert min(starts) > 0, "run_rows continues sequences; prefill each row with forward()"
+        cos, sin = self._rope(hidden, positions)
+        masks = [_grouped_causal_mask(num_new, p + num_new, self._groups, hidden.device)
+                 for p in starts]
+        nq, nkv, hd, groups = self.num_heads, self.num_kv_heads, self.head_dim, self._groups
+        for i in range(start, end):
+            w = self._weights[i]
+            x = _rms_norm(hidden, w.attn_norm, w.attn_norm_eps)
+            qkv = w.qkv(x).view(bsz, num_new, nq + 2 * nkv, hd)
+            qk = _rotate(qkv[:, :, : nq + nkv], cos, sin)
+            new_k, new_v = qk[:, :, nq:].transpose(1, 2), qkv[:, :, nq + nkv:].transpose(1, 2)
+            q = qk[:, :, :nq].reshape(bsz, num_new, nkv, groups, hd).permute(0, 2, 3, 1, 4)
+            outs = []
+            for b, cache in enumerate(caches):
+                keys, values = cache.append(i, new_k[b:b + 1], new_v[b:b + 1], starts[b])
+                outs.append(self._attend(q[b:b + 1], keys, values, starts[b], masks[b],
+                                         cache.visible(i)))
+            out = torch.cat(outs)                                   # [B, Hkv, G, T, hd]
+            hidden = hidden + w.o(out.permute(0, 3, 1, 2, 4).reshape(bsz, num_new, nq * hd))
+            x = _rms_norm(hidden, w.mlp_norm, w.mlp_norm_eps)
+            gate, up = w.gate_up(x).chunk(2, dim=-1)
+            hidden = hidden + w.down(w.act(gate) * up)
+        return hidden
+
+    def forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     caches: Sequence[KVCache]) -> torch.Tensor:
+        """The full model on a ragged batch (:meth:`run_rows`): ``input_ids`` ``[B, T]`` →
+        ``[B, T, V]`` logits, ``lm_head`` in the decoding kernel (as one-row decoding)."""
+        hidden = self.run_rows(self.embed(input_ids), positions, 0, self.num_layers, caches)
+        return self._lm_head(self.norm(hidden), bulk=False)
+
     def is_bulk(self, pos0: int, num_new: int, batch: int = 1) -> bool:
         """Whether a block of ``num_new`` tokens from position ``pos0`` computes its matrix
         products in the bulk format (see the class docstring)."""
@@ -382,24 +445,39 @@ class LayerExecutor:
         # sequence axis ([B, Hkv, G*T, hd]): plain SDPA on that layout is several times
         # faster on CPU than SDPA's own enable_gqa path.
         q = qk[:, :, :nq].reshape(bsz, num_new, nkv, groups, hd).permute(0, 2, 3, 1, 4)
-        if 1 < num_new <= self.row_attention_max and pos0 > 0:
+        out = self._attend(q, keys, values, pos0, mask, visible)
+        return w.o(out.permute(0, 3, 1, 2, 4).reshape(bsz, num_new, nq * hd), bulk)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos0: int,
+                mask: torch.Tensor | None, visible: torch.Tensor | None) -> torch.Tensor:
+        """Scores of ``T`` new queries after ``pos0 > 0`` cached positions.
+
+        Args:
+            q: ``[B, Hkv, G, T, hd]`` queries (rotated), grouped by KV head.
+            keys / values: ``[B, Hkv, pos0 + T, hd]`` (the new tokens' included).
+            mask: the grouped causal mask ``[G*T, pos0 + T]`` (``None`` for ``T = 1``).
+            visible: ``[pos0 + T]`` bool, False at masked positions, or ``None``.
+
+        Returns:
+            ``[B, Hkv, G, T, hd]``.
+        """
+        bsz, nkv, groups, num_new, hd = q.shape
+        if 1 < num_new <= self.row_attention_max:
             # Verification-sized blocks: one SDPA call per token, exactly the call decoding
             # that token alone makes. SDPA's CPU kernel rounds differently with more query
             # rows, which in bf16 flips near-tied argmaxes between speculative and
             # autoregressive decoding; per-token calls keep them bit-identical.
-            out = torch.stack([
+            return torch.stack([
                 F.scaled_dot_product_attention(
                     q[:, :, :, t], keys[:, :, : pos0 + t + 1], values[:, :, : pos0 + t + 1],
                     attn_mask=None if visible is None else visible[None, : pos0 + t + 1],
                     scale=self.scaling)
                 for t in range(num_new)], dim=3)                  # [B, Hkv, G, T, hd]
-        else:
-            if visible is not None:  # masked positions (SpecEE's skipped layers) stay unread
-                mask = visible.unsqueeze(0) if mask is None else mask & visible.unsqueeze(0)
-            out = F.scaled_dot_product_attention(
-                q.reshape(bsz, nkv, groups * num_new, hd), keys, values, attn_mask=mask,
-                scale=self.scaling).view(bsz, nkv, groups, num_new, hd)
-        return w.o(out.permute(0, 3, 1, 2, 4).reshape(bsz, num_new, nq * hd), bulk)
+        if visible is not None:  # masked positions (SpecEE's skipped layers) stay unread
+            mask = visible.unsqueeze(0) if mask is None else mask & visible.unsqueeze(0)
+        return F.scaled_dot_product_attention(
+            q.reshape(bsz, nkv, groups * num_new, hd), keys, values, attn_mask=mask,
+            scale=self.scaling).view(bsz, nkv, groups, num_new, hd)
 
     def _rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[B, T, 1, head_dim]`` for ``positions`` from a table built with the

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from selfspec.decoding.autoregressive import ArStep
+from selfspec.decoding.batch import BatchArStep, BatchStep
 from selfspec.decoding.loop import Step
 from selfspec.methods.base import MethodContext, MethodSpec
 
@@ -19,5 +20,11 @@ def build(context: MethodContext, options: Options) -> Step:
     return ArStep()
 
 
+def build_batch(context: MethodContext, options: Options) -> BatchStep:
+    """One batched forward per token for all rows."""
+    return BatchArStep(context.executor)
+
+
 SPEC = MethodSpec(name="ar", summary="autoregressive decoding, one full forward per token",
-                  lossless=True, paper="(baseline)", options=Options, build=build)
+                  lossless=True, paper="(baseline)", options=Options, build=build,
+                  build_batch=build_batch)

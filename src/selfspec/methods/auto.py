@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from selfspec.decoding.auto import AutoStep, ModelDrafter
+from selfspec.decoding.batch import BatchArStep, BatchNgramStep, BatchStep
 from selfspec.decoding.loop import Step
 from selfspec.decoding.ngram_drafter import NgramDrafter, NgramSettings
 from selfspec.decoding.tpt import AcceptanceEstimate, ForwardCosts
@@ -89,6 +90,18 @@ def build(context: MethodContext, options: Options) -> Step:
                     max_draft_len=options.max_draft_len, explore_every=options.explore_every)
 
 
+def build_batch(context: MethodContext, options: Options) -> BatchStep:
+    """In a batch, ``auto`` chooses per step between plain decoding and n-gram drafts (the
+    model drafters have no batched step yet): the block width that maximises the whole
+    batch's predicted tokens per second, so it falls back to plain decoding where drafting
+    stops paying at high batch."""
+    if "ngram" not in drafter_names(options):
+        return BatchArStep(context.executor)
+    history = context.history() if options.history else None
+    return BatchNgramStep(context.executor, context.latency(),
+                          NgramSettings(max_draft_len=options.max_draft_len), history)
+
+
 def heads_files(options: Options) -> list[str]:
     """The head file the head drafters read."""
     return [] if options.heads is None else [str(options.heads)]
@@ -101,4 +114,4 @@ SPEC = MethodSpec(
             "predicted by the measured latency model",
     lossless=True,
     paper="KnapSpec eq. 4 (Tokens-per-Time) as the per-step objective over drafters",
-    options=Options, build=build, heads_files=heads_files)
+    options=Options, build=build, heads_files=heads_files, build_batch=build_batch)

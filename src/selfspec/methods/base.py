@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from selfspec.decoding.batch import BatchStep, SoloRows
 from selfspec.decoding.draft_vocab import DraftVocab, frequent_rows, restricted_head
 from selfspec.decoding.loop import Step
 from selfspec.decoding.ngram import SuffixAutomaton
@@ -144,6 +145,9 @@ class MethodSpec:
             benchmark checks its prompts against).
         lossy_when: ``lossy_when(options) -> bool``: options that make a lossless method
             lossy (an ablation such as AdaDecode without verification).
+        build_batch: ``build_batch(context, options) -> BatchStep`` advancing a ragged batch
+            of rows with shared forwards (:mod:`selfspec.decoding.batch`); ``None`` = rows run
+            one after another with the method's own Step (:class:`SoloRows`).
     """
 
     name: str
@@ -154,6 +158,7 @@ class MethodSpec:
     build: Callable[[MethodContext, Any], Step]
     heads_files: Callable[[Any], list[str]] = field(default=lambda options: [])
     lossy_when: Callable[[Any], bool] = field(default=lambda options: False)
+    build_batch: Callable[[MethodContext, Any], BatchStep] | None = None
 
     def lossless_for(self, values: Mapping[str, Any] | Any) -> bool:
         """Whether the method with these options (a mapping or an ``Options``) is lossless.
@@ -194,3 +199,24 @@ class MethodSpec:
                    else self.parse(values, context.executor))
         check_model_bounds(options, context.executor, self.name)
         return self.build(context, options)
+
+    @property
+    def batched(self) -> bool:
+        """Whether rows of a batch share forwards with this method."""
+        return self.build_batch is not None
+
+    def make_batch_step(self, context: MethodContext, values: Mapping[str, Any] | Any
+                        ) -> BatchStep:
+        """Validate ``values`` and build the step of a ragged batch: the method's batched
+        step, or :class:`SoloRows` running its single-row Step per row.
+
+        Raises:
+            InvalidArgumentError: see :meth:`make_step`.
+        """
+        options = (values if isinstance(values, self.options)
+                   else self.parse(values, context.executor))
+        check_model_bounds(options, context.executor, self.name)
+        if self.build_batch is not None:
+            return self.build_batch(context, options)
+        self.build(context, options)  # errors (missing heads, ...) surface now, not per row
+        return SoloRows(lambda: self.build(context, options))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from selfspec.decoding.batch import BatchNgramStep, BatchStep
 from selfspec.decoding.loop import Step
 from selfspec.decoding.ngram_drafter import NgramDrafter, NgramSettings, NgramStep
 from selfspec.decoding.tpt import ForwardCosts
@@ -53,6 +54,13 @@ def build(context: MethodContext, options: Options) -> Step:
     return NgramStep(drafter, history)
 
 
+def build_batch(context: MethodContext, options: Options) -> BatchStep:
+    """Per-row n-gram drafts verified in one batched forward, block width chosen for the
+    batch."""
+    history = context.history() if options.history else None
+    return BatchNgramStep(context.executor, context.latency(), settings(options), history)
+
+
 SPEC = MethodSpec(
     name="ngram",
     summary="drafts copied from the prompt, the output so far and earlier outputs (no model "
@@ -60,4 +68,4 @@ SPEC = MethodSpec(
     lossless=True,
     paper="Prompt Lookup Decoding (Saxena 2023); SuffixDecoding (Oliaro et al. 2024) and "
           "SAM-Decoding (Hu et al. 2024) for the history; KnapSpec eq. 4 for the length",
-    options=Options, build=build)
+    options=Options, build=build, build_batch=build_batch)

@@ -1,0 +1,296 @@
+"""Ragged batches: several generations advanced together, each row at its own length.
+
+A row is a :class:`~selfspec.decoding.state.DecodeState` (its tokens, its own KV cache, its
+limits, EOS and stop strings, its stats); a :class:`BatchStep` advances any set of rows by one
+step, and each row commits its own number of tokens (a speculative step accepts a different
+prefix per row and rolls each row's cache back on its own). Rows join after their prefill
+and leave when done, so the same step serves a fixed batch (:func:`run_batch`) and a
+continuously changing one (:class:`selfspec.serving.scheduler.Scheduler`)::
+
+    begin(state)                              # prefill alone + the first token
+    step.join(state)                          # the row's per-generation drafter state
+    while rows:                               # one call = one step of every row
+        for state, stats in zip(rows, step(rows)): state.stats.add(stats)
+        step.leave(done_row)                  # e.g. its text joins the n-gram history
+
+Batch steps here: :class:`BatchArStep` (one batched forward per token),
+:class:`BatchNgramStep` (n-gram drafts of different lengths per row, verified in one batched
+forward; the block width is chosen for the whole batch by predicted tokens per second, so at
+high batch it falls back to plain decoding) and :class:`SoloRows` (any other method: each row
+runs its own single-row Step in turn; correct, not faster).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from selfspec.decoding.loop import Step
+from selfspec.decoding.ngram import SuffixAutomaton
+from selfspec.decoding.ngram_drafter import NgramDrafter, NgramSettings, _match_bucket
+from selfspec.decoding.sampling import choose_next
+from selfspec.decoding.state import DecodeState
+from selfspec.decoding.stats import GenerationStats, StepStats
+from selfspec.decoding.tpt import ForwardCosts
+from selfspec.decoding.verification import verify_greedy, verify_sampling
+from selfspec.executor import LayerExecutor
+from selfspec.executor.cost_model import LatencyModel
+
+
+class BatchStep(Protocol):
+    """One step of every row of a ragged batch.
+
+    Attributes:
+        batched: True when rows really share forwards (False: :class:`SoloRows`).
+    """
+
+    batched: bool
+
+    def join(self, state: DecodeState) -> None:
+        """A row whose prefill committed its first token enters the batch."""
+
+    def leave(self, state: DecodeState) -> None:
+        """A row leaves (done or cancelled); its per-row state is dropped."""
+
+    def __call__(self, states: list[DecodeState]) -> list[StepStats]:
+        """Commit ``>= 1`` token to each of ``states`` (fewer only for a row that became
+        done); one :class:`StepStats` per row, in order."""
+
+
+def begin(state: DecodeState) -> None:
+    """Prefill ``state``'s prompt alone (its own cache) and commit the first token."""
+    logits = state.prefill()  # [1, V]
+    state.commit([int(choose_next(logits, state.options.sampling, state.generator))])
+
+
+def run_batch(states: list[DecodeState], step: BatchStep) -> list[GenerationStats]:
+    """Generate every row of ``states`` to its end with ``step``.
+
+    Args:
+        states: fresh :class:`DecodeState` rows (empty caches), any prompt lengths.
+        step: the method's batch step.
+
+    Returns:
+        Each row's finished :class:`GenerationStats`, in order.
+
+    Raises:
+        RuntimeError: a step committed nothing to a row that is not done (a method bug).
+    """
+    for state in states:
+        begin(state)
+        if not state.done:
+            step.join(state)
+        else:
+            step.leave(state)
+    active = [s for s in states if not s.done]
+    while active:
+        before = [s.seq_len for s in active]
+        for state, stats in zip(active, step(active)):
+            state.stats.add(stats)
+        for state, n in zip(active, before):
+            if state.seq_len == n and not state.done:
+                raise RuntimeError(f"{type(step).__name__} committed no token to a row")
+            if state.done:
+                step.leave(state)
+        active = [s for s in active if not s.done]
+    return [s.finish() for s in states]
+
+
+def _inputs(states: list[DecodeState], rows: list[list[int]],
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, T]`` ids (row ``b``: ``rows[b]``, padded by repeating its last id) and positions
+    (row ``b`` from its last committed token's position)."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows], device=device)
+    starts = torch.tensor([[s.seq_len - 1] for s in states], device=device)
+    return ids, starts + torch.arange(width, device=device)
+
+
+class BatchArStep:
+    """Autoregressive decoding of a ragged batch: one forward of ``B`` tokens per step (the
+    weights are read once for all rows), each row sampled with its own configuration and
+    seeded generator, so each row's output is the one it would have alone."""
+
+    batched = True
+
+    def __init__(self, executor: LayerExecutor) -> None:
+        self.executor = executor
+
+    def join(self, state: DecodeState) -> None:
+        """Nothing per row."""
+
+    def leave(self, state: DecodeState) -> None:
+        """Nothing per row."""
+
+    def __call__(self, states: list[DecodeState]) -> list[StepStats]:
+        ex = self.executor
+        t0 = time.perf_counter()
+        ids, positions = _inputs(states, [[s.tokens[-1]] for s in states], ex.device)
+        logits = ex.forward_rows(ids, positions, [s.cache for s in states])[:, -1]  # [B, V]
+        ms = (time.perf_counter() - t0) * 1e3
+        out = []
+        for b, state in enumerate(states):
+            token = int(choose_next(logits[b:b + 1], state.options.sampling, state.generator))
+            kept = state.commit([token])
+            out.append(StepStats(committed=len(kept), sublayers=2 * ex.num_layers,
+                                 step_ms=ms))
+        return out
+
+
+class BatchNgramStep:
+    """n-gram drafts for every row, verified in one batched forward (lossless).
+
+    Each row has its own :class:`~selfspec.decoding.ngram_drafter.NgramDrafter` (its prompt
+    lookup index, its acceptance estimates) and, with ``history``, matches the engine's
+    earlier texts. Per step the block width ``T`` (1 = plain decoding, no draft) is chosen
+    for the whole batch by KnapSpec eq. 4 summed over rows::
+
+        E(T) = Σ_b (1 + Σ_{k ≤ d_b(T)} α_b^k),   d_b(T) = min(len(proposal_b), T - 1)
+        T*   = argmax_T E(T) / t_forward(B·T)
+
+    where ``t_forward(n)`` is the latency model's time of ``n`` token rows, corrected online by
+    the measured step times. At high batch the forward of ``B·T`` rows stops being bound by
+    reading the weights, ``t_forward`` grows with ``T`` and the step falls back to ``T = 1``.
+    A row shorter than the block is padded; its padded positions are rolled back with its
+    rejected draft tokens. Verification per row is :func:`verify_greedy` or, sampling, the
+    rejection rule with a one-hot ``q`` (see :mod:`selfspec.decoding.ngram_drafter`).
+
+    Args:
+        executor: the model's executor.
+        latency: the model's measured latencies (prior of the step time).
+        settings: n-gram matching and draft limits.
+        history: the engine's suffix automaton of earlier texts, or ``None``; a row's text
+            joins it when the row leaves.
+    """
+
+    batched = True
+
+    def __init__(self, executor: LayerExecutor, latency: LatencyModel, settings: NgramSettings,
+                 history: SuffixAutomaton | None = None) -> None:
+        self.executor = executor
+        self.latency = latency
+        self.settings = settings
+        self.history = history
+        self.costs = ForwardCosts(latency)
+        self._drafters: dict[int, NgramDrafter] = {}
+
+    def join(self, state: DecodeState) -> None:
+        """Give the row its own drafter."""
+        self._drafters[id(state)] = NgramDrafter(self.executor, ForwardCosts(self.latency),
+                                                 self.settings, self.history)
+
+    def leave(self, state: DecodeState) -> None:
+        """Drop the row's drafter; its text joins the history."""
+        self._drafters.pop(id(state), None)
+        if self.history is not None:
+            self.history.add(state.tokens)
+
+    def _width(self, states: list[DecodeState], proposals: list[list[int]],
+               alphas: list[float]) -> tuple[int, float, float]:
+        """The block width ``T`` maximising predicted tokens per second; with its expected
+        tokens and time."""
+        self.costs.context_len = sum(s.seq_len for s in states) // len(states)
+        rows = len(states)
+        best = (1, float(rows), self.costs.forward_ms(rows))
+        longest = max((len(p) for p in proposals), default=0)
+        for width in range(2, longest + 2):
+            tokens = 0.0
+            for prop, alpha in zip(proposals, alphas):
+                survive, expect = 1.0, 1.0
+                for _ in range(min(len(prop), width - 1)):
+                    survive *= alpha
+                    expect += survive
+                tokens += expect
+            ms = self.costs.forward_ms(rows * width)
+            if tokens * best[2] > best[1] * ms:
+                best = (width, tokens, ms)
+        return best
+
+    def __call__(self, states: list[DecodeState]) -> list[StepStats]:
+        ex = self.executor
+        t0 = time.perf_counter()
+        proposals, alphas, keys = [], [], []
+        for state in states:
+            drafter = self._drafters[id(state)]
+            limit = min(self.settings.max_draft_len, state.remaining - 1)
+            prop = drafter.proposal(state, limit) if limit > 0 else None
+            if prop is None:
+                proposals.append([])
+                alphas.append(0.0)
+                keys.append(None)
+            else:
+                key = (prop.source, _match_bucket(prop.match_len))
+                proposals.append(list(prop.tokens[:limit]))
+                alphas.append(drafter.acceptance.rate(key))
+                keys.append(key)
+        width, predicted_tokens, predicted_ms = self._width(states, proposals, alphas)
+        drafts = [p[: width - 1] for p in proposals]
+        draft_ms = (time.perf_counter() - t0) * 1e3
+        t1 = time.perf_counter()
+        ids, positions = _inputs(states, [[s.tokens[-1], *d] for s, d in zip(states, drafts)],
+                                 ex.device)
+        logits = ex.forward_rows(ids, positions, [s.cache for s in states])   # [B, T, V]
+        results = []
+        for b, (state, draft) in enumerate(zip(states, drafts)):
+            draft_ids = torch.tensor(draft, dtype=torch.long, device=ex.device)  # [D_b]
+            target = logits[b, : len(draft) + 1]                                 # [D_b+1, V]
+            sampling = state.options.sampling
+            if sampling.greedy:
+                result = verify_greedy(draft_ids, target)
+            else:  # q = δ(x_i), [D_b, V]
+                probs = torch.zeros(len(draft), ex.vocab_size, device=ex.device)
+                probs[torch.arange(len(draft)), draft_ids] = 1.0
+                result = verify_sampling(draft_ids, probs, target, sampling, state.generator)
+            kept = state.commit(result.committed_tokens)
+            state.cache.truncate(state.seq_len - 1)  # rejected and padded positions go
+            if draft and keys[b] is not None:
+                self._drafters[id(state)].acceptance.update(keys[b], len(draft),
+                                                            result.num_accepted)
+            results.append((len(draft), result.num_accepted, len(kept)))
+        verify_ms = (time.perf_counter() - t1) * 1e3
+        self.costs.observe(len(states) * width, verify_ms)
+        share = predicted_tokens / len(states)
+        return [StepStats(
+            num_drafted=drafted, num_accepted=accepted, committed=committed,
+            verified=drafted > 0, exit_layers=(0,) * drafted,
+            sublayers=2 * ex.num_layers * width, draft_ms=draft_ms, verify_ms=verify_ms,
+            drafter="ngram" if width > 1 else "ar", step_ms=draft_ms + verify_ms,
+            predicted_tokens=share, predicted_ms=predicted_ms)
+            for drafted, accepted, committed in results]
+
+
+class SoloRows:
+    """Any method in a batch: each row runs its own single-row Step, one row after another.
+
+    Correct for every method (each row is exactly a single-prompt generation) but no faster
+    than running the prompts in turn; the server uses it for the methods without a batched
+    step so that their requests still stream side by side.
+
+    Args:
+        make_step: builds a fresh Step for one row.
+    """
+
+    batched = False
+
+    def __init__(self, make_step: Callable[[], Step]) -> None:
+        self.make_step = make_step
+        self._steps: dict[int, Step] = {}
+
+    def join(self, state: DecodeState) -> None:
+        """Build and start the row's Step."""
+        step = self.make_step()
+        step.start(state)
+        self._steps[id(state)] = step
+
+    def leave(self, state: DecodeState) -> None:
+        """Finish the row's Step (e.g. its text joins the n-gram history) and drop it."""
+        step = self._steps.pop(id(state), None)
+        finish = getattr(step, "finish", None)
+        if finish is not None:
+            finish(state)
+
+    def __call__(self, states: list[DecodeState]) -> list[StepStats]:
+        return [self._steps[id(s)](s) for s in states]

@@ -1,0 +1,316 @@
+"""``selfspec serve``: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over the
+continuous-batching :class:`~selfspec.serving.scheduler.Scheduler`.
+
+Routes: ``GET /health`` (no key needed), ``GET /v1/models``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (the tokenizer's chat template), with ``stream`` as server-sent
+events ending in ``data: [DONE]``. Every error is an OpenAI-style body
+(:class:`~selfspec.serving.protocol.ApiError`): 400 for malformed JSON or parameters, 401 for a
+missing or wrong ``--api-key``, 404 for an unknown model or route, 413 for a body over the
+limit, 429 when the queue is full; an unexpected failure is a 500 with a generic message
+(the traceback goes to the server's log, never to the client). A client that disconnects
+cancels its request: its row leaves the batch at the next step and its KV cache is freed.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the handlers' annotations as objects.
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from selfspec.errors import InvalidArgumentError, MissingDependencyError, PromptError
+from selfspec.methods.registry import METHODS, get_method
+from selfspec.serving.protocol import (
+    FINISH_REASONS,
+    ApiError,
+    ApiRequest,
+    Limits,
+    ResponseIds,
+    TextDeltas,
+    check_prompt_length,
+    chunk_body,
+    parse_request,
+    response_body,
+    sampling_seed,
+    usage,
+    usage_chunk,
+)
+from selfspec.serving.scheduler import QueueFullError, Request, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How the server runs.
+
+    Attributes:
+        model_name: the name clients pass as ``model`` (``/v1/models`` lists it).
+        method / method_options: the default method and its options (a request may
+            override them in its ``selfspec`` field).
+        api_key: required as ``Authorization: Bearer KEY`` when set.
+        limits: body, prompt and ``max_tokens`` limits.
+        max_batch: rows decoded together.
+        max_queue: requests waiting for a row before 429.
+    """
+
+    model_name: str
+    method: str = "auto"
+    method_options: dict[str, Any] = field(default_factory=dict)
+    api_key: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    max_batch: int = 8
+    max_queue: int = 64
+
+
+def create_app(engine: Any, config: ServeConfig) -> Any:
+    """The ASGI application serving ``engine``.
+
+    Raises:
+        MissingDependencyError: FastAPI is not installed (``pip install 'selfspec[serve]'``).
+        InvalidArgumentError: the default method or its options are invalid for the model.
+    """
+    try:
+        from fastapi import FastAPI
+        from fastapi import Request as HttpRequest
+        from fastapi.exceptions import RequestValidationError
+        from fastapi.responses import JSONResponse, StreamingResponse
+        from starlette.exceptions import HTTPException
+    except ImportError as error:
+        raise MissingDependencyError(
+            "selfspec serve needs FastAPI and uvicorn: pip install 'selfspec[serve]'") from error
+
+    get_method(config.method).make_batch_step(engine.methods, config.method_options)
+    scheduler = Scheduler(engine, max_batch=config.max_batch, max_queue=config.max_queue)
+
+    @asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.close()
+
+    app = FastAPI(title="selfspec", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.scheduler = scheduler
+
+    def error_response(error: ApiError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: HttpRequest, error: ApiError) -> JSONResponse:
+        return error_response(error)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: HttpRequest, error: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return error_response(ApiError(error.status_code, str(error.detail), type=kind))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: HttpRequest, error: RequestValidationError) -> JSONResponse:
+        return error_response(ApiError(400, str(error)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: HttpRequest, error: Exception) -> JSONResponse:
+        logger.exception("unexpected error serving %s", request.url.path)
+        return error_response(ApiError(500, "internal server error; see the server log",
+                                       type="server_error"))
+
+    def authorize(request: HttpRequest) -> None:
+        if config.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip(), config.api_key):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
+    async def read_json(request: HttpRequest) -> Any:
+        limit = config.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is over {limit} bytes")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ApiError(400, f"the request body is not valid JSON: {error}") from error
+
+    def prompt_ids(api: ApiRequest) -> list[int]:
+        try:
+            if api.chat:
+                if not getattr(engine.tokenizer, "chat_template", None):
+                    raise ApiError(400, f"model {config.model_name!r} has no chat template; "
+                                        "use /v1/completions", param="messages")
+                ids = engine.tokenizer.apply_chat_template(
+                    api.messages, add_generation_prompt=True, tokenize=True,
+                    return_dict=False)
+                if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                    ids = ids["input_ids"]
+                ids = list(ids)
+            else:
+                ids = engine.encode(api.prompt if api.prompt is not None else api.prompt_ids)
+        except PromptError as error:
+            raise ApiError(400, str(error), param="prompt") from error
+        check_prompt_length(len(ids), config.limits, engine.executor.max_positions)
+        return ids
+
+    def method_of(api: ApiRequest) -> tuple[str, dict[str, Any]]:
+        if api.method is None:
+            return config.method, dict(config.method_options)
+        try:
+            spec = get_method(api.method)
+            spec.parse(api.method_options, engine.executor)
+        except InvalidArgumentError as error:
+            raise ApiError(400, str(error), param="selfspec") from error
+        return api.method, dict(api.method_options)
+
+    async def complete(request: HttpRequest, chat: bool) -> Any:
+        authorize(request)
+        body = await read_json(request)
+        api = parse_request(body, chat, config.limits)
+        if body["model"] != config.model_name:
+            raise ApiError(404, f"the model {body['model']!r} is not served here; this server "
+                                f"serves {config.model_name!r}", param="model",
+                           code="model_not_found")
+        ids = prompt_ids(api)
+        method, method_options = method_of(api)
+        try:
+            options = engine.decode_options(api.max_tokens, api.temperature, api.top_k,
+                                            api.top_p, sampling_seed(api.seed))
+        except InvalidArgumentError as error:
+            raise ApiError(400, str(error)) from error
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def post(item: tuple) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, item)
+            except RuntimeError:  # the event loop is gone (server shutting down)
+                pass
+
+        job = Request(prompt_ids=ids, options=options, method=method,
+                      method_options=method_options, stop=api.stop,
+                      on_tokens=lambda tokens: post(("tokens", tokens)),
+                      on_done=lambda state, text, error: post(("done", state, text, error)))
+        try:
+            scheduler.submit(job)
+        except QueueFullError as error:
+            raise ApiError(429, f"the server is busy: {error}", type="rate_limit_error",
+                           code="queue_full") from error
+        ids_of = ResponseIds(config.model_name, chat)
+        if api.stream:
+            return StreamingResponse(stream(api, job, events, ids_of, len(ids)),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(events.get(), timeout=0.5)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        job.cancelled.set()
+                        return None
+                    continue
+                if item[0] == "done":
+                    break
+        except asyncio.CancelledError:
+            job.cancelled.set()
+            raise
+        _, state, text, error = item
+        if error is not None:
+            raise failure(error)
+        return response_body(ids_of, text, FINISH_REASONS.get(state.finish_reason, "stop"),
+                             usage(len(ids), state.num_generated))
+
+    def failure(error: BaseException) -> ApiError:
+        if isinstance(error, InvalidArgumentError):
+            return ApiError(400, str(error))
+        logger.error("generation failed: %r", error)
+        return ApiError(500, "generation failed; see the server log", type="server_error")
+
+    async def stream(api: ApiRequest, job: Request, events: asyncio.Queue, ids_of: ResponseIds,
+                     prompt_tokens: int) -> AsyncIterator[bytes]:
+        deltas = TextDeltas(engine.tokenizer, api.stop)
+        first = True
+
+        def event(body: dict) -> bytes:
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+
+        try:
+            if ids_of.chat:
+                yield event(chunk_body(ids_of, "", None, role=True))
+                first = False
+            while True:
+                item = await events.get()
+                if item[0] == "tokens":
+                    text = deltas.push(item[1])
+                    if text:
+                        yield event(chunk_body(ids_of, text, None, role=first))
+                        first = False
+                    continue
+                _, state, text, error = item
+                if error is not None:
+                    yield event(failure(error).body())
+                    break
+                rest = deltas.finish(text)
+                finish = FINISH_REASONS.get(state.finish_reason, "stop")
+                yield event(chunk_body(ids_of, rest, finish, role=first))
+                if api.include_usage:
+                    yield event(usage_chunk(ids_of, usage(prompt_tokens, state.num_generated)))
+                break
+            yield b"data: [DONE]\n\n"
+        finally:
+            job.cancelled.set()  # a disconnect ends here too; a finished job ignores it
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": config.model_name, "running": scheduler.running,
+                "waiting": scheduler.waiting}
+
+    @app.get("/v1/models")
+    async def models(request: HttpRequest) -> dict:
+        authorize(request)
+        return {"object": "list", "data": [{
+            "id": config.model_name, "object": "model", "created": 0, "owned_by": "selfspec",
+            "selfspec": {"default_method": config.method,
+                         "methods": sorted(METHODS),
+                         "batched_methods": sorted(n for n, s in METHODS.items() if s.batched)},
+        }]}
+
+    @app.post("/v1/completions")
+    async def completions(request: HttpRequest) -> Any:
+        return await complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HttpRequest) -> Any:
+        return await complete(request, chat=True)
+
+    return app
+
+
+def serve(engine: Any, config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "info") -> None:
+    """Run the server until interrupted.
+
+    Raises:
+        MissingDependencyError: FastAPI or uvicorn is not installed.
+    """
+    try:
+        import uvicorn
+    except ImportError as error:
+        raise MissingDependencyError(
+            "selfspec serve needs FastAPI and uvicorn: pip install 'selfspec[serve]'") from error
+    app = create_app(engine, config)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

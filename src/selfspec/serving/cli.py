@@ -1,0 +1,74 @@
+"""``selfspec serve``: the command line of the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from selfspec.validation import check_threads, int_arg
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    """Add ``selfspec serve`` to the CLI."""
+    from selfspec.cli import add_method_arguments
+
+    p = sub.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API",
+        description="Serve /v1/completions, /v1/chat/completions (streaming or not), "
+                    "/v1/models and /health with continuous batching. Binds 127.0.0.1 unless "
+                    "--host says otherwise; set --api-key before exposing it.")
+    p.add_argument("--model", default=None, help="registry name, local directory or hub id "
+                                                 "(default: smollm2-135m-instruct)")
+    p.add_argument("--served-name", default=None,
+                   help="the name clients pass as `model` (default: the model's name)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    p.add_argument("--decode-kernel", default="auto", choices=["auto", "weights", "fp16"])
+    p.add_argument("--method", default="auto",
+                   help="default method (a request may override it in its `selfspec` field); "
+                        "ar, ngram and auto batch rows together, the others run rows in turn")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int_arg(0, 65535), default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` (also $SELFSPEC_API_KEY)")
+    p.add_argument("--max-batch", type=int_arg(1, 256), default=8,
+                   help="requests decoded together (default 8)")
+    p.add_argument("--max-queue", type=int_arg(0), default=64,
+                   help="requests waiting for a batch row before 429 (default 64)")
+    p.add_argument("--max-prompt-tokens", type=int_arg(1), default=4096)
+    p.add_argument("--max-tokens", type=int_arg(1), default=1024,
+                   help="largest max_tokens a request may ask for")
+    p.add_argument("--default-max-tokens", type=int_arg(1), default=256)
+    p.add_argument("--max-body-bytes", type=int_arg(64), default=1 << 20)
+    p.add_argument("--threads", type=int_arg(1), default=None, help="torch intra-op threads")
+    add_method_arguments(p)
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
+    import selfspec
+    from selfspec.cli import method_options
+    from selfspec.methods.registry import get_method
+    from selfspec.serving.app import ServeConfig, serve
+    from selfspec.serving.protocol import Limits
+
+    options = method_options(args)
+    get_method(args.method).parse(options)  # bad options fail before the model loads
+    if check_threads("--threads", args.threads):
+        torch.set_num_threads(args.threads)
+    engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel)
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                    max_tokens=args.max_tokens,
+                    default_max_tokens=min(args.default_max_tokens, args.max_tokens))
+    config = ServeConfig(model_name=args.served_name or engine.name, method=args.method,
+                         method_options=options,
+                         api_key=args.api_key or os.environ.get("SELFSPEC_API_KEY") or None,
+                         limits=limits, max_batch=args.max_batch, max_queue=args.max_queue)
+    print(f"[selfspec] serving {config.model_name} ({args.method}) on "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    serve(engine, config, host=args.host, port=args.port,
+          log_level="debug" if args.debug else "info" if args.verbose else "warning")
+    return 0

@@ -1,0 +1,393 @@
+"""The OpenAI completions / chat completions protocol: request validation, response and
+stream-chunk bodies, error bodies. Pure functions of JSON values (no HTTP here).
+
+Field meanings follow the OpenAI API reference (``/v1/completions``,
+``/v1/chat/completions``): ``max_tokens`` (chat also ``max_completion_tokens``),
+``temperature`` in [0, 2] (default 1), ``top_p`` in (0, 1], ``seed``, ``stop`` (a string or up
+to 4), ``n = 1``, ``stream`` (+ ``stream_options.include_usage``), ``finish_reason``
+``"stop"`` (EOS or a stop string) or ``"length"`` (``max_tokens`` or the model's context),
+``usage``. selfspec's own choice of method rides in an extra field::
+
+    {"selfspec": {"method": "ngram", "options": {"max_draft_len": 8}}}
+
+(``extra_body=`` in the ``openai`` client). Parameters a greedy / sampling decoder cannot
+honour (``logprobs``, ``echo``, ``best_of > 1``, penalties, ``logit_bias``) are refused with a
+400 instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from selfspec.errors import InvalidArgumentError
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length",
+                  "cancelled": "stop"}
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
+           "stop", "seed", "user", "logprobs", "presence_penalty", "frequency_penalty",
+           "logit_bias", "selfspec", "top_k"}
+_COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs",
+                          "response_format", "parallel_tool_calls"}
+_ROLES = ("system", "developer", "user", "assistant")
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI-style body ``{"error": {...}}``.
+
+    Args:
+        status: HTTP status.
+        message: what went wrong and what to do.
+        type: OpenAI error type (``invalid_request_error``, ...).
+        param: the offending parameter, if any.
+        code: a short machine-readable code, if any.
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        """The JSON error body."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the server accepts.
+
+    Attributes:
+        max_body_bytes: largest request body.
+        max_prompt_tokens: longest prompt (after the chat template), tokens.
+        max_tokens: largest ``max_tokens``.
+        default_max_tokens: ``max_tokens`` when a request gives none (completions: OpenAI's
+            16 unless this is smaller; chat: this).
+    """
+
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int = 4096
+    max_tokens: int = 1024
+    default_max_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """A validated completions or chat completions request.
+
+    Attributes:
+        chat: a chat completions request (``messages``).
+        prompt: the text prompt, or ``None`` when token ids were given.
+        prompt_ids: token ids given directly, or ``None``.
+        messages: the chat messages (``{"role", "content"}`` with string content).
+        max_tokens / temperature / top_p / top_k / seed / stop / stream / include_usage: as
+            in the OpenAI API.
+        method / method_options: selfspec's method for this request (``None``: the
+            server's).
+    """
+
+    chat: bool
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    messages: list[dict[str, str]] = field(default_factory=list)
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    method: str | None = None
+    method_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def _number(body: Mapping, name: str, default: float, low: float, high: float,
+            low_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(f"'{name}' must be a number; got {value!r}", name)
+    if value < low or value > high or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise _bad(f"'{name}' must be in {bracket}{low}, {high}]; got {value}", name)
+    return float(value)
+
+
+def _integer(body: Mapping, name: str, default: int | None, low: int,
+             high: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"'{name}' must be an integer; got {value!r}", name)
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise _bad(f"'{name}' must be {bound}; got {value}", name)
+    return value
+
+
+def _unsupported(body: Mapping, name: str, allowed: Sequence[Any]) -> None:
+    if name in body and body[name] not in allowed:
+        raise _bad(f"'{name}'={body[name]!r} is not supported by selfspec serve "
+                   f"(supported: {', '.join(map(repr, allowed))})", name)
+
+
+def _stop(body: Mapping) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise _bad("'stop' must be a string or a list of strings", "stop")
+    if len(stop) > 4:
+        raise _bad(f"'stop' takes at most 4 strings; got {len(stop)}", "stop")
+    return tuple(s for s in stop if s)
+
+
+def _prompt(body: Mapping) -> tuple[str | None, list[int] | None]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # one prompt given as a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _bad("'prompt' is empty", "prompt")
+        return prompt, None
+    if (isinstance(prompt, list) and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        return None, list(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise _bad("selfspec serve takes one prompt per request; send the prompts as separate "
+                   "(concurrent) requests", "prompt")
+    raise _bad("'prompt' must be a non-empty string or a list of token ids", "prompt")
+
+
+def _messages(body: Mapping) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list of {role, content} objects",
+                   "messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise _bad(f"messages[{i}] must be an object", "messages")
+        role, content = message.get("role"), message.get("content")
+        if role not in _ROLES:
+            raise _bad(f"messages[{i}].role must be one of {', '.join(_ROLES)}; got {role!r}",
+                       "messages")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise _bad(f"messages[{i}].content parts must be text parts "
+                           "({'type': 'text', 'text': ...})", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise _bad(f"messages[{i}].content must be a string", "messages")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def parse_request(body: Any, chat: bool, limits: Limits) -> ApiRequest:
+    """Validate a request body.
+
+    Args:
+        body: the decoded JSON body.
+        chat: ``/v1/chat/completions`` (else ``/v1/completions``).
+        limits: the server's limits.
+
+    Returns:
+        :class:`ApiRequest`.
+
+    Raises:
+        ApiError: 400 with the parameter at fault for anything malformed or unsupported.
+    """
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    allowed = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise _bad(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+    if not isinstance(body.get("model"), str):
+        raise _bad("'model' must be given as a string (see /v1/models)", "model")
+    if body.get("n") not in (None, 1):
+        raise _bad("only n=1 is supported; send separate requests for more choices", "n")
+    _unsupported(body, "logprobs", (None, False, 0))
+    _unsupported(body, "echo", (None, False))
+    _unsupported(body, "best_of", (None, 1))
+    _unsupported(body, "suffix", (None,))
+    _unsupported(body, "presence_penalty", (None, 0, 0.0))
+    _unsupported(body, "frequency_penalty", (None, 0, 0.0))
+    _unsupported(body, "logit_bias", (None, {}))
+    _unsupported(body, "top_logprobs", (None, 0))
+    _unsupported(body, "response_format", (None, {"type": "text"}))
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise _bad("'stream_options' must be {\"include_usage\": bool}", "stream_options")
+    default = limits.default_max_tokens if chat else min(16, limits.default_max_tokens)
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = _integer(body, name, default, 1, limits.max_tokens)
+    extra = body.get("selfspec") or {}
+    if not isinstance(extra, dict) or set(extra) - {"method", "options"}:
+        raise _bad("'selfspec' must be {\"method\": name, \"options\": {...}}", "selfspec")
+    method = extra.get("method")
+    method_options = extra.get("options") or {}
+    if method is not None and not isinstance(method, str):
+        raise _bad("'selfspec.method' must be a method name (GET /v1/models lists them)",
+                   "selfspec")
+    if not isinstance(method_options, dict):
+        raise _bad("'selfspec.options' must be an object of option values", "selfspec")
+    common = {
+        "max_tokens": max_tokens,
+        "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
+        "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        "top_k": _integer(body, "top_k", 0, 0),
+        "seed": _integer(body, "seed", None, -(2 ** 63), 2 ** 63 - 1),
+        "stop": _stop(body), "stream": stream, "include_usage": bool(options.get("include_usage")),
+        "method": method, "method_options": method_options}
+    if chat:
+        return ApiRequest(chat=True, messages=_messages(body), **common)
+    prompt, ids = _prompt(body)
+    return ApiRequest(chat=False, prompt=prompt, prompt_ids=ids, **common)
+
+
+def check_prompt_length(num_tokens: int, limits: Limits, context: int) -> None:
+    """Refuse a prompt over the server's limit or filling the model's context.
+
+    Raises:
+        ApiError: 400, code ``context_length_exceeded``.
+    """
+    if num_tokens > limits.max_prompt_tokens or num_tokens >= context:
+        limit = min(limits.max_prompt_tokens, context - 1)
+        raise ApiError(400, f"the prompt has {num_tokens} tokens; this server takes at most "
+                            f"{limit}. Shorten the prompt.", param="prompt",
+                       code="context_length_exceeded")
+
+
+def sampling_seed(seed: int | None) -> int | None:
+    """OpenAI seeds may be negative or 64-bit; torch generators take ``[0, 2^64)``."""
+    return None if seed is None else seed % (2 ** 64)
+
+
+@dataclass
+class ResponseIds:
+    """The id, creation time and model name every chunk of one response repeats."""
+
+    model: str
+    chat: bool
+    id: str = ""
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """The ``usage`` object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response_body(ids: ResponseIds, text: str, finish: str, use: dict) -> dict:
+    """A non-streamed response."""
+    if ids.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": None, "finish_reason": finish}
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        kind = "text_completion"
+    return {"id": ids.id, "object": kind, "created": ids.created, "model": ids.model,
+            "choices": [choice], "usage": use}
+
+
+def chunk_body(ids: ResponseIds, text: str | None, finish: str | None,
+               role: bool = False) -> dict:
+    """One streamed chunk: a text delta and/or the finish reason."""
+    if ids.chat:
+        delta: dict[str, str] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        kind = "text_completion"
+    return {"id": ids.id, "object": kind, "created": ids.created, "model": ids.model,
+            "choices": [choice]}
+
+
+def usage_chunk(ids: ResponseIds, use: dict) -> dict:
+    """The last chunk of a stream with ``include_usage``: no choices, the usage."""
+    kind = "chat.completion.chunk" if ids.chat else "text_completion"
+    return {"id": ids.id, "object": kind, "created": ids.created, "model": ids.model,
+            "choices": [], "usage": use}
+
+
+class TextDeltas:
+    """Turns committed token ids into text deltas for streaming.
+
+    The text streamed is always a prefix of the final text: a delta is held back while the
+    decoded text ends in an incomplete UTF-8 sequence, and the last ``len(longest stop) - 1``
+    characters are held back while a stop string could still be forming (the final text is
+    cut before it, and no client must see it).
+
+    Args:
+        tokenizer: the model's tokenizer.
+        stop: the request's stop strings.
+    """
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def push(self, tokens: list[int]) -> str:
+        """The new text that is safe to send after ``tokens`` were committed."""
+        self.ids.extend(tokens)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        for s in self.stop:
+            if s in text:
+                text = text[: text.index(s)]
+        if text.endswith("\ufffd"):
+            return ""
+        safe = len(text) - self.holdback
+        if safe <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent:safe], safe
+        return delta
+
+    def finish(self, final_text: str) -> str:
+        """The rest of ``final_text`` (the generation's text, cut at a stop string)."""
+        delta = final_text[self.sent:]
+        self.sent = len(final_text)
+        return delta
+
+
+def method_error(error: InvalidArgumentError) -> ApiError:
+    """A bad ``selfspec`` method or option as a 400."""
+    return ApiError(400, str(error), param="selfspec")
