@@ -363,3 +363,17 @@ def test_ngram_and_auto_greedy_equal_autoregressive(prompts, dtype):
             assert result.token_ids == reference, (method, dtype, prompt)
             drafted[method] += result.stats.drafted
     assert drafted["ngram"] > 0 and drafted["auto"] > 0
+
+
+@pytest.mark.parametrize("method,options", [
+    ("ar", {}), ("ngram", {}), ("auto", {}), ("layerskip", {"exit_layer": 24, "draft_len": 4}),
+])
+def test_batched_greedy_rows_equal_single_prompt_outputs(engine, prompts, ar_outputs, method,
+                                                         options):
+    """Real HumanEval prompts of different lengths as one ragged batch (plus a short chat
+    prompt): every row equals that prompt's single-prompt greedy output."""
+    chat = "Write a haiku about caches."
+    want = ar_outputs + [engine.generate(chat, max_new_tokens=NEW_TOKENS).token_ids]
+    results = engine.generate([*prompts, chat], method=method, max_new_tokens=NEW_TOKENS,
+                              **options)
+    assert [r.token_ids for r in results] == want

@@ -55,6 +55,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--n", type=int, default=None,
                    help="prompts per method (default: 10 of a --dataset, all of --prompts)")
     p.add_argument("--max-new-tokens", type=int_arg(1), default=128)
+    p.add_argument("--batch-size", type=int_arg(1, 256), default=1,
+                   help="prompts each method generates together as one ragged batch (ar, ngram "
+                        "and auto share forwards across rows; hf-ar batches with left padding; "
+                        "the other methods run their rows in turn); tokens/s is then the "
+                        "aggregate throughput (default 1)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     p.add_argument("--decode-kernel", default="auto", choices=["auto", "weights", "fp16"],
                    help="kernel of decoding and verification products: auto (on CPUs that emulate bf16, FBGEMM's "
@@ -176,7 +181,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bandwidth_mib=args.bandwidth_mib, plots=args.plots,
         command="selfspec " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "",
         allow_in_sample=args.allow_in_sample, resume=args.resume is not None,
-        overwrite=args.overwrite)
+        overwrite=args.overwrite, batch_size=args.batch_size)
     if out is None:  # a new folder, never one another run took
         out = outdir.claim_new_dir(Path("out", "bench", "{}-{}-{}".format(
             Path(model).name, dataset.replace(":", "-"),

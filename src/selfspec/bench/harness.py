@@ -6,6 +6,9 @@ interleaved prompt by prompt (A B C A B C ...) so drift of the machine (thermal,
 processes) hits all of them alike. A method that raises is marked failed and skipped from
 then on; the others go on.
 
+Batches (``--batch-size N``): prompts go in groups of ``N``, each method generating a group
+as one ragged batch (:meth:`Runner.run_batch`), methods interleaved group by group.
+
 Crash safety: each record and failure goes to a :class:`RecordSink` (the run folder's
 journal) as soon as it happens, and a run can start from the results of an earlier process
 of the same run, skipping the (method, prompt) pairs it finished.
@@ -150,34 +153,46 @@ def run_bench(runners: Sequence[Runner], prompts: Sequence[EncodedPrompt], setti
         except Exception as err:  # noqa: BLE001 - any failure marks this one method failed
             _fail(result, sink, runner, err, "setup")
     warmup = RunSettings(min(warmup_tokens, settings.max_new_tokens), settings.temperature,
-                         settings.seed, settings.top_p)
-    for prompt in prompts[:warm]:
+                         settings.seed, settings.top_p, settings.batch_size)
+    size = settings.batch_size
+    # Warm-up: each of the first prompts alone, then (batches) one batch, so batched shapes
+    # are warm too.
+    warm_groups = [[p] for p in prompts[:warm]] + (
+        [list(prompts[:size])] if warm and size > 1 else [])
+    for group in warm_groups:
         for runner in list(alive):
-            ok = _try_run(result, sink, runner, prompt, warmup, "warm-up") is not None
+            ok = _try_run(result, sink, runner, group, warmup, "warm-up") is not None
             if not ok:
                 alive.remove(runner)
-            if progress:
-                progress(ProgressEvent("warmup", runner.config.label, prompt.id, not ok))
+            if progress and len(group) == 1:
+                progress(ProgressEvent("warmup", runner.config.label, group[0].id, not ok))
     for runner in alive:  # what a method learnt from the warm-up prompts is not measured
         forget = getattr(runner, "forget", None)
         if forget is not None:
             forget()
-    for index, prompt in enumerate(prompts):
+    for first in range(0, len(prompts), size):
+        chunk = list(enumerate(prompts[first:first + size], first))
         for runner in list(alive):
-            if (runner.config.label, prompt.id) in done:
+            label = runner.config.label
+            group = [(i, p) for i, p in chunk if (label, p.id) not in done]
+            if not group:
                 continue
             memory.reset()
-            output = _try_run(result, sink, runner, prompt, settings, f"prompt {prompt.id}")
-            if output is None:
+            where = "prompt " + ", ".join(p.id for _, p in group)
+            outputs = _try_run(result, sink, runner, [p for _, p in group], settings, where)
+            if outputs is None:
                 alive.remove(runner)
             else:
-                record = PromptRecord(runner.config.label, prompt.id, index, len(prompt.ids),
-                                      output, peak_rss_mib=memory.read_mib())
-                result.records.append(record)
-                if sink:
-                    sink.record(record)
+                peak = memory.read_mib()
+                for (index, prompt), output in zip(group, outputs):
+                    record = PromptRecord(label, prompt.id, index, len(prompt.ids), output,
+                                          peak_rss_mib=peak)
+                    result.records.append(record)
+                    if sink:
+                        sink.record(record)
             if progress:
-                progress(ProgressEvent("run", runner.config.label, prompt.id, output is None))
+                for _, prompt in group:
+                    progress(ProgressEvent("run", label, prompt.id, outputs is None))
     order = {label: i for i, label in enumerate(labels)}
     result.records.sort(key=lambda r: (r.prompt_index, order.get(r.method, len(order))))
     return result
@@ -193,10 +208,15 @@ def _fail(result: BenchRun, sink: RecordSink | None, runner: Runner, err: Except
                    exc_info=logger.isEnabledFor(logging.DEBUG))
 
 
-def _try_run(result: BenchRun, sink: RecordSink | None, runner: Runner, prompt: EncodedPrompt,
-             settings: RunSettings, where: str) -> RunOutput | None:
+def _try_run(result: BenchRun, sink: RecordSink | None, runner: Runner,
+             prompts: Sequence[EncodedPrompt], settings: RunSettings,
+             where: str) -> list[RunOutput] | None:
+    """One output per prompt (``run`` alone at batch size 1, else ``run_batch``), or
+    ``None`` when the runner raised (the method is marked failed)."""
     try:
-        return runner.run(prompt, settings)
+        if settings.batch_size == 1 and len(prompts) == 1:
+            return [runner.run(prompts[0], settings)]
+        return runner.run_batch(list(prompts), settings)
     except Exception as err:  # noqa: BLE001 - any failure marks this one method failed
         _fail(result, sink, runner, err, where)
         return None

@@ -75,6 +75,8 @@ class RunIdentity:
         torch_threads: torch intra-op threads (timings from other thread counts would mix).
         run_prompts: the prompts left after the held-out check (None = not yet known: a
             check before the model loads compares everything else).
+        batch_size: prompts generated together (1 = one at a time; left out of the saved
+            settings then, so runs saved before batching resume).
     """
 
     model: str
@@ -92,6 +94,7 @@ class RunIdentity:
     allow_in_sample: bool
     torch_threads: int
     run_prompts: tuple[str, ...] | None = None
+    batch_size: int = 1
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (lists for tuples; ``run_prompts`` left out while unknown)."""
@@ -99,6 +102,8 @@ class RunIdentity:
                 for k, v in dataclasses.asdict(self).items()}
         if self.run_prompts is None:
             del data["run_prompts"]
+        if self.batch_size == 1:
+            del data["batch_size"]
         return data
 
     def differences(self, saved: dict[str, Any]) -> list[str]:

@@ -87,6 +87,8 @@ class BenchOptions:
             the saved ones); the (method, prompt) pairs it finished are not run again.
         overwrite: remove ``out_dir``'s previous benchmark outputs first (refused when it
             holds files a benchmark run does not write).
+        batch_size: prompts each method generates together (ragged batches; a row's wall
+            time is its batch's divided by the rows, so tokens/s is the aggregate throughput).
     """
 
     dataset: str
@@ -105,6 +107,7 @@ class BenchOptions:
     allow_in_sample: bool = False
     resume: bool = False
     overwrite: bool = False
+    batch_size: int = 1
 
 
 @dataclass
@@ -173,7 +176,8 @@ def run_identity(model: str, dtype: str, methods: Sequence[MethodConfig],
         top_p=float(options.top_p), seed=options.seed, warmup_prompts=options.warmup_prompts,
         warmup_tokens=options.warmup_tokens, allow_in_sample=options.allow_in_sample,
         torch_threads=torch.get_num_threads(),
-        run_prompts=None if run_prompts is None else tuple(p.id for p in run_prompts))
+        run_prompts=None if run_prompts is None else tuple(p.id for p in run_prompts),
+        batch_size=options.batch_size)
 
 
 def _assistant_loader(dtype: torch.dtype) -> Callable[[str], torch.nn.Module]:
@@ -277,7 +281,7 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
         logger.info("bandwidth %.1f GB/s, roofline %.1f tok/s", bandwidth.gb_per_s,
                     roofline.tokens_per_s)
     settings = RunSettings(options.max_new_tokens, options.temperature, options.seed,
-                           options.top_p)
+                           options.top_p, options.batch_size)
     machine = collect_machine_info()
     greedy = options.temperature == 0
     planned = len(methods) * len(prompts)
@@ -297,7 +301,8 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
                 dropped_prompts=held.dropped, formats=engine.executor.formats.describe(),
                 status=status, generations=len(run.records), planned=planned,
                 sessions=list(folder.sessions),
-                sandbox=sandbox.describe() if sandbox is not None else "")
+                sandbox=sandbox.describe() if sandbox is not None else "",
+                batch_size=options.batch_size)
 
         try:
             run_bench(runners, encoded, settings, warmup_prompts=options.warmup_prompts,

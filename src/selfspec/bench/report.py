@@ -97,6 +97,7 @@ class RunInfo:
         generations / planned: generations recorded, and planned (methods × prompts).
         sessions: ISO start times of the processes that ran it (more than one: resumed).
         sandbox: what isolated generated code while it was scored (empty: none ran).
+        batch_size: prompts generated together (tokens/s is then the aggregate throughput).
     """
 
     model: str
@@ -121,6 +122,7 @@ class RunInfo:
     planned: int = 0
     sessions: list[str] = dataclasses.field(default_factory=list)
     sandbox: str = ""
+    batch_size: int = 1
 
     @property
     def partial(self) -> bool:
@@ -342,7 +344,10 @@ def markdown_header(info: RunInfo) -> str:
         f"- dataset: {info.dataset}, n = {info.n} prompts, max new tokens {info.max_new_tokens}, "
         + ("greedy" if info.temperature == 0
            else f"temperature {info.temperature}"
-           + (f", top-p {info.top_p}" if info.top_p < 1 else "") + f", seed {info.seed}"),
+           + (f", top-p {info.top_p}" if info.top_p < 1 else "") + f", seed {info.seed}")
+        + (f"; batches of {info.batch_size} prompts (tokens/s = aggregate throughput of a "
+           "batch; a prompt's wall time = its batch's / its rows)" if info.batch_size > 1
+           else ""),
         (f"- machine: {m.cpu}, {m.logical_cores} logical cores, torch threads "
          f"{m.torch_threads}, {m.platform}" + (f"; {m.capability}" if m.capability else "")),
         (f"- versions: python {m.python}, torch {m.torch}, transformers {m.transformers}, "

@@ -52,12 +52,14 @@ class RunSettings:
         temperature: 0 = greedy; > 0 = sampling (no top-k), seeded with ``seed``.
         seed: sampling seed.
         top_p: nucleus mass in (0, 1] when sampling (1 = the whole distribution).
+        batch_size: prompts generated together (:meth:`Runner.run_batch`).
     """
 
     max_new_tokens: int
     temperature: float = 0.0
     seed: int = 0
     top_p: float = 1.0
+    batch_size: int = 1
 
 
 @dataclass
@@ -109,7 +111,9 @@ class RunOutput:
 
 
 class Runner(Protocol):
-    """Generates for one method. ``setup`` runs once before the warm-up and may raise."""
+    """Generates for one method. ``setup`` runs once before the warm-up and may raise;
+    ``run_batch`` generates for several prompts together (one output per prompt, each with
+    ``wall_time_s`` = the batch's wall time / its rows)."""
 
     config: MethodConfig
     lossless: bool
@@ -117,6 +121,9 @@ class Runner(Protocol):
     def setup(self) -> None: ...
 
     def run(self, prompt: EncodedPrompt, settings: RunSettings) -> RunOutput: ...
+
+    def run_batch(self, prompts: list[EncodedPrompt],
+                  settings: RunSettings) -> list[RunOutput]: ...
 
 
 class _CommitRecorder:
@@ -177,6 +184,21 @@ class SelfSpecRunner:
         """
         METHODS[self.config.name].make_step(self.engine.methods, dict(self.config.options))
 
+    def run_batch(self, prompts: list[EncodedPrompt],
+                  settings: RunSettings) -> list[RunOutput]:
+        """The prompts as one ragged batch (:meth:`SelfSpec.generate_batch`)."""
+        previous = self.engine.methods.use_history(self.history)
+        try:
+            start = self.clock()
+            results = self.engine.generate_batch(
+                [p.ids for p in prompts], method=self.config.name,
+                max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                top_p=settings.top_p, seed=settings.seed, **self.config.options)
+            wall = self.clock() - start
+        finally:
+            self.engine.methods.use_history(previous)
+        return [_output(r, wall / len(prompts), r.stats.ttft_ms, []) for r in results]
+
     def run(self, prompt: EncodedPrompt, settings: RunSettings) -> RunOutput:
         previous = self.engine.methods.use_history(self.history)
         try:
@@ -190,25 +212,31 @@ class SelfSpecRunner:
             wall = self.clock() - start
         finally:
             self.engine.methods.use_history(previous)
-        s = result.stats
-        speculative = s.verifications > 0
-        # accept_lengths starts with the prefill's token (1); then one entry per verification
-        # (or per token for autoregressive methods), as the decoding loop commits them.
-        return RunOutput(
-            token_ids=result.token_ids, text=result.text, wall_time_s=wall,
-            ttft_ms=recorder.ttft_ms, accept_lengths=recorder.lengths,
-            drafted=s.drafted if speculative else None,
-            accepted=s.accepted if speculative else None,
-            verifications=s.verifications if speculative else None,
-            draft_ms=s.draft_ms if speculative else None,
-            verify_ms=s.verify_ms if speculative else None,
-            layer_forwards=s.layer_forwards, finish_reason=s.finish_reason,
-            exit_tokens=s.drafted if s.exit_layer_total else None,
-            exit_layer_total=s.exit_layer_total or None, plans=list(s.plans),
-            layer_batches=list(s.layer_batches), exit_counts=list(s.exit_counts),
-            predictor_ms=s.predictor_ms if s.predictor_calls else None,
-            kv_ms=s.kv_ms if s.predictor_calls else None,
-            drafter_steps={name: u.steps for name, u in s.drafters.items()})
+        return _output(result, wall, recorder.ttft_ms, recorder.lengths)
+
+
+def _output(result: Any, wall: float, ttft_ms: float | None,
+            lengths: list[int]) -> RunOutput:
+    """The :class:`RunOutput` of a selfspec :class:`GenerationResult`."""
+    s = result.stats
+    speculative = s.verifications > 0
+    # accept_lengths starts with the prefill's token (1); then one entry per verification
+    # (or per token for autoregressive methods), as the decoding loop commits them.
+    return RunOutput(
+        token_ids=result.token_ids, text=result.text, wall_time_s=wall,
+        ttft_ms=ttft_ms, accept_lengths=lengths,
+        drafted=s.drafted if speculative else None,
+        accepted=s.accepted if speculative else None,
+        verifications=s.verifications if speculative else None,
+        draft_ms=s.draft_ms if speculative else None,
+        verify_ms=s.verify_ms if speculative else None,
+        layer_forwards=s.layer_forwards, finish_reason=s.finish_reason,
+        exit_tokens=s.drafted if s.exit_layer_total else None,
+        exit_layer_total=s.exit_layer_total or None, plans=list(s.plans),
+        layer_batches=list(s.layer_batches), exit_counts=list(s.exit_counts),
+        predictor_ms=s.predictor_ms if s.predictor_calls else None,
+        kv_ms=s.kv_ms if s.predictor_calls else None,
+        drafter_steps={name: u.steps for name, u in s.drafters.items()})
 
 
 def _hf_generate_kwargs(config: MethodConfig, engine: SelfSpec,
@@ -279,8 +307,7 @@ class HFRunner:
             assistant = self.load_assistant(str(name))
         self.kwargs = _hf_generate_kwargs(self.config, self.engine, assistant)
 
-    @torch.inference_mode()
-    def run(self, prompt: EncodedPrompt, settings: RunSettings) -> RunOutput:
+    def _kwargs(self, settings: RunSettings) -> dict[str, Any]:
         engine = self.engine
         eos = sorted(engine.eos_token_ids)
         pad = engine.tokenizer.pad_token_id
@@ -293,18 +320,59 @@ class HFRunner:
             torch.manual_seed(settings.seed)
         else:
             kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        return kwargs
+
+    def _cut(self, tokens: list[int], settings: RunSettings) -> tuple[list[int], str]:
+        """Generated ids up to the first EOS (and ``max_new_tokens``), with the finish."""
+        tokens = tokens[: settings.max_new_tokens]
+        for i, tok in enumerate(tokens):
+            if tok in self.engine.eos_token_ids:
+                return tokens[: i + 1], "eos"
+        return tokens, "length"
+
+    @torch.inference_mode()
+    def run_batch(self, prompts: list[EncodedPrompt],
+                  settings: RunSettings) -> list[RunOutput]:
+        """``hf-ar``: one left-padded batch through ``generate``; the assisted baselines
+        (batch size 1 only in transformers): one prompt after another."""
+        if self.config.name != "hf-ar" or len(prompts) == 1:
+            start = self.clock()
+            outputs = [self.run(p, settings) for p in prompts]
+            share = (self.clock() - start) / len(prompts)
+            for output in outputs:
+                output.wall_time_s = share
+            return outputs
+        engine = self.engine
+        kwargs = self._kwargs(settings)
+        width = max(len(p.ids) for p in prompts)
+        pad = kwargs["pad_token_id"]
+        ids = torch.tensor([[pad] * (width - len(p.ids)) + p.ids for p in prompts],
+                           device=engine.executor.device)
+        mask = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in prompts],
+                            device=engine.executor.device)
+        start = self.clock()
+        out = engine.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        share = (self.clock() - start) / len(prompts)
+        outputs = []
+        for row in out[:, width:].tolist():
+            tokens, finish = self._cut(row, settings)
+            outputs.append(RunOutput(
+                token_ids=tokens, text=engine.tokenizer.decode(tokens, skip_special_tokens=True),
+                wall_time_s=share, finish_reason=finish,
+                layer_forwards=engine.executor.num_layers * max(len(tokens) - 1, 0)))
+        return outputs
+
+    @torch.inference_mode()
+    def run(self, prompt: EncodedPrompt, settings: RunSettings) -> RunOutput:
+        engine = self.engine
+        kwargs = self._kwargs(settings)
         input_ids = torch.tensor([prompt.ids], device=engine.executor.device)
         start = self.clock()
         recorder = _CommitRecorder(self.clock, start, skip_first=True)
         out = engine.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                     streamer=recorder, **kwargs)
         wall = self.clock() - start
-        tokens = out[0, len(prompt.ids):].tolist()[: settings.max_new_tokens]
-        finish = "length"
-        for i, tok in enumerate(tokens):
-            if tok in engine.eos_token_ids:
-                tokens, finish = tokens[: i + 1], "eos"
-                break
+        tokens, finish = self._cut(out[0, len(prompt.ids):].tolist(), settings)
         lengths = recorder.lengths
         if self.config.name == "hf-ar":
             # Plain decoding runs every layer for each token after the first (which the

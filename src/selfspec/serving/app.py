@@ -14,6 +14,7 @@ cancels its request: its row leaves the batch at the next step and its KV cache 
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations as objects.
 
 import asyncio
+import copy
 import hmac
 import json
 import logging
@@ -40,6 +41,7 @@ from selfspec.serving.protocol import (
     usage_chunk,
 )
 from selfspec.serving.scheduler import QueueFullError, Request, Scheduler
+from selfspec.validation import check_text, check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +88,13 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
 
     get_method(config.method).make_batch_step(engine.methods, config.method_options)
     scheduler = Scheduler(engine, max_batch=config.max_batch, max_queue=config.max_queue)
+    # The event loop's own tokenizer: a fast tokenizer's encode reconfigures its Rust backend
+    # (truncation, padding) and must not run while the worker thread decodes with it.
+    tokenizer = copy.deepcopy(engine.tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
+        warm_up(engine, config.method, config.method_options)
         scheduler.start()
         try:
             yield
@@ -150,17 +156,21 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
     def prompt_ids(api: ApiRequest) -> list[int]:
         try:
             if api.chat:
-                if not getattr(engine.tokenizer, "chat_template", None):
+                if not getattr(tokenizer, "chat_template", None):
                     raise ApiError(400, f"model {config.model_name!r} has no chat template; "
                                         "use /v1/completions", param="messages")
-                ids = engine.tokenizer.apply_chat_template(
+                ids = tokenizer.apply_chat_template(
                     api.messages, add_generation_prompt=True, tokenize=True,
                     return_dict=False)
                 if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                     ids = ids["input_ids"]
                 ids = list(ids)
+            elif api.prompt is not None:
+                check_text("the prompt", api.prompt)
+                ids = tokenizer(api.prompt, add_special_tokens=True)["input_ids"]
             else:
-                ids = engine.encode(api.prompt if api.prompt is not None else api.prompt_ids)
+                ids = api.prompt_ids
+            ids = check_token_ids(list(ids), engine.vocab_size)
         except PromptError as error:
             raise ApiError(400, str(error), param="prompt") from error
         check_prompt_length(len(ids), config.limits, engine.executor.max_positions)
@@ -242,7 +252,7 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
 
     async def stream(api: ApiRequest, job: Request, events: asyncio.Queue, ids_of: ResponseIds,
                      prompt_tokens: int) -> AsyncIterator[bytes]:
-        deltas = TextDeltas(engine.tokenizer, api.stop)
+        deltas = TextDeltas(tokenizer, api.stop)
         first = True
 
         def event(body: dict) -> bytes:
@@ -298,6 +308,19 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
         return await complete(request, chat=True)
 
     return app
+
+
+def warm_up(engine: Any, method: str, options: dict[str, Any]) -> None:
+    """A few tokens with ``method`` before the first request: one-time costs (the latency
+    model measured on first use on a machine, kernel probes, first calls of each shape)
+    are paid at start, not by a client's time to first token. The engine's history of
+    earlier texts is left as it was."""
+    previous = engine.methods.use_history(None)
+    try:
+        engine.generate("Hello", method=method, max_new_tokens=4, **options)
+        engine.generate(["Hello", "Hi"], method=method, max_new_tokens=4, **options)
+    finally:
+        engine.methods.use_history(previous)
 
 
 def serve(engine: Any, config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,

@@ -163,6 +163,11 @@ async def _run(args: argparse.Namespace, port: int, pid: int) -> list[LevelResul
         references[i] = reply.choices[0].text
     results = []
     for method in args.methods.split(","):
+        # One untimed request per method first: one-time costs (the latency model measured on
+        # first use, kernel probes) are not a level's time to first token.
+        await client.completions.create(model=model, prompt=prompts[0], max_tokens=8,
+                                        temperature=0,
+                                        extra_body={"selfspec": _method_body(method)})
         for concurrency in [int(c) for c in args.concurrency.split(",")]:
             duration = args.duration * (args.longest_factor if concurrency == max(
                 int(c) for c in args.concurrency.split(",")) else 1)
