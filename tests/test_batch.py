@@ -166,10 +166,12 @@ def test_bad_batches_are_refused(engine):
         engine.generate(["a", "b"], streamer=object())
     with pytest.raises(InvalidArgumentError):
         engine.generate(["a", "b"], method="layerskip", exit_layer=99)
-    with pytest.raises(InvalidArgumentError, match="one KV cache per row"):
-        ex = engine.executor
-        ex.run_rows(torch.zeros(2, 1, ex.config.hidden_size), torch.ones(2, 1, dtype=torch.long),
-                    0, 1, [ex.new_cache()])
+    ex = engine.executor
+    for lengths, caches in (([1, 1], [ex.new_cache()]), ([2, 1], [ex.new_cache()] * 2),
+                            ([2, 0], [ex.new_cache()] * 2)):
+        with pytest.raises(InvalidArgumentError, match="one KV cache"):
+            ex.run_rows(torch.zeros(2, ex.config.hidden_size), torch.ones(2, dtype=torch.long),
+                        lengths, 0, 1, caches)
 
 
 def _collect(engine, scheduler, prompt, method="ar", max_new_tokens=20, **options):

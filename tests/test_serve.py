@@ -186,8 +186,9 @@ def test_auth_json_size_route_and_queue_errors(server, client):
         assert json.loads(reply.read())["status"] == "ok"
     # 2 rows + 1 waiting fill the server; the next request is refused with 429, and clients
     # that disconnect free their rows.
+    counting = [f"{start}, {start + 1}, {start + 2}, {start + 3}," for start in (1, 20, 300)]
     streams = [client.completions.create(model=MODEL, prompt=p, max_tokens=1000,
-                                         temperature=0, stream=True) for p in PROMPTS[:3]]
+                                         temperature=0, stream=True) for p in counting]
     for stream in streams[:2]:
         next(iter(stream))  # the rows run
     with pytest.raises(openai.RateLimitError):

@@ -203,6 +203,7 @@ def _cmd_methods(args: argparse.Namespace) -> int:
         if i:
             print()
         kind = "lossless" if spec.lossless else "lossy"
+        kind += "; batches share forwards" if spec.batched else ""
         print(f"{spec.name}  ({kind}; {spec.paper})")
         print(f"  {spec.summary}")
         for f in spec.fields:

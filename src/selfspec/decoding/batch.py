@@ -14,9 +14,9 @@ continuously changing one (:class:`selfspec.serving.scheduler.Scheduler`)::
         step.leave(done_row)                  # e.g. its text joins the n-gram history
 
 Batch steps here: :class:`BatchArStep` (one batched forward per token),
-:class:`BatchNgramStep` (n-gram drafts of different lengths per row, verified in one batched
-forward; the block width is chosen for the whole batch by predicted tokens per second, so at
-high batch it falls back to plain decoding) and :class:`SoloRows` (any other method: each row
+:class:`BatchNgramStep` (n-gram drafts of different lengths per row, packed without padding
+and verified in one forward; the draft lengths are chosen for the whole batch by predicted
+tokens per second, so at high batch it falls back to plain decoding) and :class:`SoloRows` (any other method: each row
 runs its own single-row Step in turn; correct, not faster).
 """
 
@@ -34,7 +34,7 @@ from selfspec.decoding.ngram_drafter import NgramDrafter, NgramSettings, _match_
 from selfspec.decoding.sampling import choose_next
 from selfspec.decoding.state import DecodeState
 from selfspec.decoding.stats import GenerationStats, StepStats
-from selfspec.decoding.tpt import ForwardCosts
+from selfspec.decoding.tpt import ForwardCosts, TptChoice
 from selfspec.decoding.verification import verify_greedy, verify_sampling
 from selfspec.executor import LayerExecutor
 from selfspec.executor.cost_model import LatencyModel
@@ -99,14 +99,14 @@ def run_batch(states: list[DecodeState], step: BatchStep) -> list[GenerationStat
     return [s.finish() for s in states]
 
 
-def _inputs(states: list[DecodeState], rows: list[list[int]],
-            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, T]`` ids (row ``b``: ``rows[b]``, padded by repeating its last id) and positions
-    (row ``b`` from its last committed token's position)."""
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows], device=device)
-    starts = torch.tensor([[s.seq_len - 1] for s in states], device=device)
-    return ids, starts + torch.arange(width, device=device)
+def _packed(states: list[DecodeState], rows: list[list[int]],
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Row ``b``'s tokens ``rows[b]`` (its last committed token first) packed row after row:
+    ``[N]`` ids, ``[N]`` positions (from the last committed token's) and the lengths."""
+    ids = [t for r in rows for t in r]
+    positions = [s.seq_len - 1 + k for s, r in zip(states, rows) for k in range(len(r))]
+    return (torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+            [len(r) for r in rows])
 
 
 class BatchArStep:
@@ -128,8 +128,8 @@ class BatchArStep:
     def __call__(self, states: list[DecodeState]) -> list[StepStats]:
         ex = self.executor
         t0 = time.perf_counter()
-        ids, positions = _inputs(states, [[s.tokens[-1]] for s in states], ex.device)
-        logits = ex.forward_rows(ids, positions, [s.cache for s in states])[:, -1]  # [B, V]
+        ids, positions, lengths = _packed(states, [[s.tokens[-1]] for s in states], ex.device)
+        logits = ex.forward_rows(ids, positions, lengths, [s.cache for s in states])  # [B, V]
         ms = (time.perf_counter() - t0) * 1e3
         out = []
         for b, state in enumerate(states):
@@ -145,18 +145,21 @@ class BatchNgramStep:
 
     Each row has its own :class:`~selfspec.decoding.ngram_drafter.NgramDrafter` (its prompt
     lookup index, its acceptance estimates) and, with ``history``, matches the engine's
-    earlier texts. Per step the block width ``T`` (1 = plain decoding, no draft) is chosen
-    for the whole batch by KnapSpec eq. 4 summed over rows::
+    earlier texts. Rows are packed without padding (:meth:`LayerExecutor.run_rows`), so each
+    row drafts its own number of tokens ``d_b``, chosen for the whole batch by KnapSpec eq. 4
+    summed over rows::
 
-        E(T) = Σ_b (1 + Σ_{k ≤ d_b(T)} α_b^k),   d_b(T) = min(len(proposal_b), T - 1)
-        T*   = argmax_T E(T) / t_forward(B·T)
+        E(d) = Σ_b (1 + Σ_{k ≤ d_b} α_b^k),    N(d) = Σ_b (1 + d_b)
+        d*   = argmax_d E(d) / t_forward(N(d))
 
-    where ``t_forward(n)`` is the latency model's time of ``n`` token rows, corrected online by
-    the measured step times. At high batch the forward of ``B·T`` rows stops being bound by
-    reading the weights, ``t_forward`` grows with ``T`` and the step falls back to ``T = 1``.
-    A row shorter than the block is padded; its padded positions are rolled back with its
-    rejected draft tokens. Verification per row is :func:`verify_greedy` or, sampling, the
-    rejection rule with a one-hot ``q`` (see :mod:`selfspec.decoding.ngram_drafter`).
+    where ``α_b`` is row ``b``'s acceptance estimate for its match and ``t_forward(n)`` the
+    latency model's time of a forward over ``n`` tokens, corrected online by the measured
+    step times. For a given ``N`` the best ``d`` takes the ``N - B`` draft tokens of largest
+    marginal gain ``α_b^k`` (gains fall along a row), so one pass over the tokens sorted by
+    gain finds ``d*``. At high batch a forward stops being bound by reading the weights,
+    ``t_forward`` grows with every token and the step falls back to plain decoding
+    (``d = 0``). Verification per row is :func:`verify_greedy` or, sampling, the rejection
+    rule with a one-hot ``q`` (see :mod:`selfspec.decoding.ngram_drafter`).
 
     Args:
         executor: the model's executor.
@@ -188,26 +191,26 @@ class BatchNgramStep:
         if self.history is not None:
             self.history.add(state.tokens)
 
-    def _width(self, states: list[DecodeState], proposals: list[list[int]],
-               alphas: list[float]) -> tuple[int, float, float]:
-        """The block width ``T`` maximising predicted tokens per second; with its expected
-        tokens and time."""
+    def _plan(self, states: list[DecodeState], proposals: list[list[int]],
+              alphas: list[float]) -> tuple[list[int], TptChoice]:
+        """Each row's draft length ``d_b`` maximising the batch's predicted tokens per second
+        (see the class docstring), and the plan's total draft tokens, expected committed
+        tokens (all rows) and predicted time."""
         self.costs.context_len = sum(s.seq_len for s in states) // len(states)
         rows = len(states)
-        best = (1, float(rows), self.costs.forward_ms(rows))
-        longest = max((len(p) for p in proposals), default=0)
-        for width in range(2, longest + 2):
-            tokens = 0.0
-            for prop, alpha in zip(proposals, alphas):
-                survive, expect = 1.0, 1.0
-                for _ in range(min(len(prop), width - 1)):
-                    survive *= alpha
-                    expect += survive
-                tokens += expect
-            ms = self.costs.forward_ms(rows * width)
-            if tokens * best[2] > best[1] * ms:
-                best = (width, tokens, ms)
-        return best
+        best = TptChoice(0, float(rows), self.costs.forward_ms(rows))
+        counts = [0] * rows
+        best_counts = list(counts)
+        gains = sorted(((alpha ** k, b) for b, (prop, alpha) in enumerate(zip(proposals, alphas))
+                        for k in range(1, len(prop) + 1)), key=lambda g: -g[0])
+        tokens = float(rows)
+        for drafted, (gain, b) in enumerate(gains, 1):
+            counts[b] += 1
+            tokens += gain
+            choice = TptChoice(drafted, tokens, self.costs.forward_ms(rows + drafted))
+            if choice.tokens * best.ms > best.tokens * choice.ms:
+                best, best_counts = choice, list(counts)
+        return best_counts, best
 
     def __call__(self, states: list[DecodeState]) -> list[StepStats]:
         ex = self.executor
@@ -226,17 +229,19 @@ class BatchNgramStep:
                 proposals.append(list(prop.tokens[:limit]))
                 alphas.append(drafter.acceptance.rate(key))
                 keys.append(key)
-        width, predicted_tokens, predicted_ms = self._width(states, proposals, alphas)
-        drafts = [p[: width - 1] for p in proposals]
+        counts, plan = self._plan(states, proposals, alphas)
+        drafts = [p[:n] for p, n in zip(proposals, counts)]
         draft_ms = (time.perf_counter() - t0) * 1e3
         t1 = time.perf_counter()
-        ids, positions = _inputs(states, [[s.tokens[-1], *d] for s, d in zip(states, drafts)],
-                                 ex.device)
-        logits = ex.forward_rows(ids, positions, [s.cache for s in states])   # [B, T, V]
+        ids, positions, lengths = _packed(
+            states, [[s.tokens[-1], *d] for s, d in zip(states, drafts)], ex.device)
+        logits = ex.forward_rows(ids, positions, lengths, [s.cache for s in states])  # [N, V]
         results = []
+        offset = 0
         for b, (state, draft) in enumerate(zip(states, drafts)):
             draft_ids = torch.tensor(draft, dtype=torch.long, device=ex.device)  # [D_b]
-            target = logits[b, : len(draft) + 1]                                 # [D_b+1, V]
+            target = logits[offset: offset + len(draft) + 1]                     # [D_b+1, V]
+            offset += len(draft) + 1
             sampling = state.options.sampling
             if sampling.greedy:
                 result = verify_greedy(draft_ids, target)
@@ -245,20 +250,20 @@ class BatchNgramStep:
                 probs[torch.arange(len(draft)), draft_ids] = 1.0
                 result = verify_sampling(draft_ids, probs, target, sampling, state.generator)
             kept = state.commit(result.committed_tokens)
-            state.cache.truncate(state.seq_len - 1)  # rejected and padded positions go
+            state.cache.truncate(state.seq_len - 1)  # rejected positions go
             if draft and keys[b] is not None:
                 self._drafters[id(state)].acceptance.update(keys[b], len(draft),
                                                             result.num_accepted)
             results.append((len(draft), result.num_accepted, len(kept)))
         verify_ms = (time.perf_counter() - t1) * 1e3
-        self.costs.observe(len(states) * width, verify_ms)
-        share = predicted_tokens / len(states)
+        self.costs.observe(len(ids), verify_ms)
+        share = plan.tokens / len(states)
         return [StepStats(
             num_drafted=drafted, num_accepted=accepted, committed=committed,
             verified=drafted > 0, exit_layers=(0,) * drafted,
-            sublayers=2 * ex.num_layers * width, draft_ms=draft_ms, verify_ms=verify_ms,
-            drafter="ngram" if width > 1 else "ar", step_ms=draft_ms + verify_ms,
-            predicted_tokens=share, predicted_ms=predicted_ms)
+            sublayers=2 * ex.num_layers * (drafted + 1), draft_ms=draft_ms,
+            verify_ms=verify_ms, drafter="ngram" if plan.draft_len else "ar",
+            step_ms=draft_ms + verify_ms, predicted_tokens=share, predicted_ms=plan.ms)
             for drafted, accepted, committed in results]
 
 

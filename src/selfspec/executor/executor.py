@@ -330,67 +330,77 @@ class LayerExecutor:
                 observe(i, "mlp", hidden)
         return hidden
 
-    def run_rows(self, hidden: torch.Tensor, positions: torch.Tensor, start: int, end: int,
-                 caches: Sequence[KVCache]) -> torch.Tensor:
-        """Run layers ``[start, end)`` on a ragged batch: row ``b`` is its own sequence with
-        its own KV cache ``caches[b]`` and its own positions.
+    def run_rows(self, hidden: torch.Tensor, positions: torch.Tensor, lengths: Sequence[int],
+                 start: int, end: int, caches: Sequence[KVCache]) -> torch.Tensor:
+        """Run layers ``[start, end)`` on a ragged batch packed row after row: row ``b`` is
+        its own sequence with its own KV cache ``caches[b]``, its own positions and its own
+        number of new tokens ``lengths[b]`` (no padding).
 
-        The matrix products run once for all ``B·T`` rows (decoding is bound by reading the
-        weights, so ``B`` rows cost little more than one); attention runs per row against
-        that row's cache, with exactly the call one-row decoding (``T = 1``) or verification
-        (``T > 1``) makes, so a row's result does not depend on the other rows up to the
-        matrix kernels' rounding (none with the row-consistent fp16 kernel).
+        The matrix products run once for all ``N = Σ lengths`` tokens (decoding is bound by
+        reading the weights, so ``N`` rows cost little more than one); attention runs per row
+        against that row's cache, with exactly the call one-row decoding (one token) or
+        verification (several) makes, so a row's result does not depend on the other rows up
+        to the matrix kernels' rounding (none with the row-consistent fp16 kernel).
 
         Args:
-            hidden: ``[B, T, H]`` hidden states entering layer ``start``.
-            positions: ``[B, T]`` int64; row ``b`` is consecutive from ``positions[b, 0]``,
-                which must equal ``caches[b]``'s length in every layer run and be ``> 0``
-                (a row's prompt is prefilled alone, with :meth:`forward`).
+            hidden: ``[N, H]`` hidden states entering layer ``start``, row 0's tokens first.
+            positions: ``[N]`` int64; row ``b``'s are consecutive from its first, which must
+                equal ``caches[b]``'s length in every layer run and be ``> 0`` (a row's prompt
+                is prefilled alone, with :meth:`forward`).
+            lengths: ``[B]`` tokens of each row (>= 1 each), summing to ``N``.
             start / end: the layer range, ``0 <= start <= end <= L``.
             caches: ``B`` batch-1 caches, one per row.
 
         Returns:
-            ``[B, T, H]`` hidden states leaving layer ``end - 1``.
+            ``[N, H]`` hidden states leaving layer ``end - 1``.
 
         Raises:
-            InvalidArgumentError: the layer range is outside ``[0, L]``, or ``caches`` does not
-                hold one cache per row.
+            InvalidArgumentError: the layer range is outside ``[0, L]``; ``lengths`` and
+                ``caches`` do not describe the ``N`` tokens (one cache per row, each row at
+                least one token).
         """
         self._check_range(start, end)
-        bsz, num_new, _ = hidden.shape
-        if len(caches) != bsz:
-            raise InvalidArgumentError(f"run_rows needs one KV cache per row: {bsz} rows, "
-                                       f"{len(caches)} caches")
-        starts = positions[:, 0].tolist()
+        num, _ = hidden.shape
+        if len(caches) != len(lengths) or sum(lengths) != num or min(lengths, default=0) < 1:
+            raise InvalidArgumentError(
+                f"run_rows needs one KV cache and >= 1 token per row, lengths summing to the "
+                f"{num} tokens: {len(caches)} caches, lengths {list(lengths)}")
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        starts = positions[offsets[:-1]].tolist()
         assert min(starts) > 0, "run_rows continues sequences; prefill each row with forward()"
-        cos, sin = self._rope(hidden, positions)
-        masks = [_grouped_causal_mask(num_new, p + num_new, self._groups, hidden.device)
-                 for p in starts]
+        cos, sin = self._rope(hidden, positions.unsqueeze(0))           # [1, N, 1, hd]
+        masks = [_grouped_causal_mask(n, p + n, self._groups, hidden.device)
+                 for n, p in zip(lengths, starts)]
         nq, nkv, hd, groups = self.num_heads, self.num_kv_heads, self.head_dim, self._groups
+        hidden = hidden.unsqueeze(0)                                    # [1, N, H]
         for i in range(start, end):
             w = self._weights[i]
             x = _rms_norm(hidden, w.attn_norm, w.attn_norm_eps)
-            qkv = w.qkv(x).view(bsz, num_new, nq + 2 * nkv, hd)
+            qkv = w.qkv(x).view(1, num, nq + 2 * nkv, hd)
             qk = _rotate(qkv[:, :, : nq + nkv], cos, sin)
             new_k, new_v = qk[:, :, nq:].transpose(1, 2), qkv[:, :, nq + nkv:].transpose(1, 2)
-            q = qk[:, :, :nq].reshape(bsz, num_new, nkv, groups, hd).permute(0, 2, 3, 1, 4)
+            q = qk[:, :, :nq].reshape(1, num, nkv, groups, hd).permute(0, 2, 3, 1, 4)
             outs = []
-            for b, cache in enumerate(caches):
-                keys, values = cache.append(i, new_k[b:b + 1], new_v[b:b + 1], starts[b])
-                outs.append(self._attend(q[b:b + 1], keys, values, starts[b], masks[b],
+            for b, cache in enumerate(caches):  # [1, Hkv, G, T_b, hd] each
+                lo, hi = offsets[b], offsets[b + 1]
+                keys, values = cache.append(i, new_k[:, :, lo:hi], new_v[:, :, lo:hi], starts[b])
+                outs.append(self._attend(q[:, :, :, lo:hi], keys, values, starts[b], masks[b],
                                          cache.visible(i)))
-            out = torch.cat(outs)                                   # [B, Hkv, G, T, hd]
-            hidden = hidden + w.o(out.permute(0, 3, 1, 2, 4).reshape(bsz, num_new, nq * hd))
+            out = torch.cat(outs, dim=3)                                # [1, Hkv, G, N, hd]
+            hidden = hidden + w.o(out.permute(0, 3, 1, 2, 4).reshape(1, num, nq * hd))
             x = _rms_norm(hidden, w.mlp_norm, w.mlp_norm_eps)
             gate, up = w.gate_up(x).chunk(2, dim=-1)
             hidden = hidden + w.down(w.act(gate) * up)
-        return hidden
+        return hidden[0]
 
     def forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                     caches: Sequence[KVCache]) -> torch.Tensor:
-        """The full model on a ragged batch (:meth:`run_rows`): ``input_ids`` ``[B, T]`` →
-        ``[B, T, V]`` logits, ``lm_head`` in the decoding kernel (as one-row decoding)."""
-        hidden = self.run_rows(self.embed(input_ids), positions, 0, self.num_layers, caches)
+                     lengths: Sequence[int], caches: Sequence[KVCache]) -> torch.Tensor:
+        """The full model on a packed ragged batch (:meth:`run_rows`): ``input_ids`` ``[N]``
+        → ``[N, V]`` logits, ``lm_head`` in the decoding kernel (as one-row decoding)."""
+        hidden = self.run_rows(self.embed(input_ids), positions, lengths, 0, self.num_layers,
+                               caches)
         return self._lm_head(self.norm(hidden), bulk=False)
 
     def is_bulk(self, pos0: int, num_new: int, batch: int = 1) -> bool:

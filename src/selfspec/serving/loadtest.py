@@ -39,6 +39,7 @@ class LevelResult:
         tokens_per_s: ``completion_tokens / seconds`` (aggregate throughput).
         ttft_ms_median / ttft_ms_p90: time to first streamed token.
         rss_mib_start / rss_mib_end / rss_mib_max: server resident memory.
+        rss_trace: ``[seconds into the level, MiB]`` sampled every second.
     """
 
     method: str
@@ -55,6 +56,7 @@ class LevelResult:
     rss_mib_end: float = 0.0
     rss_mib_max: float = 0.0
     errors: list[str] = field(default_factory=list)
+    rss_trace: list[tuple[float, float]] = field(default_factory=list)
 
 
 def _method_body(method: str) -> dict:
@@ -130,12 +132,14 @@ async def _level(client, model: str, method: str, concurrency: int, duration: fl
             if "".join(parts) != references[index]:
                 result.mismatched += 1
 
+    t0 = time.perf_counter()
+
     async def sample_memory() -> None:
         while time.perf_counter() < end_at:
             rss.append(_rss_mib(pid))
+            result.rss_trace.append((round(time.perf_counter() - t0, 1), rss[-1]))
             await asyncio.sleep(1.0)
 
-    t0 = time.perf_counter()
     await asyncio.gather(sample_memory(), *(one_client(c) for c in range(concurrency)))
     result.seconds = time.perf_counter() - t0
     result.tokens_per_s = result.completion_tokens / result.seconds
