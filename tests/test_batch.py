@@ -16,7 +16,7 @@ from selfspec.decoding.batch import BatchArStep, BatchNgramStep, run_batch
 from selfspec.decoding.ngram_drafter import NgramSettings
 from selfspec.decoding.sampling import SamplingConfig
 from selfspec.decoding.state import DecodeOptions, DecodeState
-from selfspec.errors import InvalidArgumentError
+from selfspec.errors import InvalidArgumentError, PromptError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.cost_model import LatencyModel
 from selfspec.methods.registry import METHODS
@@ -157,6 +157,17 @@ def test_batched_ngram_sampling_reproduces_the_target_distribution():
     tv += 0.5 * sum(v / n for c, v in counts.items() if c not in exact)
     assert tv < eps, f"TV {tv:.3f} >= bound {eps:.3f}"
     assert VOCAB == 256
+
+
+def test_a_list_of_id_lists_is_a_batch_and_a_bad_row_is_named(engine, singles):
+    ids = [engine.encode(p) for p in PROMPTS[:2]]
+    results = engine.generate(ids, max_new_tokens=40)
+    assert [r.token_ids for r in results] == singles[:2]
+    assert [r.token_ids for r in engine.generate([ids[0]], max_new_tokens=40)] == singles[:1]
+    with pytest.raises(PromptError):
+        engine.generate([ids[0], [[1, 2]]], max_new_tokens=1)  # a row nested one level too deep
+    with pytest.raises(PromptError):
+        engine.generate(["a", ""], max_new_tokens=1)
 
 
 def test_bad_batches_are_refused(engine):

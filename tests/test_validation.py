@@ -76,7 +76,7 @@ BAD_PROMPTS = {
     "bytes": b"hello",
     "bools": [True, False],
     "floats": [1.0, 2.5],
-    "nested list": [[1, 2]],
+    "nested list": [[[1, 2]]],  # (a list of id lists is a batch: tests/test_batch.py)
     "lone surrogate": "abc\udcff",
     "empty text": "   ",
     "empty ids": [],
@@ -91,7 +91,7 @@ def test_bad_prompts_are_refused_with_a_prompt_error(engine, name):
 
 
 def test_batch_tensor_says_batches_are_not_supported(engine):
-    with pytest.raises(PromptError, match="batch of 2 prompts; batches are not supported yet"):
+    with pytest.raises(PromptError, match="batch of 2 prompts; pass a batch as a list of prompts"):
         engine.encode(torch.tensor([[1, 2], [3, 4]]))
 
 

@@ -170,8 +170,8 @@ def tensor_prompt(prompt: Any) -> list[Any]:
     """The token ids of a ``[T]`` or ``[1, T]`` integer tensor (torch or numpy).
 
     Raises:
-        PromptError: a float or bool tensor, a batch ``[B, T]`` with ``B > 1`` (one prompt at
-            a time), or another shape.
+        PromptError: a float or bool tensor, a batch ``[B, T]`` with ``B > 1`` (a batch is a
+            list of prompts: a padded tensor would decode its padding), or another shape.
     """
     dtype = str(prompt.dtype)
     if "int" not in dtype or dtype.startswith("torch.bool"):
@@ -181,7 +181,8 @@ def tensor_prompt(prompt: Any) -> list[Any]:
     if len(shape) == 2 and shape[0] > 1:
         raise PromptError(
             f"a prompt tensor of shape {list(shape)} is a batch of {shape[0]} prompts; "
-            "batches are not supported yet: generate one prompt at a time ([T] or [1, T])")
+            "pass a batch as a list of prompts without padding, e.g. "
+            "engine.generate([row.tolist() for row in ids]) (strip any padding first)")
     if len(shape) == 2:
         return prompt.reshape(-1).tolist()
     if len(shape) != 1:

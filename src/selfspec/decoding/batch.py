@@ -43,6 +43,9 @@ from selfspec.executor.cost_model import LatencyModel
 class BatchStep(Protocol):
     """One step of every row of a ragged batch.
 
+    Times in a row's :class:`StepStats` are its share of the batched step (the step's time
+    divided by the rows), so they add up over rows to the batch's time.
+
     Attributes:
         batched: True when rows really share forwards (False: :class:`SoloRows`).
     """
@@ -130,7 +133,7 @@ class BatchArStep:
         t0 = time.perf_counter()
         ids, positions, lengths = _packed(states, [[s.tokens[-1]] for s in states], ex.device)
         logits = ex.forward_rows(ids, positions, lengths, [s.cache for s in states])  # [B, V]
-        ms = (time.perf_counter() - t0) * 1e3
+        ms = (time.perf_counter() - t0) * 1e3 / len(states)  # each row's share of the step
         out = []
         for b, state in enumerate(states):
             token = int(choose_next(logits[b:b + 1], state.options.sampling, state.generator))
@@ -158,7 +161,9 @@ class BatchNgramStep:
     marginal gain ``α_b^k`` (gains fall along a row), so one pass over the tokens sorted by
     gain finds ``d*``. At high batch a forward stops being bound by reading the weights,
     ``t_forward`` grows with every token and the step falls back to plain decoding
-    (``d = 0``). Verification per row is :func:`verify_greedy` or, sampling, the rejection
+    (``d = 0``). A step drafts at most ``max_step_draft`` tokens over all rows: the logits of
+    a verification are ``[N, V]`` floats (``N = 272`` rows of Qwen2.5's 151,936-token
+    vocabulary would be 165 MB per step). Verification per row is :func:`verify_greedy` or, sampling, the rejection
     rule with a one-hot ``q`` (see :mod:`selfspec.decoding.ngram_drafter`).
 
     Args:
@@ -167,12 +172,14 @@ class BatchNgramStep:
         settings: n-gram matching and draft limits.
         history: the engine's suffix automaton of earlier texts, or ``None``; a row's text
             joins it when the row leaves.
+        max_step_draft: draft tokens of one step over all rows, at most.
     """
 
     batched = True
 
     def __init__(self, executor: LayerExecutor, latency: LatencyModel, settings: NgramSettings,
-                 history: SuffixAutomaton | None = None) -> None:
+                 history: SuffixAutomaton | None = None, max_step_draft: int = 64) -> None:
+        self.max_step_draft = max_step_draft
         self.executor = executor
         self.latency = latency
         self.settings = settings
@@ -203,6 +210,7 @@ class BatchNgramStep:
         best_counts = list(counts)
         gains = sorted(((alpha ** k, b) for b, (prop, alpha) in enumerate(zip(proposals, alphas))
                         for k in range(1, len(prop) + 1)), key=lambda g: -g[0])
+        gains = gains[: self.max_step_draft]
         tokens = float(rows)
         for drafted, (gain, b) in enumerate(gains, 1):
             counts[b] += 1
@@ -257,13 +265,17 @@ class BatchNgramStep:
             results.append((len(draft), result.num_accepted, len(kept)))
         verify_ms = (time.perf_counter() - t1) * 1e3
         self.costs.observe(len(ids), verify_ms)
-        share = plan.tokens / len(states)
+        # Each row's stats carry its share of the step (times and predictions / rows), so
+        # summed over rows they are the batch's, and a row's tokens / ms is the aggregate rate.
+        rows = len(states)
+        share = plan.tokens / rows
+        draft_ms, verify_ms, predicted_ms = draft_ms / rows, verify_ms / rows, plan.ms / rows
         return [StepStats(
             num_drafted=drafted, num_accepted=accepted, committed=committed,
             verified=drafted > 0, exit_layers=(0,) * drafted,
             sublayers=2 * ex.num_layers * (drafted + 1), draft_ms=draft_ms,
             verify_ms=verify_ms, drafter="ngram" if plan.draft_len else "ar",
-            step_ms=draft_ms + verify_ms, predicted_tokens=share, predicted_ms=plan.ms)
+            step_ms=draft_ms + verify_ms, predicted_tokens=share, predicted_ms=predicted_ms)
             for drafted, accepted, committed in results]
 
 

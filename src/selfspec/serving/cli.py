@@ -10,7 +10,7 @@ from selfspec.validation import check_threads, int_arg
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     """Add ``selfspec serve`` to the CLI."""
-    from selfspec.cli import add_method_arguments
+    from selfspec.methods.cli_options import add_method_arguments
 
     p = sub.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API",
@@ -50,7 +50,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
     import selfspec
-    from selfspec.cli import method_options
+    from selfspec.methods.cli_options import method_options
     from selfspec.methods.registry import get_method
     from selfspec.serving.app import ServeConfig, serve
     from selfspec.serving.protocol import Limits

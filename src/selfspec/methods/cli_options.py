@@ -1,0 +1,53 @@
+"""Command-line flags for method options: one flag per option name over every method."""
+
+from __future__ import annotations
+
+import argparse
+
+from selfspec.methods.options import OptionField
+
+
+def method_option_fields() -> dict[str, list[tuple[str, OptionField]]]:
+    """Every method option by name: ``name -> [(method, field), ...]``, in registry order.
+
+    Raises:
+        TypeError: two methods declare the same option name with different types or
+            choices (one CLI flag could not serve both).
+    """
+    from selfspec.methods.registry import METHODS
+
+    by_name: dict[str, list[tuple[str, OptionField]]] = {}
+    for spec in METHODS.values():
+        for f in spec.fields:
+            by_name.setdefault(f.name, []).append((spec.name, f))
+    for name, uses in by_name.items():
+        kinds = {(f.type, f.info.choices) for _, f in uses}
+        if len(kinds) > 1:
+            raise TypeError(f"option {name!r} has different types in {[m for m, _ in uses]}")
+    return by_name
+
+
+def add_method_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per method option (from every method's ``Options``); unset flags stay
+    ``None`` and leave the value to the method."""
+    group = parser.add_argument_group(
+        "method options (each method takes some; `selfspec methods` lists which, with "
+        "defaults and ranges)")
+    for name, uses in method_option_fields().items():
+        f = uses[0][1]
+        methods = ", ".join(m for m, _ in uses)
+        help_text = f"{f.info.help}; range {f.range_label} [{methods}]"
+        if f.type is bool:
+            group.add_argument(f.flag, dest=name, action=argparse.BooleanOptionalAction,
+                               default=None, help=help_text)
+        else:
+            group.add_argument(f.flag, dest=name, type=f.type, default=None,
+                               choices=f.info.choices or None,
+                               metavar=f.type.__name__.upper() if not f.info.choices else None,
+                               help=help_text)
+
+
+def method_options(args: argparse.Namespace) -> dict:
+    """The method options given on the command line (unset ones are left to the method)."""
+    return {n: getattr(args, n) for n in method_option_fields()
+            if getattr(args, n, None) is not None}
