@@ -14,7 +14,9 @@ Detection runs once per process (:func:`detect_cpu`): the CPU flags decide on x8
 cannot (no ``/proc/cpuinfo``, other architectures) a short micro-benchmark does. The oneDNN
 and ATen switches that restrict the kernels to a lower instruction set
 (``ONEDNN_MAX_CPU_ISA=AVX2``, ``ATEN_CPU_CAPABILITY=avx2``) are honoured, so the AVX2-only
-behaviour can be reproduced on a machine with AVX-512 (``selfspec bench-cpu --isa native,avx2``).
+behaviour can be approximated on a machine with AVX-512 (``selfspec bench-cpu --isa
+native,avx2``): bf16 products then cost ~4× fp32 there rather than ~7× on an AVX2-only CPU,
+and FBGEMM keeps its AVX-512 kernels (``docs/results/cpu-formats``).
 """
 
 from __future__ import annotations
