@@ -250,3 +250,12 @@ def test_every_command_refuses_bad_flags_in_one_line_before_loading(
     assert status == 2, err
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines[-1].startswith("error: ") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["generate"], ["bench"], ["bench-cpu"], ["heads", "train"],
+                                     ["serve"]])
+def test_a_thread_count_beyond_a_c_int_is_a_usage_error(command, capsys):
+    # torch.set_num_threads overflowed on 2**70 ("Overflow when unpacking long long").
+    argv = [*command, "--threads", str(2 ** 70), "--model", "no-such-model"]
+    assert main(argv) == 2
+    assert "--threads: must be an integer in [1, 4096]" in capsys.readouterr().err

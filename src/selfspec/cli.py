@@ -30,6 +30,7 @@ from selfspec.validation import (
     check_threads,
     float_arg,
     int_arg,
+    threads_arg,
 )
 
 
@@ -57,7 +58,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="kernel of decoding and verification products: auto (on CPUs that emulate bf16, FBGEMM's "
                    "fp16-weight kernel for matrices >= 4 MiB), fp16 (that kernel for every matrix: "
                    "cheapest verification), weights (the weights' own format)")
-    p.add_argument("--threads", type=int_arg(1), default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=threads_arg(), default=None, help="torch intra-op threads")
     p.add_argument("--compare-ar", action="store_true",
                    help="also generate with plain autoregressive decoding (ar) on the same "
                         "prompt afterwards and print the speedup measured in this run and "

@@ -95,15 +95,25 @@ def check_seed(seed: Any) -> int | None:
                      hint="it seeds torch.Generator, which takes 64-bit values")
 
 
+MAX_THREADS = 4096  # torch.set_num_threads takes a C int; no CPU has more cores than this
+
+
 def check_threads(name: str, threads: Any) -> int | None:
-    """A thread count: ``None`` (keep torch's setting) or an integer >= 1.
+    """A thread count: ``None`` (keep torch's setting) or an integer in ``[1, MAX_THREADS]``.
 
     Raises:
-        InvalidArgumentError: 0, a negative number or a non-integer.
+        InvalidArgumentError: 0, a negative number, more than :data:`MAX_THREADS` or a
+            non-integer.
     """
     if threads is None:
         return None
-    return check_int(name, threads, low=1, hint="omit it to keep torch's default")
+    return check_int(name, threads, low=1, high=MAX_THREADS,
+                     hint="omit it to keep torch's default")
+
+
+def threads_arg():
+    """The argparse ``type=`` of ``--threads``: an integer in ``[1, MAX_THREADS]``."""
+    return int_arg(1, MAX_THREADS)
 
 
 def check_stop(stop: Any) -> tuple[str, ...]:

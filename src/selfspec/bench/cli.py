@@ -13,7 +13,7 @@ from datetime import datetime
 from pathlib import Path
 
 from selfspec.data import DATASETS
-from selfspec.validation import SEED_MAX, SEED_MIN, float_arg, int_arg
+from selfspec.validation import SEED_MAX, SEED_MIN, float_arg, int_arg, threads_arg
 
 DEFAULT_BASELINES = ("hf-ar", "hf-early-exit", "hf-prompt-lookup")
 
@@ -72,7 +72,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--seed", type=int_arg(SEED_MIN, SEED_MAX), default=0,
                    help="sampling seed; prompt selection: 0 = the dataset's (or file's) "
                         "first n prompts, else a seeded sample (default 0)")
-    p.add_argument("--threads", type=int_arg(1), default=None,
+    p.add_argument("--threads", type=threads_arg(), default=None,
                    help="torch intra-op threads, fixed for the run and recorded "
                         "(default: torch's default)")
     p.add_argument("--warmup", type=int_arg(0), default=1,
@@ -298,7 +298,7 @@ def add_bench_cpu_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
                    help="heads-training steps to time per configuration (0 = skip; default 2)")
     p.add_argument("--no-onpolicy", dest="onpolicy", action="store_false",
                    help="skip batched on-policy generation")
-    p.add_argument("--threads", type=int_arg(1), default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=threads_arg(), default=None, help="torch intra-op threads")
     p.add_argument("--isa", default="native",
                    help="comma-separated kernel sets to measure: native, avx2 (default native)")
     p.add_argument("--out", type=Path, default=None,

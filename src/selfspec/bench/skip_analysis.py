@@ -36,8 +36,13 @@ from selfspec.decoding.skip_drafter import SkipPlanDrafter
 from selfspec.decoding.speculative import SpeculativeStep
 from selfspec.decoding.state import DecodeOptions, DecodeState
 from selfspec.decoding.stop_rules import ConstantStopRule
-from selfspec.executor.cost_model import LatencyModel, measure_sublayers, measure_token_ms
+from selfspec.executor.cost_model import (
+    LatencyModel,
+    measure_sublayers,
+    measure_token_ms,
+)
 from selfspec.executor.executor import SkipPlan
+from selfspec.validation import threads_arg
 
 logger = logging.getLogger(__name__)
 
@@ -316,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("analysis", choices=("latency", "throughput", "context"))
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="bf16")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=threads_arg(), default=None)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dataset", default="humaneval", help="throughput: prompts to decode")
     parser.add_argument("--n", type=int, default=4, help="throughput: prompts decoded per config")

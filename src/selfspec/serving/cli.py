@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from selfspec.validation import check_threads, int_arg
+from selfspec.validation import check_threads, int_arg, threads_arg
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,7 +39,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="largest max_tokens a request may ask for")
     p.add_argument("--default-max-tokens", type=int_arg(1), default=256)
     p.add_argument("--max-body-bytes", type=int_arg(64), default=1 << 20)
-    p.add_argument("--threads", type=int_arg(1), default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=threads_arg(), default=None, help="torch intra-op threads")
     add_method_arguments(p)
     p.set_defaults(func=_cmd_serve)
 

