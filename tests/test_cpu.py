@@ -181,7 +181,7 @@ def test_bench_cpu_measures_before_and_after_under_both_kernel_sets(tmp_path, ca
 @pytest.mark.parametrize("argv, message", [
     (["--lengths", "a,b"], "--lengths takes integers"),
     (["--isa", "avx9"], "--isa takes"),
-    (["--threads", "0"], "--threads: must be an integer >= 1"),
+    (["--threads", "0"], "--threads: must be an integer in [1, 4096]"),
 ])
 def test_bench_cpu_refuses_bad_arguments_before_loading(argv, message, capsys):
     from selfspec.cli import main
