@@ -169,3 +169,22 @@ def test_knapspec_backs_off_while_no_plan_pays(executor, ar_tokens):
         reoptimize_every=8, tau=0.99999, max_backoff=1, plan_budget=1e9))
     run_step(executor, fixed, PROMPT, max_new_tokens=40)
     assert [r.step for r in fixed.history] == [0, 8, 16, 24, 32]
+
+
+def test_a_latency_measurement_is_kept_per_cpu_kernel_level(monkeypatch):
+    # Cloud VMs call an AVX2-only CPU and one with native bf16 both "AMD EPYC"; a measurement
+    # from one made `auto` mispredict `ar` by 30% on the other (0.76x ar instead of ~1.0x).
+    import dataclasses
+
+    from selfspec.executor import cost_model
+    from selfspec.executor.cpu import detect_cpu
+
+    ex = LayerExecutor(tiny_model("llama", seed=4).float())
+    here = detect_cpu()
+    keys = set()
+    for aten, native, onednn in (("AVX2", False, ""), ("AVX512", True, ""), ("AVX2", False, "AVX2")):
+        info = dataclasses.replace(here, aten_capability=aten, native_bf16=native,
+                                   onednn_max_isa=onednn)
+        monkeypatch.setattr(cost_model, "detect_cpu", lambda info=info: info)
+        keys.add(cost_model.machine_key(ex))
+    assert len(keys) == 3

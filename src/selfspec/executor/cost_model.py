@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from selfspec.executor.cpu import detect_cpu
 from selfspec.executor.executor import LayerExecutor, SkipPlan
 
 logger = logging.getLogger(__name__)
@@ -103,14 +104,19 @@ class LatencyModel:
 
 
 def machine_key(executor: LayerExecutor) -> str:
-    """What a measurement holds for: model, dtype, decoding kernel, threads, processor."""
+    """What a measurement holds for: model, dtype, decoding kernel, threads, processor and
+    its kernel level (cloud VMs often name every CPU "AMD EPYC"; an AVX2-only one and one
+    with native bf16 time the same model 1.5-2x apart, so the name alone is not enough)."""
     name = executor.name.replace("/", "_")
     formats = getattr(executor, "formats", None)
     kernel = ""
     if formats is not None and formats.rows != "weights":
         kernel = f"-{formats.rows}rows{formats.rows_min_bytes >> 20}M"
+    cpu = detect_cpu()
+    level = "-".join(filter(None, (cpu.aten_capability, "bf16" if cpu.native_bf16 else "",
+                                   cpu.onednn_max_isa)))
     return (f"{name}-{str(executor.dtype).removeprefix('torch.')}{kernel}-t"
-            f"{torch.get_num_threads()}-{platform.machine()}-{_cpu_name()}")
+            f"{torch.get_num_threads()}-{platform.machine()}-{_cpu_name()}-{level}")
 
 
 def _cpu_name() -> str:
