@@ -16,8 +16,8 @@ continuously changing one (:class:`selfspec.serving.scheduler.Scheduler`)::
 Batch steps here: :class:`BatchArStep` (one batched forward per token),
 :class:`BatchNgramStep` (n-gram drafts of different lengths per row, packed without padding
 and verified in one forward; the draft lengths are chosen for the whole batch by predicted
-tokens per second, so at high batch it falls back to plain decoding) and :class:`SoloRows` (any other method: each row
-runs its own single-row Step in turn; correct, not faster).
+tokens per second, so at high batch it falls back to plain decoding) and :class:`SoloRows`
+(any other method: each row runs its own single-row Step in turn; correct, not faster).
 """
 
 from __future__ import annotations
@@ -163,8 +163,9 @@ class BatchNgramStep:
     ``t_forward`` grows with every token and the step falls back to plain decoding
     (``d = 0``). A step drafts at most ``max_step_draft`` tokens over all rows: the logits of
     a verification are ``[N, V]`` floats (``N = 272`` rows of Qwen2.5's 151,936-token
-    vocabulary would be 165 MB per step). Verification per row is :func:`verify_greedy` or, sampling, the rejection
-    rule with a one-hot ``q`` (see :mod:`selfspec.decoding.ngram_drafter`).
+    vocabulary would be 165 MB per step). Verification per row is :func:`verify_greedy` or,
+    sampling, the rejection rule with a one-hot ``q`` (see
+    :mod:`selfspec.decoding.ngram_drafter`).
 
     Args:
         executor: the model's executor.
