@@ -183,6 +183,9 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
     fetch.add_argument("name")
     fetch.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     fetch.add_argument("--force", action="store_true", help="fetch again even if cached")
+    fetch.add_argument("--gguf", action="store_true",
+                       help="instead keep the original GGUF file, verified (for the llama.cpp "
+                            "baselines of `selfspec bench`), and print its path")
     fetch.set_defaults(func=_cmd_models_fetch)
     verify = msub.add_parser(
         "verify", help="hash every file of the cached entries against their manifests (exit status 1 if one "
@@ -215,6 +218,11 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
 def _cmd_models_fetch(args: argparse.Namespace) -> int:
     from selfspec.models.provision import fetch
 
+    if args.gguf:
+        from selfspec.models.gguf_cache import fetch_gguf
+
+        print(fetch_gguf(args.name, verify=args.force))
+        return 0
     path = fetch(args.name, args.dtype, force=args.force)
     print(path)
     return 0

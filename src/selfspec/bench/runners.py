@@ -391,7 +391,13 @@ class HFRunner:
 
 def make_runner(engine: SelfSpec, config: MethodConfig, clock: Clock = time.perf_counter,
                 load_assistant: Callable[[str], torch.nn.Module] | None = None) -> Runner:
-    """The runner of ``config`` (selfspec method or ``hf-*`` baseline)."""
+    """The runner of ``config`` (selfspec method, ``hf-*`` or ``llamacpp-*`` baseline)."""
+    if config.name.startswith("llamacpp-"):
+        from selfspec.bench.llamacpp import (
+            LlamaCppRunner,  # the optional binding loads lazily
+        )
+
+        return LlamaCppRunner(engine, config, clock)
     if config.is_baseline:
         return HFRunner(engine, config, clock, load_assistant)
     return SelfSpecRunner(engine, config, clock)

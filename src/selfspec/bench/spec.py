@@ -25,10 +25,11 @@ from selfspec.methods.registry import METHODS
 
 @dataclass(frozen=True)
 class BaselineSpec:
-    """A transformers ``generate`` baseline, run through the HF model itself.
+    """A baseline outside selfspec: transformers ``generate`` on the HF model itself
+    (``hf-*``), or llama.cpp on the model's GGUF (``llamacpp-*``).
 
     Attributes:
-        name: ``hf-...`` name used in ``--methods``.
+        name: ``hf-...`` / ``llamacpp-...`` name used in ``--methods``.
         description: one line for reports and errors.
         options: option names it accepts (selfspec glossary names; see ``runners``).
     """
@@ -50,6 +51,11 @@ HF_BASELINES: Mapping[str, BaselineSpec] = {
         BaselineSpec("hf-assistant", "transformers assisted decoding with a smaller "
                      "same-tokenizer model=NAME as the drafter",
                      ("model", "draft_len", "confidence")),
+        BaselineSpec("llamacpp-ar", "llama.cpp (llama-cpp-python) on the GGUF the model was "
+                     "converted from, greedy / sampling", ("gguf",)),
+        BaselineSpec("llamacpp-prompt-lookup", "llama.cpp prompt lookup decoding "
+                     "(LlamaPromptLookupDecoding) on the same GGUF",
+                     ("gguf", "draft_len", "max_ngram")),
     )
 }
 
@@ -80,7 +86,7 @@ class MethodConfig:
 
     @property
     def is_baseline(self) -> bool:
-        """True for a transformers ``hf-*`` baseline."""
+        """True for a baseline outside selfspec (``hf-*``, ``llamacpp-*``)."""
         return self.name in HF_BASELINES
 
 

@@ -21,7 +21,7 @@ from selfspec.errors import InvalidArgumentError, UnsupportedArchitectureError
 from selfspec.executor.cache import CacheShape, KVCache
 from selfspec.executor.cpu import ComputeFormats, choose_formats
 from selfspec.executor.fp16_rows import Fp16Rows
-from selfspec.executor.linear import Linear
+from selfspec.executor.linear import Linear, PackedRowLimits
 from selfspec.models.common import SUPPORTED_MODEL_TYPES
 
 # observe(layer_idx, sublayer, hidden [B, T, H]): called after each sub-layer ("attention",
@@ -75,19 +75,19 @@ def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
     return fused
 
 
-def _layer_weights(layer: torch.nn.Module, pack: bool) -> _LayerWeights:
+def _layer_weights(layer: torch.nn.Module, pack: bool, limits: PackedRowLimits) -> _LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
     return _LayerWeights(
         attn_norm=layer.input_layernorm.weight,
         attn_norm_eps=layer.input_layernorm.variance_epsilon,
         qkv=Linear(_fuse(attn.q_proj, attn.k_proj, attn.v_proj),
-                   _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), pack),
-        o=Linear(attn.o_proj.weight, attn.o_proj.bias, pack),
+                   _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), pack, row_limits=limits),
+        o=Linear(attn.o_proj.weight, attn.o_proj.bias, pack, row_limits=limits),
         mlp_norm=layer.post_attention_layernorm.weight,
         mlp_norm_eps=layer.post_attention_layernorm.variance_epsilon,
         gate_up=Linear(_fuse(mlp.gate_proj, mlp.up_proj), _cat_bias(mlp.gate_proj, mlp.up_proj),
-                       pack),
-        down=Linear(mlp.down_proj.weight, mlp.down_proj.bias, pack),
+                       pack, row_limits=limits),
+        down=Linear(mlp.down_proj.weight, mlp.down_proj.bias, pack, row_limits=limits),
         act=mlp.act_fn)
 
 
@@ -186,8 +186,12 @@ class LayerExecutor:
         param = next(model.parameters())
         self.dtype = param.dtype
         self.device = param.device
-        self._weights = [_layer_weights(layer, pack_weights) for layer in self.layers]
-        self._lm_head = Linear(model.lm_head.weight, model.lm_head.bias, pack_weights)
+        # One row-consistency table for every packed weight (probed per shape, not per layer).
+        self.row_limits = PackedRowLimits(max(64, row_attention_max))
+        self._weights = [_layer_weights(layer, pack_weights, self.row_limits)
+                         for layer in self.layers]
+        self._lm_head = Linear(model.lm_head.weight, model.lm_head.bias, pack_weights,
+                               row_limits=self.row_limits)
         self._fp16_rows: Fp16Rows | None = None
         self.formats: ComputeFormats = self.set_bulk(bulk, rows)
         self.draft_weights: str | None = None  # set on the views of draft_view()
@@ -314,7 +318,7 @@ class LayerExecutor:
                 if pos0 > 0 else None)
         skip_attn = skip.skip_attention if skip is not None else ()
         skip_mlp = skip.skip_mlp if skip is not None else ()
-        bulk = self.is_bulk(pos0, num_new, bsz)
+        bulk = self.is_free_block(pos0, num_new, bsz)
         for i in range(start, end):
             w = self._weights[i]
             if i not in skip_attn:
@@ -403,11 +407,18 @@ class LayerExecutor:
                                caches)
         return self._lm_head(self.norm(hidden), bulk=False)
 
+    def is_free_block(self, pos0: int, num_new: int, batch: int = 1) -> bool:
+        """Whether a block of ``num_new`` tokens from position ``pos0`` need not be
+        bit-consistent with one-token decoding (prefill, blocks longer than any
+        verification): its matrix products then run in the bulk format, in one call each
+        (no row padding or splitting)."""
+        return (batch * num_new >= BULK_MIN_ROWS
+                and (pos0 == 0 or num_new > self.row_attention_max))
+
     def is_bulk(self, pos0: int, num_new: int, batch: int = 1) -> bool:
         """Whether a block of ``num_new`` tokens from position ``pos0`` computes its matrix
         products in the bulk format (see the class docstring)."""
-        return (self.formats.upcast and batch * num_new >= BULK_MIN_ROWS
-                and (pos0 == 0 or num_new > self.row_attention_max))
+        return self.formats.upcast and self.is_free_block(pos0, num_new, batch)
 
     def _check_range(self, start: int, end: int) -> None:
         if not 0 <= start <= end <= self.num_layers:

@@ -29,6 +29,8 @@ class ModelSpec:
         sha256: hex sha256 of the reassembled GGUF file.
         gguf_filename: file name given to the reassembled GGUF while converting it.
         description: one line for ``selfspec models list`` (source, quantisation, download size).
+        gguf_bytes: an upper bound on the GGUF's size in bytes (0 = unknown), for disk checks
+            before a download.
     """
 
     name: str
@@ -39,6 +41,7 @@ class ModelSpec:
     sha256: str
     gguf_filename: str
     description: str
+    gguf_bytes: int = 0
 
     def __post_init__(self) -> None:
         # A spec with mismatched packages/members would silently drop parts of the GGUF.
@@ -70,6 +73,7 @@ REGISTRY: dict[str, ModelSpec] = {
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             description="SmolLM2-135M-Instruct (Llama, 30 layers), GGUF Q4_1, ~93 MB download",
+            gguf_bytes=100 << 20,
         ),
         ModelSpec(
             name="qwen2.5-coder-0.5b-instruct",
@@ -80,6 +84,7 @@ REGISTRY: dict[str, ModelSpec] = {
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             gguf_filename="qwen2.5-coder-0.5b-instruct.gguf",
             description="Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers), GGUF in 6 wheels, ~0.5 GB download",
+            gguf_bytes=550 << 20,
         ),
         ModelSpec(
             name="qwen2.5-coder-1.5b-instruct",
@@ -93,6 +98,7 @@ REGISTRY: dict[str, ModelSpec] = {
                 "Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers), GGUF in 22 wheels, ~1.9 GB download, "
                 "~9 GB RAM to convert"
             ),
+            gguf_bytes=2000 << 20,
         ),
     )
 }
