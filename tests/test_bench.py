@@ -390,6 +390,8 @@ def test_weight_bytes_count_layers_norm_and_head_once():
     assert weight_bytes_per_token(engine.model) == expected
     tied = tiny_model("llama", seed=1, tie_word_embeddings=True)
     assert weight_bytes_per_token(tied) == expected
+    # The executor's own count (what the bench's roofline uses) agrees in the weights' format.
+    assert engine.executor.decode_weight_bytes() == expected
 
 
 def test_bandwidth_is_bytes_over_the_best_time():

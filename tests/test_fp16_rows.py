@@ -88,7 +88,7 @@ def test_weights_it_cannot_take_keep_their_own_kernel():
 
 def test_choose_rows(monkeypatch):
     with pytest.raises(InvalidArgumentError, match="decoding kernel"):
-        cpu.choose_rows(torch.bfloat16, "cpu", "int4")
+        cpu.choose_rows(torch.bfloat16, "cpu", "int3")
     with pytest.raises(InvalidArgumentError, match="16-bit|bf16/fp16"):
         cpu.choose_rows(torch.float32, "cpu", "fp16")
     assert cpu.choose_rows(torch.float32, "cpu", "auto") == "weights"

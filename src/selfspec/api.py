@@ -246,13 +246,15 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
 
     Args:
         model: registry name (default ``smollm2-135m-instruct``), local directory or hub id.
-        dtype: ``"bf16"`` / ``"fp32"`` / ``"fp16"`` or a ``torch.dtype``.
+        dtype: ``"bf16"`` / ``"fp32"`` / ``"fp16"`` or a ``torch.dtype``; ``"int4"`` loads
+            bf16 weights and decodes on int4 copies of them (``decode_kernel="int4"``).
         show_progress: show download/conversion progress bars.
         decode_kernel: the kernel of decoding and verification products: ``"auto"`` (on a
             CPU that emulates bf16, FBGEMM's fp16-weight kernel for matrices of 4 MiB and
             more), ``"fp16"`` (that kernel for every matrix: fastest verification, slower
-            ``ar`` on small models), ``"weights"`` (the weights' own format). See
-            :func:`selfspec.executor.cpu.choose_rows`.
+            ``ar`` on small models), ``"weights"`` (the weights' own format), ``"int4"``
+            (group-wise int4 copies: the model runs with 4-bit weights, lossy against bf16,
+            prefill stays bf16). See :func:`selfspec.executor.cpu.choose_rows`.
 
     Raises:
         InvalidArgumentError: ``model`` not a str / path, a bad ``dtype`` or
@@ -274,6 +276,12 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
     if decode_kernel not in ROWS_FORMATS:
         raise InvalidArgumentError(
             f"decode_kernel must be one of {', '.join(ROWS_FORMATS)}, got {decode_kernel!r}")
+    if isinstance(dtype, str) and dtype.strip().lower() == "int4":
+        if decode_kernel not in ("auto", "int4"):
+            raise InvalidArgumentError(
+                f"dtype int4 decodes on int4 weights; it cannot take decode_kernel "
+                f"{decode_kernel!r}")
+        dtype, decode_kernel = "bf16", "int4"
     loaded = load_model(model or DEFAULT_MODEL, dtype, show_progress=show_progress)
     return SelfSpec(loaded.model, loaded.tokenizer, loaded.name, decode_kernel)
 

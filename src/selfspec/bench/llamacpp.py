@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from selfspec.api import SelfSpec
-from selfspec.bench.runners import Clock, EncodedPrompt, RunOutput, RunSettings
+from selfspec.bench.run_types import Clock, EncodedPrompt, RunOutput, RunSettings
 from selfspec.bench.spec import MethodConfig
 from selfspec.errors import InvalidArgumentError
 from selfspec.models.registry import REGISTRY

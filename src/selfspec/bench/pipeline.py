@@ -44,7 +44,7 @@ from selfspec.bench.report import (
     write_summary,
     write_text_atomic,
 )
-from selfspec.bench.roofline import Roofline, measure_bandwidth, weight_bytes_per_token
+from selfspec.bench.roofline import Roofline, measure_bandwidth
 from selfspec.bench.runners import (
     Clock,
     EncodedPrompt,
@@ -277,7 +277,7 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
     roofline = None
     if options.bandwidth_mib > 0:
         bandwidth = measure_bandwidth(options.bandwidth_mib)
-        roofline = Roofline(bandwidth, weight_bytes_per_token(engine.model))
+        roofline = Roofline(bandwidth, engine.executor.decode_weight_bytes())
         logger.info("bandwidth %.1f GB/s, roofline %.1f tok/s", bandwidth.gb_per_s,
                     roofline.tokens_per_s)
     settings = RunSettings(options.max_new_tokens, options.temperature, options.seed,

@@ -210,13 +210,14 @@ class ComputeFormats:
         """E.g. ``weights bf16, bulk matrix products fp32 (bf16 emulated on this CPU)``."""
         size = (f" of matrices >= {self.rows_min_bytes / 2**20:g} MiB"
                 if self.rows_min_bytes else "")
-        rows = (f", decoding and verification on fp16 copies{size} (FBGEMM)"
-                if self.rows == "fp16" else "")
+        rows = {"fp16": f", decoding and verification on fp16 copies{size} (FBGEMM)",
+                "int4": ", decoding and verification on int4 copies (group 32, lossy vs the "
+                        "weights; prefill keeps the weights)"}.get(self.rows, "")
         return (f"weights {DTYPE_NAMES.get(self.weights, self.weights)}, bulk matrix products "
                 f"{DTYPE_NAMES.get(self.bulk, self.bulk)} ({self.reason}){rows}")
 
 
-ROWS_FORMATS = ("auto", "weights", "fp16")
+ROWS_FORMATS = ("auto", "weights", "fp16", "int4")
 # "auto" moves a matrix to FBGEMM's fp16 kernel from this size: measured per call on the
 # 2-core AVX2 EPYC, one decoding row of a 0.66 MiB matrix takes 56 µs in bf16 and 147 µs on
 # FBGEMM (its padded 3 rows and call overhead), a 3.4 MiB one 225 vs 280 µs, while a
@@ -234,18 +235,26 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
         rows: ``"auto"`` (``"fp16"`` for bf16/fp16 weights on a CPU that emulates bf16, where
             FBGEMM is available, for matrices of at least :data:`AUTO_ROWS_MIN_BYTES`; else
             ``"weights"``), ``"weights"`` or ``"fp16"`` to force (every matrix; needs FBGEMM
-            and 16-bit weights).
+            and 16-bit weights), or ``"int4"``: int4 copies of every matrix whose input size
+            is a multiple of 32 (:mod:`selfspec.executor.int4_rows`; lossy; 16-bit weights).
 
     Raises:
-        InvalidArgumentError: ``rows`` is none of :data:`ROWS_FORMATS`, or ``"fp16"`` where
-            FBGEMM is missing or the weights are fp32 or not on the CPU.
+        InvalidArgumentError: ``rows`` is none of :data:`ROWS_FORMATS`, or ``"fp16"`` /
+            ``"int4"`` where the kernel is missing or the weights are fp32 or not on the CPU.
     """
     from selfspec.executor.fp16_rows import fbgemm_fp16_available
+    from selfspec.executor.int4_rows import int4_available
 
     if rows not in ROWS_FORMATS:
         raise InvalidArgumentError(
             f"the decoding kernel must be one of {', '.join(ROWS_FORMATS)}, got {rows!r}")
     sixteen = weights in (torch.bfloat16, torch.float16) and torch.device(device).type == "cpu"
+    if rows == "int4":
+        if not (sixteen and int4_available()):
+            raise InvalidArgumentError(
+                "int4 decoding products need bf16/fp16 weights on a CPU and torch's CPU int4 "
+                "kernel; load the model with --dtype bf16, or use 'auto' or 'weights'")
+        return "int4"
     if rows == "fp16":
         if not (sixteen and fbgemm_fp16_available()):
             raise InvalidArgumentError(

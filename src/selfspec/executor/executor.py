@@ -21,6 +21,7 @@ from selfspec.errors import InvalidArgumentError, UnsupportedArchitectureError
 from selfspec.executor.cache import CacheShape, KVCache
 from selfspec.executor.cpu import ComputeFormats, choose_formats
 from selfspec.executor.fp16_rows import Fp16Rows
+from selfspec.executor.int4_rows import Int4Rows
 from selfspec.executor.linear import Linear, PackedRowLimits
 from selfspec.models.common import SUPPORTED_MODEL_TYPES
 
@@ -192,7 +193,7 @@ class LayerExecutor:
                          for layer in self.layers]
         self._lm_head = Linear(model.lm_head.weight, model.lm_head.bias, pack_weights,
                                row_limits=self.row_limits)
-        self._fp16_rows: Fp16Rows | None = None
+        self._rows_kernel: Fp16Rows | Int4Rows | None = None
         self.formats: ComputeFormats = self.set_bulk(bulk, rows)
         self.draft_weights: str | None = None  # set on the views of draft_view()
         self._draft_views: dict[str, LayerExecutor] = {}
@@ -220,12 +221,19 @@ class LayerExecutor:
             (formats.rows, formats.rows_min_bytes)
             != (self.formats.rows, self.formats.rows_min_bytes))
         if changed:
-            self._fp16_rows = (Fp16Rows(max(64, self.row_attention_max), formats.rows_min_bytes)
-                               if formats.rows == "fp16" else None)
+            max_rows = max(64, self.row_attention_max)
+            if formats.rows == "fp16":
+                self._rows_kernel = Fp16Rows(max_rows, formats.rows_min_bytes)
+            elif formats.rows == "int4":
+                from selfspec.executor.int4_rows import Int4Rows
+
+                self._rows_kernel = Int4Rows(max_rows)
+            else:
+                self._rows_kernel = None
         for lin in linears:
             lin.bulk_dtype = fmt
             if changed:
-                lin.set_rows(self._fp16_rows)
+                lin.set_rows(self._rows_kernel)
         self.formats = formats
         return formats
 
@@ -257,11 +265,21 @@ class LayerExecutor:
             self._draft_views[fmt] = view
         return view
 
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one token's full forward reads in decoding (every layer's
+        projections in the decoding kernel's format, the norms, the final norm and
+        ``lm_head``): the numerator of the bandwidth roofline."""
+        total = self._lm_head.decode_bytes
+        for w in self._weights:
+            total += sum(lin.decode_bytes for lin in (w.qkv, w.o, w.gate_up, w.down))
+            total += sum(t.numel() * t.element_size() for t in (w.attn_norm, w.mlp_norm))
+        return total + sum(p.numel() * p.element_size() for p in self.norm.parameters())
+
     @property
     def fp16_rows(self) -> Fp16Rows | None:
         """The fp16-weight decoding kernel in use (heads built for this executor use it too),
         or ``None``."""
-        return self._fp16_rows
+        return self._rows_kernel if isinstance(self._rows_kernel, Fp16Rows) else None
 
     # ------------------------------------------------------------------ cache
     def new_cache(self, batch_size: int = 1, capacity: int = 256) -> KVCache:

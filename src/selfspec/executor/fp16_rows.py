@@ -61,7 +61,12 @@ class Fp16Rows:
     Raises:
         RuntimeError: FBGEMM's fp16 kernel is not in this torch build
             (check :func:`fbgemm_fp16_available` first).
+
+    Attributes:
+        serves_bulk: ``True``: bulk calls also use the fp16 copy (unpadded, :meth:`bulk`).
     """
+
+    serves_bulk = True
 
     def __init__(self, max_rows: int = 64, min_bytes: int = 0,
                  dtype: torch.dtype = torch.bfloat16) -> None:

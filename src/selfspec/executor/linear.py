@@ -19,12 +19,19 @@ verification use FBGEMM's fp16-weight kernel instead of the emulated bf16 one
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 import torch.nn.functional as F
 
 from selfspec.executor.fp16_rows import Fp16Rows
+
+if TYPE_CHECKING:
+    from selfspec.executor.int4_rows import Int4Rows
+
+RowsKernel = Union[Fp16Rows, "Int4Rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,20 +58,37 @@ class PackedRowLimits:
     """
 
     max_rows: int = 64
-    _limits: dict[tuple[int, int, bool, int], int] = field(default_factory=dict, repr=False)
+    _limits: dict[tuple, int] = field(default_factory=dict, repr=False)
 
     def limit(self, packed: torch.Tensor, bias: torch.Tensor | None, in_features: int,
               out_features: int, dtype: torch.dtype) -> int:
-        """The largest consistent row count for this weight (probed once per shape)."""
-        key = (in_features, out_features, bias is not None, torch.get_num_threads())
+        """The largest consistent row count of oneDNN's packed kernel for this weight."""
+        return self.limit_of(
+            ("onednn", in_features, out_features, bias is not None),
+            lambda block: _packed(block, packed, bias),
+            lambda block: _alone(block, packed, bias), in_features, dtype)
+
+    def limit_of(self, shape: tuple, call: Callable[[torch.Tensor], torch.Tensor],
+                 alone: Callable[[torch.Tensor], torch.Tensor], in_features: int,
+                 dtype: torch.dtype) -> int:
+        """The largest ``c <= max_rows`` such that ``call`` on 2..c rows gives every row as
+        ``alone`` computes it (one-token decoding's way), probed once per ``shape`` (a
+        hashable key naming kernel and weight shape) and thread count."""
+        key = (*shape, torch.get_num_threads())
         found = self._limits.get(key)
         if found is None:
-            found = self._limits[key] = _probe_limit(packed, bias, in_features, dtype,
-                                                     self.max_rows)
+            probe = torch.randn(self.max_rows, in_features,
+                                generator=torch.Generator().manual_seed(2)).to(dtype)
+            want = alone(probe)
+            found = self.max_rows
+            for rows in range(2, self.max_rows + 1):
+                if not torch.equal(call(probe[:rows]), want[:rows]):
+                    found = rows - 1
+                    break
+            self._limits[key] = found
             if found < self.max_rows:
-                logger.info("oneDNN packed [%d -> %d] weight: calls of up to %d rows are "
-                            "row-consistent at %d threads; longer blocks are split",
-                            in_features, out_features, found, key[3])
+                logger.info("%s: calls of up to %d rows are row-consistent at %d threads; "
+                            "longer blocks are split", shape, found, key[-1])
         return found
 
 
@@ -78,17 +102,6 @@ def _alone(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) 
     return torch.cat([_packed(row.expand(2, -1), packed, bias)[:1] for row in rows.split(1)])
 
 
-def _probe_limit(packed: torch.Tensor, bias: torch.Tensor | None, in_features: int,
-                 dtype: torch.dtype, max_rows: int) -> int:
-    probe = torch.randn(max_rows, in_features,
-                        generator=torch.Generator().manual_seed(2)).to(dtype)
-    want = _alone(probe, packed, bias)
-    for rows in range(2, max_rows + 1):
-        if not torch.equal(_packed(probe[:rows], packed, bias), want[:rows]):
-            return rows - 1
-    return max_rows
-
-
 class Linear:
     """``y = x Wᵀ + b`` with the weight packed for oneDNN where that is exact and faster.
 
@@ -98,37 +111,39 @@ class Linear:
         pack: try packing (CPU, bf16/fp16, oneDNN available); falls back to ``F.linear``
             when the packed kernel is missing or disagrees with ``F.linear`` on a probe.
         bulk_dtype: the format of bulk calls (``None`` = the weight's own).
-        rows: compute non-bulk calls (decoding, verification) with this fp16-weight kernel
-            (an extra fp16 copy of the weight); ``None`` or a weight it cannot take keeps the
-            weight's own format.
+        rows: compute non-bulk calls (decoding, verification) with this kernel on its own copy
+            of the weight (:class:`selfspec.executor.fp16_rows.Fp16Rows`: fp16;
+            :class:`selfspec.executor.int4_rows.Int4Rows`: int4); ``None`` or a weight it
+            cannot take keeps the weight's own format. Bulk calls use it only where the kernel
+            ``serves_bulk``.
         row_limits: the row-consistency table of the packed kernel, shared by the linears of
             one executor (``None``: this linear keeps its own).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool = True,
-                 bulk_dtype: torch.dtype | None = None, rows: Fp16Rows | None = None,
+                 bulk_dtype: torch.dtype | None = None, rows: RowsKernel | None = None,
                  row_limits: PackedRowLimits | None = None) -> None:
         self.weight = weight
         self.bias = bias
         self.row_limits = row_limits if row_limits is not None else PackedRowLimits()
         self.bulk_dtype = None if bulk_dtype == weight.dtype else bulk_dtype
         self.packed: torch.Tensor | None = None
-        self.rows: Fp16Rows | None = None
-        self.fp16: torch.Tensor | None = None
+        self.rows: RowsKernel | None = None
+        self.rows_weight: Any = None
         self.set_rows(rows)
-        if self.fp16 is None and pack and _can_pack(weight):
+        if (self.rows_weight is None or not self.rows.serves_bulk) and pack and _can_pack(weight):
             self.packed = _try_pack(weight, bias)
 
-    def set_rows(self, rows: Fp16Rows | None) -> None:
-        """Use (``rows``) or stop using (``None``) the fp16-weight kernel for non-bulk calls."""
-        self.rows, self.fp16 = None, None
+    def set_rows(self, rows: RowsKernel | None) -> None:
+        """Use (``rows``) or stop using (``None``) another kernel for non-bulk calls."""
+        self.rows, self.rows_weight = None, None
         if rows is not None and self.weight.device.type == "cpu":
-            self.fp16 = rows.prepack(self.weight, self.bias)
-            self.rows = rows if self.fp16 is not None else None
+            self.rows_weight = rows.prepack(self.weight, self.bias)
+            self.rows = rows if self.rows_weight is not None else None
 
     @classmethod
     def of_rows(cls, weight: torch.Tensor, bias: torch.Tensor | None,
-                rows: torch.Tensor, kernel: Fp16Rows | None = None,
+                rows: torch.Tensor, kernel: RowsKernel | None = None,
                 row_limits: PackedRowLimits | None = None) -> Linear:
         """A packed copy of output rows ``rows`` ``[R]`` of ``weight`` ``[N, K]`` (and
         ``bias``): ``[..., K]`` → ``[..., R]``, on the fp16-weight ``kernel`` if given."""
@@ -142,18 +157,31 @@ class Linear:
         """N."""
         return self.weight.shape[0]
 
+    @property
+    def decode_bytes(self) -> int:
+        """Bytes of weight and bias one decoding call reads: the decoding kernel's copy where
+        one serves (fp16: 2 bytes a weight; int4: codes + scales + offsets), else the
+        weight's own."""
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        if self.rows is None:
+            return self.weight.numel() * self.weight.element_size() + bias
+        nbytes = getattr(self.rows_weight, "nbytes", None)
+        if isinstance(nbytes, int):
+            return nbytes
+        return self.weight.numel() * 2 + bias  # FBGEMM's fp16 copy (an opaque object)
+
     def __call__(self, x: torch.Tensor, bulk: bool = False) -> torch.Tensor:
         """``[..., K]`` → ``[..., N]`` in ``x``'s dtype; ``bulk=True`` computes in the bulk
         format, or on the fp16 copy without row padding (not bit-consistent with the
         non-bulk path: never for blocks that must match one-token decoding)."""
-        if bulk and self.rows is not None:
-            return self.rows.bulk(x, self.fp16)
+        if bulk and self.rows is not None and self.rows.serves_bulk:
+            return self.rows.bulk(x, self.rows_weight)
         if bulk and self.bulk_dtype is not None:
             fmt = self.bulk_dtype
             bias = None if self.bias is None else self.bias.to(fmt)
             return F.linear(x.to(fmt), self.weight.to(fmt), bias).to(x.dtype)
-        if self.rows is not None:
-            return self.rows(x, self.fp16)
+        if self.rows is not None and not bulk:
+            return self.rows(x, self.rows_weight)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         if bulk:

@@ -114,6 +114,13 @@ class Int4Linear:
         self.group = group
         self.bias = None if bias is None else bias.detach()
         self.out_features = n
+        self.in_features = k
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one product reads: packed codes, scales and offsets, bias."""
+        parts = [self.packed, self.scales_zeros] + ([self.bias] if self.bias is not None else [])
+        return sum(t.numel() * t.element_size() for t in parts)
 
     def __call__(self, x: torch.Tensor, bulk: bool = False) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)

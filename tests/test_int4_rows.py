@@ -1,0 +1,89 @@
+"""The int4 decoding kernel (``--decode-kernel int4`` / ``--dtype int4``): the model decodes
+on int4 copies of its weights, prefill keeps the weights, and every lossless method stays
+exact relative to that int4 model."""
+
+import pytest
+import torch
+from tiny import tiny_model, tiny_tokenizer
+
+import selfspec
+from selfspec.errors import InvalidArgumentError
+from selfspec.executor import cpu
+from selfspec.executor.int4_rows import Int4Rows, int4_available
+from selfspec.executor.linear import Linear
+
+pytestmark = pytest.mark.skipif(not int4_available(), reason="no CPU int4 kernel in this torch")
+
+
+def test_rows_are_the_same_in_any_block_and_prefill_keeps_the_weights():
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(48, 64, generator=gen) * 0.1).bfloat16()
+    lin = Linear(weight, None, rows=Int4Rows(max_rows=16))
+    assert lin.rows is not None and lin.rows_weight is not None
+    x = torch.randn(20, 64, generator=gen).bfloat16()
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(20)])
+    for rows in (2, 5, 16, 20):
+        assert torch.equal(lin(x[:rows]), alone[:rows])
+    # int4 is lossy (16 levels per group of 32 weights) but close.
+    exact = torch.nn.functional.linear(x.float(), weight.float())
+    assert (alone.float() - exact).abs().max() < 0.25 * exact.abs().max()
+    # Bulk calls (prefill) use the bf16 weights, not the int4 copy.
+    bulk = lin(x, bulk=True).float()
+    assert (bulk - exact).abs().max() < (alone.float() - exact).abs().max()
+
+
+def test_a_weight_whose_inputs_are_not_groups_of_32_keeps_its_kernel():
+    lin = Linear(torch.randn(8, 40).bfloat16(), None, rows=Int4Rows())
+    assert lin.rows is None
+
+
+def test_choose_rows_int4():
+    assert cpu.choose_rows(torch.bfloat16, "cpu", "int4") == "int4"
+    assert "int4" in cpu.choose_formats(torch.bfloat16, "cpu", "auto", "int4").describe()
+    with pytest.raises(InvalidArgumentError, match="bf16"):
+        cpu.choose_rows(torch.float32, "cpu", "int4")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_lossless_methods_keep_ar_greedy_tokens_on_int4_rows(arch):
+    engine = selfspec.from_pretrained_model(tiny_model(arch, dtype=torch.bfloat16),
+                                            tiny_tokenizer(), name=f"tiny-{arch}")
+    prompt = "def add(a, b):\n"
+    engine.executor.set_bulk("auto", "int4")
+    assert all(w.gate_up.rows is not None for w in engine.executor._weights)
+    reference = engine.generate(prompt, max_new_tokens=24).token_ids  # lossy vs bf16
+    drafted = 0
+    for method, options in (("layerskip", {"exit_layer": 3, "draft_len": 4}),
+                            ("knapspec", {}), ("ngram", {}),
+                            ("adadecode", {"heads": "none"})):
+        result = engine.generate(prompt, method=method, max_new_tokens=24, **options)
+        assert result.token_ids == reference, method
+        drafted += result.stats.drafted
+    assert drafted > 0
+
+
+def test_dtype_int4_is_bf16_weights_with_the_int4_kernel(monkeypatch):
+    loaded = {}
+
+    def fake_load_model(name, dtype, show_progress=True):
+        loaded["dtype"] = dtype
+        from types import SimpleNamespace
+        return SimpleNamespace(model=tiny_model("llama", dtype=torch.bfloat16),
+                               tokenizer=tiny_tokenizer(), name="tiny")
+
+    monkeypatch.setattr("selfspec.models.loading.load_model", fake_load_model)
+    engine = selfspec.load("tiny", dtype="int4", show_progress=False)
+    assert loaded["dtype"] == "bf16" and engine.executor.formats.rows == "int4"
+    with pytest.raises(InvalidArgumentError, match="int4"):
+        selfspec.load("tiny", dtype="int4", decode_kernel="fp16")
+
+
+def test_the_roofline_counts_the_int4_bytes_that_decoding_reads():
+    engine = selfspec.from_pretrained_model(tiny_model("qwen2", dtype=torch.bfloat16),
+                                            tiny_tokenizer(), name="tiny-qwen2")
+    engine.executor.set_bulk("auto", "weights")
+    bf16 = engine.executor.decode_weight_bytes()
+    engine.executor.set_bulk("auto", "int4")
+    int4 = engine.executor.decode_weight_bytes()
+    # 4 bits a weight + a bf16 scale and offset per 32 weights = 0.625 bytes vs bf16's 2.
+    assert 0.25 * bf16 < int4 < 0.4 * bf16
