@@ -87,3 +87,36 @@ def test_the_roofline_counts_the_int4_bytes_that_decoding_reads():
     int4 = engine.executor.decode_weight_bytes()
     # 4 bits a weight + a bf16 scale and offset per 32 weights = 0.625 bytes vs bf16's 2.
     assert 0.25 * bf16 < int4 < 0.4 * bf16
+
+
+def test_bench_runs_bf16_and_int4_rows_in_one_run(tmp_path):
+    from selfspec.bench.pipeline import BenchOptions, run_benchmark
+    from selfspec.bench.spec import parse_methods
+    from selfspec.data import Prompt
+
+    engine = selfspec.from_pretrained_model(tiny_model("qwen2", dtype=torch.bfloat16),
+                                            tiny_tokenizer(), name="tiny-qwen2")
+    bf16_bytes = engine.executor.decode_weight_bytes()
+    methods = parse_methods("ar,ar:decode_kernel=int4,ngram:decode_kernel=int4")
+    prompts = [Prompt(f"p{i}", f"def f{i}(x):\n    return x + x + x + x", chat=False)
+               for i in range(2)]
+    options = BenchOptions(dataset="humaneval", max_new_tokens=12, out_dir=tmp_path / "out",
+                           bandwidth_mib=1, warmup_prompts=0, plots=False, score=False)
+    report = run_benchmark(engine, methods, prompts, options)
+    by = {label: [r.output.token_ids for r in report.run.records if r.method == label]
+          for label in report.run.methods}
+    # ngram on int4 is lossless against ar on int4 (not against bf16's ar).
+    assert by["ngram:decode_kernel=int4"] == by["ar:decode_kernel=int4"]
+    assert engine.executor.formats.rows != "int4"  # switched back after each row
+    assert report.run.lossless == {"ar": True, "ar:decode_kernel=int4": False,
+                                   "ngram:decode_kernel=int4": False}
+    int4_bytes = report.info.roofline.method_bytes["ar:decode_kernel=int4"]
+    assert int4_bytes < 0.4 * bf16_bytes == 0.4 * report.info.roofline.weight_bytes
+
+
+def test_decode_kernel_option_is_checked():
+    from selfspec.bench.spec import parse_method
+
+    with pytest.raises(InvalidArgumentError, match="decode_kernel"):
+        parse_method("ar:decode_kernel=int3")
+    assert parse_method("qspec:decode_kernel=int4").options == {"decode_kernel": "int4"}

@@ -1,8 +1,9 @@
 """Where the time of one-token decoding goes: torch profiler over `ar` on a real model.
 
-    python docs/results/executor-profile/profile_ar.py [--model M] [--dtype bf16] [--tokens 64] [--threads 2]
+    python docs/results/executor-profile/profile_ar.py [--model M] [--dtype bf16] [--tokens 64] [--threads 2] [--tag T]
 
-Prints (and writes profile-<model>-<dtype>.md beside this script) the wall time per token,
+Prints (and writes profile-<model>-<dtype>[-<tag>].md beside this script; the tag names the
+machine, so one machine's profile does not overwrite another's) the wall time per token,
 the time inside ATen operators (self time, by operator type) and the remainder: Python and
 dispatch overhead outside any operator.
 """
@@ -26,6 +27,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tag", default="", help="suffix of the output file (the machine)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = selfspec.load(args.model, dtype=args.dtype, show_progress=False)
@@ -55,7 +57,8 @@ def main() -> None:
     lines.append(f"\n{calls:.0f} operator calls per token.")
     text = "\n".join(lines) + "\n"
     print(text)
-    out = Path(__file__).with_name(f"profile-{args.model}-{args.dtype}.md")
+    tag = f"-{args.tag}" if args.tag else ""
+    out = Path(__file__).with_name(f"profile-{args.model}-{args.dtype}{tag}.md")
     out.write_text(text)
 
 

@@ -107,7 +107,7 @@ def check_held_out(prompts: Sequence[Prompt], dataset: str, methods: Sequence[Me
     for method in methods:
         if method.is_baseline:
             continue
-        for name in heads_files(method.name, method.options):
+        for name in heads_files(method.name, method.method_options):
             if name.startswith(HELD_OUT_PREFIX):
                 path = str(resolve_skip_set_path(name[len(HELD_OUT_PREFIX):], model))
                 skip_sets.add(path)

@@ -222,7 +222,7 @@ def _summarize_one(method: str, lossless: bool, records: list[PromptRecord],
     scored = [r.correct for r in records if r.correct is not None]
     s.accuracy = sum(scored) / len(scored) if scored else None
     if roofline is not None and s.tokens_per_s is not None:
-        s.roofline_fraction = roofline.fraction(s.tokens_per_s)
+        s.roofline_fraction = roofline.fraction(s.tokens_per_s, method)
     peaks = [r.peak_rss_mib for r in records if r.peak_rss_mib is not None]
     s.peak_rss_mib = max(peaks) if peaks else None
     s.plans = summarize_plans(records)

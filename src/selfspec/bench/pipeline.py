@@ -53,7 +53,7 @@ from selfspec.bench.runners import (
     make_runner,
 )
 from selfspec.bench.sandbox import Sandbox, find_sandbox
-from selfspec.bench.spec import MethodConfig
+from selfspec.bench.spec import DECODE_KERNEL, MethodConfig
 from selfspec.data import Prompt
 from selfspec.errors import InvalidArgumentError
 
@@ -277,7 +277,8 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
     roofline = None
     if options.bandwidth_mib > 0:
         bandwidth = measure_bandwidth(options.bandwidth_mib)
-        roofline = Roofline(bandwidth, engine.executor.decode_weight_bytes())
+        roofline = Roofline(bandwidth, engine.executor.decode_weight_bytes(),
+                            _kernel_bytes(engine, methods))
         logger.info("bandwidth %.1f GB/s, roofline %.1f tok/s", bandwidth.gb_per_s,
                     roofline.tokens_per_s)
     settings = RunSettings(options.max_new_tokens, options.temperature, options.seed,
@@ -326,6 +327,27 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
     if held.is_in_sample:
         table += f"\n{held.describe(total)}\n"
     return BenchReport(info, run, summaries, table, files)
+
+
+def _kernel_bytes(engine: SelfSpec, methods: Sequence[MethodConfig]) -> dict[str, int]:
+    """Weight bytes per token of each method row on another decoding kernel than the run's
+    (``decode_kernel=...``; building the kernel's weight copies here, which its runner's
+    setup would do anyway)."""
+    out: dict[str, int] = {}
+    ex = engine.executor
+    for m in methods:
+        kernel = m.options.get(DECODE_KERNEL)
+        if kernel is None or m.is_baseline:
+            continue
+        try:
+            previous = ex.set_decode_kernel(kernel)
+        except InvalidArgumentError:
+            continue  # the runner's setup reports it as this method's failure
+        try:
+            out[m.label] = ex.decode_weight_bytes()
+        finally:
+            ex.set_decode_kernel(previous)
+    return out
 
 
 def _save_partial(folder: RunFolder, run: BenchRun, info: RunInfo, greedy: bool,

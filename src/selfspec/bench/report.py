@@ -359,7 +359,8 @@ def markdown_header(info: RunInfo) -> str:
             f"- memory bandwidth (measured, {r.bandwidth.buffer_bytes >> 20} MiB float32 sum, best "
             f"of {r.bandwidth.repeats}, {r.bandwidth.threads} threads): "
             f"{r.bandwidth.gb_per_s:.1f} GB/s; weights read per token "
-            f"{r.weight_bytes / 1e6:.1f} MB; roofline {r.tokens_per_s:.1f} tok/s")
+            f"{r.weight_bytes / 1e6:.1f} MB; roofline {r.tokens_per_s:.1f} tok/s"
+            + "".join(f"; `{m}` reads {b / 1e6:.1f} MB" for m, b in r.method_bytes.items()))
     if info.held_out:
         lines.append(f"- {info.held_out}")
     if info.sandbox:
@@ -423,6 +424,7 @@ def write_summary(info: RunInfo, summaries: list[MethodSummary], out_dir: Path) 
     if info.roofline is not None:
         roofline = {"bandwidth_gb_per_s": info.roofline.bandwidth.gb_per_s,
                     "weight_bytes_per_token": info.roofline.weight_bytes,
+                    "method_weight_bytes_per_token": dict(info.roofline.method_bytes),
                     "roofline_tokens_per_s": info.roofline.tokens_per_s,
                     "measurement": _jsonable(info.roofline.bandwidth)}
     header = {k: v for k, v in _jsonable(info).items() if k != "roofline"}

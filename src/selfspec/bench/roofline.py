@@ -11,8 +11,8 @@ weight bytes per token, so they can exceed a fraction of 1.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -95,16 +95,22 @@ class Roofline:
     Attributes:
         bandwidth: the measured bandwidth.
         weight_bytes: weight bytes read per generated token.
+        method_bytes: method label → its own weight bytes per token, for rows that decode on
+            another kernel than the run's (``ar:decode_kernel=int4``).
     """
 
     bandwidth: Bandwidth
     weight_bytes: int
+    method_bytes: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
         """The bound, in tokens per second: bandwidth / weight bytes per token."""
         return self.bandwidth.bytes_per_s / self.weight_bytes if self.weight_bytes else 0.0
 
-    def fraction(self, tokens_per_s: float) -> float:
-        """``tokens_per_s`` as a fraction of the bound."""
-        return tokens_per_s / self.tokens_per_s if self.tokens_per_s else 0.0
+    def fraction(self, tokens_per_s: float, method: str | None = None) -> float:
+        """``tokens_per_s`` as a fraction of the bound (of ``method``'s own weight bytes
+        where it has them)."""
+        nbytes = self.method_bytes.get(method, self.weight_bytes) if method else self.weight_bytes
+        bound = self.bandwidth.bytes_per_s / nbytes if nbytes else 0.0
+        return tokens_per_s / bound if bound else 0.0

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from selfspec.bench.run_types import (
     RunOutput,
     RunSettings,
 )
-from selfspec.bench.spec import MethodConfig
+from selfspec.bench.spec import DECODE_KERNEL, MethodConfig
 from selfspec.decoding.ngram import SuffixAutomaton
 from selfspec.errors import InvalidArgumentError
 from selfspec.methods.registry import METHODS, default_exit_layer
@@ -71,7 +72,14 @@ class SelfSpecRunner:
         self.engine = engine
         self.config = config
         self.clock = clock
-        self.lossless = METHODS[config.name].lossless_for(dict(config.options))
+        # decode_kernel is the row's, not the method's (bench.spec.DECODE_KERNEL).
+        self.decode_kernel: str | None = config.options.get(DECODE_KERNEL)
+        self.options = config.method_options
+        # Another kernel than the run's computes other numbers (int4 is another model), so
+        # the row is not expected to repeat the run's ``ar`` (it is lossless against
+        # ``ar:decode_kernel=...`` on the same kernel).
+        self.lossless = (METHODS[config.name].lossless_for(dict(self.options))
+                         and self.decode_kernel is None)
         # The n-gram drafters' history of earlier texts, this method's own: drafting from
         # another method's output of the same prompt would not be a measurement.
         self.history = SuffixAutomaton()
@@ -87,36 +95,53 @@ class SelfSpecRunner:
         Raises:
             InvalidArgumentError: an option value out of range.
         """
-        METHODS[self.config.name].make_step(self.engine.methods, dict(self.config.options))
+        with self._kernel():  # builds the kernel's weight copies before any timing
+            METHODS[self.config.name].make_step(self.engine.methods, dict(self.options))
+
+    @contextmanager
+    def _running(self) -> Iterator[None]:
+        """This method's n-gram history and decoding kernel for the length of one call."""
+        previous = self.engine.methods.use_history(self.history)
+        try:
+            with self._kernel():
+                yield
+        finally:
+            self.engine.methods.use_history(previous)
+
+    @contextmanager
+    def _kernel(self) -> Iterator[None]:
+        """Run on this row's decoding kernel, then switch back."""
+        if self.decode_kernel is None:
+            yield
+            return
+        previous = self.engine.executor.set_decode_kernel(self.decode_kernel)
+        try:
+            yield
+        finally:
+            self.engine.executor.set_decode_kernel(previous)
 
     def run_batch(self, prompts: list[EncodedPrompt],
                   settings: RunSettings) -> list[RunOutput]:
         """The prompts as one ragged batch (:meth:`SelfSpec.generate_batch`)."""
-        previous = self.engine.methods.use_history(self.history)
-        try:
+        with self._running():
             start = self.clock()
             results = self.engine.generate_batch(
                 [p.ids for p in prompts], method=self.config.name,
                 max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                top_p=settings.top_p, seed=settings.seed, **self.config.options)
+                top_p=settings.top_p, seed=settings.seed, **self.options)
             wall = self.clock() - start
-        finally:
-            self.engine.methods.use_history(previous)
         return [_output(r, wall / len(prompts), r.stats.ttft_ms, []) for r in results]
 
     def run(self, prompt: EncodedPrompt, settings: RunSettings) -> RunOutput:
-        previous = self.engine.methods.use_history(self.history)
-        try:
+        with self._running():
             start = self.clock()
             recorder = _CommitRecorder(self.clock, start, skip_first=False)
             result = self.engine.generate(
                 prompt.ids, method=self.config.name, max_new_tokens=settings.max_new_tokens,
                 temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed,
                 streamer=recorder,
-                **self.config.options)
+                **self.options)
             wall = self.clock() - start
-        finally:
-            self.engine.methods.use_history(previous)
         return _output(result, wall, recorder.ttft_ms, recorder.lengths)
 
 

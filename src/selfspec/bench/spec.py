@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from selfspec.errors import InvalidArgumentError
+from selfspec.executor.cpu import ROWS_FORMATS
 from selfspec.methods.registry import METHODS
+
+# An option of every selfspec method in the benchmark (not of the method itself): the row
+# runs on this decoding kernel (``--decode-kernel``; ``int4`` = the model on int4 weights), so
+# ``ar`` and ``ar:decode_kernel=int4`` are compared in one run.
+DECODE_KERNEL = "decode_kernel"
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,11 @@ class MethodConfig:
         return self.name + ":" + ",".join(f"{k}={_format(v)}" for k, v in self.options.items())
 
     @property
+    def method_options(self) -> dict[str, Any]:
+        """The options the method itself takes (all but the row's ``decode_kernel``)."""
+        return {k: v for k, v in self.options.items() if k != DECODE_KERNEL}
+
+    @property
     def is_baseline(self) -> bool:
         """True for a baseline outside selfspec (``hf-*``, ``llamacpp-*``)."""
         return self.name in HF_BASELINES
@@ -117,8 +128,13 @@ def validate(config: MethodConfig) -> MethodConfig:
             baselines included), an option the method does not take, or a bad value.
     """
     if config.name in METHODS:
-        options = METHODS[config.name].parse(config.options)  # raises on any bad option
-        return MethodConfig(config.name, {k: getattr(options, k) for k in config.options})
+        kernel = config.options.get(DECODE_KERNEL)
+        options = METHODS[config.name].parse(config.method_options)  # raises on any bad option
+        if kernel is not None and kernel not in ROWS_FORMATS:
+            raise InvalidArgumentError(
+                f"{DECODE_KERNEL} must be one of {', '.join(ROWS_FORMATS)}, got {kernel!r}")
+        return MethodConfig(config.name, {k: kernel if k == DECODE_KERNEL else getattr(options, k)
+                                          for k in config.options})
     if config.name not in HF_BASELINES:
         raise InvalidArgumentError(
             f"unknown method {config.name!r}; known methods: {', '.join(known_methods())}")

@@ -194,6 +194,9 @@ class LayerExecutor:
         self._lm_head = Linear(model.lm_head.weight, model.lm_head.bias, pack_weights,
                                row_limits=self.row_limits)
         self._rows_kernel: Fp16Rows | Int4Rows | None = None
+        # One kernel object per (format, min bytes), kept so that switching back finds each
+        # linear's copy already built (Linear caches its copies per kernel).
+        self._rows_kernels: dict[tuple[str, int], Fp16Rows | Int4Rows] = {}
         self.formats: ComputeFormats = self.set_bulk(bulk, rows)
         self.draft_weights: str | None = None  # set on the views of draft_view()
         self._draft_views: dict[str, LayerExecutor] = {}
@@ -212,8 +215,9 @@ class LayerExecutor:
             InvalidArgumentError: an unknown format.
         """
         if rows is None:
-            rows = self.formats.rows if hasattr(self, "formats") else "auto"
+            rows = self._rows_request if hasattr(self, "formats") else "auto"
         formats = choose_formats(self.dtype, self.device, bulk, rows)
+        self._bulk_request, self._rows_request = bulk, rows
         fmt = formats.bulk if formats.upcast else None
         linears = [lin for w in self._weights for lin in (w.qkv, w.o, w.gate_up, w.down)]
         linears.append(self._lm_head)
@@ -222,20 +226,37 @@ class LayerExecutor:
             != (self.formats.rows, self.formats.rows_min_bytes))
         if changed:
             max_rows = max(64, self.row_attention_max)
-            if formats.rows == "fp16":
-                self._rows_kernel = Fp16Rows(max_rows, formats.rows_min_bytes)
-            elif formats.rows == "int4":
+            key = (formats.rows, formats.rows_min_bytes)
+            kernel = self._rows_kernels.get(key)
+            if kernel is None and formats.rows == "fp16":
+                kernel = Fp16Rows(max_rows, formats.rows_min_bytes)
+            elif kernel is None and formats.rows == "int4":
                 from selfspec.executor.int4_rows import Int4Rows
 
-                self._rows_kernel = Int4Rows(max_rows)
-            else:
-                self._rows_kernel = None
+                kernel = Int4Rows(max_rows)
+            if kernel is not None:
+                self._rows_kernels[key] = kernel
+            self._rows_kernel = kernel
         for lin in linears:
             lin.bulk_dtype = fmt
             if changed:
                 lin.set_rows(self._rows_kernel)
         self.formats = formats
         return formats
+
+    def set_decode_kernel(self, rows: str) -> str:
+        """Switch the kernel of decoding and verification products (``"auto"``,
+        ``"weights"``, ``"fp16"`` or ``"int4"``, as ``set_bulk``'s ``rows``), keeping the bulk
+        format; return the previous request, to switch back. A kernel's weight copies are
+        built at its first use and kept, so switching back and forth costs nothing after that
+        (the benchmark runs ``ar`` on bf16 and on int4 weights in one run this way).
+
+        Raises:
+            InvalidArgumentError: an unknown kernel or one unavailable here.
+        """
+        previous = self._rows_request
+        self.set_bulk(self._bulk_request, rows)
+        return previous
 
     def draft_view(self, fmt: str) -> LayerExecutor:
         """This executor on quantized copies of every decoder layer's linears and of

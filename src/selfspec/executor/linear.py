@@ -36,6 +36,7 @@ RowsKernel = Union[Fp16Rows, "Int4Rows"]
 logger = logging.getLogger(__name__)
 
 _PACKABLE = (torch.bfloat16, torch.float16)
+_MISSING = object()
 
 
 @dataclass
@@ -130,6 +131,7 @@ class Linear:
         self.packed: torch.Tensor | None = None
         self.rows: RowsKernel | None = None
         self.rows_weight: Any = None
+        self._copies: list[tuple[RowsKernel, Any]] = []  # each kernel's copy, built once
         self.set_rows(rows)
         if (self.rows_weight is None or not self.rows.serves_bulk) and pack and _can_pack(weight):
             self.packed = _try_pack(weight, bias)
@@ -138,8 +140,12 @@ class Linear:
         """Use (``rows``) or stop using (``None``) another kernel for non-bulk calls."""
         self.rows, self.rows_weight = None, None
         if rows is not None and self.weight.device.type == "cpu":
-            self.rows_weight = rows.prepack(self.weight, self.bias)
-            self.rows = rows if self.rows_weight is not None else None
+            copy = next((c for k, c in self._copies if k is rows), _MISSING)
+            if copy is _MISSING:
+                copy = rows.prepack(self.weight, self.bias)
+                self._copies.append((rows, copy))
+            self.rows_weight = copy
+            self.rows = rows if copy is not None else None
 
     @classmethod
     def of_rows(cls, weight: torch.Tensor, bias: torch.Tensor | None,
