@@ -190,6 +190,32 @@ def test_bad_setups_are_clear_errors(fake_binding: Path, monkeypatch: pytest.Mon
         runner.setup()
 
 
+def _toy_gguf(path: Path, tied: bool) -> Path:
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((64, 16), dtype=np.float32))  # 4096 B
+    writer.add_tensor("blk.0.ffn_up.weight", np.zeros((8, 16), dtype=np.float16))  # 256 B
+    if not tied:
+        writer.add_tensor("output.weight", np.zeros((64, 16), dtype=np.float16))  # 2048 B
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_the_llamacpp_roofline_counts_the_gguf_bytes_decoding_reads(
+        fake_binding: Path, tmp_path: Path) -> None:
+    """llama.cpp reads its quantized GGUF, not the model's bf16 weights: its roofline row is
+    measured against those bytes (the embedding table counts only as a tied lm_head)."""
+    assert llamacpp.gguf_decode_bytes(_toy_gguf(tmp_path / "a.gguf", tied=False)) == 256 + 2048
+    tied = _toy_gguf(tmp_path / "b.gguf", tied=True)
+    assert llamacpp.gguf_decode_bytes(tied) == 4096 + 256
+    runner = LlamaCppRunner(_engine(), MethodConfig("llamacpp-ar", {"gguf": str(tied)}))
+    assert runner.weight_bytes_per_token() == 4096 + 256
+    with pytest.raises(InvalidArgumentError, match="not a readable GGUF"):
+        llamacpp.gguf_decode_bytes(fake_binding)  # one byte "x"
+
+
 @pytest.mark.parametrize("child, message", [
     ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", r"crashed \(SIGSEGV\).*AMX"),
     ("raise SystemExit('no model')", r"exit 1.*no model"),

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import gguf
 import torch
 
 from selfspec.api import SelfSpec
@@ -119,6 +120,26 @@ def resolve_gguf(engine_name: str, option: str | None, show_progress: bool = Fal
     return fetch_gguf(engine_name, show_progress=show_progress)
 
 
+def gguf_decode_bytes(path: Path) -> int:
+    """Bytes of a GGUF's tensors that decoding one token reads, in their stored (quantized)
+    formats: every tensor but the token embedding table (one row of it is read), which counts
+    only when the file has no ``output.weight`` (tied embeddings: the table is the lm_head).
+    The llama.cpp rows' roofline numerator, as :meth:`LayerExecutor.decode_weight_bytes` is
+    selfspec's.
+
+    Raises:
+        InvalidArgumentError: not a readable GGUF file.
+    """
+    try:
+        sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    except Exception as err:  # gguf raises ValueError, struct.error, OSError …
+        raise InvalidArgumentError(f"{path} is not a readable GGUF file ({err})") from err
+    total = sum(sizes.values())
+    if "output.weight" in sizes:
+        total -= sizes.get("token_embd.weight", 0)
+    return total
+
+
 class LlamaCppRunner:
     """A llama.cpp baseline through llama-cpp-python (see the module docstring).
 
@@ -162,6 +183,21 @@ class LlamaCppRunner:
         ids = self.engine.tokenizer("def f(x):")["input_ids"][:8] or [0]
         probe(self.path, torch.get_num_threads(), ids)
         self._load(n_ctx=512)
+
+    def weight_bytes_per_token(self) -> int | None:
+        """The GGUF weight bytes one decoded token reads (:func:`gguf_decode_bytes`), or
+        ``None`` without the binding (the method fails in :meth:`setup`). Locates the GGUF as
+        :meth:`setup` does (fetching it for a registry model).
+
+        Raises:
+            InvalidArgumentError: a bad ``gguf`` option.
+        """
+        try:
+            load_binding()
+        except InvalidArgumentError:
+            return None
+        self.path = resolve_gguf(self.engine.name, self.config.options.get("gguf"))
+        return gguf_decode_bytes(self.path)
 
     def _load(self, n_ctx: int) -> None:
         llama_cpp = load_binding()

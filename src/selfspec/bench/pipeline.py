@@ -53,7 +53,7 @@ from selfspec.bench.runners import (
     make_runner,
 )
 from selfspec.bench.sandbox import Sandbox, find_sandbox
-from selfspec.bench.spec import DECODE_KERNEL, MethodConfig
+from selfspec.bench.spec import MethodConfig
 from selfspec.data import Prompt
 from selfspec.errors import InvalidArgumentError
 
@@ -278,7 +278,7 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
     if options.bandwidth_mib > 0:
         bandwidth = measure_bandwidth(options.bandwidth_mib)
         roofline = Roofline(bandwidth, engine.executor.decode_weight_bytes(),
-                            _kernel_bytes(engine, methods))
+                            _method_bytes(runners))
         logger.info("bandwidth %.1f GB/s, roofline %.1f tok/s", bandwidth.gb_per_s,
                     roofline.tokens_per_s)
     settings = RunSettings(options.max_new_tokens, options.temperature, options.seed,
@@ -329,24 +329,22 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
     return BenchReport(info, run, summaries, table, files)
 
 
-def _kernel_bytes(engine: SelfSpec, methods: Sequence[MethodConfig]) -> dict[str, int]:
-    """Weight bytes per token of each method row on another decoding kernel than the run's
-    (``decode_kernel=...``; building the kernel's weight copies here, which its runner's
-    setup would do anyway)."""
+def _method_bytes(runners: Sequence[Runner]) -> dict[str, int]:
+    """Weight bytes per token of each row that reads other weights than the run's model: a
+    selfspec row on another decoding kernel (``ar:decode_kernel=int4``) or llama.cpp on its
+    GGUF (a runner's ``weight_bytes_per_token``; a row whose bytes cannot be known here — no
+    binding, a bad option, which its setup reports — keeps the model's)."""
     out: dict[str, int] = {}
-    ex = engine.executor
-    for m in methods:
-        kernel = m.options.get(DECODE_KERNEL)
-        if kernel is None or m.is_baseline:
+    for runner in runners:
+        count = getattr(runner, "weight_bytes_per_token", None)
+        if count is None:
             continue
         try:
-            previous = ex.set_decode_kernel(kernel)
+            nbytes = count()
         except InvalidArgumentError:
-            continue  # the runner's setup reports it as this method's failure
-        try:
-            out[m.label] = ex.decode_weight_bytes()
-        finally:
-            ex.set_decode_kernel(previous)
+            continue
+        if nbytes is not None:
+            out[runner.config.label] = nbytes
     return out
 
 

@@ -98,6 +98,18 @@ class SelfSpecRunner:
         with self._kernel():  # builds the kernel's weight copies before any timing
             METHODS[self.config.name].make_step(self.engine.methods, dict(self.options))
 
+    def weight_bytes_per_token(self) -> int | None:
+        """The weight bytes one decoded token reads on this row's decoding kernel (building
+        the kernel's copies, as :meth:`setup` would), or ``None`` on the run's own kernel.
+
+        Raises:
+            InvalidArgumentError: a kernel unavailable here.
+        """
+        if self.decode_kernel is None:
+            return None
+        with self._kernel():
+            return self.engine.executor.decode_weight_bytes()
+
     @contextmanager
     def _running(self) -> Iterator[None]:
         """This method's n-gram history and decoding kernel for the length of one call."""
