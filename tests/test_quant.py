@@ -103,6 +103,9 @@ def test_drafting_on_quantized_weights_keeps_the_greedy_tokens(fmt, arch, dtype)
         result = engine.generate(prompt, method=method, max_new_tokens=24, **options)
         assert result.token_ids == reference, (method, options)
         drafted += result.stats.drafted
+        if result.stats.drafted:  # the report's exit layer is the layers drafts really ran
+            layers = options.get("exit_layer", engine.executor.num_layers)
+            assert result.stats.mean_exit_layer == layers, (method, options)
     assert drafted > 0
 
 

@@ -32,7 +32,13 @@ import gguf
 import torch
 
 from selfspec.api import SelfSpec
-from selfspec.bench.run_types import Clock, EncodedPrompt, RunOutput, RunSettings
+from selfspec.bench.run_types import (
+    Clock,
+    EncodedPrompt,
+    RunOutput,
+    RunSettings,
+    run_one_by_one,
+)
 from selfspec.bench.spec import MethodConfig
 from selfspec.errors import InvalidArgumentError
 from selfspec.models.registry import REGISTRY
@@ -223,12 +229,7 @@ class LlamaCppRunner:
 
     def run_batch(self, prompts: list[EncodedPrompt], settings: RunSettings) -> list[RunOutput]:
         """One prompt after another (llama-cpp-python's ``generate`` is one sequence)."""
-        start = self.clock()
-        outputs = [self.run(p, settings) for p in prompts]
-        share = (self.clock() - start) / len(prompts)
-        for output in outputs:
-            output.wall_time_s = share
-        return outputs
+        return run_one_by_one(self, prompts, settings, self.clock)
 
     def run(self, prompt: EncodedPrompt, settings: RunSettings) -> RunOutput:
         """Generate for one prompt, timing the whole call (prompt evaluation included)."""

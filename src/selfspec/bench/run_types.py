@@ -109,3 +109,16 @@ class Runner(Protocol):
 
     def run_batch(self, prompts: list[EncodedPrompt],
                   settings: RunSettings) -> list[RunOutput]: ...
+
+
+def run_one_by_one(runner: Runner, prompts: list[EncodedPrompt], settings: RunSettings,
+                   clock: Clock) -> list[RunOutput]:
+    """``run_batch`` for a runner without batches: the prompts one after another, each
+    output's ``wall_time_s`` the whole call's wall time / the number of prompts (as a
+    batch's rows are reported)."""
+    start = clock()
+    outputs = [runner.run(p, settings) for p in prompts]
+    share = (clock() - start) / len(prompts)
+    for output in outputs:
+        output.wall_time_s = share
+    return outputs

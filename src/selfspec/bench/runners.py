@@ -24,6 +24,7 @@ from selfspec.bench.run_types import (
     Runner,
     RunOutput,
     RunSettings,
+    run_one_by_one,
 )
 from selfspec.bench.spec import DECODE_KERNEL, MethodConfig
 from selfspec.decoding.ngram import SuffixAutomaton
@@ -278,12 +279,7 @@ class HFRunner:
         """``hf-ar``: one left-padded batch through ``generate``; the assisted baselines
         (batch size 1 only in transformers): one prompt after another."""
         if self.config.name != "hf-ar" or len(prompts) == 1:
-            start = self.clock()
-            outputs = [self.run(p, settings) for p in prompts]
-            share = (self.clock() - start) / len(prompts)
-            for output in outputs:
-                output.wall_time_s = share
-            return outputs
+            return run_one_by_one(self, prompts, settings, self.clock)
         engine = self.engine
         kwargs = self._kwargs(settings)
         width = max(len(p.ids) for p in prompts)

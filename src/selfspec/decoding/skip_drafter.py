@@ -45,7 +45,10 @@ class SkipPlanExit:
         position = torch.tensor([[deferred.position()]], device=ex.device)
         hidden = ex.run_layers(deferred.hidden(), position, 0, ex.num_layers, deferred.cache,
                                self.plan)
-        return Exit(ex.num_layers, ex.logits(hidden)[0, -1])
+        # The layers it ran: a layer whose both sub-layers are skipped does not count (an
+        # early exit at layer l is the plan that skips all of [l, L)).
+        ran = ex.num_layers - len(self.plan.skip_attention & self.plan.skip_mlp)
+        return Exit(ran, ex.logits(hidden)[0, -1])
 
 
 class SkipPlanDrafter(ExitDrafter):
