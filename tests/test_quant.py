@@ -4,6 +4,7 @@ stand for, the draft view leaves the model alone, and drafting on int8/int4 copi
 model's own greedy tokens and sampling distribution."""
 
 import math
+import time
 from collections import Counter
 
 import pytest
@@ -17,12 +18,13 @@ from selfspec.decoding.sampling import SamplingConfig
 from selfspec.decoding.speculative import SpeculativeStep
 from selfspec.decoding.stop_rules import make_stop_rule
 from selfspec.errors import InvalidArgumentError
-from selfspec.executor import LayerExecutor
+from selfspec.executor import LayerExecutor, quant
 from selfspec.executor.quant import (
     Int4Linear,
     Int8DynamicLinear,
     check_draft_weights,
     dequantize_int4,
+    fastest_format,
     quantize_int4,
     quantized_kernels_available,
 )
@@ -107,6 +109,49 @@ def test_drafting_on_quantized_weights_keeps_the_greedy_tokens(fmt, arch, dtype)
             layers = options.get("exit_layer", engine.executor.num_layers)
             assert result.stats.mean_exit_layer == layers, (method, options)
     assert drafted > 0
+
+
+class _SlowCopy:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        deadline = time.perf_counter() + self.seconds
+        while time.perf_counter() < deadline:
+            pass
+        return x
+
+
+@pytest.mark.parametrize("slower", ["int8", "int4"])
+def test_auto_draft_weights_take_the_format_measured_faster(monkeypatch, slower):
+    """On AVX2 int8 (FBGEMM) wins, on AVX-512/AMX int4 does: ``auto`` times both and takes
+    the faster, whichever it is; with one kernel it takes that one untimed; with none it
+    says to draft on the model's own weights."""
+    monkeypatch.setattr(quant, "quantized_kernels_available", lambda fmt: True)
+    monkeypatch.setattr(quant, "quantize_linear",
+                        lambda w, b, fmt: _SlowCopy(0.004 if fmt == slower else 0.0005))
+    weights = [(torch.zeros(4, 8), None)] * 2
+    timing = fastest_format(weights, torch.float32, passes=2)
+    assert timing.fastest != slower and timing.ms[slower] > timing.ms[timing.fastest]
+    monkeypatch.setattr(quant, "quantized_kernels_available", lambda fmt: fmt == slower)
+    assert fastest_format(weights, torch.float32) == quant.FormatTiming(slower)
+    monkeypatch.setattr(quant, "quantized_kernels_available", lambda fmt: False)
+    with pytest.raises(InvalidArgumentError, match="model's own weights"):
+        fastest_format(weights, torch.float32)
+
+
+@pytest.mark.skipif(not any(map(quantized_kernels_available, ("int8", "int4"))),
+                    reason="no quantized CPU kernel in this torch build")
+def test_qspec_drafts_by_default_on_the_format_measured_here():
+    engine = selfspec.from_pretrained_model(tiny_model("llama"), tiny_tokenizer(), name="tiny")
+    reference = engine.generate("def add(a, b):\n", max_new_tokens=16).token_ids
+    result = engine.generate("def add(a, b):\n", method="qspec", max_new_tokens=16)
+    assert result.token_ids == reference and result.stats.drafted > 0
+    ex = engine.executor
+    timing = ex.fastest_draft_format()
+    assert ex.fastest_draft_format() is timing  # measured once
+    assert ex.draft_view("auto") is ex.draft_view(timing.fastest)
+    assert ex.draft_view("auto").draft_weights == timing.fastest
 
 
 @needs_int8

@@ -11,8 +11,10 @@ different cache lengths.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,11 @@ from selfspec.executor.fp16_rows import Fp16Rows
 from selfspec.executor.int4_rows import Int4Rows
 from selfspec.executor.linear import Linear, PackedRowLimits
 from selfspec.models.common import SUPPORTED_MODEL_TYPES
+
+if TYPE_CHECKING:
+    from selfspec.executor.quant import FormatTiming
+
+logger = logging.getLogger(__name__)
 
 # observe(layer_idx, sublayer, hidden [B, T, H]): called after each sub-layer ("attention",
 # "mlp") of run_layers; skipped sub-layers pass the unchanged hidden state.
@@ -199,6 +206,7 @@ class LayerExecutor:
         self._rows_kernels: dict[tuple[str, int], Fp16Rows | Int4Rows] = {}
         self.formats: ComputeFormats = self.set_bulk(bulk, rows)
         self.draft_weights: str | None = None  # set on the views of draft_view()
+        self._fastest_draft: FormatTiming | None = None
         self._draft_views: dict[str, LayerExecutor] = {}
         # RoPE variants whose frequencies depend on the sequence length cannot use a table.
         self._rope_dynamic = "dynamic" in str(getattr(self.rotary_emb, "rope_type", ""))
@@ -260,7 +268,8 @@ class LayerExecutor:
 
     def draft_view(self, fmt: str) -> LayerExecutor:
         """This executor on quantized copies of every decoder layer's linears and of
-        ``lm_head`` (:mod:`selfspec.executor.quant`), for drafting only: everything else
+        ``lm_head`` (:mod:`selfspec.executor.quant`; ``fmt="auto"``: the format
+        :meth:`fastest_draft_format` measures fastest here), for drafting only: everything else
         (embedding, norms, RoPE, the KV cache layout) is shared, and its KV writes are meant
         to be dropped (verification recomputes them with the full weights). Built once per
         format and kept (one extra quantized copy of the weights: ~1/2 for int8, ~1/4 for
@@ -272,6 +281,8 @@ class LayerExecutor:
         """
         from selfspec.executor.quant import check_draft_weights, quantize_linear
 
+        if fmt == "auto":
+            fmt = self.fastest_draft_format().fastest
         fmt = check_draft_weights(fmt)
         view = self._draft_views.get(fmt)
         if view is None:
@@ -285,6 +296,26 @@ class LayerExecutor:
             view._draft_views = {}
             self._draft_views[fmt] = view
         return view
+
+    def fastest_draft_format(self) -> FormatTiming:
+        """The draft weight format whose one-row products run fastest for this model on this
+        machine (:func:`selfspec.executor.quant.fastest_format` over two of its layers'
+        linears, a second or two), measured once per executor.
+
+        Raises:
+            InvalidArgumentError: no quantized kernel in this torch build.
+        """
+        from selfspec.executor.quant import fastest_format
+
+        if self._fastest_draft is None:
+            sample = {0, self.num_layers // 2}
+            weights = [(lin.weight, lin.bias) for i in sorted(sample)
+                       for lin in (self._weights[i].qkv, self._weights[i].o,
+                                   self._weights[i].gate_up, self._weights[i].down)]
+            self._fastest_draft = fastest_format(weights, self.dtype)
+            logger.info("draft weights: %s fastest here (%s)", self._fastest_draft.fastest,
+                        ", ".join(f"{k} {v:.2f} ms" for k, v in self._fastest_draft.ms.items()))
+        return self._fastest_draft
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one token's full forward reads in decoding (every layer's

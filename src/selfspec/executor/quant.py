@@ -11,23 +11,31 @@ Two formats, each on a kernel that ships in PyTorch's x86 CPU wheels:
   activations: ``aten::_weight_int4pack_mm_for_cpu`` (torchao's int4 CPU layout calls the
   same kernel, so torchao would add nothing here).
 
-Why int8 is the default: on the 2-core AVX2 EPYC (torch 2.13.0, 2 threads) one forward of
+Which is faster depends on the CPU, so the default (``auto``) measures it
+(:func:`fastest_format`). On the 2-core AVX2 EPYC (torch 2.13.0, 2 threads) one forward of
 Qwen2.5-Coder-1.5B takes 188 ms with bf16 weights, 116 ms with int8 weight-only
 (``_weight_int8pack_mm``), 124 ms with int4 (group 32 or 128) and 75 ms with FBGEMM's W8A8
 (``docs/results/executor-profile``): torch's int4 kernel unpacks nibbles at a rate well
 below the memory bandwidth on AVX2, while FBGEMM's int8 dot products (``vpmaddubsw``) keep
-up with it.
+up with it. On an AVX-512/AMX Xeon the int4 kernel wins instead (SmolLM2 one-token forward
+12.4 ms int4 vs 16.8 ms W8A8).
 """
 
 from __future__ import annotations
 
+import time
 import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from selfspec.errors import InvalidArgumentError
 
 DRAFT_WEIGHT_FORMATS = ("int8", "int4")
+# What a --draft-weights option accepts: a format, or "auto" = the one whose one-row products
+# are fastest on this machine (:func:`fastest_format`).
+DRAFT_WEIGHT_CHOICES = ("auto", *DRAFT_WEIGHT_FORMATS)
 INT4_GROUP = 32  # group 64 already changed SmolLM2's first greedy token (int4_probe.py)
 
 
@@ -39,6 +47,60 @@ def quantized_kernels_available(fmt: str) -> bool:
     if fmt == "int4":
         return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
     return False
+
+
+@dataclass(frozen=True)
+class FormatTiming:
+    """The outcome of :func:`fastest_format`.
+
+    Attributes:
+        fastest: the chosen format.
+        ms: format → milliseconds of one pass of one-row products over the sampled weights
+            (best of the passes); empty when only one format had a kernel (nothing timed).
+    """
+
+    fastest: str
+    ms: dict[str, float] = field(default_factory=dict)
+
+
+def fastest_format(weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+                   dtype: torch.dtype, passes: int = 5) -> FormatTiming:
+    """The draft weight format whose one-row products over ``weights`` run fastest here.
+
+    Which kernel wins depends on the CPU: on AVX2 without native bf16, FBGEMM's W8A8 int8
+    beats torch's int4 kernel (qspec 1.29× vs 0.98× on Qwen2.5-1.5B); on an AVX-512/AMX Xeon
+    int4 wins (1.64× vs 1.60×; SmolLM2 1.42× vs 1.29×), docs/results/executor-profile. So
+    it is measured: each available format quantizes ``weights`` (a sample of the model's
+    layers) and times one-row products over all of them.
+
+    Args:
+        weights: ``(weight [N, K], bias [N] or None)`` pairs of the linears to time.
+        dtype: the activations' dtype (the model's).
+        passes: timed passes per format (the best counts), after one warm-up pass.
+
+    Raises:
+        InvalidArgumentError: no format has a kernel in this torch build.
+    """
+    formats = [f for f in DRAFT_WEIGHT_FORMATS if quantized_kernels_available(f)]
+    if not formats:
+        raise InvalidArgumentError(
+            "this torch build has neither an int8 (FBGEMM) nor an int4 CPU kernel for "
+            "quantized draft weights; draft on the model's own weights")
+    if len(formats) == 1:
+        return FormatTiming(formats[0])
+    inputs = [torch.randn(1, w.shape[1]).to(dtype) for w, _ in weights]
+    ms: dict[str, float] = {}
+    for fmt in formats:
+        copies = [quantize_linear(w, b, fmt) for w, b in weights]
+        best = float("inf")
+        for index in range(passes + 1):
+            start = time.perf_counter()
+            for copy, x in zip(copies, inputs):
+                copy(x)
+            if index:  # the first pass warms up
+                best = min(best, time.perf_counter() - start)
+        ms[fmt] = best * 1e3
+    return FormatTiming(min(ms, key=ms.__getitem__), ms)
 
 
 def check_draft_weights(fmt: object) -> str:

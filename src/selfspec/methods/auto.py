@@ -13,7 +13,7 @@ from selfspec.decoding.loop import Step
 from selfspec.decoding.ngram_drafter import NgramDrafter, NgramSettings
 from selfspec.decoding.tpt import AcceptanceEstimate, ForwardCosts
 from selfspec.errors import InvalidArgumentError
-from selfspec.executor.quant import quantized_kernels_available
+from selfspec.executor.quant import DRAFT_WEIGHT_FORMATS, quantized_kernels_available
 from selfspec.methods import adaspeed, dssd, dv, layerskip, qspec
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.options import option
@@ -52,7 +52,8 @@ def drafter_names(options: Options) -> list[str]:
         InvalidArgumentError: an unknown or repeated name, or a head drafter without heads.
     """
     if options.drafters is None:
-        names = ["ngram"] + (["qspec"] if quantized_kernels_available("int8") else [])
+        quantized = any(quantized_kernels_available(f) for f in DRAFT_WEIGHT_FORMATS)
+        names = ["ngram"] + (["qspec"] if quantized else [])
         return names + (["dssd"] if options.heads is not None else [])
     names = [n.strip() for n in options.drafters.split(",") if n.strip()]
     known = ["ngram", *MODEL_DRAFTERS]
@@ -110,7 +111,7 @@ def heads_files(options: Options) -> list[str]:
 SPEC = MethodSpec(
     name="auto",
     summary="each step, the drafter predicted to give the most tokens/s (n-gram match, "
-            "int8 self-draft, trained heads) or plain decoding; never drafts at a loss "
+            "quantized self-draft, trained heads) or plain decoding; never drafts at a loss "
             "predicted by the measured latency model",
     lossless=True,
     paper="KnapSpec eq. 4 (Tokens-per-Time) as the per-step objective over drafters",

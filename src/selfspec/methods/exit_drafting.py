@@ -13,7 +13,7 @@ from selfspec.decoding.speculative import SpeculativeStep
 from selfspec.decoding.stop_rules import StopRule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
-from selfspec.executor.quant import DRAFT_WEIGHT_FORMATS
+from selfspec.executor.quant import DRAFT_WEIGHT_CHOICES
 from selfspec.heads.files import DEFAULT_PROBES
 from selfspec.methods.base import MethodContext
 from selfspec.methods.options import option
@@ -21,8 +21,9 @@ from selfspec.methods.options import option
 EXIT_LAYER_HELP = "layers the draft runs: layers [0, exit_layer)"
 HEADS_HELP = ("exit heads: 'default' (from `selfspec heads train`) or a head file/directory; "
               "drafts use the head at exit_layer (an error if there is none)")
-DRAFT_WEIGHTS_HELP = ("draft on int8 (W8A8) or int4 copies of the layers; verification then "
-                      "recomputes every layer with the model's own weights (QSpec-style)")
+DRAFT_WEIGHTS_HELP = ("draft on int8 (W8A8) or int4 copies of the layers (auto: the faster "
+                      "here, measured); verification then recomputes every layer with the "
+                      "model's own weights (QSpec-style)")
 DRAFT_VOCAB_HELP = ("draft heads score only the K most frequent tokens (ranked by the heads' "
                     "token counts; needs heads), FR-Spec §3")
 
@@ -36,7 +37,7 @@ class ExitOptions:
     heads: str | None = option(None, HEADS_HELP, default_text="none (the model's lm_head)")
     draft_vocab: int | None = option(None, DRAFT_VOCAB_HELP, low=1, high="V",
                                      default_text="none (full vocabulary)")
-    draft_weights: str | None = option(None, DRAFT_WEIGHTS_HELP, choices=DRAFT_WEIGHT_FORMATS,
+    draft_weights: str | None = option(None, DRAFT_WEIGHTS_HELP, choices=DRAFT_WEIGHT_CHOICES,
                                        default_text="none (the model's own weights)")
 
 

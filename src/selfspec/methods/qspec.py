@@ -10,7 +10,7 @@ from selfspec.decoding.loop import Step
 from selfspec.decoding.quant_draft import quantized_drafter
 from selfspec.decoding.speculative import SpeculativeStep
 from selfspec.decoding.stop_rules import ConfidenceStopRule, ConstantStopRule
-from selfspec.executor.quant import DRAFT_WEIGHT_FORMATS
+from selfspec.executor.quant import DRAFT_WEIGHT_CHOICES
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.options import option
 
@@ -19,9 +19,10 @@ from selfspec.methods.options import option
 class Options:
     """QSpec's options."""
 
-    draft_weights: str = option("int8", "format of the draft's weight copy: int8 (W8A8, "
-                                "FBGEMM) or int4 (weight-only, groups of 32)",
-                                choices=DRAFT_WEIGHT_FORMATS)
+    draft_weights: str = option("auto", "format of the draft's weight copy: int8 (W8A8, "
+                                "FBGEMM), int4 (weight-only, groups of 32) or auto (the "
+                                "faster of the two on this machine, measured at load)",
+                                choices=DRAFT_WEIGHT_CHOICES)
     max_draft_len: int = option(12, "longest draft (D)", low=1, high="R-1")
     confidence: float = option(0.3, "stop drafting when the draft's top-1 probability falls "
                                "below this (0 = always draft max_draft_len)", low=0, high=1,
