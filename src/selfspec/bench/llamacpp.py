@@ -234,6 +234,11 @@ class LlamaCppRunner:
     def run(self, prompt: EncodedPrompt, settings: RunSettings) -> RunOutput:
         """Generate for one prompt, timing the whole call (prompt evaluation included)."""
         need = len(prompt.ids) + settings.max_new_tokens + 8
+        if self.config.name == "llamacpp-prompt-lookup":
+            # Its drafts are evaluated past the last token it keeps: llama-cpp-python writes
+            # their logits into a buffer of n_ctx rows, so a context sized to the output alone
+            # overflows near the end (ValueError: could not broadcast … into shape …).
+            need += int(self.config.options.get("draft_len", 10)) + 1
         if need > self.n_ctx:
             self._load(n_ctx=max(need, 2 * self.n_ctx))
         llm = self.llm
