@@ -177,21 +177,21 @@ def test_prompt_lookup_passes_its_draft_options(fake_binding: Path) -> None:
                                                              "max_ngram_size": 2})
 
 
-def test_prompt_lookup_sizes_the_context_for_its_last_draft(fake_binding: Path) -> None:
-    """A draft past the last kept token must fit the context (llama-cpp-python stores its
-    logits in n_ctx rows): 500 prompt tokens + 4 new + 8 fit 512 for plain decoding, not with
-    a draft of 10 after the last token."""
+def test_prompt_lookup_keeps_a_logits_row_for_every_position(fake_binding: Path) -> None:
+    """With a draft model llama-cpp-python stores every position's logits in a buffer of
+    n_ctx rows only when asked for all logits (n_batch = 512 rows otherwise): prompts past 512
+    tokens overflowed it (sharegpt-summarize: "could not broadcast ... into shape (0,)")."""
     config = validate(MethodConfig("llamacpp-prompt-lookup",
                                    {"gguf": str(fake_binding), "draft_len": "10"}))
     runner = LlamaCppRunner(_engine(), config)
     runner.setup()
     _FakeLlama.script = [5]
-    runner.run(EncodedPrompt("p", list(range(3, 503))), RunSettings(4))
-    assert runner.n_ctx >= 500 + 4 + 10 + 1
+    runner.run(EncodedPrompt("p", list(range(3, 903))), RunSettings(4))
+    assert runner.n_ctx >= 904 and _FakeLlama.made[-1]["logits_all"] is True
     plain = LlamaCppRunner(_engine(), MethodConfig("llamacpp-ar", {"gguf": str(fake_binding)}))
     plain.setup()
-    plain.run(EncodedPrompt("p", list(range(3, 503))), RunSettings(4))
-    assert plain.n_ctx == 512
+    plain.run(EncodedPrompt("p", list(range(3, 903))), RunSettings(4))
+    assert _FakeLlama.made[-1]["logits_all"] is False
 
 
 def test_bad_setups_are_clear_errors(fake_binding: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -211,7 +211,10 @@ class LlamaCppRunner:
         kwargs: dict[str, Any] = {
             "model_path": str(self.path), "n_ctx": n_ctx, "n_threads": threads,
             "n_threads_batch": threads, "n_batch": min(512, n_ctx), "verbose": False,
-            "logits_all": False}
+            # With a draft model llama-cpp-python keeps every position's logits but sizes
+            # that buffer by this flag (n_batch rows when False), so prompts past 512 tokens
+            # overflowed it ("could not broadcast … into shape (0,)"): ask for n_ctx rows.
+            "logits_all": self.config.name == "llamacpp-prompt-lookup"}
         if self.config.name == "llamacpp-prompt-lookup":
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -234,11 +237,6 @@ class LlamaCppRunner:
     def run(self, prompt: EncodedPrompt, settings: RunSettings) -> RunOutput:
         """Generate for one prompt, timing the whole call (prompt evaluation included)."""
         need = len(prompt.ids) + settings.max_new_tokens + 8
-        if self.config.name == "llamacpp-prompt-lookup":
-            # Its drafts are evaluated past the last token it keeps: llama-cpp-python writes
-            # their logits into a buffer of n_ctx rows, so a context sized to the output alone
-            # overflows near the end (ValueError: could not broadcast … into shape …).
-            need += int(self.config.options.get("draft_len", 10)) + 1
         if need > self.n_ctx:
             self._load(n_ctx=max(need, 2 * self.n_ctx))
         llm = self.llm
