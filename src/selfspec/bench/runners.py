@@ -315,12 +315,12 @@ class HFRunner:
         if self.config.name == "hf-ar":
             # Plain decoding runs every layer for each token after the first (which the
             # prefill gives), exactly as selfspec's ``ar`` counts them.
-            counters = dict(layer_forwards=engine.executor.num_layers * max(len(tokens) - 1, 0))
+            counters = {"layer_forwards": engine.executor.num_layers * max(len(tokens) - 1, 0)}
         else:
             # Assisted decoding puts each verification's accepted tokens + the target's next
             # token at once (the first verification includes the prompt's forward). How many
             # tokens were drafted is not exposed, so the acceptance rate stays unknown.
-            counters = dict(verifications=len(lengths), accepted=sum(lengths) - len(lengths))
+            counters = {"verifications": len(lengths), "accepted": sum(lengths) - len(lengths)}
         return RunOutput(
             token_ids=tokens, text=engine.tokenizer.decode(tokens, skip_special_tokens=True),
             wall_time_s=wall, ttft_ms=recorder.ttft_ms, accept_lengths=lengths,
