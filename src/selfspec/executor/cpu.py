@@ -249,18 +249,16 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
         raise InvalidArgumentError(
             f"the decoding kernel must be one of {', '.join(ROWS_FORMATS)}, got {rows!r}")
     sixteen = weights in (torch.bfloat16, torch.float16) and torch.device(device).type == "cpu"
-    if rows == "int4":
-        if not (sixteen and int4_available()):
+    # A forced kernel: (is its kernel here, what it needs).
+    forced = {"fp16": (fbgemm_fp16_available, "FBGEMM (x86 torch builds)"),
+              "int4": (int4_available, "torch's CPU int4 kernel")}
+    if rows in forced:
+        available, kernel = forced[rows]
+        if not (sixteen and available()):
             raise InvalidArgumentError(
-                "int4 decoding products need bf16/fp16 weights on a CPU and torch's CPU int4 "
-                "kernel; load the model with --dtype bf16, or use 'auto' or 'weights'")
-        return "int4"
-    if rows == "fp16":
-        if not (sixteen and fbgemm_fp16_available()):
-            raise InvalidArgumentError(
-                "fp16 decoding products need bf16/fp16 weights on a CPU and FBGEMM (x86 torch "
-                "builds); use 'auto' or 'weights'")
-        return "fp16"
+                f"{rows} decoding products need bf16/fp16 weights on a CPU and {kernel}; load "
+                "the model with --dtype bf16, or use 'auto' or 'weights'")
+        return rows
     if rows == "auto" and sixteen and not native_bf16() and fbgemm_fp16_available():
         return "fp16"
     return "weights"

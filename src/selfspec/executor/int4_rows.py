@@ -13,7 +13,7 @@ Numbers: weights are quantized group-wise (32 inputs per scale and offset, asymm
 :func:`selfspec.executor.quant.quantize_int4`), activations stay bf16. That is lossy against
 the bf16 model (the bench reports greedy agreement and pass@1), and every lossless method is
 exact relative to this int4 model: verification blocks go through the same kernel as
-one-token decoding, row-consistent by the probe of :class:`RowLimits` (rows of a call whose
+one-token decoding, row-consistent by the probe of :class:`PackedRowLimits` (rows of a call whose
 count rounds differently are split off). The registry models come from GGUF files that are
 themselves 4-bit (Q4_1, Q4_K): their de-quantised weights are affine per block of 32, which
 this quantizer recovers closely wherever a block's codes span 0-15.
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.executor.linear import PackedRowLimits
+from selfspec.executor.linear import PackedRowLimits, in_consistent_chunks
 from selfspec.executor.quant import INT4_GROUP, Int4Linear, quantized_kernels_available
 
 
@@ -60,18 +60,13 @@ class Int4Rows:
     def __call__(self, x: torch.Tensor, packed: Int4Linear) -> torch.Tensor:
         """``[..., K]`` → ``[..., N]`` in ``x``'s dtype, each row bit-identical to the row
         computed alone."""
-        flat = x.reshape(-1, x.shape[-1])
-        rows = flat.shape[0]
-        if rows == 1:
+        if x.reshape(-1, x.shape[-1]).shape[0] == 1:
             return packed(x)
         limit = self.limits.limit_of(
             ("int4", packed.in_features, packed.out_features, packed.bias is not None),
             packed, lambda block: torch.cat([packed(r) for r in block.split(1)]),
             packed.in_features, torch.bfloat16)
-        if rows <= limit:
-            return packed(x)
-        parts = [packed(part) for part in flat.split(limit)]
-        return torch.cat(parts).reshape(*x.shape[:-1], -1)
+        return in_consistent_chunks(x, limit, packed, packed)
 
     def bulk(self, x: torch.Tensor, packed: Int4Linear) -> torch.Tensor:
         """One call, no row splitting (unused by :class:`Linear`, which sends bulk calls to

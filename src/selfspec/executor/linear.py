@@ -200,16 +200,23 @@ class Linear:
             pair = torch.cat([x, x], dim=-2) if x.dim() > 1 else torch.stack([x, x])
             out = _packed(pair, self.packed, self.bias)
             return out[..., :1, :] if x.dim() > 1 else out[0]
-        flat = x.reshape(-1, x.shape[-1])
         limit = self.row_limits.limit(self.packed, self.bias, self.weight.shape[1],
                                       self.weight.shape[0], self.weight.dtype)
-        if flat.shape[0] <= limit:
-            return _packed(x, self.packed, self.bias)
-        # Rows beyond the consistent count: chunks of at most ``limit`` rows, a lone last row
-        # as one-token decoding computes it.
-        parts = [_packed(part, self.packed, self.bias) if part.shape[0] > 1
-                 else _alone(part, self.packed, self.bias) for part in flat.split(limit)]
-        return torch.cat(parts).reshape(*x.shape[:-1], -1)
+        return in_consistent_chunks(x, limit, lambda b: _packed(b, self.packed, self.bias),
+                                    lambda r: _alone(r, self.packed, self.bias))
+
+
+def in_consistent_chunks(x: torch.Tensor, limit: int,
+                         call: Callable[[torch.Tensor], torch.Tensor],
+                         alone: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``call`` on ``x`` ``[..., K]`` → ``[..., N]`` where it is row-consistent: one call up to
+    ``limit`` rows (:meth:`PackedRowLimits.limit_of`), else chunks of at most ``limit`` rows,
+    a lone last row as one-token decoding computes it (``alone``)."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] <= limit:
+        return call(x)
+    parts = [call(part) if part.shape[0] > 1 else alone(part) for part in flat.split(limit)]
+    return torch.cat(parts).reshape(*x.shape[:-1], -1)
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
