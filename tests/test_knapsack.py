@@ -127,3 +127,17 @@ def test_binned_budgets_keep_one_consistent_plan_per_bin(bin_width):
         h = reference[0] + sum(kept, torch.zeros(1))
         assert c.similarity == pytest.approx(float(mean_cosine(h, reference[-1])), abs=1e-5)
         assert c.similarity <= exact[weight].similarity + 1e-6
+
+
+def test_the_full_plan_pays_only_on_cheaper_draft_weights():
+    """A draft that runs every sub-layer costs a whole step on the model's own weights and
+    never pays; on quantized copies (KnapSpec with draft_weights) it may be the best plan."""
+    reference, sublayer, _ = _orthogonal_instance(2, 0)
+    cands = knapsack_candidates(reference, sublayer, 1, 1, tau=-1.0)
+    assert cands[0].skipped_weight == 0
+    alphas = [1.0] + [0.0] * (len(cands) - 1)
+    own = choose_plan(cands, alphas, [1.0] * len(cands), lambda tokens: 1.0 + 0.01 * (tokens - 1))
+    assert own.candidate is None
+    quantized = choose_plan(cands, alphas, [0.5] * len(cands),
+                            lambda tokens: 1.0 + 0.01 * (tokens - 1))
+    assert quantized.candidate is cands[0] and quantized.tpt > quantized.ar_tpt

@@ -14,6 +14,7 @@ from selfspec.decoding.stop_rules import ConstantStopRule
 from selfspec.executor import LayerExecutor
 from selfspec.executor.cost_model import LatencyModel, cached_latency, measure_latency
 from selfspec.executor.executor import SkipPlan
+from selfspec.executor.quant import quantized_kernels_available
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 12, 200, 31, 8, 77, 150, 9, 41, 2, 19, 88, 120]
 
@@ -188,3 +189,44 @@ def test_a_latency_measurement_is_kept_per_cpu_kernel_level(monkeypatch):
         monkeypatch.setattr(cost_model, "detect_cpu", lambda info=info: info)
         keys.add(cost_model.machine_key(ex))
     assert len(keys) == 3
+
+
+@pytest.mark.skipif(not quantized_kernels_available("int4"), reason="no CPU int4 kernel here")
+def test_knapspec_on_int4_draft_weights_drafts_on_them_and_stays_lossless(executor, ar_tokens):
+    """draft_weights: drafts run on the int4 copies and cost what the view's latency model
+    says (it sets KnapSpec's integer weights); the model's own weights verify."""
+    view = executor.draft_view("int4")
+    calls = []
+    run_layers = view.run_layers
+
+    def count_run_layers(*args, **kwargs):
+        calls.append(kwargs.get("write_cache", True))
+        return run_layers(*args, **kwargs)
+
+    cheap = LatencyModel(executor.num_layers, 0.0, 0.1, 0.1, 0.05, key="cheap-int4")
+    step = KnapSpecStep(executor, _latency(executor, 3.0, 1.0), KnapSpecConfig(
+        reoptimize_every=8, tau=-1.0, confidence=0.01, plan_budget=1e9), view, cheap)
+    view.run_layers = count_run_layers
+    try:
+        state = run_step(executor, step, PROMPT, max_new_tokens=40)
+    finally:
+        del view.run_layers
+    assert state.tokens == ar_tokens
+    assert step.drafter.executor is view and step.drafter.verifier is executor
+    assert any(r.choice.candidate is not None for r in step.history)
+    assert state.stats.drafted > 0 and len(calls) >= state.stats.drafted
+    # The view's latencies give the integer weights (the model's would give (3, 1)), and a
+    # cheap draft makes a plan pay.
+    assert all(r.weights == (1, 1) for r in step.history)
+    with pytest.raises(ValueError, match="latency"):
+        KnapSpecStep(executor, _latency(executor), draft=view)
+
+
+def test_a_draft_view_has_its_own_latency_key():
+    from selfspec.executor import cost_model
+
+    ex = LayerExecutor(tiny_model("llama", seed=4).float())
+    if not quantized_kernels_available("int8"):
+        pytest.skip("no int8 kernel here")
+    assert cost_model.machine_key(ex.draft_view("int8")) != cost_model.machine_key(ex)
+    assert "-draftint8-" in cost_model.machine_key(ex.draft_view("int8"))

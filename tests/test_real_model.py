@@ -318,8 +318,8 @@ def test_bf16_greedy_parity_on_fp16_rows(prompts):
 @pytest.mark.skipif(not __import__("selfspec.executor.quant", fromlist=["x"])
                     .quantized_kernels_available("int8"), reason="FBGEMM is x86-only")
 def test_drafts_on_quantized_weights_keep_the_greedy_tokens(engine, prompts, ar_outputs):
-    """QSpec-style drafting on int8/int4 copies of the model's own layers, and DSSD drafting
-    on int8 layers (its heads here: the model's own norm + lm_head at fixed thresholds):
+    """QSpec-style drafting on int8/int4 copies of the model's own layers, KnapSpec planning
+    over the int4 copies, and DSSD drafting on int8 layers (its heads here: the model's own norm + lm_head at fixed thresholds):
     verification by the full-precision model gives exactly `ar`'s tokens."""
     from selfspec.decoding.drafting import DSSDDrafter
     from selfspec.decoding.exits import CalibratedExits
@@ -347,6 +347,10 @@ def test_drafts_on_quantized_weights_keep_the_greedy_tokens(engine, prompts, ar_
                                      max_new_tokens=NEW_TOKENS)
             assert result.token_ids == reference, fmt
             drafted += result.stats.drafted
+        # KnapSpec planning over the int4 model's sub-layers, verified by the fp32 model.
+        result = engine.generate(prompt, method="knapspec", draft_weights="int4",
+                                 reoptimize_every=8, max_new_tokens=NEW_TOKENS)
+        assert result.token_ids == reference, "knapspec on int4 drafts"
     assert drafted > 0
 
 

@@ -94,23 +94,28 @@ class CLaSpStep:
     """CLaSp (see the module docstring).
 
     Args:
-        executor: the model's executor.
+        executor: the model's executor (it verifies).
         config: :class:`CLaSpConfig`.
+        draft: the executor drafts run on: ``None`` (the model's), or a
+            :meth:`~LayerExecutor.draft_view` of ``executor`` on quantized weights (the DP
+            then scores the quantized layers).
 
     Raises:
         InvalidArgumentError: ``skip_layers`` outside ``[1, L-1]``.
     """
 
-    def __init__(self, executor: LayerExecutor, config: CLaSpConfig) -> None:
+    def __init__(self, executor: LayerExecutor, config: CLaSpConfig,
+                 draft: LayerExecutor | None = None) -> None:
         if not 1 <= config.skip_layers <= executor.num_layers - 1:
             raise InvalidArgumentError(
                 f"CLaSp skips between 1 and {executor.num_layers - 1} of this model's "
                 f"{executor.num_layers} layers; got {config.skip_layers}")
         self.executor = executor
+        self.draft_executor = executor if draft is None else draft
         self.config = config
         rule = ConfidenceStopRule(config.confidence, max_draft_len=config.max_draft_len)
-        self.drafter = SkipPlanDrafter(executor, self._plan(_initial_layers(
-            executor.num_layers, config.skip_layers)), rule)
+        self.drafter = SkipPlanDrafter(self.draft_executor, self._plan(_initial_layers(
+            executor.num_layers, config.skip_layers)), rule, verifier=executor)
         self._speculative = SpeculativeStep(self.drafter)
         self.history: list[LayerChoice] = []
         self.plan_log = PlanLog()
@@ -146,7 +151,7 @@ class CLaSpStep:
             return
 
         def layer(i: int, states: torch.Tensor) -> torch.Tensor:
-            return history.run(ex, state, states, i - 1, i)
+            return history.run(self.draft_executor, state, states, i - 1, i)
 
         solutions = solve_knapsack(history.layer_states(), layer, [1] * ex.num_layers,
                                    cfg.tau, max_skip=cfg.skip_layers)

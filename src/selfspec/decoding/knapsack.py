@@ -223,11 +223,12 @@ def choose_plan(candidates: Sequence[Candidate], alphas: Sequence[float],
         The best :class:`PlanChoice`; its ``candidate`` is ``None`` when no plan's TPT beats
         plain decoding (``1 / verify_cost(1)``), so the caller falls back to it.
     """
-    ar_tpt = 1.0 / verify_cost(1)
+    ar_cost = verify_cost(1)
+    ar_tpt = 1.0 / ar_cost
     best = PlanChoice(None, 0, 0.0, ar_tpt if must_beat_plain else 0.0, ar_tpt)
     for cand, alpha, cost in zip(candidates, alphas, draft_costs):
-        if not cand.skip_attention and not cand.skip_mlp:
-            continue  # drafting with the full model is never worth it
+        if not cand.skip_attention and not cand.skip_mlp and cost >= ar_cost:
+            continue  # a draft that costs a whole step never pays (unless on cheaper weights)
         for gamma in range(1, max_draft_len + 1):
             tpt = tokens_per_time(alpha, gamma, cost, verify_cost(gamma + 1))
             if tpt > best.tpt:

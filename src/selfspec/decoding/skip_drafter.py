@@ -6,7 +6,10 @@ attention writes no KV, a skipped MLP is the identity — then the model's final
 policy and verification differ from early exit. The draft's hidden states differ from the
 full model's in every layer after the first skipped sub-layer, so nothing of the draft is
 reused: verification drops the KV the draft wrote and runs the full model over the last
-committed token and the draft (``D + 1`` positions), filling every layer's KV.
+committed token and the draft (``D + 1`` positions), filling every layer's KV. For the same
+reason the draft may run on other weights than the verifier (a
+:meth:`~selfspec.executor.LayerExecutor.draft_view` with int8/int4 copies): the plan's
+sub-layers on quantized weights, verified by the model's own (QSpec-style, lossless).
 """
 
 from __future__ import annotations
@@ -56,16 +59,21 @@ class SkipPlanDrafter(ExitDrafter):
     between steps: KnapSpec re-optimises it).
 
     Args:
-        executor: the model's executor.
+        executor: the executor drafts run on: the model's, or a
+            :meth:`~selfspec.executor.LayerExecutor.draft_view` of it on quantized weights.
         plan: the sub-layers to skip.
         stop_rule: decides the draft length (KnapSpec: top-1 probability < 0.7, §3.5).
+        verifier: the full model that verifies (default ``executor``; the model's own
+            executor when ``executor`` is a draft view).
 
     Raises:
         InvalidArgumentError: a stop rule whose longest draft exceeds the bit-exact limit.
     """
 
-    def __init__(self, executor: LayerExecutor, plan: SkipPlan, stop_rule: StopRule) -> None:
+    def __init__(self, executor: LayerExecutor, plan: SkipPlan, stop_rule: StopRule,
+                 verifier: LayerExecutor | None = None) -> None:
         super().__init__(executor, SkipPlanExit(executor, plan), stop_rule)
+        self.verifier = executor if verifier is None else verifier
 
     @property
     def plan(self) -> SkipPlan:
@@ -83,8 +91,8 @@ class SkipPlanDrafter(ExitDrafter):
         return out
 
     def target_logits(self, state: DecodeState, draft: DraftOutput) -> TargetOutput:
-        """:func:`recompute_target_logits`: ``[D+1, V]`` from the full model."""
-        return recompute_target_logits(self.executor, state, draft)
+        """:func:`recompute_target_logits`: ``[D+1, V]`` from the full model (``verifier``)."""
+        return recompute_target_logits(self.verifier, state, draft)
 
 
 def recompute_target_logits(executor: LayerExecutor, state: DecodeState,

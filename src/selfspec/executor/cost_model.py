@@ -104,7 +104,8 @@ class LatencyModel:
 
 
 def machine_key(executor: LayerExecutor) -> str:
-    """What a measurement holds for: model, dtype, decoding kernel, threads, processor and
+    """What a measurement holds for: model, dtype, decoding kernel (and a draft view's weight
+    format), threads, processor and
     its kernel level (cloud VMs often name every CPU "AMD EPYC"; an AVX2-only one and one
     with native bf16 time the same model 1.5-2x apart, so the name alone is not enough)."""
     name = executor.name.replace("/", "_")
@@ -112,6 +113,9 @@ def machine_key(executor: LayerExecutor) -> str:
     kernel = ""
     if formats is not None and formats.rows != "weights":
         kernel = f"-{formats.rows}rows{formats.rows_min_bytes >> 20}M"
+    draft = getattr(executor, "draft_weights", None)
+    if draft is not None:  # a draft view: every linear on int8/int4 copies
+        kernel += f"-draft{draft}"
     cpu = detect_cpu()
     level = "-".join(filter(None, (cpu.aten_capability, "bf16" if cpu.native_bf16 else "",
                                    cpu.onednn_max_isa)))

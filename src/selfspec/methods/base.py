@@ -46,17 +46,22 @@ class MethodContext:
         self.executor = executor
         self._heads: dict[tuple, Any] = {}
         self._derived: dict[tuple, tuple[Any, Any]] = {}
-        self._latency: LatencyModel | None = None
+        self._latency: dict[tuple, LatencyModel] = {}
         self._history: SuffixAutomaton | None = None
 
-    def latency(self) -> LatencyModel:
-        """The model's measured sub-layer latencies on this machine (measured once, a few
-        seconds, then read from ``$SELFSPEC_HOME/latency``)."""
+    def latency(self, executor: LayerExecutor | None = None) -> LatencyModel:
+        """The measured sub-layer latencies on this machine of the model on its current
+        decoding kernel, or of ``executor`` (a :meth:`~LayerExecutor.draft_view` of it on
+        quantized weights), measured once (a few seconds) and then read from
+        ``$SELFSPEC_HOME/latency``."""
         from selfspec.models.provision import selfspec_home
 
-        if self._latency is None:
-            self._latency = cached_latency(self.executor, selfspec_home())
-        return self._latency
+        executor = self.executor if executor is None else executor
+        # The decoding kernel can change between generations (the bench's decode_kernel=).
+        key = (executor.draft_weights, executor.formats.rows, executor.formats.rows_min_bytes)
+        if key not in self._latency:
+            self._latency[key] = cached_latency(executor, selfspec_home())
+        return self._latency[key]
 
     def history(self) -> SuffixAutomaton:
         """The engine's suffix automaton of earlier texts (finished prompts + outputs), kept

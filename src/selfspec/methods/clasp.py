@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 from selfspec.decoding.clasp import CLaSpConfig, CLaSpStep
 from selfspec.decoding.loop import Step
+from selfspec.executor.quant import DRAFT_WEIGHT_CHOICES
 from selfspec.methods.base import MethodContext, MethodSpec
+from selfspec.methods.exit_drafting import DRAFT_WEIGHTS_HELP
 from selfspec.methods.options import option
 
 
@@ -24,6 +26,8 @@ class Options:
     max_draft_len: int = option(10, "the draft cap", low=1, high="R-1")
     confidence: float = option(0.7, "stop drafting when the top-1 probability falls below this",
                                low=0, high=1, low_open=True, high_open=True)
+    draft_weights: str | None = option(None, DRAFT_WEIGHTS_HELP, choices=DRAFT_WEIGHT_CHOICES,
+                                       default_text="none (the model's own weights)")
 
 
 def skip_layers(num_layers: int, ratio: float) -> int:
@@ -38,7 +42,8 @@ def build(context: MethodContext, options: Options) -> Step:
                          reoptimize_every=options.reoptimize_every,
                          history_steps=options.history_steps,
                          max_draft_len=options.max_draft_len, confidence=options.confidence)
-    return CLaSpStep(ex, config)
+    draft = None if options.draft_weights is None else ex.draft_view(options.draft_weights)
+    return CLaSpStep(ex, config, draft)
 
 
 SPEC = MethodSpec(

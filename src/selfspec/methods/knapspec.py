@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 from selfspec.decoding.knapspec import KnapSpecConfig, KnapSpecStep
 from selfspec.decoding.loop import Step
+from selfspec.executor.quant import DRAFT_WEIGHT_CHOICES
 from selfspec.methods.base import MethodContext, MethodSpec
+from selfspec.methods.exit_drafting import DRAFT_WEIGHTS_HELP
 from selfspec.methods.options import option
 
 
@@ -27,15 +29,26 @@ class Options:
                                 low=0)
     max_backoff: int = option(8, "after a re-optimisation finds no paying plan, the interval to "
                               "the next doubles up to this many times T (1 = the paper)", low=1)
+    draft_weights: str | None = option(None, DRAFT_WEIGHTS_HELP, choices=DRAFT_WEIGHT_CHOICES,
+                                       default_text="none (the model's own weights)")
 
 
 def build(context: MethodContext, options: Options) -> Step:
-    """The KnapSpec Step with this machine's measured latencies."""
+    """The KnapSpec Step with this machine's measured latencies (with ``draft_weights``, the
+    draft view's own too).
+
+    Raises:
+        InvalidArgumentError: a draft weight format without a kernel here.
+    """
     config = KnapSpecConfig(reoptimize_every=options.reoptimize_every,
                             history_steps=options.history_steps, tau=options.tau,
                             max_draft_len=options.max_draft_len, confidence=options.confidence,
                             plan_budget=options.plan_budget, max_backoff=options.max_backoff)
-    return KnapSpecStep(context.executor, context.latency(), config)
+    ex = context.executor
+    if options.draft_weights is None:
+        return KnapSpecStep(ex, context.latency(), config)
+    draft = ex.draft_view(options.draft_weights)
+    return KnapSpecStep(ex, context.latency(), config, draft, context.latency(draft))
 
 
 SPEC = MethodSpec(

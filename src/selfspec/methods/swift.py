@@ -22,8 +22,15 @@ from selfspec.decoding.loop import Step
 from selfspec.decoding.skip_drafter import SkipPlanDrafter
 from selfspec.decoding.speculative import SpeculativeStep
 from selfspec.decoding.stop_rules import ConfidenceStopRule
-from selfspec.heads.skip_set import HELD_OUT_PREFIX, SkipSet, load_skip_set, resolve_skip_set_path
+from selfspec.executor.quant import DRAFT_WEIGHT_CHOICES
+from selfspec.heads.skip_set import (
+    HELD_OUT_PREFIX,
+    SkipSet,
+    load_skip_set,
+    resolve_skip_set_path,
+)
 from selfspec.methods.base import MethodContext, MethodSpec
+from selfspec.methods.exit_drafting import DRAFT_WEIGHTS_HELP
 from selfspec.methods.options import option
 
 
@@ -36,6 +43,8 @@ class Options:
     max_draft_len: int = option(10, "longest draft", low=1, high="R-1")
     confidence: float = option(0.8, "stop drafting when the top-1 probability falls below this",
                                low=0, high=1, low_open=True, high_open=True)
+    draft_weights: str | None = option(None, DRAFT_WEIGHTS_HELP, choices=DRAFT_WEIGHT_CHOICES,
+                                       default_text="none (the model's own weights)")
 
 
 def _skip_set(context: MethodContext, path: str) -> SkipSet:
@@ -56,7 +65,9 @@ def build(context: MethodContext, options: Options) -> Step:
     """
     skip_set = _skip_set(context, options.skip_set)
     rule = ConfidenceStopRule(options.confidence, max_draft_len=options.max_draft_len)
-    return SpeculativeStep(SkipPlanDrafter(context.executor, skip_set.plan, rule))
+    ex = context.executor
+    draft = ex if options.draft_weights is None else ex.draft_view(options.draft_weights)
+    return SpeculativeStep(SkipPlanDrafter(draft, skip_set.plan, rule, verifier=ex))
 
 
 SPEC = MethodSpec(
