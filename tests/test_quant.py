@@ -186,3 +186,30 @@ def test_qspec_sampling_reproduces_the_target_distribution():
     tv += 0.5 * sum(v / n for c, v in counts.items() if c not in exact)
     assert tv < eps, f"TV {tv:.3f} >= bound {eps:.3f}"
     assert VOCAB == 256
+
+
+@pytest.mark.skipif(not any(map(quantized_kernels_available, ("int8", "int4"))),
+                    reason="no quantized CPU kernel in this torch build")
+def test_the_bench_header_names_the_draft_format_auto_measured(tmp_path):
+    from selfspec.bench.pipeline import (
+        BenchOptions,
+        describe_draft_format,
+        run_benchmark,
+    )
+    from selfspec.bench.spec import parse_methods
+    from selfspec.data import Prompt
+    from selfspec.executor.quant import FormatTiming
+
+    assert describe_draft_format(None) == ""
+    line = describe_draft_format(FormatTiming("int4", {"int8": 3.0, "int4": 2.0}))
+    assert "measured int4 fastest" in line and "int8 3.00 ms, int4 2.00 ms" in line
+    assert "only quantized kernel" in describe_draft_format(FormatTiming("int8"))
+    engine = selfspec.from_pretrained_model(tiny_model("llama"), tiny_tokenizer(), name="tiny")
+    prompts = [Prompt("p0", "def f(x):\n    return x + x", chat=False)]
+    report = run_benchmark(engine, parse_methods("ar,qspec"), prompts, BenchOptions(
+        dataset="humaneval", max_new_tokens=6, out_dir=tmp_path / "out", bandwidth_mib=1,
+        warmup_prompts=0, plots=False, score=False))
+    fastest = engine.executor.measured_draft_format.fastest
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert f"draft_weights=auto measured {fastest} fastest" in text
+    assert report.info.draft_format in text

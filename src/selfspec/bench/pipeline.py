@@ -56,6 +56,7 @@ from selfspec.bench.sandbox import Sandbox, find_sandbox
 from selfspec.bench.spec import MethodConfig
 from selfspec.data import Prompt
 from selfspec.errors import InvalidArgumentError
+from selfspec.executor.quant import FormatTiming
 
 logger = logging.getLogger(__name__)
 
@@ -303,7 +304,8 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
                 status=status, generations=len(run.records), planned=planned,
                 sessions=list(folder.sessions),
                 sandbox=sandbox.describe() if sandbox is not None else "",
-                batch_size=options.batch_size)
+                batch_size=options.batch_size,
+                draft_format=describe_draft_format(engine.executor.measured_draft_format))
 
         try:
             run_bench(runners, encoded, settings, warmup_prompts=options.warmup_prompts,
@@ -327,6 +329,17 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
     if held.is_in_sample:
         table += f"\n{held.describe(total)}\n"
     return BenchReport(info, run, summaries, table, files)
+
+
+def describe_draft_format(timing: FormatTiming | None) -> str:
+    """One header line on the draft weight format ``draft_weights=auto`` measured fastest
+    here (empty when no row asked for it): a run's rows drafted on that format."""
+    if timing is None:
+        return ""
+    times = ", ".join(f"{fmt} {ms:.2f} ms" for fmt, ms in timing.ms.items())
+    return (f"draft_weights=auto measured {timing.fastest} fastest on this machine"
+            + (f" (one-row products over two layers: {times})" if times
+               else " (the only quantized kernel here)"))
 
 
 def _method_bytes(runners: Sequence[Runner]) -> dict[str, int]:

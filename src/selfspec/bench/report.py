@@ -98,6 +98,8 @@ class RunInfo:
         sessions: ISO start times of the processes that ran it (more than one: resumed).
         sandbox: what isolated generated code while it was scored (empty: none ran).
         batch_size: prompts generated together (tokens/s is then the aggregate throughput).
+        draft_format: what ``draft_weights=auto`` measured on this machine (the format
+            chosen and each format's time), empty when no row asked for it.
     """
 
     model: str
@@ -123,6 +125,7 @@ class RunInfo:
     sessions: list[str] = dataclasses.field(default_factory=list)
     sandbox: str = ""
     batch_size: int = 1
+    draft_format: str = ""
 
     @property
     def partial(self) -> bool:
@@ -361,6 +364,8 @@ def markdown_header(info: RunInfo) -> str:
             f"{r.bandwidth.gb_per_s:.1f} GB/s; weights read per token "
             f"{r.weight_bytes / 1e6:.1f} MB; roofline {r.tokens_per_s:.1f} tok/s"
             + "".join(f"; `{m}` reads {b / 1e6:.1f} MB" for m, b in r.method_bytes.items()))
+    if info.draft_format:
+        lines.append(f"- {info.draft_format}")
     if info.held_out:
         lines.append(f"- {info.held_out}")
     if info.sandbox:

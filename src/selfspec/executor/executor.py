@@ -317,6 +317,12 @@ class LayerExecutor:
                         ", ".join(f"{k} {v:.2f} ms" for k, v in self._fastest_draft.ms.items()))
         return self._fastest_draft
 
+    @property
+    def measured_draft_format(self) -> FormatTiming | None:
+        """What :meth:`fastest_draft_format` measured, or ``None`` when nothing asked for
+        ``draft_weights=auto`` yet (the bench reports it)."""
+        return self._fastest_draft
+
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one token's full forward reads in decoding (every layer's
         projections in the decoding kernel's format, the norms, the final norm and
