@@ -57,6 +57,11 @@ def test_method_specs_parse_names_options_and_value_types():
     assert not methods[1].is_baseline and methods[3].is_baseline
 
 
+def test_a_numeric_list_value_keeps_its_commas():
+    ada, ar = parse_methods("adadecode:layers=14,21,gamma=0.9,ar")
+    assert ada.options == {"layers": "14,21", "gamma": 0.9} and ar.name == "ar"
+
+
 def test_sweeps_expand_to_the_grid():
     grid = parse_sweep("layerskip:exit_layer=6,12,18,24:draft_len=1..6")
     assert len(grid) == 24

@@ -157,7 +157,8 @@ def _split_option(item: str, spec: str) -> tuple[str, str]:
 
 
 def parse_method(spec: str) -> MethodConfig:
-    """Parse one ``name[:key=value,...]`` (options separated by ``,`` or ``:``).
+    """Parse one ``name[:key=value,...]`` (options separated by ``,`` or ``:``; a bare
+    number after ``key=value`` continues that value, so ``layers=14,21`` is one list).
 
     Raises:
         InvalidArgumentError: empty spec, malformed option, repeated option, unknown method
@@ -167,7 +168,11 @@ def parse_method(spec: str) -> MethodConfig:
     if not name:
         raise InvalidArgumentError(f"empty method name in {spec!r}")
     options: dict[str, Any] = {}
+    key = None
     for item in filter(None, (s.strip() for s in rest.replace(":", ",").split(","))):
+        if key is not None and "=" not in item and _is_number(item):
+            options[key] += "," + item
+            continue
         key, value = _split_option(item, spec)
         if key in options:
             raise InvalidArgumentError(f"option {key!r} given twice in {spec!r}")
@@ -177,7 +182,9 @@ def parse_method(spec: str) -> MethodConfig:
 
 def parse_methods(text: str) -> list[MethodConfig]:
     """Parse a comma-separated list of method specs; an item containing ``=`` is another
-    option of the method before it (``ar,layerskip:exit_layer=12,draft_len=4,dv``).
+    option of the method before it (``ar,layerskip:exit_layer=12,draft_len=4,dv``), and an
+    item that is a number continues the option before it, so numeric list values keep their
+    commas (``adadecode:layers=14,21,gamma=0.9``).
 
     Raises:
         InvalidArgumentError: see :func:`parse_method`; an option with no method before it.
@@ -188,11 +195,21 @@ def parse_methods(text: str) -> list[MethodConfig]:
             if not groups:
                 raise InvalidArgumentError(f"option {item!r} has no method before it in {text!r}")
             groups[-1] += "," + item
+        elif groups and "=" in groups[-1] and _is_number(item):  # a list value goes on
+            groups[-1] += "," + item
         else:
             groups.append(item)
     if not groups:
         raise InvalidArgumentError("no method given; e.g. --methods ar,layerskip")
     return [parse_method(g) for g in groups]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _expand_values(text: str, spec: str) -> list[Any]:
