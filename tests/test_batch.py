@@ -212,6 +212,9 @@ def test_scheduler_admits_between_steps_and_matches_single_outputs(engine, singl
         with pytest.raises(QueueFullError):
             _collect(engine, scheduler, PROMPTS[4])
         scheduler.start()
+        # The queue is full until a row finishes: submitting before that is refused (the
+        # test raced the worker and failed on a slow machine).
+        assert jobs[0][1].wait(120)
         bad = _collect(engine, scheduler, PROMPTS[0], "layerskip", exit_layer=99)
         for i, (_, done, out) in enumerate(jobs):
             assert done.wait(120)
