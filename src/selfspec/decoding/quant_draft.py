@@ -12,7 +12,7 @@ its argmax tokens; sampling: its distribution, by the usual acceptance rule).
 from __future__ import annotations
 
 from selfspec.decoding.drafting import ExitDrafter
-from selfspec.decoding.skip_drafter import SkipPlanExit, recompute_target_logits
+from selfspec.decoding.skip_drafter import SkipPlanDrafter, recompute_target_logits
 from selfspec.decoding.speculative import DraftOutput, TargetOutput
 from selfspec.decoding.state import DecodeState
 from selfspec.decoding.stats import StepStats
@@ -53,7 +53,7 @@ class RecomputedVerification:
 
 
 def quantized_drafter(target: LayerExecutor, fmt: str, stop_rule: StopRule,
-                      exit_layer: int | None = None) -> RecomputedVerification:
+                      exit_layer: int | None = None) -> SkipPlanDrafter:
     """Draft with layers ``[0, exit_layer)`` (default all) of the model on ``fmt`` weights
     (``"int8"`` / ``"int4"``), then the final norm and ``lm_head`` on them too.
 
@@ -67,5 +67,5 @@ def quantized_drafter(target: LayerExecutor, fmt: str, stop_rule: StopRule,
     layers = (target.num_layers if exit_layer in (None, target.num_layers)
               else check_exit_layer(target, exit_layer))
     rest = frozenset(range(layers, target.num_layers))
-    drafter = ExitDrafter(view, SkipPlanExit(view, SkipPlan(rest, rest)), stop_rule)
-    return RecomputedVerification(drafter, target)
+    # A skip-plan draft on the view, verified by the target: the draft's sub-layers count.
+    return SkipPlanDrafter(view, SkipPlan(rest, rest), stop_rule, verifier=target)

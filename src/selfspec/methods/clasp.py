@@ -8,9 +8,8 @@ from dataclasses import dataclass
 
 from selfspec.decoding.clasp import CLaSpConfig, CLaSpStep
 from selfspec.decoding.loop import Step
-from selfspec.executor.quant import DRAFT_WEIGHT_CHOICES
 from selfspec.methods.base import MethodContext, MethodSpec
-from selfspec.methods.exit_drafting import DRAFT_WEIGHTS_HELP
+from selfspec.methods.exit_drafting import draft_weights_option
 from selfspec.methods.options import option
 
 
@@ -26,8 +25,7 @@ class Options:
     max_draft_len: int = option(10, "the draft cap", low=1, high="R-1")
     confidence: float = option(0.7, "stop drafting when the top-1 probability falls below this",
                                low=0, high=1, low_open=True, high_open=True)
-    draft_weights: str | None = option(None, DRAFT_WEIGHTS_HELP, choices=DRAFT_WEIGHT_CHOICES,
-                                       default_text="none (the model's own weights)")
+    draft_weights: str | None = draft_weights_option()
 
 
 def skip_layers(num_layers: int, ratio: float) -> int:

@@ -10,11 +10,10 @@ from selfspec.decoding.exits import CalibratedExits
 from selfspec.decoding.loop import Step
 from selfspec.decoding.quant_draft import RecomputedVerification
 from selfspec.decoding.speculative import SpeculativeStep
-from selfspec.executor.quant import DRAFT_WEIGHT_CHOICES
 from selfspec.heads.calibration import CONFIDENCE_METRICS, DEFAULT_METRIC
 from selfspec.heads.files import DEFAULT as DEFAULT_HEADS
 from selfspec.methods.base import MethodContext, MethodSpec
-from selfspec.methods.exit_drafting import DRAFT_VOCAB_HELP, DRAFT_WEIGHTS_HELP
+from selfspec.methods.exit_drafting import DRAFT_VOCAB_HELP, draft_weights_option
 from selfspec.methods.options import option
 
 HEADS_HELP = ("calibrated exit heads: 'default' (from `selfspec heads train`) or a head "
@@ -39,8 +38,7 @@ class Options(CalibratedOptions):
     max_draft_len: int = option(32, "the draft buffer", low=1, high="R-1")
     draft_vocab: int | None = option(None, DRAFT_VOCAB_HELP, low=1, high="V",
                                      default_text="none (full vocabulary)")
-    draft_weights: str | None = option(None, DRAFT_WEIGHTS_HELP, choices=DRAFT_WEIGHT_CHOICES,
-                                       default_text="none (the model's own weights)")
+    draft_weights: str | None = draft_weights_option()
 
 
 def calibrated_exits(context: MethodContext, options: CalibratedOptions,

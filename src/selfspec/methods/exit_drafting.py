@@ -28,6 +28,13 @@ DRAFT_VOCAB_HELP = ("draft heads score only the K most frequent tokens (ranked b
                     "token counts; needs heads), FR-Spec §3")
 
 
+def draft_weights_option() -> str | None:
+    """The ``draft_weights`` option field every drafter on quantized copies takes (default
+    ``None``: the model's own weights)."""
+    return option(None, DRAFT_WEIGHTS_HELP, choices=DRAFT_WEIGHT_CHOICES,
+                  default_text="none (the model's own weights)")
+
+
 @dataclass(frozen=True)
 class ExitOptions:
     """Options of every early-exit drafter."""
@@ -37,8 +44,7 @@ class ExitOptions:
     heads: str | None = option(None, HEADS_HELP, default_text="none (the model's lm_head)")
     draft_vocab: int | None = option(None, DRAFT_VOCAB_HELP, low=1, high="V",
                                      default_text="none (full vocabulary)")
-    draft_weights: str | None = option(None, DRAFT_WEIGHTS_HELP, choices=DRAFT_WEIGHT_CHOICES,
-                                       default_text="none (the model's own weights)")
+    draft_weights: str | None = draft_weights_option()
 
 
 def default_exit_layer(executor: LayerExecutor) -> int:

@@ -8,9 +8,8 @@ from dataclasses import dataclass
 
 from selfspec.decoding.knapspec import KnapSpecConfig, KnapSpecStep
 from selfspec.decoding.loop import Step
-from selfspec.executor.quant import DRAFT_WEIGHT_CHOICES
 from selfspec.methods.base import MethodContext, MethodSpec
-from selfspec.methods.exit_drafting import DRAFT_WEIGHTS_HELP
+from selfspec.methods.exit_drafting import draft_weights_option
 from selfspec.methods.options import option
 
 
@@ -29,8 +28,7 @@ class Options:
                                 low=0)
     max_backoff: int = option(8, "after a re-optimisation finds no paying plan, the interval to "
                               "the next doubles up to this many times T (1 = the paper)", low=1)
-    draft_weights: str | None = option(None, DRAFT_WEIGHTS_HELP, choices=DRAFT_WEIGHT_CHOICES,
-                                       default_text="none (the model's own weights)")
+    draft_weights: str | None = draft_weights_option()
 
 
 def build(context: MethodContext, options: Options) -> Step:

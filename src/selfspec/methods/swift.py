@@ -22,7 +22,6 @@ from selfspec.decoding.loop import Step
 from selfspec.decoding.skip_drafter import SkipPlanDrafter
 from selfspec.decoding.speculative import SpeculativeStep
 from selfspec.decoding.stop_rules import ConfidenceStopRule
-from selfspec.executor.quant import DRAFT_WEIGHT_CHOICES
 from selfspec.heads.skip_set import (
     HELD_OUT_PREFIX,
     SkipSet,
@@ -30,7 +29,7 @@ from selfspec.heads.skip_set import (
     resolve_skip_set_path,
 )
 from selfspec.methods.base import MethodContext, MethodSpec
-from selfspec.methods.exit_drafting import DRAFT_WEIGHTS_HELP
+from selfspec.methods.exit_drafting import draft_weights_option
 from selfspec.methods.options import option
 
 
@@ -43,8 +42,7 @@ class Options:
     max_draft_len: int = option(10, "longest draft", low=1, high="R-1")
     confidence: float = option(0.8, "stop drafting when the top-1 probability falls below this",
                                low=0, high=1, low_open=True, high_open=True)
-    draft_weights: str | None = option(None, DRAFT_WEIGHTS_HELP, choices=DRAFT_WEIGHT_CHOICES,
-                                       default_text="none (the model's own weights)")
+    draft_weights: str | None = draft_weights_option()
 
 
 def _skip_set(context: MethodContext, path: str) -> SkipSet:
