@@ -97,6 +97,12 @@ def _packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of ``weight`` ``[N, K]``; raises ``RuntimeError`` where this CPU
+    has no packed kernel for its dtype (bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+
+
 def _alone(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``[M, K]`` → ``[M, N]``, each row computed as one-token decoding computes it (a call of
     two copies of the row: see :meth:`Linear.__call__`)."""
@@ -232,7 +238,7 @@ def _try_pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor |
     ``[1536, 8960]`` weight on a Xeon with AMX), since decoding and verification both go
     through it; it must only agree with ``F.linear`` to the format's precision."""
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        packed = _reorder(weight)
         probe = torch.randn(2, weight.shape[1], dtype=weight.dtype,
                             generator=torch.Generator().manual_seed(0))
         got = _packed(probe, packed, bias).float()
