@@ -17,6 +17,21 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _latency_cache(tmp_path_factory):
+    """Latency models that methods measure during tests go to a temporary directory, not to
+    the user's ``$SELFSPEC_HOME/latency``: a tiny random model's file from an earlier run would
+    otherwise be read back (tests would depend on what ran before) and files named after
+    pytest's temporary model paths would pile up there."""
+    import selfspec.methods.base as base
+    from selfspec.executor.cost_model import cached_latency
+
+    home = tmp_path_factory.mktemp("selfspec-home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(base, "cached_latency", lambda executor, _home: cached_latency(executor, home))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _threads(request):
     """Tests on the real model run with the default thread count."""
