@@ -23,8 +23,8 @@ def _latency_cache(tmp_path_factory):
     the user's ``$SELFSPEC_HOME/latency``: a tiny random model's file from an earlier run would
     otherwise be read back (tests would depend on what ran before) and files named after
     pytest's temporary model paths would pile up there."""
-    import selfspec.methods.base as base
     from selfspec.executor.cost_model import cached_latency
+    from selfspec.methods import base
 
     home = tmp_path_factory.mktemp("selfspec-home")
     with pytest.MonkeyPatch.context() as patch:

@@ -12,6 +12,9 @@ from selfspec.cli import main
     (["generate", "--max-new-tokens", "0", "hi"], "--max-new-tokens: must be an integer >= 1"),
     (["generate", "--method", "medusa", "hi"], "known methods: ar, layerskip, dv, adaspeed"),
     (["models", "fetch", "no-such-model"], "known"),
+    (["generate", "--method", "adadecode:gamma=1.5", "hi"], "gamma must be a number in [0, 1)"),
+    (["generate", "--method", "adadecode:gamma=0.9", "--gamma", "0.8", "hi"], "give it once"),
+    (["generate", "--method", "hf-prompt-lookup:draft_len=4", "hi"], "selfspec bench"),
 ])
 def test_errors_are_one_line_with_exit_status_2(argv, message, capsys):
     assert main(argv) == 2
@@ -23,3 +26,17 @@ def test_models_list_names_the_registry(capsys):
     assert main(["models", "list"]) == 0
     out = capsys.readouterr().out
     assert "smollm2-135m-instruct (default)" in out and "qwen2.5-coder-1.5b-instruct" in out
+
+
+def test_generate_takes_a_bench_row_label_with_its_options():
+    """`--method` accepts what a bench report's method column prints: the options it carries
+    become the flags, so the best row of a report runs as it is."""
+    import argparse
+
+    from selfspec.cli import apply_method_spec
+
+    args = argparse.Namespace(method="adadecode:draft_vocab=4096,gamma=0.9,decode_kernel=fp16",
+                              draft_vocab=None, gamma=0.9, decode_kernel="auto")
+    apply_method_spec(args)
+    assert (args.method, args.draft_vocab, args.gamma, args.decode_kernel) == (
+        "adadecode", 4096, 0.9, "fp16")

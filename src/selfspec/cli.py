@@ -14,7 +14,7 @@ import typing
 from collections.abc import Sequence
 
 from selfspec.bench.cli import add_bench_cpu_parser, add_bench_parser
-from selfspec.errors import SelfSpecError
+from selfspec.errors import InvalidArgumentError, SelfSpecError
 from selfspec.methods.cli_options import (  # noqa: F401 (re-exported for callers)
     add_method_arguments,
     method_option_fields,
@@ -45,7 +45,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--method", default="auto",
                    help="decoding method (default: auto, which picks n-gram, int8 self-draft "
                         "or plain decoding each step by predicted tokens/s; lossless); "
-                        "`selfspec methods` lists them")
+                        "`selfspec methods` lists them. A bench row's label works too, "
+                        "options included: adadecode:draft_vocab=4096,gamma=0.9")
     p.add_argument("--max-new-tokens", type=int_arg(1), default=128)
     p.add_argument("--temperature", type=float_arg(0.0), default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int_arg(0), default=0, help="0 = no top-k limit")
@@ -81,6 +82,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from selfspec.methods.registry import get_method
 
     # Refuse bad options before spending seconds on loading the model.
+    apply_method_spec(args)
     get_method(args.method).parse(method_options(args))
     DecodeOptions(max_new_tokens=args.max_new_tokens,
                   sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed))
@@ -120,6 +122,40 @@ def _cmd_generate(args: argparse.Namespace) -> int:
               f"{args.method} is {speedup:.2f}x ar (measured in this run); outputs {same}",
               file=sys.stderr)
     return 0
+
+
+def apply_method_spec(args: argparse.Namespace) -> None:
+    """Let ``--method`` take a bench row's label (``name:key=value,...``, what `selfspec
+    bench` reports print), so the best row of a report can be run as it is: the options it
+    carries become the option flags (and ``decode_kernel`` the ``--decode-kernel`` flag),
+    and ``args.method`` becomes the bare name.
+
+    Raises:
+        InvalidArgumentError: a malformed label, an unknown method or option, a bad value, a
+            benchmark-only baseline (``hf-*``, ``llamacpp-*``), or an option given both in
+            the label and as a flag with different values.
+    """
+    if ":" not in args.method:
+        return
+    from selfspec.bench.spec import DECODE_KERNEL, parse_method
+
+    config = parse_method(args.method)  # validates names and values
+    if config.is_baseline:
+        raise InvalidArgumentError(
+            f"{config.name} is a benchmark baseline; run it with `selfspec bench --methods "
+            f"{config.name}`")
+    given = dict(config.method_options)
+    if DECODE_KERNEL in config.options:
+        given[DECODE_KERNEL] = config.options[DECODE_KERNEL]
+    for key, value in given.items():
+        flag = getattr(args, key, None)
+        default = "auto" if key == DECODE_KERNEL else None
+        if flag not in (None, default, value):
+            raise InvalidArgumentError(
+                f"{key} is {value!r} in --method {args.method!r} but "
+                f"--{key.replace('_', '-')} says {flag!r}; give it once")
+        setattr(args, key, value)
+    args.method = config.name
 
 
 def _warm_up(engine, args: argparse.Namespace) -> None:
