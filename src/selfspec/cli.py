@@ -25,6 +25,7 @@ from selfspec.training.cli import add_heads_parser
 from selfspec.validation import (
     SEED_MAX,
     SEED_MIN,
+    add_weight_format_arguments,
     check_stop,
     check_text,
     check_threads,
@@ -54,12 +55,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int_arg(SEED_MIN, SEED_MAX), default=None, help="seed for reproducible sampling")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16", "int4"],
-                   help="weights' format (int4: bf16 weights, decoding on int4 copies)")
-    p.add_argument("--decode-kernel", default="auto", choices=["auto", "weights", "fp16", "int4"],
-                   help="kernel of decoding and verification products: auto (on CPUs that emulate bf16, FBGEMM's "
-                   "fp16-weight kernel for matrices >= 4 MiB), fp16 (that kernel for every matrix: "
-                   "cheapest verification), weights (the weights' own format), int4 (4-bit copies: lossy)")
+    add_weight_format_arguments(p)
     p.add_argument("--threads", type=threads_arg(), default=None, help="torch intra-op threads")
     p.add_argument("--compare-ar", action="store_true",
                    help="also generate with plain autoregressive decoding (ar) on the same "

@@ -266,3 +266,16 @@ def _arg_type(kind: type, what: str, check):
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
+
+
+def add_weight_format_arguments(parser) -> None:
+    """``--dtype`` and ``--decode-kernel``, as every command that loads a model for decoding
+    (generate, bench, serve) takes them."""
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16", "int4"],
+                        help="weights' format (int4: bf16 weights, decoding on int4 copies)")
+    parser.add_argument(
+        "--decode-kernel", default="auto", choices=["auto", "weights", "fp16", "int4"],
+        help="kernel of decoding and verification products: auto (on CPUs that emulate "
+             "bf16, FBGEMM's fp16-weight kernel for matrices >= 4 MiB), fp16 (that kernel for "
+             "every matrix: cheapest verification), weights (the weights' own format), int4 "
+             "(4-bit copies: lossy)")

@@ -13,7 +13,14 @@ from datetime import datetime
 from pathlib import Path
 
 from selfspec.data import DATASETS
-from selfspec.validation import SEED_MAX, SEED_MIN, float_arg, int_arg, threads_arg
+from selfspec.validation import (
+    SEED_MAX,
+    SEED_MIN,
+    add_weight_format_arguments,
+    float_arg,
+    int_arg,
+    threads_arg,
+)
 
 DEFAULT_BASELINES = ("hf-ar", "hf-early-exit", "hf-prompt-lookup")
 
@@ -60,12 +67,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "and auto share forwards across rows; hf-ar batches with left padding; "
                         "the other methods run their rows in turn); tokens/s is then the "
                         "aggregate throughput (default 1)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16", "int4"],
-                   help="weights' format (int4: bf16 weights, decoding on int4 copies)")
-    p.add_argument("--decode-kernel", default="auto", choices=["auto", "weights", "fp16", "int4"],
-                   help="kernel of decoding and verification products: auto (on CPUs that emulate bf16, FBGEMM's "
-                   "fp16-weight kernel for matrices >= 4 MiB), fp16 (that kernel for every matrix: "
-                   "cheapest verification), weights (the weights' own format), int4 (4-bit copies: lossy)")
+    add_weight_format_arguments(p)
     p.add_argument("--temperature", type=float_arg(0.0), default=0.0,
                    help="0 = greedy (default)")
     p.add_argument("--top-p", type=float_arg(0.0, 1.0, low_open=True), default=1.0,

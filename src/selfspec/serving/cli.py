@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from selfspec.validation import check_threads, int_arg, threads_arg
+from selfspec.validation import (
+    add_weight_format_arguments,
+    check_threads,
+    int_arg,
+    threads_arg,
+)
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -21,9 +26,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                                                  "(default: smollm2-135m-instruct)")
     p.add_argument("--served-name", default=None,
                    help="the name clients pass as `model` (default: the model's name)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16", "int4"],
-                   help="weights' format (int4: bf16 weights, decoding on int4 copies)")
-    p.add_argument("--decode-kernel", default="auto", choices=["auto", "weights", "fp16", "int4"])
+    add_weight_format_arguments(p)
     p.add_argument("--method", default="auto",
                    help="default method (a request may override it in its `selfspec` field); "
                         "ar, ngram and auto batch rows together, the others run rows in turn")
