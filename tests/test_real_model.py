@@ -355,9 +355,21 @@ def test_drafts_on_quantized_weights_keep_the_greedy_tokens(engine, prompts, ar_
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_ngram_and_auto_greedy_equal_autoregressive(prompts, dtype):
+def test_ngram_and_auto_greedy_equal_autoregressive(prompts, dtype, monkeypatch):
     """Free n-gram drafts (prompt lookup, then the same prompt again drafting from the
-    engine's history) and `auto`'s per-step mix of drafters give exactly `ar`'s tokens."""
+    engine's history) and `auto`'s per-step mix of drafters give exactly `ar`'s tokens.
+
+    `auto` drafts only where its measured latency model predicts a gain, and a fresh
+    measurement on a noisy 2-core machine sometimes predicts none (it then decodes plainly,
+    which checks nothing here). So the test prices verifying extra tokens at zero: every
+    n-gram match pays, and `auto` really drafts."""
+    import dataclasses
+
+    from selfspec.methods import base
+
+    measured = base.cached_latency
+    monkeypatch.setattr(base, "cached_latency", lambda executor, home: dataclasses.replace(
+        measured(executor, home), verify_token_ms=0.0))
     engine = selfspec.load("smollm2-135m-instruct", dtype=dtype, show_progress=False)
     drafted = {"ngram": 0, "auto": 0}
     for prompt in prompts[:2]:
