@@ -15,6 +15,7 @@ from selfspec.cli import main
     (["generate", "--method", "adadecode:gamma=1.5", "hi"], "gamma must be a number in [0, 1)"),
     (["generate", "--method", "adadecode:gamma=0.9", "--gamma", "0.8", "hi"], "give it once"),
     (["generate", "--method", "hf-prompt-lookup:draft_len=4", "hi"], "selfspec bench"),
+    (["serve", "--method", "adadecode:gamma=2"], "gamma must be a number in [0, 1)"),
 ])
 def test_errors_are_one_line_with_exit_status_2(argv, message, capsys):
     assert main(argv) == 2

@@ -51,3 +51,38 @@ def method_options(args: argparse.Namespace) -> dict:
     """The method options given on the command line (unset ones are left to the method)."""
     return {n: getattr(args, n) for n in method_option_fields()
             if getattr(args, n, None) is not None}
+
+
+def apply_method_spec(args: argparse.Namespace) -> None:
+    """Let ``--method`` take a bench row's label (``name:key=value,...``, what `selfspec
+    bench` reports print), so the best row of a report can be run as it is: the options it
+    carries become the option flags (and ``decode_kernel`` the ``--decode-kernel`` flag),
+    and ``args.method`` becomes the bare name.
+
+    Raises:
+        InvalidArgumentError: a malformed label, an unknown method or option, a bad value, a
+            benchmark-only baseline (``hf-*``, ``llamacpp-*``), or an option given both in
+            the label and as a flag with different values.
+    """
+    if ":" not in args.method:
+        return
+    from selfspec.bench.spec import DECODE_KERNEL, parse_method
+    from selfspec.errors import InvalidArgumentError
+
+    config = parse_method(args.method)  # validates names and values
+    if config.is_baseline:
+        raise InvalidArgumentError(
+            f"{config.name} is a benchmark baseline; run it with `selfspec bench --methods "
+            f"{config.name}`")
+    given = dict(config.method_options)
+    if DECODE_KERNEL in config.options:
+        given[DECODE_KERNEL] = config.options[DECODE_KERNEL]
+    for key, value in given.items():
+        flag = getattr(args, key, None)
+        default = "auto" if key == DECODE_KERNEL else None
+        if flag not in (None, default, value):
+            raise InvalidArgumentError(
+                f"{key} is {value!r} in --method {args.method!r} but "
+                f"--{key.replace('_', '-')} says {flag!r}; give it once")
+        setattr(args, key, value)
+    args.method = config.name

@@ -28,7 +28,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="the name clients pass as `model` (default: the model's name)")
     add_weight_format_arguments(p)
     p.add_argument("--method", default="auto",
-                   help="default method (a request may override it in its `selfspec` field); "
+                   help="default method, or a bench row's label with its options "
+                        "(adadecode:gamma=0.9); a request may override it in its `selfspec` field; "
                         "ar, ngram and auto batch rows together, the others run rows in turn")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int_arg(0, 65535), default=8000)
@@ -54,11 +55,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
     import selfspec
-    from selfspec.methods.cli_options import method_options
+    from selfspec.methods.cli_options import apply_method_spec, method_options
     from selfspec.methods.registry import get_method
     from selfspec.serving.app import ServeConfig, serve
     from selfspec.serving.protocol import Limits
 
+    apply_method_spec(args)
     options = method_options(args)
     get_method(args.method).parse(options)  # bad options fail before the model loads
     if check_threads("--threads", args.threads):
