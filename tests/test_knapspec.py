@@ -2,6 +2,8 @@
 of plan, the DP's read-only history pass reproduces the model, the latency model is measured
 and cached, and the whole method gives autoregressive greedy output."""
 
+import dataclasses
+
 import pytest
 import torch
 from tiny import run_step, tiny_model
@@ -86,6 +88,11 @@ def test_latency_model_is_measured_and_cached(executor, tmp_path):
     (path,) = (tmp_path / "latency").iterdir()
     path.write_text("{not json")
     assert cached_latency(executor, tmp_path).num_layers == executor.num_layers
+    stale = dataclasses.replace(first, verify_token_ms=1e6)  # e.g. measured on a busy machine
+    path.write_text(stale.to_json())
+    assert cached_latency(executor, tmp_path) == stale
+    assert cached_latency(executor, tmp_path, remeasure=True).verify_token_ms < 1e6
+    assert LatencyModel.from_json(path.read_text()).verify_token_ms < 1e6  # replaced
 
 
 def _latency(executor, attn=1.0, mlp=1.0):

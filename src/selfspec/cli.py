@@ -193,6 +193,17 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
     verify.add_argument("names", nargs="*", metavar="NAME", help="registry models to check (default: all cached)")
     verify.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="check only this dtype's entries")
     verify.set_defaults(func=_cmd_models_verify)
+    lat = msub.add_parser(
+        "latency", help="show (or measure again) this machine's layer latencies for a model",
+        description="The latency model auto and knapspec choose drafts by: measured once per "
+                    "model, dtype, decoding kernel, thread count and processor, then kept. "
+                    "--remeasure replaces it (e.g. one measured while the machine was busy).")
+    lat.add_argument("--model", default=None, help="registry name, local directory or hub id "
+                                                   "(default: smollm2-135m-instruct)")
+    add_weight_format_arguments(lat)
+    lat.add_argument("--threads", type=threads_arg(), default=None, help="torch intra-op threads")
+    lat.add_argument("--remeasure", action="store_true", help="measure again and replace the file")
+    lat.set_defaults(func=_cmd_models_latency)
 
 
 def _cmd_models_list(args: argparse.Namespace) -> int:
@@ -254,6 +265,33 @@ def _cmd_models_verify(args: argparse.Namespace) -> int:
                 line = f"ok ({len(check.records or ())} files, {sum(r.size for r in check.records or ()) / 1e6:.0f} MB)"
             print(f"{name}\t{dtype_name(dtype)}\t{line}")
     return 1 if corrupt else 0
+
+
+def _cmd_models_latency(args: argparse.Namespace) -> int:
+    import datetime
+
+    import torch
+
+    import selfspec
+    from selfspec.executor.cost_model import cached_latency, latency_path
+    from selfspec.models.provision import selfspec_home
+
+    if check_threads("--threads", args.threads):
+        torch.set_num_threads(args.threads)
+    engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel)
+    path = latency_path(engine.executor, selfspec_home())
+    known = path.exists() and not args.remeasure
+    model = cached_latency(engine.executor, selfspec_home(), remeasure=args.remeasure)
+    when = datetime.datetime.fromtimestamp(path.stat().st_mtime).isoformat(timespec="seconds")
+    print(f"{path}\t{'read (measured ' + when + ')' if known else 'measured now'}")
+    n = 256
+    print(f"per token at {n} cached positions: attention {model.t_attn(n):.3f} ms, MLP "
+          f"{model.mlp_ms:.3f} ms ({model.num_layers} layers), output head {model.head_ms:.2f} ms "
+          f"= {model.target_ms(n):.1f} ms ({1e3 / model.target_ms(n):.1f} tok/s)")
+    print(f"each extra token of a verification: +{model.verify_token_ms:.2f} ms "
+          f"({model.verify_token_ms / model.target_ms(n):.0%} of a token); one batched "
+          f"sub-layer row: {model.batched_row_ms:.3f} ms")
+    return 0
 
 
 def _version_line() -> str:

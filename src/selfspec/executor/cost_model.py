@@ -272,13 +272,21 @@ def _batched_row_ms(ex: LayerExecutor, layer: int, n: int, repeats: int) -> floa
     return total / 2 / (batch * rows)
 
 
-def cached_latency(executor: LayerExecutor, home: Path) -> LatencyModel:
+def latency_path(executor: LayerExecutor, home: Path) -> Path:
+    """``home/latency/<key>.json``: where :func:`cached_latency` keeps ``executor``'s model."""
+    return home / "latency" / f"{machine_key(executor)}.json"
+
+
+def cached_latency(executor: LayerExecutor, home: Path, remeasure: bool = False) -> LatencyModel:
     """The latency model of ``executor`` on this machine, measured once and kept in
     ``home/latency/<key>.json`` (a changed model, dtype, thread count or processor is a new
-    key; a corrupt file is measured again)."""
-    path = home / "latency" / f"{machine_key(executor)}.json"
+    key; a corrupt file is measured again). ``remeasure=True`` measures and replaces the file
+    (for a model measured while the machine was busy: it steers ``auto`` and ``knapspec``
+    for as long as it is kept)."""
+    path = latency_path(executor, home)
     try:
-        return LatencyModel.from_json(path.read_text())
+        if not remeasure:
+            return LatencyModel.from_json(path.read_text())
     except (OSError, ValueError, TypeError) as err:
         if path.exists():
             logger.warning("re-measuring latencies: %s is unreadable (%s)", path, err)
