@@ -51,9 +51,11 @@ def test_skip_plan_drafts_are_lossless(executor, ar_tokens, plan):
                                      + 12 * (state.stats.drafted + state.stats.verifications))
 
 
-def test_read_only_history_pass_reproduces_the_model(executor):
+@pytest.mark.parametrize("free", [False, True])
+def test_read_only_history_pass_reproduces_the_model(executor, free):
     """The DP scores plans on committed tokens with read-only attention over a cache prefix,
-    batched over budgets: the same hidden states as a fresh forward, and the cache untouched."""
+    batched over budgets: the same hidden states as a fresh forward, and the cache untouched
+    (also as a ``free`` block: bulk products and one attention call, as the DP runs them)."""
     ex = executor
     ids = torch.tensor([PROMPT])
     cache = ex.new_cache(capacity=64)
@@ -65,7 +67,8 @@ def test_read_only_history_pass_reproduces_the_model(executor):
         seen = []
         out = ex.run_layers(ex.embed(ids[:, start:]).expand(3, -1, -1),
                             positions[:, start:].expand(3, -1), 0, ex.num_layers, cache,
-                            observe=lambda i, s, h: seen.append(h), write_cache=False)
+                            observe=lambda i, s, h: seen.append(h), write_cache=False,
+                            free=free)
     assert cache.lengths() == lengths
     assert len(seen) == 2 * ex.num_layers
     for b in range(3):

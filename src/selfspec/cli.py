@@ -280,10 +280,11 @@ def _cmd_models_latency(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel)
     path = latency_path(engine.executor, selfspec_home())
-    known = path.exists() and not args.remeasure
+    before = path.stat().st_mtime if path.exists() else None
     model = cached_latency(engine.executor, selfspec_home(), remeasure=args.remeasure)
-    when = datetime.datetime.fromtimestamp(path.stat().st_mtime).isoformat(timespec="seconds")
-    print(f"{path}\t{'read (measured ' + when + ')' if known else 'measured now'}")
+    mtime = path.stat().st_mtime
+    when = datetime.datetime.fromtimestamp(mtime).isoformat(timespec="seconds")
+    print(f"{path}\t{'measured now' if mtime != before else 'read (measured ' + when + ')'}")
     n = 256
     print(f"per token at {n} cached positions: attention {model.t_attn(n):.3f} ms, MLP "
           f"{model.mlp_ms:.3f} ms ({model.num_layers} layers), output head {model.head_ms:.2f} ms "

@@ -51,7 +51,7 @@ class History:
         history positions at once, read-only: ``hidden`` ``[B, r, d]`` -> ``[B, r, d]``."""
         positions = self.positions.expand(hidden.shape[0], len(self))
         return executor.run_layers(hidden, positions, start, end, state.cache, plan,
-                                   write_cache=False)
+                                   write_cache=False, free=True)
 
     def labels(self, executor: LayerExecutor) -> torch.Tensor:
         """``[r]`` the full model's own greedy next token at each position (KnapSpec eq. 9's
