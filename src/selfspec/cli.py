@@ -26,6 +26,7 @@ from selfspec.training.cli import add_heads_parser
 from selfspec.validation import (
     SEED_MAX,
     SEED_MIN,
+    add_model_argument,
     add_weight_format_arguments,
     check_stop,
     check_text,
@@ -41,9 +42,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                        description="Generate a continuation of PROMPT, streaming the text, "
                                    "then print one stats line.")
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--model", default=None,
-                   help="registry name, local directory or Hugging Face hub id "
-                        "(default: smollm2-135m-instruct)")
+    add_model_argument(p)
     p.add_argument("--method", default="auto",
                    help="decoding method (default: auto, which picks n-gram, int8 self-draft "
                         "or plain decoding each step by predicted tokens/s; lossless); "
@@ -198,8 +197,7 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
         description="The latency model auto and knapspec choose drafts by: measured once per "
                     "model, dtype, decoding kernel, thread count and processor, then kept. "
                     "--remeasure replaces it (e.g. one measured while the machine was busy).")
-    lat.add_argument("--model", default=None, help="registry name, local directory or hub id "
-                                                   "(default: smollm2-135m-instruct)")
+    add_model_argument(lat)
     add_weight_format_arguments(lat)
     lat.add_argument("--threads", type=threads_arg(), default=None, help="torch intra-op threads")
     lat.add_argument("--remeasure", action="store_true", help="measure again and replace the file")

@@ -268,6 +268,13 @@ def _arg_type(kind: type, what: str, check):
     return parse
 
 
+def add_model_argument(parser) -> None:
+    """``--model``, as every command that loads one model for decoding takes it."""
+    parser.add_argument("--model", default=None,
+                        help="registry name, local directory or Hugging Face hub id "
+                             "(default: smollm2-135m-instruct)")
+
+
 def add_weight_format_arguments(parser) -> None:
     """``--dtype`` and ``--decode-kernel``, as every command that loads a model for decoding
     (generate, bench, serve) takes them."""

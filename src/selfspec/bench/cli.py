@@ -16,6 +16,7 @@ from selfspec.data import DATASETS
 from selfspec.validation import (
     SEED_MAX,
     SEED_MIN,
+    add_model_argument,
     add_weight_format_arguments,
     float_arg,
     int_arg,
@@ -45,8 +46,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                "hf-assistant:model=qwen2.5-coder-0.5b-instruct. "
                "Sweeps: NAME:key=v1,v2:key2=a..b, "
                "e.g. layerskip:exit_layer=18,22,26:draft_len=1..6.")
-    p.add_argument("--model", default=None,
-                   help="registry name, local directory or hub id (default: smollm2-135m-instruct)")
+    add_model_argument(p)
     p.add_argument("--methods", action="append", default=None,
                    help="comma-separated method specs (repeatable; default: "
                         "all selfspec methods + hf-ar,hf-early-exit,hf-prompt-lookup)")
@@ -290,8 +290,7 @@ def add_bench_cpu_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
                     "(ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2), to see on a machine "
                     "with native bf16 what users of AVX2-only CPUs get. Writes formats-*.json "
                     "and report.md to --out and prints the table.")
-    p.add_argument("--model", default=None,
-                   help="registry name, local directory or hub id (default: smollm2-135m-instruct)")
+    add_model_argument(p)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"],
                    help="weights' dtype (default bf16)")
     p.add_argument("--lengths", default="256,1024,4096",

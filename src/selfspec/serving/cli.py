@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from selfspec.validation import (
+    add_model_argument,
     add_weight_format_arguments,
     check_threads,
     int_arg,
@@ -22,8 +23,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         description="Serve /v1/completions, /v1/chat/completions (streaming or not), "
                     "/v1/models and /health with continuous batching. Binds 127.0.0.1 unless "
                     "--host says otherwise; set --api-key before exposing it.")
-    p.add_argument("--model", default=None, help="registry name, local directory or hub id "
-                                                 "(default: smollm2-135m-instruct)")
+    add_model_argument(p)
     p.add_argument("--served-name", default=None,
                    help="the name clients pass as `model` (default: the model's name)")
     add_weight_format_arguments(p)
