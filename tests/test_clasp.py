@@ -76,6 +76,25 @@ def test_clasp_is_lossless_and_reoptimises(executor):
     assert step.history[0].context_len == len(PROMPT) + 1
 
 
+def test_clasp_scores_on_the_last_verifications_own_hidden_states(executor, monkeypatch):
+    """As in CLaSp, the DP's history comes from the forwards that computed it (the prefill
+    for the first steps, then verifications): no read-only pass at all; without the
+    prefill's recording only the first steps (history in the prompt) pay one."""
+    from selfspec.decoding import clasp
+
+    passes = []
+    read = clasp.read_history
+    monkeypatch.setattr(clasp, "read_history", lambda *a: passes.append(1) or read(*a))
+    ar_tokens = run_step(executor, ArStep(), PROMPT, max_new_tokens=40).tokens
+    step = CLaSpStep(executor, CLaSpConfig(skip_layers=2, max_draft_len=4, confidence=0.01))
+    state = run_step(executor, step, PROMPT, max_new_tokens=40)
+    assert state.tokens == ar_tokens
+    assert state.stats.steps >= 8 and passes == []
+    step.prefill_observer = lambda state: None
+    assert run_step(executor, step, PROMPT, max_new_tokens=40).tokens == ar_tokens
+    assert 1 <= len(passes) <= 4  # min_history 4: 4 steps at most
+
+
 def test_clasp_reoptimise_interval(executor):
     step = CLaSpStep(executor, CLaSpConfig(skip_layers=3, reoptimize_every=4, confidence=0.01))
     state = run_step(executor, step, PROMPT, max_new_tokens=30)

@@ -41,3 +41,30 @@ def test_generate_takes_a_bench_row_label_with_its_options():
     apply_method_spec(args)
     assert (args.method, args.draft_vocab, args.gamma, args.decode_kernel) == (
         "adadecode", 4096, 0.9, "fp16")
+
+
+def test_models_latency_shows_and_remeasures_a_draft_views_own_model(monkeypatch, tmp_path, capsys):
+    """`models latency --draft-weights int8` keeps the quantized draft copies' latencies in
+    their own file (what knapspec:draft_weights=int8 decides by) and can re-measure them."""
+    import types
+
+    from tiny import tiny_model
+
+    import selfspec
+    from selfspec.executor import LayerExecutor
+    from selfspec.executor.quant import quantized_kernels_available
+    from selfspec.models import provision
+
+    if not quantized_kernels_available("int8"):
+        pytest.skip("no int8 kernel here")
+    ex = LayerExecutor(tiny_model("llama", seed=4).float())
+    monkeypatch.setattr(selfspec, "load", lambda *a, **k: types.SimpleNamespace(executor=ex))
+    monkeypatch.setattr(provision, "selfspec_home", lambda: tmp_path)
+    assert main(["models", "latency", "--draft-weights", "int8"]) == 0
+    first = capsys.readouterr().out
+    assert "-draftint8-" in first and "measured now" in first
+    assert main(["models", "latency", "--draft-weights", "int8"]) == 0
+    assert "read (measured" in capsys.readouterr().out
+    assert main(["models", "latency", "--draft-weights", "int8", "--remeasure"]) == 0
+    assert "measured now" in capsys.readouterr().out
+    assert len(list((tmp_path / "latency").iterdir())) == 1

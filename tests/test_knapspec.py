@@ -155,7 +155,7 @@ def test_knapspec_skips_planning_that_costs_more_than_its_budget(executor, ar_to
 def test_knapspec_cheapens_a_dp_that_does_not_fit_its_budget(executor, ar_tokens):
     """Between the exact DP and no planning: wider budget bins (then fewer history tokens)
     until the predicted cost fits plan_budget; the output stays the model's own."""
-    costly = LatencyModel(executor.num_layers, 0.0, 1.0, 1.0, 0.5, batched_row_ms=0.03,
+    costly = LatencyModel(executor.num_layers, 0.0, 1.0, 1.0, 0.5, batched_row_ms=0.04,
                           key="costly")
     step = KnapSpecStep(executor, costly, KnapSpecConfig(reoptimize_every=8, tau=-1.0,
                                                          confidence=0.01, plan_budget=0.5,
@@ -240,3 +240,139 @@ def test_a_draft_view_has_its_own_latency_key():
         pytest.skip("no int8 kernel here")
     assert cost_model.machine_key(ex.draft_view("int8")) != cost_model.machine_key(ex)
     assert "-draftint8-" in cost_model.machine_key(ex.draft_view("int8"))
+
+
+def _recorded_vs_read(ex, step, recorder, r):
+    """After a generation with ``step`` (recording into ``recorder``), the recorded history of
+    the last ``r`` positions against the read-only pass's."""
+    from selfspec.decoding import loop
+    from selfspec.decoding.history import read_history
+    from selfspec.decoding.state import DecodeOptions, DecodeState
+
+    state = DecodeState(ex, PROMPT, DecodeOptions(max_new_tokens=30))
+    with torch.inference_mode():
+        loop.run(state, step)
+        recorded = recorder.history(ex, state, r)
+        read = read_history(ex, state, r)
+    return state, recorded, read
+
+
+@pytest.mark.parametrize("kind", ["ar", "verification"])
+def test_recorded_history_equals_the_read_only_pass(executor, ar_tokens, kind):
+    """The residual stream kept from the step's own forwards (one-token steps, or
+    verifications whose rejected positions are overwritten) is the read-only pass's."""
+    from selfspec.decoding.history import ResidualRecorder
+
+    recorder = ResidualRecorder(64)
+    if kind == "ar":
+        step = ArStep(recorder)
+    else:  # a poor draft: many rejected positions must not leak into the history
+        drafter = SkipPlanDrafter(executor, PLANS["everything-but-one"], ConstantStopRule(4),
+                                  recorder=recorder)
+        step = SpeculativeStep(drafter)
+    state, recorded, read = _recorded_vs_read(executor, step, recorder, 24)
+    assert state.tokens[:len(ar_tokens)] == ar_tokens[:state.seq_len]
+    if kind == "verification":
+        assert state.stats.drafted > state.stats.accepted  # rejections happened
+    assert recorded is not None and len(recorded) == 24
+    assert recorder.covered(state, executor.num_layers) >= 24
+    assert torch.equal(recorded.tokens, read.tokens)
+    assert torch.equal(recorded.positions, read.positions)
+    assert len(recorded.states) == len(read.states) == 2 * executor.num_layers + 1
+    for a, b in zip(recorded.states, read.states):
+        assert torch.allclose(a, b, atol=1e-5)
+    # Beyond what was generated the recording stops: the prompt was never recorded.
+    assert recorder.history(executor, state, state.seq_len - 1) is None
+
+
+def test_a_recorder_keeps_only_its_capacity(executor):
+    from selfspec.decoding.history import ResidualRecorder
+
+    recorder = ResidualRecorder(8)
+    state, recorded, _ = _recorded_vs_read(executor, ArStep(recorder), recorder, 8)
+    # The newest forward and the 8 positions before it.
+    assert recorded is not None and recorder.covered(state, executor.num_layers) == 9
+    assert recorder.history(executor, state, 10) is None
+
+
+def test_knapspec_plans_on_recorded_history_and_waits_for_it_when_only_the_pass_is_too_dear(
+        executor, ar_tokens):
+    """A read-only pass over the history that alone breaks the planning budget: the prefill's
+    recording makes the first re-optimisation (on the prompt's end) pass-free; without it the
+    step decodes on, recording, and re-optimises once its own forwards cover the tokens
+    (record_history=False: never plans)."""
+    pass_dear = LatencyModel(executor.num_layers, 0.0, 1.0, 1.0, 1e-3, batched_row_ms=1e-5,
+                             verify_token_ms=1e3, key="pass-dear")
+    config = KnapSpecConfig(reoptimize_every=8, min_history=8, tau=-1.0, max_backoff=1)
+    step = KnapSpecStep(executor, pass_dear, config)
+    state = run_step(executor, step, PROMPT, max_new_tokens=40)
+    assert state.tokens == ar_tokens
+    assert step.history and step.history[0].step == 0
+    assert all(r.recorded and r.choice is not None for r in step.history)
+    assert all(r.predicted_ms < 1e3 for r in step.history)
+    unrecorded_prompt = KnapSpecStep(executor, pass_dear, config)
+    unrecorded_prompt.prefill_observer = lambda state: None  # e.g. a batched server's prefill
+    assert run_step(executor, unrecorded_prompt, PROMPT, max_new_tokens=40).tokens == ar_tokens
+    assert unrecorded_prompt.history[0].step == 8  # waited 8 one-token steps
+    assert all(r.recorded and r.choice is not None for r in unrecorded_prompt.history)
+    never = KnapSpecStep(executor, pass_dear, dataclasses.replace(config, record_history=False))
+    assert run_step(executor, never, PROMPT, max_new_tokens=40).tokens == ar_tokens
+    assert all(r.choice is None and not r.recorded for r in never.history)
+
+
+def test_a_recorded_prefill_keeps_the_prompts_end(executor):
+    """The prefill's residual stream, cut to what the recorder reaches, is the read-only
+    pass's on the prompt's end; a recorder attached to a new generation forgets the old."""
+    from selfspec.decoding.history import ResidualRecorder, read_history
+    from selfspec.decoding.state import DecodeOptions, DecodeState
+
+    recorder = ResidualRecorder(8)
+    state = DecodeState(executor, PROMPT, DecodeOptions(max_new_tokens=4))
+    with torch.inference_mode():
+        recorder.attach(state)
+        state.prefill(recorder.observer(state.tokens, 0))
+        state.commit([1])
+        recorded = recorder.history(executor, state, 9)
+        read = read_history(executor, state, 9)
+    assert recorder.covered(state, executor.num_layers) == 9  # positions 11..19 of 20
+    assert torch.equal(recorded.tokens, read.tokens)
+    for a, b in zip(recorded.states, read.states):
+        assert torch.allclose(a, b, atol=1e-5)
+        assert a.untyped_storage().nbytes() < 20 * a.shape[-1] * a.element_size()  # not kept whole
+    recorder.attach(state)  # the same generation: kept
+    assert recorder.covered(state, executor.num_layers) == 9
+    recorder.attach(DecodeState(executor, PROMPT, DecodeOptions(max_new_tokens=4)))
+    assert recorder.covered(state, executor.num_layers) == 0
+
+
+def test_alpha_over_a_shortlist_never_under_estimates_and_is_exact_over_the_vocabulary(executor):
+    """α̂ (eq. 9) scored over the union of the full model's top-k tokens: a candidate whose
+    prediction is right over the whole vocabulary is right over the shortlist (the label is
+    in it), so the estimate can only rise; with every token listed it is exact."""
+    from selfspec.decoding.history import read_history
+    from selfspec.decoding.knapsack import Candidate
+    from selfspec.decoding.state import DecodeOptions, DecodeState
+
+    state = DecodeState(executor, PROMPT, DecodeOptions(max_new_tokens=8))
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        state.prefill()
+        history = read_history(executor, state, 12)
+        final = history.states[-1]
+        candidates = [Candidate(0, frozenset(), frozenset(), 1.0, final)] + [
+            Candidate(j, frozenset(), frozenset(), 0.5, final + s * torch.randn_like(final))
+            for j, s in enumerate((0.5, 1.0, 2.0, 4.0), 1)]
+
+        def alphas(k):
+            step = KnapSpecStep(executor, _latency(executor), KnapSpecConfig(alpha_vocab=k))
+            return step._alphas(candidates, history)
+        exact = alphas(0)
+        assert exact[0] == 1.0  # the full model predicts its own labels
+        for k in (1, 4, 64):
+            estimate = alphas(k)
+            assert all(e >= x for e, x in zip(estimate, exact))
+        everything = torch.arange(executor.vocab_size)
+        history.shortlist = lambda ex, k: everything
+        assert alphas(16) == exact
+    with pytest.raises(ValueError, match="alpha_vocab"):
+        KnapSpecStep(executor, _latency(executor), KnapSpecConfig(alpha_vocab=65))

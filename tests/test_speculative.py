@@ -105,9 +105,9 @@ def test_verification_never_recomputes_the_draft_layers():
     calls = []
     run_layers = executor.run_layers
 
-    def counting(hidden, positions, start, end, cache, skip=None):
+    def counting(hidden, positions, start, end, cache, skip=None, **kwargs):
         calls.append((start, end, hidden.shape[1], int(positions[0, 0])))
-        return run_layers(hidden, positions, start, end, cache, skip)
+        return run_layers(hidden, positions, start, end, cache, skip, **kwargs)
 
     executor.run_layers = counting
     decoder = build_step("layerskip", executor, {"exit_layer": exit_layer, "draft_len": 3})

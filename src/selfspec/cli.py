@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from selfspec.bench.cli import add_bench_cpu_parser, add_bench_parser
 from selfspec.errors import SelfSpecError
+from selfspec.executor.quant import DRAFT_WEIGHT_FORMATS
 from selfspec.methods.cli_options import (  # noqa: F401 (re-exported for callers)
     add_method_arguments,
     apply_method_spec,
@@ -201,6 +202,9 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
     add_weight_format_arguments(lat)
     lat.add_argument("--threads", type=threads_arg(), default=None, help="torch intra-op threads")
     lat.add_argument("--remeasure", action="store_true", help="measure again and replace the file")
+    lat.add_argument("--draft-weights", choices=DRAFT_WEIGHT_FORMATS, default=None,
+                     help="the latency model of the quantized draft copies that "
+                          "knapspec/qspec:draft_weights=... draft on (default: the model's own)")
     lat.set_defaults(func=_cmd_models_latency)
 
 
@@ -277,9 +281,12 @@ def _cmd_models_latency(args: argparse.Namespace) -> int:
     if check_threads("--threads", args.threads):
         torch.set_num_threads(args.threads)
     engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel)
-    path = latency_path(engine.executor, selfspec_home())
+    executor = engine.executor
+    if args.draft_weights is not None:
+        executor = executor.draft_view(args.draft_weights)
+    path = latency_path(executor, selfspec_home())
     before = path.stat().st_mtime if path.exists() else None
-    model = cached_latency(engine.executor, selfspec_home(), remeasure=args.remeasure)
+    model = cached_latency(executor, selfspec_home(), remeasure=args.remeasure)
     mtime = path.stat().st_mtime
     when = datetime.datetime.fromtimestamp(mtime).isoformat(timespec="seconds")
     print(f"{path}\t{'measured now' if mtime != before else 'read (measured ' + when + ')'}")

@@ -6,8 +6,11 @@ on the tokens of the last verification.
 
 After every ``reoptimize_every`` steps (CLaSp: after each verification) the step:
 
-1. runs the full model read-only over the tokens committed by the last ``history_steps``
-   steps (:func:`~selfspec.decoding.history.read_history`), keeping each layer's output;
+1. takes each layer's output on the tokens committed by the last ``history_steps`` steps
+   from the verification forwards that computed them (as CLaSp does;
+   :class:`~selfspec.decoding.history.ResidualRecorder`), or, where those do not cover them
+   (the first step, on the prompt's end), runs the full model read-only over them
+   (:func:`~selfspec.decoding.history.read_history`);
 2. solves CLaSp's DP — the same recurrence as KnapSpec's knapsack with every layer an item
    of weight 1 (:func:`~selfspec.decoding.knapsack.solve_knapsack`), budget ``M`` — and
    takes the best set of exactly ``M`` skipped layers (fewer if pruning left no such state);
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec.decoding.history import CommittedWindow, read_history
+from selfspec.decoding.history import CommittedWindow, ResidualRecorder, read_history
 from selfspec.decoding.knapsack import solve_knapsack
 from selfspec.decoding.plan_log import PlanLog, PlanRecord, governed_call
 from selfspec.decoding.skip_drafter import SkipPlanDrafter
@@ -39,7 +42,7 @@ from selfspec.decoding.stats import StepStats
 from selfspec.decoding.stop_rules import ConfidenceStopRule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
-from selfspec.executor.executor import SkipPlan
+from selfspec.executor.executor import Observer, SkipPlan
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +117,11 @@ class CLaSpStep:
         self.draft_executor = executor if draft is None else draft
         self.config = config
         rule = ConfidenceStopRule(config.confidence, max_draft_len=config.max_draft_len)
+        self._recorder = ResidualRecorder(max(config.min_history, config.history_steps
+                                              * (config.max_draft_len + 1)))
         self.drafter = SkipPlanDrafter(self.draft_executor, self._plan(_initial_layers(
-            executor.num_layers, config.skip_layers)), rule, verifier=executor)
+            executor.num_layers, config.skip_layers)), rule, verifier=executor,
+            recorder=self._recorder)
         self._speculative = SpeculativeStep(self.drafter)
         self.history: list[LayerChoice] = []
         self.plan_log = PlanLog()
@@ -131,7 +137,14 @@ class CLaSpStep:
         self.history = []
         self.plan_log.clear()
         self._committed.clear()
+        self._recorder.attach(state)
         self._calls = 0
+
+    def prefill_observer(self, state: DecodeState) -> Observer:
+        """Record the prompt's residual stream as the prefill computes it (the first DP
+        scores the prompt's end)."""
+        self._recorder.attach(state)
+        return self._recorder.observer(state.tokens, 0)
 
     def __call__(self, state: DecodeState) -> StepStats:
         plan_ms = 0.0
@@ -146,7 +159,10 @@ class CLaSpStep:
     def _reoptimize(self, state: DecodeState) -> None:
         cfg, ex = self.config, self.executor
         t0 = time.perf_counter()
-        history = read_history(ex, state, self._committed.tokens(cfg.min_history))
+        r = self._committed.tokens(cfg.min_history)
+        history = self._recorder.history(ex, state, r)
+        if history is None:
+            history = read_history(ex, state, r)
         if history is None:
             return
 

@@ -6,8 +6,11 @@ latencies.
 Every ``reoptimize_every`` steps (paper: T = 64) the step:
 
 1. takes the ``r`` tokens committed by the last ``history_steps`` steps (paper: m = 5) and
-   runs the full model over them with read-only attention (the cache is not touched),
-   recording the residual stream after every sub-layer (``observe``): ``X[0..2L]``;
+   the full model's residual stream after every sub-layer on them, ``X[0..2L]``: recorded
+   from the step's own plain decoding and verification forwards (``observe``,
+   :class:`~selfspec.decoding.history.ResidualRecorder`), or, where those do not cover the
+   tokens (the first re-optimisation, on the prompt's end), from a read-only pass of the full
+   model over them (the cache is not touched);
 2. solves the knapsack DP with integer weights from the latency model at the current context
    length (:func:`~selfspec.decoding.knapsack.knapsack_candidates`; τ = 0.5, skipped weight
    ≤ K/2), each sub-layer applied to all live budgets in one batched read-only call;
@@ -26,7 +29,9 @@ is cheapened — budgets grouped into bins that keep one state each (``bin_width
 fewer history tokens — and when even the cheapest form does not fit the step keeps its
 current mode (plain decoding at first). So KnapSpec never pays more for planning than it
 can win, and falls back to plain decoding when planning is too dear. The predicted cost
-counts the full model's pass over the history tokens too. While re-optimisations find no
+counts the full model's pass over the history tokens when they are not recorded; when only
+that pass makes planning too dear, the step decodes on (recording) and re-optimises as
+soon as the recorded tokens suffice. While re-optimisations find no
 paying plan, the interval to the next one doubles (up to ``max_backoff × T``).
 
 Beyond the paper, the draft may run on quantized copies of the model's own weights (a
@@ -51,7 +56,13 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.decoding.autoregressive import ArStep
-from selfspec.decoding.history import CommittedWindow, read_history
+from selfspec.decoding.history import (
+    MAX_SHORTLIST,
+    CommittedWindow,
+    History,
+    ResidualRecorder,
+    read_history,
+)
 from selfspec.decoding.knapsack import (
     Candidate,
     PlanChoice,
@@ -66,7 +77,7 @@ from selfspec.decoding.stats import StepStats
 from selfspec.decoding.stop_rules import ConfidenceStopRule
 from selfspec.executor import LayerExecutor
 from selfspec.executor.cost_model import LatencyModel
-from selfspec.executor.executor import SkipPlan
+from selfspec.executor.executor import Observer, SkipPlan
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +101,7 @@ class Reoptimization:
         predicted_ms: its predicted cost.
         bin_width: budget bin width of the DP (1 = the paper's exact DP; wider when the
             exact DP would cost more than ``plan_budget`` allows).
+        recorded: the history came from recorded forwards (no read-only pass).
     """
 
     step: int
@@ -101,6 +113,7 @@ class Reoptimization:
     ms: float
     predicted_ms: float = 0.0
     bin_width: int = 1
+    recorded: bool = False
 
 
 @dataclass
@@ -117,12 +130,20 @@ class KnapSpecConfig:
         confidence: stop drafting when the top-1 probability falls below this.
         max_alpha_candidates: candidates whose α̂ is measured (spread over the budgets; the
             ``lm_head`` over every candidate's history is the costly part on a CPU).
+        alpha_vocab: α̂ scores each candidate's prediction over the union of the full
+            model's ``alpha_vocab`` most likely tokens at the history positions, not the
+            whole vocabulary (``0``: the whole vocabulary, the paper's eq. 9; at most
+            :data:`~selfspec.decoding.history.MAX_SHORTLIST`). It over-estimates α̂ only
+            where a candidate's own top token lies outside that union; the ``lm_head`` over
+            ``max_alpha_candidates × r`` rows otherwise costs a CPU hundreds of ms.
         weight_cap: cap of the integer weights.
         plan_budget: largest share of the decoding time until the next re-optimisation that
             a re-optimisation may cost (predicted); a huge value always plans (the paper).
         max_backoff: after a re-optimisation that found no paying plan (or was too dear),
             the interval to the next one doubles, up to ``max_backoff × T``; it returns to
             ``T`` when a plan is chosen (1 = every ``T`` steps, the paper).
+        record_history: take the history from the residual stream of the step's own
+            forwards when they cover it (``False``: a read-only pass every time, the paper).
     """
 
     reoptimize_every: int = 64
@@ -132,9 +153,11 @@ class KnapSpecConfig:
     max_draft_len: int = 10
     confidence: float = 0.7
     max_alpha_candidates: int = 16
+    alpha_vocab: int = 32
     weight_cap: int = 5
     plan_budget: float = 0.05
     max_backoff: int = 8
+    record_history: bool = True
 
 
 class KnapSpecStep:
@@ -150,7 +173,7 @@ class KnapSpecStep:
 
     Raises:
         InvalidArgumentError: a stop rule whose longest draft exceeds the bit-exact limit.
-        ValueError: ``draft`` without ``draft_latency``.
+        ValueError: ``draft`` without ``draft_latency``; ``alpha_vocab`` out of range.
     """
 
     def __init__(self, executor: LayerExecutor, latency: LatencyModel,
@@ -158,15 +181,24 @@ class KnapSpecStep:
                  draft_latency: LatencyModel | None = None) -> None:
         if draft is not None and draft_latency is None:
             raise ValueError("a draft executor needs its own latency model (draft_latency)")
+        if config is not None and not 0 <= config.alpha_vocab <= MAX_SHORTLIST:
+            raise ValueError(f"alpha_vocab must lie in [0, {MAX_SHORTLIST}], got "
+                             f"{config.alpha_vocab}")
         self.executor = executor
         self.latency = latency
         self.draft_executor = executor if draft is None else draft
         self.draft_latency = latency if draft is None else draft_latency
         self.config = config or KnapSpecConfig()
-        rule = ConfidenceStopRule(self.config.confidence, max_draft_len=self.config.max_draft_len)
-        self.drafter = SkipPlanDrafter(self.draft_executor, SkipPlan(), rule, verifier=executor)
+        cfg = self.config
+        rule = ConfidenceStopRule(cfg.confidence, max_draft_len=cfg.max_draft_len)
+        # Reaches back as far as the longest history asked for.
+        self._recorder = (ResidualRecorder(max(cfg.min_history,
+                                               cfg.history_steps * (cfg.max_draft_len + 1)))
+                          if cfg.record_history else None)
+        self.drafter = SkipPlanDrafter(self.draft_executor, SkipPlan(), rule, verifier=executor,
+                                       recorder=self._recorder)
         self._speculative = SpeculativeStep(self.drafter)
-        self._ar = ArStep()
+        self._ar = ArStep(self._recorder)
         self.history: list[Reoptimization] = []
         self.plan_log = PlanLog()
         self.last_candidates: list[Candidate] = []  # scored by the latest re-optimisation
@@ -177,6 +209,7 @@ class KnapSpecStep:
         self._interval = self.config.reoptimize_every
         self._context_len = 0
         self._speculate = False
+        self._retry_in: int | None = None  # steps until recorded history makes planning fit
 
     def start(self, state: DecodeState) -> None:
         """A new generation: the first step optimises on the end of the prompt."""
@@ -187,18 +220,32 @@ class KnapSpecStep:
         self._next_plan = 0
         self._interval = self.config.reoptimize_every
         self._speculate = False
+        if self._recorder is not None:
+            self._recorder.attach(state)
+
+    def prefill_observer(self, state: DecodeState) -> Observer | None:
+        """Record the prompt's residual stream as the prefill computes it (its end is the
+        first re-optimisation's history), or ``None`` with ``record_history=False``."""
+        if self._recorder is None:
+            return None
+        self._recorder.attach(state)
+        return self._recorder.observer(state.tokens, 0)
 
     def __call__(self, state: DecodeState) -> StepStats:
         cfg = self.config
         plan_ms = 0.0
         if self._calls >= self._next_plan:
             t0 = time.perf_counter()
+            self._retry_in = None
             self._reoptimize(state)
             plan_ms = (time.perf_counter() - t0) * 1e3
-            # Back off while no plan pays: planning that keeps finding nothing is pure cost.
-            self._interval = (cfg.reoptimize_every if self._speculate else
-                              min(2 * self._interval, cfg.max_backoff * cfg.reoptimize_every))
-            self._next_plan = self._calls + self._interval
+            if self._retry_in is not None:  # only the history pass priced it out: record
+                self._next_plan = self._calls + self._retry_in
+            else:
+                # Back off while no plan pays: planning that keeps finding nothing is pure cost.
+                self._interval = (cfg.reoptimize_every if self._speculate else
+                                  min(2 * self._interval, cfg.max_backoff * cfg.reoptimize_every))
+                self._next_plan = self._calls + self._interval
         self._calls += 1
         step = self._speculative if self._speculate else self._ar
         return governed_call(step, state, plan_ms, self.plan_log, self._committed)
@@ -216,7 +263,16 @@ class KnapSpecStep:
         w_attn, w_mlp = self.draft_latency.weights(n, cfg.weight_cap)
         horizon = min(state.remaining, self._interval) * self.latency.verify_ms(n, 1)
         allowed = cfg.plan_budget * horizon
-        affordable = self._affordable(r, w_attn, w_mlp, allowed)
+        covered = (0 if self._recorder is None
+                   else self._recorder.covered(state, self.executor.num_layers))
+        affordable = self._affordable(r, w_attn, w_mlp, allowed, covered)
+        if affordable is None and self._recorder is not None and covered < r and \
+                self._affordable(r, w_attn, w_mlp, allowed, r) is not None:
+            # Fits once the step's own forwards have recorded the r tokens (>= 1 per step).
+            self._retry_in = r - covered
+            logger.info("knapspec waits %d steps for recorded history at %d tokens",
+                        self._retry_in, n)
+            return
         if affordable is None:
             predicted = self._planning_ms(min(r, _MIN_TOKENS), w_attn, w_mlp, _MAX_BIN)
             self.history.append(Reoptimization(self._calls, n, r, (w_attn, w_mlp), 0, None,
@@ -226,8 +282,11 @@ class KnapSpecStep:
                         100 * cfg.plan_budget, horizon)
             return
         r, bin_width = affordable
-        predicted = self._planning_ms(r, w_attn, w_mlp, bin_width)
-        history = read_history(ex, state, r)
+        predicted = self._planning_ms(r, w_attn, w_mlp, bin_width, recorded=r <= covered)
+        history = (self._recorder.history(ex, state, r) if r <= covered else None)
+        recorded = history is not None
+        if history is None:
+            history = read_history(ex, state, r)
 
         def sublayer(i: int, states: torch.Tensor) -> torch.Tensor:
             layer = (i - 1) // 2
@@ -235,12 +294,11 @@ class KnapSpecStep:
                     else SkipPlan(skip_attention=frozenset({layer})))
             return history.run(ex, state, states, layer, layer + 1, plan)
 
-        labels = history.labels(ex)                                                # [r]
         candidates = knapsack_candidates(history.states, sublayer, w_attn, w_mlp, cfg.tau,
                                          bin_width=bin_width)
         chosen = _spread(candidates, cfg.max_alpha_candidates)
         self.last_candidates = chosen
-        alphas = self.last_alphas = self._alphas(chosen, labels)
+        alphas = self.last_alphas = self._alphas(chosen, history)
         plans = [SkipPlan(c.skip_attention, c.skip_mlp) for c in chosen]
         costs = [self.draft_latency.draft_ms(p, n) for p in plans]
         choice = choose_plan(chosen, alphas, costs, lambda t: self.latency.verify_ms(n, t),
@@ -251,43 +309,60 @@ class KnapSpecStep:
                                          choice.candidate.skip_mlp)
         ms = (time.perf_counter() - t0) * 1e3
         record_ = Reoptimization(self._calls, n, r, (w_attn, w_mlp), len(candidates), choice, ms,
-                                 predicted, bin_width)
+                                 predicted, bin_width, recorded)
         self.history.append(record_)
         self.plan_log.decide(_plan_record(record_, choice))
         logger.info("knapspec re-optimised at %d tokens in %.0f ms: %s", n, ms, _describe(choice))
 
-    def _planning_ms(self, r: int, w_attn: int, w_mlp: int, bin_width: int = 1) -> float:
+    def _planning_ms(self, r: int, w_attn: int, w_mlp: int, bin_width: int = 1,
+                     recorded: bool = False) -> float:
         """Predicted cost of one re-optimisation: the full model's read-only pass over the
-        ``r`` history tokens, then, at the measured batched cost per row, at
-        most ``K/2 / bin_width + 1`` live budgets of ``r`` rows through ``2L`` sub-layers,
-        and ``max_alpha_candidates × r`` rows through the output head (one head row costs
-        ``head_ms / mlp_ms`` sub-layer rows: both are weight-bound on one token)."""
-        num_layers, lat = self.executor.num_layers, self.latency
+        ``r`` history tokens (none when ``recorded``); at the measured batched cost per row,
+        at most ``K/2 / bin_width + 1`` live budgets of ``r`` rows through ``2L``
+        sub-layers; the output head on the ``r`` history tokens (the labels; it grows with
+        ``r`` as a verification does); and α̂'s ``max_alpha_candidates × r`` head rows, each
+        ``head_ms / mlp_ms`` sub-layer rows (both weight-bound on one token) times the
+        scored share of the vocabulary."""
+        cfg, num_layers, lat, n = self.config, self.executor.num_layers, self.latency, \
+            self._context_len
         budgets = num_layers * (w_attn + w_mlp) // 2 // bin_width + 1
-        head_rows = self.config.max_alpha_candidates * r * lat.head_ms / max(lat.mlp_ms, 1e-6)
-        history = lat.verify_ms(self._context_len, r)  # the full model's pass over the r tokens
-        return history + (budgets * r * 2 * num_layers + head_rows) * lat.batched_row_ms
+        vocab = self.executor.vocab_size
+        scored = 1.0 if cfg.alpha_vocab <= 0 else min(r * cfg.alpha_vocab, vocab) / vocab
+        alpha_rows = cfg.max_alpha_candidates * r * scored * lat.head_ms / max(lat.mlp_ms, 1e-6)
+        labels = lat.head_ms * lat.verify_ms(n, r) / lat.verify_ms(n, 1)
+        # The full model's pass over the r tokens, unless the step's forwards recorded them.
+        history = 0.0 if recorded else lat.verify_ms(n, r)
+        return (history + labels
+                + (budgets * r * 2 * num_layers + alpha_rows) * lat.batched_row_ms)
 
-    def _affordable(self, r: int, w_attn: int, w_mlp: int,
-                    allowed_ms: float) -> tuple[int, int] | None:
+    def _affordable(self, r: int, w_attn: int, w_mlp: int, allowed_ms: float,
+                    covered: int = 0) -> tuple[int, int] | None:
         """The most faithful ``(history tokens, budget bin width)`` whose predicted cost fits
         ``allowed_ms``: the paper's exact DP on ``r`` tokens if it fits, else wider budget
         bins (up to 16), then fewer tokens (down to 4); ``None`` when nothing fits (CPU-side
-        cheapening; on a GPU the first option always fits)."""
+        cheapening; on a GPU the first option always fits). The last ``covered`` tokens are
+        recorded: a history of at most that many needs no pass."""
         tokens = [r] + [t for t in (r // 2, r // 4) if t >= _MIN_TOKENS] + (
             [_MIN_TOKENS] if r > _MIN_TOKENS else [])
         for t in dict.fromkeys(tokens):
             for bin_width in (1, 2, 4, 8, _MAX_BIN):
-                if self._planning_ms(t, w_attn, w_mlp, bin_width) <= allowed_ms:
+                if self._planning_ms(t, w_attn, w_mlp, bin_width, t <= covered) <= allowed_ms:
                     return t, bin_width
         return None
 
-    def _alphas(self, candidates: list[Candidate], labels: torch.Tensor) -> list[float]:
-        """α̂ of each candidate: next-token accuracy of its final hidden state (eq. 9)."""
+    def _alphas(self, candidates: list[Candidate], history: History) -> list[float]:
+        """α̂ of each candidate: next-token accuracy of its final hidden state (eq. 9), over
+        the ``alpha_vocab`` shortlist (or the whole vocabulary)."""
         if not candidates:
             return []
+        ex, k = self.executor, self.config.alpha_vocab
+        labels = history.labels(ex)                                               # [r]
         hidden = torch.stack([c.hidden for c in candidates])                      # [C, r, d]
-        predicted = self.executor.logits(hidden).argmax(-1)                       # [C, r]
+        if k <= 0:
+            predicted = ex.logits(hidden).argmax(-1)                              # [C, r]
+        else:
+            rows = history.shortlist(ex, k)                                       # [R]
+            predicted = rows[ex.logits(hidden, vocab_rows=rows).argmax(-1)]       # [C, r]
         return (predicted == labels).float().mean(-1).tolist()
 
 

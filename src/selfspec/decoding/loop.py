@@ -34,7 +34,9 @@ class Step(Protocol):
     lives for one generation) by a method's ``build``. A Step that re-chooses its draft during
     generation (KnapSpec, CLaSp, DEL) also has a ``plan_log``
     (:class:`~selfspec.decoding.plan_log.PlanLog`); :func:`run` copies its records into
-    ``GenerationStats.plans``.
+    ``GenerationStats.plans``. A Step that plans on the residual stream of recent positions
+    (KnapSpec, CLaSp) may have ``prefill_observer(state) -> Observer`` too: :func:`run`
+    passes it to the prefill, so the prompt's end is recorded without a second pass.
     """
 
     def start(self, state: DecodeState) -> None:
@@ -71,7 +73,8 @@ def run(state: DecodeState, step: Step) -> GenerationStats:
         RuntimeError: a Step committed nothing while generation was not done (a method bug
             that would otherwise loop forever).
     """
-    logits = state.prefill()  # [1, V]
+    prefill_observer = getattr(step, "prefill_observer", None)
+    logits = state.prefill(None if prefill_observer is None else prefill_observer(state))  # [1, V]
     state.commit([int(choose_next(logits, state.options.sampling, state.generator))])
     step.start(state)
     while not state.done:

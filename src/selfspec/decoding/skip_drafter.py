@@ -19,6 +19,7 @@ import torch
 from selfspec.decoding.deferred import DeferredLayers
 from selfspec.decoding.drafting import ExitDrafter
 from selfspec.decoding.exits import Exit
+from selfspec.decoding.history import ResidualRecorder
 from selfspec.decoding.sampling import SamplingConfig
 from selfspec.decoding.speculative import DraftOutput, TargetOutput
 from selfspec.decoding.state import DecodeState
@@ -65,15 +66,19 @@ class SkipPlanDrafter(ExitDrafter):
         stop_rule: decides the draft length (KnapSpec: top-1 probability < 0.7, §3.5).
         verifier: the full model that verifies (default ``executor``; the model's own
             executor when ``executor`` is a draft view).
+        recorder: optional :class:`ResidualRecorder` that keeps each verification's residual
+            stream (a re-planning Step's history: KnapSpec, CLaSp).
 
     Raises:
         InvalidArgumentError: a stop rule whose longest draft exceeds the bit-exact limit.
     """
 
     def __init__(self, executor: LayerExecutor, plan: SkipPlan, stop_rule: StopRule,
-                 verifier: LayerExecutor | None = None) -> None:
+                 verifier: LayerExecutor | None = None,
+                 recorder: ResidualRecorder | None = None) -> None:
         super().__init__(executor, SkipPlanExit(executor, plan), stop_rule)
         self.verifier = executor if verifier is None else verifier
+        self.recorder = recorder
 
     @property
     def plan(self) -> SkipPlan:
@@ -92,15 +97,19 @@ class SkipPlanDrafter(ExitDrafter):
 
     def target_logits(self, state: DecodeState, draft: DraftOutput) -> TargetOutput:
         """:func:`recompute_target_logits`: ``[D+1, V]`` from the full model (``verifier``)."""
-        return recompute_target_logits(self.verifier, state, draft)
+        return recompute_target_logits(self.verifier, state, draft, self.recorder)
 
 
-def recompute_target_logits(executor: LayerExecutor, state: DecodeState,
-                            draft: DraftOutput) -> TargetOutput:
+def recompute_target_logits(executor: LayerExecutor, state: DecodeState, draft: DraftOutput,
+                            recorder: ResidualRecorder | None = None) -> TargetOutput:
     """Drop the KV the draft wrote, then run ``executor`` (the full model) over the last
-    committed token and the draft: ``[D+1, V]`` target logits, every layer's KV filled."""
+    committed token and the draft: ``[D+1, V]`` target logits, every layer's KV filled
+    (``recorder``, if given, keeps the forward's residual stream)."""
     start = state.seq_len - 1
     state.cache.truncate(start)
-    ids = torch.tensor([[state.tokens[-1], *draft.tokens]], device=executor.device)
-    logits = executor.forward(ids, state.positions(start, ids.shape[1]), state.cache)[0]
+    fed = [state.tokens[-1], *draft.tokens]
+    ids = torch.tensor([fed], device=executor.device)
+    observe = None if recorder is None else recorder.observer(fed, start)
+    logits = executor.forward(ids, state.positions(start, ids.shape[1]), state.cache,
+                              observe=observe)[0]
     return TargetOutput(logits=logits, sublayers=2 * executor.num_layers * ids.shape[1])

@@ -17,6 +17,7 @@ from selfspec.decoding.sampling import SamplingConfig
 from selfspec.decoding.stats import GenerationStats
 from selfspec.errors import InvalidArgumentError, PromptError
 from selfspec.executor import KVCache, LayerExecutor
+from selfspec.executor.executor import Observer
 from selfspec.validation import check_int
 
 # Called with each batch of newly committed token ids; returns True to stop generating
@@ -151,12 +152,13 @@ class DecodeState:
         stats.finish_reason = self.finish_reason or "length"
         return stats
 
-    def prefill(self) -> torch.Tensor:
-        """Run the prompt through all layers, filling the cache.
+    def prefill(self, observe: Observer | None = None) -> torch.Tensor:
+        """Run the prompt through all layers, filling the cache (``observe``: as
+        :meth:`~selfspec.executor.LayerExecutor.run_layers`'s).
 
         Returns:
             ``[1, V]`` logits for the token after the prompt.
         """
         ids = torch.tensor([self.tokens], device=self.executor.device)
         return self.executor.forward(ids, self.positions(0, self.prompt_len), self.cache,
-                                     last_only=True)[:, -1]
+                                     last_only=True, observe=observe)[:, -1]

@@ -683,13 +683,15 @@ class LayerExecutor:
                         None if bias is None else bias[vocab_rows])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                last_only: bool = False) -> torch.Tensor:
-        """Full model on ``input_ids`` ``[B, T]`` at ``positions`` ``[B, T]``.
+                last_only: bool = False, observe: Observer | None = None) -> torch.Tensor:
+        """Full model on ``input_ids`` ``[B, T]`` at ``positions`` ``[B, T]`` (``observe``: as
+        :meth:`run_layers`'s).
 
         Returns:
             ``[B, T, V]`` logits (``[B, 1, V]`` with ``last_only``).
         """
-        hidden = self.run_layers(self.embed(input_ids), positions, 0, self.num_layers, cache)
+        hidden = self.run_layers(self.embed(input_ids), positions, 0, self.num_layers, cache,
+                                 observe=observe)
         if last_only:
             hidden = hidden[:, -1:]
         return self.logits(hidden)

@@ -28,6 +28,12 @@ class Options:
                                 low=0)
     max_backoff: int = option(8, "after a re-optimisation finds no paying plan, the interval to "
                               "the next doubles up to this many times T (1 = the paper)", low=1)
+    alpha_vocab: int = option(32, "acceptance estimates score candidates over the full model's "
+                              "top-k tokens at the history positions (0: the whole vocabulary, "
+                              "the paper)", low=0, high=64)
+    record_history: bool = option(True, "take the DP's history from the step's own decoding "
+                                  "and verification forwards when they cover it (false: a "
+                                  "read-only pass every time, the paper)")
     draft_weights: str | None = draft_weights_option()
 
 
@@ -41,7 +47,9 @@ def build(context: MethodContext, options: Options) -> Step:
     config = KnapSpecConfig(reoptimize_every=options.reoptimize_every,
                             history_steps=options.history_steps, tau=options.tau,
                             max_draft_len=options.max_draft_len, confidence=options.confidence,
-                            plan_budget=options.plan_budget, max_backoff=options.max_backoff)
+                            plan_budget=options.plan_budget, max_backoff=options.max_backoff,
+                            record_history=options.record_history,
+                            alpha_vocab=options.alpha_vocab)
     ex = context.executor
     if options.draft_weights is None:
         return KnapSpecStep(ex, context.latency(), config)
