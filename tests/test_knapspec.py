@@ -86,6 +86,7 @@ def test_latency_model_is_measured_and_cached(executor, tmp_path):
         3 * model.draft_ms(plan, 64) + model.verify_ms(64, 4))
     assert model.verify_ms(64, 4) == pytest.approx(model.target_ms(64) + 3 * model.verify_token_ms)
     assert model.verify_token_ms >= 0 and model.batched_row_ms > 0
+    assert model.batched_call_ms >= 0 and model.batched_ms(256) > model.batched_ms(16)
     first = cached_latency(executor, tmp_path)
     assert cached_latency(executor, tmp_path) == first  # read back, not re-measured
     (path,) = (tmp_path / "latency").iterdir()
@@ -152,10 +153,23 @@ def test_knapspec_skips_planning_that_costs_more_than_its_budget(executor, ar_to
     assert all(r.choice is not None for r in paper.history)
 
 
+def test_the_dps_predicted_cost_counts_a_fixed_cost_per_sub_layer_call(executor):
+    """On CPUs that emulate bf16 a DP call costs ~10 rows' time whatever its rows (the weights
+    are cast each call): a DP of few rows is priced by its 2L calls, not its rows alone."""
+    rows_only = LatencyModel(executor.num_layers, 0.0, 1.0, 1.0, 0.5, batched_row_ms=0.01,
+                             key="rows")
+    with_calls = dataclasses.replace(rows_only, batched_call_ms=2.0, key="calls")
+    steps = [KnapSpecStep(executor, lat, KnapSpecConfig()) for lat in (rows_only, with_calls)]
+    for step in steps:
+        step._context_len = 64
+    cheap, dear = (s._planning_ms(4, 1, 1, 16, recorded=True) for s in steps)
+    assert dear == pytest.approx(cheap + 2 * executor.num_layers * 2.0)
+
+
 def test_knapspec_cheapens_a_dp_that_does_not_fit_its_budget(executor, ar_tokens):
     """Between the exact DP and no planning: wider budget bins (then fewer history tokens)
     until the predicted cost fits plan_budget; the output stays the model's own."""
-    costly = LatencyModel(executor.num_layers, 0.0, 1.0, 1.0, 0.5, batched_row_ms=0.04,
+    costly = LatencyModel(executor.num_layers, 0.0, 1.0, 1.0, 0.5, batched_row_ms=0.07,
                           key="costly")
     step = KnapSpecStep(executor, costly, KnapSpecConfig(reoptimize_every=8, tau=-1.0,
                                                          confidence=0.01, plan_budget=0.5,

@@ -296,7 +296,7 @@ def _cmd_models_latency(args: argparse.Namespace) -> int:
           f"= {model.target_ms(n):.1f} ms ({1e3 / model.target_ms(n):.1f} tok/s)")
     print(f"each extra token of a verification: +{model.verify_token_ms:.2f} ms "
           f"({model.verify_token_ms / model.target_ms(n):.0%} of a token); one batched "
-          f"sub-layer row: {model.batched_row_ms:.3f} ms")
+          f"sub-layer call on r rows: {model.batched_call_ms:.2f} + r x {model.batched_row_ms:.3f} ms")
     return 0
 
 

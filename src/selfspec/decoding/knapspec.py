@@ -274,7 +274,8 @@ class KnapSpecStep:
                         self._retry_in, n)
             return
         if affordable is None:
-            predicted = self._planning_ms(min(r, _MIN_TOKENS), w_attn, w_mlp, _MAX_BIN)
+            cheapest = min(r, _MIN_TOKENS)
+            predicted = self._planning_ms(cheapest, w_attn, w_mlp, _MAX_BIN, cheapest <= covered)
             self.history.append(Reoptimization(self._calls, n, r, (w_attn, w_mlp), 0, None,
                                                0.0, predicted))
             logger.info("knapspec skips re-optimising at %d tokens: even its cheapest form "
@@ -317,23 +318,27 @@ class KnapSpecStep:
     def _planning_ms(self, r: int, w_attn: int, w_mlp: int, bin_width: int = 1,
                      recorded: bool = False) -> float:
         """Predicted cost of one re-optimisation: the full model's read-only pass over the
-        ``r`` history tokens (none when ``recorded``); at the measured batched cost per row,
-        at most ``K/2 / bin_width + 1`` live budgets of ``r`` rows through ``2L``
-        sub-layers; the output head on the ``r`` history tokens (the labels; it grows with
+        ``r`` history tokens (none when ``recorded``); at the measured batched cost of a
+        call, the ``2L`` sub-layer calls, each on ``r`` rows for every budget bin reachable
+        before it (at most ``K/2 / bin_width + 1``); the output head on the ``r`` history tokens (the labels; it grows with
         ``r`` as a verification does); and α̂'s ``max_alpha_candidates × r`` head rows, each
         ``head_ms / mlp_ms`` sub-layer rows (both weight-bound on one token) times the
         scored share of the vocabulary."""
         cfg, num_layers, lat, n = self.config, self.executor.num_layers, self.latency, \
             self._context_len
-        budgets = num_layers * (w_attn + w_mlp) // 2 // bin_width + 1
+        limit = num_layers * (w_attn + w_mlp) // 2
+        # Sub-layer i runs every budget bin reachable before it (pruning can only remove).
+        dp, reach = 0.0, 0
+        for w in [w_attn, w_mlp] * num_layers:
+            dp += lat.batched_ms((min(reach, limit) // bin_width + 1) * r)
+            reach += w
         vocab = self.executor.vocab_size
         scored = 1.0 if cfg.alpha_vocab <= 0 else min(r * cfg.alpha_vocab, vocab) / vocab
         alpha_rows = cfg.max_alpha_candidates * r * scored * lat.head_ms / max(lat.mlp_ms, 1e-6)
         labels = lat.head_ms * lat.verify_ms(n, r) / lat.verify_ms(n, 1)
         # The full model's pass over the r tokens, unless the step's forwards recorded them.
         history = 0.0 if recorded else lat.verify_ms(n, r)
-        return (history + labels
-                + (budgets * r * 2 * num_layers + alpha_rows) * lat.batched_row_ms)
+        return history + labels + dp + alpha_rows * lat.batched_row_ms
 
     def _affordable(self, r: int, w_attn: int, w_mlp: int, allowed_ms: float,
                     covered: int = 0) -> tuple[int, int] | None:

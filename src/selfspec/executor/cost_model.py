@@ -8,8 +8,9 @@ and a step's Tokens-per-Time (eq. 4); KnapSpec turns it into integer knapsack we
 
 Two measurements go beyond the paper, which assumes a GPU where verifying ``γ + 1`` tokens
 costs as much as one: the verification of ``T`` tokens (``target_ms + (T - 1) ·
-verify_token_ms``; on a CPU every extra token costs), and the time of a sub-layer on a batch
-of rows (``batched_row_ms``), from which a planner predicts its own cost.
+verify_token_ms``; on a CPU every extra token costs), and the time of one read-only call of a
+sub-layer on a batch of rows (``batched_call_ms + rows · batched_row_ms``), from which a
+planner predicts its own cost.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from selfspec.executor.executor import LayerExecutor, SkipPlan
 logger = logging.getLogger(__name__)
 
 DEFAULT_LENGTHS = (64, 256, 1024, 2048)
-FORMAT = 5  # bump when the measured quantities change: older files are measured again
+FORMAT = 6  # bump when the measured quantities change: older files are measured again
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,11 @@ class LatencyModel:
         head_ms: the final norm + ``lm_head``.
         verify_token_ms: each token beyond the first of a full forward (0 = the paper's GPU
             assumption: verifying ``T`` tokens costs one token's time).
-        batched_row_ms: one sub-layer (attention + MLP averaged) on one row of a large batch
-            of rows, read-only: what KnapSpec's DP pays per budget, token and sub-layer.
+        batched_row_ms: one sub-layer (attention + MLP averaged) on each row of a batch of
+            rows, read-only: what KnapSpec's DP pays per budget, token and sub-layer.
+        batched_call_ms: the fixed part of one such call, whatever its rows (on CPUs that
+            emulate bf16 the bulk products cast the weights each call: 2 ms a sub-layer
+            on SmolLM2-135M, 10 times a row's cost).
         key: what it was measured for (model, dtype, threads, machine).
     """
 
@@ -58,6 +62,7 @@ class LatencyModel:
     head_ms: float
     verify_token_ms: float = field(default=0.0, kw_only=True)
     batched_row_ms: float = field(default=0.0, kw_only=True)
+    batched_call_ms: float = field(default=0.0, kw_only=True)
     key: str = field(default="", kw_only=True)
 
     def t_attn(self, context_len: int) -> float:
@@ -85,6 +90,10 @@ class LatencyModel:
         """A full forward of ``num_tokens`` tokens (a verification of ``num_tokens - 1``
         draft tokens), ms: ``target_ms`` plus the measured cost of the extra tokens."""
         return self.target_ms(context_len) + max(0, num_tokens - 1) * self.verify_token_ms
+
+    def batched_ms(self, rows: int) -> float:
+        """One read-only call of one sub-layer on ``rows`` rows, ms."""
+        return self.batched_call_ms + rows * self.batched_row_ms
 
     def predict(self, plan: SkipPlan, context_len: int, draft_len: int) -> float:
         """Time of one speculative step, ms: ``γ t_draft(plan) + t_verify(γ + 1)``."""
@@ -218,10 +227,10 @@ def measure_latency(executor: LayerExecutor, lengths: tuple[int, ...] = DEFAULT_
     slope, base = max(0.0, slope), max(1e-6, base)
     head_ms = _time_ms(lambda: ex.logits(hidden), repeats)
     verify_token_ms = _verify_token_ms(ex, min(256, ex.max_positions - 16), max(3, repeats // 4))
-    batched = _batched_row_ms(ex, layer, min(256, ex.max_positions - 32), max(3, repeats // 4))
+    call_ms, row_ms = _batched_ms(ex, min(256, ex.max_positions - 32), max(3, repeats // 4))
     return LatencyModel(ex.num_layers, slope, base, statistics.median(mlp_samples), head_ms,
-                        verify_token_ms=verify_token_ms, batched_row_ms=batched,
-                        key=machine_key(ex))
+                        verify_token_ms=verify_token_ms, batched_row_ms=row_ms,
+                        batched_call_ms=call_ms, key=machine_key(ex))
 
 
 @torch.inference_mode()
@@ -258,18 +267,32 @@ def _verify_token_ms(ex: LayerExecutor, n: int, repeats: int) -> float:
     return max(0.0, _fit_line(points)[0])
 
 
-def _batched_row_ms(ex: LayerExecutor, layer: int, n: int, repeats: int) -> float:
-    """ms per row of one sub-layer on a batch of 16 × 16 rows, read-only and ``free`` as the
-    DP runs them (attention and MLP averaged)."""
-    cache = _filled_cache(ex, n, range(layer, layer + 1))
-    batch, rows = 16, 16
-    hidden = torch.randn(batch, rows, ex.config.hidden_size, dtype=ex.dtype, device=ex.device)
-    pos = torch.arange(n - rows, n, device=ex.device).unsqueeze(0).expand(batch, rows)
-    total = 0.0
-    for plan in (SkipPlan(skip_mlp=frozenset({layer})), SkipPlan(skip_attention=frozenset({layer}))):
-        total += _time_ms(lambda: ex.run_layers(hidden * 0.1, pos, layer, layer + 1, cache, plan,
-                                                write_cache=False, free=True), repeats)
-    return total / 2 / (batch * rows)
+def _batched_ms(ex: LayerExecutor, n: int, repeats: int) -> tuple[float, float]:
+    """``(call_ms, row_ms)``: one read-only ``free`` sub-layer call (attention and MLP
+    averaged) on ``rows`` rows, as the DP runs them, costs ``call_ms + rows · row_ms``
+    (fitted on 16 and 256 rows). Successive calls go to successive layers, as in the DP, so
+    a small model's weights are not timed cache-hot."""
+    cache = _filled_cache(ex, n, range(ex.num_layers))
+    points = []
+    for batch in (1, 16):
+        rows = 16
+        hidden = torch.randn(batch, rows, ex.config.hidden_size, dtype=ex.dtype,
+                             device=ex.device) * 0.1
+        pos = torch.arange(n - rows, n, device=ex.device).unsqueeze(0).expand(batch, rows)
+        layers = iter(range(10**9))
+        total = 0.0
+        for kind in ("attention", "mlp"):
+            def call(kind: str = kind) -> None:
+                layer = next(layers) % ex.num_layers
+                plan = (SkipPlan(skip_mlp=frozenset({layer})) if kind == "attention"
+                        else SkipPlan(skip_attention=frozenset({layer})))
+                ex.run_layers(hidden, pos, layer, layer + 1, cache, plan, write_cache=False,
+                              free=True)
+            total += _time_ms(call, repeats)
+        points.append((batch * rows, total / 2))
+    (r0, t0), (r1, t1) = points
+    row_ms = max(1e-6, (t1 - t0) / (r1 - r0))
+    return max(0.0, t0 - r0 * row_ms), row_ms
 
 
 def latency_path(executor: LayerExecutor, home: Path) -> Path:
