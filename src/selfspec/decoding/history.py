@@ -15,10 +15,9 @@ verification stages" this way, KnapSpec §2).
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
-
-import weakref
 
 import torch
 

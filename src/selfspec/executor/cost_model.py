@@ -21,6 +21,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -282,7 +283,8 @@ def _batched_ms(ex: LayerExecutor, n: int, repeats: int) -> tuple[float, float]:
         layers = iter(range(10**9))
         total = 0.0
         for kind in ("attention", "mlp"):
-            def call(kind: str = kind) -> None:
+            def call(kind: str = kind, hidden: torch.Tensor = hidden, pos: torch.Tensor = pos,
+                     layers: Iterator[int] = layers) -> None:
                 layer = next(layers) % ex.num_layers
                 plan = (SkipPlan(skip_mlp=frozenset({layer})) if kind == "attention"
                         else SkipPlan(skip_attention=frozenset({layer})))
