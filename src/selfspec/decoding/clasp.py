@@ -117,8 +117,8 @@ class CLaSpStep:
         self.draft_executor = executor if draft is None else draft
         self.config = config
         rule = ConfidenceStopRule(config.confidence, max_draft_len=config.max_draft_len)
-        self._recorder = ResidualRecorder(max(config.min_history, config.history_steps
-                                              * (config.max_draft_len + 1)))
+        self._recorder = ResidualRecorder.for_window(config.min_history, config.history_steps,
+                                                     config.max_draft_len)
         self.drafter = SkipPlanDrafter(self.draft_executor, self._plan(_initial_layers(
             executor.num_layers, config.skip_layers)), rule, verifier=executor,
             recorder=self._recorder)
@@ -141,10 +141,9 @@ class CLaSpStep:
         self._calls = 0
 
     def prefill_observer(self, state: DecodeState) -> Observer:
-        """Record the prompt's residual stream as the prefill computes it (the first DP
-        scores the prompt's end)."""
-        self._recorder.attach(state)
-        return self._recorder.observer(state.tokens, 0)
+        """:meth:`ResidualRecorder.prefill_observer` (the first DP scores the prompt's
+        end)."""
+        return self._recorder.prefill_observer(state)
 
     def __call__(self, state: DecodeState) -> StepStats:
         plan_ms = 0.0

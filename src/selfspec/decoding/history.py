@@ -181,6 +181,20 @@ class ResidualRecorder:
             self.clear()
             self._owner = weakref.ref(state)
 
+    @classmethod
+    def for_window(cls, min_history: int, history_steps: int,
+                   max_draft_len: int) -> ResidualRecorder:
+        """A recorder reaching back as far as a re-planning Step's longest history: the
+        tokens of ``history_steps`` steps of up to ``max_draft_len + 1`` tokens, at least
+        ``min_history``."""
+        return cls(max(min_history, history_steps * (max_draft_len + 1)))
+
+    def prefill_observer(self, state: DecodeState) -> Observer:
+        """Attach to ``state`` and record its prompt as the prefill computes it (a Step's
+        ``prefill_observer``: the prompt's end is the first re-optimisation's history)."""
+        self.attach(state)
+        return self.observer(state.tokens, 0)
+
     def observer(self, tokens: list[int], pos0: int) -> Observer:
         """The ``observe`` callback for one full forward of ``tokens`` from ``pos0``
         (:meth:`~selfspec.executor.LayerExecutor.run_layers`); it keeps references, no copies

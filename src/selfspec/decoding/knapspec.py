@@ -191,9 +191,8 @@ class KnapSpecStep:
         self.config = config or KnapSpecConfig()
         cfg = self.config
         rule = ConfidenceStopRule(cfg.confidence, max_draft_len=cfg.max_draft_len)
-        # Reaches back as far as the longest history asked for.
-        self._recorder = (ResidualRecorder(max(cfg.min_history,
-                                               cfg.history_steps * (cfg.max_draft_len + 1)))
+        self._recorder = (ResidualRecorder.for_window(cfg.min_history, cfg.history_steps,
+                                                      cfg.max_draft_len)
                           if cfg.record_history else None)
         self.drafter = SkipPlanDrafter(self.draft_executor, SkipPlan(), rule, verifier=executor,
                                        recorder=self._recorder)
@@ -224,12 +223,9 @@ class KnapSpecStep:
             self._recorder.attach(state)
 
     def prefill_observer(self, state: DecodeState) -> Observer | None:
-        """Record the prompt's residual stream as the prefill computes it (its end is the
-        first re-optimisation's history), or ``None`` with ``record_history=False``."""
-        if self._recorder is None:
-            return None
-        self._recorder.attach(state)
-        return self._recorder.observer(state.tokens, 0)
+        """:meth:`ResidualRecorder.prefill_observer`, or ``None`` with
+        ``record_history=False``."""
+        return None if self._recorder is None else self._recorder.prefill_observer(state)
 
     def __call__(self, state: DecodeState) -> StepStats:
         cfg = self.config
@@ -320,8 +316,9 @@ class KnapSpecStep:
         """Predicted cost of one re-optimisation: the full model's read-only pass over the
         ``r`` history tokens (none when ``recorded``); at the measured batched cost of a
         call, the ``2L`` sub-layer calls, each on ``r`` rows for every budget bin reachable
-        before it (at most ``K/2 / bin_width + 1``); the output head on the ``r`` history tokens (the labels; it grows with
-        ``r`` as a verification does); and α̂'s ``max_alpha_candidates × r`` head rows, each
+        before it (at most ``K/2 / bin_width + 1``); the output head on the ``r`` history
+        tokens (the labels; it grows with ``r`` as a verification does); and α̂'s
+        ``max_alpha_candidates × r`` head rows, each
         ``head_ms / mlp_ms`` sub-layer rows (both weight-bound on one token) times the
         scored share of the vocabulary."""
         cfg, num_layers, lat, n = self.config, self.executor.num_layers, self.latency, \

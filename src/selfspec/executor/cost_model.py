@@ -15,6 +15,8 @@ planner predicts its own cost.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import logging
 import os
@@ -201,13 +203,14 @@ def measure_sublayers(executor: LayerExecutor, context_len: int,
 
 @torch.inference_mode()
 def measure_latency(executor: LayerExecutor, lengths: tuple[int, ...] = DEFAULT_LENGTHS,
-                    repeats: int = 20, layer: int | None = None) -> LatencyModel:
+                    repeats: int = 20) -> LatencyModel:
     """Measure the sub-layer latencies of ``executor``'s model on this machine.
 
     Every layer's attention alone, then every layer's MLP alone, runs on one token over a
     cache of each length in ``lengths`` filled with random keys and values (read-only: the
     cache is not changed; :func:`measure_sublayers`); ``t_attn(n)`` is fitted by least
-    squares. ``layer`` (default: the middle one) is the layer of the batched-row timing.
+    squares; then the output head, the extra tokens of a verification and the DP's batched
+    sub-layer calls (:func:`_batched_ms`).
 
     Raises:
         ValueError: fewer than two lengths.
@@ -215,7 +218,6 @@ def measure_latency(executor: LayerExecutor, lengths: tuple[int, ...] = DEFAULT_
     if len(lengths) < 2:
         raise ValueError("the attention fit needs at least two context lengths")
     ex = executor
-    layer = ex.num_layers // 2 if layer is None else layer
     attn_ms = []
     mlp_samples = []
     for n in lengths:
@@ -280,21 +282,24 @@ def _batched_ms(ex: LayerExecutor, n: int, repeats: int) -> tuple[float, float]:
         hidden = torch.randn(batch, rows, ex.config.hidden_size, dtype=ex.dtype,
                              device=ex.device) * 0.1
         pos = torch.arange(n - rows, n, device=ex.device).unsqueeze(0).expand(batch, rows)
-        layers = iter(range(10**9))
         total = 0.0
-        for kind in ("attention", "mlp"):
-            def call(kind: str = kind, hidden: torch.Tensor = hidden, pos: torch.Tensor = pos,
-                     layers: Iterator[int] = layers) -> None:
-                layer = next(layers) % ex.num_layers
-                plan = (SkipPlan(skip_mlp=frozenset({layer})) if kind == "attention"
-                        else SkipPlan(skip_attention=frozenset({layer})))
-                ex.run_layers(hidden, pos, layer, layer + 1, cache, plan, write_cache=False,
-                              free=True)
-            total += _time_ms(call, repeats)
+        for skip_attention in (False, True):
+            total += _time_ms(functools.partial(_sublayer_call, ex, hidden, pos, cache,
+                                                itertools.count(), skip_attention), repeats)
         points.append((batch * rows, total / 2))
     (r0, t0), (r1, t1) = points
     row_ms = max(1e-6, (t1 - t0) / (r1 - r0))
     return max(0.0, t0 - r0 * row_ms), row_ms
+
+
+def _sublayer_call(ex: LayerExecutor, hidden: torch.Tensor, pos: torch.Tensor, cache,
+                   calls: Iterator[int], skip_attention: bool) -> None:
+    """One read-only ``free`` call of the attention (or MLP) sub-layer of the next layer
+    (``next(calls) mod L``: successive calls stream successive layers' weights)."""
+    layer = next(calls) % ex.num_layers
+    plan = (SkipPlan(skip_attention=frozenset({layer})) if skip_attention
+            else SkipPlan(skip_mlp=frozenset({layer})))
+    ex.run_layers(hidden, pos, layer, layer + 1, cache, plan, write_cache=False, free=True)
 
 
 def latency_path(executor: LayerExecutor, home: Path) -> Path:
