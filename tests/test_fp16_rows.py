@@ -96,6 +96,8 @@ def test_choose_rows(monkeypatch):
     monkeypatch.setattr(cpu, "native_bf16", lambda: True)
     assert cpu.choose_rows(torch.bfloat16, "cpu", "auto") == "weights"
     monkeypatch.setattr(cpu, "native_bf16", lambda: False)
+    # Without selfspec's bf16 kernel (no compiler), auto takes FBGEMM for the large matrices.
+    monkeypatch.setattr("selfspec.executor.bf16_rows.bf16_rows_available", lambda: False)
     assert cpu.choose_rows(torch.bfloat16, "cpu", "auto") == "fp16"
     formats = cpu.choose_formats(torch.bfloat16, "cpu", "auto", "auto")
     assert formats.rows == "fp16" and formats.rows_min_bytes == cpu.AUTO_ROWS_MIN_BYTES

@@ -292,15 +292,21 @@ def test_bf16_greedy_parity_with_bulk_fp32_prefill(prompts):
     assert drafted > 0
 
 
-@pytest.mark.skipif(not __import__("selfspec.executor.fp16_rows", fromlist=["x"])
-                    .fbgemm_fp16_available(), reason="FBGEMM's fp16 linear is x86-only")
-def test_bf16_greedy_parity_on_fp16_rows(prompts):
-    """Every matrix on FBGEMM's fp16 kernel (the fast verification path on CPUs that emulate
-    bf16, forced here on every x86 CPU): a 33-token verification block gives each position
-    exactly its one-token logits, and lossless methods give exactly `ar`'s greedy tokens."""
+@pytest.mark.parametrize("kernel", [
+    pytest.param("fp16", marks=pytest.mark.skipif(
+        not __import__("selfspec.executor.fp16_rows", fromlist=["x"]).fbgemm_fp16_available(),
+        reason="FBGEMM's fp16 linear is x86-only")),
+    pytest.param("bf16", marks=pytest.mark.skipif(
+        not __import__("selfspec.executor.bf16_rows", fromlist=["x"]).bf16_rows_available(),
+        reason="selfspec's bf16 kernel needs x86 AVX2/FMA and a C++ compiler"))])
+def test_bf16_greedy_parity_on_row_kernels(prompts, kernel):
+    """Every matrix on FBGEMM's fp16 kernel, or on selfspec's AVX2 bf16 kernel (the fast
+    verification paths on CPUs that emulate bf16, forced here on every x86 CPU that has
+    them): a 33-token verification block gives each position exactly its one-token logits,
+    and lossless methods give exactly `ar`'s greedy tokens."""
     engine = selfspec.load("smollm2-135m-instruct", dtype="bf16", show_progress=False)
     ex = engine.executor
-    assert ex.set_bulk("auto", "fp16").rows == "fp16"
+    assert ex.set_bulk("auto", kernel).rows == kernel
     ids = engine.tokenizer(prompts[0])["input_ids"]
     block = list(range(1000, 1033))
     assert _block_is_bit_identical_to_one_token_decoding(ex, ids, block)

@@ -281,8 +281,10 @@ def add_weight_format_arguments(parser) -> None:
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16", "int4"],
                         help="weights' format (int4: bf16 weights, decoding on int4 copies)")
     parser.add_argument(
-        "--decode-kernel", default="auto", choices=["auto", "weights", "fp16", "int4"],
+        "--decode-kernel", default="auto", choices=["auto", "weights", "bf16", "bf16+fp16", "fp16", "int4"],
         help="kernel of decoding and verification products: auto (on CPUs that emulate "
-             "bf16, FBGEMM's fp16-weight kernel for matrices >= 4 MiB), fp16 (that kernel for "
-             "every matrix: cheapest verification), weights (the weights' own format), int4 "
-             "(4-bit copies: lossy)")
+             "bf16: bf16+fp16, i.e. FBGEMM's fp16-weight kernel for matrices >= 4 MiB and "
+             "selfspec's AVX2 bf16 kernel for the rest, whose cost hardly grows with the "
+             "rows), bf16 (selfspec's kernel for every matrix, no weight copies), fp16 "
+             "(FBGEMM for every matrix), weights (the weights' own format), int4 (4-bit "
+             "copies: lossy)")

@@ -1,5 +1,5 @@
 """Cost of one forward over M new tokens (decoding: M=1; verifying a draft of D: M=D+1) with
-each decoding kernel (`--decode-kernel weights|auto|fp16`), in one process, best of 2.
+each decoding kernel (`--decode-kernel weights|auto|fp16|bf16`), in one process, best of 2.
 
     python docs/results/executor-profile/rows_kernel.py [--model M] [--steps 16] [--threads 2]
 """
@@ -35,7 +35,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     engine = selfspec.load(args.model, dtype="bf16", show_progress=False)
     ex = engine.executor
-    kernels, sizes = ("weights", "auto", "fp16"), (1, 2, 5)
+    kernels, sizes = ("weights", "auto", "fp16", "bf16"), (1, 2, 5, 8)
     best: dict[tuple[str, int], float] = {}
     for _ in range(2):
         for kernel in kernels:

@@ -187,12 +187,15 @@ class ComputeFormats:
             verification limit, feature extraction): the weights are cast to it per call and
             the outputs cast back, so storage and memory traffic stay in ``weights``.
         reason: why, in words (for logs and reports).
-        rows: ``"weights"``, or ``"fp16"``: decoding and verification multiply by an fp16
+        rows: ``"weights"``; ``"fp16"``: decoding and verification multiply by an fp16
             copy of each weight of at least ``rows_min_bytes`` with FBGEMM's row-consistent
             kernel (:mod:`selfspec.executor.fp16_rows`), where the weights' own kernel is
-            emulated.
-        rows_min_bytes: smaller weights keep their own kernel (FBGEMM's per-call overhead,
-            ~0.1 ms, outweighs its faster reads below a few MiB).
+            emulated; ``"bf16"``: selfspec's row-consistent AVX2 kernel on the bf16 weights
+            themselves (:mod:`selfspec.executor.bf16_rows`); ``"bf16+fp16"``: FBGEMM for the
+            weights of at least ``rows_min_bytes``, the bf16 kernel for the others; ``"int4"``.
+        rows_min_bytes: smaller weights keep their own kernel, or take the bf16 kernel under
+            ``"bf16+fp16"`` (FBGEMM's per-call overhead, ~0.1 ms, outweighs its faster reads
+            below a few MiB).
     """
 
     weights: torch.dtype
@@ -211,13 +214,16 @@ class ComputeFormats:
         size = (f" of matrices >= {self.rows_min_bytes / 2**20:g} MiB"
                 if self.rows_min_bytes else "")
         rows = {"fp16": f", decoding and verification on fp16 copies{size} (FBGEMM)",
+                "bf16": ", decoding and verification on selfspec's AVX2 bf16 kernel",
+                "bf16+fp16": f", decoding and verification on fp16 copies{size} (FBGEMM), "
+                             "smaller matrices on selfspec's AVX2 bf16 kernel",
                 "int4": ", decoding and verification on int4 copies (group 32, lossy vs the "
                         "weights; prefill keeps the weights)"}.get(self.rows, "")
         return (f"weights {DTYPE_NAMES.get(self.weights, self.weights)}, bulk matrix products "
                 f"{DTYPE_NAMES.get(self.bulk, self.bulk)} ({self.reason}){rows}")
 
 
-ROWS_FORMATS = ("auto", "weights", "fp16", "int4")
+ROWS_FORMATS = ("auto", "weights", "bf16", "bf16+fp16", "fp16", "int4")
 # "auto" moves a matrix to FBGEMM's fp16 kernel from this size: measured per call on the
 # 2-core AVX2 EPYC, one decoding row of a 0.66 MiB matrix takes 56 µs in bf16 and 147 µs on
 # FBGEMM (its padded 3 rows and call overhead), a 3.4 MiB one 225 vs 280 µs, while a
@@ -232,16 +238,21 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
     """The kernel of decoding and verification products for weights stored as ``weights``.
 
     Args:
-        rows: ``"auto"`` (``"fp16"`` for bf16/fp16 weights on a CPU that emulates bf16, where
-            FBGEMM is available, for matrices of at least :data:`AUTO_ROWS_MIN_BYTES`; else
-            ``"weights"``), ``"weights"`` or ``"fp16"`` to force (every matrix; needs FBGEMM
-            and 16-bit weights), or ``"int4"``: int4 copies of every matrix whose input size
-            is a multiple of 32 (:mod:`selfspec.executor.int4_rows`; lossy; 16-bit weights).
+        rows: ``"auto"``: on a CPU that emulates bf16, for bf16 weights ``"bf16+fp16"``
+            (FBGEMM's fp16 kernel for matrices of at least :data:`AUTO_ROWS_MIN_BYTES`,
+            selfspec's AVX2 bf16 kernel for the rest; ``"bf16"`` without FBGEMM) where that
+            kernel builds, else (and for fp16 weights) ``"fp16"`` for matrices of at least
+            :data:`AUTO_ROWS_MIN_BYTES` where FBGEMM is available; elsewhere ``"weights"``.
+            ``"weights"``, ``"bf16"`` (every bf16 matrix on selfspec's kernel) or ``"fp16"``
+            (every matrix on FBGEMM) to force, or ``"int4"``: int4 copies of every matrix
+            whose input size is a multiple of 32 (:mod:`selfspec.executor.int4_rows`; lossy;
+            16-bit weights).
 
     Raises:
         InvalidArgumentError: ``rows`` is none of :data:`ROWS_FORMATS`, or ``"fp16"`` /
             ``"int4"`` where the kernel is missing or the weights are fp32 or not on the CPU.
     """
+    from selfspec.executor.bf16_rows import bf16_rows_available
     from selfspec.executor.fp16_rows import fbgemm_fp16_available
     from selfspec.executor.int4_rows import int4_available
 
@@ -250,17 +261,31 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
             f"the decoding kernel must be one of {', '.join(ROWS_FORMATS)}, got {rows!r}")
     sixteen = weights in (torch.bfloat16, torch.float16) and torch.device(device).type == "cpu"
     # A forced kernel: (is its kernel here, what it needs).
-    forced = {"fp16": (fbgemm_fp16_available, "FBGEMM (x86 torch builds)"),
+    ours = "selfspec's AVX2 kernel (x86 with AVX2/FMA and a C++ compiler)"
+    forced = {"bf16": (bf16_rows_available, ours),
+              "bf16+fp16": (lambda: bf16_rows_available() and fbgemm_fp16_available(),
+                            f"{ours} and FBGEMM"),
+              "fp16": (fbgemm_fp16_available, "FBGEMM (x86 torch builds)"),
               "int4": (int4_available, "torch's CPU int4 kernel")}
     if rows in forced:
         available, kernel = forced[rows]
-        if not (sixteen and available()):
+        fits = sixteen and (not rows.startswith("bf16") or weights == torch.bfloat16)
+        if not (fits and available()):
+            from selfspec.executor.bf16_rows import bf16_rows_unavailable_reason
+
+            why = (f" ({bf16_rows_unavailable_reason()})"
+                   if rows.startswith("bf16") and fits and not bf16_rows_available() else "")
+            need = "bf16" if rows.startswith("bf16") else "bf16/fp16"
             raise InvalidArgumentError(
-                f"{rows} decoding products need bf16/fp16 weights on a CPU and {kernel}; load "
-                "the model with --dtype bf16, or use 'auto' or 'weights'")
+                f"{rows} decoding products need {need} weights on a CPU and {kernel}{why}; "
+                "load the model with --dtype bf16, or use 'auto' or 'weights'")
         return rows
-    if rows == "auto" and sixteen and not native_bf16() and fbgemm_fp16_available():
-        return "fp16"
+    if rows == "auto" and sixteen and not native_bf16():
+        ours = weights == torch.bfloat16 and bf16_rows_available()
+        if ours:
+            return "bf16+fp16" if fbgemm_fp16_available() else "bf16"
+        if fbgemm_fp16_available():
+            return "fp16"
     return "weights"
 
 
@@ -280,7 +305,9 @@ def choose_formats(weights: torch.dtype, device: torch.device | str = "cpu",
         InvalidArgumentError: ``bulk`` or ``rows`` is none of those.
     """
     kernel = choose_rows(weights, device, rows)
-    row_args = (kernel, AUTO_ROWS_MIN_BYTES if rows == "auto" and kernel == "fp16" else 0)
+    # FBGEMM takes the matrices of at least AUTO_ROWS_MIN_BYTES under auto and in the chain.
+    row_args = (kernel, AUTO_ROWS_MIN_BYTES
+                if kernel == "bf16+fp16" or (rows == "auto" and kernel == "fp16") else 0)
     if bulk == "weights":
         return ComputeFormats(weights, weights, "as requested", *row_args)
     if bulk != "auto":

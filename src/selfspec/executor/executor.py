@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.errors import InvalidArgumentError, UnsupportedArchitectureError
+from selfspec.executor.bf16_rows import Bf16Rows
 from selfspec.executor.cache import CacheShape, KVCache
 from selfspec.executor.cpu import ComputeFormats, choose_formats
 from selfspec.executor.fp16_rows import Fp16Rows
-from selfspec.executor.int4_rows import Int4Rows
-from selfspec.executor.linear import Linear, PackedRowLimits
+from selfspec.executor.linear import ChainRows, Linear, PackedRowLimits, RowsKernel
 from selfspec.models.common import SUPPORTED_MODEL_TYPES
 
 if TYPE_CHECKING:
@@ -200,10 +200,10 @@ class LayerExecutor:
                          for layer in self.layers]
         self._lm_head = Linear(model.lm_head.weight, model.lm_head.bias, pack_weights,
                                row_limits=self.row_limits)
-        self._rows_kernel: Fp16Rows | Int4Rows | None = None
+        self._rows_kernel: RowsKernel | None = None
         # One kernel object per (format, min bytes), kept so that switching back finds each
         # linear's copy already built (Linear caches its copies per kernel).
-        self._rows_kernels: dict[tuple[str, int], Fp16Rows | Int4Rows] = {}
+        self._rows_kernels: dict[tuple[str, int], RowsKernel] = {}
         self.formats: ComputeFormats = self.set_bulk(bulk, rows)
         self.draft_weights: str | None = None  # set on the views of draft_view()
         self._fastest_draft: FormatTiming | None = None
@@ -238,6 +238,10 @@ class LayerExecutor:
             kernel = self._rows_kernels.get(key)
             if kernel is None and formats.rows == "fp16":
                 kernel = Fp16Rows(max_rows, formats.rows_min_bytes)
+            elif kernel is None and formats.rows == "bf16":
+                kernel = Bf16Rows()
+            elif kernel is None and formats.rows == "bf16+fp16":
+                kernel = ChainRows(Fp16Rows(max_rows, formats.rows_min_bytes), Bf16Rows())
             elif kernel is None and formats.rows == "int4":
                 from selfspec.executor.int4_rows import Int4Rows
 
@@ -254,7 +258,7 @@ class LayerExecutor:
 
     def set_decode_kernel(self, rows: str) -> str:
         """Switch the kernel of decoding and verification products (``"auto"``,
-        ``"weights"``, ``"fp16"`` or ``"int4"``, as ``set_bulk``'s ``rows``), keeping the bulk
+        ``"weights"``, ``"bf16"``, ``"fp16"`` or ``"int4"``, as ``set_bulk``'s ``rows``), keeping the bulk
         format; return the previous request, to switch back. A kernel's weight copies are
         built at its first use and kept, so switching back and forth costs nothing after that
         (the benchmark runs ``ar`` on bf16 and on int4 weights in one run this way).

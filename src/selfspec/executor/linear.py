@@ -29,9 +29,10 @@ import torch.nn.functional as F
 from selfspec.executor.fp16_rows import Fp16Rows
 
 if TYPE_CHECKING:
+    from selfspec.executor.bf16_rows import Bf16Rows
     from selfspec.executor.int4_rows import Int4Rows
 
-RowsKernel = Union[Fp16Rows, "Int4Rows"]
+RowsKernel = Union[Fp16Rows, "Int4Rows", "Bf16Rows", "ChainRows"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,55 @@ class PackedRowLimits:
                 logger.info("%s: calls of up to %d rows are row-consistent at %d threads; "
                             "longer blocks are split", shape, found, key[-1])
         return found
+
+
+@dataclass(frozen=True)
+class ChainedWeight:
+    """A weight's copy for the kernel of a :class:`ChainRows` that took it."""
+
+    kernel: Any
+    copy: Any
+
+    @property
+    def nbytes(self) -> int | None:
+        """Bytes one call reads, where the kernel's copy says (``None``: an opaque copy)."""
+        nbytes = getattr(self.copy, "nbytes", None)
+        return nbytes if isinstance(nbytes, int) else None
+
+
+class ChainRows:
+    """Several decoding kernels, each weight on the first that takes it (its ``prepack`` gives
+    a copy, not ``None``): e.g. FBGEMM's fp16 kernel for matrices of at least 4 MiB, then
+    selfspec's bf16 kernel for the rest (``--decode-kernel auto`` on CPUs that emulate bf16).
+    Every weight stays on one kernel, so each row-consistent kernel keeps verification
+    bit-identical to one-token decoding.
+
+    Args:
+        kernels: the kernels, in order of preference; each must serve bulk calls.
+    """
+
+    serves_bulk = True
+
+    def __init__(self, *kernels: Any) -> None:
+        if not all(k.serves_bulk for k in kernels):
+            raise ValueError("ChainRows needs kernels that serve bulk calls")
+        self.kernels = kernels
+
+    def prepack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> ChainedWeight | None:
+        """The first kernel's copy of ``weight`` ``[N, K]``, or ``None`` if none takes it."""
+        for kernel in self.kernels:
+            copy = kernel.prepack(weight, bias)
+            if copy is not None:
+                return ChainedWeight(kernel, copy)
+        return None
+
+    def __call__(self, x: torch.Tensor, packed: ChainedWeight) -> torch.Tensor:
+        """``[..., K]`` → ``[..., N]``, row-consistent, on the kernel that took the weight."""
+        return packed.kernel(x, packed.copy)
+
+    def bulk(self, x: torch.Tensor, packed: ChainedWeight) -> torch.Tensor:
+        """A bulk call on the kernel that took the weight."""
+        return packed.kernel.bulk(x, packed.copy)
 
 
 def _packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,137 @@
+// Row-consistent bf16-weight matrix products for AVX2 + FMA CPUs without native bf16.
+//
+// y[t, n] = bf16(sum_k w[n, k] * x[t, k] (+ bias[n])), w bf16 [N, K] row-major, x bf16 [T, K],
+// y bf16 [T, N], products and sums in fp32.
+//
+// Why our own kernel: on these CPUs torch's bf16 F.linear converts as it multiplies and its
+// cost grows with the rows (a verification of T tokens costs about T decoding steps), and
+// FBGEMM's fp16 kernel pays ~0.1 ms per call, more than SmolLM2-sized matrices take to read.
+// Here each weight row is converted once (a 16-bit shift) and multiplied with up to six
+// activation rows while it is in registers, so a call of a few rows reads the weights once.
+//
+// Row consistency, which lossless verification rests on: every dot product is accumulated in
+// the same order whatever T, the row's place in the call, the grouping of rows and the split
+// of N between threads (two 8-lane accumulators over alternating 8-wide chunks of k, a scalar
+// tail, a fixed horizontal sum, then the bias), so each row of a T-row call is bit-identical
+// to that row computed alone.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPrefetch = 1024;  // elements (2 KiB) ahead along a weight row
+
+inline __m256 load_bf16(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float finish(__m256 a, __m256 b, const uint16_t* w, const float* x, int64_t k0,
+                    int64_t K) {
+  __m256 s = _mm256_add_ps(a, b);
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  float sum = _mm_cvtss_f32(q);
+  for (int64_t k = k0; k < K; ++k) sum += bf16_to_float(w[k]) * x[k];
+  return sum;
+}
+
+// NR weight rows (n .. n+NR-1) times TB activation rows (x, y start at the group's first row).
+template <int NR, int TB>
+inline void tile(const uint16_t* w, const float* x, uint16_t* y, const float* bias, int64_t n,
+                 int64_t K, int64_t N) {
+  const int64_t K16 = K & ~int64_t(15);
+  __m256 a[NR][TB], b[NR][TB];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < TB; ++t) a[r][t] = b[r][t] = _mm256_setzero_ps();
+  const uint16_t* row = w + n * K;
+  for (int64_t k = 0; k < K16; k += 16) {
+    if ((k & 31) == 0)
+      for (int r = 0; r < NR; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(row + r * K + k + kPrefetch), _MM_HINT_T0);
+    __m256 u[NR], v[NR];
+    for (int r = 0; r < NR; ++r) {
+      u[r] = load_bf16(row + r * K + k);
+      v[r] = load_bf16(row + r * K + k + 8);
+    }
+    for (int t = 0; t < TB; ++t) {
+      __m256 xa = _mm256_loadu_ps(x + t * K + k), xb = _mm256_loadu_ps(x + t * K + k + 8);
+      for (int r = 0; r < NR; ++r) {
+        a[r][t] = _mm256_fmadd_ps(u[r], xa, a[r][t]);
+        b[r][t] = _mm256_fmadd_ps(v[r], xb, b[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < TB; ++t) {
+      float s = finish(a[r][t], b[r][t], row + r * K, x + t * K, K16, K);
+      if (bias) s += bias[n + r];
+      y[t * N + n + r] = float_to_bf16(s);
+    }
+}
+
+template <int NR>
+inline void rows_group(const uint16_t* w, const float* x, uint16_t* y, const float* bias,
+                       int64_t n, int64_t T, int64_t K, int64_t N) {
+  // Groups of up to six activation rows per pass over the weight row(s), which stay in L1.
+  for (int64_t t = 0; t < T;) {
+    const float* xt = x + t * K;
+    uint16_t* yt = y + t * N;
+    switch (T - t >= 6 ? 6 : T - t) {
+      case 6: tile<NR, 6>(w, xt, yt, bias, n, K, N); t += 6; break;
+      case 5: tile<NR, 5>(w, xt, yt, bias, n, K, N); t += 5; break;
+      case 4: tile<NR, 4>(w, xt, yt, bias, n, K, N); t += 4; break;
+      case 3: tile<NR, 3>(w, xt, yt, bias, n, K, N); t += 3; break;
+      case 2: tile<NR, 2>(w, xt, yt, bias, n, K, N); t += 2; break;
+      default: tile<NR, 1>(w, xt, yt, bias, n, K, N); t += 1; break;
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Version of this kernel's numerics; a change of rounding must change it.
+int selfspec_bf16_rows_version() { return 1; }
+
+void selfspec_bf16_rows(const uint16_t* w, const uint16_t* x16, uint16_t* y, const float* bias,
+                        int64_t T, int64_t K, int64_t N) {
+  std::vector<float> x(static_cast<size_t>(T * K));
+  for (int64_t i = 0; i < T * K; ++i) x[i] = bf16_to_float(x16[i]);
+  const float* xf = x.data();
+  // One or two activation rows are too few FMAs to hide the accumulators' latency on one
+  // weight row, so those take weight rows in pairs; more rows take one weight row at a time
+  // (registers). Either way each dot product's order is the same.
+  const bool pairs = T <= 2;
+  const int64_t step = pairs ? 2 : 1;
+  const int64_t units = N / step;
+  at::parallel_for(0, units, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      if (pairs) rows_group<2>(w, xf, y, bias, u * 2, T, K, N);
+      else rows_group<1>(w, xf, y, bias, u, T, K, N);
+    }
+  });
+  if (pairs && (N & 1)) rows_group<1>(w, xf, y, bias, N - 1, T, K, N);
+}
+
+}  // extern "C"

@@ -1,0 +1,168 @@
+"""selfspec's AVX2 bf16-weight kernel for decoding and verification (executor/bf16_rows.py,
+executor/kernels/bf16_rows.cpp): rows are bit-identical whatever the block and the thread
+count, outputs match fp32 products to bf16 rounding, and every lossless method keeps `ar`'s
+greedy tokens in bf16 on it, alone and chained after FBGEMM's fp16 kernel (auto)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny import tiny_model, tiny_tokenizer
+
+import selfspec
+from selfspec.errors import InvalidArgumentError
+from selfspec.executor import LayerExecutor, bf16_rows, cpu
+from selfspec.executor.bf16_rows import Bf16Rows, bf16_rows_available
+from selfspec.executor.fp16_rows import Fp16Rows, fbgemm_fp16_available
+from selfspec.executor.linear import ChainRows, Linear
+
+needs_kernel = pytest.mark.skipif(
+    not bf16_rows_available(),
+    reason=f"bf16 rows kernel unavailable: {bf16_rows.bf16_rows_unavailable_reason()}")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return Bf16Rows()
+
+
+def _weight(n, k, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 20), k=st.sampled_from([8, 15, 64, 200, 577]),
+       n=st.sampled_from([1, 7, 72, 301]), bias=st.booleans(), seed=st.integers(0, 999))
+def test_each_row_is_the_same_in_any_block(kernel, rows, k, n, bias, seed):
+    """Verification's rows equal one-token decoding's, bit for bit, at any block size (groups
+    of six rows, weight rows in pairs for one or two rows, odd N, K with a scalar tail), and
+    agree with an fp32 product to bf16 rounding."""
+    weight = _weight(n, k, seed)
+    b = torch.randn(n).to(torch.bfloat16) if bias else None
+    packed = kernel.prepack(weight, b)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    together = kernel(x, packed)
+    alone = torch.cat([kernel(row, packed) for row in x.split(1)])
+    assert together.dtype == torch.bfloat16 and together.shape == (rows, n)
+    assert torch.equal(together, alone)
+    want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    assert torch.allclose(together.float(), want, rtol=1e-2, atol=1e-2)
+
+
+@needs_kernel
+def test_threads_do_not_change_a_bit(kernel):
+    """The split of the outputs between threads leaves every dot product's order unchanged."""
+    weight, x = _weight(301, 577), torch.randn(9, 577).bfloat16()
+    packed = kernel.prepack(weight, None)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(x, packed)
+        torch.set_num_threads(max(2, threads))
+        assert torch.equal(kernel(x, packed), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_it_reads_the_weights_in_place_and_only_bf16(kernel):
+    weight = _weight(16, 32)
+    packed = kernel.prepack(weight, None)
+    assert packed.weight.data_ptr() == weight.data_ptr()      # no copy of the model's weights
+    assert packed.nbytes == 16 * 32 * 2
+    assert kernel.prepack(weight.half(), None) is None        # fp16 weights keep their kernel
+    big = torch.randn(3 * bf16_rows.BULK_MAX_ROWS, 32).bfloat16()
+    assert torch.allclose(kernel.bulk(big, packed).float(),
+                          F.linear(big.float(), weight.float()), rtol=1e-2, atol=1e-2)
+
+
+@needs_kernel
+@pytest.mark.skipif(not fbgemm_fp16_available(), reason="FBGEMM's fp16 linear is x86-only")
+def test_chain_puts_each_weight_on_the_first_kernel_that_takes_it(kernel):
+    fp16 = Fp16Rows(max_rows=16, min_bytes=4096)
+    chain = ChainRows(fp16, kernel)
+    small, large = Linear(_weight(8, 32), None, rows=chain), Linear(_weight(64, 64), None,
+                                                                     rows=chain)
+    assert small.rows_weight.kernel is kernel and large.rows_weight.kernel is fp16
+    assert small.decode_bytes == 8 * 32 * 2 and large.decode_bytes == 64 * 64 * 2
+    x = torch.randn(5, 64).bfloat16()
+    assert torch.equal(large(x), torch.cat([large(r) for r in x.split(1)]))
+
+
+def test_choose_rows_prefers_the_chain_where_bf16_is_emulated(monkeypatch):
+    monkeypatch.setattr(cpu, "native_bf16", lambda: False)
+    monkeypatch.setattr(bf16_rows, "bf16_rows_available", lambda: True)
+    monkeypatch.setattr("selfspec.executor.fp16_rows.fbgemm_fp16_available", lambda: True)
+    formats = cpu.choose_formats(torch.bfloat16, "cpu", "auto", "auto")
+    assert formats.rows == "bf16+fp16" and formats.rows_min_bytes == cpu.AUTO_ROWS_MIN_BYTES
+    assert "AVX2 bf16 kernel" in formats.describe()
+    assert cpu.choose_rows(torch.float16, "cpu", "auto") == "fp16"   # the kernel is bf16-only
+    assert cpu.choose_rows(torch.bfloat16, "cpu", "bf16") == "bf16"
+    with pytest.raises(InvalidArgumentError, match="need bf16 weights"):
+        cpu.choose_rows(torch.float16, "cpu", "bf16")
+    monkeypatch.setattr("selfspec.executor.fp16_rows.fbgemm_fp16_available", lambda: False)
+    assert cpu.choose_rows(torch.bfloat16, "cpu", "auto") == "bf16"
+    monkeypatch.setattr(bf16_rows, "bf16_rows_available", lambda: False)
+    assert cpu.choose_rows(torch.bfloat16, "cpu", "auto") == "weights"
+    with pytest.raises(InvalidArgumentError, match="AVX2 kernel"):
+        cpu.choose_rows(torch.bfloat16, "cpu", "bf16")
+    monkeypatch.setattr(cpu, "native_bf16", lambda: True)
+    monkeypatch.setattr(bf16_rows, "bf16_rows_available", lambda: True)
+    assert cpu.choose_rows(torch.bfloat16, "cpu", "auto") == "weights"  # native bf16 wins
+
+
+def test_no_compiler_is_a_clear_reason(monkeypatch, tmp_path):
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(bf16_rows.shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match="no C.. compiler"):
+        bf16_rows._build()
+
+
+@needs_kernel
+def test_the_build_is_cached_by_source_and_flags(monkeypatch, tmp_path):
+    """A second build finds the first one's library (no recompilation) under SELFSPEC_HOME."""
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
+    first = bf16_rows._build()
+    assert first.parent == tmp_path / "kernels" and first.is_file()
+    stamp = first.stat().st_mtime_ns
+    assert bf16_rows._build() == first and first.stat().st_mtime_ns == stamp
+    assert list((tmp_path / "kernels").iterdir()) == [first]   # no temporary left behind
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("rows", ["bf16", "bf16+fp16"])
+def test_lossless_methods_keep_ar_greedy_tokens_on_the_kernel(arch, rows):
+    """Verification blocks are bit-identical to one-token decoding on the kernel (alone, and
+    chained after FBGEMM for the larger matrices), and lossless methods give `ar`'s tokens."""
+    if rows == "bf16+fp16" and not fbgemm_fp16_available():
+        pytest.skip("FBGEMM's fp16 linear is x86-only")
+    ex = LayerExecutor(tiny_model(arch, dtype=torch.bfloat16), rows=rows)
+    assert ex.formats.rows == rows
+    ids = torch.tensor([[5, 9, 17, 33, 2, 8, 40, 41, 7]])
+    with torch.inference_mode():
+        cache = ex.new_cache()
+        ex.forward(ids[:, :2], torch.arange(2)[None], cache)
+        alone = torch.stack([ex.forward(ids[:, i:i + 1], torch.tensor([[i]]), cache)[0, -1]
+                             for i in range(2, 9)])
+        cache.truncate(2)
+        together = ex.forward(ids[:, 2:], torch.arange(2, 9)[None], cache)[0]
+    assert torch.equal(together, alone)
+
+    engine = selfspec.from_pretrained_model(tiny_model(arch, dtype=torch.bfloat16),
+                                            tiny_tokenizer(), name=f"tiny-{arch}")
+    engine.executor.set_bulk("auto", rows)
+    prompt = "def add(a, b):\n"
+    reference = engine.generate(prompt, max_new_tokens=24).token_ids
+    drafted = 0
+    for method, options in (("layerskip", {"exit_layer": 3, "draft_len": 4}),
+                            ("dv", {"exit_layer": 4}),
+                            ("knapspec", {}),
+                            ("adadecode", {"heads": "none"})):
+        result = engine.generate(prompt, method=method, max_new_tokens=24, **options)
+        assert result.token_ids == reference, method
+        drafted += result.stats.drafted
+    assert drafted > 0
