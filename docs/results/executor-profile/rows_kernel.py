@@ -1,5 +1,7 @@
 """Cost of one forward over M new tokens (decoding: M=1; verifying a draft of D: M=D+1) with
-each decoding kernel (`--decode-kernel weights|auto|fp16|bf16`), in one process, best of 2.
+each decoding kernel (`--decode-kernel weights|fp16|bf16|auto`; auto = FBGEMM fp16 for
+matrices >= 4 MiB, selfspec's bf16 kernel for the rest, on CPUs that emulate bf16), in one
+process, best of 3.
 
     python docs/results/executor-profile/rows_kernel.py [--model M] [--steps 16] [--threads 2]
 """
@@ -35,9 +37,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     engine = selfspec.load(args.model, dtype="bf16", show_progress=False)
     ex = engine.executor
-    kernels, sizes = ("weights", "auto", "fp16", "bf16"), (1, 2, 5, 8)
+    kernels, sizes = ("weights", "fp16", "bf16", "auto"), (1, 2, 5, 8)
     best: dict[tuple[str, int], float] = {}
-    for _ in range(2):
+    for _ in range(3):
         for kernel in kernels:
             ex.set_bulk("auto", kernel)
             for m in sizes:
