@@ -96,12 +96,10 @@ def bf16_rows_unavailable_reason() -> str:
 
 @cache
 def _library() -> _Library:
-    from selfspec.executor.cpu import detect_cpu
-
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return _Library(None, f"needs an x86-64 CPU (this is {platform.machine()})")
-    flags = set(detect_cpu().flags)
-    if not {"avx2", "fma"} <= flags:
+    # ATen's AVX2 level itself requires AVX2 and FMA (and AVX512 implies both).
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return _Library(None, "needs a CPU with AVX2 and FMA")
     try:
         path = _build()
