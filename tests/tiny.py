@@ -98,3 +98,35 @@ def save_tiny(path, arch: str = "llama", **model_args):
     tiny_model(arch, **model_args).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+def assert_lossless_on_rows_kernel(arch: str, rows: str) -> None:
+    """On a tiny bf16 model decoding on kernel ``rows`` (``--decode-kernel``): a verification
+    block is bit-identical to one-token decoding, and lossless methods (layer skip, Draft &
+    Verify, KnapSpec, AdaDecode) give exactly `ar`'s greedy tokens, drafting something."""
+    import selfspec
+
+    engine = selfspec.from_pretrained_model(tiny_model(arch, dtype=torch.bfloat16),
+                                            tiny_tokenizer(), name=f"tiny-{arch}")
+    ex = engine.executor
+    assert ex.set_bulk("auto", rows).rows == rows
+    ids = torch.tensor([[5, 9, 17, 33, 2, 8, 40, 41, 7]])
+    with torch.inference_mode():
+        cache = ex.new_cache()
+        ex.forward(ids[:, :2], torch.arange(2)[None], cache)
+        alone = torch.stack([ex.forward(ids[:, i:i + 1], torch.tensor([[i]]), cache)[0, -1]
+                             for i in range(2, 9)])
+        cache.truncate(2)
+        together = ex.forward(ids[:, 2:], torch.arange(2, 9)[None], cache)[0]
+    assert torch.equal(together, alone)
+    prompt = "def add(a, b):\n"
+    reference = engine.generate(prompt, max_new_tokens=24).token_ids
+    drafted = 0
+    for method, options in (("layerskip", {"exit_layer": 3, "draft_len": 4}),
+                            ("dv", {"exit_layer": 4}),
+                            ("knapspec", {}),
+                            ("adadecode", {"heads": "none"})):
+        result = engine.generate(prompt, method=method, max_new_tokens=24, **options)
+        assert result.token_ids == reference, method
+        drafted += result.stats.drafted
+    assert drafted > 0
