@@ -7,7 +7,11 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny import assert_lossless_on_rows_kernel, tiny_model
+from tiny import (
+    assert_block_equals_one_token_decoding,
+    assert_lossless_on_rows_kernel,
+    tiny_model,
+)
 
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor, cpu
@@ -109,15 +113,7 @@ def test_executor_switches_kernels_and_verification_stays_exact(arch):
     ex = LayerExecutor(tiny_model(arch, dtype=torch.bfloat16), rows="fp16")
     assert ex.formats.rows == "fp16" and ex.fp16_rows is not None
     assert all(w.qkv.rows is ex.fp16_rows for w in ex._weights)
-    ids = torch.tensor([[5, 9, 17, 33, 2, 8]])
-    with torch.inference_mode():
-        cache = ex.new_cache()
-        ex.forward(ids[:, :2], torch.arange(2)[None], cache)
-        alone = torch.stack([ex.forward(ids[:, i:i + 1], torch.tensor([[i]]), cache)[0, -1]
-                             for i in range(2, 6)])
-        cache.truncate(2)
-        together = ex.forward(ids[:, 2:], torch.arange(2, 6)[None], cache)[0]
-    assert torch.equal(together, alone)
+    assert_block_equals_one_token_decoding(ex, [5, 9, 17, 33, 2, 8])
     ex.set_bulk("auto", "weights")
     assert ex.fp16_rows is None and all(w.qkv.rows is None for w in ex._weights)
 

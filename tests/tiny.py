@@ -100,6 +100,21 @@ def save_tiny(path, arch: str = "llama", **model_args):
     return path
 
 
+def assert_block_equals_one_token_decoding(executor, ids: list[int], prefix: int = 2) -> None:
+    """``ids[prefix:]`` verified in one forward after ``ids[:prefix]`` gives each position
+    exactly (bit for bit) the logits of decoding it alone."""
+    ids_t = torch.tensor([ids])
+    with torch.inference_mode():
+        cache = executor.new_cache()
+        executor.forward(ids_t[:, :prefix], torch.arange(prefix)[None], cache)
+        alone = torch.stack([executor.forward(ids_t[:, i:i + 1], torch.tensor([[i]]),
+                                              cache)[0, -1] for i in range(prefix, len(ids))])
+        cache.truncate(prefix)
+        together = executor.forward(ids_t[:, prefix:], torch.arange(prefix, len(ids))[None],
+                                    cache)[0]
+    assert torch.equal(together, alone)
+
+
 def assert_lossless_on_rows_kernel(arch: str, rows: str) -> None:
     """On a tiny bf16 model decoding on kernel ``rows`` (``--decode-kernel``): a verification
     block is bit-identical to one-token decoding, and lossless methods (layer skip, Draft &
@@ -110,15 +125,7 @@ def assert_lossless_on_rows_kernel(arch: str, rows: str) -> None:
                                             tiny_tokenizer(), name=f"tiny-{arch}")
     ex = engine.executor
     assert ex.set_bulk("auto", rows).rows == rows
-    ids = torch.tensor([[5, 9, 17, 33, 2, 8, 40, 41, 7]])
-    with torch.inference_mode():
-        cache = ex.new_cache()
-        ex.forward(ids[:, :2], torch.arange(2)[None], cache)
-        alone = torch.stack([ex.forward(ids[:, i:i + 1], torch.tensor([[i]]), cache)[0, -1]
-                             for i in range(2, 9)])
-        cache.truncate(2)
-        together = ex.forward(ids[:, 2:], torch.arange(2, 9)[None], cache)[0]
-    assert torch.equal(together, alone)
+    assert_block_equals_one_token_decoding(ex, [5, 9, 17, 33, 2, 8, 40, 41, 7])
     prompt = "def add(a, b):\n"
     reference = engine.generate(prompt, max_new_tokens=24).token_ids
     drafted = 0

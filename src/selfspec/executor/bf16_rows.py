@@ -153,13 +153,26 @@ def _build() -> Path:
     return target
 
 
-def _call(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x`` ``[T, K]`` bf16 contiguous → ``[T, N]`` bf16."""
-    rows, k = x.shape
-    y = torch.empty(rows, weight.shape[0], dtype=torch.bfloat16)
-    fn(weight.data_ptr(), x.data_ptr(), y.data_ptr(),
-       None if bias is None else bias.data_ptr(), rows, k, weight.shape[0])
-    return y
+def _weight(weight: torch.Tensor, bias: torch.Tensor | None) -> Bf16Weight:
+    """``weight`` ``[N, K]`` bf16 (and ``bias``) as the kernel reads it."""
+    w = weight.detach().contiguous()
+    b = None if bias is None else bias.detach().float().contiguous()
+    nbytes = w.numel() * 2 + (0 if bias is None else bias.numel() * bias.element_size())
+    return Bf16Weight(w, b, nbytes, w.data_ptr(), None if b is None else b.data_ptr())
+
+
+def _product(fn, x: torch.Tensor, packed: Bf16Weight) -> torch.Tensor:
+    """``x`` ``[..., K]`` → ``[..., N]`` in bf16 through the compiled kernel ``fn``."""
+    # Kept to a few tensor calls: this runs ~120 times a token (~8 µs against 27 µs with
+    # reshapes and casts, measured; F.linear's own overhead is ~12 µs).
+    if x.dtype != torch.bfloat16:
+        x = x.to(torch.bfloat16)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    k, n = x.shape[-1], packed.weight.shape[0]
+    out = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
+    fn(packed.weight_ptr, x.data_ptr(), out.data_ptr(), packed.bias_ptr, x.numel() // k, k, n)
+    return out
 
 
 def _probe(fn) -> str:
@@ -169,11 +182,12 @@ def _probe(fn) -> str:
     weight = torch.randn(37, 75, generator=gen).bfloat16()   # odd N, K tail past 64
     bias = torch.randn(37, generator=gen)
     x = torch.randn(9, 75, generator=gen).bfloat16()
-    got = _call(fn, x, weight, bias)
+    packed = _weight(weight, bias)
+    got = _product(fn, x, packed)
     want = F.linear(x.float(), weight.float(), bias)
     if not torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2):
         return f"differs from F.linear by {(got.float() - want).abs().max().item():.3g}"
-    alone = torch.cat([_call(fn, row.contiguous(), weight, bias) for row in x.split(1)])
+    alone = torch.cat([_product(fn, row, packed) for row in x.split(1)])
     if not torch.equal(got, alone):
         return "rows of one call differ from the rows computed alone"
     return ""
@@ -202,28 +216,14 @@ class Bf16Rows:
     def prepack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Bf16Weight | None:
         """The weight as the kernel reads it, or ``None`` when it is not bf16 (it keeps its
         own kernel)."""
-        w = weight.detach()
-        if w.dtype != torch.bfloat16 or w.device.type != "cpu":
+        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
             return None
-        w = w.contiguous()
-        b = None if bias is None else bias.detach().float().contiguous()
-        nbytes = w.numel() * 2 + (0 if bias is None else bias.numel() * bias.element_size())
-        return Bf16Weight(w, b, nbytes, w.data_ptr(), None if b is None else b.data_ptr())
+        return _weight(weight, bias)
 
     def __call__(self, x: torch.Tensor, packed: Bf16Weight) -> torch.Tensor:
         """``[..., K]`` → ``[..., N]`` in bf16, each row bit-identical to the row computed
         alone (any row count, any position in the block)."""
-        # Kept to a few tensor calls: this runs ~120 times a token (~8 µs against 27 µs with
-        # reshapes and casts, measured; F.linear's own overhead is ~12 µs).
-        if x.dtype != torch.bfloat16:
-            x = x.to(torch.bfloat16)
-        if not x.is_contiguous():
-            x = x.contiguous()
-        k, n = x.shape[-1], packed.weight.shape[0]
-        out = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
-        self._fn(packed.weight_ptr, x.data_ptr(), out.data_ptr(), packed.bias_ptr,
-                 x.numel() // k, k, n)
-        return out
+        return _product(self._fn, x, packed)
 
     def bulk(self, x: torch.Tensor, packed: Bf16Weight) -> torch.Tensor:
         """``[..., K]`` → ``[..., N]`` for prefill and other bulk work (need not match one-token

@@ -249,10 +249,14 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
             16-bit weights).
 
     Raises:
-        InvalidArgumentError: ``rows`` is none of :data:`ROWS_FORMATS`, or ``"fp16"`` /
-            ``"int4"`` where the kernel is missing or the weights are fp32 or not on the CPU.
+        InvalidArgumentError: ``rows`` is none of :data:`ROWS_FORMATS`, or a forced kernel
+            where it is missing (the bf16 kernel: with the reason it did not build) or the
+            weights do not fit it (fp32, fp16 for the bf16 kernel, not on the CPU).
     """
-    from selfspec.executor.bf16_rows import bf16_rows_available
+    from selfspec.executor.bf16_rows import (
+        bf16_rows_available,
+        bf16_rows_unavailable_reason,
+    )
     from selfspec.executor.fp16_rows import fbgemm_fp16_available
     from selfspec.executor.int4_rows import int4_available
 
@@ -271,8 +275,6 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
         available, kernel = forced[rows]
         fits = sixteen and (not rows.startswith("bf16") or weights == torch.bfloat16)
         if not (fits and available()):
-            from selfspec.executor.bf16_rows import bf16_rows_unavailable_reason
-
             why = (f" ({bf16_rows_unavailable_reason()})"
                    if rows.startswith("bf16") and fits and not bf16_rows_available() else "")
             need = "bf16" if rows.startswith("bf16") else "bf16/fp16"
@@ -281,8 +283,7 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
                 "load the model with --dtype bf16, or use 'auto' or 'weights'")
         return rows
     if rows == "auto" and sixteen and not native_bf16():
-        ours = weights == torch.bfloat16 and bf16_rows_available()
-        if ours:
+        if weights == torch.bfloat16 and bf16_rows_available():
             return "bf16+fp16" if fbgemm_fp16_available() else "bf16"
         if fbgemm_fp16_available():
             return "fp16"

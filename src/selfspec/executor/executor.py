@@ -257,8 +257,8 @@ class LayerExecutor:
         return formats
 
     def set_decode_kernel(self, rows: str) -> str:
-        """Switch the kernel of decoding and verification products (``"auto"``,
-        ``"weights"``, ``"bf16"``, ``"fp16"`` or ``"int4"``, as ``set_bulk``'s ``rows``), keeping the bulk
+        """Switch the kernel of decoding and verification products (one of
+        :data:`selfspec.executor.cpu.ROWS_FORMATS`, as ``set_bulk``'s ``rows``), keeping the bulk
         format; return the previous request, to switch back. A kernel's weight copies are
         built at its first use and kept, so switching back and forth costs nothing after that
         (the benchmark runs ``ar`` on bf16 and on int4 weights in one run this way).
