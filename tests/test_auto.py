@@ -35,8 +35,10 @@ def test_auto_keeps_the_greedy_tokens_with_every_drafter(arch, dtype):
     used = Counter()
     for prompt in ["abcabcabcab", "def f(x):\n    return x\ndef g(x):\n    return"]:
         reference = engine.generate(prompt, max_new_tokens=40).token_ids
+        extra = ([{"drafters": "qspec", "draft_weights": "w4a8", "explore_every": 2}]
+                 if quantized_kernels_available("w4a8") else [])
         for options in ({}, {"drafters": drafters, "explore_every": 2},
-                        {"drafters": "ngram", "history": False}):
+                        {"drafters": "ngram", "history": False}, *extra):
             result = engine.generate(prompt, method="auto", max_new_tokens=40, **options)
             assert result.token_ids == reference, options
             used.update({k: v.steps for k, v in result.stats.drafters.items()})

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tiny import assert_lossless_on_rows_kernel
 
 from selfspec.errors import InvalidArgumentError
-from selfspec.executor import bf16_rows, cpu
+from selfspec.executor import bf16_rows, cpu, native
 from selfspec.executor.bf16_rows import Bf16Rows, bf16_rows_available
 from selfspec.executor.fp16_rows import Fp16Rows, fbgemm_fp16_available
 from selfspec.executor.linear import ChainRows, Linear
@@ -115,7 +115,7 @@ def test_choose_rows_prefers_the_chain_where_bf16_is_emulated(monkeypatch):
 
 def test_no_compiler_is_a_clear_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
-    monkeypatch.setattr(bf16_rows.shutil, "which", lambda name: None)
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="no C.. compiler"):
         bf16_rows._build()
 

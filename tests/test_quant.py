@@ -33,6 +33,8 @@ needs_int8 = pytest.mark.skipif(not quantized_kernels_available("int8"),
                                 reason="FBGEMM (x86 torch builds) is needed for int8")
 needs_int4 = pytest.mark.skipif(not quantized_kernels_available("int4"),
                                 reason="no int4 CPU kernel in this torch build")
+needs_w4a8 = pytest.mark.skipif(not quantized_kernels_available("w4a8"),
+                                reason="selfspec's AVX2 w4a8 kernel cannot be built here")
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
 
 
@@ -90,7 +92,8 @@ def test_draft_view_shares_the_model_and_quantizes_only_the_view():
 
 
 @pytest.mark.parametrize("fmt", [pytest.param("int8", marks=needs_int8),
-                                 pytest.param("int4", marks=needs_int4)])
+                                 pytest.param("int4", marks=needs_int4),
+                                 pytest.param("w4a8", marks=needs_w4a8)])
 @pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("qwen2", torch.bfloat16)])
 def test_drafting_on_quantized_weights_keeps_the_greedy_tokens(fmt, arch, dtype):
     engine = selfspec.from_pretrained_model(tiny_model(arch, dtype=dtype), tiny_tokenizer(),
@@ -125,10 +128,10 @@ class _SlowCopy:
         return x
 
 
-@pytest.mark.parametrize("slower", ["int8", "int4"])
+@pytest.mark.parametrize("slower", ["int8", "int4", "w4a8"])
 def test_auto_draft_weights_take_the_format_measured_faster(monkeypatch, slower):
-    """On AVX2 int8 (FBGEMM) wins, on AVX-512/AMX int4 does: ``auto`` times both and takes
-    the faster, whichever it is; with one kernel it takes that one untimed; with none it
+    """Which kernel wins depends on the CPU: ``auto`` times every format and takes the
+    fastest, whichever it is; with one kernel it takes that one untimed; with none it
     says to draft on the model's own weights."""
     monkeypatch.setattr(quant, "quantized_kernels_available", lambda fmt: True)
     monkeypatch.setattr(quant, "quantize_linear",
@@ -136,6 +139,7 @@ def test_auto_draft_weights_take_the_format_measured_faster(monkeypatch, slower)
     weights = [(torch.zeros(4, 8), None)] * 2
     timing = fastest_format(weights, torch.float32, passes=2)
     assert timing.fastest != slower and timing.ms[slower] > timing.ms[timing.fastest]
+    assert set(timing.ms) == set(quant.DRAFT_WEIGHT_FORMATS)
     monkeypatch.setattr(quant, "quantized_kernels_available", lambda fmt: fmt == slower)
     assert fastest_format(weights, torch.float32) == quant.FormatTiming(slower)
     monkeypatch.setattr(quant, "quantized_kernels_available", lambda fmt: False)

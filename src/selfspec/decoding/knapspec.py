@@ -35,7 +35,7 @@ soon as the recorded tokens suffice. While re-optimisations find no
 paying plan, the interval to the next one doubles (up to ``max_backoff × T``).
 
 Beyond the paper, the draft may run on quantized copies of the model's own weights (a
-:meth:`~selfspec.executor.LayerExecutor.draft_view`, int8 or int4; QSpec-style). The search
+:meth:`~selfspec.executor.LayerExecutor.draft_view`, int8, int4 or w4a8; QSpec-style). The search
 space is then "which sub-layers of the quantized model to skip", which includes "none"
 (plain QSpec) and plain decoding. Draft costs and the integer weights come from the view's
 own measured latency model, verification costs from the model's, and the model's own

@@ -2,7 +2,7 @@
 Zhao et al. 2024, "QSpec: Speculative Decoding with Complementary Quantization Schemes":
 the draft is the same network at lower precision; no second model).
 
-The draft runs on :meth:`LayerExecutor.draft_view` (int8 or int4 copies of every linear), so
+The draft runs on :meth:`LayerExecutor.draft_view` (int8, int4 or w4a8 copies of every linear), so
 its hidden states and the KV it writes are not the model's: verification drops that KV and
 runs the full-precision model over the last committed token and the draft (``D + 1``
 positions), as for sub-layer skip drafts. The output is exactly the full model's (greedy:

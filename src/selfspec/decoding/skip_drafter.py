@@ -8,7 +8,7 @@ full model's in every layer after the first skipped sub-layer, so nothing of the
 reused: verification drops the KV the draft wrote and runs the full model over the last
 committed token and the draft (``D + 1`` positions), filling every layer's KV. For the same
 reason the draft may run on other weights than the verifier (a
-:meth:`~selfspec.executor.LayerExecutor.draft_view` with int8/int4 copies): the plan's
+:meth:`~selfspec.executor.LayerExecutor.draft_view` with int8/int4/w4a8 copies): the plan's
 sub-layers on quantized weights, verified by the model's own (QSpec-style, lossless).
 """
 

@@ -17,37 +17,29 @@ summation order differs). Row consistency, which lossless verification rests on,
 construction: every dot product is accumulated in one fixed order whatever the number of
 rows, the row's place in the call and the threads' split of the outputs.
 
-Build: compiled at first use with the system's C++ compiler (``$CXX`` or ``g++``) against
-torch's headers (for ``at::parallel_for``, so it shares torch's thread pool), cached under
-``$SELFSPEC_HOME/kernels`` by a hash of source, compiler flags and torch version, loaded with
-``ctypes`` and checked against ``F.linear`` on a probe. Where any of that fails (no compiler,
+Build: compiled at first use (:mod:`selfspec.executor.native`), loaded with ``ctypes`` and
+checked against ``F.linear`` on a probe. Where any of that fails (no compiler,
 no AVX2/FMA, not x86) :func:`bf16_rows_available` says why and ``auto`` keeps the other kernels.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from functools import cache
-from importlib import resources
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from selfspec.executor import native
+
 logger = logging.getLogger(__name__)
 
 SOURCE = "bf16_rows.cpp"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 BULK_MAX_ROWS = 32   # bulk calls of more rows cast the weight to fp32 for a blocked GEMM
-_COMPILE_TIMEOUT_S = 300
 
 
 @dataclass(frozen=True)
@@ -77,13 +69,6 @@ class _Library:
     reason: str
 
 
-def kernel_dir() -> Path:
-    """``$SELFSPEC_HOME/kernels``: where compiled kernels are cached."""
-    from selfspec.models.provision import selfspec_home
-
-    return selfspec_home() / "kernels"
-
-
 def bf16_rows_available() -> bool:
     """Whether the kernel is built (or can be) and passed its probe on this machine."""
     return _library().call is not None
@@ -96,11 +81,9 @@ def bf16_rows_unavailable_reason() -> str:
 
 @cache
 def _library() -> _Library:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return _Library(None, f"needs an x86-64 CPU (this is {platform.machine()})")
-    # ATen's AVX2 level itself requires AVX2 and FMA (and AVX512 implies both).
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return _Library(None, "needs a CPU with AVX2 and FMA")
+    reason = native.avx2_unavailable_reason()
+    if reason:
+        return _Library(None, reason)
     try:
         path = _build()
         lib = ctypes.CDLL(str(path))
@@ -118,39 +101,12 @@ def _library() -> _Library:
 
 
 def _build() -> Path:
-    """The compiled kernel's path, compiling it first if it is not cached.
+    """The compiled kernel's path (:func:`selfspec.executor.native.build`).
 
     Raises:
-        RuntimeError: no C++ compiler, or the compiler failed (its output in the message).
+        RuntimeError: no C++ compiler, or the compiler failed.
     """
-    from torch.utils.cpp_extension import include_paths
-
-    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (install g++ or set CXX)")
-    source = resources.files("selfspec.executor").joinpath("kernels", SOURCE).read_bytes()
-    torch_lib = Path(torch.__file__).parent / "lib"
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    args = [*FLAGS, abi, *(f"-I{p}" for p in include_paths()),
-            f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"]
-    key = hashlib.sha256(b"\0".join(
-        [source, compiler.encode(), " ".join(args).encode(), torch.__version__.encode()]))
-    out_dir = kernel_dir()
-    target = out_dir / f"bf16_rows-{key.hexdigest()[:16]}.so"
-    if target.is_file():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        src = Path(tmp) / SOURCE
-        src.write_bytes(source)
-        built = Path(tmp) / target.name
-        logger.info("compiling the bf16 rows kernel (%s)", compiler)
-        done = subprocess.run([compiler, str(src), "-o", str(built), *args], capture_output=True,
-                              text=True, timeout=_COMPILE_TIMEOUT_S, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(built, target)  # atomic: a concurrent build writes the same file
-    return target
+    return native.build(SOURCE)
 
 
 def _weight(weight: torch.Tensor, bias: torch.Tensor | None) -> Bf16Weight:

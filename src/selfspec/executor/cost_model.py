@@ -126,7 +126,7 @@ def machine_key(executor: LayerExecutor) -> str:
     if formats is not None and formats.rows != "weights":
         kernel = f"-{formats.rows}rows{formats.rows_min_bytes >> 20}M"
     draft = getattr(executor, "draft_weights", None)
-    if draft is not None:  # a draft view: every linear on int8/int4 copies
+    if draft is not None:  # a draft view: every linear on quantized copies
         kernel += f"-draft{draft}"
     cpu = detect_cpu()
     level = "-".join(filter(None, (cpu.aten_capability, "bf16" if cpu.native_bf16 else "",

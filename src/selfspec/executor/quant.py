@@ -2,7 +2,7 @@
 self-speculation: the draft runs the same layers on low-precision weights and the full-
 precision model verifies, so the output stays exactly the full model's).
 
-Two formats, each on a kernel that ships in PyTorch's x86 CPU wheels:
+Three formats:
 
 - ``int8``: int8 weights (symmetric, one scale per output channel) with activations
   quantized per call (one scale per block, 7-bit as FBGEMM requires without VNNI): FBGEMM's
@@ -10,15 +10,19 @@ Two formats, each on a kernel that ships in PyTorch's x86 CPU wheels:
 - ``int4``: int4 weights (asymmetric, one scale and offset per group of 32 inputs), bf16
   activations: ``aten::_weight_int4pack_mm_for_cpu`` (torchao's int4 CPU layout calls the
   same kernel, so torchao would add nothing here).
+- ``w4a8``: 4-bit weights (asymmetric: a scale and a minimum per block of 32) and 8-bit
+  activations per block of 32 (llama.cpp's Q4_1 × Q8_0): selfspec's AVX2 kernel
+  (:mod:`selfspec.executor.w4a8`), compiled at first use; 0.625 bytes a weight (fp16 scales and minima).
 
 Which is faster depends on the CPU, so the default (``auto``) measures it
 (:func:`fastest_format`). On the 2-core AVX2 EPYC (torch 2.13.0, 2 threads) one forward of
-Qwen2.5-Coder-1.5B takes 188 ms with bf16 weights, 116 ms with int8 weight-only
+Qwen2.5-Coder-1.5B took 188 ms with bf16 weights, 116 ms with int8 weight-only
 (``_weight_int8pack_mm``), 124 ms with int4 (group 32 or 128) and 75 ms with FBGEMM's W8A8
 (``docs/results/executor-profile``): torch's int4 kernel unpacks nibbles at a rate well
 below the memory bandwidth on AVX2, while FBGEMM's int8 dot products (``vpmaddubsw``) keep
-up with it. On an AVX-512/AMX Xeon the int4 kernel wins instead (SmolLM2 one-token forward
-12.4 ms int4 vs 16.8 ms W8A8).
+up with it; w4a8 reads 0.625 of int8's bytes with the same instructions (draft token 0.8×
+int8's, measured 2026-11-26). On an AVX-512/AMX Xeon the int4 kernel wins instead (SmolLM2
+one-token forward 12.4 ms int4 vs 16.8 ms W8A8).
 """
 
 from __future__ import annotations
@@ -27,12 +31,16 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from selfspec.errors import InvalidArgumentError
 
-DRAFT_WEIGHT_FORMATS = ("int8", "int4")
+if TYPE_CHECKING:
+    from selfspec.executor.w4a8 import W4A8Linear
+
+DRAFT_WEIGHT_FORMATS = ("int8", "int4", "w4a8")
 # What a --draft-weights option accepts: a format, or "auto" = the one whose one-row products
 # are fastest on this machine (:func:`fastest_format`).
 DRAFT_WEIGHT_CHOICES = ("auto", *DRAFT_WEIGHT_FORMATS)
@@ -46,6 +54,10 @@ def quantized_kernels_available(fmt: str) -> bool:
                 and hasattr(torch.ops.quantized, "linear_dynamic"))
     if fmt == "int4":
         return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    if fmt == "w4a8":
+        from selfspec.executor.w4a8 import w4a8_available
+
+        return w4a8_available()
     return False
 
 
@@ -220,7 +232,7 @@ def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor)
 
 
 def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None,
-                    fmt: str) -> Int8DynamicLinear | Int4Linear:
+                    fmt: str) -> Int8DynamicLinear | Int4Linear | W4A8Linear:
     """A quantized copy of one linear layer in ``fmt`` (:data:`DRAFT_WEIGHT_FORMATS`).
 
     Raises:
@@ -231,4 +243,8 @@ def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None,
         return Int8DynamicLinear(weight, bias)
     if fmt == "int4":
         return Int4Linear(weight, bias)
+    if fmt == "w4a8":
+        from selfspec.executor.w4a8 import W4A8Linear
+
+        return W4A8Linear(weight, bias)
     raise InvalidArgumentError(f"unknown weight format {fmt!r}")

@@ -13,7 +13,11 @@ from selfspec.decoding.loop import Step
 from selfspec.decoding.ngram_drafter import NgramDrafter, NgramSettings
 from selfspec.decoding.tpt import AcceptanceEstimate, ForwardCosts
 from selfspec.errors import InvalidArgumentError
-from selfspec.executor.quant import DRAFT_WEIGHT_FORMATS, quantized_kernels_available
+from selfspec.executor.quant import (
+    DRAFT_WEIGHT_CHOICES,
+    DRAFT_WEIGHT_FORMATS,
+    quantized_kernels_available,
+)
 from selfspec.methods import adaspeed, dssd, dv, layerskip, qspec
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.options import option
@@ -35,6 +39,9 @@ class Options:
                                "adaspeed): 'default' or a head file/directory",
                                default_text="none")
     max_draft_len: int = option(16, "longest draft of any drafter", low=1, high="R-1")
+    draft_weights: str = option("auto", "weight format of the qspec drafter's copy (int8, int4, "
+                                "w4a8; auto: the fastest here, measured at load)",
+                                choices=DRAFT_WEIGHT_CHOICES)
     history: bool = option(True, "n-gram drafts also from this engine's earlier prompts and "
                            "outputs")
     explore_every: int = option(64, "steps after which a model drafter predicted close to "
@@ -84,6 +91,8 @@ def build(context: MethodContext, options: Options) -> Step:
         if name == "ngram":
             continue
         values = {"heads": options.heads} if name in HEADS_METHODS and options.heads else {}
+        if name == "qspec":
+            values["draft_weights"] = options.draft_weights
         step = MODEL_DRAFTERS[name].make_step(context, values)
         models.append(ModelDrafter(name, step, step.drafter.stop_rule,
                                    AcceptanceEstimate(prior=0.7)))

@@ -21,8 +21,8 @@ from selfspec.methods.options import option
 EXIT_LAYER_HELP = "layers the draft runs: layers [0, exit_layer)"
 HEADS_HELP = ("exit heads: 'default' (from `selfspec heads train`) or a head file/directory; "
               "drafts use the head at exit_layer (an error if there is none)")
-DRAFT_WEIGHTS_HELP = ("draft on int8 (W8A8) or int4 copies of the layers (auto: the faster "
-                      "here, measured); verification then recomputes every layer with the "
+DRAFT_WEIGHTS_HELP = ("draft on int8 (W8A8), int4 or w4a8 (4-bit weights, 8-bit activations) "
+                      "copies of the layers (auto: the fastest here, measured); verification then recomputes every layer with the "
                       "model's own weights (QSpec-style)")
 DRAFT_VOCAB_HELP = ("draft heads score only the K most frequent tokens (ranked by the heads' "
                     "token counts; needs heads), FR-Spec §3")

@@ -20,8 +20,10 @@ class Options:
     """QSpec's options."""
 
     draft_weights: str = option("auto", "format of the draft's weight copy: int8 (W8A8, "
-                                "FBGEMM), int4 (weight-only, groups of 32) or auto (the "
-                                "faster of the two on this machine, measured at load)",
+                                "FBGEMM), int4 (weight-only, groups of 32, torch's kernel), "
+                                "w4a8 (4-bit weights and 8-bit activations, groups of 32, "
+                                "selfspec's AVX2 kernel) or auto (the fastest of them on "
+                                "this machine, measured at load)",
                                 choices=DRAFT_WEIGHT_CHOICES)
     max_draft_len: int = option(12, "longest draft (D)", low=1, high="R-1")
     confidence: float = option(0.3, "stop drafting when the draft's top-1 probability falls "
@@ -41,7 +43,7 @@ def build(context: MethodContext, options: Options) -> Step:
 
 SPEC = MethodSpec(
     name="qspec",
-    summary="draft with the model's own layers on int8/int4 weight copies, verify with the "
+    summary="draft with the model's own layers on int8/int4/w4a8 weight copies, verify with the "
             "model (no second model, no training)",
     lossless=True,
     paper="QSpec (Zhao et al. 2024) §3, self-speculation across quantization schemes",

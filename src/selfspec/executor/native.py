@@ -1,0 +1,96 @@
+"""Compiling and loading selfspec's own C++ kernels (``executor/kernels/*.cpp``).
+
+Each kernel is compiled at first use with the system's C++ compiler (``$CXX`` or ``g++``)
+against torch's headers (for ``at::parallel_for``, so it shares torch's thread pool), cached
+under ``$SELFSPEC_HOME/kernels`` by a hash of source, compiler, flags and torch version, and
+loaded with ``ctypes`` (which releases the GIL during a call). Callers check the loaded
+library on a probe before they use it and say why when any step fails
+(:mod:`selfspec.executor.bf16_rows`, :mod:`selfspec.executor.w4a8`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_COMPILE_TIMEOUT_S = 300
+
+
+def kernel_dir() -> Path:
+    """``$SELFSPEC_HOME/kernels``: where compiled kernels are cached."""
+    from selfspec.models.provision import selfspec_home
+
+    return selfspec_home() / "kernels"
+
+
+def avx2_unavailable_reason() -> str:
+    """Why an AVX2 + FMA kernel cannot run on this machine (``""`` when it can)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"needs an x86-64 CPU (this is {platform.machine()})"
+    # ATen's AVX2 level itself requires AVX2 and FMA (and AVX512 implies both).
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return "needs a CPU with AVX2 and FMA"
+    return ""
+
+
+def cpu_flag_missing(flag: str) -> bool:
+    """Whether Linux's ``/proc/cpuinfo`` lists CPU flags and ``flag`` is not among them
+    (``False`` where it cannot be read: the kernel's probe decides there)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return flag not in line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    return False
+
+
+def build(source_name: str, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The compiled library of ``kernels/<source_name>`` (compiled with :data:`FLAGS` and
+    ``extra_flags``), compiling it first if it is not cached (``<stem>-<hash>.so``; the rename
+    into place is atomic, so concurrent builds are safe).
+
+    Raises:
+        RuntimeError: no C++ compiler, or the compiler failed (its output in the message).
+    """
+    from torch.utils.cpp_extension import include_paths
+
+    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (install g++ or set CXX)")
+    source = resources.files("selfspec.executor").joinpath("kernels", source_name).read_bytes()
+    torch_lib = Path(torch.__file__).parent / "lib"
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    args = [*FLAGS, *extra_flags, abi, *(f"-I{p}" for p in include_paths()),
+            f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"]
+    key = hashlib.sha256(b"\0".join(
+        [source, compiler.encode(), " ".join(args).encode(), torch.__version__.encode()]))
+    out_dir = kernel_dir()
+    target = out_dir / f"{Path(source_name).stem}-{key.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        src = Path(tmp) / source_name
+        src.write_bytes(source)
+        built = Path(tmp) / target.name
+        logger.info("compiling %s (%s)", source_name, compiler)
+        done = subprocess.run([compiler, str(src), "-o", str(built), *args], capture_output=True,
+                              text=True, timeout=_COMPILE_TIMEOUT_S, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"compiling {source_name} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: a concurrent build writes the same file
+    return target
