@@ -2,13 +2,14 @@
 selfspec's AVX2 kernel (``kernels/w4a8_rows.cpp``) for the quantized self-draft.
 
 Scheme (llama.cpp's Q4_1 weights × Q8_0 activations): weights in blocks of 32 inputs, each
-block an fp32 scale ``d = (max - min) / 15`` and minimum, codes ``q = round((w - min) / d)``
-in [0, 15], scale and minimum stored in fp16; activations quantized per call, per block of
-32, to int8 with scale ``max|x| / 127``. Products are integer dot products per block
+block a scale ``d = (max - min) / 15`` and its minimum, stored in fp16, and codes
+``q = round((w - min) / d)`` in [0, 15]; activations quantized per call, per block of 32, to
+int8 with scale ``max|x| / 127``. Products are integer dot products per block
 (``vpmaddubsw``/``vpmaddwd``), scaled and summed in fp32. One pass reads 0.625 bytes a
-weight. The minimum (asymmetric blocks rather than Q4_0's symmetric ones) buys agreement: teacher-forced top-1 agreement of the
-draft with Qwen2.5-Coder-1.5B in bf16 0.955 against Q4_0's 0.933 and int4's 0.952
-(``docs/results/executor-profile``).
+weight. Asymmetric blocks (rather than Q4_0's symmetric ones) buy agreement: teacher-forced
+top-1 agreement of the draft with Qwen2.5-Coder-1.5B in bf16 0.957 against Q4_0's 0.933–0.938
+(``qspec`` acceptance 98% against 81%) and torch int4's 0.950
+(``docs/results/executor-profile/README.md``).
 
 Why: a quantized draft token costs what reading its weights costs. On the 2-core AVX2 EPYC
 (torch 2.13.0) torch's int4 kernel unpacks nibbles below the memory bandwidth and FBGEMM's
