@@ -121,3 +121,18 @@ def test_no_compiler_says_why(monkeypatch, tmp_path):
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="no C.. compiler"):
         native.build(w4a8.SOURCE)
+
+
+@needs_kernel
+def test_a_changed_kernel_is_a_new_latency_key(monkeypatch):
+    """Latency models measured on selfspec's own kernels name the kernel's source digest: an
+    upgraded kernel is measured again instead of steering auto/knapspec with old timings."""
+    from tiny import tiny_model
+
+    from selfspec.executor import LayerExecutor, cost_model, native
+
+    view = LayerExecutor(tiny_model("llama", seed=4).float()).draft_view("w4a8")
+    before = cost_model.machine_key(view)
+    assert f"-draftw4a8-{native.source_digest(w4a8.SOURCE)}-" in before
+    monkeypatch.setattr(native, "source_digest", lambda name: "0" * 8)
+    assert cost_model.machine_key(view) != before

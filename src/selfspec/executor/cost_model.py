@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from selfspec.executor import bf16_rows, native, w4a8
 from selfspec.executor.cpu import detect_cpu
 from selfspec.executor.executor import LayerExecutor, SkipPlan
 
@@ -117,7 +118,7 @@ class LatencyModel:
 
 def machine_key(executor: LayerExecutor) -> str:
     """What a measurement holds for: model, dtype, decoding kernel (and a draft view's weight
-    format), threads, processor and
+    format; for selfspec's own kernels, a digest of their source), threads, processor and
     its kernel level (cloud VMs often name every CPU "AMD EPYC"; an AVX2-only one and one
     with native bf16 time the same model 1.5-2x apart, so the name alone is not enough)."""
     name = executor.name.replace("/", "_")
@@ -125,9 +126,13 @@ def machine_key(executor: LayerExecutor) -> str:
     kernel = ""
     if formats is not None and formats.rows != "weights":
         kernel = f"-{formats.rows}rows{formats.rows_min_bytes >> 20}M"
+        if "bf16" in formats.rows.split("+"):  # selfspec's own kernel: its version counts
+            kernel += f"-{native.source_digest(bf16_rows.SOURCE)}"
     draft = getattr(executor, "draft_weights", None)
     if draft is not None:  # a draft view: every linear on quantized copies
         kernel += f"-draft{draft}"
+        if draft == "w4a8":
+            kernel += f"-{native.source_digest(w4a8.SOURCE)}"
     cpu = detect_cpu()
     level = "-".join(filter(None, (cpu.aten_capability, "bf16" if cpu.native_bf16 else "",
                                    cpu.onednn_max_isa)))

@@ -58,6 +58,13 @@ def cpu_flag_missing(flag: str) -> bool:
     return False
 
 
+def source_digest(source_name: str) -> str:
+    """8 hex digits of the SHA-256 of ``kernels/<source_name>``: measurements made on a
+    kernel (latency models) name it, so a changed kernel is measured again."""
+    source = resources.files("selfspec.executor").joinpath("kernels", source_name).read_bytes()
+    return hashlib.sha256(source).hexdigest()[:8]
+
+
 def build(source_name: str, extra_flags: tuple[str, ...] = ()) -> Path:
     """The compiled library of ``kernels/<source_name>`` (compiled with :data:`FLAGS` and
     ``extra_flags``), compiling it first if it is not cached (``<stem>-<hash>.so``; the rename
