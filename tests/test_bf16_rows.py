@@ -117,17 +117,17 @@ def test_no_compiler_is_a_clear_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="no C.. compiler"):
-        bf16_rows._build()
+        native.build(bf16_rows.SOURCE)
 
 
 @needs_kernel
 def test_the_build_is_cached_by_source_and_flags(monkeypatch, tmp_path):
     """A second build finds the first one's library (no recompilation) under SELFSPEC_HOME."""
     monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
-    first = bf16_rows._build()
+    first = native.build(bf16_rows.SOURCE)
     assert first.parent == tmp_path / "kernels" and first.is_file()
     stamp = first.stat().st_mtime_ns
-    assert bf16_rows._build() == first and first.stat().st_mtime_ns == stamp
+    assert native.build(bf16_rows.SOURCE) == first and first.stat().st_mtime_ns == stamp
     assert list((tmp_path / "kernels").iterdir()) == [first]   # no temporary left behind
 
 

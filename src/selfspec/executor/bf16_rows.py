@@ -25,18 +25,13 @@ no AVX2/FMA, not x86) :func:`bf16_rows_available` says why and ``auto`` keeps th
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from selfspec.executor import native
-
-logger = logging.getLogger(__name__)
 
 SOURCE = "bf16_rows.cpp"
 BULK_MAX_ROWS = 32   # bulk calls of more rows cast the weight to fp32 for a blocked GEMM
@@ -61,14 +56,6 @@ class Bf16Weight:
     bias_ptr: int | None = None
 
 
-@dataclass(frozen=True)
-class _Library:
-    """The loaded kernel, or why there is none."""
-
-    call: object | None
-    reason: str
-
-
 def bf16_rows_available() -> bool:
     """Whether the kernel is built (or can be) and passed its probe on this machine."""
     return _library().call is not None
@@ -80,33 +67,9 @@ def bf16_rows_unavailable_reason() -> str:
 
 
 @cache
-def _library() -> _Library:
-    reason = native.avx2_unavailable_reason()
-    if reason:
-        return _Library(None, reason)
-    try:
-        path = _build()
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-        logger.info("bf16 rows kernel unavailable: %s", err)
-        return _Library(None, str(err))
-    fn = lib.selfspec_bf16_rows
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    problem = _probe(fn)
-    if problem:
-        logger.warning("bf16 rows kernel failed its probe (%s); not using it", problem)
-        return _Library(None, f"failed its probe: {problem}")
-    return _Library(fn, "")
-
-
-def _build() -> Path:
-    """The compiled kernel's path (:func:`selfspec.executor.native.build`).
-
-    Raises:
-        RuntimeError: no C++ compiler, or the compiler failed.
-    """
-    return native.build(SOURCE)
+def _library() -> native.Kernel:
+    return native.load(SOURCE, "selfspec_bf16_rows", [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
+                       _probe)
 
 
 def _weight(weight: torch.Tensor, bias: torch.Tensor | None) -> Bf16Weight:

@@ -10,6 +10,7 @@ library on a probe before they use it and say why when any step fails
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -17,6 +18,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -101,3 +104,44 @@ def build(source_name: str, extra_flags: tuple[str, ...] = ()) -> Path:
             raise RuntimeError(f"compiling {source_name} failed: {done.stderr.strip()[-2000:]}")
         os.replace(built, target)  # atomic: a concurrent build writes the same file
     return target
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A loaded kernel function, or why there is none.
+
+    Attributes:
+        call: the ``ctypes`` function, or ``None``.
+        reason: why it is unavailable (``""`` when ``call`` is set).
+    """
+
+    call: object | None
+    reason: str
+
+
+def load(source_name: str, symbol: str, argtypes: Sequence[object],
+         probe: Callable[[object], str], extra_flags: tuple[str, ...] = (),
+         cpu_flags: tuple[str, ...] = ()) -> Kernel:
+    """Build (or find) ``kernels/<source_name>``, load ``symbol`` with ``argtypes`` and check
+    it with ``probe`` (which returns ``""`` or what is wrong). Never raises: any failure
+    (not an AVX2 x86 CPU, a missing ``cpu_flags`` entry, no compiler, a failed compile or
+    probe) is the returned :class:`Kernel`'s ``reason``, logged."""
+    reason = avx2_unavailable_reason()
+    missing = [f for f in cpu_flags if cpu_flag_missing(f)]
+    if not reason and missing:
+        reason = f"needs a CPU with {', '.join(missing)}"
+    if reason:
+        return Kernel(None, reason)
+    try:
+        lib = ctypes.CDLL(str(build(source_name, extra_flags)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        logger.info("%s unavailable: %s", source_name, err)
+        return Kernel(None, str(err))
+    fn = getattr(lib, symbol)
+    fn.restype = None
+    fn.argtypes = list(argtypes)
+    problem = probe(fn)
+    if problem:
+        logger.warning("%s failed its probe (%s); not using it", source_name, problem)
+        return Kernel(None, f"failed its probe: {problem}")
+    return Kernel(fn, "")

@@ -25,9 +25,6 @@ rows of the call).
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
-from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -35,16 +32,8 @@ import torch
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import native
 
-logger = logging.getLogger(__name__)
-
 SOURCE = "w4a8_rows.cpp"
 BLOCK = 32
-
-
-@dataclass(frozen=True)
-class _Library:
-    call: object | None
-    reason: str
 
 
 def w4a8_available() -> bool:
@@ -58,25 +47,9 @@ def w4a8_unavailable_reason() -> str:
 
 
 @cache
-def _library() -> _Library:
-    reason = native.avx2_unavailable_reason()
-    if not reason and native.cpu_flag_missing("f16c"):
-        reason = "needs a CPU with F16C (fp16 scales)"
-    if reason:
-        return _Library(None, reason)
-    try:
-        lib = ctypes.CDLL(str(native.build(SOURCE, ("-mf16c",))))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-        logger.info("w4a8 kernel unavailable: %s", err)
-        return _Library(None, str(err))
-    fn = lib.selfspec_w4a8_rows
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4
-    problem = _probe(fn)
-    if problem:
-        logger.warning("w4a8 kernel failed its probe (%s); not using it", problem)
-        return _Library(None, f"failed its probe: {problem}")
-    return _Library(fn, "")
+def _library() -> native.Kernel:
+    return native.load(SOURCE, "selfspec_w4a8_rows", [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4,
+                       _probe, extra_flags=("-mf16c",), cpu_flags=("f16c",))
 
 
 def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
