@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cache
 from importlib import resources
 from pathlib import Path
 
@@ -61,11 +62,16 @@ def cpu_flag_missing(flag: str) -> bool:
     return False
 
 
+def _source(source_name: str) -> bytes:
+    """The text of ``kernels/<source_name>`` as shipped in the package."""
+    return resources.files("selfspec.executor").joinpath("kernels", source_name).read_bytes()
+
+
+@cache
 def source_digest(source_name: str) -> str:
     """8 hex digits of the SHA-256 of ``kernels/<source_name>``: measurements made on a
     kernel (latency models) name it, so a changed kernel is measured again."""
-    source = resources.files("selfspec.executor").joinpath("kernels", source_name).read_bytes()
-    return hashlib.sha256(source).hexdigest()[:8]
+    return hashlib.sha256(_source(source_name)).hexdigest()[:8]
 
 
 def build(source_name: str, extra_flags: tuple[str, ...] = ()) -> Path:
@@ -81,7 +87,7 @@ def build(source_name: str, extra_flags: tuple[str, ...] = ()) -> Path:
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (install g++ or set CXX)")
-    source = resources.files("selfspec.executor").joinpath("kernels", source_name).read_bytes()
+    source = _source(source_name)
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     args = [*FLAGS, *extra_flags, abi, *(f"-I{p}" for p in include_paths()),
