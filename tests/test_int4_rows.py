@@ -1,6 +1,7 @@
-"""The int4 decoding kernel (``--decode-kernel int4`` / ``--dtype int4``): the model decodes
-on int4 copies of its weights, prefill keeps the weights, and every lossless method stays
-exact relative to that int4 model."""
+"""The 4-bit decoding kernels (``--decode-kernel int4`` / ``--dtype int4``: torch's int4
+kernel; ``w4a8``: selfspec's 4-bit-weight 8-bit-activation kernel): the model decodes on 4-bit
+copies of its weights, prefill keeps the weights, and every lossless method stays exact
+relative to that 4-bit model."""
 
 import pytest
 import torch
@@ -11,14 +12,21 @@ from selfspec.errors import InvalidArgumentError
 from selfspec.executor import cpu
 from selfspec.executor.int4_rows import Int4Rows, int4_available
 from selfspec.executor.linear import Linear
+from selfspec.executor.w4a8 import W4A8Rows, w4a8_available
 
-pytestmark = pytest.mark.skipif(not int4_available(), reason="no CPU int4 kernel in this torch")
+INT4 = pytest.param("int4", marks=pytest.mark.skipif(not int4_available(),
+                                                     reason="no CPU int4 kernel in this torch"))
+W4A8 = pytest.param("w4a8", marks=pytest.mark.skipif(not w4a8_available(),
+                                                     reason="no w4a8 kernel here"))
+KERNELS = [INT4, W4A8]
+ROWS = {"int4": lambda: Int4Rows(max_rows=16), "w4a8": W4A8Rows}
 
 
-def test_rows_are_the_same_in_any_block_and_prefill_keeps_the_weights():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_rows_are_the_same_in_any_block_and_prefill_takes_the_kernels_bulk_path(kernel):
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(48, 64, generator=gen) * 0.1).bfloat16()
-    lin = Linear(weight, None, rows=Int4Rows(max_rows=16))
+    lin = Linear(weight, None, rows=ROWS[kernel]())
     assert lin.rows is not None and lin.rows_weight is not None
     x = torch.randn(20, 64, generator=gen).bfloat16()
     alone = torch.cat([lin(x[i:i + 1]) for i in range(20)])
@@ -27,29 +35,45 @@ def test_rows_are_the_same_in_any_block_and_prefill_keeps_the_weights():
     # int4 is lossy (16 levels per group of 32 weights) but close.
     exact = torch.nn.functional.linear(x.float(), weight.float())
     assert (alone.float() - exact).abs().max() < 0.25 * exact.abs().max()
-    # Bulk calls (prefill) use the bf16 weights, not the int4 copy.
     bulk = lin(x, bulk=True).float()
-    assert (bulk - exact).abs().max() < (alone.float() - exact).abs().max()
+    if kernel == "int4":
+        # torch's int4 kernel slows with the rows: prefill uses the bf16 weights.
+        assert (bulk - exact).abs().max() < (alone.float() - exact).abs().max()
+    else:
+        # w4a8 gets faster per row with the rows: prefill runs on the 4-bit model too.
+        assert torch.equal(bulk, alone.float())
 
 
-def test_a_weight_whose_inputs_are_not_groups_of_32_keeps_its_kernel():
-    lin = Linear(torch.randn(8, 40).bfloat16(), None, rows=Int4Rows())
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_weight_whose_inputs_are_not_groups_of_32_keeps_its_kernel(kernel):
+    lin = Linear(torch.randn(8, 40).bfloat16(), None, rows=ROWS[kernel]())
     assert lin.rows is None
 
 
-def test_choose_rows_int4():
-    assert cpu.choose_rows(torch.bfloat16, "cpu", "int4") == "int4"
-    assert "int4" in cpu.choose_formats(torch.bfloat16, "cpu", "auto", "int4").describe()
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_choose_rows_4bit(kernel):
+    assert cpu.choose_rows(torch.bfloat16, "cpu", kernel) == kernel
+    assert kernel in cpu.choose_formats(torch.bfloat16, "cpu", "auto", kernel).describe()
     with pytest.raises(InvalidArgumentError, match="bf16"):
-        cpu.choose_rows(torch.float32, "cpu", "int4")
+        cpu.choose_rows(torch.float32, "cpu", kernel)
 
 
+def test_w4a8_rows_where_the_kernel_is_missing_says_why(monkeypatch):
+    from selfspec.executor import w4a8
+
+    monkeypatch.setattr(w4a8, "w4a8_available", lambda: False)
+    monkeypatch.setattr(w4a8, "w4a8_unavailable_reason", lambda: "no C++ compiler (g++)")
+    with pytest.raises(InvalidArgumentError, match="no C\\+\\+ compiler"):
+        cpu.choose_rows(torch.bfloat16, "cpu", "w4a8")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
-def test_lossless_methods_keep_ar_greedy_tokens_on_int4_rows(arch):
+def test_lossless_methods_keep_ar_greedy_tokens_on_4bit_rows(arch, kernel):
     engine = selfspec.from_pretrained_model(tiny_model(arch, dtype=torch.bfloat16),
                                             tiny_tokenizer(), name=f"tiny-{arch}")
     prompt = "def add(a, b):\n"
-    engine.executor.set_bulk("auto", "int4")
+    engine.executor.set_bulk("auto", kernel)
     assert all(w.gate_up.rows is not None for w in engine.executor._weights)
     reference = engine.generate(prompt, max_new_tokens=24).token_ids  # lossy vs bf16
     drafted = 0
@@ -62,7 +86,8 @@ def test_lossless_methods_keep_ar_greedy_tokens_on_int4_rows(arch):
     assert drafted > 0
 
 
-def test_dtype_int4_is_bf16_weights_with_the_int4_kernel(monkeypatch):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_dtype_4bit_is_bf16_weights_with_the_4bit_kernel(monkeypatch, kernel):
     loaded = {}
 
     def fake_load_model(name, dtype, show_progress=True):
@@ -72,23 +97,25 @@ def test_dtype_int4_is_bf16_weights_with_the_int4_kernel(monkeypatch):
                                tokenizer=tiny_tokenizer(), name="tiny")
 
     monkeypatch.setattr("selfspec.models.loading.load_model", fake_load_model)
-    engine = selfspec.load("tiny", dtype="int4", show_progress=False)
-    assert loaded["dtype"] == "bf16" and engine.executor.formats.rows == "int4"
-    with pytest.raises(InvalidArgumentError, match="int4"):
-        selfspec.load("tiny", dtype="int4", decode_kernel="fp16")
+    engine = selfspec.load("tiny", dtype=kernel, show_progress=False)
+    assert loaded["dtype"] == "bf16" and engine.executor.formats.rows == kernel
+    with pytest.raises(InvalidArgumentError, match=kernel):
+        selfspec.load("tiny", dtype=kernel, decode_kernel="fp16")
 
 
-def test_the_roofline_counts_the_int4_bytes_that_decoding_reads():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_roofline_counts_the_4bit_bytes_that_decoding_reads(kernel):
     engine = selfspec.from_pretrained_model(tiny_model("qwen2", dtype=torch.bfloat16),
                                             tiny_tokenizer(), name="tiny-qwen2")
     engine.executor.set_bulk("auto", "weights")
     bf16 = engine.executor.decode_weight_bytes()
-    engine.executor.set_bulk("auto", "int4")
+    engine.executor.set_bulk("auto", kernel)
     int4 = engine.executor.decode_weight_bytes()
-    # 4 bits a weight + a bf16 scale and offset per 32 weights = 0.625 bytes vs bf16's 2.
+    # 4 bits a weight + a 16-bit scale and offset per 32 weights = 0.625 bytes vs bf16's 2.
     assert 0.25 * bf16 < int4 < 0.4 * bf16
 
 
+@pytest.mark.skipif(not int4_available(), reason="no CPU int4 kernel in this torch")
 def test_bench_runs_bf16_and_int4_rows_in_one_run(tmp_path):
     from selfspec.bench.pipeline import BenchOptions, run_benchmark
     from selfspec.bench.spec import parse_methods

@@ -247,14 +247,17 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
     Args:
         model: registry name (default ``smollm2-135m-instruct``), local directory or hub id.
         dtype: ``"bf16"`` / ``"fp32"`` / ``"fp16"`` or a ``torch.dtype``; ``"int4"`` loads
-            bf16 weights and decodes on int4 copies of them (``decode_kernel="int4"``).
+            bf16 weights and decodes on int4 copies of them (``decode_kernel="int4"``),
+            ``"w4a8"`` on 4-bit copies with 8-bit activations (``decode_kernel="w4a8"``,
+            llama.cpp's Q4_1 × Q8_0 scheme).
         show_progress: show download/conversion progress bars.
         decode_kernel: the kernel of decoding and verification products: ``"auto"`` (on a
             CPU that emulates bf16, FBGEMM's fp16-weight kernel for matrices of 4 MiB and
             more), ``"fp16"`` (that kernel for every matrix: fastest verification, slower
             ``ar`` on small models), ``"weights"`` (the weights' own format), ``"int4"``
             (group-wise int4 copies: the model runs with 4-bit weights, lossy against bf16,
-            prefill stays bf16). See :func:`selfspec.executor.cpu.choose_rows`.
+            prefill stays bf16), ``"w4a8"`` (the same with 8-bit activations on selfspec's
+            AVX2 kernel). See :func:`selfspec.executor.cpu.choose_rows`.
 
     Raises:
         InvalidArgumentError: ``model`` not a str / path, a bad ``dtype`` or
@@ -271,17 +274,18 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
             f"{type(model).__name__}")
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
-    from selfspec.executor.cpu import ROWS_FORMATS
+    from selfspec.executor.cpu import QUANTIZED_ROWS, ROWS_FORMATS
 
     if decode_kernel not in ROWS_FORMATS:
         raise InvalidArgumentError(
             f"decode_kernel must be one of {', '.join(ROWS_FORMATS)}, got {decode_kernel!r}")
-    if isinstance(dtype, str) and dtype.strip().lower() == "int4":
-        if decode_kernel not in ("auto", "int4"):
+    if isinstance(dtype, str) and dtype.strip().lower() in QUANTIZED_ROWS:
+        quantized = dtype.strip().lower()
+        if decode_kernel not in ("auto", quantized):
             raise InvalidArgumentError(
-                f"dtype int4 decodes on int4 weights; it cannot take decode_kernel "
+                f"dtype {quantized} decodes on 4-bit weights; it cannot take decode_kernel "
                 f"{decode_kernel!r}")
-        dtype, decode_kernel = "bf16", "int4"
+        dtype, decode_kernel = "bf16", quantized
     loaded = load_model(model or DEFAULT_MODEL, dtype, show_progress=show_progress)
     return SelfSpec(loaded.model, loaded.tokenizer, loaded.name, decode_kernel)
 

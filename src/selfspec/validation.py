@@ -278,13 +278,18 @@ def add_model_argument(parser) -> None:
 def add_weight_format_arguments(parser) -> None:
     """``--dtype`` and ``--decode-kernel``, as every command that loads a model for decoding
     (generate, bench, serve) takes them."""
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16", "int4"],
-                        help="weights' format (int4: bf16 weights, decoding on int4 copies)")
+    from selfspec.executor.cpu import QUANTIZED_ROWS, ROWS_FORMATS
+
+    parser.add_argument("--dtype", default="bf16",
+                        choices=["bf16", "fp32", "fp16", *QUANTIZED_ROWS],
+                        help="weights' format (int4: bf16 weights, decoding on int4 copies; "
+                             "w4a8: on 4-bit copies with 8-bit activations, as llama.cpp's "
+                             "Q4_1)")
     parser.add_argument(
-        "--decode-kernel", default="auto", choices=["auto", "weights", "bf16", "bf16+fp16", "fp16", "int4"],
+        "--decode-kernel", default="auto", choices=list(ROWS_FORMATS),
         help="kernel of decoding and verification products: auto (on CPUs that emulate "
              "bf16: bf16+fp16, i.e. FBGEMM's fp16-weight kernel for matrices >= 4 MiB and "
              "selfspec's AVX2 bf16 kernel for the rest, whose cost hardly grows with the "
              "rows), bf16 (selfspec's kernel for every matrix, no weight copies), fp16 "
              "(FBGEMM for every matrix), weights (the weights' own format), int4 (4-bit "
-             "copies: lossy)")
+             "copies: lossy), w4a8 (4-bit copies, 8-bit activations: lossy)")

@@ -250,6 +250,10 @@ class LlamaCppRunner:
         tokens: list[int] = []
         finish = "length"
         ttft_ms = None
+        # llama-cpp-python's generate keeps the longest prefix shared with the previous call's
+        # tokens even with reset=True, so a prompt run right after its warmup would skip its
+        # prompt evaluation: every selfspec method prefills each prompt, so llama.cpp must too.
+        llm.reset()
         start = self.clock()
         if settings.max_new_tokens > 0:
             for token in llm.generate(list(prompt.ids), reset=True, repeat_penalty=1.0,

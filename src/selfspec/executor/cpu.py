@@ -192,7 +192,8 @@ class ComputeFormats:
             kernel (:mod:`selfspec.executor.fp16_rows`), where the weights' own kernel is
             emulated; ``"bf16"``: selfspec's row-consistent AVX2 kernel on the bf16 weights
             themselves (:mod:`selfspec.executor.bf16_rows`); ``"bf16+fp16"``: FBGEMM for the
-            weights of at least ``rows_min_bytes``, the bf16 kernel for the others; ``"int4"``.
+            weights of at least ``rows_min_bytes``, the bf16 kernel for the others; ``"int4"``
+            (int4 weights, bf16 activations); ``"w4a8"`` (int4 weights, int8 activations).
         rows_min_bytes: smaller weights keep their own kernel, or take the bf16 kernel under
             ``"bf16+fp16"`` (FBGEMM's per-call overhead, ~0.1 ms, outweighs its faster reads
             below a few MiB).
@@ -218,12 +219,16 @@ class ComputeFormats:
                 "bf16+fp16": f", decoding and verification on fp16 copies{size} (FBGEMM), "
                              "smaller matrices on selfspec's AVX2 bf16 kernel",
                 "int4": ", decoding and verification on int4 copies (group 32, lossy vs the "
-                        "weights; prefill keeps the weights)"}.get(self.rows, "")
+                        "weights; prefill keeps the weights)",
+                "w4a8": ", every product on selfspec's w4a8 kernel (4-bit weights per block "
+                        "of 32, 8-bit activations; lossy vs the weights)"}.get(self.rows, "")
         return (f"weights {DTYPE_NAMES.get(self.weights, self.weights)}, bulk matrix products "
                 f"{DTYPE_NAMES.get(self.bulk, self.bulk)} ({self.reason}){rows}")
 
 
-ROWS_FORMATS = ("auto", "weights", "bf16", "bf16+fp16", "fp16", "int4")
+ROWS_FORMATS = ("auto", "weights", "bf16", "bf16+fp16", "fp16", "int4", "w4a8")
+# The kernels that make the model itself 4-bit (lossy against its weights): --dtype takes them.
+QUANTIZED_ROWS = ("int4", "w4a8")
 # "auto" moves a matrix to FBGEMM's fp16 kernel from this size: measured per call on the
 # 2-core AVX2 EPYC, one decoding row of a 0.66 MiB matrix takes 56 µs in bf16 and 147 µs on
 # FBGEMM (its padded 3 rows and call overhead), a 3.4 MiB one 225 vs 280 µs, while a
@@ -246,7 +251,8 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
             ``"weights"``, ``"bf16"`` (every bf16 matrix on selfspec's kernel) or ``"fp16"``
             (every matrix on FBGEMM) to force, or ``"int4"``: int4 copies of every matrix
             whose input size is a multiple of 32 (:mod:`selfspec.executor.int4_rows`; lossy;
-            16-bit weights).
+            16-bit weights), or ``"w4a8"``: selfspec's 4-bit-weight, 8-bit-activation kernel
+            on copies of those matrices (:class:`selfspec.executor.w4a8.W4A8Rows`; lossy).
 
     Raises:
         InvalidArgumentError: ``rows`` is none of :data:`ROWS_FORMATS`, or a forced kernel
@@ -259,6 +265,7 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
     )
     from selfspec.executor.fp16_rows import fbgemm_fp16_available
     from selfspec.executor.int4_rows import int4_available
+    from selfspec.executor.w4a8 import w4a8_available, w4a8_unavailable_reason
 
     if rows not in ROWS_FORMATS:
         raise InvalidArgumentError(
@@ -270,13 +277,18 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
               "bf16+fp16": (lambda: bf16_rows_available() and fbgemm_fp16_available(),
                             f"{ours} and FBGEMM"),
               "fp16": (fbgemm_fp16_available, "FBGEMM (x86 torch builds)"),
-              "int4": (int4_available, "torch's CPU int4 kernel")}
+              "int4": (int4_available, "torch's CPU int4 kernel"),
+              "w4a8": (w4a8_available,
+                       "selfspec's w4a8 kernel (x86 with AVX2/FMA/F16C and a C++ compiler)")}
     if rows in forced:
         available, kernel = forced[rows]
         fits = sixteen and (not rows.startswith("bf16") or weights == torch.bfloat16)
         if not (fits and available()):
-            why = (f" ({bf16_rows_unavailable_reason()})"
-                   if rows.startswith("bf16") and fits and not bf16_rows_available() else "")
+            why = ""
+            if fits and rows.startswith("bf16") and not bf16_rows_available():
+                why = f" ({bf16_rows_unavailable_reason()})"
+            elif fits and rows == "w4a8":
+                why = f" ({w4a8_unavailable_reason()})"
             need = "bf16" if rows.startswith("bf16") else "bf16/fp16"
             raise InvalidArgumentError(
                 f"{rows} decoding products need {need} weights on a CPU and {kernel}{why}; "

@@ -246,6 +246,10 @@ class LayerExecutor:
                 from selfspec.executor.int4_rows import Int4Rows
 
                 kernel = Int4Rows(max_rows)
+            elif kernel is None and formats.rows == "w4a8":
+                from selfspec.executor.w4a8 import W4A8Rows
+
+                kernel = W4A8Rows()
             if kernel is not None:
                 self._rows_kernels[key] = kernel
             self._rows_kernel = kernel

@@ -31,8 +31,9 @@ from selfspec.executor.fp16_rows import Fp16Rows
 if TYPE_CHECKING:
     from selfspec.executor.bf16_rows import Bf16Rows
     from selfspec.executor.int4_rows import Int4Rows
+    from selfspec.executor.w4a8 import W4A8Rows
 
-RowsKernel = Union[Fp16Rows, "Int4Rows", "Bf16Rows", "ChainRows"]
+RowsKernel = Union[Fp16Rows, "Int4Rows", "W4A8Rows", "Bf16Rows", "ChainRows"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +171,8 @@ class Linear:
         bulk_dtype: the format of bulk calls (``None`` = the weight's own).
         rows: compute non-bulk calls (decoding, verification) with this kernel on its own copy
             of the weight (:class:`selfspec.executor.fp16_rows.Fp16Rows`: fp16;
-            :class:`selfspec.executor.int4_rows.Int4Rows`: int4); ``None`` or a weight it
+            :class:`selfspec.executor.int4_rows.Int4Rows`: int4;
+            :class:`selfspec.executor.w4a8.W4A8Rows`: w4a8); ``None`` or a weight it
             cannot take keeps the weight's own format. Bulk calls use it only where the kernel
             ``serves_bulk``.
         row_limits: the row-consistency table of the packed kernel, shared by the linears of

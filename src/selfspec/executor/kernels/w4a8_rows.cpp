@@ -31,7 +31,10 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kPrefetch = 2048;  // bytes ahead along the codes
+#ifndef SELFSPEC_W4A8_PREFETCH
+#define SELFSPEC_W4A8_PREFETCH 2048
+#endif
+constexpr int64_t kPrefetch = SELFSPEC_W4A8_PREFETCH;  // bytes ahead along the codes
 
 inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN stays NaN
   uint32_t u;
