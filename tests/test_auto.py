@@ -182,3 +182,15 @@ def test_bad_drafter_lists_are_refused_before_a_model_loads(capsys):
     assert main(["generate", "--method", "ngram", "--min-ngram", "5", "--max-ngram", "2",
                  "x"]) != 0
     assert "must not exceed max_ngram" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not quantized_kernels_available("w4a8"), reason="no w4a8 kernel here")
+def test_auto_on_a_4bit_model_drafts_no_quantized_copy_of_it():
+    """On ``--dtype w4a8`` the quantized self-draft would be the model itself."""
+    engine = selfspec.from_pretrained_model(tiny_model("llama", seed=5, dtype=torch.bfloat16),
+                                            tiny_tokenizer(), name="tiny-llama")
+    engine.executor.set_bulk("auto", "w4a8")
+    reference = engine.generate("abcabcabcab", max_new_tokens=24).token_ids
+    result = engine.generate("abcabcabcab", method="auto", max_new_tokens=24, explore_every=2)
+    assert result.token_ids == reference
+    assert "qspec" not in result.stats.drafters and engine.executor._draft_views == {}

@@ -13,6 +13,7 @@ from selfspec.decoding.loop import Step
 from selfspec.decoding.ngram_drafter import NgramDrafter, NgramSettings
 from selfspec.decoding.tpt import AcceptanceEstimate, ForwardCosts
 from selfspec.errors import InvalidArgumentError
+from selfspec.executor.cpu import QUANTIZED_ROWS
 from selfspec.executor.quant import (
     DRAFT_WEIGHT_CHOICES,
     DRAFT_WEIGHT_FORMATS,
@@ -80,6 +81,10 @@ def drafter_names(options: Options) -> list[str]:
 def build(context: MethodContext, options: Options) -> Step:
     """n-gram drafter, model drafters built by their own methods, and the chooser."""
     names = drafter_names(options)
+    if options.drafters is None and context.executor.formats.rows in QUANTIZED_ROWS:
+        # The model already decodes on 4-bit weights: its quantized self-draft would be the
+        # model again (another copy in memory, no step saved).
+        names = [n for n in names if n != "qspec"]
     costs = ForwardCosts(context.latency())
     history = context.history() if options.history else None
     ngram = None
