@@ -120,19 +120,36 @@ class KVCache:
         Raises:
             AssertionError: ``start`` leaves a gap or overwrites held positions.
         """
+        end = start + key.shape[2]
+        keys, values = self.claim(layer, start, key.shape[2])
+        keys[:, :, start:end].copy_(key)
+        values[:, :, start:end].copy_(value)
+        return keys[:, :, :end], values[:, :, :end]
+
+    def claim(self, layer: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hold ``count`` new visible positions from ``start`` in ``layer`` and return the
+        layer's whole storage ``[B, H_kv, capacity, head_dim]`` (keys, values) for the caller
+        to write them in before anything reads them (the fused w4a8 sub-layers write their
+        keys in the kernel: :mod:`selfspec.executor.w4a8_layers`).
+
+        Raises:
+            AssertionError: ``start`` leaves a gap or overwrites held positions.
+        """
         length = self._lengths[layer]
         assert start == length, (
             f"KV cache layer {layer} holds {length} positions; an append must start there, got {start}")
-        end = length + key.shape[2]
+        end = length + count
         if end > self._capacity:
             self.reserve(end)
-        keys, values = self._keys[layer], self._values[layer]
-        keys[:, :, length:end].copy_(key)
-        values[:, :, length:end].copy_(value)
         if self._visible[layer] is not None:
             self._visible[layer][length:end] = True
         self._lengths[layer] = end
-        return keys[:, :, :end], values[:, :, :end]
+        return self._keys[layer], self._values[layer]
+
+    def any_masked(self, start: int, end: int) -> bool:
+        """Whether a layer in ``[start, end)`` holds a masked position."""
+        return any(self._visible[i] is not None and self.visible(i) is not None
+                   for i in range(start, end))
 
     def append_masked(self, layer: int, start: int, count: int = 1) -> None:
         """Hold ``count`` positions from ``start`` in ``layer`` without keys or values:

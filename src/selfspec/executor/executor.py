@@ -29,6 +29,7 @@ from selfspec.models.common import SUPPORTED_MODEL_TYPES
 
 if TYPE_CHECKING:
     from selfspec.executor.quant import FormatTiming
+    from selfspec.executor.w4a8_layers import FusedLayers
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +214,7 @@ class LayerExecutor:
         self._rope_cos = torch.empty(0)
         self._rope_sin = torch.empty(0)
         self.max_positions = int(config.max_position_embeddings)
+        self._fused: list[FusedLayers | None] = []  # built at first use: [] = not yet
 
     def set_bulk(self, bulk: str = "auto", rows: str | None = None) -> ComputeFormats:
         """Choose the bulk format again (``"auto"``, ``"weights"``, ``"bf16"``, ``"fp16"`` or
@@ -253,6 +255,7 @@ class LayerExecutor:
             if kernel is not None:
                 self._rows_kernels[key] = kernel
             self._rows_kernel = kernel
+            self._fused = []
         for lin in linears:
             lin.bulk_dtype = fmt
             if changed:
@@ -302,6 +305,7 @@ class LayerExecutor:
             view._lm_head = quantize_linear(self._lm_head.weight, self._lm_head.bias, fmt)
             view.draft_weights = fmt
             view._draft_views = {}
+            view._fused = []
             self._draft_views[fmt] = view
         return view
 
@@ -404,13 +408,18 @@ class LayerExecutor:
             return hidden
         bsz, num_new, _ = hidden.shape
         pos0 = int(positions[0, 0])
+        skip_attn = skip.skip_attention if skip is not None else ()
+        skip_mlp = skip.skip_mlp if skip is not None else ()
+        bulk = (free and bsz * num_new >= BULK_MIN_ROWS) or self.is_free_block(pos0, num_new, bsz)
+        fused = None if bulk or free or not write_cache or bsz != 1 else self.fused_layers()
+        if (fused is not None and hidden.dtype == fused.dtype
+                and cache.shape.batch_size == 1 and not cache.any_masked(start, end)):
+            return self._run_fused(fused, hidden, positions, start, end, cache, skip_attn,
+                                   skip_mlp, observe)
         cos, sin = self._rope(hidden, positions)  # [B, T, 1, head_dim]
         # Blocks from position 0 use SDPA's is_causal and need no explicit mask.
         mask = (_grouped_causal_mask(num_new, pos0 + num_new, self._groups, hidden.device)
                 if pos0 > 0 else None)
-        skip_attn = skip.skip_attention if skip is not None else ()
-        skip_mlp = skip.skip_mlp if skip is not None else ()
-        bulk = (free and bsz * num_new >= BULK_MIN_ROWS) or self.is_free_block(pos0, num_new, bsz)
         for i in range(start, end):
             w = self._weights[i]
             if i not in skip_attn:
@@ -425,6 +434,73 @@ class LayerExecutor:
             if observe is not None:
                 observe(i, "mlp", hidden)
         return hidden
+
+    def fused_layers(self) -> FusedLayers | None:
+        """The decoder layers as fused w4a8 sub-layer kernels
+        (:mod:`selfspec.executor.w4a8_layers`) when every projection decodes on the w4a8 kernel
+        (``--dtype w4a8``, or a ``draft_view("w4a8")``) and the layers are ones it takes
+        (SiLU MLP, RoPE from a table, bf16/fp32, CPU with the kernel); else ``None``.
+        Non-bulk blocks that write the cache (decoding, verification, batched rows) then run
+        on it, so they stay bit-consistent with each other. Built at first use."""
+        if not self._fused:
+            self._fused = [self._build_fused()]
+        return self._fused[0]
+
+    def _build_fused(self) -> FusedLayers | None:
+        from selfspec.executor import w4a8_layers
+        from selfspec.executor.w4a8 import W4A8Linear
+
+        def as_w4a8(lin: object) -> W4A8Linear | None:
+            if isinstance(lin, W4A8Linear):
+                return lin
+            rows_weight = getattr(lin, "rows_weight", None)
+            return rows_weight if isinstance(rows_weight, W4A8Linear) else None
+
+        if (self.device.type != "cpu" or self.dtype not in (torch.bfloat16, torch.float32)
+                or self._rope_dynamic or getattr(self.config, "hidden_act", None) != "silu"
+                or self.head_dim % 2):
+            return None
+        parts = []
+        for w in self._weights:
+            lins = [as_w4a8(lin) for lin in (w.qkv, w.o, w.gate_up, w.down)]
+            if any(lin is None for lin in lins):
+                return None
+            parts.append(w4a8_layers.LayerParts(w.attn_norm.detach().contiguous(), w.attn_norm_eps, lins[0],
+                                    lins[1], w.mlp_norm.detach().contiguous(), w.mlp_norm_eps,
+                                    lins[2], lins[3]))
+        if not w4a8_layers.fused_available():
+            return None
+        return w4a8_layers.FusedLayers(parts, self.num_heads, self.num_kv_heads, self.head_dim,
+                           float(self.scaling), self.dtype)
+
+    def _rope_rows(self, hidden: torch.Tensor,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[N, head_dim]`` fp32 for ``positions`` ``[1, N]`` (the fused path's)."""
+        cos, sin = self._rope(hidden, positions)
+        return cos[0, :, 0].float().contiguous(), sin[0, :, 0].float().contiguous()
+
+    def _run_fused(self, fused: FusedLayers, hidden: torch.Tensor, positions: torch.Tensor,
+                   start: int, end: int, cache: KVCache, skip_attn: Sequence[int],
+                   skip_mlp: Sequence[int], observe: Observer | None) -> torch.Tensor:
+        """:meth:`run_layers` for one sequence (``hidden`` ``[1, T, H]``) on fused sub-layers."""
+        from selfspec.executor.w4a8_layers import KVSegment
+
+        num_new = hidden.shape[1]
+        pos0 = int(positions[0, 0])
+        cos, sin = self._rope_rows(hidden, positions)
+        cache.reserve(pos0 + num_new)
+        h = hidden[0].contiguous()
+        for i in range(start, end):
+            if i not in skip_attn:
+                keys, values = cache.claim(i, pos0, num_new)
+                h = fused.attention(i, h, cos, sin, [KVSegment(keys, values, pos0, 0, num_new)])
+            if observe is not None:
+                observe(i, "attention", h.unsqueeze(0))
+            if i not in skip_mlp:
+                h = fused.mlp(i, h)
+            if observe is not None:
+                observe(i, "mlp", h.unsqueeze(0))
+        return h.unsqueeze(0)
 
     def run_rows(self, hidden: torch.Tensor, positions: torch.Tensor, lengths: Sequence[int],
                  start: int, end: int, caches: Sequence[KVCache]) -> torch.Tensor:
@@ -466,6 +542,22 @@ class LayerExecutor:
             offsets.append(offsets[-1] + n)
         starts = positions[offsets[:-1]].tolist()
         assert min(starts) > 0, "run_rows continues sequences; prefill each row with forward()"
+        fused = self.fused_layers()
+        if (fused is not None and hidden.dtype == fused.dtype
+                and all(c.shape.batch_size == 1 and not c.any_masked(start, end) for c in caches)):
+            from selfspec.executor.w4a8_layers import KVSegment
+
+            cos32, sin32 = self._rope_rows(hidden, positions.unsqueeze(0))
+            for cache, n, p in zip(caches, lengths, starts):
+                cache.reserve(p + n)
+            h = hidden.contiguous()
+            for i in range(start, end):
+                segments = []
+                for b, cache in enumerate(caches):
+                    keys, values = cache.claim(i, starts[b], lengths[b])
+                    segments.append(KVSegment(keys, values, starts[b], offsets[b], lengths[b]))
+                h = fused.mlp(i, fused.attention(i, h, cos32, sin32, segments))
+            return h
         cos, sin = self._rope(hidden, positions.unsqueeze(0))           # [1, N, 1, hd]
         masks = [_grouped_causal_mask(n, p + n, self._groups, hidden.device)
                  for n, p in zip(lengths, starts)]

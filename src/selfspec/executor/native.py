@@ -119,10 +119,12 @@ class Kernel:
     Attributes:
         call: the ``ctypes`` function, or ``None``.
         reason: why it is unavailable (``""`` when ``call`` is set).
+        library: the loaded library (its other functions), or ``None``.
     """
 
     call: object | None
     reason: str
+    library: ctypes.CDLL | None = None
 
 
 def load(source_name: str, symbol: str, argtypes: Sequence[object],
@@ -150,4 +152,4 @@ def load(source_name: str, symbol: str, argtypes: Sequence[object],
     if problem:
         logger.warning("%s failed its probe (%s); not using it", source_name, problem)
         return Kernel(None, f"failed its probe: {problem}")
-    return Kernel(fn, "")
+    return Kernel(fn, "", lib)

@@ -1,0 +1,133 @@
+"""Fused w4a8 decoder sub-layers (executor/w4a8_layers.py, kernels/w4a8_rows.cpp): the same
+layer as torch's path on the same 4-bit products up to float rounding, every row as computed
+alone (verification == one-token decoding, a ragged batch == each row alone, bit for bit), the
+KV cache written where the torch path writes it, and the cases it does not take (bulk blocks,
+masked caches) left to torch."""
+
+import pytest
+import torch
+from tiny import tiny_model, tiny_tokenizer
+
+import selfspec
+from selfspec.executor import LayerExecutor, SkipPlan
+from selfspec.executor.w4a8 import w4a8_available
+
+pytestmark = pytest.mark.skipif(not w4a8_available(), reason="no w4a8 kernel here")
+
+
+def _view(arch: str, dtype: torch.dtype = torch.float32) -> LayerExecutor:
+    return LayerExecutor(tiny_model(arch, dtype=dtype), name=f"tiny-{arch}").draft_view("w4a8")
+
+
+def _prefilled(ex: LayerExecutor, prompt: torch.Tensor):
+    cache = ex.new_cache(capacity=8)  # small: the fused path must grow it
+    ex.forward(prompt, torch.arange(prompt.shape[1]).unsqueeze(0), cache)
+    return cache
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_fused_layers_match_the_torch_path_on_the_same_4bit_products(arch):
+    ex = _view(arch)
+    assert ex.fused_layers() is not None
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 250, (1, 9), generator=gen)
+    block = torch.randint(0, 250, (1, 3), generator=gen)
+    pos = torch.arange(9, 12).unsqueeze(0)
+    fused_cache = _prefilled(ex, prompt)
+    fused = ex.forward(block, pos, fused_cache)
+    torch_path = ex.fused_layers
+    ex.fused_layers = lambda: None  # the torch operators on the same w4a8 products
+    try:
+        ref_cache = _prefilled(ex, prompt)
+        ref = ex.forward(block, pos, ref_cache)
+    finally:
+        ex.fused_layers = torch_path
+    # fp32 both ways: they differ by float rounding (measured: 3e-7 of the largest logit),
+    # which could move an activation across an int8 rounding boundary, not more.
+    assert (fused - ref).abs().max() < 1e-3 * ref.abs().max()
+    assert fused_cache.lengths() == ref_cache.lengths() == [12] * ex.num_layers
+    for layer in range(ex.num_layers):
+        for got, want in zip(fused_cache.get(layer), ref_cache.get(layer)):
+            assert (got - want).abs().max() < 1e-3 * want.abs().max() + 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verification_block_equals_one_token_decoding_bit_for_bit(dtype):
+    ex = _view("qwen2", dtype)
+    assert ex.fused_layers() is not None
+    prompt = torch.randint(0, 250, (1, 7), generator=torch.Generator().manual_seed(1))
+    tokens = torch.tensor([[5, 17, 99, 3, 42, 8]])
+    cache = _prefilled(ex, prompt)
+    block = ex.forward(tokens, torch.arange(7, 13).unsqueeze(0), cache)[0]
+    cache = _prefilled(ex, prompt)
+    alone = torch.cat([ex.forward(tokens[:, t:t + 1], torch.tensor([[7 + t]]), cache)[0]
+                       for t in range(6)])
+    assert torch.equal(block, alone)
+
+
+def test_a_ragged_batch_equals_each_row_alone_bit_for_bit():
+    ex = _view("llama", torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 250, (1, n), generator=gen) for n in (5, 11, 8)]
+    new = [torch.randint(0, 250, (n,), generator=gen) for n in (1, 4, 2)]
+    caches = [_prefilled(ex, p) for p in prompts]
+    ids = torch.cat(new)
+    positions = torch.cat([torch.arange(p.shape[1], p.shape[1] + len(n))
+                           for p, n in zip(prompts, new)])
+    batched = ex.forward_rows(ids, positions, [len(n) for n in new], caches)
+    offset = 0
+    for p, n in zip(prompts, new):
+        cache = _prefilled(ex, p)
+        alone = ex.forward(n[None], torch.arange(p.shape[1], p.shape[1] + len(n))[None], cache)[0]
+        assert torch.equal(batched[offset:offset + len(n)], alone)
+        offset += len(n)
+
+
+def test_skip_plans_and_observers_run_on_the_fused_path():
+    ex = _view("qwen2")
+    prompt = torch.randint(0, 250, (1, 6), generator=torch.Generator().manual_seed(3))
+    cache = _prefilled(ex, prompt)
+    seen = []
+    plan = SkipPlan.from_flags(attention=[False, True, False, False, False, False],
+                               mlp=[False, False, True, False, False, False])
+    hidden = ex.embed(torch.tensor([[7, 9]]))
+    out = ex.run_layers(hidden, torch.tensor([[6, 7]]), 0, ex.num_layers, cache, plan,
+                        observe=lambda i, part, h: seen.append((i, part, h)))
+    assert [(i, part) for i, part, _ in seen] == [
+        (i, part) for i in range(ex.num_layers) for part in ("attention", "mlp")]
+    assert torch.equal(seen[1][2], seen[2][2])   # layer 1's attention skipped
+    assert torch.equal(seen[4][2], seen[5][2])   # layer 2's MLP skipped
+    assert torch.equal(seen[-1][2], out)
+    lengths = cache.lengths()
+    assert lengths[1] == 6 and all(n == 8 for i, n in enumerate(lengths) if i != 1)
+
+
+def test_bulk_blocks_and_masked_caches_stay_on_the_torch_path(monkeypatch):
+    ex = _view("llama")
+    calls = []
+    fused = ex.fused_layers()
+    monkeypatch.setattr(fused, "attention", lambda *a: calls.append(a) or a[1])
+    prompt = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(4))
+    cache = _prefilled(ex, prompt)              # prefill: a bulk block
+    assert calls == []
+    cache.append_masked(0, 12)                  # SpecEE's skipped layer
+    for layer in range(1, ex.num_layers):
+        keys, values = cache.get(layer)
+        cache.append(layer, keys[:, :, :1], values[:, :, :1], 12)
+    ex.forward(torch.tensor([[3]]), torch.tensor([[13]]), cache)
+    assert calls == []
+
+
+def test_bf16_models_decode_on_fused_layers_and_methods_keep_ar_tokens():
+    engine = selfspec.from_pretrained_model(tiny_model("qwen2", dtype=torch.bfloat16),
+                                            tiny_tokenizer(), name="tiny-qwen2")
+    engine.executor.set_decode_kernel("w4a8")
+    assert engine.executor.fused_layers() is not None
+    reference = engine.generate("def add(a, b):\n", max_new_tokens=24).token_ids
+    for method, options in (("ngram", {}), ("layerskip", {"exit_layer": 3, "draft_len": 4})):
+        out = engine.generate("def add(a, b):\n", method, max_new_tokens=24, **options)
+        assert out.token_ids == reference, method
+    batch = engine.generate_batch(["def add(a, b):\n", "x = 1\n"], max_new_tokens=24)
+    assert batch[0].token_ids == reference
+    engine.executor.set_decode_kernel("weights")  # another kernel: the fused layers go
+    assert engine.executor.fused_layers() is None
