@@ -129,8 +129,8 @@ class KVCache:
     def claim(self, layer: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Hold ``count`` new visible positions from ``start`` in ``layer`` and return the
         layer's whole storage ``[B, H_kv, capacity, head_dim]`` (keys, values) for the caller
-        to write them in before anything reads them (the fused w4a8 sub-layers write their
-        keys in the kernel: :mod:`selfspec.executor.w4a8_layers`).
+        to write them in before anything reads them (the fused sub-layers write their
+        keys in the kernel: :mod:`selfspec.executor.fused_layers`).
 
         Raises:
             AssertionError: ``start`` leaves a gap or overwrites held positions.

@@ -188,7 +188,7 @@ class SublayerTimes:
 def measure_sublayers(executor: LayerExecutor, context_len: int,
                       repeats: int = 20) -> SublayerTimes:
     """Median time of one attention and of one MLP sub-layer on one token over a cache of
-    ``context_len`` random keys and values (read-only: the cache is not changed).
+    ``context_len`` random keys and values (the cache is left as it was).
 
     Each is timed as all ``L`` sub-layers of its kind in one pass (a plan skipping every
     sub-layer of the other kind), divided by ``L``: every layer's weights stream from
@@ -200,10 +200,21 @@ def measure_sublayers(executor: LayerExecutor, context_len: int,
     hidden = torch.randn(1, 1, ex.config.hidden_size, dtype=ex.dtype, device=ex.device) * 0.1
     cache = _filled_cache(ex, context_len, range(ex.num_layers))
     pos = torch.tensor([[context_len]], device=ex.device)
-    times = [_time_ms(lambda: ex.run_layers(hidden, pos, 0, ex.num_layers, cache, plan,
-                                            write_cache=False), repeats) / ex.num_layers
+    times = [_time_ms(functools.partial(_step, ex, hidden, pos, cache, plan), repeats) / ex.num_layers
              for plan in (SkipPlan(skip_mlp=every), SkipPlan(skip_attention=every))]
     return SublayerTimes(context_len, times[0], times[1])
+
+
+def _step(ex: LayerExecutor, hidden: torch.Tensor, pos: torch.Tensor, cache,
+          plan: SkipPlan | None = None, head: bool = False) -> None:
+    """One block as decoding and verification run it (appending to the cache: the path
+    they take, e.g. the fused w4a8 sub-layers, which read-only blocks do not), then the cache
+    cropped back to where it was."""
+    length = int(pos[0, 0])
+    out = ex.run_layers(hidden, pos, 0, ex.num_layers, cache, plan)
+    if head:
+        ex.logits(out)
+    cache.truncate(length)
 
 
 @torch.inference_mode()
@@ -212,9 +223,8 @@ def measure_latency(executor: LayerExecutor, lengths: tuple[int, ...] = DEFAULT_
     """Measure the sub-layer latencies of ``executor``'s model on this machine.
 
     Every layer's attention alone, then every layer's MLP alone, runs on one token over a
-    cache of each length in ``lengths`` filled with random keys and values (read-only: the
-    cache is not changed; :func:`measure_sublayers`); ``t_attn(n)`` is fitted by least
-    squares; then the output head, the extra tokens of a verification and the DP's batched
+    cache of each length in ``lengths`` filled with random keys and values (left as it was;
+    :func:`measure_sublayers`); ``t_attn(n)`` is fitted by least squares; then the output head, the extra tokens of a verification and the DP's batched
     sub-layer calls (:func:`_batched_ms`).
 
     Raises:
@@ -244,13 +254,12 @@ def measure_latency(executor: LayerExecutor, lengths: tuple[int, ...] = DEFAULT_
 @torch.inference_mode()
 def measure_token_ms(executor: LayerExecutor, context_len: int, repeats: int = 10) -> float:
     """Median time of one decoding token through every layer and the output head over
-    ``context_len`` cached (random) positions, read-only, ms."""
+    ``context_len`` cached (random) positions (the cache left as it was), ms."""
     ex = executor
     cache = _filled_cache(ex, context_len, range(ex.num_layers))
     hidden = torch.randn(1, 1, ex.config.hidden_size, dtype=ex.dtype, device=ex.device) * 0.1
     pos = torch.tensor([[context_len]], device=ex.device)
-    return _time_ms(lambda: ex.logits(ex.run_layers(hidden, pos, 0, ex.num_layers, cache,
-                                                    write_cache=False)), repeats)
+    return _time_ms(functools.partial(_step, ex, hidden, pos, cache, head=True), repeats)
 
 
 def _filled_cache(ex: LayerExecutor, n: int, layers: range):
@@ -270,8 +279,8 @@ def _verify_token_ms(ex: LayerExecutor, n: int, repeats: int) -> float:
         hidden = torch.randn(1, tokens, ex.config.hidden_size, dtype=ex.dtype,
                              device=ex.device) * 0.1
         pos = torch.arange(n, n + tokens, device=ex.device).unsqueeze(0)
-        points.append((tokens, _time_ms(lambda: ex.logits(ex.run_layers(
-            hidden, pos, 0, ex.num_layers, cache, write_cache=False)), repeats)))
+        points.append((tokens, _time_ms(functools.partial(_step, ex, hidden, pos, cache, head=True),
+                                        repeats)))
     return max(0.0, _fit_line(points)[0])
 
 

@@ -28,8 +28,8 @@ from selfspec.executor.linear import ChainRows, Linear, PackedRowLimits, RowsKer
 from selfspec.models.common import SUPPORTED_MODEL_TYPES
 
 if TYPE_CHECKING:
+    from selfspec.executor.fused_layers import FusedLayers
     from selfspec.executor.quant import FormatTiming
-    from selfspec.executor.w4a8_layers import FusedLayers
 
 logger = logging.getLogger(__name__)
 
@@ -436,25 +436,24 @@ class LayerExecutor:
         return hidden
 
     def fused_layers(self) -> FusedLayers | None:
-        """The decoder layers as fused w4a8 sub-layer kernels
-        (:mod:`selfspec.executor.w4a8_layers`) when every projection decodes on the w4a8 kernel
-        (``--dtype w4a8``, or a ``draft_view("w4a8")``) and the layers are ones it takes
-        (SiLU MLP, RoPE from a table, bf16/fp32, CPU with the kernel); else ``None``.
-        Non-bulk blocks that write the cache (decoding, verification, batched rows) then run
-        on it, so they stay bit-consistent with each other. Built at first use."""
+        """The decoder layers as fused sub-layer kernels (:mod:`selfspec.executor.fused_layers`)
+        when every projection decodes on one of selfspec's kernels — all on w4a8
+        (``--dtype w4a8``, a ``draft_view("w4a8")``) or all on the bf16 kernel (bf16 models
+        whose matrices it takes where bf16 is emulated) — and the layers are ones it takes
+        (SiLU MLP, RoPE from a table, bf16/fp32, CPU); else ``None``. Non-bulk blocks that
+        write the cache (decoding, verification, batched rows) then run on it, so they stay
+        bit-consistent with each other. Built at first use."""
         if not self._fused:
             self._fused = [self._build_fused()]
         return self._fused[0]
 
     def _build_fused(self) -> FusedLayers | None:
-        from selfspec.executor import w4a8_layers
-        from selfspec.executor.w4a8 import W4A8Linear
+        from selfspec.executor import fused_layers
+        from selfspec.executor.linear import ChainedWeight
 
-        def as_w4a8(lin: object) -> W4A8Linear | None:
-            if isinstance(lin, W4A8Linear):
-                return lin
-            rows_weight = getattr(lin, "rows_weight", None)
-            return rows_weight if isinstance(rows_weight, W4A8Linear) else None
+        def copy_of(lin: object) -> object:
+            copy = lin if not isinstance(lin, Linear) else lin.rows_weight
+            return copy.copy if isinstance(copy, ChainedWeight) else copy
 
         if (self.device.type != "cpu" or self.dtype not in (torch.bfloat16, torch.float32)
                 or self._rope_dynamic or getattr(self.config, "hidden_act", None) != "silu"
@@ -462,16 +461,16 @@ class LayerExecutor:
             return None
         parts = []
         for w in self._weights:
-            lins = [as_w4a8(lin) for lin in (w.qkv, w.o, w.gate_up, w.down)]
-            if any(lin is None for lin in lins):
-                return None
-            parts.append(w4a8_layers.LayerParts(w.attn_norm.detach().contiguous(), w.attn_norm_eps, lins[0],
-                                    lins[1], w.mlp_norm.detach().contiguous(), w.mlp_norm_eps,
-                                    lins[2], lins[3]))
-        if not w4a8_layers.fused_available():
+            copies = [copy_of(lin) for lin in (w.qkv, w.o, w.gate_up, w.down)]
+            parts.append(fused_layers.LayerParts(
+                w.attn_norm.detach().contiguous(), w.attn_norm_eps, copies[0], copies[1],
+                w.mlp_norm.detach().contiguous(), w.mlp_norm_eps, copies[2], copies[3]))
+        kernel = fused_layers.kernel_of([m for p in parts for m in (p.qkv, p.o, p.gate_up,
+                                                                     p.down)])
+        if kernel is None or not fused_layers.fused_available(kernel):
             return None
-        return w4a8_layers.FusedLayers(parts, self.num_heads, self.num_kv_heads, self.head_dim,
-                           float(self.scaling), self.dtype)
+        return fused_layers.FusedLayers(parts, self.num_heads, self.num_kv_heads, self.head_dim,
+                                        float(self.scaling), self.dtype)
 
     def _rope_rows(self, hidden: torch.Tensor,
                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -483,7 +482,7 @@ class LayerExecutor:
                    start: int, end: int, cache: KVCache, skip_attn: Sequence[int],
                    skip_mlp: Sequence[int], observe: Observer | None) -> torch.Tensor:
         """:meth:`run_layers` for one sequence (``hidden`` ``[1, T, H]``) on fused sub-layers."""
-        from selfspec.executor.w4a8_layers import KVSegment
+        from selfspec.executor.fused_layers import KVSegment
 
         num_new = hidden.shape[1]
         pos0 = int(positions[0, 0])
@@ -545,7 +544,7 @@ class LayerExecutor:
         fused = self.fused_layers()
         if (fused is not None and hidden.dtype == fused.dtype
                 and all(c.shape.batch_size == 1 and not c.any_masked(start, end) for c in caches)):
-            from selfspec.executor.w4a8_layers import KVSegment
+            from selfspec.executor.fused_layers import KVSegment
 
             cos32, sin32 = self._rope_rows(hidden, positions.unsqueeze(0))
             for cache, n, p in zip(caches, lengths, starts):

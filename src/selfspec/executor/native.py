@@ -67,17 +67,33 @@ def _source(source_name: str) -> bytes:
     return resources.files("selfspec.executor").joinpath("kernels", source_name).read_bytes()
 
 
+def _headers() -> dict[str, bytes]:
+    """The shared headers ``kernels/*.h`` (every kernel is compiled beside all of them)."""
+    folder = resources.files("selfspec.executor").joinpath("kernels")
+    return {f.name: f.read_bytes() for f in sorted(folder.iterdir(), key=lambda f: f.name)
+            if f.name.endswith(".h")}
+
+
+def _text(source_name: str) -> bytes:
+    """A kernel's source followed by every header's name and text: what its build depends on."""
+    parts = [_source(source_name)]
+    for name, text in _headers().items():
+        parts += [name.encode(), text]
+    return b"\0".join(parts)
+
+
 @cache
 def source_digest(source_name: str) -> str:
-    """8 hex digits of the SHA-256 of ``kernels/<source_name>``: measurements made on a
-    kernel (latency models) name it, so a changed kernel is measured again."""
-    return hashlib.sha256(_source(source_name)).hexdigest()[:8]
+    """8 hex digits of the SHA-256 of ``kernels/<source_name>`` and the headers: measurements
+    made on a kernel (latency models) name it, so a changed kernel is measured again."""
+    return hashlib.sha256(_text(source_name)).hexdigest()[:8]
 
 
 def build(source_name: str, extra_flags: tuple[str, ...] = ()) -> Path:
     """The compiled library of ``kernels/<source_name>`` (compiled with :data:`FLAGS` and
-    ``extra_flags``), compiling it first if it is not cached (``<stem>-<hash>.so``; the rename
-    into place is atomic, so concurrent builds are safe).
+    ``extra_flags``, beside the shared ``kernels/*.h``), compiling it first if it is not
+    cached (``<stem>-<hash>.so``; the rename into place is atomic, so concurrent builds are
+    safe).
 
     Raises:
         RuntimeError: no C++ compiler, or the compiler failed (its output in the message).
@@ -93,7 +109,8 @@ def build(source_name: str, extra_flags: tuple[str, ...] = ()) -> Path:
     args = [*FLAGS, *extra_flags, abi, *(f"-I{p}" for p in include_paths()),
             f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"]
     key = hashlib.sha256(b"\0".join(
-        [source, compiler.encode(), " ".join(args).encode(), torch.__version__.encode()]))
+        [_text(source_name), compiler.encode(), " ".join(args).encode(),
+         torch.__version__.encode()]))
     out_dir = kernel_dir()
     target = out_dir / f"{Path(source_name).stem}-{key.hexdigest()[:16]}.so"
     if target.is_file():
@@ -102,6 +119,8 @@ def build(source_name: str, extra_flags: tuple[str, ...] = ()) -> Path:
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         src = Path(tmp) / source_name
         src.write_bytes(source)
+        for name, text in _headers().items():
+            (Path(tmp) / name).write_bytes(text)
         built = Path(tmp) / target.name
         logger.info("compiling %s (%s)", source_name, compiler)
         done = subprocess.run([compiler, str(src), "-o", str(built), *args], capture_output=True,

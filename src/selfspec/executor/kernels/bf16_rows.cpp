@@ -20,45 +20,25 @@
 #include <string.h>
 #include <vector>
 
+#include "common.h"
+#include "fused_layers.h"
+
 namespace {
 
 constexpr int64_t kPrefetch = 1024;  // elements (2 KiB) ahead along a weight row
 
-inline __m256 load_bf16(const uint16_t* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float bf16_to_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN stays NaN
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 inline float finish(__m256 a, __m256 b, const uint16_t* w, const float* x, int64_t k0,
                     int64_t K) {
-  __m256 s = _mm256_add_ps(a, b);
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_movehdup_ps(q));
-  float sum = _mm_cvtss_f32(q);
+  float sum = hsum(_mm256_add_ps(a, b));
   for (int64_t k = k0; k < K; ++k) sum += bf16_to_float(w[k]) * x[k];
   return sum;
 }
 
-// NR weight rows (n .. n+NR-1) times TB activation rows (x, y start at the group's first row).
-template <int NR, int TB>
-inline void tile(const uint16_t* w, const float* x, uint16_t* y, const float* bias, int64_t n,
-                 int64_t K, int64_t N) {
+// NR weight rows (n .. n+NR-1) times TB activation rows (x starts at the group's first row,
+// t0): store(t0 + t, n + r, dot + bias).
+template <int NR, int TB, typename Store>
+inline void tile(const uint16_t* w, const float* x, int64_t t0, Store& store, const float* bias,
+                 int64_t n, int64_t K) {
   const int64_t K16 = K & ~int64_t(15);
   __m256 a[NR][TB], b[NR][TB];
   for (int r = 0; r < NR; ++r)
@@ -70,8 +50,8 @@ inline void tile(const uint16_t* w, const float* x, uint16_t* y, const float* bi
         _mm_prefetch(reinterpret_cast<const char*>(row + r * K + k + kPrefetch), _MM_HINT_T0);
     __m256 u[NR], v[NR];
     for (int r = 0; r < NR; ++r) {
-      u[r] = load_bf16(row + r * K + k);
-      v[r] = load_bf16(row + r * K + k + 8);
+      u[r] = load8(row + r * K + k);
+      v[r] = load8(row + r * K + k + 8);
     }
     for (int t = 0; t < TB; ++t) {
       __m256 xa = _mm256_loadu_ps(x + t * K + k), xb = _mm256_loadu_ps(x + t * K + k + 8);
@@ -85,27 +65,61 @@ inline void tile(const uint16_t* w, const float* x, uint16_t* y, const float* bi
     for (int t = 0; t < TB; ++t) {
       float s = finish(a[r][t], b[r][t], row + r * K, x + t * K, K16, K);
       if (bias) s += bias[n + r];
-      y[t * N + n + r] = float_to_bf16(s);
+      store(t0 + t, n + r, s);
     }
 }
 
-template <int NR>
-inline void rows_group(const uint16_t* w, const float* x, uint16_t* y, const float* bias,
-                       int64_t n, int64_t T, int64_t K, int64_t N) {
+template <int NR, typename Store>
+inline void rows_group(const uint16_t* w, const float* x, Store& store, const float* bias,
+                       int64_t n, int64_t T, int64_t K) {
   // Groups of up to six activation rows per pass over the weight row(s), which stay in L1.
   for (int64_t t = 0; t < T;) {
     const float* xt = x + t * K;
-    uint16_t* yt = y + t * N;
     switch (T - t >= 6 ? 6 : T - t) {
-      case 6: tile<NR, 6>(w, xt, yt, bias, n, K, N); t += 6; break;
-      case 5: tile<NR, 5>(w, xt, yt, bias, n, K, N); t += 5; break;
-      case 4: tile<NR, 4>(w, xt, yt, bias, n, K, N); t += 4; break;
-      case 3: tile<NR, 3>(w, xt, yt, bias, n, K, N); t += 3; break;
-      case 2: tile<NR, 2>(w, xt, yt, bias, n, K, N); t += 2; break;
-      default: tile<NR, 1>(w, xt, yt, bias, n, K, N); t += 1; break;
+      case 6: tile<NR, 6>(w, xt, t, store, bias, n, K); t += 6; break;
+      case 5: tile<NR, 5>(w, xt, t, store, bias, n, K); t += 5; break;
+      case 4: tile<NR, 4>(w, xt, t, store, bias, n, K); t += 4; break;
+      case 3: tile<NR, 3>(w, xt, t, store, bias, n, K); t += 3; break;
+      case 2: tile<NR, 2>(w, xt, t, store, bias, n, K); t += 2; break;
+      default: tile<NR, 1>(w, xt, t, store, bias, n, K); t += 1; break;
     }
   }
 }
+
+// y[t, n] = w_n . x_t + bias[n] (fp32 x [T, K]), handed to store(t, n, y).
+template <typename Store>
+void product(const uint16_t* w, const float* x, const float* bias, int64_t T, int64_t K,
+             int64_t N, Store store) {
+  // One or two activation rows are too few FMAs to hide the accumulators' latency on one
+  // weight row, so those take weight rows in pairs; more rows take one weight row at a time
+  // (registers). Either way each dot product's order is the same.
+  const bool pairs = T <= 2;
+  const int64_t step = pairs ? 2 : 1;
+  const int64_t units = N / step;
+  at::parallel_for(0, units, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      if (pairs) rows_group<2>(w, x, store, bias, u * 2, T, K);
+      else rows_group<1>(w, x, store, bias, u, T, K);
+    }
+  });
+  if (pairs && (N & 1)) rows_group<1>(w, x, store, bias, N - 1, T, K);
+}
+
+// One bf16 matrix [N, K] (Bf16Weight's ctypes mirror in fused_layers.py).
+struct Matrix {
+  const uint16_t* weight;
+  const float* bias;  // [N] or null
+  int64_t n, k;
+};
+
+// The fused sub-layers' products (fused_layers.h).
+struct Bf16Product {
+  template <typename Store>
+  static void run(const void* matrix, const float* x, int64_t T, Store store) {
+    const Matrix& m = *static_cast<const Matrix*>(matrix);
+    product(m.weight, x, m.bias, T, m.k, m.n, store);
+  }
+};
 
 }  // namespace
 
@@ -118,20 +132,19 @@ void selfspec_bf16_rows(const uint16_t* w, const uint16_t* x16, uint16_t* y, con
                         int64_t T, int64_t K, int64_t N) {
   std::vector<float> x(static_cast<size_t>(T * K));
   for (int64_t i = 0; i < T * K; ++i) x[i] = bf16_to_float(x16[i]);
-  const float* xf = x.data();
-  // One or two activation rows are too few FMAs to hide the accumulators' latency on one
-  // weight row, so those take weight rows in pairs; more rows take one weight row at a time
-  // (registers). Either way each dot product's order is the same.
-  const bool pairs = T <= 2;
-  const int64_t step = pairs ? 2 : 1;
-  const int64_t units = N / step;
-  at::parallel_for(0, units, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      if (pairs) rows_group<2>(w, xf, y, bias, u * 2, T, K, N);
-      else rows_group<1>(w, xf, y, bias, u, T, K, N);
-    }
-  });
-  if (pairs && (N & 1)) rows_group<1>(w, xf, y, bias, N - 1, T, K, N);
+  product(w, x.data(), bias, T, K, N,
+          [&](int64_t t, int64_t n, float v) { y[t * N + n] = float_to_bf16(v); });
+}
+
+// Whole sub-layers on bf16 matrices (fused_layers.h; the args' matrices are Matrix).
+void selfspec_bf16_attention(const AttentionArgs* args) {
+  if (args->bf16) attention_block<uint16_t, Bf16Product>(*args);
+  else attention_block<float, Bf16Product>(*args);
+}
+
+void selfspec_bf16_mlp(const MlpArgs* args) {
+  if (args->bf16) mlp_block<uint16_t, Bf16Product>(*args);
+  else mlp_block<float, Bf16Product>(*args);
 }
 
 }  // extern "C"

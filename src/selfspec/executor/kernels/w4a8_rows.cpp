@@ -27,8 +27,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#include <cmath>
 #include <vector>
+
+#include "common.h"
+#include "fused_layers.h"
 
 namespace {
 
@@ -38,34 +40,13 @@ constexpr int64_t kBlock = 32;
 #endif
 constexpr int64_t kPrefetch = SELFSPEC_W4A8_PREFETCH;  // bytes ahead along the codes
 
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN stays NaN
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
-
-inline float hsum(__m256 s) {
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_movehdup_ps(q));
-  return _mm_cvtss_f32(q);
-}
 
 struct Activations {
   std::vector<int8_t> codes;   // [T, K], each pair of blocks interleaved (quantize_row)
   std::vector<float> scale;    // [T, K/32]
   std::vector<float> sums;     // [T, K/32]: scale * sum of the block's codes
 };
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
 
 // One activation row (fp32 or bf16) into int8 codes per 32-input block, round to nearest
 // even, in the order of the weight codes (see Layout): for blocks b, b+1 of a pair, 4-input
@@ -264,238 +245,16 @@ void product(const Weight& w, const Activations& a, int64_t T, Store store) {
   }
 }
 
-// ---------------------------------------------------------------- fused decoder sub-layers
-// A Llama/Qwen2 attention or MLP sub-layer (norm included, residual added) on T rows, every
-// product on w4a8 weights, so a decode step makes two calls a layer instead of some thirty
-// torch operators (~12 ms of a Qwen2.5-1.5B step on the 2-core AVX2 EPYC). Every row is
-// computed as it would be alone (norm, products, RoPE, attention over its own prefix), so
-// verification blocks equal one-token decoding bit for bit. Hidden states, norm weights and
-// the KV cache are bf16 (bf16 = 1) or fp32; everything in between is fp32.
-
-inline float get(const float* p) { return *p; }
-inline float get(const uint16_t* p) {
-  const uint32_t u = static_cast<uint32_t>(*p) << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-inline void put(float* p, float v) { *p = v; }
-inline void put(uint16_t* p, float v) { *p = float_to_bf16(v); }
-
-// e^x for x <= 88 (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n in the
-// exponent bits; relative error ~1e-7); inputs below -87 give ~1e-38, not 0.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-inline float exp1(float x) {
-  alignas(32) float v[8];
-  _mm256_store_ps(v, exp8(_mm256_set1_ps(x)));
-  return v[0];
-}
-
-// RMSNorm of one row, as HF's Llama/Qwen2 RMSNorm but all in fp32:
-// y = x / sqrt(mean(x^2) + eps) * w.
-template <typename D>
-void rms_norm(const D* x, const D* w, int64_t H, float eps, float* y) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= H; i += 8) {
-    const __m256 v = load8(x + i);
-    acc = _mm256_fmadd_ps(v, v, acc);
+// The fused sub-layers' products (fused_layers.h): activations quantized per call.
+struct W4A8Product {
+  template <typename Store>
+  static void run(const void* matrix, const float* x, int64_t T, Store store) {
+    const Weight& w = *static_cast<const Weight*>(matrix);
+    Activations a;
+    quantize(x, T, w.k, a);
+    product(w, a, T, store);
   }
-  float ss = hsum(acc);
-  for (; i < H; ++i) ss += get(x + i) * get(x + i);
-  const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
-  for (i = 0; i < H; ++i) y[i] = get(x + i) * r * get(w + i);
-}
-
-template <typename D>
-inline float dot(const float* q, const D* k, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), acc);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += q[i] * get(k + i);
-  return s;
-}
-
-// softmax(q K[0:n]^T * scaling) V[0:n] for one query head: K, V [n, hd] rows of one KV head.
-template <typename D>
-void attend(const float* q, const D* K, const D* V, int64_t n, int64_t hd, float scaling,
-            float* scores, float* out) {
-  float top = -HUGE_VALF;
-  for (int64_t j = 0; j < n; ++j) {
-    scores[j] = dot(q, K + j * hd, hd) * scaling;
-    top = scores[j] > top ? scores[j] : top;
-  }
-  __m256 acc = _mm256_setzero_ps();
-  const __m256 shift = _mm256_set1_ps(top);
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), shift));
-    _mm256_storeu_ps(scores + j, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  float total = hsum(acc);
-  for (; j < n; ++j) {
-    scores[j] = exp1(scores[j] - top);
-    total += scores[j];
-  }
-  for (int64_t d = 0; d < hd; ++d) out[d] = 0.f;
-  for (j = 0; j < n; ++j) {
-    const __m256 p = _mm256_set1_ps(scores[j]);
-    const D* v = V + j * hd;
-    int64_t d = 0;
-    for (; d + 8 <= hd; d += 8)
-      _mm256_storeu_ps(out + d, _mm256_fmadd_ps(p, load8(v + d), _mm256_loadu_ps(out + d)));
-    for (; d < hd; ++d) out[d] += scores[j] * get(v + d);
-  }
-  const float inv = 1.f / total;
-  for (int64_t d = 0; d < hd; ++d) out[d] *= inv;
-}
-
-// HF's rotate_half RoPE on one head: x' = x cos + rotate_half(x) sin.
-inline void rope(float* x, const float* cos, const float* sin, int64_t hd) {
-  const int64_t half = hd / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const float a = x[i], b = x[i + half];
-    x[i] = a * cos[i] - b * sin[i];
-    x[i + half] = b * cos[i + half] + a * sin[i + half];
-  }
-}
-
-// One run of consecutive rows of one sequence and its layer's KV storage [H_kv, capacity, hd]
-// (batch-1 cache): row first_row + i is at position first_position + i.
-struct Segment {
-  int64_t keys, values;  // addresses
-  int64_t capacity, first_position, first_row, rows;
 };
-
-struct AttentionArgs {
-  const void* hidden_in;
-  void* hidden_out;          // may be hidden_in
-  const void* norm;          // [H]
-  const Weight* qkv;         // [(Hq + 2 H_kv) hd, H]
-  const Weight* o;           // [H, Hq hd]
-  const float* cos;          // [T, hd]: each row's RoPE at its position
-  const float* sin;
-  const Segment* segments;
-  int64_t num_segments, rows, hidden, heads, kv_heads, head_dim, bf16;
-  float eps, scaling;
-};
-
-struct MlpArgs {
-  const void* hidden_in;
-  void* hidden_out;
-  const void* norm;
-  const Weight* gate_up;     // [2I, H]: gate rows, then up rows
-  const Weight* down;        // [H, I]
-  int64_t rows, hidden, intermediate, bf16;
-  float eps;
-};
-
-template <typename D>
-void attention_block(const AttentionArgs& p) {
-  const int64_t T = p.rows, H = p.hidden, hd = p.head_dim, nq = p.heads, nkv = p.kv_heads;
-  const int64_t width = (nq + 2 * nkv) * hd, groups = nq / nkv;
-  const D* h_in = static_cast<const D*>(p.hidden_in);
-  std::vector<float> x(static_cast<size_t>(T * H));
-  for (int64_t t = 0; t < T; ++t)
-    rms_norm(h_in + t * H, static_cast<const D*>(p.norm), H, p.eps, x.data() + t * H);
-  Activations a;
-  quantize(x.data(), T, H, a);
-  std::vector<float> qkv(static_cast<size_t>(T * width));
-  product(*p.qkv, a, T, [&](int64_t t, int64_t n, float v) { qkv[t * width + n] = v; });
-  // RoPE, then every row's keys and values into its cache before any row attends.
-  std::vector<int64_t> position(static_cast<size_t>(T)), segment(static_cast<size_t>(T));
-  for (int64_t s = 0; s < p.num_segments; ++s)
-    for (int64_t i = 0; i < p.segments[s].rows; ++i) {
-      position[p.segments[s].first_row + i] = p.segments[s].first_position + i;
-      segment[p.segments[s].first_row + i] = s;
-    }
-  for (int64_t t = 0; t < T; ++t) {
-    float* row = qkv.data() + t * width;
-    for (int64_t h = 0; h < nq + nkv; ++h) rope(row + h * hd, p.cos + t * hd, p.sin + t * hd, hd);
-    const Segment& seg = p.segments[segment[t]];
-    D* keys = reinterpret_cast<D*>(seg.keys);
-    D* values = reinterpret_cast<D*>(seg.values);
-    for (int64_t h = 0; h < nkv; ++h) {
-      const int64_t at = (h * seg.capacity + position[t]) * hd;
-      for (int64_t d = 0; d < hd; ++d) {
-        put(keys + at + d, row[(nq + h) * hd + d]);
-        put(values + at + d, row[(nq + nkv + h) * hd + d]);
-      }
-    }
-  }
-  std::vector<float> ctx(static_cast<size_t>(T * nq * hd));
-  at::parallel_for(0, T * nq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t t = u / nq, h = u % nq, kvh = h / groups;
-      const Segment& seg = p.segments[segment[t]];
-      const int64_t n = position[t] + 1;
-      scores.resize(static_cast<size_t>(n));
-      const int64_t base = kvh * seg.capacity * hd;
-      attend(qkv.data() + t * width + h * hd, reinterpret_cast<const D*>(seg.keys) + base,
-             reinterpret_cast<const D*>(seg.values) + base, n, hd, p.scaling, scores.data(),
-             ctx.data() + (t * nq + h) * hd);
-    }
-  });
-  quantize(ctx.data(), T, nq * hd, a);
-  D* h_out = static_cast<D*>(p.hidden_out);
-  // Each output is written once, after its input was read: h_out may alias h_in.
-  product(*p.o, a, T, [&](int64_t t, int64_t n, float v) {
-    put(h_out + t * H + n, get(h_in + t * H + n) + v);
-  });
-}
-
-template <typename D>
-void mlp_block(const MlpArgs& p) {
-  const int64_t T = p.rows, H = p.hidden, I = p.intermediate;
-  const D* h_in = static_cast<const D*>(p.hidden_in);
-  std::vector<float> x(static_cast<size_t>(T * H));
-  for (int64_t t = 0; t < T; ++t)
-    rms_norm(h_in + t * H, static_cast<const D*>(p.norm), H, p.eps, x.data() + t * H);
-  Activations a;
-  quantize(x.data(), T, H, a);
-  std::vector<float> gu(static_cast<size_t>(T * 2 * I));
-  product(*p.gate_up, a, T, [&](int64_t t, int64_t n, float v) { gu[t * 2 * I + n] = v; });
-  std::vector<float> act(static_cast<size_t>(T * I));
-  for (int64_t t = 0; t < T; ++t) {  // SiLU(gate) * up
-    const float* g = gu.data() + t * 2 * I;
-    const float* u = g + I;
-    float* y = act.data() + t * I;
-    int64_t i = 0;
-    const __m256 one = _mm256_set1_ps(1.f);
-    for (; i + 8 <= I; i += 8) {
-      const __m256 gv = _mm256_loadu_ps(g + i);
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-      _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)),
-                                            _mm256_loadu_ps(u + i)));
-    }
-    for (; i < I; ++i) y[i] = g[i] / (1.f + exp1(-g[i])) * u[i];
-  }
-  quantize(act.data(), T, I, a);
-  D* h_out = static_cast<D*>(p.hidden_out);
-  product(*p.down, a, T, [&](int64_t t, int64_t n, float v) {
-    put(h_out + t * H + n, get(h_in + t * H + n) + v);
-  });
-}
 
 }  // namespace
 
@@ -523,16 +282,16 @@ void selfspec_w4a8_rows(const uint8_t* codes, const uint16_t* wscale, const uint
 }
 
 // h_out = h_in + o(attention(RoPE(qkv(RMSNorm(h_in))))) on args->rows rows, appending their
-// keys and values to the segments' caches first (see the fused sub-layers above).
+// keys and values to the segments' caches first (fused_layers.h); matrices are Weights.
 void selfspec_w4a8_attention(const AttentionArgs* args) {
-  if (args->bf16) attention_block<uint16_t>(*args);
-  else attention_block<float>(*args);
+  if (args->bf16) attention_block<uint16_t, W4A8Product>(*args);
+  else attention_block<float, W4A8Product>(*args);
 }
 
 // h_out = h_in + down(SiLU(gate) * up), [gate, up] = gate_up(RMSNorm(h_in)).
 void selfspec_w4a8_mlp(const MlpArgs* args) {
-  if (args->bf16) mlp_block<uint16_t>(*args);
-  else mlp_block<float>(*args);
+  if (args->bf16) mlp_block<uint16_t, W4A8Product>(*args);
+  else mlp_block<float, W4A8Product>(*args);
 }
 
 }  // extern "C"

@@ -1,8 +1,8 @@
-"""Fused w4a8 decoder sub-layers (executor/w4a8_layers.py, kernels/w4a8_rows.cpp): the same
-layer as torch's path on the same 4-bit products up to float rounding, every row as computed
-alone (verification == one-token decoding, a ragged batch == each row alone, bit for bit), the
-KV cache written where the torch path writes it, and the cases it does not take (bulk blocks,
-masked caches) left to torch."""
+"""Fused decoder sub-layers (executor/fused_layers.py, kernels/fused_layers.h) on the w4a8 and
+bf16 kernels: the same layer as torch's path on the same products up to float rounding, every
+row as computed alone (verification == one-token decoding, a ragged batch == each row alone,
+bit for bit), the KV cache written where the torch path writes it, and the cases it does not
+take (bulk blocks, masked caches) left to torch."""
 
 import pytest
 import torch
@@ -10,13 +10,28 @@ from tiny import tiny_model, tiny_tokenizer
 
 import selfspec
 from selfspec.executor import LayerExecutor, SkipPlan
+from selfspec.executor.bf16_rows import bf16_rows_available
+from selfspec.executor.cpu import detect_cpu
 from selfspec.executor.w4a8 import w4a8_available
 
-pytestmark = pytest.mark.skipif(not w4a8_available(), reason="no w4a8 kernel here")
+W4A8 = pytest.mark.skipif(not w4a8_available(), reason="no w4a8 kernel here")
+BF16 = pytest.mark.skipif(not bf16_rows_available(), reason="no bf16 kernel here")
+# (kernel, the model's dtype)
+SETUPS = [pytest.param("w4a8", torch.float32, marks=W4A8),
+          pytest.param("w4a8", torch.bfloat16, marks=W4A8),
+          pytest.param("bf16", torch.bfloat16, marks=BF16)]
 
 
-def _view(arch: str, dtype: torch.dtype = torch.float32) -> LayerExecutor:
-    return LayerExecutor(tiny_model(arch, dtype=dtype), name=f"tiny-{arch}").draft_view("w4a8")
+def _view(arch: str, dtype: torch.dtype = torch.float32, kernel: str = "w4a8") -> LayerExecutor:
+    """A tiny model's executor whose projections all decode on ``kernel``: a w4a8 draft view,
+    or the bf16 model on the bf16 kernel (``--decode-kernel bf16``)."""
+    model = tiny_model(arch, dtype=dtype)
+    if kernel == "bf16":
+        ex = LayerExecutor(model, name=f"tiny-{arch}", rows="bf16")
+    else:
+        ex = LayerExecutor(model, name=f"tiny-{arch}").draft_view("w4a8")
+    assert ex.fused_layers() is not None and ex.fused_layers().kernel == kernel
+    return ex
 
 
 def _prefilled(ex: LayerExecutor, prompt: torch.Tensor):
@@ -25,10 +40,15 @@ def _prefilled(ex: LayerExecutor, prompt: torch.Tensor):
     return cache
 
 
+@pytest.mark.parametrize(("kernel", "dtype", "tolerance"), [
+    # fp32: they differ by float rounding (measured: 3e-7 of the largest logit), which could
+    # move an activation across an int8 rounding boundary, not more.
+    pytest.param("w4a8", torch.float32, 1e-3, marks=W4A8),
+    # bf16: the torch path rounds to bf16 after every operator, the fused one keeps fp32.
+    pytest.param("bf16", torch.bfloat16, 5e-2, marks=BF16)])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
-def test_fused_layers_match_the_torch_path_on_the_same_4bit_products(arch):
-    ex = _view(arch)
-    assert ex.fused_layers() is not None
+def test_fused_layers_match_the_torch_path_on_the_same_products(arch, kernel, dtype, tolerance):
+    ex = _view(arch, dtype, kernel)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 250, (1, 9), generator=gen)
     block = torch.randint(0, 250, (1, 3), generator=gen)
@@ -42,19 +62,18 @@ def test_fused_layers_match_the_torch_path_on_the_same_4bit_products(arch):
         ref = ex.forward(block, pos, ref_cache)
     finally:
         ex.fused_layers = torch_path
-    # fp32 both ways: they differ by float rounding (measured: 3e-7 of the largest logit),
-    # which could move an activation across an int8 rounding boundary, not more.
-    assert (fused - ref).abs().max() < 1e-3 * ref.abs().max()
+    fused, ref = fused.float(), ref.float()
+    assert (fused - ref).abs().max() < tolerance * ref.abs().max()
     assert fused_cache.lengths() == ref_cache.lengths() == [12] * ex.num_layers
     for layer in range(ex.num_layers):
         for got, want in zip(fused_cache.get(layer), ref_cache.get(layer)):
-            assert (got - want).abs().max() < 1e-3 * want.abs().max() + 1e-5
+            got, want = got.float(), want.float()
+            assert (got - want).abs().max() < tolerance * want.abs().max() + 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_verification_block_equals_one_token_decoding_bit_for_bit(dtype):
-    ex = _view("qwen2", dtype)
-    assert ex.fused_layers() is not None
+@pytest.mark.parametrize(("kernel", "dtype"), SETUPS)
+def test_a_verification_block_equals_one_token_decoding_bit_for_bit(kernel, dtype):
+    ex = _view("qwen2", dtype, kernel)
     prompt = torch.randint(0, 250, (1, 7), generator=torch.Generator().manual_seed(1))
     tokens = torch.tensor([[5, 17, 99, 3, 42, 8]])
     cache = _prefilled(ex, prompt)
@@ -65,8 +84,9 @@ def test_a_verification_block_equals_one_token_decoding_bit_for_bit(dtype):
     assert torch.equal(block, alone)
 
 
-def test_a_ragged_batch_equals_each_row_alone_bit_for_bit():
-    ex = _view("llama", torch.bfloat16)
+@pytest.mark.parametrize(("kernel", "dtype"), SETUPS[1:])
+def test_a_ragged_batch_equals_each_row_alone_bit_for_bit(kernel, dtype):
+    ex = _view("llama", dtype, kernel)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 250, (1, n), generator=gen) for n in (5, 11, 8)]
     new = [torch.randint(0, 250, (n,), generator=gen) for n in (1, 4, 2)]
@@ -83,6 +103,7 @@ def test_a_ragged_batch_equals_each_row_alone_bit_for_bit():
         offset += len(n)
 
 
+@W4A8
 def test_skip_plans_and_observers_run_on_the_fused_path():
     ex = _view("qwen2")
     prompt = torch.randint(0, 250, (1, 6), generator=torch.Generator().manual_seed(3))
@@ -102,6 +123,7 @@ def test_skip_plans_and_observers_run_on_the_fused_path():
     assert lengths[1] == 6 and all(n == 8 for i, n in enumerate(lengths) if i != 1)
 
 
+@W4A8
 def test_bulk_blocks_and_masked_caches_stay_on_the_torch_path(monkeypatch):
     ex = _view("llama")
     calls = []
@@ -118,7 +140,8 @@ def test_bulk_blocks_and_masked_caches_stay_on_the_torch_path(monkeypatch):
     assert calls == []
 
 
-def test_bf16_models_decode_on_fused_layers_and_methods_keep_ar_tokens():
+@W4A8
+def test_w4a8_models_decode_on_fused_layers_and_methods_keep_ar_tokens():
     engine = selfspec.from_pretrained_model(tiny_model("qwen2", dtype=torch.bfloat16),
                                             tiny_tokenizer(), name="tiny-qwen2")
     engine.executor.set_decode_kernel("w4a8")
@@ -131,3 +154,14 @@ def test_bf16_models_decode_on_fused_layers_and_methods_keep_ar_tokens():
     assert batch[0].token_ids == reference
     engine.executor.set_decode_kernel("weights")  # another kernel: the fused layers go
     assert engine.executor.fused_layers() is None
+
+
+@BF16
+@pytest.mark.skipif(detect_cpu().native_bf16, reason="bf16 is native here: oneDNN's kernels")
+def test_a_small_bf16_model_decodes_on_fused_bf16_layers_by_default():
+    """Where bf16 is emulated, ``auto`` puts matrices under 4 MiB on the bf16 kernel: a model
+    made of them (SmolLM2-135M) decodes on fused bf16 layers with nothing asked."""
+    ex = LayerExecutor(tiny_model("llama", dtype=torch.bfloat16), name="tiny-llama")
+    assert ex.fused_layers() is not None and ex.fused_layers().kernel == "bf16"
+    ex.set_decode_kernel("fp16")  # FBGEMM: not a kernel the fused layers run
+    assert ex.fused_layers() is None

@@ -1,25 +1,28 @@
-"""Whole decoder sub-layers on w4a8 weights, one kernel call each (``kernels/w4a8_rows.cpp``:
-``selfspec_w4a8_attention``, ``selfspec_w4a8_mlp``).
+"""Whole decoder sub-layers in one kernel call each (``kernels/fused_layers.h``, built into
+``kernels/w4a8_rows.cpp`` and ``kernels/bf16_rows.cpp``: ``selfspec_<kernel>_attention``,
+``selfspec_<kernel>_mlp``), for executors whose every projection decodes on one of selfspec's
+own kernels: ``w4a8`` (``--dtype w4a8``, the ``draft_view("w4a8")`` that ``qspec`` drafts on)
+or ``bf16`` (bf16 models on CPUs that emulate bf16, where the layers' matrices are small enough
+for that kernel: SmolLM2-135M).
 
-Why: with the products on 4-bit weights, what is left of a decode step is some thirty small
+Why: with the products on these kernels, what is left of a decode step is some thirty small
 torch operators a layer (RMSNorm in fp32 and back, RoPE, the cache write, SDPA, SiLU, the
-residual adds): 11.9 of 73–89 ms on Qwen2.5-Coder-1.5B (2-core AVX2 EPYC, 2 threads), against
-~5 ms for llama.cpp's whole non-matmul work. Here an attention sub-layer (RMSNorm → qkv →
-RoPE → cache append → attention → o → residual) and an MLP sub-layer (RMSNorm → gate/up →
-SiLU·up → down → residual) are each one call into the kernel, the activations between
-products staying in fp32.
+residual adds): 11.9 of 73–89 ms on Qwen2.5-Coder-1.5B in w4a8 (2-core AVX2 EPYC, 2 threads),
+and most of a SmolLM2-135M step. Here an attention sub-layer (RMSNorm → qkv → RoPE → cache
+append → attention → o → residual) and an MLP sub-layer (RMSNorm → gate/up → SiLU·up → down →
+residual) are each one call, the activations between products staying in fp32.
 
-Exactness: every row is computed as it would be alone (its own norm, the kernel's
+Exactness: every row is computed as it would be alone (its own norm, the kernels'
 row-independent products, attention over its own prefix), so a verification block equals
 one-token decoding bit for bit and every lossless method stays exact relative to the model
-decoding on this kernel (``tests/test_w4a8_layers.py``). Numerics differ slightly from the
-torch path (fp32 in between instead of rounding to the model's dtype after each operator),
-so one decoding uses one path throughout: :class:`selfspec.executor.LayerExecutor` takes this
-one for every non-bulk block it can (bulk blocks — prefill — stay on torch's flash attention,
-shared by every method).
+decoding on these layers (``tests/test_fused_layers.py``). Numerics differ slightly from the
+torch path (fp32 in between instead of rounding to the model's dtype after each operator), so
+one decoding uses one path throughout: :class:`selfspec.executor.LayerExecutor` takes this
+one for every non-bulk block that writes the cache (bulk blocks — prefill — stay on torch's
+flash attention, shared by every method).
 
 Supports Llama/Qwen2 decoder layers with SiLU MLPs, bf16 or fp32 hidden states and KV cache,
-any head geometry whose projections the w4a8 kernel takes (input sizes multiples of 32).
+any head geometry the kernels take (w4a8: input sizes multiples of 32).
 """
 
 from __future__ import annotations
@@ -30,14 +33,22 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec.executor.w4a8 import W4A8Linear, _library
+from selfspec.executor import bf16_rows, w4a8
+from selfspec.executor.bf16_rows import Bf16Weight
+from selfspec.executor.w4a8 import W4A8Linear
 
 _DTYPES = (torch.bfloat16, torch.float32)
+KERNELS = ("w4a8", "bf16")
 
 
 class _Weight(ctypes.Structure):
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p),
                 ("minimum", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+class _Bf16Matrix(ctypes.Structure):
+    _fields_ = [("weight", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
 
 
@@ -48,8 +59,8 @@ class _Segment(ctypes.Structure):
 
 class _AttentionArgs(ctypes.Structure):
     _fields_ = [("hidden_in", ctypes.c_void_p), ("hidden_out", ctypes.c_void_p),
-                ("norm", ctypes.c_void_p), ("qkv", ctypes.POINTER(_Weight)),
-                ("o", ctypes.POINTER(_Weight)), ("cos", ctypes.c_void_p),
+                ("norm", ctypes.c_void_p), ("qkv", ctypes.c_void_p),
+                ("o", ctypes.c_void_p), ("cos", ctypes.c_void_p),
                 ("sin", ctypes.c_void_p), ("segments", ctypes.POINTER(_Segment)),
                 *[(name, ctypes.c_int64) for name in
                   ("num_segments", "rows", "hidden", "heads", "kv_heads", "head_dim", "bf16")],
@@ -58,15 +69,31 @@ class _AttentionArgs(ctypes.Structure):
 
 class _MlpArgs(ctypes.Structure):
     _fields_ = [("hidden_in", ctypes.c_void_p), ("hidden_out", ctypes.c_void_p),
-                ("norm", ctypes.c_void_p), ("gate_up", ctypes.POINTER(_Weight)),
-                ("down", ctypes.POINTER(_Weight)),
+                ("norm", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
+                ("down", ctypes.c_void_p),
                 *[(name, ctypes.c_int64) for name in ("rows", "hidden", "intermediate", "bf16")],
                 ("eps", ctypes.c_float)]
 
 
-def _weight(lin: W4A8Linear) -> _Weight:
-    return _Weight(lin.codes_ptr, lin.scale_ptr, lin.low_ptr, lin.bias_ptr,
-                   lin.out_features, lin.in_features)
+Matrix = W4A8Linear | Bf16Weight
+
+
+def _matrix(m: Matrix) -> tuple[ctypes.Structure, int, int]:
+    """The kernel's view of one matrix, and its (out, in) sizes."""
+    if isinstance(m, W4A8Linear):
+        return (_Weight(m.codes_ptr, m.scale_ptr, m.low_ptr, m.bias_ptr, m.out_features,
+                        m.in_features), m.out_features, m.in_features)
+    n, k = m.weight.shape
+    return _Bf16Matrix(m.weight_ptr, m.bias_ptr, n, k), n, k
+
+
+def kernel_of(matrices: Sequence[object]) -> str | None:
+    """``"w4a8"`` or ``"bf16"`` when every matrix is that kernel's copy, else ``None``."""
+    if all(isinstance(m, W4A8Linear) for m in matrices):
+        return "w4a8"
+    if all(isinstance(m, Bf16Weight) for m in matrices):
+        return "bf16"
+    return None
 
 
 @dataclass(frozen=True)
@@ -77,17 +104,18 @@ class LayerParts:
         attn_norm / mlp_norm: ``[H]`` RMSNorm weights in the model's dtype.
         attn_eps / mlp_eps: their epsilons.
         qkv: ``[(Hq + 2 H_kv) head_dim, H]`` (q, k, v rows in that order), o ``[H, Hq head_dim]``,
-            gate_up ``[2 I, H]`` (gate rows, then up rows), down ``[H, I]``.
+            gate_up ``[2 I, H]`` (gate rows, then up rows), down ``[H, I]``: all w4a8 copies
+            (:class:`W4A8Linear`) or all bf16 ones (:class:`Bf16Weight`).
     """
 
     attn_norm: torch.Tensor
     attn_eps: float
-    qkv: W4A8Linear
-    o: W4A8Linear
+    qkv: Matrix
+    o: Matrix
     mlp_norm: torch.Tensor
     mlp_eps: float
-    gate_up: W4A8Linear
-    down: W4A8Linear
+    gate_up: Matrix
+    down: Matrix
 
 
 @dataclass(frozen=True)
@@ -105,57 +133,66 @@ class KVSegment:
     rows: int
 
 
-def fused_available() -> bool:
-    """Whether the kernel (with its fused sub-layers) runs here."""
-    return _library().library is not None
+def _library(kernel: str):
+    return (w4a8._library() if kernel == "w4a8" else bf16_rows._library()).library
+
+
+def fused_available(kernel: str = "w4a8") -> bool:
+    """Whether ``kernel``'s library (with its fused sub-layers) runs here."""
+    return _library(kernel) is not None
 
 
 class FusedLayers:
-    """A model's decoder layers on the fused w4a8 sub-layer kernels (module docstring).
+    """A model's decoder layers on fused sub-layer kernels (module docstring).
 
     Args:
-        layers: one :class:`LayerParts` per decoder layer.
+        layers: one :class:`LayerParts` per decoder layer, every matrix of one kernel.
         heads / kv_heads / head_dim: attention geometry (``heads`` a multiple of ``kv_heads``).
         scaling: the attention score scale (``head_dim ** -0.5`` for Llama/Qwen2).
         dtype: the hidden states' and KV cache's dtype, bf16 or fp32.
 
     Raises:
         RuntimeError: the kernel is not available here (check :func:`fused_available`).
-        ValueError: another dtype.
+        ValueError: another dtype, or matrices of mixed or other kernels.
     """
 
     def __init__(self, layers: Sequence[LayerParts], heads: int, kv_heads: int, head_dim: int,
                  scaling: float, dtype: torch.dtype) -> None:
-        lib = _library().library
-        if lib is None:
-            raise RuntimeError(f"the w4a8 kernel is not available: {_library().reason}")
+        self._parts = list(layers)
+        kernel = kernel_of([m for p in self._parts for m in (p.qkv, p.o, p.gate_up, p.down)])
+        if kernel is None:
+            raise ValueError("fused layers need every matrix on the w4a8 or every one on the "
+                             "bf16 kernel")
         if dtype not in _DTYPES:
-            raise ValueError(f"fused w4a8 layers take bf16 or fp32, not {dtype}")
-        self._attention_fn = lib.selfspec_w4a8_attention
+            raise ValueError(f"fused layers take bf16 or fp32, not {dtype}")
+        lib = _library(kernel)
+        if lib is None:
+            raise RuntimeError(f"the {kernel} kernel is not available here")
+        self.kernel = kernel
+        self._attention_fn = getattr(lib, f"selfspec_{kernel}_attention")
         self._attention_fn.argtypes = [ctypes.POINTER(_AttentionArgs)]
         self._attention_fn.restype = None
-        self._mlp_fn = lib.selfspec_w4a8_mlp
+        self._mlp_fn = getattr(lib, f"selfspec_{kernel}_mlp")
         self._mlp_fn.argtypes = [ctypes.POINTER(_MlpArgs)]
         self._mlp_fn.restype = None
         self.dtype = dtype
         self.head_dim = head_dim
         bf16 = int(dtype == torch.bfloat16)
-        self._parts = list(layers)
         self._keep: list[object] = []  # ctypes structs the args point into
         self._attention_args: list[_AttentionArgs] = []
         self._mlp_args: list[_MlpArgs] = []
         for part in self._parts:
-            qkv, o, gate_up, down = (_weight(part.qkv), _weight(part.o), _weight(part.gate_up),
-                                     _weight(part.down))
+            (qkv, _, _), (o, hidden, _), (gate_up, _, _), (down, _, inter) = (
+                _matrix(m) for m in (part.qkv, part.o, part.gate_up, part.down))
             self._keep += [qkv, o, gate_up, down]
             self._attention_args.append(_AttentionArgs(
-                norm=part.attn_norm.data_ptr(), qkv=ctypes.pointer(qkv), o=ctypes.pointer(o),
-                hidden=part.o.out_features, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                bf16=bf16, eps=part.attn_eps, scaling=scaling))
+                norm=part.attn_norm.data_ptr(), qkv=ctypes.addressof(qkv),
+                o=ctypes.addressof(o), hidden=hidden, heads=heads, kv_heads=kv_heads,
+                head_dim=head_dim, bf16=bf16, eps=part.attn_eps, scaling=scaling))
             self._mlp_args.append(_MlpArgs(
-                norm=part.mlp_norm.data_ptr(), gate_up=ctypes.pointer(gate_up),
-                down=ctypes.pointer(down), hidden=part.down.out_features,
-                intermediate=part.down.in_features, bf16=bf16, eps=part.mlp_eps))
+                norm=part.mlp_norm.data_ptr(), gate_up=ctypes.addressof(gate_up),
+                down=ctypes.addressof(down), hidden=hidden, intermediate=inter, bf16=bf16,
+                eps=part.mlp_eps))
 
     def attention(self, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   segments: Sequence[KVSegment]) -> torch.Tensor:
