@@ -1,8 +1,9 @@
 import time, torch
 from selfspec.api import load
-from selfspec.executor.w4a8_layers import KVSegment
+from selfspec.executor.fused_layers import KVSegment
 torch.set_num_threads(2)
-ss = load("qwen2.5-coder-1.5b-instruct", dtype="w4a8")
+import sys
+ss = load(sys.argv[1] if len(sys.argv) > 1 else "qwen2.5-coder-1.5b-instruct", dtype=sys.argv[2] if len(sys.argv) > 2 else "w4a8")
 ex = ss.executor
 ids = torch.arange(100, 400).unsqueeze(0)
 cache = ex.new_cache(capacity=1024)

@@ -3,7 +3,10 @@ import sys, time, torch
 from selfspec.api import load
 torch.set_num_threads(2)
 name = sys.argv[1] if len(sys.argv) > 1 else "qwen2.5-coder-1.5b-instruct"
-ss = load(name, dtype="w4a8")
+dtype = sys.argv[2] if len(sys.argv) > 2 else "w4a8"
+ss = load(name, dtype=dtype)
+if len(sys.argv) > 3: ss.executor._fused = [None]
+print("fused:", ss.executor.fused_layers() and ss.executor.fused_layers().kernel)
 ex = ss.executor if hasattr(ss, "executor") else ss._executor
 ids = torch.arange(100, 400).unsqueeze(0)
 def run(n_steps, verify):
