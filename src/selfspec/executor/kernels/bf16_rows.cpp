@@ -137,14 +137,8 @@ void selfspec_bf16_rows(const uint16_t* w, const uint16_t* x16, uint16_t* y, con
 }
 
 // Whole sub-layers on bf16 matrices (fused_layers.h; the args' matrices are Matrix).
-void selfspec_bf16_attention(const AttentionArgs* args) {
-  if (args->bf16) attention_block<uint16_t, Bf16Product>(*args);
-  else attention_block<float, Bf16Product>(*args);
-}
+void selfspec_bf16_attention(const AttentionArgs* args) { attention<Bf16Product>(*args); }
 
-void selfspec_bf16_mlp(const MlpArgs* args) {
-  if (args->bf16) mlp_block<uint16_t, Bf16Product>(*args);
-  else mlp_block<float, Bf16Product>(*args);
-}
+void selfspec_bf16_mlp(const MlpArgs* args) { mlp<Bf16Product>(*args); }
 
 }  // extern "C"

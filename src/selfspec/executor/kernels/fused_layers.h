@@ -236,4 +236,17 @@ void mlp_block(const MlpArgs& p) {
   });
 }
 
+// The entry points' bodies: hidden states and cache in bf16 (args.bf16) or fp32.
+template <typename Product>
+void attention(const AttentionArgs& args) {
+  if (args.bf16) attention_block<uint16_t, Product>(args);
+  else attention_block<float, Product>(args);
+}
+
+template <typename Product>
+void mlp(const MlpArgs& args) {
+  if (args.bf16) mlp_block<uint16_t, Product>(args);
+  else mlp_block<float, Product>(args);
+}
+
 }  // namespace

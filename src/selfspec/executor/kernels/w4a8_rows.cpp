@@ -283,15 +283,9 @@ void selfspec_w4a8_rows(const uint8_t* codes, const uint16_t* wscale, const uint
 
 // h_out = h_in + o(attention(RoPE(qkv(RMSNorm(h_in))))) on args->rows rows, appending their
 // keys and values to the segments' caches first (fused_layers.h); matrices are Weights.
-void selfspec_w4a8_attention(const AttentionArgs* args) {
-  if (args->bf16) attention_block<uint16_t, W4A8Product>(*args);
-  else attention_block<float, W4A8Product>(*args);
-}
+void selfspec_w4a8_attention(const AttentionArgs* args) { attention<W4A8Product>(*args); }
 
 // h_out = h_in + down(SiLU(gate) * up), [gate, up] = gate_up(RMSNorm(h_in)).
-void selfspec_w4a8_mlp(const MlpArgs* args) {
-  if (args->bf16) mlp_block<uint16_t, W4A8Product>(*args);
-  else mlp_block<float, W4A8Product>(*args);
-}
+void selfspec_w4a8_mlp(const MlpArgs* args) { mlp<W4A8Product>(*args); }
 
 }  // extern "C"
