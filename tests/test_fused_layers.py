@@ -165,3 +165,19 @@ def test_a_small_bf16_model_decodes_on_fused_bf16_layers_by_default():
     assert ex.fused_layers() is not None and ex.fused_layers().kernel == "bf16"
     ex.set_decode_kernel("fp16")  # FBGEMM: not a kernel the fused layers run
     assert ex.fused_layers() is None
+
+
+@W4A8
+def test_a_cache_of_another_dtype_is_not_written_by_the_kernel(monkeypatch):
+    """The kernel writes keys in the hidden states' dtype: a cache kept in another one (made
+    by hand) goes to the torch path, which refuses it, rather than being filled with bytes
+    of the wrong format."""
+    from selfspec.executor.cache import KVCache
+
+    ex = _view("qwen2")                          # fp32
+    calls = []
+    monkeypatch.setattr(ex.fused_layers(), "attention", lambda *a: calls.append(a) or a[1])
+    cache = KVCache(ex.new_cache().shape, torch.bfloat16, "cpu")
+    with pytest.raises(RuntimeError, match="dtype"):
+        ex.forward(torch.tensor([[5]]), torch.tensor([[0]]), cache)
+    assert calls == []

@@ -412,7 +412,7 @@ class LayerExecutor:
         skip_mlp = skip.skip_mlp if skip is not None else ()
         bulk = (free and bsz * num_new >= BULK_MIN_ROWS) or self.is_free_block(pos0, num_new, bsz)
         fused = None if bulk or free or not write_cache or bsz != 1 else self.fused_layers()
-        if (fused is not None and hidden.dtype == fused.dtype
+        if (fused is not None and hidden.dtype == cache.dtype == fused.dtype
                 and cache.shape.batch_size == 1 and not cache.any_masked(start, end)):
             return self._run_fused(fused, hidden, positions, start, end, cache, skip_attn,
                                    skip_mlp, observe)
@@ -461,6 +461,8 @@ class LayerExecutor:
             return None
         parts = []
         for w in self._weights:
+            if not w.attn_norm.dtype == w.mlp_norm.dtype == self.dtype:
+                return None  # the kernel reads norms in the hidden states' dtype
             copies = [copy_of(lin) for lin in (w.qkv, w.o, w.gate_up, w.down)]
             parts.append(fused_layers.LayerParts(
                 w.attn_norm.detach().contiguous(), w.attn_norm_eps, copies[0], copies[1],
@@ -543,7 +545,8 @@ class LayerExecutor:
         assert min(starts) > 0, "run_rows continues sequences; prefill each row with forward()"
         fused = self.fused_layers()
         if (fused is not None and hidden.dtype == fused.dtype
-                and all(c.shape.batch_size == 1 and not c.any_masked(start, end) for c in caches)):
+                and all(c.shape.batch_size == 1 and c.dtype == fused.dtype
+                        and not c.any_masked(start, end) for c in caches)):
             from selfspec.executor.fused_layers import KVSegment
 
             cos32, sin32 = self._rope_rows(hidden, positions.unsqueeze(0))
