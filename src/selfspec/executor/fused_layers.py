@@ -38,7 +38,6 @@ from selfspec.executor.bf16_rows import Bf16Weight
 from selfspec.executor.w4a8 import W4A8Linear
 
 _DTYPES = (torch.bfloat16, torch.float32)
-KERNELS = ("w4a8", "bf16")
 
 
 class _Weight(ctypes.Structure):
@@ -176,7 +175,6 @@ class FusedLayers:
         self._mlp_fn.argtypes = [ctypes.POINTER(_MlpArgs)]
         self._mlp_fn.restype = None
         self.dtype = dtype
-        self.head_dim = head_dim
         bf16 = int(dtype == torch.bfloat16)
         self._keep: list[object] = []  # ctypes structs the args point into
         self._attention_args: list[_AttentionArgs] = []
