@@ -21,6 +21,8 @@ from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.cost_model import LatencyModel
 from selfspec.executor.quant import quantized_kernels_available
+from selfspec.methods.auto import DRAFTER_PRIORS
+from selfspec.methods.registry import METHODS
 
 needs_int8 = pytest.mark.skipif(not quantized_kernels_available("int8"),
                                 reason="torch built without FBGEMM")
@@ -141,7 +143,7 @@ def test_bench_gives_each_method_its_own_history_emptied_after_the_warmup():
                     warmup_tokens=4)
     assert not run.failures
     for runner in runners:
-        texts = runner.history.texts
+        texts = runner.memory.history.texts
         assert len(texts) == 2  # the two timed prompts, not the warm-up, not the other method
         assert [t[:len(p.ids)] for t, p in zip(texts, prompts, strict=True)] == [
             p.ids for p in prompts]
@@ -194,3 +196,44 @@ def test_auto_on_a_4bit_model_drafts_no_quantized_copy_of_it():
     result = engine.generate("abcabcabcab", method="auto", max_new_tokens=24, explore_every=2)
     assert result.token_ids == reference
     assert "qspec" not in result.stats.drafters and engine.executor._draft_views == {}
+
+
+@pytest.mark.parametrize("fmt", ["int4", "w4a8"])
+def test_auto_starts_a_quantized_drafter_at_its_share_of_the_weight_bytes(fmt):
+    """Before qspec has run, its draft token is priced at the share of the weight bytes its
+    copy reads (4-bit: about a quarter of bf16), not at half a token; its acceptance starts
+    at the quantized copy's prior."""
+    if not quantized_kernels_available(fmt):
+        pytest.skip(f"{fmt} kernel unavailable")
+    engine = selfspec.from_pretrained_model(tiny_model("llama", seed=5, dtype=torch.bfloat16),
+                                            tiny_tokenizer(), name="tiny-llama")
+    step = METHODS["auto"].make_step(engine.methods, {"drafters": "qspec", "draft_weights": fmt})
+    (model,) = step.models
+    view = engine.executor.draft_view(fmt)
+    expected = view.decode_weight_bytes() / engine.executor.decode_weight_bytes()
+    assert model.draft_cost == pytest.approx(expected) and 0.1 < expected < 0.5
+    assert model.acceptance.rate("qspec") == DRAFTER_PRIORS["qspec"]
+
+
+def test_auto_starts_each_drafter_from_where_the_last_generation_left_it():
+    """The engine keeps each model drafter's acceptance and draft cost at the end of a
+    generation; the next generation starts from them (unless carry_estimates=false), and a
+    bench runner's warm-up leaves nothing behind."""
+    fmt = next((f for f in ("w4a8", "int8", "int4") if quantized_kernels_available(f)), None)
+    if fmt is None:
+        pytest.skip("no quantized kernel here")
+    engine = selfspec.from_pretrained_model(tiny_model("llama", seed=5, dtype=torch.bfloat16),
+                                            tiny_tokenizer(), name="tiny-llama")
+    options = {"drafters": "qspec", "draft_weights": fmt}
+    reference = engine.generate("abcabcabcab", max_new_tokens=24).token_ids
+    first = engine.generate("abcabcabcab", method="auto", max_new_tokens=24, **options)
+    (key, prior), = engine.methods.memory().drafters.items()
+    assert key.startswith(f"qspec[{fmt}]@") and prior.draft_cost > 0
+    (model,) = METHODS["auto"].make_step(engine.methods, options).models
+    assert model.acceptance.rate("qspec") == prior.acceptance
+    assert model.draft_cost == prior.draft_cost
+    (fresh,) = METHODS["auto"].make_step(engine.methods,
+                                         {**options, "carry_estimates": False}).models
+    assert fresh.acceptance.rate("qspec") == DRAFTER_PRIORS["qspec"]
+    second = engine.generate("abcabcabcab", method="auto", max_new_tokens=24, **options)
+    assert first.token_ids == second.token_ids == reference

@@ -45,8 +45,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompt", help="the prompt text")
     add_model_argument(p)
     p.add_argument("--method", default="auto",
-                   help="decoding method (default: auto, which picks n-gram, int8 self-draft "
-                        "or plain decoding each step by predicted tokens/s; lossless); "
+                   help="decoding method (default: auto, which picks an n-gram draft, a "
+                        "4/8-bit self-draft or plain decoding each step by predicted "
+                        "tokens/s; lossless); "
                         "`selfspec methods` lists them. A bench row's label works too, "
                         "options included: adadecode:draft_vocab=4096,gamma=0.9")
     p.add_argument("--max-new-tokens", type=int_arg(1), default=128)
@@ -124,13 +125,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _warm_up(engine, args: argparse.Namespace) -> None:
     """A few tokens of ``ar`` and of the method on another prompt, so neither timed run of
     ``--compare-ar`` pays one-time costs (first calls of each shape, quantized copies); the
-    method's history of earlier texts is left as it was."""
-    previous = engine.methods.use_history(None)
+    engine's memory of earlier generations is left as it was."""
+    previous = engine.methods.use_memory(None)
     try:
         for method, options in (("ar", {}), (args.method, method_options(args))):
             engine.generate("Hello", method=method, max_new_tokens=8, **options)
     finally:
-        engine.methods.use_history(previous)
+        engine.methods.use_memory(previous)
 
 
 def explain_drafters(stats) -> str:

@@ -27,7 +27,7 @@ from selfspec.bench.run_types import (
     run_one_by_one,
 )
 from selfspec.bench.spec import DECODE_KERNEL, MethodConfig
-from selfspec.decoding.ngram import SuffixAutomaton
+from selfspec.decoding.memory import EngineMemory
 from selfspec.errors import InvalidArgumentError
 from selfspec.methods.registry import METHODS, default_exit_layer
 
@@ -81,13 +81,14 @@ class SelfSpecRunner:
         # ``ar:decode_kernel=...`` on the same kernel).
         self.lossless = (METHODS[config.name].lossless_for(dict(self.options))
                          and self.decode_kernel is None)
-        # The n-gram drafters' history of earlier texts, this method's own: drafting from
-        # another method's output of the same prompt would not be a measurement.
-        self.history = SuffixAutomaton()
+        # This method's own memory of earlier generations (n-gram history, auto's drafter
+        # estimates): drafting from another method's output of the same prompt would not be
+        # a measurement.
+        self.memory = EngineMemory()
 
     def forget(self) -> None:
-        """Drop the history (after the warm-up, which saw the first prompts)."""
-        self.history.clear()
+        """Drop the memory (after the warm-up, which saw the first prompts)."""
+        self.memory.clear()
 
     def setup(self) -> None:
         """Build the method's Step once (loading its head files) so bad option values fail
@@ -113,13 +114,13 @@ class SelfSpecRunner:
 
     @contextmanager
     def _running(self) -> Iterator[None]:
-        """This method's n-gram history and decoding kernel for the length of one call."""
-        previous = self.engine.methods.use_history(self.history)
+        """This method's memory and decoding kernel for the length of one call."""
+        previous = self.engine.methods.use_memory(self.memory)
         try:
             with self._kernel():
                 yield
         finally:
-            self.engine.methods.use_history(previous)
+            self.engine.methods.use_memory(previous)
 
     @contextmanager
     def _kernel(self) -> Iterator[None]:

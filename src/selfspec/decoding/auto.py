@@ -14,6 +14,9 @@ candidate runs with its ``γ`` as the cap of its own stop rule; ``ar`` wins when
 predicted to pay, so ``auto`` falls back to plain decoding by construction. Every drafter is
 lossless (its draft is verified by the full model), so ``auto`` is too, whatever it picks.
 
+Each model drafter starts a generation from where its estimates ended in the engine's last
+one (:class:`~selfspec.decoding.memory.EngineMemory`), else from a prior.
+
 A model drafter that has not run yet, or not for ``explore_every`` steps while predicted to
 be within ``explore_margin`` of the best, runs once to refresh its estimates (a drafter whose
 estimates only come from running it would otherwise never be tried again).
@@ -26,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 from selfspec.decoding.autoregressive import ArStep
+from selfspec.decoding.memory import DrafterPrior, EngineMemory
 from selfspec.decoding.ngram import SuffixAutomaton
 from selfspec.decoding.ngram_drafter import NgramDrafter
 from selfspec.decoding.speculative import SpeculativeStep
@@ -53,6 +57,10 @@ class ModelDrafter:
         acceptance: its per-token acceptance estimate.
         draft_ms: moving average of its ms per draft token (no observation until it has run).
         last_run: the step index it last ran at (-1: never).
+        draft_cost: a draft token's time as a share of a one-token forward, assumed until
+            it has run (e.g. the share of the model's weight bytes its draft reads).
+        memory_key: the name its estimates are kept under in the engine's memory (``name``
+            when empty).
     """
 
     name: str
@@ -61,6 +69,8 @@ class ModelDrafter:
     acceptance: AcceptanceEstimate
     draft_ms: MovingAverage = field(default_factory=lambda: MovingAverage(0.0))
     last_run: int = -1
+    draft_cost: float = 0.5
+    memory_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -84,12 +94,14 @@ class AutoStep:
         explore_every: steps after which a model drafter predicted to be close to the best
             runs again to refresh its estimates (0: never re-explore).
         explore_margin: "close": predicted tokens/s within this fraction of the best.
+        memory: where each model drafter's estimates go at the end of the generation (the
+            next one starts from them), or ``None``.
     """
 
     def __init__(self, costs: ForwardCosts, ngram: NgramDrafter | None,
                  models: list[ModelDrafter], history: SuffixAutomaton | None = None,
                  max_draft_len: int = 16, explore_every: int = 64,
-                 explore_margin: float = 0.25) -> None:
+                 explore_margin: float = 0.25, memory: EngineMemory | None = None) -> None:
         self.costs = costs
         self.ngram = ngram
         self.ngram_step = None if ngram is None else SpeculativeStep(ngram)
@@ -98,6 +110,7 @@ class AutoStep:
         self.max_draft_len = max_draft_len
         self.explore_every = explore_every
         self.explore_margin = explore_margin
+        self.memory = memory
         self._ar = ArStep()
         self._steps = 0
 
@@ -118,7 +131,7 @@ class AutoStep:
             for model in self.models:
                 alpha = model.acceptance.rate(model.name)
                 ms = (model.draft_ms.value if model.draft_ms.count
-                      else 0.5 * costs.forward_ms(1))
+                      else model.draft_cost * costs.forward_ms(1))
                 found.append(Candidate(model.name, best_draft_len([alpha] * limit, ms,
                                                                   costs.forward_ms, min_len=1),
                                        model))
@@ -168,6 +181,13 @@ class AutoStep:
                                    predicted_ms=choice.plan.ms)
 
     def finish(self, state: DecodeState) -> None:
-        """Add the finished text to the engine's history."""
+        """Add the finished text to the engine's history; keep the estimates of each model
+        drafter that ran for the next generation."""
         if self.history is not None:
             self.history.add(state.tokens)
+        if self.memory is not None:
+            forward = max(self.costs.forward_ms(1), 1e-6)
+            for model in self.models:
+                if model.draft_ms.count:
+                    self.memory.drafters[model.memory_key or model.name] = DrafterPrior(
+                        model.acceptance.rate(model.name), model.draft_ms.value / forward)

@@ -154,6 +154,14 @@ class Int8DynamicLinear:
         self.packed = torch.ops.quantized.linear_prepack(
             qweight, None if bias is None else bias.detach().float())
         self.out_features = w.shape[0]
+        # One byte a weight and an fp32 scale a row (FBGEMM's packed weight is opaque).
+        self._decode_bytes = w.numel() + 4 * w.shape[0] + (0 if bias is None
+                                                            else 4 * bias.numel())
+
+    @property
+    def decode_bytes(self) -> int:
+        """Bytes of weight one call reads."""
+        return self._decode_bytes
 
     def __call__(self, x: torch.Tensor, bulk: bool = False) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).float()
@@ -195,6 +203,11 @@ class Int4Linear:
         """Bytes one product reads: packed codes, scales and offsets, bias."""
         parts = [self.packed, self.scales_zeros] + ([self.bias] if self.bias is not None else [])
         return sum(t.numel() * t.element_size() for t in parts)
+
+    @property
+    def decode_bytes(self) -> int:
+        """Bytes of weight one call reads (:attr:`nbytes`)."""
+        return self.nbytes
 
     def __call__(self, x: torch.Tensor, bulk: bool = False) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)

@@ -168,6 +168,11 @@ class W4A8Linear:
         parts = [self.codes, self.scale, self.low] + ([self.bias] if self.bias is not None else [])
         return sum(t.numel() * t.element_size() for t in parts)
 
+    @property
+    def decode_bytes(self) -> int:
+        """Bytes of weight one call reads (:attr:`nbytes`)."""
+        return self.nbytes
+
     def __call__(self, x: torch.Tensor, bulk: bool = False) -> torch.Tensor:
         return _call(self._fn, x, self)
 

@@ -13,6 +13,7 @@ from selfspec.decoding.loop import Step
 from selfspec.decoding.ngram_drafter import NgramDrafter, NgramSettings
 from selfspec.decoding.tpt import AcceptanceEstimate, ForwardCosts
 from selfspec.errors import InvalidArgumentError
+from selfspec.executor import LayerExecutor
 from selfspec.executor.cpu import QUANTIZED_ROWS
 from selfspec.executor.quant import (
     DRAFT_WEIGHT_CHOICES,
@@ -27,6 +28,15 @@ from selfspec.methods.options import option
 MODEL_DRAFTERS: dict[str, MethodSpec] = {
     m.SPEC.name: m.SPEC for m in (qspec, layerskip, dv, adaspeed, dssd)}
 HEADS_METHODS = ("layerskip", "dv", "adaspeed", "dssd")
+#: Per-token acceptance a model drafter starts each generation with (2 pseudo-observations),
+#: before its own verifications correct it. A quantized copy of the model itself agrees with
+#: it on 95-96% of top-1 tokens (int8 / int4 / w4a8 on Qwen2.5-Coder-1.5B,
+#: docs/results/executor-profile/w4a8_probe.py) and its geometric acceptance was 0.8-1.0 on
+#: the four benchmark datasets; early-exit heads agree far less (0.3-0.7 at their layers).
+#: Starting qspec at 0.7 capped its first drafts at 1-3 tokens for ~4 steps of a 64-token
+#: generation.
+DRAFTER_PRIORS: dict[str, float] = {"qspec": 0.85}
+DEFAULT_PRIOR = 0.7
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,9 @@ class Options:
                                "adaspeed): 'default' or a head file/directory",
                                default_text="none")
     max_draft_len: int = option(16, "longest draft of any drafter", low=1, high="R-1")
+    carry_estimates: bool = option(True, "each model drafter starts from the acceptance and "
+                                   "draft time it ended this engine's last generation with "
+                                   "(false: from a fixed prior every generation)")
     draft_weights: str = option("auto", "weight format of the qspec drafter's copy (int8, int4, "
                                 "w4a8; auto: the fastest here, measured at load)",
                                 choices=DRAFT_WEIGHT_CHOICES)
@@ -91,6 +104,7 @@ def build(context: MethodContext, options: Options) -> Step:
     if "ngram" in names:
         ngram = NgramDrafter(context.executor, costs,
                              NgramSettings(max_draft_len=options.max_draft_len), history)
+    memory = context.memory() if options.carry_estimates else None
     models = []
     for name in names:
         if name == "ngram":
@@ -99,10 +113,36 @@ def build(context: MethodContext, options: Options) -> Step:
         if name == "qspec":
             values["draft_weights"] = options.draft_weights
         step = MODEL_DRAFTERS[name].make_step(context, values)
-        models.append(ModelDrafter(name, step, step.drafter.stop_rule,
-                                   AcceptanceEstimate(prior=0.7)))
+        key = memory_key(name, options, context.executor)
+        known = None if memory is None else memory.drafters.get(key)
+        models.append(ModelDrafter(
+            name, step, step.drafter.stop_rule,
+            AcceptanceEstimate(known.acceptance if known
+                               else DRAFTER_PRIORS.get(name, DEFAULT_PRIOR)),
+            draft_cost=known.draft_cost if known else draft_cost(context.executor, step),
+            memory_key=key))
     return AutoStep(costs, ngram, models, history if ngram is not None else None,
-                    max_draft_len=options.max_draft_len, explore_every=options.explore_every)
+                    max_draft_len=options.max_draft_len, explore_every=options.explore_every,
+                    memory=memory)
+
+
+def memory_key(name: str, options: Options, executor: LayerExecutor) -> str:
+    """The name a model drafter's estimates are kept under in the engine's memory: its
+    method, the qspec copy's format and the model's decoding kernel (another kernel or copy
+    is another speed and acceptance)."""
+    fmt = f"[{options.draft_weights}]" if name == "qspec" else ""
+    return f"{name}{fmt}@{executor.formats.rows}"
+
+
+def draft_cost(executor: LayerExecutor, step: Step) -> float:
+    """A draft token's time as a share of one token of ``executor``, before the drafter
+    has run: the share of the weight bytes a token reads when the drafter runs on another
+    copy of the weights (a :meth:`~LayerExecutor.draft_view`; decoding is bound by
+    memory bandwidth), else 0.5."""
+    view = getattr(getattr(step, "drafter", None), "executor", None)
+    if not isinstance(view, LayerExecutor) or view is executor:
+        return 0.5
+    return view.decode_weight_bytes() / max(executor.decode_weight_bytes(), 1)
 
 
 def build_batch(context: MethodContext, options: Options) -> BatchStep:

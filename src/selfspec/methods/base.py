@@ -18,6 +18,7 @@ from typing import Any
 from selfspec.decoding.batch import BatchStep, SoloRows
 from selfspec.decoding.draft_vocab import DraftVocab, frequent_rows, restricted_head
 from selfspec.decoding.loop import Step
+from selfspec.decoding.memory import EngineMemory
 from selfspec.decoding.ngram import SuffixAutomaton
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
@@ -47,7 +48,7 @@ class MethodContext:
         self._heads: dict[tuple, Any] = {}
         self._derived: dict[tuple, tuple[Any, Any]] = {}
         self._latency: dict[tuple, LatencyModel] = {}
-        self._history: SuffixAutomaton | None = None
+        self._memory: EngineMemory | None = None
 
     def latency(self, executor: LayerExecutor | None = None) -> LatencyModel:
         """The measured sub-layer latencies on this machine of the model on its current
@@ -63,19 +64,24 @@ class MethodContext:
             self._latency[key] = cached_latency(executor, selfspec_home())
         return self._latency[key]
 
-    def history(self) -> SuffixAutomaton:
-        """The engine's suffix automaton of earlier texts (finished prompts + outputs), kept
-        for the life of this context (the engine, or the server): the n-gram drafters'
-        second source (:mod:`selfspec.decoding.ngram`)."""
-        if self._history is None:
-            self._history = SuffixAutomaton()
-        return self._history
+    def memory(self) -> EngineMemory:
+        """What methods learnt from earlier generations of this context (the engine, or the
+        server), kept for its life: the suffix automaton of earlier texts and ``auto``'s
+        drafter estimates (:mod:`selfspec.decoding.memory`)."""
+        if self._memory is None:
+            self._memory = EngineMemory()
+        return self._memory
 
-    def use_history(self, history: SuffixAutomaton | None) -> SuffixAutomaton | None:
-        """Make ``history`` the one :meth:`history` returns (``None``: a new one on next use);
+    def history(self) -> SuffixAutomaton:
+        """The engine's suffix automaton of earlier texts (finished prompts + outputs): the
+        n-gram drafters' second source (:mod:`selfspec.decoding.ngram`)."""
+        return self.memory().history
+
+    def use_memory(self, memory: EngineMemory | None) -> EngineMemory | None:
+        """Make ``memory`` the one :meth:`memory` returns (``None``: a new one on next use);
         returns the previous one. A benchmark gives each method its own, so no method drafts
-        from another's output of the same prompt."""
-        previous, self._history = self._history, history
+        from another's output of the same prompt or starts from another's estimates."""
+        previous, self._memory = self._memory, memory
         return previous
 
     def heads(self, path: str | os.PathLike) -> Any:

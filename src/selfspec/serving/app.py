@@ -313,14 +313,14 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
 def warm_up(engine: Any, method: str, options: dict[str, Any]) -> None:
     """A few tokens with ``method`` before the first request: one-time costs (the latency
     model measured on first use on a machine, kernel probes, first calls of each shape)
-    are paid at start, not by a client's time to first token. The engine's history of
-    earlier texts is left as it was."""
-    previous = engine.methods.use_history(None)
+    are paid at start, not by a client's time to first token. The engine's memory of
+    earlier generations is left as it was."""
+    previous = engine.methods.use_memory(None)
     try:
         engine.generate("Hello", method=method, max_new_tokens=4, **options)
         engine.generate(["Hello", "Hi"], method=method, max_new_tokens=4, **options)
     finally:
-        engine.methods.use_history(previous)
+        engine.methods.use_memory(previous)
 
 
 def serve(engine: Any, config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,

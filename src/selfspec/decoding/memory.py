@@ -1,0 +1,49 @@
+"""What an engine learns across generations, kept for its life (a process or a server).
+
+- ``history``: the suffix automaton of earlier prompts and outputs, the n-gram drafters'
+  second source (SuffixDecoding / SAM-Decoding; :mod:`selfspec.decoding.ngram`).
+- ``drafters``: where each of ``auto``'s model drafters ended its last generation — its
+  per-token acceptance and its draft token's share of a one-token forward — so the next
+  generation starts its TPT choice (KnapSpec eq. 4) from measurements instead of a fixed
+  prior, and its first drafts are not capped short while the estimate climbs
+  (:mod:`selfspec.decoding.auto`).
+
+The outputs never depend on it: every drafter is verified by the full model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from selfspec.decoding.ngram import SuffixAutomaton
+
+
+@dataclass(frozen=True)
+class DrafterPrior:
+    """A model drafter's estimates at the end of its last generation.
+
+    Attributes:
+        acceptance: per-token acceptance ``α`` in ``[0, 1]``.
+        draft_cost: a draft token's time as a share of a one-token forward of the model.
+    """
+
+    acceptance: float
+    draft_cost: float
+
+
+@dataclass
+class EngineMemory:
+    """The engine's memory of earlier generations.
+
+    Attributes:
+        history: earlier texts (finished prompts + outputs).
+        drafters: per model drafter name, its estimates at the end of its last generation.
+    """
+
+    history: SuffixAutomaton = field(default_factory=SuffixAutomaton)
+    drafters: dict[str, DrafterPrior] = field(default_factory=dict)
+
+    def clear(self) -> None:
+        """Forget every earlier generation."""
+        self.history.clear()
+        self.drafters.clear()
