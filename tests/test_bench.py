@@ -156,6 +156,24 @@ def test_every_metric_is_computed_right_on_a_scripted_run():
     assert all(s.parity is None and s.ar_prefix is None for s in summarize(run, greedy=False))
 
 
+def test_decoding_speedup_leaves_the_prefill_out():
+    """tokens after the first / time after the first token, over ar's: a row whose prefill
+    was slower by chance keeps its decoding ratio."""
+    ar = ScriptedRunner("ar", {"p0": _out([1, 2, 3, 4], 4.0, ttft_ms=1000.0),
+                               "p1": _out([5, 6], 2.0, ttft_ms=500.0)}, [])
+    fast = ScriptedRunner("ngram", {"p0": _out([1, 2, 3, 4], 4.0, ttft_ms=2500.0),
+                                    "p1": _out([5, 6], 1.5, ttft_ms=750.0)}, [])
+    hf = ScriptedRunner("hf-ar", {"p0": _out([1, 2, 3, 4], 4.0), "p1": _out([5, 6], 2.0)}, [])
+    ar_s, fast_s, hf_s = summarize(run_bench([ar, fast, hf], PROMPTS, RunSettings(8),
+                                             warmup_prompts=0), greedy=True)
+    assert ar_s.decode_tokens_per_s == pytest.approx(4 / 4.5)  # 3 + 1 tokens in 3 + 1.5 s
+    assert fast_s.decode_tokens_per_s == pytest.approx(4 / 2.25)  # in 1.5 + 0.75 s
+    assert fast_s.decode_speedup_vs_ar == pytest.approx(2.0)
+    assert fast_s.speedup_vs_ar == pytest.approx(6 / 5.5 / (6 / 6.0))
+    assert hf_s.decode_tokens_per_s is None and hf_s.decode_speedup_vs_ar is None
+    assert "| 2.00× |" in markdown_table([ar_s, fast_s, hf_s])
+
+
 def test_speedups_are_unknown_without_the_baselines():
     runners = _scripted([])[1:2]
     (skip,) = summarize(run_bench(runners, PROMPTS, RunSettings(8), warmup_prompts=0), greedy=True)

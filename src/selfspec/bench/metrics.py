@@ -6,6 +6,10 @@ Definitions (DESIGN.md glossary):
   more, as in Spec-Bench); ``median_tokens_per_s``: median of the per-prompt rates.
 - ``speedup_vs_ar`` / ``speedup_vs_hf_ar``: ``tokens_per_s`` over that of ``ar`` /
   ``hf-ar`` in the same run (None when that baseline is absent or failed).
+- ``decode_tokens_per_s``: the tokens after each prompt's first / the wall time after its
+  first token (the prefill, which every method shares and which varies from row to row on a
+  busy machine, left out); ``decode_speedup_vs_ar``: that over ``ar``'s (None without times
+  to first token).
 - ``mean_accepted``: tokens committed per verification, bonus/recovered token included,
   ``(accepted + verifications) / verifications``; ``acceptance_rate``: accepted / drafted.
 - ``draft_share`` / ``verify_share``: drafting / verification time as a fraction of wall time.
@@ -111,6 +115,8 @@ class MethodSummary:
     median_ttft_ms: float | None = None
     speedup_vs_ar: float | None = None
     speedup_vs_hf_ar: float | None = None
+    decode_tokens_per_s: float | None = None
+    decode_speedup_vs_ar: float | None = None
     mean_accepted: float | None = None
     acceptance_rate: float | None = None
     draft_share: float | None = None
@@ -179,6 +185,11 @@ def _summarize_one(method: str, lossless: bool, records: list[PromptRecord],
     s.median_tokens_per_s = statistics.median(r.tokens_per_s for r in records)
     ttfts = [r.output.ttft_ms for r in records if r.output.ttft_ms is not None]
     s.median_ttft_ms = statistics.median(ttfts) if ttfts else None
+    if len(ttfts) == len(records):
+        decode_s = s.wall_time_s - sum(ttfts) / 1e3
+        decode_tokens = s.new_tokens - len(records)
+        if decode_s > 0 and decode_tokens > 0:
+            s.decode_tokens_per_s = decode_tokens / decode_s
     outs = [r.output for r in records]
     verifications = _sum_known(o.verifications for o in outs)
     accepted = _sum_known(o.accepted for o in outs)
@@ -257,4 +268,9 @@ def summarize(run: BenchRun, *, greedy: bool,
         for s in summaries:
             if s.tokens_per_s is not None:
                 setattr(s, attr, s.tokens_per_s / ref.tokens_per_s)
+    ref = by_method.get(AR)
+    if ref is not None and not ref.failed and ref.decode_tokens_per_s:
+        for s in summaries:
+            if s.decode_tokens_per_s is not None:
+                s.decode_speedup_vs_ar = s.decode_tokens_per_s / ref.decode_tokens_per_s
     return summaries

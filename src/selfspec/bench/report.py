@@ -240,6 +240,7 @@ def _pct(value: float | None) -> str:
 
 
 TABLE_COLUMNS = ("method", "tok/s", "median tok/s", "speedup vs ar", "speedup vs hf-ar",
+                 "decoding vs ar",
                  "mean accepted", "acceptance", "exit layer", "drafts / token", "layer batch",
                  "draft / verify", "predictor / KV",
                  "layer fwd / token", "parity", "prefix = ar", "accuracy", "roofline",
@@ -257,6 +258,7 @@ def table_row(s: MethodSummary) -> list[str]:
                 else f"{100 * s.predictor_share:.1f}% / {100 * (s.kv_share or 0):.1f}%")
     return [f"`{s.method}`", _fmt(s.tokens_per_s, ".1f"), _fmt(s.median_tokens_per_s, ".1f"),
             _fmt(s.speedup_vs_ar, ".2f", "×"), _fmt(s.speedup_vs_hf_ar, ".2f", "×"),
+            _fmt(s.decode_speedup_vs_ar, ".2f", "×"),
             _fmt(s.mean_accepted, ".2f"), _pct(s.acceptance_rate), _fmt(s.mean_exit_layer, ".1f"),
             _fmt(s.draft_rate, ".2f"), _fmt(s.mean_layer_batch, ".2f"), split, overhead,
             _fmt(s.layer_forwards_per_token, ".1f"), _pct(s.parity), _pct(s.ar_prefix),
@@ -387,7 +389,8 @@ def markdown_header(info: RunInfo) -> str:
 
 _NOTES = """\
 tok/s = all new tokens / all wall time (prefill included); speedups are ratios of tok/s in
-this run; mean accepted = tokens committed per verification (bonus token included);
+this run; decoding vs ar = the same ratio after each prompt's first token (the shared prefill
+left out); mean accepted = tokens committed per verification (bonus token included);
 acceptance = accepted / drafted draft tokens; exit layer = mean layer of exit-layer
 predictions (draft tokens; every token of a lossy early exit); drafts / token = draft tokens
 per generated token (AdaDecode's early-prediction rate); layer batch = mean positions per
