@@ -261,16 +261,13 @@ def summarize(run: BenchRun, *, greedy: bool,
         records = [r for r in run.records if r.method == method]
         summaries.append(_summarize_one(method, lossless, records, parity, prefix, roofline))
     by_method = {s.method: s for s in summaries}
-    for base, attr in ((AR, "speedup_vs_ar"), (HF_AR, "speedup_vs_hf_ar")):
+    for base, rate, attr in ((AR, "tokens_per_s", "speedup_vs_ar"),
+                             (HF_AR, "tokens_per_s", "speedup_vs_hf_ar"),
+                             (AR, "decode_tokens_per_s", "decode_speedup_vs_ar")):
         ref = by_method.get(base)
-        if ref is None or ref.failed or not ref.tokens_per_s:
+        if ref is None or ref.failed or not getattr(ref, rate):
             continue
         for s in summaries:
-            if s.tokens_per_s is not None:
-                setattr(s, attr, s.tokens_per_s / ref.tokens_per_s)
-    ref = by_method.get(AR)
-    if ref is not None and not ref.failed and ref.decode_tokens_per_s:
-        for s in summaries:
-            if s.decode_tokens_per_s is not None:
-                s.decode_speedup_vs_ar = s.decode_tokens_per_s / ref.decode_tokens_per_s
+            if getattr(s, rate) is not None:
+                setattr(s, attr, getattr(s, rate) / getattr(ref, rate))
     return summaries
