@@ -25,7 +25,15 @@
 
 namespace {
 
-constexpr int64_t kPrefetch = 1024;  // elements (2 KiB) ahead along a weight row
+// Elements ahead along the weights (past a row's end: the next rows) that calls of one or two
+// rows, which only stream, prefetch: 8 KiB. 2 KiB, as calls of more rows (compute-bound) keep,
+// left them 28-46% slower on the 2-core AVX2 EPYC over Qwen2.5-1.5B's matrices
+// (docs/results/executor-profile/prefetch-2026-11-26).
+#ifndef SELFSPEC_BF16_PREFETCH
+#define SELFSPEC_BF16_PREFETCH 4096
+#endif
+constexpr int64_t kPrefetchStreaming = SELFSPEC_BF16_PREFETCH;
+constexpr int64_t kPrefetch = 1024;
 
 inline float finish(__m256 a, __m256 b, const uint16_t* w, const float* x, int64_t k0,
                     int64_t K) {
@@ -36,7 +44,7 @@ inline float finish(__m256 a, __m256 b, const uint16_t* w, const float* x, int64
 
 // NR weight rows (n .. n+NR-1) times TB activation rows (x starts at the group's first row,
 // t0): store(t0 + t, n + r, dot + bias).
-template <int NR, int TB, typename Store>
+template <int NR, int TB, int64_t PF, typename Store>
 inline void tile(const uint16_t* w, const float* x, int64_t t0, Store& store, const float* bias,
                  int64_t n, int64_t K) {
   const int64_t K16 = K & ~int64_t(15);
@@ -47,7 +55,7 @@ inline void tile(const uint16_t* w, const float* x, int64_t t0, Store& store, co
   for (int64_t k = 0; k < K16; k += 16) {
     if ((k & 31) == 0)
       for (int r = 0; r < NR; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(row + r * K + k + kPrefetch), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row + r * K + k + PF), _MM_HINT_T0);
     __m256 u[NR], v[NR];
     for (int r = 0; r < NR; ++r) {
       u[r] = load8(row + r * K + k);
@@ -69,19 +77,19 @@ inline void tile(const uint16_t* w, const float* x, int64_t t0, Store& store, co
     }
 }
 
-template <int NR, typename Store>
+template <int NR, int64_t PF, typename Store>
 inline void rows_group(const uint16_t* w, const float* x, Store& store, const float* bias,
                        int64_t n, int64_t T, int64_t K) {
   // Groups of up to six activation rows per pass over the weight row(s), which stay in L1.
   for (int64_t t = 0; t < T;) {
     const float* xt = x + t * K;
     switch (T - t >= 6 ? 6 : T - t) {
-      case 6: tile<NR, 6>(w, xt, t, store, bias, n, K); t += 6; break;
-      case 5: tile<NR, 5>(w, xt, t, store, bias, n, K); t += 5; break;
-      case 4: tile<NR, 4>(w, xt, t, store, bias, n, K); t += 4; break;
-      case 3: tile<NR, 3>(w, xt, t, store, bias, n, K); t += 3; break;
-      case 2: tile<NR, 2>(w, xt, t, store, bias, n, K); t += 2; break;
-      default: tile<NR, 1>(w, xt, t, store, bias, n, K); t += 1; break;
+      case 6: tile<NR, 6, PF>(w, xt, t, store, bias, n, K); t += 6; break;
+      case 5: tile<NR, 5, PF>(w, xt, t, store, bias, n, K); t += 5; break;
+      case 4: tile<NR, 4, PF>(w, xt, t, store, bias, n, K); t += 4; break;
+      case 3: tile<NR, 3, PF>(w, xt, t, store, bias, n, K); t += 3; break;
+      case 2: tile<NR, 2, PF>(w, xt, t, store, bias, n, K); t += 2; break;
+      default: tile<NR, 1, PF>(w, xt, t, store, bias, n, K); t += 1; break;
     }
   }
 }
@@ -98,11 +106,11 @@ void product(const uint16_t* w, const float* x, const float* bias, int64_t T, in
   const int64_t units = N / step;
   at::parallel_for(0, units, 8, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
-      if (pairs) rows_group<2>(w, x, store, bias, u * 2, T, K);
-      else rows_group<1>(w, x, store, bias, u, T, K);
+      if (pairs) rows_group<2, kPrefetchStreaming>(w, x, store, bias, u * 2, T, K);
+      else rows_group<1, kPrefetch>(w, x, store, bias, u, T, K);
     }
   });
-  if (pairs && (N & 1)) rows_group<1>(w, x, store, bias, N - 1, T, K);
+  if (pairs && (N & 1)) rows_group<1, kPrefetchStreaming>(w, x, store, bias, N - 1, T, K);
 }
 
 // One bf16 matrix [N, K] (Bf16Weight's ctypes mirror in fused_layers.py).
