@@ -20,9 +20,10 @@ from selfspec.executor import native
 from selfspec.executor.bf16_rows import _weight
 from selfspec.executor.w4a8 import W4A8Linear, _call
 
-SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (151936, 1536)]  # qkv o gate_up down lm_head
+# qkv, o, gate_up, down, lm_head
+SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (151936, 1536)]
 ROWS = (1, 2, 4, 8, 13)
-COPIES = int(os.environ.get("COPIES", 3))
+COPIES = int(os.environ.get("COPIES", "3"))
 
 
 def build(source, symbol, argtypes, flags):
