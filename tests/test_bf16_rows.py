@@ -113,6 +113,32 @@ def test_choose_rows_prefers_the_chain_where_bf16_is_emulated(monkeypatch):
     assert cpu.choose_rows(torch.bfloat16, "cpu", "auto") == "weights"  # native bf16 wins
 
 
+@needs_kernel
+@pytest.mark.skipif(not fbgemm_fp16_available(), reason="FBGEMM's fp16 linear is x86-only")
+def test_forced_bf16_prefills_on_fp16_copies_and_decodes_on_the_weights(monkeypatch):
+    """``--decode-kernel bf16`` keeps FBGEMM fp16 copies of the larger matrices for bulk calls
+    of more than BULK_MAX_ROWS rows (prefill; a per-call fp32 cast before), while decoding
+    and verification still read the bf16 weights, row-consistently."""
+    monkeypatch.setattr(cpu, "native_bf16", lambda: False)
+    formats = cpu.choose_formats(torch.bfloat16, "cpu", "auto", "bf16")
+    assert formats.rows == "bf16" and formats.rows_min_bytes == cpu.AUTO_ROWS_MIN_BYTES
+    assert "prefill on fp16 copies of matrices >= 4 MiB" in formats.describe()
+    weight, bias = _weight(72, 200), torch.randn(72)
+    kernel = Bf16Rows(bulk_min_bytes=0)
+    packed = kernel.prepack(weight, bias)
+    assert packed.bulk_copy is not None
+    assert Bf16Rows(bulk_min_bytes=1 << 30).prepack(weight, bias).bulk_copy is None
+    x = torch.randn(bf16_rows.BULK_MAX_ROWS + 8, 200).bfloat16()
+    want = F.linear(x.float(), weight.float(), bias)
+    got = kernel.bulk(x, packed)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2)
+    assert torch.equal(got, torch.ops.quantized.linear_dynamic_fp16(
+        x.float(), packed.bulk_copy).to(torch.bfloat16))   # FBGEMM's, not the kernel's
+    rows = kernel(x, packed)   # non-bulk: the bf16 kernel, each row as alone
+    assert torch.equal(rows, torch.cat([kernel(r, packed) for r in x.split(1)]))
+
+
 def test_no_compiler_is_a_clear_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
     monkeypatch.setattr(native.shutil, "which", lambda name: None)

@@ -25,7 +25,7 @@ no AVX2/FMA, not x86) :func:`bf16_rows_available` says why and ``auto`` keeps th
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import torch
@@ -47,6 +47,8 @@ class Bf16Weight:
         nbytes: bytes one call reads (weight and bias).
         weight_ptr, bias_ptr: their addresses (``bias_ptr`` ``None`` without bias), taken once:
             a decoding call's Python overhead is part of its cost (~120 calls a token).
+        bulk_copy: FBGEMM's fp16 copy for bulk calls (:class:`Bf16Rows` ``bulk_min_bytes``),
+            or ``None``.
     """
 
     weight: torch.Tensor
@@ -54,6 +56,7 @@ class Bf16Weight:
     nbytes: int
     weight_ptr: int = 0
     bias_ptr: int | None = None
+    bulk_copy: torch.Tensor | None = None
 
 
 def bf16_rows_available() -> bool:
@@ -116,28 +119,45 @@ class Bf16Rows:
     """Row-consistent bf16-weight products for the non-bulk calls of
     :class:`selfspec.executor.linear.Linear` (see the module docstring).
 
+    Args:
+        bulk_min_bytes: keep an FBGEMM fp16 copy of every weight of at least this many bytes
+            for bulk calls of more than :data:`BULK_MAX_ROWS` rows (prefill at FBGEMM's speed,
+            2 more bytes a weight); ``None``: no copies.
+
     Raises:
-        RuntimeError: the kernel is not available here (check :func:`bf16_rows_available`).
+        RuntimeError: the kernel is not available here (check :func:`bf16_rows_available`),
+            or ``bulk_min_bytes`` without FBGEMM's fp16 kernel in this torch build.
 
     Attributes:
         serves_bulk: ``True``: bulk calls of up to :data:`BULK_MAX_ROWS` rows use it too (short
-            prompts); longer ones cast the weight to fp32 for torch's blocked GEMM.
+            prompts); longer ones use the weight's fp16 copy, else cast the weight to fp32
+            for torch's blocked GEMM.
     """
 
     serves_bulk = True
 
-    def __init__(self) -> None:
+    def __init__(self, bulk_min_bytes: int | None = None) -> None:
+        from selfspec.executor.fp16_rows import fbgemm_fp16_available
+
         lib = _library()
         if lib.call is None:
             raise RuntimeError(f"the bf16 rows kernel is not available: {lib.reason}")
+        if bulk_min_bytes is not None and not fbgemm_fp16_available():
+            raise RuntimeError("fp16 bulk copies need FBGEMM's fp16 linear in this torch build")
         self._fn = lib.call
+        self.bulk_min_bytes = bulk_min_bytes
 
     def prepack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Bf16Weight | None:
-        """The weight as the kernel reads it, or ``None`` when it is not bf16 (it keeps its
-        own kernel)."""
+        """The weight as the kernel reads it (with its fp16 bulk copy where
+        ``bulk_min_bytes`` asks), or ``None`` when it is not bf16 (it keeps its own kernel)."""
+        from selfspec.executor.fp16_rows import bulk_copy
+
         if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
             return None
-        return _weight(weight, bias)
+        packed = _weight(weight, bias)
+        if self.bulk_min_bytes is not None:
+            packed = replace(packed, bulk_copy=bulk_copy(weight, bias, self.bulk_min_bytes))
+        return packed
 
     def __call__(self, x: torch.Tensor, packed: Bf16Weight) -> torch.Tensor:
         """``[..., K]`` → ``[..., N]`` in bf16, each row bit-identical to the row computed
@@ -146,10 +166,14 @@ class Bf16Rows:
 
     def bulk(self, x: torch.Tensor, packed: Bf16Weight) -> torch.Tensor:
         """``[..., K]`` → ``[..., N]`` for prefill and other bulk work (need not match one-token
-        decoding bit for bit): this kernel up to :data:`BULK_MAX_ROWS` rows, else an fp32 GEMM
-        on a per-call fp32 cast of the weight (compute-bound there, where torch's blocked
-        kernel beats this one)."""
+        decoding bit for bit): this kernel up to :data:`BULK_MAX_ROWS` rows, else FBGEMM on
+        the weight's fp16 copy where it has one, else an fp32 GEMM on a per-call fp32 cast of
+        the weight (compute-bound there, where blocked kernels beat this one)."""
+        from selfspec.executor.fp16_rows import bulk_product
+
         if x.numel() <= BULK_MAX_ROWS * x.shape[-1]:
             return self(x, packed)
+        if packed.bulk_copy is not None:
+            return bulk_product(x, packed.bulk_copy)
         bias = packed.bias
         return F.linear(x.float(), packed.weight.float(), bias).to(x.dtype)

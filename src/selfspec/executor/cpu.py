@@ -196,7 +196,8 @@ class ComputeFormats:
             (int4 weights, bf16 activations); ``"w4a8"`` (int4 weights, int8 activations).
         rows_min_bytes: smaller weights keep their own kernel, or take the bf16 kernel under
             ``"bf16+fp16"`` (FBGEMM's per-call overhead, ~0.1 ms, outweighs its faster reads
-            below a few MiB).
+            below a few MiB); under ``"bf16"``, weights of at least this size keep an FBGEMM
+            fp16 copy for bulk work (prefill) only.
     """
 
     weights: torch.dtype
@@ -215,7 +216,8 @@ class ComputeFormats:
         size = (f" of matrices >= {self.rows_min_bytes / 2**20:g} MiB"
                 if self.rows_min_bytes else "")
         rows = {"fp16": f", decoding and verification on fp16 copies{size} (FBGEMM)",
-                "bf16": ", decoding and verification on selfspec's AVX2 bf16 kernel",
+                "bf16": ", decoding and verification on selfspec's AVX2 bf16 kernel"
+                        + (f" (prefill on fp16 copies{size}, FBGEMM)" if size else ""),
                 "bf16+fp16": f", decoding and verification on fp16 copies{size} (FBGEMM), "
                              "smaller matrices on selfspec's AVX2 bf16 kernel",
                 "int4": ", decoding and verification on int4 copies (group 32, lossy vs the "
@@ -317,10 +319,14 @@ def choose_formats(weights: torch.dtype, device: torch.device | str = "cpu",
     Raises:
         InvalidArgumentError: ``bulk`` or ``rows`` is none of those.
     """
+    from selfspec.executor.fp16_rows import fbgemm_fp16_available
+
     kernel = choose_rows(weights, device, rows)
     # FBGEMM takes the matrices of at least AUTO_ROWS_MIN_BYTES under auto and in the chain.
+    # Under "bf16" (with FBGEMM) they keep fp16 copies for bulk work (prefill) only.
     row_args = (kernel, AUTO_ROWS_MIN_BYTES
-                if kernel == "bf16+fp16" or (rows == "auto" and kernel == "fp16") else 0)
+                if kernel == "bf16+fp16" or (rows == "auto" and kernel == "fp16")
+                or (kernel == "bf16" and fbgemm_fp16_available()) else 0)
     if bulk == "weights":
         return ComputeFormats(weights, weights, "as requested", *row_args)
     if bulk != "auto":

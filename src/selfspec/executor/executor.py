@@ -241,7 +241,7 @@ class LayerExecutor:
             if kernel is None and formats.rows == "fp16":
                 kernel = Fp16Rows(max_rows, formats.rows_min_bytes)
             elif kernel is None and formats.rows == "bf16":
-                kernel = Bf16Rows()
+                kernel = Bf16Rows(formats.rows_min_bytes or None)
             elif kernel is None and formats.rows == "bf16+fp16":
                 kernel = ChainRows(Fp16Rows(max_rows, formats.rows_min_bytes), Bf16Rows())
             elif kernel is None and formats.rows == "int4":
