@@ -91,19 +91,24 @@ def test_chain_puts_each_weight_on_the_first_kernel_that_takes_it(kernel):
     assert torch.equal(large(x), torch.cat([large(r) for r in x.split(1)]))
 
 
-def test_choose_rows_prefers_the_chain_where_bf16_is_emulated(monkeypatch):
+def test_choose_rows_prefers_the_bf16_kernel_where_bf16_is_emulated(monkeypatch):
+    """auto: every matrix on selfspec's kernel, prefill on FBGEMM's fp16 copies of the larger
+    ones; the chain (FBGEMM decoding the larger matrices) only when asked."""
     monkeypatch.setattr(cpu, "native_bf16", lambda: False)
     monkeypatch.setattr(bf16_rows, "bf16_rows_available", lambda: True)
     monkeypatch.setattr("selfspec.executor.fp16_rows.fbgemm_fp16_available", lambda: True)
     formats = cpu.choose_formats(torch.bfloat16, "cpu", "auto", "auto")
-    assert formats.rows == "bf16+fp16" and formats.rows_min_bytes == cpu.AUTO_ROWS_MIN_BYTES
-    assert "AVX2 bf16 kernel" in formats.describe()
+    assert formats.rows == "bf16" and formats.rows_min_bytes == cpu.AUTO_ROWS_MIN_BYTES
+    assert "AVX2 bf16 kernel (prefill on fp16 copies" in formats.describe()
+    chain = cpu.choose_formats(torch.bfloat16, "cpu", "auto", "bf16+fp16")
+    assert chain.rows == "bf16+fp16" and chain.rows_min_bytes == cpu.AUTO_ROWS_MIN_BYTES
     assert cpu.choose_rows(torch.float16, "cpu", "auto") == "fp16"   # the kernel is bf16-only
     assert cpu.choose_rows(torch.bfloat16, "cpu", "bf16") == "bf16"
     with pytest.raises(InvalidArgumentError, match="need bf16 weights"):
         cpu.choose_rows(torch.float16, "cpu", "bf16")
     monkeypatch.setattr("selfspec.executor.fp16_rows.fbgemm_fp16_available", lambda: False)
     assert cpu.choose_rows(torch.bfloat16, "cpu", "auto") == "bf16"
+    assert cpu.choose_formats(torch.bfloat16, "cpu", "auto", "auto").rows_min_bytes == 0
     monkeypatch.setattr(bf16_rows, "bf16_rows_available", lambda: False)
     assert cpu.choose_rows(torch.bfloat16, "cpu", "auto") == "weights"
     with pytest.raises(InvalidArgumentError, match="AVX2 kernel"):

@@ -231,12 +231,14 @@ class ComputeFormats:
 ROWS_FORMATS = ("auto", "weights", "bf16", "bf16+fp16", "fp16", "int4", "w4a8")
 # The kernels that make the model itself 4-bit (lossy against its weights): --dtype takes them.
 QUANTIZED_ROWS = ("int4", "w4a8")
-# "auto" moves a matrix to FBGEMM's fp16 kernel from this size: measured per call on the
-# 2-core AVX2 EPYC, one decoding row of a 0.66 MiB matrix takes 56 µs in bf16 and 147 µs on
-# FBGEMM (its padded 3 rows and call overhead), a 3.4 MiB one 225 vs 280 µs, while a
-# Qwen2.5-1.5B forward (4.5-52 MiB matrices) takes 200 vs 143 ms. Smaller matrices keep
-# bf16, so auto never slows one-token decoding; "fp16" moves them all, which pays for
-# verification blocks (5 rows: 87 vs 42 ms per SmolLM2-135M forward) but not for ``ar``.
+# FBGEMM's fp16 kernel takes matrices from this size: under "bf16" (what "auto" picks where
+# bf16 is emulated) for bulk work (prefill) only, under "bf16+fp16" and auto's "fp16" for
+# decoding and verification too. Below it FBGEMM's per-call overhead (~0.1 ms) outweighs its
+# faster reads (0.66 MiB: 56 µs in bf16, 147 µs on FBGEMM). "auto" left Qwen2.5-1.5B's
+# matrices (4.5-52 MiB) on FBGEMM until selfspec's bf16 kernel streamed its weights well
+# (prefetch, 2026-11-26): since then `ar` decodes 1.36x faster on the bf16 kernel and its
+# fused sub-layers, while verification blocks cost the same on both (HumanEval, 2-core AVX2
+# EPYC; docs/results/auto/bench-2026-11-26-he-prefetch).
 AUTO_ROWS_MIN_BYTES = 4 << 20
 
 
@@ -245,13 +247,14 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
     """The kernel of decoding and verification products for weights stored as ``weights``.
 
     Args:
-        rows: ``"auto"``: on a CPU that emulates bf16, for bf16 weights ``"bf16+fp16"``
-            (FBGEMM's fp16 kernel for matrices of at least :data:`AUTO_ROWS_MIN_BYTES`,
-            selfspec's AVX2 bf16 kernel for the rest; ``"bf16"`` without FBGEMM) where that
-            kernel builds, else (and for fp16 weights) ``"fp16"`` for matrices of at least
-            :data:`AUTO_ROWS_MIN_BYTES` where FBGEMM is available; elsewhere ``"weights"``.
-            ``"weights"``, ``"bf16"`` (every bf16 matrix on selfspec's kernel) or ``"fp16"``
-            (every matrix on FBGEMM) to force, or ``"int4"``: int4 copies of every matrix
+        rows: ``"auto"``: on a CPU that emulates bf16, for bf16 weights ``"bf16"``
+            (selfspec's AVX2 bf16 kernel for every matrix; prefill on FBGEMM fp16 copies of
+            the matrices of at least :data:`AUTO_ROWS_MIN_BYTES` where FBGEMM is available)
+            where that kernel builds, else (and for fp16 weights) ``"fp16"`` for matrices of
+            at least :data:`AUTO_ROWS_MIN_BYTES` where FBGEMM is available; elsewhere
+            ``"weights"``. ``"weights"``, ``"bf16"``, ``"bf16+fp16"`` (FBGEMM for the matrices
+            of at least :data:`AUTO_ROWS_MIN_BYTES`, the bf16 kernel for the rest) or
+            ``"fp16"`` (every matrix on FBGEMM) to force, or ``"int4"``: int4 copies of every matrix
             whose input size is a multiple of 32 (:mod:`selfspec.executor.int4_rows`; lossy;
             16-bit weights), or ``"w4a8"``: selfspec's 4-bit-weight, 8-bit-activation kernel
             on copies of those matrices (:class:`selfspec.executor.w4a8.W4A8Rows`; lossy).
@@ -298,7 +301,7 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
         return rows
     if rows == "auto" and sixteen and not native_bf16():
         if weights == torch.bfloat16 and bf16_rows_available():
-            return "bf16+fp16" if fbgemm_fp16_available() else "bf16"
+            return "bf16"
         if fbgemm_fp16_available():
             return "fp16"
     return "weights"
