@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.executor import native
+from selfspec.executor.fp16_rows import bulk_copy, bulk_product, fbgemm_fp16_available
 
 SOURCE = "bf16_rows.cpp"
 BULK_MAX_ROWS = 32   # bulk calls of more rows cast the weight to fp32 for a blocked GEMM
@@ -137,8 +138,6 @@ class Bf16Rows:
     serves_bulk = True
 
     def __init__(self, bulk_min_bytes: int | None = None) -> None:
-        from selfspec.executor.fp16_rows import fbgemm_fp16_available
-
         lib = _library()
         if lib.call is None:
             raise RuntimeError(f"the bf16 rows kernel is not available: {lib.reason}")
@@ -150,8 +149,6 @@ class Bf16Rows:
     def prepack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Bf16Weight | None:
         """The weight as the kernel reads it (with its fp16 bulk copy where
         ``bulk_min_bytes`` asks), or ``None`` when it is not bf16 (it keeps its own kernel)."""
-        from selfspec.executor.fp16_rows import bulk_copy
-
         if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
             return None
         packed = _weight(weight, bias)
@@ -169,8 +166,6 @@ class Bf16Rows:
         decoding bit for bit): this kernel up to :data:`BULK_MAX_ROWS` rows, else FBGEMM on
         the weight's fp16 copy where it has one, else an fp32 GEMM on a per-call fp32 cast of
         the weight (compute-bound there, where blocked kernels beat this one)."""
-        from selfspec.executor.fp16_rows import bulk_product
-
         if x.numel() <= BULK_MAX_ROWS * x.shape[-1]:
             return self(x, packed)
         if packed.bulk_copy is not None:

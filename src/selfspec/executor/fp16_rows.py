@@ -59,6 +59,8 @@ def bulk_copy(weight: torch.Tensor, bias: torch.Tensor | None,
     if w.numel() * w.element_size() < min_bytes:
         return None
     if not bool(torch.isfinite(w).all()) or float(w.abs().max()) > _FP16_MAX:
+        logger.info("a [%d, %d] weight exceeds fp16's range; it keeps the bf16 kernel",
+                    *w.shape)
         return None
     b = None if bias is None else bias.detach().float()
     return torch.ops.quantized.linear_prepack_fp16(w.float(), b)
@@ -106,15 +108,10 @@ class Fp16Rows:
         """FBGEMM's packed fp16 copy of ``weight`` ``[N, K]`` (and ``bias`` ``[N]``), or
         ``None`` when the weight is under ``min_bytes``, does not fit fp16's range, or the
         packed kernel is not row-consistent on a probe of this weight's shape."""
+        packed = bulk_copy(weight, bias, self.min_bytes)
+        if packed is None:
+            return None
         w = weight.detach()
-        if w.numel() * w.element_size() < self.min_bytes:
-            return None
-        if not bool(torch.isfinite(w).all()) or float(w.abs().max()) > _FP16_MAX:
-            logger.info("a [%d, %d] weight exceeds fp16's range; it keeps the bf16 kernel",
-                        *w.shape)
-            return None
-        b = None if bias is None else bias.detach().float()
-        packed = torch.ops.quantized.linear_prepack_fp16(w.float(), b)
         probe = torch.randn(15, w.shape[1],
                             generator=torch.Generator().manual_seed(1)).to(self.dtype).float()
         got = self._rows(probe, packed)
