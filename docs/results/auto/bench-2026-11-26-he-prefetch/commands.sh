@@ -25,3 +25,10 @@ for model in qwen2.5-coder-1.5b-instruct smollm2-135m-instruct; do
     --threads 2 --no-accuracy --no-plots --bandwidth-mib 512 --n $n --max-new-tokens $tok \
     --out "$OUT/$model-decode-kernels" > "$OUT/$model-decode-kernels.log" 2>&1
 done
+# On the new default kernel (3b80d92): qwen-humaneval-new-default.md, qwen-mtbench-new-default.md.
+for ds in humaneval mtbench; do
+  selfspec bench --model qwen2.5-coder-1.5b-instruct --dtype bf16 \
+    --methods ar,ngram,auto,qspec:draft_weights=w4a8 --dataset $ds --threads 2 --no-accuracy \
+    --no-plots --bandwidth-mib 512 --n 3 --max-new-tokens 64 \
+    --out "${OUT%/*}/auto-new-default/$ds" > "${OUT%/*}/auto-new-default-$ds.log" 2>&1
+done
