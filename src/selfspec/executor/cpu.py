@@ -325,8 +325,8 @@ def choose_formats(weights: torch.dtype, device: torch.device | str = "cpu",
     from selfspec.executor.fp16_rows import fbgemm_fp16_available
 
     kernel = choose_rows(weights, device, rows)
-    # FBGEMM takes the matrices of at least AUTO_ROWS_MIN_BYTES under auto and in the chain.
-    # Under "bf16" (with FBGEMM) they keep fp16 copies for bulk work (prefill) only.
+    # FBGEMM takes the matrices of at least AUTO_ROWS_MIN_BYTES in the chain and under auto's
+    # "fp16"; under "bf16" (with FBGEMM) they keep fp16 copies for bulk work (prefill) only.
     row_args = (kernel, AUTO_ROWS_MIN_BYTES
                 if kernel == "bf16+fp16" or (rows == "auto" and kernel == "fp16")
                 or (kernel == "bf16" and fbgemm_fp16_available()) else 0)
