@@ -41,12 +41,51 @@ def test_blocks_of_any_size_equal_one_row_decoding(monkeypatch: pytest.MonkeyPat
     alone = torch.cat([lin(x[i:i + 1]) for i in range(70)])
     for rows in (2, 3, 5, 11, 12, 13, 24, 64, 70):
         assert torch.equal(lin(x[:rows]), alone[:rows]), rows
-    assert limits._limits[("onednn", 40, 48, False, torch.get_num_threads())] == min(first_bad - 1, 64)
+    assert limits._limits[("onednn", 40, 48, False, torch.get_num_threads())].chunk == min(first_bad - 1, 64)
     # One probe per shape and thread count, shared by every linear of that shape.
     other = Linear(weight.clone(), None, pack=False, row_limits=limits)
     other.packed = other.weight
     other(x[:5])
     assert len(limits._limits) == 1
+
+
+def _window_kernel(bad: range, calls: list[int]):
+    """A packed-kernel stand-in whose calls of ``bad`` row counts round differently (a Xeon
+    with AMX: Qwen2.5-1.5B's ``down_proj`` in calls of 12-23 rows at 2 threads)."""
+    def kernel(x, packed, bias):
+        rows = x.reshape(-1, x.shape[-1]).shape[0]
+        calls.append(rows)
+        out = F.linear(x.float(), packed.float(), None if bias is None else bias.float())
+        if rows in bad:
+            out = out + out.abs() * 2.0 ** -9
+        return out.to(x.dtype)
+    return kernel
+
+
+def test_blocks_of_an_inconsistent_size_are_padded_to_one_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block of a row count that rounds differently takes one call padded to the next
+    consistent count (one read of the weight), not a split into chunks (one read each)."""
+    calls: list[int] = []
+    monkeypatch.setattr(linear, "_packed", _window_kernel(range(12, 24), calls))
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 40, generator=gen).bfloat16()
+    limits = PackedRowLimits(max_rows=32)
+    lin = Linear(weight, None, pack=False, row_limits=limits)
+    lin.packed = weight
+    x = torch.randn(80, 40, generator=gen).bfloat16()
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(80)])
+    lin(x[:2])  # the probe runs at the first multi-row call
+    sizes = limits._limits[("onednn", 40, 48, False, torch.get_num_threads())]
+    assert sizes.chunk == 32
+    assert [sizes.call_rows[r] for r in (2, 11, 12, 17, 23, 24, 32)] == [2, 11, 24, 24, 24, 24, 32]
+    for rows in (12, 17, 23):
+        calls.clear()
+        assert torch.equal(lin(x[:rows]), alone[:rows]), rows
+        assert calls == [24], (rows, calls)
+    calls.clear()
+    assert torch.equal(lin(x[:77]), alone[:77])  # 32 + 32 + 13 (padded to 24)
+    assert calls == [32, 32, 24]
 
 
 def test_free_blocks_take_one_call(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -62,11 +62,13 @@ class Int4Rows:
         computed alone."""
         if x.reshape(-1, x.shape[-1]).shape[0] == 1:
             return packed(x)
-        limit = self.limits.limit_of(
+        def alone(block: torch.Tensor) -> torch.Tensor:
+            return torch.cat([packed(r) for r in block.split(1)])
+
+        sizes = self.limits.limit_of(
             ("int4", packed.in_features, packed.out_features, packed.bias is not None),
-            packed, lambda block: torch.cat([packed(r) for r in block.split(1)]),
-            packed.in_features, torch.bfloat16)
-        return in_consistent_chunks(x, limit, packed, packed)
+            packed, alone, packed.in_features, torch.bfloat16)
+        return in_consistent_chunks(x, sizes, packed, alone)
 
     def bulk(self, x: torch.Tensor, packed: Int4Linear) -> torch.Tensor:
         """One call, no row splitting (unused by :class:`Linear`, which sends bulk calls to
