@@ -21,7 +21,7 @@ from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.cost_model import LatencyModel
 from selfspec.executor.quant import quantized_kernels_available
-from selfspec.methods.auto import DRAFTER_PRIORS
+from selfspec.methods.auto import CARRIED_PRIOR_WEIGHT, DRAFTER_PRIORS
 from selfspec.methods.registry import METHODS
 
 needs_int8 = pytest.mark.skipif(not quantized_kernels_available("int8"),
@@ -232,6 +232,12 @@ def test_auto_starts_each_drafter_from_where_the_last_generation_left_it():
     (model,) = METHODS["auto"].make_step(engine.methods, options).models
     assert model.acceptance.rate("qspec") == prior.acceptance
     assert model.draft_cost == prior.draft_cost
+    # A carried estimate stands for a generation's observations: three rejected drafts in a
+    # row do not collapse it as they do a fixed prior's two pseudo-observations.
+    assert model.acceptance.prior_weight == CARRIED_PRIOR_WEIGHT > 2
+    for _ in range(3):
+        model.acceptance.update("qspec", drafted=12, accepted=0)
+    assert model.acceptance.rate("qspec") > 0.6 * prior.acceptance
     (fresh,) = METHODS["auto"].make_step(engine.methods,
                                          {**options, "carry_estimates": False}).models
     assert fresh.acceptance.rate("qspec") == DRAFTER_PRIORS["qspec"]

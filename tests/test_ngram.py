@@ -20,6 +20,7 @@ from selfspec.decoding.tpt import AcceptanceEstimate, ForwardCosts, best_draft_l
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.cost_model import LatencyModel
+from selfspec.methods.registry import METHODS
 
 tokens = st.lists(st.integers(0, 3), min_size=0, max_size=40)
 
@@ -121,6 +122,38 @@ def test_acceptance_estimate_is_the_geometric_rate_with_a_prior():
     assert est.rate("a") == pytest.approx((5 + 1) / (6 + 2))
     est.update("a", drafted=0, accepted=0)
     assert est.observations("a") == 6
+
+
+def test_acceptance_estimate_starts_a_key_from_its_own_prior():
+    est = AcceptanceEstimate(prior=0.6, prior_weight=2, decay=1.0, priors={("prompt", 2): 0.2})
+    assert est.rate(("prompt", 2)) == 0.2 and est.rate(("prompt", 3)) == 0.6
+    est.update(("prompt", 2), drafted=3, accepted=3)
+    assert est.rate(("prompt", 2)) == pytest.approx((3 + 0.4) / (3 + 2))
+    assert est.observed_rates() == {("prompt", 2): est.rate(("prompt", 2))}
+
+
+@pytest.mark.parametrize("method", ["ngram", "auto"])
+def test_ngram_acceptance_per_kind_of_match_carries_to_the_next_generation(method):
+    """The n-gram drafter's acceptance per (source, match length) at the end of a generation
+    is the next generation's prior (a kind of match that keeps failing is not retried at the
+    fixed prior every time), unless carry_estimates=false; outputs stay the model's."""
+    engine = selfspec.from_pretrained_model(tiny_model("llama", seed=5), tiny_tokenizer(),
+                                            name="tiny-llama")
+    options = {"drafters": "ngram"} if method == "auto" else {}
+    prompt = "abcabcabcabcabcabcab"
+    reference = engine.generate(prompt, max_new_tokens=24).token_ids
+    first = engine.generate(prompt, method=method, max_new_tokens=24, **options)
+    assert first.stats.drafted > 0
+    remembered = dict(engine.methods.memory().ngram)
+    assert remembered and all(0 <= rate <= 1 for rate in remembered.values())
+    step = METHODS[method].make_step(engine.methods, options)
+    drafter = step.ngram if method == "auto" else step.drafter
+    assert all(drafter.acceptance.rate(key) == rate for key, rate in remembered.items())
+    fresh = METHODS[method].make_step(engine.methods, {**options, "carry_estimates": False})
+    fresh = fresh.ngram if method == "auto" else fresh.drafter
+    assert all(fresh.acceptance.rate(key) == NgramSettings().prior for key in remembered)
+    second = engine.generate(prompt, method=method, max_new_tokens=24, **options)
+    assert first.token_ids == second.token_ids == reference
 
 
 LATENCY = LatencyModel(6, 0.0, 1.0, 1.0, 1.0, verify_token_ms=0.05)

@@ -14,8 +14,9 @@ candidate runs with its ``γ`` as the cap of its own stop rule; ``ar`` wins when
 predicted to pay, so ``auto`` falls back to plain decoding by construction. Every drafter is
 lossless (its draft is verified by the full model), so ``auto`` is too, whatever it picks.
 
-Each model drafter starts a generation from where its estimates ended in the engine's last
-one (:class:`~selfspec.decoding.memory.EngineMemory`), else from a prior.
+Each model drafter, and the n-gram drafter per kind of match, starts a generation from where
+its estimates ended in the engine's last one (:class:`~selfspec.decoding.memory.EngineMemory`),
+else from a prior.
 
 A model drafter that has not run yet, or not for ``explore_every`` steps while predicted to
 be within ``explore_margin`` of the best, runs once to refresh its estimates (a drafter whose
@@ -182,9 +183,11 @@ class AutoStep:
 
     def finish(self, state: DecodeState) -> None:
         """Add the finished text to the engine's history; keep the estimates of each model
-        drafter that ran for the next generation."""
+        drafter that ran, and the n-gram drafter's, for the next generation."""
         if self.history is not None:
             self.history.add(state.tokens)
+        if self.ngram is not None:
+            self.ngram.remember()
         if self.memory is not None:
             forward = max(self.costs.forward_ms(1), 1e-6)
             for model in self.models:

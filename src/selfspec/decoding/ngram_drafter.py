@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from selfspec.decoding.memory import EngineMemory
 from selfspec.decoding.ngram import (
     ContextIndex,
     HistoryMatcher,
@@ -89,19 +90,25 @@ class NgramDrafter:
         settings: matching and sizing.
         history: the engine's suffix automaton of earlier texts, or ``None``.
         acceptance: per (source, match length) acceptance estimates (a new one by default).
+        memory: the engine's memory: the estimates start from the rates the last generation
+            ended with (:attr:`EngineMemory.ngram`) and go back there at :meth:`remember`;
+            ``None``: from ``settings.prior`` every generation.
     """
 
     name = "ngram"
 
     def __init__(self, executor: LayerExecutor, costs: ForwardCosts, settings: NgramSettings,
                  history: SuffixAutomaton | None = None,
-                 acceptance: AcceptanceEstimate | None = None) -> None:
+                 acceptance: AcceptanceEstimate | None = None,
+                 memory: EngineMemory | None = None) -> None:
         self.executor = executor
         self.costs = costs
         self.settings = settings
         self.index = ContextIndex(settings.max_ngram, settings.min_ngram)
         self.matcher = None if history is None else HistoryMatcher(history)
-        self.acceptance = acceptance or AcceptanceEstimate(prior=settings.prior)
+        self.memory = memory
+        self.acceptance = acceptance or AcceptanceEstimate(
+            prior=settings.prior, priors=None if memory is None else memory.ngram)
         self._pending: NgramChoice | None = None
         self._last_key: tuple[str, int] | None = None
 
@@ -164,6 +171,12 @@ class NgramDrafter:
             self.acceptance.update(self._last_key, stats.num_drafted, stats.num_accepted)
         self.costs.observe(stats.num_drafted + 1, stats.verify_ms)
 
+    def remember(self) -> None:
+        """Keep the acceptance of every kind of match drafted in this generation in the
+        engine's memory (the next generation's priors); nothing without a memory."""
+        if self.memory is not None:
+            self.memory.ngram.update(self.acceptance.observed_rates())
+
 
 class NgramStep(SpeculativeStep):
     """The speculative step with an :class:`NgramDrafter`; at the end of the generation the
@@ -179,6 +192,8 @@ class NgramStep(SpeculativeStep):
         self.history = history
 
     def finish(self, state: DecodeState) -> None:
-        """Add ``state.tokens`` to the history."""
+        """Add ``state.tokens`` to the history; keep the drafter's acceptance estimates in
+        the engine's memory."""
         if self.history is not None:
             self.history.add(state.tokens)
+        self.drafter.remember()

@@ -21,7 +21,7 @@ and which drafter pay is decided by that ratio (``selfspec.decoding.auto``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from selfspec.executor.cost_model import LatencyModel
@@ -86,19 +86,27 @@ class AcceptanceEstimate:
         prior: ``α`` before any observation, in ``[0, 1]``.
         prior_weight: pseudo-observations behind the prior (> 0).
         decay: forgetting factor per update, in ``(0, 1]``.
+        priors: per-key priors replacing ``prior`` for their keys (e.g. the rates an
+            earlier generation ended with, :class:`~selfspec.decoding.memory.EngineMemory`).
     """
 
     def __init__(self, prior: float = 0.5, prior_weight: float = 2.0,
-                 decay: float = 0.95) -> None:
+                 decay: float = 0.95, priors: Mapping[Hashable, float] | None = None) -> None:
         self.prior = prior
         self.prior_weight = prior_weight
         self.decay = decay
+        self.priors = dict(priors or {})
         self._counts: dict[Hashable, list[float]] = {}
 
     def rate(self, key: Hashable) -> float:
         """Estimated ``α`` for ``key``."""
         success, trials = self._counts.get(key, (0.0, 0.0))
-        return (success + self.prior * self.prior_weight) / (trials + self.prior_weight)
+        prior = self.priors.get(key, self.prior)
+        return (success + prior * self.prior_weight) / (trials + self.prior_weight)
+
+    def observed_rates(self) -> dict[Hashable, float]:
+        """``rate(key)`` of every key updated at least once."""
+        return {key: self.rate(key) for key in self._counts}
 
     def observations(self, key: Hashable) -> float:
         """Decayed number of trials behind ``rate(key)``."""

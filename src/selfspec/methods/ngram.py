@@ -27,6 +27,9 @@ class Options:
                               "share of the matched text's occurrences", low=0, high=1)
     history: bool = option(True, "also draft from this engine's earlier prompts and outputs "
                            "(kept for the life of the process or server)")
+    carry_estimates: bool = option(True, "start from the acceptance per kind of match this "
+                                   "engine's last generation ended with (false: from a "
+                                   "fixed prior every generation)")
 
     def __post_init__(self) -> None:
         settings(self)  # refuse min_ngram > max_ngram when parsed, before a model loads
@@ -49,8 +52,9 @@ def settings(options: Options) -> NgramSettings:
 def build(context: MethodContext, options: Options) -> Step:
     """n-gram drafter + verification by the full model."""
     history = context.history() if options.history else None
+    memory = context.memory() if options.carry_estimates else None
     drafter = NgramDrafter(context.executor, ForwardCosts(context.latency()), settings(options),
-                           history)
+                           history, memory=memory)
     return NgramStep(drafter, history)
 
 
