@@ -40,8 +40,9 @@ DEFAULT_PRIOR = 0.7
 #: Pseudo-observations behind an acceptance carried from the engine's last generation (a
 #: fixed prior has 2): about one long draft's worth, so that the hard first tokens of a reply
 #: (three rejected qspec drafts in a row opening a ShareGPT summary on Qwen2.5-1.5B) do not
-#: drop the estimate from 0.93 to 0.38 (0.69 with this weight) and hold the drafts at 1-3 tokens for the rest of the
-#: generation, while a context that really differs still moves it within a few steps.
+#: drop the estimate from 0.93 to 0.38 (0.69 with this weight) and hold the drafts at 1-3
+#: tokens for the rest of the generation, while a context that really differs still moves it
+#: within a few steps.
 CARRIED_PRIOR_WEIGHT = 8.0
 
 
