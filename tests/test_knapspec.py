@@ -196,6 +196,23 @@ def test_knapspec_backs_off_while_no_plan_pays(executor, ar_tokens):
     assert [r.step for r in fixed.history] == [0, 8, 16, 24, 32]
 
 
+def test_plain_steps_out_of_the_next_histories_reach_are_not_recorded(executor, ar_tokens):
+    """While no plan pays, only the plain steps within the recorder's reach of the next
+    re-optimisation record their residual stream (the rest would never be read); that
+    re-optimisation still plans on recorded history, and the tokens stay the model's."""
+    config = KnapSpecConfig(reoptimize_every=32, tau=0.99999, max_backoff=1, min_history=4,
+                            max_draft_len=1, plan_budget=1e9)
+    step = KnapSpecStep(executor, _latency(executor), config)
+    assert step._recorder.capacity == 10
+    state = run_step(executor, step, PROMPT, max_new_tokens=20)
+    assert state.tokens == ar_tokens[:len(state.tokens)]
+    assert len(step._recorder._forwards) == 1  # the prefill only: steps 0-19 are > 10 ahead
+    state = run_step(executor, step, PROMPT, max_new_tokens=40)
+    assert state.tokens == ar_tokens
+    assert [r.step for r in step.history] == [0, 32]
+    assert all(r.recorded for r in step.history)
+
+
 def test_a_latency_measurement_is_kept_per_cpu_kernel_level(monkeypatch):
     # Cloud VMs call an AVX2-only CPU and one with native bf16 both "AMD EPYC"; a measurement
     # from one made `auto` mispredict `ar` by 30% on the other (0.76x ar instead of ~1.0x).

@@ -198,6 +198,9 @@ class KnapSpecStep:
                                        recorder=self._recorder)
         self._speculative = SpeculativeStep(self.drafter)
         self._ar = ArStep(self._recorder)
+        # Plain steps more than the recorder's reach before the next re-optimisation are not
+        # in its history: they run unrecorded (while no plan pays that is most of them).
+        self._ar_unrecorded = ArStep()
         self.history: list[Reoptimization] = []
         self.plan_log = PlanLog()
         self.last_candidates: list[Candidate] = []  # scored by the latest re-optimisation
@@ -242,8 +245,14 @@ class KnapSpecStep:
                 self._interval = (cfg.reoptimize_every if self._speculate else
                                   min(2 * self._interval, cfg.max_backoff * cfg.reoptimize_every))
                 self._next_plan = self._calls + self._interval
+        ahead = self._next_plan - self._calls  # steps until the next re-optimisation
         self._calls += 1
-        step = self._speculative if self._speculate else self._ar
+        if self._speculate:
+            step = self._speculative
+        elif self._recorder is not None and ahead > self._recorder.capacity:
+            step = self._ar_unrecorded
+        else:
+            step = self._ar
         return governed_call(step, state, plan_ms, self.plan_log, self._committed)
 
     # ------------------------------------------------------------------ planning
