@@ -17,6 +17,7 @@ from selfspec.decoding.sampling import SamplingConfig
 from selfspec.decoding.speculative import SpeculativeStep
 from selfspec.decoding.stop_rules import ConstantStopRule
 from selfspec.decoding.tpt import AcceptanceEstimate, ForwardCosts
+from selfspec.decoding.tpt_stop import TptStopRule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.cost_model import LatencyModel
@@ -40,6 +41,7 @@ def test_auto_keeps_the_greedy_tokens_with_every_drafter(arch, dtype):
         extra = ([{"drafters": "qspec", "draft_weights": "w4a8", "explore_every": 2}]
                  if quantized_kernels_available("w4a8") else [])
         for options in ({}, {"drafters": drafters, "explore_every": 2},
+                        {"drafters": drafters, "explore_every": 2, "draft_stop": "plan"},
                         {"drafters": "ngram", "history": False}, *extra):
             result = engine.generate(prompt, method="auto", max_new_tokens=40, **options)
             assert result.token_ids == reference, options
@@ -232,6 +234,9 @@ def test_auto_starts_each_drafter_from_where_the_last_generation_left_it():
     (model,) = METHODS["auto"].make_step(engine.methods, options).models
     assert model.acceptance.rate("qspec") == prior.acceptance
     assert model.draft_cost == prior.draft_cost
+    # ... and its acceptance per draft confidence, from which its drafts end
+    assert isinstance(model.stop_rule, TptStopRule) and prior.by_confidence
+    assert model.stop_rule.calibration.priors == dict(prior.by_confidence)
     # A carried estimate stands for a generation's observations: three rejected drafts in a
     # row do not collapse it as they do a fixed prior's two pseudo-observations.
     assert model.acceptance.prior_weight == CARRIED_PRIOR_WEIGHT > 2
@@ -241,5 +246,9 @@ def test_auto_starts_each_drafter_from_where_the_last_generation_left_it():
     (fresh,) = METHODS["auto"].make_step(engine.methods,
                                          {**options, "carry_estimates": False}).models
     assert fresh.acceptance.rate("qspec") == DRAFTER_PRIORS["qspec"]
+    assert not fresh.stop_rule.calibration.priors
+    (planned,) = METHODS["auto"].make_step(engine.methods,
+                                           {**options, "draft_stop": "plan"}).models
+    assert not isinstance(planned.stop_rule, TptStopRule)
     second = engine.generate("abcabcabcab", method="auto", max_new_tokens=24, **options)
     assert first.token_ids == second.token_ids == reference

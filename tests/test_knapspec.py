@@ -75,6 +75,22 @@ def test_read_only_history_pass_reproduces_the_model(executor, free):
         assert torch.allclose(out[b], full[0, start:], atol=1e-5)
 
 
+def test_verification_time_follows_the_measured_table_between_its_points():
+    """A forward of 1-16 tokens costing the same and 17 costing a second tile (AMX) is
+    predicted so: linear between the measured sizes, ``verify_token_ms`` per token beyond
+    them; the table survives the JSON file."""
+    model = LatencyModel(2, 0.0, 1.0, 1.0, 1.0, verify_token_ms=0.5,
+                         verify_points=((1, 0.0), (16, 1.5), (17, 6.0), (24, 6.5)))
+    target = model.target_ms(10)
+    assert model.verify_ms(10, 1) == target
+    assert model.verify_ms(10, 11) == pytest.approx(target + 1.0)
+    assert model.verify_ms(10, 17) - model.verify_ms(10, 16) == pytest.approx(4.5)
+    assert model.verify_ms(10, 30) == pytest.approx(target + 6.5 + 6 * 0.5)
+    assert LatencyModel.from_json(model.to_json()) == model
+    linear = LatencyModel(2, 0.0, 1.0, 1.0, 1.0, verify_token_ms=0.5)  # no table: linear
+    assert linear.verify_ms(10, 5) == pytest.approx(linear.target_ms(10) + 2.0)
+
+
 def test_latency_model_is_measured_and_cached(executor, tmp_path):
     model = measure_latency(executor, lengths=(8, 32, 64), repeats=3)
     assert model.mlp_ms > 0 and model.attn_base_ms > 0 and model.attn_slope_ms >= 0
@@ -84,7 +100,10 @@ def test_latency_model_is_measured_and_cached(executor, tmp_path):
     assert model.draft_ms(plan, 64) < model.draft_ms(SkipPlan(), 64)
     assert model.predict(plan, 64, 3) == pytest.approx(
         3 * model.draft_ms(plan, 64) + model.verify_ms(64, 4))
-    assert model.verify_ms(64, 4) == pytest.approx(model.target_ms(64) + 3 * model.verify_token_ms)
+    assert model.verify_ms(64, 4) == pytest.approx(model.target_ms(64) + model.extra_tokens_ms(4))
+    sizes = [t for t, _ in model.verify_points]
+    extra = [ms for _, ms in model.verify_points]
+    assert sizes[0] == 1 and extra[0] == 0 and extra == sorted(extra) and len(sizes) > 4
     assert model.verify_token_ms >= 0 and model.batched_row_ms > 0
     assert model.batched_call_ms >= 0 and model.batched_ms(256) > model.batched_ms(16)
     first = cached_latency(executor, tmp_path)

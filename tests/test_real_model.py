@@ -375,7 +375,7 @@ def test_ngram_and_auto_greedy_equal_autoregressive(prompts, dtype, monkeypatch)
 
     measured = base.cached_latency
     monkeypatch.setattr(base, "cached_latency", lambda executor, home: dataclasses.replace(
-        measured(executor, home), verify_token_ms=0.0))
+        measured(executor, home), verify_token_ms=0.0, verify_points=()))
     engine = selfspec.load("smollm2-135m-instruct", dtype=dtype, show_progress=False)
     drafted = {"ngram": 0, "auto": 0}
     for prompt in prompts[:2]:

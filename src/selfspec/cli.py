@@ -298,6 +298,9 @@ def _cmd_models_latency(args: argparse.Namespace) -> int:
     print(f"each extra token of a verification: +{model.verify_token_ms:.2f} ms "
           f"({model.verify_token_ms / model.target_ms(n):.0%} of a token); one batched "
           f"sub-layer call on r rows: {model.batched_call_ms:.2f} + r x {model.batched_row_ms:.3f} ms")
+    if model.verify_points:
+        print("a forward of T tokens over one token: " + ", ".join(
+            f"T={t} +{ms:.1f} ms" for t, ms in model.verify_points))
     return 0
 
 

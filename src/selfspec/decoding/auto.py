@@ -10,8 +10,10 @@ Candidates per step (KnapSpec eq. 4 for each, :func:`~selfspec.decoding.tpt.best
 generation ran (:class:`~selfspec.decoding.tpt.ForwardCosts`); ``t_draft,d`` a moving average
 of drafter ``d``'s measured ms per draft token; ``E(γ)`` follows from an online per-token
 acceptance estimate per drafter (and, for n-gram drafts, per match length). The best
-candidate runs with its ``γ`` as the cap of its own stop rule; ``ar`` wins when nothing is
-predicted to pay, so ``auto`` falls back to plain decoding by construction. Every drafter is
+candidate runs; a model drafter whose stop rule is a :class:`~selfspec.decoding.tpt_stop.
+TptStopRule` then ends its draft token by token where the predicted tokens/s peak, given each
+token's confidence (up to ``max_draft_len``), any other with the chosen ``γ`` as the cap of its
+own stop rule. ``ar`` wins when nothing is predicted to pay, so ``auto`` falls back to plain decoding by construction. Every drafter is
 lossless (its draft is verified by the full model), so ``auto`` is too, whatever it picks.
 
 Each model drafter, and the n-gram drafter per kind of match, starts a generation from where
@@ -44,6 +46,7 @@ from selfspec.decoding.tpt import (
     TptChoice,
     best_draft_len,
 )
+from selfspec.decoding.tpt_stop import TptStopRule
 
 
 @dataclass
@@ -54,7 +57,9 @@ class ModelDrafter:
     Attributes:
         name: the method it comes from.
         step: its speculative step.
-        stop_rule: its stop rule (``auto`` caps ``max_draft_len`` per step).
+        stop_rule: its stop rule: a :class:`~selfspec.decoding.tpt_stop.TptStopRule` ends
+            drafts itself (``auto`` gives it ``max_draft_len``); any other is capped at the
+            chosen ``γ`` each step.
         acceptance: its per-token acceptance estimate.
         draft_ms: moving average of its ms per draft token (no observation until it has run).
         last_run: the step index it last ran at (-1: never).
@@ -72,6 +77,12 @@ class ModelDrafter:
     last_run: int = -1
     draft_cost: float = 0.5
     memory_key: str = ""
+
+    def draft_token_ms(self, costs: ForwardCosts) -> float:
+        """Predicted ms of one draft token: the measured average once it has run, else
+        ``draft_cost`` times a one-token forward."""
+        return (self.draft_ms.value if self.draft_ms.count
+                else self.draft_cost * costs.forward_ms(1))
 
 
 @dataclass(frozen=True)
@@ -131,8 +142,7 @@ class AutoStep:
         if limit >= 1:
             for model in self.models:
                 alpha = model.acceptance.rate(model.name)
-                ms = (model.draft_ms.value if model.draft_ms.count
-                      else model.draft_cost * costs.forward_ms(1))
+                ms = model.draft_token_ms(costs)
                 found.append(Candidate(model.name, best_draft_len([alpha] * limit, ms,
                                                                   costs.forward_ms, min_len=1),
                                        model))
@@ -165,7 +175,9 @@ class AutoStep:
             stats = self.ngram_step(state)
         else:
             model = choice.drafter
-            model.stop_rule.max_draft_len = choice.plan.draft_len
+            online = isinstance(model.stop_rule, TptStopRule)
+            model.stop_rule.max_draft_len = (self.max_draft_len if online
+                                             else choice.plan.draft_len)
             stats = model.step(state)
             model.acceptance.update(model.name, stats.num_drafted, stats.num_accepted)
             if stats.num_drafted:
@@ -192,5 +204,8 @@ class AutoStep:
             forward = max(self.costs.forward_ms(1), 1e-6)
             for model in self.models:
                 if model.draft_ms.count:
+                    rule = model.stop_rule
                     self.memory.drafters[model.memory_key or model.name] = DrafterPrior(
-                        model.acceptance.rate(model.name), model.draft_ms.value / forward)
+                        model.acceptance.rate(model.name), model.draft_ms.value / forward,
+                        (rule.calibration.observed_rates() if isinstance(rule, TptStopRule)
+                         else {}))

@@ -6,7 +6,8 @@
   per-token acceptance and its draft token's share of a one-token forward — so the next
   generation starts its TPT choice (KnapSpec eq. 4) from measurements instead of a fixed
   prior, and its first drafts are not capped short while the estimate climbs
-  (:mod:`selfspec.decoding.auto`).
+  (:mod:`selfspec.decoding.auto`), and its acceptance by draft confidence, from which its
+  drafts end (:mod:`selfspec.decoding.tpt_stop`).
 - ``ngram``: the n-gram drafter's per-token acceptance per (source, match length) at the end
   of the last generation that drafted from it, the next one's priors: a kind of match that
   keeps failing on this workload (short prompt-lookup matches in code completion were
@@ -18,7 +19,9 @@ The outputs never depend on it: every drafter is verified by the full model.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from selfspec.decoding.ngram import SuffixAutomaton
 
@@ -30,10 +33,14 @@ class DrafterPrior:
     Attributes:
         acceptance: per-token acceptance ``α`` in ``[0, 1]``.
         draft_cost: a draft token's time as a share of a one-token forward of the model.
+        by_confidence: its acceptance per bucket of the draft's top-1 probability (bucket
+            index of :data:`~selfspec.decoding.tpt_stop.CONFIDENCE_EDGES` -> rate), for the
+            buckets it saw.
     """
 
     acceptance: float
     draft_cost: float
+    by_confidence: Mapping[int, float] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass

@@ -39,6 +39,10 @@ class RecomputedVerification:
         """The wrapped drafter's stop rule."""
         return self.drafter.stop_rule
 
+    @stop_rule.setter
+    def stop_rule(self, rule: StopRule) -> None:
+        self.drafter.stop_rule = rule
+
     def draft(self, state: DecodeState) -> DraftOutput:
         """The wrapped drafter's draft (on the quantized weights)."""
         return self.drafter.draft(state)

@@ -127,8 +127,11 @@ class ForwardCosts:
 
     The prior is the measured latency model; every observed forward updates a moving
     average of ``measured / prior`` per ``T`` and over all ``T``, so a ``T`` never run is
-    predicted from the others' correction. One observation moves an average by at most a
-    factor of 2 (a page fault or a first call of a new shape does not derail the choice).
+    predicted from the others' correction. Every average starts from the prior (ratio 1,
+    a new ``T`` from the overall correction) and one observation moves it by at most a
+    factor of 2 times its weight: a page fault or a slow first call (the first forward of a
+    generation took 2.3x the model's time on Qwen2.5-1.5B, and used to set the whole
+    correction by itself) does not derail the choice.
 
     Args:
         latency: the model's measured latencies on this machine.
@@ -157,15 +160,13 @@ class ForwardCosts:
             return
         ratio = ms / max(self.prior_ms(num_tokens), 1e-6)
         w = self.smoothing
-        old = self._ratio.get(num_tokens)
-        self._ratio[num_tokens] = _blend(old, ratio, w)
-        self._overall = _blend(self._overall, ratio, w)
+        overall = 1.0 if self._overall is None else self._overall
+        self._ratio[num_tokens] = _blend(self._ratio.get(num_tokens, overall), ratio, w)
+        self._overall = _blend(overall, ratio, w)
 
 
-def _blend(old: float | None, new: float, weight: float) -> float:
+def _blend(old: float, new: float, weight: float) -> float:
     """Moving average step, with ``new`` clipped to ``[old / 2, 2 old]``."""
-    if old is None:
-        return new
     return (1 - weight) * old + weight * min(max(new, old / 2), old * 2)
 
 

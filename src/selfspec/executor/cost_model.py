@@ -7,8 +7,10 @@ The model predicts the time of a draft token under a :class:`SkipPlan`, of a ver
 and a step's Tokens-per-Time (eq. 4); KnapSpec turns it into integer knapsack weights.
 
 Two measurements go beyond the paper, which assumes a GPU where verifying ``γ + 1`` tokens
-costs as much as one: the verification of ``T`` tokens (``target_ms + (T - 1) ·
-verify_token_ms``; on a CPU every extra token costs), and the time of one read-only call of a
+costs as much as one: the verification of ``T`` tokens (``target_ms`` plus the extra time of
+``T`` tokens over one, measured at :data:`VERIFY_TOKENS` and interpolated: on a CPU the extra
+tokens cost, and not linearly — with AMX a product of 1 to 16 rows costs the same and 17 rows
+cost a second tile; beyond the table ``verify_token_ms`` per token), and the time of one read-only call of a
 sub-layer on a batch of rows (``batched_call_ms + rows · batched_row_ms``), from which a
 planner predicts its own cost.
 """
@@ -36,7 +38,11 @@ from selfspec.executor.executor import LayerExecutor, SkipPlan
 logger = logging.getLogger(__name__)
 
 DEFAULT_LENGTHS = (64, 256, 1024, 2048)
-FORMAT = 6  # bump when the measured quantities change: older files are measured again
+FORMAT = 7  # bump when the measured quantities change: older files are measured again
+#: Forward sizes ``T`` at which the extra time of a verification is measured: every draft
+#: length a method uses by default (``auto`` up to 16, KnapSpec up to 10) and both sides of
+#: the 16-row step of AMX tiles and of oneDNN's row blocking.
+VERIFY_TOKENS = (1, 2, 4, 8, 12, 16, 17, 20, 24, 32)
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,11 @@ class LatencyModel:
         mlp_ms: one MLP sub-layer.
         head_ms: the final norm + ``lm_head``.
         verify_token_ms: each token beyond the first of a full forward (0 = the paper's GPU
-            assumption: verifying ``T`` tokens costs one token's time).
+            assumption: verifying ``T`` tokens costs one token's time), fitted over
+            ``verify_points``; used alone where those are absent and beyond the last.
+        verify_points: ``((T, ms), ...)``, increasing ``T`` from 1: the measured extra time
+            of a full forward of ``T`` tokens over one token (non-decreasing in ``T``);
+            linear between the points.
         batched_row_ms: one sub-layer (attention + MLP averaged) on each row of a batch of
             rows, read-only: what KnapSpec's DP pays per budget, token and sub-layer.
         batched_call_ms: the fixed part of one such call, whatever its rows (on CPUs that
@@ -65,9 +75,15 @@ class LatencyModel:
     mlp_ms: float
     head_ms: float
     verify_token_ms: float = field(default=0.0, kw_only=True)
+    verify_points: tuple[tuple[int, float], ...] = field(default=(), kw_only=True)
     batched_row_ms: float = field(default=0.0, kw_only=True)
     batched_call_ms: float = field(default=0.0, kw_only=True)
     key: str = field(default="", kw_only=True)
+
+    def __post_init__(self) -> None:
+        # JSON gives lists; keep the dataclass hashable and comparable
+        object.__setattr__(self, "verify_points",
+                           tuple((int(t), float(ms)) for t, ms in self.verify_points))
 
     def t_attn(self, context_len: int) -> float:
         """One attention sub-layer on one token over ``context_len`` cached positions, ms."""
@@ -93,7 +109,19 @@ class LatencyModel:
     def verify_ms(self, context_len: int, num_tokens: int) -> float:
         """A full forward of ``num_tokens`` tokens (a verification of ``num_tokens - 1``
         draft tokens), ms: ``target_ms`` plus the measured cost of the extra tokens."""
-        return self.target_ms(context_len) + max(0, num_tokens - 1) * self.verify_token_ms
+        return self.target_ms(context_len) + self.extra_tokens_ms(num_tokens)
+
+    def extra_tokens_ms(self, num_tokens: int) -> float:
+        """Extra time of a full forward of ``num_tokens`` tokens over one token, ms."""
+        points = self.verify_points
+        if not points or num_tokens <= points[0][0]:
+            first = points[0] if points else (1, 0.0)
+            return first[1] + max(0, num_tokens - first[0]) * self.verify_token_ms
+        for (t0, ms0), (t1, ms1) in itertools.pairwise(points):
+            if num_tokens <= t1:
+                return ms0 + (ms1 - ms0) * (num_tokens - t0) / (t1 - t0)
+        last_t, last_ms = points[-1]
+        return last_ms + (num_tokens - last_t) * self.verify_token_ms
 
     def batched_ms(self, rows: int) -> float:
         """One read-only call of one sub-layer on ``rows`` rows, ms."""
@@ -244,10 +272,13 @@ def measure_latency(executor: LayerExecutor, lengths: tuple[int, ...] = DEFAULT_
     slope, base = _fit_line(attn_ms)
     slope, base = max(0.0, slope), max(1e-6, base)
     head_ms = _time_ms(lambda: ex.logits(hidden), repeats)
-    verify_token_ms = _verify_token_ms(ex, min(256, ex.max_positions - 16), max(3, repeats // 4))
+    verify_points = _verify_points(ex, min(256, ex.max_positions - VERIFY_TOKENS[-1]),
+                                   max(3, repeats // 4))
     call_ms, row_ms = _batched_ms(ex, min(256, ex.max_positions - 32), max(3, repeats // 4))
     return LatencyModel(ex.num_layers, slope, base, statistics.median(mlp_samples), head_ms,
-                        verify_token_ms=verify_token_ms, batched_row_ms=row_ms,
+                        verify_token_ms=(max(0.0, _fit_line(list(verify_points))[0])
+                                         if len(verify_points) > 1 else 0.0),
+                        verify_points=verify_points, batched_row_ms=row_ms,
                         batched_call_ms=call_ms, key=machine_key(ex))
 
 
@@ -271,17 +302,25 @@ def _filled_cache(ex: LayerExecutor, n: int, layers: range):
     return cache
 
 
-def _verify_token_ms(ex: LayerExecutor, n: int, repeats: int) -> float:
-    """Extra ms per token of a full forward of T tokens (least squares over T = 1..12)."""
+def _verify_points(ex: LayerExecutor, n: int, repeats: int) -> tuple[tuple[int, float], ...]:
+    """``((T, ms), ...)`` for ``T`` in :data:`VERIFY_TOKENS` (those the model's positions
+    allow): the extra median time of a full forward of ``T`` tokens over ``n`` cached
+    positions over one token, made non-decreasing (a forward of more tokens never costs less;
+    what is left is noise)."""
     cache = _filled_cache(ex, n, range(ex.num_layers))
-    points = []
-    for tokens in (1, 4, 8, 12):
+    points, base, floor = [], 0.0, 0.0
+    for tokens in VERIFY_TOKENS:
+        if n + tokens > ex.max_positions:
+            break
         hidden = torch.randn(1, tokens, ex.config.hidden_size, dtype=ex.dtype,
                              device=ex.device) * 0.1
         pos = torch.arange(n, n + tokens, device=ex.device).unsqueeze(0)
-        points.append((tokens, _time_ms(functools.partial(_step, ex, hidden, pos, cache, head=True),
-                                        repeats)))
-    return max(0.0, _fit_line(points)[0])
+        ms = _time_ms(functools.partial(_step, ex, hidden, pos, cache, head=True), repeats)
+        if tokens == 1:
+            base = ms
+        floor = max(floor, ms - base)
+        points.append((tokens, floor))
+    return tuple(points)
 
 
 def _batched_ms(ex: LayerExecutor, n: int, repeats: int) -> tuple[float, float]:
