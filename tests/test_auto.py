@@ -3,6 +3,7 @@ the model's; it picks by predicted tokens per second and falls back to plain dec
 
 import math
 from collections import Counter
+from typing import ClassVar
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from selfspec.decoding.sampling import SamplingConfig
 from selfspec.decoding.speculative import SpeculativeStep
 from selfspec.decoding.stop_rules import ConstantStopRule
 from selfspec.decoding.tpt import AcceptanceEstimate, ForwardCosts
-from selfspec.decoding.tpt_stop import TptStopRule
+from selfspec.decoding.tpt_stop import ConfidenceCalibration, TptStopRule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.cost_model import LatencyModel
@@ -99,9 +100,23 @@ def test_auto_options_are_checked():
         engine.generate("a", method="auto", max_new_tokens=2, drafters="dssd")
 
 
-def test_auto_sampling_reproduces_the_target_distribution():
+class SharpCalibration(ConfidenceCalibration):
+    """The tiny model's top-1 probabilities are all ~0.015: split them at their median, so
+    that the stop point depends on the drafted token."""
+
+    seen: ClassVar[Counter] = Counter()
+
+    def rate(self, top1_prob):
+        confident = top1_prob > 0.016
+        self.seen[confident] += 1
+        return 0.99 if confident else 0.3
+
+
+@pytest.mark.parametrize("draft_stop", ["plan", "tpt"])
+def test_auto_sampling_reproduces_the_target_distribution(draft_stop):
     """auto mixes drafters step by step; each is exact, so the mixture is: TV within a
-    Hoeffding bound of the exact 3-token distribution."""
+    Hoeffding bound of the exact 3-token distribution. With ``tpt`` the draft length depends
+    on the drafted tokens' confidence (a stopping time of the draft), which keeps it exact."""
     executor = LayerExecutor(tiny_model("llama", seed=8))
     prompt = run_step(executor, ArStep(), [3, 4], max_new_tokens=14).tokens
     config = SamplingConfig(temperature=1.0, top_k=3)
@@ -113,17 +128,23 @@ def test_auto_sampling_reproduces_the_target_distribution():
         models = []
         if quantized_kernels_available("int8"):
             rule = ConstantStopRule(2)
+            acceptance = AcceptanceEstimate(prior=0.7)
+            if draft_stop == "tpt":  # the second token is drafted only after a confident one
+                rule = TptStopRule(rule, SharpCalibration(acceptance, "qspec"),
+                                   lambda: 6.0, costs.forward_ms)
             models.append(ModelDrafter("qspec", SpeculativeStep(quantized_drafter(
-                executor, "int8", rule)), rule, AcceptanceEstimate(prior=0.7),
+                executor, "int8", rule)), rule, acceptance,
                 last_run=0))  # no forced exploration: the choice follows the prediction
         ngram = NgramDrafter(executor, costs, NgramSettings(min_ngram=1, min_share=0.0,
                                                             prior=0.9))
         state = run_step(executor, AutoStep(costs, ngram, models, explore_every=0), prompt,
-                         max_new_tokens=3,
+                         max_new_tokens=3 if draft_stop == "plan" else 4,
                          sampling=SamplingConfig(temperature=1.0, top_k=3, seed=seed))
-        counts[tuple(state.tokens[len(prompt):])] += 1
+        counts[tuple(state.tokens[len(prompt):len(prompt) + 3])] += 1  # exact marginal
         steps.update({k: v.steps for k, v in state.stats.drafters.items()})
     assert steps["ngram"] > 0 and (steps["qspec"] > 0 or not models)
+    if draft_stop == "tpt" and models:
+        assert SharpCalibration.seen[True] and SharpCalibration.seen[False]
     eps = math.sqrt((len(exact) * math.log(2) + math.log(1e6)) / (2 * n))
     tv = 0.5 * sum(abs(counts[c] / n - p) for c, p in exact.items())
     tv += 0.5 * sum(v / n for c, v in counts.items() if c not in exact)
