@@ -10,11 +10,12 @@ Candidates per step (KnapSpec eq. 4 for each, :func:`~selfspec.decoding.tpt.best
 generation ran (:class:`~selfspec.decoding.tpt.ForwardCosts`); ``t_draft,d`` a moving average
 of drafter ``d``'s measured ms per draft token; ``E(γ)`` follows from an online per-token
 acceptance estimate per drafter (and, for n-gram drafts, per match length). The best
-candidate runs; a model drafter whose stop rule is a :class:`~selfspec.decoding.tpt_stop.
-TptStopRule` then ends its draft token by token where the predicted tokens/s peak, given each
-token's confidence (up to ``max_draft_len``), any other with the chosen ``γ`` as the cap of its
-own stop rule. ``ar`` wins when nothing is predicted to pay, so ``auto`` falls back to plain decoding by construction. Every drafter is
-lossless (its draft is verified by the full model), so ``auto`` is too, whatever it picks.
+candidate runs; a model drafter whose stop rule is a
+:class:`~selfspec.decoding.tpt_stop.TptStopRule` then ends its draft token by token where the
+predicted tokens/s peak, given each token's confidence (up to ``max_draft_len``), any other
+with the chosen ``γ`` as the cap of its own stop rule. ``ar`` wins when nothing is predicted
+to pay, so ``auto`` falls back to plain decoding by construction. Every drafter is lossless
+(its draft is verified by the full model), so ``auto`` is too, whatever it picks.
 
 Each model drafter, and the n-gram drafter per kind of match, starts a generation from where
 its estimates ended in the engine's last one (:class:`~selfspec.decoding.memory.EngineMemory`),

@@ -134,6 +134,7 @@ class TptStopRule:
 
     @property
     def max_draft_len(self) -> int:
+        """The inner rule's longest draft (setting it sets the inner rule's)."""
         return self.inner.max_draft_len
 
     @max_draft_len.setter
