@@ -143,7 +143,7 @@ class ForwardCosts:
         self.smoothing = smoothing
         self.context_len = 0
         self._ratio: dict[int, float] = {}
-        self._overall: float | None = None
+        self._overall = 1.0  # no correction before the first observation
 
     def prior_ms(self, num_tokens: int) -> float:
         """The latency model's time for ``num_tokens`` at the current context length."""
@@ -151,8 +151,7 @@ class ForwardCosts:
 
     def forward_ms(self, num_tokens: int) -> float:
         """Predicted time of a forward of ``num_tokens`` tokens, ms."""
-        ratio = self._ratio.get(num_tokens, self._overall)
-        return self.prior_ms(num_tokens) * (1.0 if ratio is None else ratio)
+        return self.prior_ms(num_tokens) * self._ratio.get(num_tokens, self._overall)
 
     def observe(self, num_tokens: int, ms: float) -> None:
         """Record that a forward of ``num_tokens`` tokens took ``ms``."""
@@ -160,9 +159,8 @@ class ForwardCosts:
             return
         ratio = ms / max(self.prior_ms(num_tokens), 1e-6)
         w = self.smoothing
-        overall = 1.0 if self._overall is None else self._overall
-        self._ratio[num_tokens] = _blend(self._ratio.get(num_tokens, overall), ratio, w)
-        self._overall = _blend(overall, ratio, w)
+        self._ratio[num_tokens] = _blend(self._ratio.get(num_tokens, self._overall), ratio, w)
+        self._overall = _blend(self._overall, ratio, w)
 
 
 def _blend(old: float, new: float, weight: float) -> float:

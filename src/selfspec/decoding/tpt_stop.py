@@ -79,7 +79,9 @@ class ConfidenceCalibration:
 
     def rate(self, top1_prob: float) -> float:
         """Predicted acceptance of a draft token whose top-1 probability is ``top1_prob``."""
-        b = self.bucket(top1_prob)
+        return self._bucket_rate(self.bucket(top1_prob))
+
+    def _bucket_rate(self, b: int) -> float:
         success, trials = self._counts[b]
         if b in self.priors:
             prior, weight = self.priors[b], self.priors_weight
@@ -97,15 +99,8 @@ class ConfidenceCalibration:
 
     def observed_rates(self) -> dict[int, float]:
         """``rate`` of every bucket that has seen a verified token, by bucket index."""
-        return {b: self.rate(_bucket_point(b)) for b, (_, trials) in enumerate(self._counts)
+        return {b: self._bucket_rate(b) for b, (_, trials) in enumerate(self._counts)
                 if trials > 0}
-
-
-def _bucket_point(b: int) -> float:
-    """A top-1 probability inside bucket ``b``."""
-    low = CONFIDENCE_EDGES[b - 1] if b > 0 else 0.0
-    high = CONFIDENCE_EDGES[b] if b < len(CONFIDENCE_EDGES) else 1.0
-    return (low + high) / 2
 
 
 class TptStopRule:
