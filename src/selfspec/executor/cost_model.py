@@ -10,9 +10,9 @@ Two measurements go beyond the paper, which assumes a GPU where verifying ``γ +
 costs as much as one: the verification of ``T`` tokens (``target_ms`` plus the extra time of
 ``T`` tokens over one, measured at :data:`VERIFY_TOKENS` and interpolated: on a CPU the extra
 tokens cost, and not linearly — with AMX a product of 1 to 16 rows costs the same and 17 rows
-cost a second tile; beyond the table ``verify_token_ms`` per token), and the time of one read-only call of a
-sub-layer on a batch of rows (``batched_call_ms + rows · batched_row_ms``), from which a
-planner predicts its own cost.
+cost a second tile; beyond the table ``verify_token_ms`` per token), and the time of one
+read-only call of a sub-layer on a batch of rows (``batched_call_ms + rows ·
+batched_row_ms``), from which a planner predicts its own cost.
 """
 
 from __future__ import annotations
@@ -113,10 +113,9 @@ class LatencyModel:
 
     def extra_tokens_ms(self, num_tokens: int) -> float:
         """Extra time of a full forward of ``num_tokens`` tokens over one token, ms."""
-        points = self.verify_points
-        if not points or num_tokens <= points[0][0]:
-            first = points[0] if points else (1, 0.0)
-            return first[1] + max(0, num_tokens - first[0]) * self.verify_token_ms
+        points = self.verify_points or ((1, 0.0),)  # no table: verify_token_ms per token
+        if num_tokens <= points[0][0]:
+            return points[0][1]
         for (t0, ms0), (t1, ms1) in itertools.pairwise(points):
             if num_tokens <= t1:
                 return ms0 + (ms1 - ms0) * (num_tokens - t0) / (t1 - t0)
