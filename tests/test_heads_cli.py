@@ -158,6 +158,18 @@ def test_train_predictors_then_decode_with_specee(capsys, home, model_dir, tmp_p
     code, out, err = _run(capsys, "heads", "train-predictors", *common, "--heads", str(heads_dir),
                           "--candidate-layer", "3")
     assert code != 0 and "no exit head at layer 3" in err
+    # n-gram candidates: trained with them, recorded in the card, used by default
+    code, out, err = _run(capsys, "heads", "train-predictors", *common, "--heads", str(heads_dir),
+                          "--draft-vocab", "64", "--epochs", "3", "--candidates", "head+ngram")
+    assert code == 0, err
+    assert "prompt lookup's token in the last slot" in out
+    pc = json.loads((heads_dir / "card.json").read_text())["predictors"]
+    # (a random model does not continue real text as prompt lookup does: recall is checked
+    # on the real model, docs/results/specee)
+    assert pc["candidates"] == "head+ngram" and 0 <= pc["candidate_recall"] <= 1
+    result = engine.generate("def f(x):", method="specee", heads=str(heads_dir), threshold=0.05,
+                             max_new_tokens=8)
+    assert result.stats.new_tokens == 8
 
 
 def test_train_with_a_restricted_loss_vocabulary(capsys, home, model_dir, tmp_path):

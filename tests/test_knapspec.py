@@ -428,7 +428,8 @@ def test_alpha_over_a_shortlist_never_under_estimates_and_is_exact_over_the_voca
         KnapSpecStep(executor, _latency(executor), KnapSpecConfig(alpha_vocab=65))
 
 
-def test_knapspec_sampling_reproduces_the_target_distribution():
+@pytest.mark.parametrize("draft_stop", ["confidence", "tpt"])
+def test_knapspec_sampling_reproduces_the_target_distribution(draft_stop):
     """Sampling through KnapSpec (planning on recorded history, a plan that drafts) commits
     the target's distribution: total variation of the first three tokens against the exact
     distribution under the Bretagnolle–Huber–Carol bound (failure probability 1e-6). The
@@ -451,7 +452,8 @@ def test_knapspec_sampling_reproduces_the_target_distribution():
     config = SamplingConfig(temperature=1.0, top_k=3)
     exact = exact_prefix_distribution(ex, PROMPT, config, 3)
     step = KnapSpecStep(ex, _latency(ex), KnapSpecConfig(min_history=8, confidence=0.01,
-                                                          plan_budget=1e9, max_draft_len=3))
+                                                          plan_budget=1e9, max_draft_len=3,
+                                                          draft_stop=draft_stop))
     n, counts, drafted = 1000, Counter(), 0
     for seed in range(n):
         state = run_step(ex, step, PROMPT, max_new_tokens=3,
@@ -463,3 +465,46 @@ def test_knapspec_sampling_reproduces_the_target_distribution():
     tv = 0.5 * sum(abs(counts[c] / n - p) for c, p in exact.items())
     tv += 0.5 * sum(v / n for c, v in counts.items() if c not in exact)
     assert tv < eps, f"TV {tv:.3f} >= bound {eps:.3f}"
+
+
+def test_knapspec_tpt_draft_stop_keeps_the_greedy_tokens_and_calibrates_the_plan(executor,
+                                                                                 ar_tokens):
+    """draft_stop="tpt": drafts end where the predicted tokens/s peak; outputs stay the
+    autoregressive ones, and the calibration starts from the chosen plan's α̂."""
+    from selfspec.decoding.tpt_stop import TptStopRule
+
+    step = KnapSpecStep(executor, _latency(executor),
+                        KnapSpecConfig(reoptimize_every=6, min_history=8, tau=-1.0,
+                                       plan_budget=1e9, draft_stop="tpt"))
+    assert isinstance(step.drafter.stop_rule, TptStopRule)
+    state = run_step(executor, step, PROMPT, max_new_tokens=40)
+    assert state.tokens == ar_tokens
+    chosen = [r.choice for r in step.history if r.choice and r.choice.candidate is not None]
+    if chosen:  # the calibration's prior is the last new plan's α̂ (updated by its drafts)
+        assert step._acceptance is not None and step._acceptance.prior in {
+            c.alpha for c in chosen}
+
+
+def test_knapspec_tpt_draft_stop_drafts_long_when_the_plan_is_exact():
+    """An identity last layer (a free, exact plan): the calibrated stop lets drafts run to
+    max_draft_len, where the paper's 0.7 rule stops at the tiny model's low confidences."""
+    model = tiny_model("llama", seed=4).float()
+    layer = model.model.layers[-1]
+    layer.self_attn.o_proj.weight.zero_()
+    layer.mlp.down_proj.weight.zero_()
+    ex = LayerExecutor(model)
+    reference = run_step(ex, ArStep(), PROMPT, max_new_tokens=30).tokens
+    drafted = {}
+    for stop in ("confidence", "tpt"):
+        step = KnapSpecStep(ex, _latency(ex), KnapSpecConfig(reoptimize_every=8, plan_budget=1e9,
+                                                              max_draft_len=6, draft_stop=stop))
+        state = run_step(ex, step, PROMPT, max_new_tokens=30)
+        assert state.tokens == reference
+        drafted[stop] = state.stats.drafted / max(state.stats.verifications, 1)
+    assert drafted["tpt"] > drafted["confidence"]
+    assert drafted["tpt"] >= 4
+
+
+def test_knapspec_rejects_an_unknown_draft_stop(executor):
+    with pytest.raises(ValueError, match="draft_stop"):
+        KnapSpecStep(executor, _latency(executor), KnapSpecConfig(draft_stop="never"))

@@ -9,7 +9,14 @@ import torch
 from tiny import run_step, tiny_model
 
 from selfspec.decoding.skipped_kv import KV_POLICIES, make_skipped_kv
-from selfspec.decoding.specee import HeadCandidates, PredictorSchedule, SpecEEStep
+from selfspec.decoding.ngram import ContextIndex
+from selfspec.decoding.specee import (
+    HeadCandidates,
+    PredictorSchedule,
+    SpecEEStep,
+    merge_ngram,
+    ngram_token,
+)
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.heads import ExitHeads, load_heads, save_heads
@@ -373,3 +380,68 @@ def test_default_candidate_layer_is_the_deepest_head_in_the_first_half():
     assert default_candidate_layer([6, 12, 18], 24) == 12
     assert default_candidate_layer([7, 14, 21], 28) == 14
     assert default_candidate_layer([20, 22], 24) == 20
+
+
+# ------------------------------------------------------------------------- n-gram candidates
+def test_merge_ngram_fills_the_last_slot_only_when_the_lookup_token_is_missing():
+    ids = torch.tensor([[7, 3, 9, 1], [7, 3, 9, 1], [7, 3, 9, 1]])
+    lookup = torch.tensor([5, 9, -1])
+    assert merge_ngram(ids, lookup).tolist() == [[7, 3, 9, 5], [7, 3, 9, 1], [7, 3, 9, 1]]
+    assert merge_ngram(torch.tensor([4, 2]), torch.tensor(8)).tolist() == [4, 8]
+
+
+def test_ngram_token_is_prompt_lookups_next_token():
+    index = ContextIndex(4, 2)
+    index.extend([1, 2, 3, 4, 9, 1, 2])
+    assert ngram_token(index) == 3           # "1 2" was followed by 3
+    index.extend([8])
+    assert ngram_token(index) == -1          # "2 8" never occurred
+
+
+def test_training_lookups_line_up_with_the_feature_positions():
+    """One lookup per scored position, in load_features' order (items grouped by source),
+    each made from the tokens up to that position, as decoding does."""
+    from selfspec.training.corpus import CorpusItem
+    from selfspec.training.pipeline import ngram_tokens
+
+    a = CorpusItem("x", "a", (1, 2, 3, 1, 2, 3, 1), 2, 0)     # positions 2..5
+    b = CorpusItem("y", "b", (4, 5, 6, 4, 5), 0, 0)           # positions 0..3
+    c = CorpusItem("x", "c", (7, 8, 7, 8), 1, 0)              # positions 1..2
+    got = ngram_tokens([a, b, c]).tolist()
+    expected = []
+    for item in (a, c, b):                                   # grouped by source
+        for t in range(item.score_from, len(item.token_ids) - 1):
+            index = ContextIndex(4, 2)
+            index.extend(list(item.token_ids[:t + 1]))
+            expected.append(ngram_token(index))
+    assert got == expected and len(got) == 4 + 2 + 4
+    assert got[:4] == [-1, -1, 3, 1]                         # "1 2" → 3, "2 3" → 1
+
+
+def test_ngram_candidates_put_the_lookup_token_in_the_last_slot(executor):
+    """Always-firing predictors with n-gram candidates: decoding runs, and whenever prompt
+    lookup has a token it is among the step's candidates."""
+    own = lambda hidden: executor.logits(hidden)
+    cands = HeadCandidates(executor, CAND_LAYER, own, K, ngram=True)
+    seen = []
+    original = cands.__call__
+
+    class Spy(HeadCandidates):
+        def __call__(self, hidden, ngram=-1):
+            out = original(hidden, ngram)
+            seen.append((ngram, out.ids.tolist()))
+            return out
+
+    spy = Spy(executor, CAND_LAYER, own, K, ngram=True)
+    pred = _predictors(True)
+    step = SpecEEStep(spy, pred, PredictorSchedule(pred.layers, None), 0.5,
+                      lambda ex, cache: make_skipped_kv("propagate", ex, cache))
+    prompt = PROMPT * 3                                      # repeats: lookups have matches
+    state = run_step(executor, step, prompt, max_new_tokens=12)
+    assert state.num_generated == 12
+    assert any(n >= 0 for n, _ in seen)
+    assert all(n in ids for n, ids in seen if n >= 0)
+    # the lookups were made over the whole committed sequence
+    index = ContextIndex(4, 2)
+    index.extend(state.tokens[:-1])
+    assert seen[-1][0] == ngram_token(index)

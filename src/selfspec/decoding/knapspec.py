@@ -19,7 +19,11 @@ Every ``reoptimize_every`` steps (paper: T = 64) the step:
    decoding it decodes autoregressively until the next re-optimisation.
 
 Drafting then stops at γ_max or when the draft's top-1 probability falls below 0.7 (§3.5,
-"Dynamic Drafting Exit"). Verification is the full model: lossless.
+"Dynamic Drafting Exit"). With ``draft_stop="tpt"`` the 0.7 rule is replaced by
+:class:`~selfspec.decoding.tpt_stop.TptStopRule`: each draft ends token by token where the
+predicted tokens/s peak, from that token's confidence (acceptance calibrated online per
+confidence bucket, starting from the chosen plan's α̂) and the measured draft and
+verification costs. Verification is the full model: lossless.
 
 Two departures for CPUs, where the paper's GPU assumptions fail: the TPT search charges a
 verification of ``γ + 1`` tokens its measured cost (not one token's), and a re-optimisation
@@ -74,7 +78,9 @@ from selfspec.decoding.skip_drafter import SkipPlanDrafter
 from selfspec.decoding.speculative import SpeculativeStep
 from selfspec.decoding.state import DecodeState
 from selfspec.decoding.stats import StepStats
-from selfspec.decoding.stop_rules import ConfidenceStopRule
+from selfspec.decoding.stop_rules import ConfidenceStopRule, ConstantStopRule, StopRule
+from selfspec.decoding.tpt import AcceptanceEstimate
+from selfspec.decoding.tpt_stop import ConfidenceCalibration, TptStopRule
 from selfspec.executor import LayerExecutor
 from selfspec.executor.cost_model import LatencyModel
 from selfspec.executor.executor import Observer, SkipPlan
@@ -83,6 +89,9 @@ logger = logging.getLogger(__name__)
 
 _MIN_TOKENS = 4  # fewest history tokens a cheapened re-optimisation scores
 _MAX_BIN = 16  # widest budget bin a cheapened re-optimisation uses
+DRAFT_STOPS = ("confidence", "tpt")
+_DRAFT_KEY = "draft"
+_TPT_DECAY = 0.95  # per verified draft, as auto's acceptance estimates
 
 
 @dataclass(frozen=True)
@@ -144,6 +153,9 @@ class KnapSpecConfig:
             ``T`` when a plan is chosen (1 = every ``T`` steps, the paper).
         record_history: take the history from the residual stream of the step's own
             forwards when they cover it (``False``: a read-only pass every time, the paper).
+        draft_stop: ``"confidence"`` (the paper's §3.5 rule: top-1 probability <
+            ``confidence``, at most ``max_draft_len``) or ``"tpt"`` (a
+            :class:`~selfspec.decoding.tpt_stop.TptStopRule` up to ``max_draft_len``).
     """
 
     reoptimize_every: int = 64
@@ -158,6 +170,7 @@ class KnapSpecConfig:
     plan_budget: float = 0.05
     max_backoff: int = 8
     record_history: bool = True
+    draft_stop: str = "confidence"
 
 
 class KnapSpecStep:
@@ -173,7 +186,8 @@ class KnapSpecStep:
 
     Raises:
         InvalidArgumentError: a stop rule whose longest draft exceeds the bit-exact limit.
-        ValueError: ``draft`` without ``draft_latency``; ``alpha_vocab`` out of range.
+        ValueError: ``draft`` without ``draft_latency``; ``alpha_vocab`` or ``draft_stop``
+            out of range.
     """
 
     def __init__(self, executor: LayerExecutor, latency: LatencyModel,
@@ -184,13 +198,22 @@ class KnapSpecStep:
         if config is not None and not 0 <= config.alpha_vocab <= MAX_SHORTLIST:
             raise ValueError(f"alpha_vocab must lie in [0, {MAX_SHORTLIST}], got "
                              f"{config.alpha_vocab}")
+        if config is not None and config.draft_stop not in DRAFT_STOPS:
+            raise ValueError(f"draft_stop must be one of {DRAFT_STOPS}, got {config.draft_stop!r}")
         self.executor = executor
         self.latency = latency
         self.draft_executor = executor if draft is None else draft
         self.draft_latency = latency if draft is None else draft_latency
         self.config = config or KnapSpecConfig()
         cfg = self.config
-        rule = ConfidenceStopRule(cfg.confidence, max_draft_len=cfg.max_draft_len)
+        rule: StopRule = ConfidenceStopRule(cfg.confidence, max_draft_len=cfg.max_draft_len)
+        # With draft_stop="tpt": the acceptance of the current plan's drafts (prior: its α̂).
+        self._acceptance: AcceptanceEstimate | None = None
+        if cfg.draft_stop == "tpt":
+            self._acceptance = AcceptanceEstimate(decay=_TPT_DECAY)
+            rule = TptStopRule(ConstantStopRule(cfg.max_draft_len),
+                               ConfidenceCalibration(self._acceptance, _DRAFT_KEY),
+                               self._draft_token_ms, self._forward_ms)
         self._recorder = (ResidualRecorder.for_window(cfg.min_history, cfg.history_steps,
                                                       cfg.max_draft_len)
                           if cfg.record_history else None)
@@ -248,12 +271,31 @@ class KnapSpecStep:
         ahead = self._next_plan - self._calls  # steps until the next re-optimisation
         self._calls += 1
         if self._speculate:
-            step = self._speculative
-        elif self._recorder is not None and ahead > self._recorder.capacity:
+            stats = governed_call(self._speculative, state, plan_ms, self.plan_log,
+                                  self._committed)
+            if self._acceptance is not None:
+                self._acceptance.update(_DRAFT_KEY, stats.num_drafted, stats.num_accepted)
+            return stats
+        if self._recorder is not None and ahead > self._recorder.capacity:
             step = self._ar_unrecorded
         else:
             step = self._ar
         return governed_call(step, state, plan_ms, self.plan_log, self._committed)
+
+    # ------------------------------------------------------------------ draft_stop="tpt"
+    def _start_calibration(self, alpha: float) -> None:
+        """A new plan: its acceptance starts from the DP's α̂, its confidence buckets
+        afresh (another plan drafts other tokens with other confidences)."""
+        rule = self.drafter.stop_rule
+        assert isinstance(rule, TptStopRule)
+        self._acceptance = AcceptanceEstimate(prior=alpha, decay=_TPT_DECAY)
+        rule.calibration = ConfidenceCalibration(self._acceptance, _DRAFT_KEY)
+
+    def _draft_token_ms(self) -> float:
+        return self.draft_latency.draft_ms(self.drafter.plan, self._context_len)
+
+    def _forward_ms(self, num_tokens: int) -> float:
+        return self.latency.verify_ms(self._context_len, num_tokens)
 
     # ------------------------------------------------------------------ planning
     @torch.inference_mode()
@@ -311,8 +353,10 @@ class KnapSpecStep:
                              cfg.max_draft_len)
         self._speculate = choice.candidate is not None
         if choice.candidate is not None:
-            self.drafter.plan = SkipPlan(choice.candidate.skip_attention,
-                                         choice.candidate.skip_mlp)
+            plan = SkipPlan(choice.candidate.skip_attention, choice.candidate.skip_mlp)
+            if self._acceptance is not None and plan != self.drafter.plan:
+                self._start_calibration(choice.alpha)
+            self.drafter.plan = plan
         ms = (time.perf_counter() - t0) * 1e3
         record_ = Reoptimization(self._calls, n, r, (w_attn, w_mlp), len(candidates), choice, ms,
                                  predicted, bin_width, recorded)

@@ -5,7 +5,11 @@ Per token (batch 1):
 1. run layers ``[0, c)``; an exit head at layer ``c`` proposes ``k`` speculative tokens, the
    candidates (:class:`HeadCandidates`; SpecEE uses an EAGLE draft head, which selfspec does
    not have: an exit head of the model itself is the cheap drafter we already train, and its
-   top-``k`` costs one head call over the draft vocabulary);
+   top-``k`` costs one head call over the draft vocabulary). With ``ngram``, the token that
+   prompt lookup predicts from the context (:class:`~selfspec.decoding.ngram.ContextIndex`,
+   free) replaces the head's ``k``-th candidate when it is not among them
+   (:func:`merge_ngram`): on code it is right where the mid-depth head is not (copied
+   identifiers), which raises the candidates' recall, the ceiling on exits;
 2. from layer ``c`` on, after each layer, the candidates' features (logits, local
    probabilities, their change; :func:`~selfspec.heads.predictor.candidate_features`) and, at
    the layers the scheduler activates, that layer's predictor MLP; the first predictor above
@@ -36,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.decoding.draft_vocab import DraftVocab
+from selfspec.decoding.ngram import ContextIndex
 from selfspec.decoding.sampling import choose_next
 from selfspec.decoding.skipped_kv import SkippedKV
 from selfspec.decoding.state import DecodeState
@@ -46,6 +51,32 @@ from selfspec.heads.predictor import ExitPredictors, candidate_features
 
 QUEUE_SIZE = 5   # SpecEE §5: the last 5 exit layers
 RADIUS = 2       # each adds its neighbours ±2
+CANDIDATE_SOURCES = ("head", "head+ngram")
+NGRAM_MAX, NGRAM_MIN = 4, 2  # prompt lookup's n-gram lengths (as the ngram method's)
+
+
+def merge_ngram(ids: torch.Tensor, ngram: torch.Tensor) -> torch.Tensor:
+    """Head candidates with the prompt-lookup token in the last slot where it is missing.
+
+    Args:
+        ids: ``[..., k]`` int64 head candidates, most likely first.
+        ngram: ``[...]`` int64 prompt-lookup token per position, ``-1`` where none.
+
+    Returns:
+        ``[..., k]``: ``ids`` where ``ngram`` is ``-1`` or already a candidate, else ``ids``
+        with its ``k``-th entry replaced by ``ngram``. Training and decoding both use this, so
+        the predictors see the candidates decoding gives them.
+    """
+    replace = (ngram >= 0) & ~(ids == ngram.unsqueeze(-1)).any(-1)
+    out = ids.clone()
+    out[..., -1] = torch.where(replace, ngram, ids[..., -1])
+    return out
+
+
+def ngram_token(index: ContextIndex) -> int:
+    """The token prompt lookup predicts after ``index``'s sequence, or ``-1``."""
+    found = index.next_token(index.tokens[-NGRAM_MAX:], NGRAM_MIN)
+    return -1 if found is None else found[0]
 
 
 class PredictorSchedule:
@@ -123,22 +154,27 @@ class HeadCandidates:
         head: ``head(hidden [1, 1, H]) -> logits [1, 1, V or R]``.
         k: number of candidates.
         vocab: the head scores only ``vocab.rows`` (``R`` logits), or ``None`` (``V``).
+        ngram: merge in the prompt-lookup token (:func:`merge_ngram`).
     """
 
     def __init__(self, executor: LayerExecutor, layer: int, head: Callable[[torch.Tensor], torch.Tensor],
-                 k: int, vocab: DraftVocab | None = None) -> None:
+                 k: int, vocab: DraftVocab | None = None, ngram: bool = False) -> None:
         self.layer = layer
         self.head = head
         self.k = k
         self.vocab = vocab
+        self.ngram = ngram
         self._weight = executor.lm_head.weight
         self._bias = executor.lm_head.bias
 
-    def __call__(self, hidden: torch.Tensor) -> Candidates:
-        """Candidates from the hidden state ``[1, 1, H]`` leaving layer ``layer - 1``."""
+    def __call__(self, hidden: torch.Tensor, ngram: int = -1) -> Candidates:
+        """Candidates from the hidden state ``[1, 1, H]`` leaving layer ``layer - 1`` and
+        the prompt-lookup token ``ngram`` (``-1``: none; ignored without ``self.ngram``)."""
         logits = self.head(hidden)[0, -1]                      # [V] or [R]
         top = torch.topk(logits, self.k).indices
         ids = top if self.vocab is None else self.vocab.rows[top]
+        if self.ngram and ngram >= 0:
+            ids = merge_ngram(ids, torch.tensor(ngram, dtype=ids.dtype, device=ids.device))
         return Candidates(ids, self._weight[ids], None if self._bias is None else self._bias[ids])
 
 
@@ -182,11 +218,14 @@ class SpecEEStep:
         self._kv: SkippedKV | None = None
         self._feature_layers = frozenset(predictors.layers)
         self._last = max(predictors.layers)
+        self._index: ContextIndex | None = None
 
     def start(self, state: DecodeState) -> None:
-        """Begin a generation: fresh KV policy state and schedule queue."""
+        """Begin a generation: fresh KV policy state, schedule queue and (with n-gram
+        candidates) prompt-lookup index over the prompt."""
         self._kv = self._make_kv(state.executor, state.cache)
         self.schedule.reset()
+        self._index = ContextIndex(NGRAM_MAX, NGRAM_MIN) if self.candidates.ngram else None
 
     def __call__(self, state: DecodeState) -> StepStats:
         ex, kv = state.executor, self._kv
@@ -198,7 +237,11 @@ class SpecEEStep:
         first = self.candidates.layer
         hidden = kv.advance(first)
         tp = time.perf_counter()
-        cand = self.candidates(hidden)
+        ngram = -1
+        if self._index is not None:  # index the committed tokens it has not seen
+            self._index.extend(state.tokens[len(self._index):])
+            ngram = ngram_token(self._index)
+        cand = self.candidates(hidden, ngram)
         predictor_s = time.perf_counter() - tp
         active = self.schedule.active()
         previous = None

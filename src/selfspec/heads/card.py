@@ -173,6 +173,9 @@ class PredictorCard:
         thresholds / token_accuracy / mean_layers: the held-out simulation at each threshold
             (every predictor active): share of emitted tokens equal to the final layer's, and
             mean layers run per token (``L`` for a token no predictor lets exit).
+        candidates: ``"head"`` (the head's top-``k``) or ``"head+ngram"`` (the prompt-lookup
+            token replaces the head's ``k``-th when it is not among them:
+            :func:`~selfspec.decoding.specee.merge_ngram`).
     """
 
     candidate_layer: int
@@ -193,6 +196,7 @@ class PredictorCard:
     thresholds: list[float] = field(default_factory=list)
     token_accuracy: list[float] = field(default_factory=list)
     mean_layers: list[float] = field(default_factory=list)
+    candidates: str = "head"
 
 
 @dataclass

@@ -35,6 +35,10 @@ class Options:
                                   "and verification forwards when they cover it (false: a "
                                   "read-only pass every time, the paper)")
     draft_weights: str | None = draft_weights_option()
+    tpt_stop: bool = option(False, "end each draft token by token where the predicted "
+                            "tokens/s peak, from each token's calibrated confidence "
+                            "(decoding/tpt_stop.py), instead of the paper's rule (§3.5: top-1 "
+                            "probability < confidence, or max_draft_len)")
 
 
 def build(context: MethodContext, options: Options) -> Step:
@@ -49,7 +53,7 @@ def build(context: MethodContext, options: Options) -> Step:
                             max_draft_len=options.max_draft_len, confidence=options.confidence,
                             plan_budget=options.plan_budget, max_backoff=options.max_backoff,
                             record_history=options.record_history,
-                            alpha_vocab=options.alpha_vocab)
+                            alpha_vocab=options.alpha_vocab, draft_stop="tpt" if options.tpt_stop else "confidence")
     ex = context.executor
     if options.draft_weights is None:
         return KnapSpecStep(ex, context.latency(), config)

@@ -14,7 +14,12 @@ from dataclasses import dataclass
 
 from selfspec.decoding.loop import Step
 from selfspec.decoding.skipped_kv import KV_POLICIES, make_skipped_kv
-from selfspec.decoding.specee import HeadCandidates, PredictorSchedule, SpecEEStep
+from selfspec.decoding.specee import (
+    CANDIDATE_SOURCES,
+    HeadCandidates,
+    PredictorSchedule,
+    SpecEEStep,
+)
 from selfspec.errors import InvalidArgumentError
 from selfspec.heads.files import DEFAULT as DEFAULT_HEADS
 from selfspec.methods.base import MethodContext, MethodSpec
@@ -46,6 +51,10 @@ class Options:
     draft_vocab: int | None = option(None, "candidates are the head's top-k over the K most "
                                      "frequent tokens", low=1, high="V",
                                      default_text="as trained (the card's draft_vocab)")
+    candidates: str | None = option(None, "'head' (the head's top-k) or 'head+ngram' (the "
+                                    "prompt-lookup token replaces the k-th when missing)",
+                                    choices=CANDIDATE_SOURCES,
+                                    default_text="as trained (the card's candidates)")
 
 
 def build(context: MethodContext, options: Options) -> Step:
@@ -72,7 +81,9 @@ def build(context: MethodContext, options: Options) -> Step:
     else:
         vocab = None
         call = lambda hidden: ex.logits(hidden, head)
-    candidates = HeadCandidates(ex, pc.candidate_layer, call, pc.num_candidates, vocab)
+    source = options.candidates or pc.candidates
+    candidates = HeadCandidates(ex, pc.candidate_layer, call, pc.num_candidates, vocab,
+                                ngram=source == "head+ngram")
     if options.schedule == "all":
         offline = None
     else:

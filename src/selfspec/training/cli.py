@@ -155,6 +155,9 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
                          "vocabulary)")
     pp.add_argument("--offline", type=int_arg(1), default=None,
                     help="offline layer-set size (default round(L/4), as SpecEE's 8 of 32)")
+    pp.add_argument("--candidates", choices=("head", "head+ngram"), default="head",
+                    help="head = the head's top-k; head+ngram = the prompt-lookup token "
+                         "replaces the k-th when it is not among them")
     pp.add_argument("--epochs", type=int_arg(1), default=30)
     _add_data_args(pp, "stdlib,gsm")
     pp.set_defaults(func=_cmd_train_predictors)
@@ -470,7 +473,7 @@ def _cmd_train_predictors(args: argparse.Namespace) -> int:
         data = replace(data, data=PREDICTOR_DATA)
     request = PredictorRequest(heads=args.heads, candidate_layer=args.candidate_layer,
                                num_candidates=args.k, draft_vocab=args.draft_vocab,
-                               offline=args.offline, data=data,
+                               offline=args.offline, candidates=args.candidates, data=data,
                                config=PredictorTrainConfig(epochs=args.epochs))
     engine = _load_engine(args, args.model, args.dtype)
     outcome = train_predictors(engine, request, progress=not args.quiet)
@@ -486,6 +489,8 @@ def _print_predictors(card, out=None) -> None:
         return
     vocab = f"top-{pc.num_candidates} of {pc.draft_vocab} tokens" if pc.draft_vocab else \
         f"top-{pc.num_candidates} of the full vocabulary"
+    if pc.candidates == "head+ngram":
+        vocab += " (prompt lookup's token in the last slot when missing)"
     print(f"\nSpecEE predictors: candidates = the layer-{pc.candidate_layer} head's {vocab}; "
           f"MLP {3 * pc.num_candidates}→{pc.hidden}→1 at layers {pc.layers[0]}..{pc.layers[-1]}; "
           f"{pc.train_tokens} train / {pc.eval_tokens} held-out tokens, {pc.epochs} epochs, "

@@ -541,6 +541,7 @@ class PredictorRequest:
         draft_vocab: candidates are the head's top-``k`` over the ``K`` most frequent tokens
             (``0`` = the full vocabulary; capped at ``V``).
         offline: size of the offline layer set (``None`` = ``round(L/4)``, as SpecEE's 8 of 32).
+        candidates: ``"head"`` or ``"head+ngram"`` (:func:`~selfspec.decoding.specee.merge_ngram`).
         data: :class:`DataRequest`.
         config: :class:`~selfspec.training.predictors.PredictorTrainConfig`.
     """
@@ -550,6 +551,7 @@ class PredictorRequest:
     num_candidates: int = 4
     draft_vocab: int = DEFAULT_CANDIDATE_VOCAB
     offline: int | None = None
+    candidates: str = "head"
     data: DataRequest = field(default_factory=DataRequest)
     config: PredictorTrainConfig = field(default_factory=PredictorTrainConfig)
 
@@ -592,6 +594,26 @@ def head_candidates(engine: Engine, head: ExitHead, hidden: torch.Tensor, k: int
     return torch.cat(out)
 
 
+def ngram_tokens(items: Sequence[CorpusItem]) -> torch.Tensor:
+    """``[N]`` int64 prompt-lookup token at every scored position of ``items``, ``-1`` where
+    there is none, in the order of :func:`~selfspec.training.features.load_features` (items
+    grouped by source). Position ``t`` looks up ``token_ids[: t + 1]``, as SpecEE decoding does
+    before the token at ``t + 1`` (:func:`~selfspec.decoding.specee.ngram_token`)."""
+    from selfspec.decoding.ngram import ContextIndex
+    from selfspec.decoding.specee import NGRAM_MAX, NGRAM_MIN, ngram_token
+
+    out: list[int] = []
+    for source in dict.fromkeys(i.source for i in items):
+        for item in (i for i in items if i.source == source):
+            index = ContextIndex(NGRAM_MAX, NGRAM_MIN)
+            index.extend(list(item.token_ids[:item.score_from + 1]))
+            for t in range(item.score_from, len(item.token_ids) - 1):
+                if t > item.score_from:
+                    index.extend([item.token_ids[t]])
+                out.append(ngram_token(index))
+    return torch.tensor(out, dtype=torch.long)
+
+
 def train_predictors(engine: Engine, request: PredictorRequest,
                      progress: bool = True) -> PredictorOutcome:
     """Fit SpecEE predictors at every layer from the candidate layer on, rank the offline
@@ -606,10 +628,14 @@ def train_predictors(engine: Engine, request: PredictorRequest,
             :func:`~selfspec.heads.load_heads`.
     """
     from selfspec.decoding.draft_vocab import frequent_rows
+    from selfspec.decoding.specee import CANDIDATE_SOURCES, merge_ngram
     from selfspec.models.eos import eos_token_ids
 
     ex = engine.executor
     num_layers = ex.num_layers
+    if request.candidates not in CANDIDATE_SOURCES:
+        raise InvalidArgumentError(f"candidates must be one of {', '.join(CANDIDATE_SOURCES)}, "
+                                   f"got {request.candidates!r}")
     if not 2 <= request.num_candidates <= 64:
         raise InvalidArgumentError(f"--k must be in [2, 64], got {request.num_candidates}")
     if request.draft_vocab < 0:
@@ -642,9 +668,14 @@ def train_predictors(engine: Engine, request: PredictorRequest,
         raise InvalidArgumentError("the predictors need training and held-out tokens; give more data")
     t0 = time.perf_counter()
 
+    lookups = ngram_tokens(prepared.items) if request.candidates == "head+ngram" else None
+    assert lookups is None or lookups.numel() == features.num_tokens, "positions out of step"
+
     def data_of(idx: torch.Tensor) -> PredictorData:
         hidden = {x: features.hidden[x][idx] for x in layers}
         cands = head_candidates(engine, head, hidden[layer], request.num_candidates, rows)
+        if lookups is not None:
+            cands = merge_ngram(cands, lookups[idx])
         return predictor_data(ex, hidden, cands, features.teacher_token[idx], layers)
 
     train_data, eval_data = data_of(train_idx), data_of(eval_idx)
@@ -664,7 +695,7 @@ def train_predictors(engine: Engine, request: PredictorRequest,
         precision=evaluation.precision, train_tokens=int(train_idx.numel()),
         eval_tokens=int(eval_idx.numel()), epochs=request.config.epochs, seconds=seconds,
         thresholds=list(THRESHOLD_SWEEP), token_accuracy=[e.token_accuracy for e in sweep],
-        mean_layers=[e.mean_exit_layer for e in sweep])
+        mean_layers=[e.mean_exit_layer for e in sweep], candidates=request.candidates)
     container.card.set_prompts(prepared.uses(PREDICTOR_USES))
     save_heads(container, target)
     return PredictorOutcome(target, container, times, evaluation)
