@@ -8,8 +8,8 @@ import pytest
 import torch
 from tiny import run_step, tiny_model
 
-from selfspec.decoding.skipped_kv import KV_POLICIES, make_skipped_kv
 from selfspec.decoding.ngram import ContextIndex
+from selfspec.decoding.skipped_kv import KV_POLICIES, make_skipped_kv
 from selfspec.decoding.specee import (
     HeadCandidates,
     PredictorSchedule,
