@@ -445,3 +445,27 @@ def test_ngram_candidates_put_the_lookup_token_in_the_last_slot(executor):
     index = ContextIndex(4, 2)
     index.extend(state.tokens[:-1])
     assert seen[-1][0] == ngram_token(index)
+
+
+def test_predictors_train_only_on_prompts_the_candidate_head_did_not_train_on():
+    """The head's top-k is right more often on its own training text: predictors fitted there
+    would be over-confident on new text, so those prompts are left out of their training."""
+    from selfspec.training.corpus import CALIBRATION, TEST, TRAIN, CorpusItem
+    from selfspec.training.pipeline import predictor_splits
+
+    items = [CorpusItem("onpolicy:humaneval", "HumanEval/1", (1, 2, 3), 0, TRAIN),  # 2 positions
+             CorpusItem("stdlib", "a.py", (1, 2, 3, 4), 0, TRAIN),                   # 3
+             CorpusItem("onpolicy:humaneval", "HumanEval/2", (5, 6), 0, CALIBRATION),  # 1
+             CorpusItem("onpolicy:humaneval", "HumanEval/3", (5, 6, 7), 0, TEST)]      # 2
+    # load_features' order: onpolicy:humaneval items (1, 2, 3), then stdlib
+    split = torch.tensor([TRAIN, TRAIN, CALIBRATION, TEST, TEST, TRAIN, TRAIN, TRAIN],
+                         dtype=torch.int8)
+
+    class Features:
+        pass
+
+    features = Features()
+    features.split = split
+    train, held_out = predictor_splits(items, features, {("humaneval", "HumanEval/1")})
+    assert train.tolist() == [2, 5, 6, 7]        # HumanEval/2 (calibration split) + stdlib
+    assert held_out.tolist() == [3, 4]
