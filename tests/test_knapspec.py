@@ -134,14 +134,20 @@ def test_knapspec_greedy_equals_autoregressive(executor, ar_tokens, attn, mlp):
     assert all(r.weights == (round(attn / unit), round(mlp / unit)) for r in step.history)
 
 
-def test_knapspec_drafts_when_a_plan_pays():
-    """An identity last layer: skipping it is free and exact, so a plan pays."""
+def _identity_last_layer():
+    """A tiny model whose last layer is the identity (skipping it is free and exact), and
+    its greedy tokens."""
     model = tiny_model("llama", seed=4).float()
     layer = model.model.layers[-1]
     layer.self_attn.o_proj.weight.zero_()
     layer.mlp.down_proj.weight.zero_()
     ex = LayerExecutor(model)
-    reference = run_step(ex, ArStep(), PROMPT, max_new_tokens=30).tokens
+    return ex, run_step(ex, ArStep(), PROMPT, max_new_tokens=30).tokens
+
+
+def test_knapspec_drafts_when_a_plan_pays():
+    """An identity last layer: skipping it is free and exact, so a plan pays."""
+    ex, reference = _identity_last_layer()
     step = KnapSpecStep(ex, _latency(ex), KnapSpecConfig(reoptimize_every=8, confidence=0.01,
                                                           plan_budget=1e9))
     state = run_step(ex, step, PROMPT, max_new_tokens=30)
@@ -488,12 +494,7 @@ def test_knapspec_tpt_draft_stop_keeps_the_greedy_tokens_and_calibrates_the_plan
 def test_knapspec_tpt_draft_stop_drafts_long_when_the_plan_is_exact():
     """An identity last layer (a free, exact plan): the calibrated stop lets drafts run to
     max_draft_len, where the paper's 0.7 rule stops at the tiny model's low confidences."""
-    model = tiny_model("llama", seed=4).float()
-    layer = model.model.layers[-1]
-    layer.self_attn.o_proj.weight.zero_()
-    layer.mlp.down_proj.weight.zero_()
-    ex = LayerExecutor(model)
-    reference = run_step(ex, ArStep(), PROMPT, max_new_tokens=30).tokens
+    ex, reference = _identity_last_layer()
     drafted = {}
     for stop in ("confidence", "tpt"):
         step = KnapSpecStep(ex, _latency(ex), KnapSpecConfig(reoptimize_every=8, plan_budget=1e9,
