@@ -53,7 +53,8 @@ def build(context: MethodContext, options: Options) -> Step:
                             max_draft_len=options.max_draft_len, confidence=options.confidence,
                             plan_budget=options.plan_budget, max_backoff=options.max_backoff,
                             record_history=options.record_history,
-                            alpha_vocab=options.alpha_vocab, draft_stop="tpt" if options.tpt_stop else "confidence")
+                            alpha_vocab=options.alpha_vocab,
+                            draft_stop="tpt" if options.tpt_stop else "confidence")
     ex = context.executor
     if options.draft_weights is None:
         return KnapSpecStep(ex, context.latency(), config)

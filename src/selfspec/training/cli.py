@@ -155,6 +155,7 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
                          "vocabulary)")
     pp.add_argument("--offline", type=int_arg(1), default=None,
                     help="offline layer-set size (default round(L/4), as SpecEE's 8 of 32)")
+    # decoding.specee.CANDIDATE_SOURCES, spelled out: the parser is built without torch
     pp.add_argument("--candidates", choices=("head", "head+ngram"), default="head",
                     help="head = the head's top-k; head+ngram = the prompt-lookup token "
                          "replaces the k-th when it is not among them")
