@@ -210,11 +210,18 @@ def load_features(executor: object, items: Sequence[CorpusItem], layers: Sequenc
     if not items:
         raise InvalidArgumentError("the corpus is empty: no text to train or calibrate on")
     layers = sorted(set(layers))
-    parts = []
-    for source in dict.fromkeys(i.source for i in items):
-        group = [i for i in items if i.source == source]
-        parts.append(_load_source(executor, source, group, layers, cache_root, progress))
+    parts = [_load_source(executor, source, group, layers, cache_root, progress)
+             for source, group in by_source(items).items()]
     return FeatureSet.concat(parts)
+
+
+def by_source(items: Sequence[CorpusItem]) -> dict[str, list[CorpusItem]]:
+    """``items`` grouped by source, sources in order of first appearance: the order in which
+    :func:`load_features` lays out their scored positions."""
+    groups: dict[str, list[CorpusItem]] = {}
+    for item in items:
+        groups.setdefault(item.source, []).append(item)
+    return groups
 
 
 def _load_source(executor: object, source: str, items: list[CorpusItem], layers: list[int],

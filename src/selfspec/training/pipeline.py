@@ -65,7 +65,7 @@ from selfspec.training.corpus import (
     parse_data_spec,
 )
 from selfspec.training.engine import Engine
-from selfspec.training.features import FeatureSet, load_features
+from selfspec.training.features import FeatureSet, by_source, load_features
 from selfspec.training.placement import check_layers, default_layers
 from selfspec.training.predictors import (
     PredictorData,
@@ -599,9 +599,8 @@ def head_candidates(engine: Engine, head: ExitHead, hidden: torch.Tensor, k: int
 
 def in_feature_order(items: Sequence[CorpusItem]) -> list[CorpusItem]:
     """``items`` in the order :func:`~selfspec.training.features.load_features` lays out their
-    scored positions (grouped by source, first appearance first)."""
-    return [i for source in dict.fromkeys(i.source for i in items)
-            for i in items if i.source == source]
+    scored positions (:func:`~selfspec.training.features.by_source`)."""
+    return [i for group in by_source(items).values() for i in group]
 
 
 def ngram_tokens(items: Sequence[CorpusItem]) -> torch.Tensor:
@@ -617,9 +616,8 @@ def ngram_tokens(items: Sequence[CorpusItem]) -> torch.Tensor:
         index = ContextIndex(NGRAM_MAX, NGRAM_MIN)
         index.extend(list(item.token_ids[:item.score_from + 1]))
         for t in range(item.score_from, len(item.token_ids) - 1):
-            if t > item.score_from:
-                index.extend([item.token_ids[t]])
             out.append(ngram_token(index))
+            index.extend([item.token_ids[t + 1]])
     return torch.tensor(out, dtype=torch.long)
 
 
