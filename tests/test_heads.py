@@ -596,3 +596,28 @@ def test_loaded_heads_do_not_change_when_their_file_is_rewritten_in_place(
     for layer, scores in before.items():
         assert torch.all(reread.calibration[layer].scores["entropy"] == -50.0)
         assert torch.equal(loaded.calibration[layer].scores["entropy"], scores)
+
+
+def test_data_spec_weights_give_a_source_k_times_the_share(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from selfspec.training import corpus
+
+    assert corpus.parse_data_spec("stdlib, onpolicy:stdlib*3") == ["stdlib", "onpolicy:stdlib*3"]
+    assert corpus.source_weight("onpolicy:stdlib*3") == ("onpolicy:stdlib", 3)
+    assert corpus.dataset_of("onpolicy:stdlib*3") == "stdlib"
+    for bad, match in [("stdlib*0", "weight"), ("stdlib*x", "weight"),
+                       ("stdlib,stdlib*2", "twice"), ("nope*2", "unknown")]:
+        with pytest.raises(InvalidArgumentError, match=match):
+            corpus.parse_data_spec(bad)
+    budgets = []
+
+    def record(prompts, budget, make, max_len):
+        budgets.append(budget.tokens)
+        return []
+
+    monkeypatch.setattr(corpus, "select_items", record)
+    monkeypatch.setattr(corpus, "load_dataset_prompts", lambda name: [])
+    engine = SimpleNamespace(executor=SimpleNamespace(max_positions=64))
+    corpus.build_corpus(engine, ["stdlib", "onpolicy:stdlib*3"], 4000, tmp_path, progress=False)
+    assert budgets == [(1000, 250, 250), (3000, 750, 750)]

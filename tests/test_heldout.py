@@ -56,6 +56,26 @@ def test_a_prompt_seen_in_training_is_dropped_by_default(engine, tmp_path):
     assert "IN-SAMPLE" not in report.table
 
 
+def test_a_dropped_prompt_is_replaced_by_the_next_held_out_one_up_to_n(engine, tmp_path):
+    """With ``n``, the run keeps ``n`` held-out prompts: a seen one is replaced, not lost."""
+    heads = _heads_file(engine, tmp_path / "h", [PromptUse("train", "humaneval", ["HumanEval/0"])])
+    prompts = [PROMPTS[0], PROMPTS[1], Prompt("HumanEval/2", "def mul(a, b):\n", chat=False)]
+    methods = parse_methods(f"ar,layerskip:exit_layer=2,draft_len=2,heads={heads}")
+    opts = BenchOptions(dataset="humaneval", max_new_tokens=6, out_dir=tmp_path / "out",
+                        bandwidth_mib=0, score=False, plots=False, n=1)
+    report = run_benchmark(engine, methods, prompts, opts)
+    assert report.info.n == 1 and report.info.dropped_prompts == ["HumanEval/0"]
+    assert {r.prompt_id for r in report.run.records} == {"HumanEval/1"}  # not HumanEval/2
+    assert "replaced by the next held-out ones (HumanEval/0)" in (
+        tmp_path / "out" / "report.md").read_text()
+    check = check_held_out(prompts, "humaneval", methods, engine.name, limit=5)
+    assert [p.id for p in check.prompts] == ["HumanEval/1", "HumanEval/2"]  # all there are
+    check = check_held_out(prompts, "humaneval", methods, engine.name, limit=2,
+                           allow_in_sample=True)
+    assert [p.id for p in check.prompts] == ["HumanEval/0", "HumanEval/1"]
+    assert check.in_sample == ["HumanEval/0"] and check.dropped == []
+
+
 def test_allow_in_sample_keeps_the_prompt_and_labels_the_run(engine, tmp_path):
     heads = _heads_file(engine, tmp_path / "h",
                         [PromptUse("calibration", "humaneval", ["HumanEval/0"])])

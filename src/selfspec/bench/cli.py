@@ -60,7 +60,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                              '"prompt": ..., "chat": true|false (default false), '
                              '"reference": ... (optional, scored for accuracy)}')
     p.add_argument("--n", type=int, default=None,
-                   help="prompts per method (default: 10 of a --dataset, all of --prompts)")
+                   help="prompts per method (default: 10 of a --dataset, all of --prompts); a prompt "
+                        "that trained a method's heads is replaced by the next held-out one")
     p.add_argument("--max-new-tokens", type=int_arg(1), default=128)
     p.add_argument("--batch-size", type=int_arg(1, 256), default=1,
                    help="prompts each method generates together as one ragged batch (ar, ngram "
@@ -125,18 +126,26 @@ def _methods(args: argparse.Namespace) -> list:
 
 def _prompts(args: argparse.Namespace, dataset: str) -> list:
     """The prompts to run: ``--n`` of the ``--dataset`` (default 10) or of the ``--prompts``
-    file (default all), chosen by ``--seed``; ``dataset`` is the report's label.
+    file (default all), chosen by ``--seed``, followed by the rest of the set (replacements
+    for prompts the held-out check drops); ``dataset`` is the report's label.
 
     Raises:
         InvalidArgumentError: a malformed prompt file, a bad ``--n``.
         DatasetUnavailableError: the dataset's package is not installed.
     """
     from selfspec.data import load_prompt_file, load_prompts
-    from selfspec.data.prompt import select
+    from selfspec.data.prompt import with_reserve
 
     if args.prompts is None:
-        return load_prompts(args.dataset, 10 if args.n is None else args.n, args.seed)
-    return select(load_prompt_file(args.prompts), args.n, args.seed, dataset)
+        # Every prompt, the chosen n first: the run replaces prompts that trained a
+        # method's heads with the next ones (BenchOptions.n), so n prompts still run.
+        return with_reserve(load_prompts(args.dataset), _n(args), args.seed, dataset)
+    return with_reserve(load_prompt_file(args.prompts), args.n, args.seed, dataset)
+
+
+def _n(args: argparse.Namespace) -> int:
+    """Prompts to run: ``--n``, 10 for a dataset by default."""
+    return 10 if args.n is None else args.n
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -184,7 +193,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bandwidth_mib=args.bandwidth_mib, plots=args.plots,
         command="selfspec " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "",
         allow_in_sample=args.allow_in_sample, resume=args.resume is not None,
-        overwrite=args.overwrite, batch_size=args.batch_size)
+        overwrite=args.overwrite, batch_size=args.batch_size,
+        n=_n(args) if args.prompts is None else args.n)
     if out is None:  # a new folder, never one another run took
         out = outdir.claim_new_dir(Path("out", "bench", "{}-{}-{}".format(
             Path(model).name, dataset.replace(":", "-"),

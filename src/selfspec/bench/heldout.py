@@ -40,6 +40,9 @@ class HeldOutCheck:
         dropped: ids of the prompts removed (empty when in-sample prompts are allowed).
         files: head file → the method labels that read it (every file checked).
         legacy_files: files whose card predates prompt records (checked by split).
+        considered: how many of the given prompts were looked at (all of them, or up to the
+            last one needed to fill ``limit``).
+        replaced: dropped prompts were replaced by later ones (a ``limit`` was given).
     """
 
     prompts: list[Prompt]
@@ -47,6 +50,8 @@ class HeldOutCheck:
     dropped: list[str] = field(default_factory=list)
     files: dict[str, list[str]] = field(default_factory=dict)
     legacy_files: list[str] = field(default_factory=list)
+    considered: int = 0
+    replaced: bool = False
 
     @property
     def is_in_sample(self) -> bool:
@@ -61,8 +66,12 @@ class HeldOutCheck:
         if self.is_in_sample:
             return (f"**IN-SAMPLE RUN**: {len(self.in_sample)} of {total} prompts were seen in "
                     f"training, calibration or probe fitting by {names} (--allow-in-sample)")
-        dropped = (f"; {len(self.dropped)} of {total} prompts seen there were dropped"
-                   if self.dropped else "")
+        dropped = ""
+        if self.dropped and self.replaced:
+            dropped = (f"; {len(self.dropped)} prompts seen there were replaced by the next "
+                       f"held-out ones ({', '.join(self.dropped)})")
+        elif self.dropped:
+            dropped = f"; {len(self.dropped)} of {total} prompts seen there were dropped"
         legacy = (f" (cards without prompt records, checked by their training split: "
                   f"{', '.join(self.legacy_files)})" if self.legacy_files else "")
         return f"held out: all {len(self.prompts)} prompts are unseen by {names}{dropped}{legacy}"
@@ -84,7 +93,8 @@ def seen_prompts(card, dataset: str, prompts: Sequence[Prompt]) -> set[str]:
 
 
 def check_held_out(prompts: Sequence[Prompt], dataset: str, methods: Sequence[MethodConfig],
-                   model: str, allow_in_sample: bool = False) -> HeldOutCheck:
+                   model: str, allow_in_sample: bool = False,
+                   limit: int | None = None) -> HeldOutCheck:
     """Compare ``prompts`` with the cards of every head file ``methods`` read.
 
     Args:
@@ -93,6 +103,8 @@ def check_held_out(prompts: Sequence[Prompt], dataset: str, methods: Sequence[Me
         methods: the benchmark's methods (transformers baselines read no head file).
         model: the model's name (resolves ``heads=default``).
         allow_in_sample: keep seen prompts (the run is then in-sample) instead of dropping.
+        limit: keep the first ``limit`` prompts that are kept, so that a dropped prompt is
+            replaced by the next one (``None``: every prompt is looked at).
 
     Returns:
         :class:`HeldOutCheck`. A missing or unreadable head file is skipped here: its method
@@ -126,7 +138,17 @@ def check_held_out(prompts: Sequence[Prompt], dataset: str, methods: Sequence[Me
         if not card.records_prompts:
             legacy.append(path)
         seen |= seen_prompts(card, dataset, prompts)
-    in_sample = [p.id for p in prompts if p.id in seen]
-    kept = list(prompts) if allow_in_sample else [p for p in prompts if p.id not in seen]
+    kept: list[Prompt] = []
+    considered = 0
+    for prompt in prompts:
+        if limit is not None and len(kept) == limit:
+            break
+        considered += 1
+        if allow_in_sample or prompt.id not in seen:
+            kept.append(prompt)
+    in_sample = [p.id for p in prompts[:considered] if p.id in seen]
     dropped = [] if allow_in_sample else in_sample
-    return HeldOutCheck(kept, in_sample, dropped, files, legacy)
+    if limit is not None and len(kept) < limit:
+        logger.warning("only %d of the %d prompts asked for are held out", len(kept), limit)
+    return HeldOutCheck(kept, in_sample, dropped, files, legacy, considered,
+                        replaced=limit is not None and considered > limit)

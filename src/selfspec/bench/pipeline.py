@@ -90,6 +90,8 @@ class BenchOptions:
             holds files a benchmark run does not write).
         batch_size: prompts each method generates together (ragged batches; a row's wall
             time is its batch's divided by the rows, so tokens/s is the aggregate throughput).
+        n: run the first ``n`` held-out prompts of those given, so a prompt dropped by the
+            held-out check is replaced by the next one (``None`` = every prompt given).
     """
 
     dataset: str
@@ -109,6 +111,7 @@ class BenchOptions:
     resume: bool = False
     overwrite: bool = False
     batch_size: int = 1
+    n: int | None = None
 
 
 @dataclass
@@ -254,14 +257,16 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
     # Scoring HumanEval runs the model's code: find the sandbox before generating anything.
     sandbox = (find_sandbox(options.unsafe_run_code)
                if options.score and accuracy.runs_code(options.dataset) else None)
-    held = check_held_out(prompts, options.dataset, methods, engine.name, options.allow_in_sample)
+    held = check_held_out(prompts, options.dataset, methods, engine.name, options.allow_in_sample,
+                          limit=options.n)
     if held.dropped:
-        logger.warning("dropped %d of %d prompts seen by %s in training/calibration (pass "
+        logger.warning("%s %d of %d prompts seen by %s in training/calibration (pass "
                        "--allow-in-sample to keep them and label the run in-sample)",
-                       len(held.dropped), len(prompts), ", ".join(held.files))
+                       "replaced" if held.replaced else "dropped", len(held.dropped),
+                       held.considered, ", ".join(held.files))
     if not held.prompts:
         raise InvalidArgumentError(
-            f"all {len(prompts)} prompts were seen in training or calibration by "
+            f"all {held.considered} prompts were seen in training or calibration by "
             f"{', '.join(held.files)}; pick other prompts (--seed, --dataset, --prompts), "
             "heads trained on other data, or pass --allow-in-sample for an in-sample run")
     out_dir = Path(options.out_dir)
@@ -269,7 +274,7 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
     identity = run_identity(engine.name, dtype, methods, prompts, options, held.prompts)
     check_out_dir(out_dir, mode, identity)  # refused before any measurement
     ensure_writable(out_dir)
-    total, prompts = len(prompts), held.prompts
+    total, prompts = held.considered, held.prompts
     encoded = encode_prompts(engine, prompts)
     if runner_factory is None:
         loader = _assistant_loader(engine.model.dtype)

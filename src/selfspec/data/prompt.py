@@ -51,6 +51,23 @@ def select(prompts: list[Prompt], n: int | None, seed: int, dataset: str) -> lis
     return random.Random(seed).sample(prompts, n)
 
 
+def with_reserve(prompts: list[Prompt], n: int | None, seed: int, dataset: str) -> list[Prompt]:
+    """:func:`select`'s ``n`` prompts first, then every other prompt of ``prompts`` (in their
+    own order for ``seed == 0``, seeded-shuffled otherwise): the order from which a benchmark
+    takes replacements for prompts it must drop (``selfspec bench`` drops those that trained
+    a method's heads), so that ``n`` prompts still run.
+
+    Raises:
+        InvalidArgumentError: as :func:`select`.
+    """
+    first = select(prompts, n, seed, dataset)
+    chosen = {p.id for p in first}
+    rest = [p for p in prompts if p.id not in chosen]
+    if seed != 0:
+        random.Random(seed).shuffle(rest)
+    return first + rest
+
+
 def check_n(n: int, dataset: str) -> None:
     """Raise :class:`InvalidArgumentError` unless ``n >= 1``."""
     if n < 1:

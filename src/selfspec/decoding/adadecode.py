@@ -109,15 +109,16 @@ class ThresholdExits:
             ``vocab.rows`` with a reduced draft vocabulary): AdaDecode's lightweight heads,
             full heads, or the model's own final norm + ``lm_head`` (Table 3's "original LM
             head").
-        gamma: threshold in [0, 1).
+        gamma: threshold in [0, 1), or ``[K]`` thresholds, one per head (selfspec's tuned
+            per-head thresholds, :mod:`selfspec.training.adadecode_tuning`).
         vocab: the reduced draft vocabulary the heads score, or ``None`` (all ``V``).
 
     Raises:
         InvalidArgumentError: no head, layers not increasing, lengths differ, or γ out of range.
     """
 
-    def __init__(self, layers: Sequence[int], heads: Sequence[HeadCall], gamma: float,
-                 vocab: DraftVocab | None = None) -> None:
+    def __init__(self, layers: Sequence[int], heads: Sequence[HeadCall],
+                 gamma: float | Sequence[float], vocab: DraftVocab | None = None) -> None:
         layers = list(layers)
         if not layers or len(layers) != len(heads):
             raise InvalidArgumentError(
@@ -125,9 +126,13 @@ class ThresholdExits:
                 f"and {len(heads)} heads")
         if any(b <= a for a, b in zip(layers, layers[1:])):
             raise InvalidArgumentError(f"head layers must increase, got {layers}")
+        gammas = list(gamma) if isinstance(gamma, Sequence) else [gamma] * len(layers)
+        if len(gammas) != len(layers):
+            raise InvalidArgumentError(
+                f"give one threshold per head: {len(layers)} heads, {len(gammas)} thresholds")
         self.layers = layers
         self.heads = list(heads)
-        self.gamma = check_gamma(gamma)
+        self.gammas = [check_gamma(g) for g in gammas]
         self.vocab = vocab
 
     def choose(self, deferred: DeferredLayers, sampling: SamplingConfig,
@@ -135,8 +140,7 @@ class ThresholdExits:
         """Advance the last pending position head by head (batched with the deferred
         positions waiting at each layer); the :class:`Exit` of the first head that predicts
         early, or ``None`` (the position must run to the last layer)."""
-        gamma = self.gamma
-        for layer, head in zip(self.layers, self.heads):
+        for layer, head, gamma in zip(self.layers, self.heads, self.gammas):
             deferred.advance(layer)
             logits = head(deferred.hidden())[0, -1].float()  # [V] or [R]
             if sampling.greedy:

@@ -339,11 +339,21 @@ class LayerExecutor:
         """Bytes of weights one token's full forward reads in decoding (every layer's
         projections in the decoding kernel's format, the norms, the final norm and
         ``lm_head``): the numerator of the bandwidth roofline."""
-        total = self._lm_head.decode_bytes
-        for w in self._weights:
-            total += sum(lin.decode_bytes for lin in (w.qkv, w.o, w.gate_up, w.down))
-            total += sum(t.numel() * t.element_size() for t in (w.attn_norm, w.mlp_norm))
+        total = self._lm_head.decode_bytes + sum(self.decode_layer_bytes(i)
+                                                 for i in range(self.num_layers))
         return total + sum(p.numel() * p.element_size() for p in self.norm.parameters())
+
+    def decode_layer_bytes(self, layer: int = 0) -> int:
+        """Bytes of weights decoder layer ``layer`` reads per decoding call (its projections
+        in the decoding kernel's format and its norms): the unit of cost models."""
+        w = self._weights[layer]
+        return (sum(lin.decode_bytes for lin in (w.qkv, w.o, w.gate_up, w.down))
+                + sum(t.numel() * t.element_size() for t in (w.attn_norm, w.mlp_norm)))
+
+    @property
+    def output_decode_bytes(self) -> int:
+        """Bytes of ``lm_head`` weights one decoding call reads."""
+        return self._lm_head.decode_bytes
 
     @property
     def fp16_rows(self) -> Fp16Rows | None:

@@ -149,6 +149,48 @@ class ProbeCard:
 
 
 @dataclass
+class AdaDecodeCard:
+    """AdaDecode thresholds tuned by replaying Algorithm 1 on held-out greedy text
+    (:mod:`selfspec.training.adadecode_tuning`; ``selfspec heads tune-adadecode``).
+
+    Attributes:
+        layers: head layers used (the others are off), increasing.
+        gammas: ``[len(layers)]`` threshold of each.
+        draft_vocab: the heads score the ``K`` most frequent tokens (``0`` = every token).
+        max_early: early predictions outstanding before a token runs every layer.
+        row_cost / head_cost / output_cost: the cost model (one more position in a layer
+            call, one head check, the output layer), in single-position layer calls.
+        data: on-policy sources replayed.
+        tokens / speedup / acceptance / drafts_per_token: the replay on the calibration split
+            (what was tuned on).
+        test_tokens / test_speedup / test_acceptance: the same setting on the test split.
+        paper_test_speedup: the paper's setting (γ = 0.75 at every head, full vocabulary)
+            replayed on the test split, for comparison.
+        draft_vocabs / vocab_speedups: each vocabulary size tried and its best calibration
+            speedup.
+    """
+
+    layers: list[int]
+    gammas: list[float]
+    draft_vocab: int
+    max_early: int
+    row_cost: float
+    head_cost: float
+    output_cost: float
+    data: list[str]
+    tokens: int
+    speedup: float
+    acceptance: float
+    drafts_per_token: float
+    test_tokens: int
+    test_speedup: float
+    test_acceptance: float
+    paper_test_speedup: float
+    draft_vocabs: list[int] = field(default_factory=list)
+    vocab_speedups: list[float] = field(default_factory=list)
+
+
+@dataclass
 class PredictorCard:
     """SpecEE exit predictors (SpecEE §4-5) stored with the head that drafts their candidates.
 
@@ -286,6 +328,7 @@ class HeadCard:
         calibration: per-head :class:`HeadCalibration` (empty until calibrated).
         probes: per-exit-layer :class:`ProbeCard`.
         predictors: SpecEE's exit predictors (:class:`PredictorCard`), or ``None``.
+        adadecode: AdaDecode's tuned thresholds (:class:`AdaDecodeCard`), or ``None``.
         prompts: every prompt each stage used (:class:`PromptUse`); empty in files written
             before format 2, whose provenance :meth:`seen_prompts` cannot tell.
         created: ISO-8601 time of the last write.
@@ -308,6 +351,7 @@ class HeadCard:
     calibration: list[HeadCalibration] = field(default_factory=list)
     probes: list[ProbeCard] = field(default_factory=list)
     predictors: PredictorCard | None = None
+    adadecode: AdaDecodeCard | None = None
     prompts: list[PromptUse] = field(default_factory=list)
     created: str = ""
     selfspec_version: str = ""
@@ -345,6 +389,8 @@ class HeadCard:
             probes=[ProbeCard(**_floats(p)) for p in data.get("probes", [])],
             predictors=(None if data.get("predictors") is None
                         else _predictor_card(data["predictors"])),
+            adadecode=(None if data.get("adadecode") is None
+                       else AdaDecodeCard(**_floats(data["adadecode"]))),
             prompts=[PromptUse(str(u["use"]), str(u["dataset"]), [str(i) for i in u["ids"]])
                      for u in data.get("prompts", [])],
             created=str(data.get("created", "")),

@@ -47,6 +47,9 @@ class Options:
                                      default_text="none (full vocabulary)")
     verify: bool = option(True, "verify early predictions with the full model (false: "
                           "Table 3's lossy 'w/o verification')")
+    tuned: bool = option(False, "use the head layers, per-head thresholds and draft vocabulary "
+                         "that `selfspec heads tune-adadecode` stored on the heads' card "
+                         "(they replace layers, gamma and draft_vocab)")
 
 
 def quarter_layers(num_layers: int) -> list[int]:
@@ -79,6 +82,22 @@ def _parse_layers(text: str, available: list[int], executor: LayerExecutor,
     return layers
 
 
+def _tuned(trained: object | None, name: str) -> tuple[list[int], list[float], int | None]:
+    """Layers, per-head thresholds and draft vocabulary (``None`` = all) from the card.
+
+    Raises:
+        InvalidArgumentError: ``heads=none``, or heads whose card has no tuned thresholds.
+    """
+    card = None if trained is None else trained.card.adadecode
+    if card is None:
+        raise InvalidArgumentError(
+            f"adadecode:tuned=true reads thresholds tuned for the heads; "
+            + ("heads=none has none" if trained is None else
+               f"the head file {name!r} has none yet: run `selfspec heads tune-adadecode "
+               f"--heads {name}` (a replay of Algorithm 1 on the heads' held-out text)"))
+    return list(card.layers), list(card.gammas), card.draft_vocab or None
+
+
 def build(context: MethodContext, options: Options) -> Step:
     """Threshold exits over the heads' layers + a buffer of ``max_early`` + verification.
 
@@ -92,15 +111,19 @@ def build(context: MethodContext, options: Options) -> Step:
         available, source = quarter_layers(ex.num_layers), "heads=none (the model's lm_head)"
     else:
         available, source = list(trained.layers), f"the head file {options.heads!r}"
-    layers = _parse_layers(options.layers, available, ex, source)
+    if options.tuned:
+        layers, gamma, draft_vocab = _tuned(trained, options.heads)
+    else:
+        layers = _parse_layers(options.layers, available, ex, source)
+        gamma, draft_vocab = options.gamma, options.draft_vocab
     heads = [None if trained is None else trained.head_at(layer) for layer in layers]
     vocab = None
-    if options.draft_vocab is not None:
-        vocab = context.draft_vocab(trained, options.draft_vocab)
+    if draft_vocab is not None:
+        vocab = context.draft_vocab(trained, draft_vocab)
         calls = [context.restricted(head, vocab) for head in heads]
     else:
         calls = [(lambda hidden, head=head: ex.logits(hidden, head)) for head in heads]
-    exits = ThresholdExits(layers, calls, options.gamma, vocab)
+    exits = ThresholdExits(layers, calls, gamma, vocab)
     drafter = ExitDrafter(ex, exits, BufferStopRule(options.max_early))
     return SpeculativeStep(drafter, verifier=None if options.verify else accept_all)
 

@@ -42,7 +42,8 @@ def _add_data_args(p: argparse.ArgumentParser, what: str | None = None) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None,
                    help=f"comma-separated sources: a dataset ({', '.join(DATASETS)}) = prompt "
-                        "+ reference text; onpolicy:DATASET = the model's own greedy answers "
+                        "+ reference text; onpolicy:DATASET = the model's own greedy answers; "
+                        "SOURCE*K = K times an unweighted source's share of --tokens "
                         f"(default: {what}; the card records every prompt used, and "
                         "selfspec bench drops those prompts from its runs)")
     g.add_argument("--tokens", type=int_arg(1), default=None,
@@ -115,6 +116,22 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
                         "those the file was calibrated for before)")
     _add_data_args(c, "the data the heads were trained on")
     c.set_defaults(func=_cmd_calibrate)
+
+    t = sub.add_parser("tune-adadecode",
+                       help="choose AdaDecode's head layers, per-head thresholds and draft "
+                            "vocabulary by replaying its schedule on the heads' held-out "
+                            "on-policy text (read by adadecode:tuned=true)")
+    t.add_argument("path", help="head file or directory, or 'default'")
+    _add_model_args(t, required=False)
+    t.add_argument("--data", default=None,
+                   help="on-policy sources of the heads' training data to replay, e.g. "
+                        "onpolicy:humaneval,onpolicy:stdlib for code (default: all of them)")
+    t.add_argument("--draft-vocab", type=_ints, default=None,
+                   help="draft-vocabulary sizes to try, 0 = the full vocabulary (default: "
+                        "4096,8192,16384,0)")
+    t.add_argument("--max-early", type=int_arg(1), default=5,
+                   help="AdaDecode's outstanding early predictions (default 5, appendix D)")
+    t.set_defaults(func=_cmd_tune_adadecode)
 
     s = sub.add_parser("show", help="print a head file's card (or a skip-set .json file)")
     s.add_argument("path", help="head file or directory, 'default' (with --model), or a "
@@ -294,6 +311,7 @@ def _print_card(card, metric: str = "entropy", out=None) -> None:
               f"{p.train_tokens} train / {p.eval_tokens} held-out tokens, {p.seconds:.1f} s",
               file=out)
     _print_predictors(card, out=out)
+    _print_adadecode(card.adadecode, card.num_layers, out=out)
     _print_prompts(card, out)
 
 
@@ -392,6 +410,46 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     outcome = calibrate_file(engine, str(path), request, epsilons=args.epsilon or DEFAULT_EPSILONS,
                              progress=not args.quiet, draft_vocabs=args.draft_vocab)
     return _report(args, outcome)
+
+
+def _cmd_tune_adadecode(args: argparse.Namespace) -> int:
+    from selfspec.heads.files import read_head_file, resolve_path
+    from selfspec.models.registry import DEFAULT_MODEL
+    from selfspec.training.corpus import parse_data_spec
+    from selfspec.training.pipeline import DEFAULT_TUNE_VOCABS, tune_adadecode_file
+
+    sources = parse_data_spec(args.data) if args.data else None  # refused before loading
+    path = resolve_path(args.path, args.model or DEFAULT_MODEL)
+    card = read_head_file(path).card
+    dtype = args.dtype or (card.training.feature_dtype if card.training else None)
+    engine = _load_engine(args, args.model or card.model, dtype)
+    outcome = tune_adadecode_file(engine, str(path), sources,
+                                  args.draft_vocab or DEFAULT_TUNE_VOCABS, args.max_early,
+                                  progress=not args.quiet)
+    print(outcome.path)
+    _print_adadecode(outcome.card, card.num_layers)
+    print(f"({outcome.seconds:.0f} s; use it with --method adadecode:tuned=true)")
+    return 0
+
+
+def _print_adadecode(ac, num_layers: int, out=None) -> None:
+    if ac is None:
+        return
+    vocab = f"the {ac.draft_vocab} most frequent tokens" if ac.draft_vocab else "every token"
+    print(f"\nAdaDecode tuned by replay on {', '.join(ac.data)} (heads score {vocab}; at most "
+          f"{ac.max_early} early predictions): "
+          + ", ".join(f"layer {layer} γ {g:g}" for layer, g in zip(ac.layers, ac.gammas)),
+          file=out)
+    print(f"replayed speedup over autoregressive decoding: calibration {_f(ac.speedup)} "
+          f"({ac.tokens} tokens, acceptance {_f(ac.acceptance)}, "
+          f"{_f(ac.drafts_per_token)} early predictions / token); test {_f(ac.test_speedup)} "
+          f"({ac.test_tokens} tokens, acceptance {_f(ac.test_acceptance)}); the paper's "
+          f"γ 0.75 at every head on the test text: {_f(ac.paper_test_speedup)}", file=out)
+    print(f"cost model (single-position layer calls of {num_layers}): one more position "
+          f"{ac.row_cost:g}, head check {ac.head_cost:.3f}, output layer {ac.output_cost:.2f}; "
+          "best per draft vocabulary: " + ", ".join(
+              f"{k or 'all'} {_f(v)}" for k, v in zip(ac.draft_vocabs, ac.vocab_speedups)),
+          file=out)
 
 
 def _cmd_show(args: argparse.Namespace) -> int:

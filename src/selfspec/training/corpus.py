@@ -42,6 +42,7 @@ from selfspec.training.onpolicy import DEFAULT_BATCH, generate_greedy_batch
 logger = logging.getLogger(__name__)
 
 ONPOLICY = "onpolicy:"
+WEIGHT_SEP = "*"
 TRAIN, CALIBRATION, TEST = 0, 1, 2
 SPLIT_NAMES = ("train", "calibration", "test")
 # 80% of problems train the heads, 10% calibrate thresholds, 10% test them (DSSD §3.1
@@ -75,8 +76,30 @@ class CorpusItem:
         return max(0, len(self.token_ids) - 1 - self.score_from)
 
 
+def source_weight(entry: str) -> tuple[str, int]:
+    """A data-spec entry's source and share weight (``"onpolicy:stdlib*3"`` →
+    ``("onpolicy:stdlib", 3)``; no ``*K`` → weight 1).
+
+    Raises:
+        InvalidArgumentError: ``K`` is not an integer >= 1.
+    """
+    source, sep, weight = entry.partition(WEIGHT_SEP)
+    if not sep:
+        return entry, 1
+    try:
+        k = int(weight)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise InvalidArgumentError(
+            f"bad weight in data source {entry!r}: write SOURCE*K with K an integer >= 1 "
+            f"(e.g. onpolicy:stdlib*3)")
+    return source, k
+
+
 def dataset_of(source: str) -> str:
-    """The dataset a data-spec entry reads (``"onpolicy:stdlib"`` → ``"stdlib"``)."""
+    """The dataset a data-spec entry reads (``"onpolicy:stdlib*2"`` → ``"stdlib"``)."""
+    source = source.partition(WEIGHT_SEP)[0]
     return source[len(ONPOLICY):] if source.startswith(ONPOLICY) else source
 
 
@@ -96,21 +119,30 @@ def split_of(prompt_id: str) -> int:
 
 
 def parse_data_spec(spec: str | list[str]) -> list[str]:
-    """``"a,onpolicy:b"`` → ``["a", "onpolicy:b"]``, validated.
+    """``"a,onpolicy:b*2"`` → ``["a", "onpolicy:b*2"]``, validated.
 
     Raises:
-        InvalidArgumentError: empty spec or an unknown dataset name.
+        InvalidArgumentError: empty spec, an unknown dataset name, a bad ``*K`` weight or a
+            source named twice.
     """
     from selfspec.data import DATASETS
 
     names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
     if not names:
         raise InvalidArgumentError("give at least one data source, e.g. --data humaneval")
+    seen = set()
     for name in names:
+        source, _ = source_weight(name)
         if dataset_of(name) not in DATASETS:
             raise InvalidArgumentError(
                 f"unknown data source {name!r}; use a dataset ({', '.join(DATASETS)}) for "
-                f"teacher-forced reference text or onpolicy:DATASET for the model's own answers")
+                f"teacher-forced reference text or onpolicy:DATASET for the model's own "
+                f"answers, optionally *K for K times the share (onpolicy:stdlib*3)")
+        if source in seen:
+            raise InvalidArgumentError(
+                f"data source {source!r} is named twice; give it once with a weight "
+                f"({source}*K) for a larger share")
+        seen.add(source)
     return names
 
 
@@ -286,15 +318,15 @@ def build_corpus(engine: Engine, data: list[str], train_tokens: int, cache_root:
                  max_new_tokens: int = 256, max_len: int = 1024, seed: int = 0,
                  eval_fraction: float = 0.25, progress: bool = True,
                  batch_size: int = DEFAULT_BATCH) -> list[CorpusItem]:
-    """The items of every source of ``data``, each source with an equal share of the budget.
+    """The items of every source of ``data``, each source with its weighted share of the budget.
 
     Args:
         engine: the model (an :class:`~selfspec.training.engine.Engine`, e.g. a ``SelfSpec``
             engine: tokenizer, chat template, ``model.generate``).
         data: parsed data spec (:func:`parse_data_spec`).
-        train_tokens: scored training tokens over all sources (each source gets
-            ``train_tokens / len(data)``, and ``eval_fraction`` of that for calibration and
-            for test; a source with fewer tokens gives what it has).
+        train_tokens: scored training tokens over all sources (each source gets its weight's
+            share, ``train_tokens * K / sum of weights``, and ``eval_fraction`` of that for
+            calibration and for test; a source with fewer tokens gives what it has).
         cache_root: the model's cache directory (on-policy generations live under it).
         max_new_tokens: length cap of on-policy generations.
         max_len: sequences are cut to this many tokens.
@@ -312,9 +344,11 @@ def build_corpus(engine: Engine, data: list[str], train_tokens: int, cache_root:
     """
     if train_tokens < 1:
         raise InvalidArgumentError(f"--tokens must be >= 1, got {train_tokens}")
-    share = budget_for(max(1, train_tokens // len(data)), eval_fraction)
+    weighted = [source_weight(entry) for entry in data]
+    unit = train_tokens / sum(k for _, k in weighted)
     items: list[CorpusItem] = []
-    for source in data:
+    for source, weight in weighted:
+        share = budget_for(max(1, int(unit * weight)), eval_fraction)
         if source.startswith(ONPOLICY):
             dataset = dataset_of(source)
             prompts = _ordered(load_dataset_prompts(dataset), seed)

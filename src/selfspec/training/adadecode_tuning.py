@@ -1,0 +1,251 @@
+"""AdaDecode's head layers and per-head thresholds, chosen by replaying Algorithm 1 on
+held-out greedy text (selfspec's addition; the paper uses one γ for every head, §2.2 eq. 1).
+
+**Why a replay is exact.** In greedy decoding every layer's KV is complete before a token
+reads it (Algorithm 1), so a head's confidence at a position, and whether its argmax equals
+the final layer's token, depend on the committed prefix only. On text that *is* the model's
+greedy output (on-policy answers, :mod:`selfspec.training.corpus`) the positions decoding
+visits are the text's positions, and the whole schedule (which head exits, which early
+predictions verification accepts, how many positions each layer call carries) follows from
+two numbers per position and head. Positions after a rejected early prediction are replayed
+from the text as well (their confidences on the wrong token are not recorded); they only
+decide how much work is thrown away.
+
+**Cost model** (:class:`ScheduleCosts`), in units of one decoder-layer call on one position:
+a layer call on ``r`` positions costs ``1 + row·(r - 1)`` (decoding reads weights, so extra
+positions are cheap on a CPU); a head check costs ``head``; the output layer (final norm +
+``lm_head``) over ``r`` positions costs ``output·(1 + row·(r - 1))``. Autoregressive
+decoding costs ``L + output`` per token.
+
+**Why per-head thresholds.** An early prediction at layer ``e`` that is accepted saves about
+``L - e`` layer calls; one that is rejected wastes the ``e`` layers the next token ran on its
+own, and everything drafted after it. The break-even precision is therefore about ``e/L``:
+a shallow head can predict early at a lower threshold than a deep one, which a single γ
+cannot express. :func:`tune` searches per-head thresholds (a head may be switched off) by
+coordinate ascent on the replayed speedup.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from selfspec.errors import InvalidArgumentError
+
+# Candidate thresholds per head; None = the head is not used.
+DEFAULT_GRID: tuple[float | None, ...] = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97,
+                                          0.98, 0.99, 0.995, None)
+# Relative cost of one more position in a decoder-layer call (bf16 decoding on a 2-core
+# AMX Xeon: 1 → 4 positions cost 1.10-1.20x; docs/results/adadecode).
+DEFAULT_ROW_COST = 0.05
+
+
+@dataclass(frozen=True)
+class ScheduleCosts:
+    """Costs of one decoding step's parts, in single-position decoder-layer calls.
+
+    Attributes:
+        row: extra cost of each further position in one layer call (``>= 0``).
+        head: one exit-head check on one position.
+        output: the output layer (final norm + ``lm_head``) on one position.
+    """
+
+    row: float
+    head: float
+    output: float
+
+    @staticmethod
+    def from_sizes(layer_params: int, head_params: int, output_params: int,
+                   row: float = DEFAULT_ROW_COST) -> ScheduleCosts:
+        """Costs proportional to the weights each part reads (decoding is bandwidth bound).
+
+        Args:
+            layer_params: parameters of one decoder layer.
+            head_params: parameters one head check reads (``T`` plus the draft-vocabulary
+                rows of ``E*`` for a lightweight head).
+            output_params: parameters of the output layer (``V·H``).
+            row: see :attr:`row`.
+
+        Raises:
+            InvalidArgumentError: a size ``< 1`` or ``row < 0``.
+        """
+        if min(layer_params, head_params, output_params) < 1 or row < 0:
+            raise InvalidArgumentError(
+                f"schedule costs need positive sizes and row >= 0, got layer {layer_params}, "
+                f"head {head_params}, output {output_params}, row {row}")
+        return ScheduleCosts(row, head_params / layer_params, output_params / layer_params)
+
+
+@dataclass(frozen=True)
+class HeadTrace:
+    """Each head's view of held-out greedy text, position by position.
+
+    Attributes:
+        layers: ``[K]`` head layers, increasing.
+        confidence: ``[N, K]`` float, the head's top-1 probability at each position (over the
+            draft vocabulary decoding will use).
+        correct: ``[N, K]`` bool, the head's argmax equals the final layer's token.
+        lengths: positions of each sequence, in order (``sum(lengths) == N``).
+    """
+
+    layers: tuple[int, ...]
+    confidence: torch.Tensor
+    correct: torch.Tensor
+    lengths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n, k = self.confidence.shape
+        if (k != len(self.layers) or tuple(self.correct.shape) != (n, k)
+                or sum(self.lengths) != n or any(b <= a for a, b in
+                                                  zip(self.layers, self.layers[1:]))):
+            raise InvalidArgumentError(
+                f"inconsistent head trace: layers {self.layers}, confidence "
+                f"{tuple(self.confidence.shape)}, correct {tuple(self.correct.shape)}, "
+                f"{sum(self.lengths)} positions in sequences")
+
+    @property
+    def num_positions(self) -> int:
+        return int(self.confidence.shape[0])
+
+
+@dataclass(frozen=True)
+class SchedulePrediction:
+    """What a replay predicts for one setting.
+
+    Attributes:
+        speedup: autoregressive cost per token / AdaDecode's (both in the cost model).
+        cost_per_token: AdaDecode's cost per committed token (layer-call units).
+        drafts_per_token: early predictions per committed token.
+        acceptance: accepted / early predictions (``nan`` with none).
+        tokens: committed tokens replayed.
+    """
+
+    speedup: float
+    cost_per_token: float
+    drafts_per_token: float
+    acceptance: float
+    tokens: int
+
+
+@dataclass(frozen=True)
+class TunedSchedule:
+    """The best setting :func:`tune` found.
+
+    Attributes:
+        gammas: ``{layer: γ}`` of the heads used (the others are off).
+        prediction: its replay on the tuning text.
+    """
+
+    gammas: dict[int, float]
+    prediction: SchedulePrediction
+
+
+def _layer_calls(first: int, last: int, groups: list[list[int]], row: float) -> float:
+    """Cost of layers ``[first, last)`` for the newest position, carrying the deferred
+    groups (``[wait_layer, positions]``) that wait at or below each layer."""
+    cost = 0.0
+    for layer in range(first, last):
+        riders = sum(size for wait, size in groups if wait <= layer)
+        cost += 1.0 + row * riders
+    return cost
+
+
+def simulate(trace: HeadTrace, gammas: Sequence[float | None], num_layers: int,
+             costs: ScheduleCosts, max_early: int = 5) -> SchedulePrediction:
+    """Replay Algorithm 1 (greedy) on ``trace`` with per-head thresholds (module doc).
+
+    Args:
+        trace: :class:`HeadTrace`.
+        gammas: ``[K]`` threshold of each head, ``None`` = head off (never checked).
+        num_layers: ``L``.
+        costs: :class:`ScheduleCosts`.
+        max_early: early predictions outstanding before a token must run every layer.
+
+    Returns:
+        :class:`SchedulePrediction`.
+
+    Raises:
+        InvalidArgumentError: ``gammas`` of the wrong length, or every head off.
+    """
+    if len(gammas) != len(trace.layers) or all(g is None for g in gammas):
+        raise InvalidArgumentError(
+            f"give one threshold per head ({len(trace.layers)}), not all None; got {gammas}")
+    heads = [(k, layer, g) for k, (layer, g) in enumerate(zip(trace.layers, gammas))
+             if g is not None]
+    conf = trace.confidence.tolist()
+    correct = trace.correct.tolist()
+    total_cost, tokens, drafts, accepted = 0.0, 0, 0, 0
+    start = 0
+    for length in trace.lengths:
+        t = 0
+        while t < length:
+            groups: list[list[int]] = []  # deferred positions, oldest (deepest wait) first
+            outcomes: list[bool] = []
+            cost, pos = 0.0, t
+            while True:
+                may_exit = len(outcomes) < max_early and pos < length - 1
+                reached, exit_at = 0, None
+                for k, layer, gamma in heads:
+                    cost += _layer_calls(reached, layer, groups, costs.row)
+                    reached = layer
+                    if not may_exit:
+                        continue
+                    cost += costs.head
+                    if conf[start + pos][k] > gamma:
+                        exit_at = (k, layer)
+                        break
+                if exit_at is None:
+                    cost += _layer_calls(reached, num_layers, groups, costs.row)
+                    riders = sum(size for _, size in groups)
+                    cost += costs.output * (1.0 + costs.row * riders)
+                    break
+                k, layer = exit_at
+                joined = sum(size for wait, size in groups if wait <= layer)
+                groups = [g for g in groups if g[0] > layer] + [[layer, joined + 1]]
+                outcomes.append(bool(correct[start + pos][k]))
+                pos += 1
+            good = next((i for i, ok in enumerate(outcomes) if not ok), len(outcomes))
+            drafts += len(outcomes)
+            accepted += good
+            committed = min(good + 1, length - t)  # accepted + the verifier's token
+            total_cost += cost
+            tokens += committed
+            t += committed
+        start += length
+    per_token = total_cost / max(tokens, 1)
+    return SchedulePrediction(
+        speedup=(num_layers + costs.output) / per_token if tokens else math.nan,
+        cost_per_token=per_token, drafts_per_token=drafts / max(tokens, 1),
+        acceptance=accepted / drafts if drafts else math.nan, tokens=tokens)
+
+
+def tune(trace: HeadTrace, num_layers: int, costs: ScheduleCosts, max_early: int = 5,
+         grid: Sequence[float | None] = DEFAULT_GRID, start: float = 0.97,
+         rounds: int = 2) -> TunedSchedule:
+    """Per-head thresholds that maximise the replayed speedup (coordinate ascent over
+    ``grid`` per head, from ``start`` at every head, ``rounds`` sweeps).
+
+    Raises:
+        InvalidArgumentError: an empty grid or a threshold outside [0, 1).
+    """
+    if not grid or any(g is not None and not 0 <= g < 1 for g in grid):
+        raise InvalidArgumentError(f"thresholds must lie in [0, 1) (None = head off), got {grid}")
+    best = [start] * len(trace.layers)
+    score = simulate(trace, best, num_layers, costs, max_early).speedup
+    for _ in range(rounds):
+        changed = False
+        for k in range(len(best)):
+            for g in grid:
+                trial = best[:k] + [g] + best[k + 1:]
+                if all(x is None for x in trial) or trial == best:
+                    continue
+                s = simulate(trace, trial, num_layers, costs, max_early).speedup
+                if s > score + 1e-6:
+                    best, score, changed = trial, s, True
+        if not changed:
+            break
+    return TunedSchedule({layer: g for layer, g in zip(trace.layers, best) if g is not None},
+                         simulate(trace, best, num_layers, costs, max_early))
