@@ -91,7 +91,7 @@ def _tuned(trained: object | None, name: str) -> tuple[list[int], list[float], i
     card = None if trained is None else trained.card.adadecode
     if card is None:
         raise InvalidArgumentError(
-            f"adadecode:tuned=true reads thresholds tuned for the heads; "
+            "adadecode:tuned=true reads thresholds tuned for the heads; "
             + ("heads=none has none" if trained is None else
                f"the head file {name!r} has none yet: run `selfspec heads tune-adadecode "
                f"--heads {name}` (a replay of Algorithm 1 on the heads' held-out text)"))
