@@ -161,6 +161,9 @@ def test_per_head_thresholds_in_decoding(executor):
 def test_tuned_option_without_tuned_thresholds_says_what_to_run(executor):
     with pytest.raises(InvalidArgumentError, match="tuned"):
         build_step("adadecode", executor, {"heads": "none", "tuned": True})
+    with pytest.raises(InvalidArgumentError, match="drop gamma, draft_vocab"):
+        build_step("adadecode", executor, {"heads": "none", "tuned": True, "gamma": 0.9,
+                                           "draft_vocab": 64})
 
 
 def test_card_round_trip_keeps_the_tuned_schedule():

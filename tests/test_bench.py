@@ -529,6 +529,9 @@ def test_a_sweeps_default_row_lands_on_its_curve(tmp_path):
     configs = parse_methods("ar,adadecode") + parse_sweep("adadecode:gamma=0.5,0.9")
     seen = [plots._with_default_sweep_values(c, configs).options for c in configs]
     assert seen == [{}, {"gamma": 0.75}, {"gamma": 0.5}, {"gamma": 0.9}]
+    # a row whose options make gamma unused (tuned=true) does not land at gamma's default
+    tuned = parse_methods("adadecode:tuned=true")[0]
+    assert plots._with_default_sweep_values(tuned, configs + [tuned]).options == {"tuned": True}
     run = BenchRun(methods=[c.label for c in configs], lossless={c.label: True for c in configs})
     for i, c in enumerate(configs):
         run.records.append(PromptRecord(c.label, "p", 0, 3, _out([1] * (i + 2), 1.0, drafted=4,

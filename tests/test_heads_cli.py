@@ -172,6 +172,32 @@ def test_train_predictors_then_decode_with_specee(capsys, home, model_dir, tmp_p
     assert result.stats.new_tokens == 8
 
 
+def test_tune_adadecode_then_decode_with_the_tuned_thresholds(capsys, home, model_dir, tmp_path):
+    heads_dir = tmp_path / "heads"
+    common = ["--model", str(model_dir), "--dtype", "fp32", "--threads", "1", "--quiet"]
+    code, out, err = _run(capsys, "heads", "train", *common, "--layers", "2,4", "--epochs", "1",
+                          "--data", "humaneval,onpolicy:humaneval*2", "--tokens", "900",
+                          "--max-new-tokens", "24", "--out", str(heads_dir), "--no-plots",
+                          "--draft-vocab", "64")
+    assert code == 0, err
+    code, out, err = _run(capsys, "heads", "tune-adadecode", str(heads_dir), *common,
+                          "--data", "humaneval")  # teacher-forced text is not greedy output
+    assert code != 0 and "on-policy" in err
+    code, out, err = _run(capsys, "heads", "tune-adadecode", str(heads_dir), *common,
+                          "--draft-vocab", "64,0")
+    assert code == 0, err
+    assert "AdaDecode tuned by replay on onpolicy:humaneval" in out and "tuned=true" in out
+    engine = from_pretrained_model(tiny_model("llama", seed=3), tiny_tokenizer(), "tiny")
+    ac = load_heads(heads_dir, engine).card.adadecode
+    assert ac.draft_vocab in (64, 0) and set(ac.layers) <= {2, 4} and ac.test_tokens > 0
+    assert ac.draft_vocabs == [64, 0] and len(ac.vocab_speedups) == 2
+    code, out, err = _run(capsys, "heads", "show", str(heads_dir))
+    assert "AdaDecode tuned by replay" in out
+    tuned = engine.generate("def f(x):", method="adadecode", heads=str(heads_dir), tuned=True,
+                            max_new_tokens=12)
+    assert tuned.token_ids == engine.generate("def f(x):", max_new_tokens=12).token_ids
+
+
 def test_train_with_a_restricted_loss_vocabulary(capsys, home, model_dir, tmp_path):
     heads_dir = tmp_path / "heads"
     code, out, err = _run(capsys, "heads", "train", "--model", str(model_dir), "--dtype", "fp32",

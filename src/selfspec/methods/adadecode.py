@@ -28,6 +28,7 @@ from selfspec.methods.options import option
 
 NO_HEADS = "none"
 ALL_LAYERS = "all"
+TUNED_OPTIONS = ("layers", "gamma", "draft_vocab")  # what tuned=true takes from the card
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,13 @@ def build(context: MethodContext, options: Options) -> Step:
     else:
         available, source = list(trained.layers), f"the head file {options.heads!r}"
     if options.tuned:
+        defaults = Options()
+        given = [name for name in TUNED_OPTIONS
+                 if getattr(options, name) != getattr(defaults, name)]
+        if given:
+            raise InvalidArgumentError(
+                f"adadecode: tuned=true takes layers, gamma and draft_vocab from the heads' "
+                f"card; drop {', '.join(given)} (or drop tuned)")
         layers, gamma, draft_vocab = _tuned(trained, options.heads)
     else:
         layers = _parse_layers(options.layers, available, ex, source)
@@ -137,4 +145,5 @@ SPEC = MethodSpec(
           "proposal, see decoding/adadecode.py)",
     options=Options, build=build,
     heads_files=lambda options: [] if options.heads == NO_HEADS else [str(options.heads)],
-    lossy_when=lambda options: not options.verify)
+    lossy_when=lambda options: not options.verify,
+    unused_when=lambda options: set(TUNED_OPTIONS) if options.tuned else set())

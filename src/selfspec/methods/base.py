@@ -156,6 +156,9 @@ class MethodSpec:
             benchmark checks its prompts against).
         lossy_when: ``lossy_when(options) -> bool``: options that make a lossless method
             lossy (an ablation such as AdaDecode without verification).
+        unused_when: ``unused_when(options) -> {names}``: options these options make
+            irrelevant (AdaDecode's ``tuned`` sets ``gamma``; a sweep plot then does not
+            place the row at ``gamma``'s default).
         build_batch: ``build_batch(context, options) -> BatchStep`` advancing a ragged batch
             of rows with shared forwards (:mod:`selfspec.decoding.batch`); ``None`` = rows run
             one after another with the method's own Step (:class:`SoloRows`).
@@ -169,6 +172,7 @@ class MethodSpec:
     build: Callable[[MethodContext, Any], Step]
     heads_files: Callable[[Any], list[str]] = field(default=lambda options: [])
     lossy_when: Callable[[Any], bool] = field(default=lambda options: False)
+    unused_when: Callable[[Any], set[str]] = field(default=lambda options: set())
     build_batch: Callable[[MethodContext, Any], BatchStep] | None = None
 
     def lossless_for(self, values: Mapping[str, Any] | Any) -> bool:

@@ -369,9 +369,7 @@ def calibrate_file(engine: Engine, path: str, request: DataRequest | None = None
     heads = load_heads(target, engine)
     if request is None:
         info = heads.card.training
-        request = (DataRequest(",".join(info.data), info.requested_tokens or info.train_tokens,
-                               info.max_new_tokens, info.max_len, info.seed)
-                   if info else DataRequest())
+        request = _card_request(info) if info else DataRequest()
     times = StageTimes()
     data = prepare_features(engine, request, heads.layers, times, progress)
     features = data.features
@@ -753,6 +751,13 @@ def train_predictors(engine: Engine, request: PredictorRequest,
 
 # ------------------------------------------------------------------ tune AdaDecode
 DEFAULT_TUNE_VOCABS = (4096, 8192, 16384, 0)
+PAPER_GAMMA = 0.75  # AdaDecode appendix D, the comparison the card records
+
+
+def _card_request(info: TrainingInfo) -> DataRequest:
+    """The corpus heads were trained on (same held-out problems), from their card."""
+    return DataRequest(",".join(info.data), info.requested_tokens or info.train_tokens,
+                       info.max_new_tokens, info.max_len, info.seed)
 
 
 @dataclass
@@ -826,7 +831,7 @@ def tune_adadecode_file(engine: Engine, path: str, sources: Sequence[str] | None
         raise InvalidArgumentError(f"{target}: the card records no training data to replay")
     trained = [source_weight(d)[0] for d in info.data]
     onpolicy = [s for s in trained if s.startswith(ONPOLICY)]
-    chosen = list(sources) if sources else onpolicy
+    chosen = [source_weight(x)[0] for x in sources] if sources else onpolicy
     bad = [s for s in chosen if s not in onpolicy]
     if not chosen or bad:
         raise InvalidArgumentError(
@@ -841,21 +846,25 @@ def tune_adadecode_file(engine: Engine, path: str, sources: Sequence[str] | None
         raise InvalidArgumentError(
             "a reduced draft vocabulary ranks tokens by the heads' token counts; run "
             "`selfspec heads calibrate` on these heads first")
-    request = DataRequest(",".join(info.data), info.requested_tokens or info.train_tokens,
-                          info.max_new_tokens, info.max_len, info.seed)
-    data = prepare_features(engine, request, heads.layers, StageTimes(), progress)
+    data = prepare_features(engine, _card_request(info), heads.layers, StageTimes(), progress)
     ex = engine.executor
-    hidden, layer_bytes = heads.card.hidden_size, ex.decode_layer_bytes(0)
+    hidden = heads.card.hidden_size
     element = torch.tensor([], dtype=ex.dtype).element_size()
+
+    def costs_for(rows: torch.Tensor | None) -> ScheduleCosts:
+        """A head check reads its draft-vocabulary rows of E* (and T, lightweight heads)."""
+        scored = ex.vocab_size if rows is None else int(rows.numel())
+        extra = hidden * hidden if heads.card.kind == "lightweight" else 0
+        return ScheduleCosts.from_sizes(ex.decode_layer_bytes(0),
+                                        (scored * hidden + extra) * element,
+                                        ex.output_decode_bytes, row_cost)
+
     best = None
     speedups = []
     for size in draft_vocabs:
         rows = (None if size == 0 else
                 frequent_rows(heads.token_counts, size, _eos_ids(engine)).rows)
-        scored = ex.vocab_size if rows is None else int(rows.numel())
-        extra = hidden * hidden if heads.card.kind == "lightweight" else 0  # T
-        costs = ScheduleCosts.from_sizes(layer_bytes, (scored * hidden + extra) * element,
-                                         ex.output_decode_bytes, row_cost)
+        costs = costs_for(rows)
         calibration = head_trace(heads, data.features, data.items, CALIBRATION, chosen, rows)
         tuned = tune_schedule(calibration, ex.num_layers, costs, max_early)
         speedups.append(tuned.prediction.speedup)
@@ -867,13 +876,9 @@ def tune_adadecode_file(engine: Engine, path: str, sources: Sequence[str] | None
     test = head_trace(heads, data.features, data.items, TEST, chosen, rows)
     gammas = [tuned.gammas.get(layer) for layer in heads.layers]
     held = simulate_schedule(test, gammas, ex.num_layers, costs, max_early)
-    paper_costs = ScheduleCosts.from_sizes(
-        layer_bytes, (ex.vocab_size * hidden + (hidden * hidden if heads.card.kind ==
-                                                 "lightweight" else 0)) * element,
-        ex.output_decode_bytes, row_cost)
     paper_trace = head_trace(heads, data.features, data.items, TEST, chosen, None)
-    paper = simulate_schedule(paper_trace, [0.75] * len(heads.layers), ex.num_layers,
-                              paper_costs, max_early)
+    paper = simulate_schedule(paper_trace, [PAPER_GAMMA] * len(heads.layers), ex.num_layers,
+                              costs_for(None), max_early)
     p = tuned.prediction
     card = AdaDecodeCard(
         layers=sorted(tuned.gammas), gammas=[tuned.gammas[k] for k in sorted(tuned.gammas)],
