@@ -95,7 +95,8 @@ def _tuned(trained: object | None, name: str) -> tuple[list[int], list[float], i
             "adadecode:tuned=true reads thresholds tuned for the heads; "
             + ("heads=none has none" if trained is None else
                f"the head file {name!r} has none yet: run `selfspec heads tune-adadecode "
-               f"--heads {name}` (a replay of Algorithm 1 on the heads' held-out text)"))
+               f"{name} --model MODEL` (a replay of Algorithm 1 on the heads' held-out "
+               f"text)"))
     return list(card.layers), list(card.gammas), card.draft_vocab or None
 
 

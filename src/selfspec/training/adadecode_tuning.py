@@ -58,25 +58,26 @@ class ScheduleCosts:
     output: float
 
     @staticmethod
-    def from_sizes(layer_params: int, head_params: int, output_params: int,
+    def from_sizes(layer_bytes: int, head_bytes: int, output_bytes: int,
                    row: float = DEFAULT_ROW_COST) -> ScheduleCosts:
-        """Costs proportional to the weights each part reads (decoding is bandwidth bound).
+        """Costs proportional to the weight bytes each part reads (decoding is bandwidth
+        bound).
 
         Args:
-            layer_params: parameters of one decoder layer.
-            head_params: parameters one head check reads (``T`` plus the draft-vocabulary
-                rows of ``E*`` for a lightweight head).
-            output_params: parameters of the output layer (``V·H``).
+            layer_bytes: bytes one decoder-layer call reads.
+            head_bytes: bytes one head check reads (``T`` plus the draft-vocabulary rows of
+                ``E*`` for a lightweight head).
+            output_bytes: bytes the output layer reads (``V·H`` weights).
             row: see :attr:`row`.
 
         Raises:
             InvalidArgumentError: a size ``< 1`` or ``row < 0``.
         """
-        if min(layer_params, head_params, output_params) < 1 or row < 0:
+        if min(layer_bytes, head_bytes, output_bytes) < 1 or row < 0:
             raise InvalidArgumentError(
-                f"schedule costs need positive sizes and row >= 0, got layer {layer_params}, "
-                f"head {head_params}, output {output_params}, row {row}")
-        return ScheduleCosts(row, head_params / layer_params, output_params / layer_params)
+                f"schedule costs need positive sizes and row >= 0, got layer {layer_bytes}, "
+                f"head {head_bytes}, output {output_bytes}, row {row}")
+        return ScheduleCosts(row, head_bytes / layer_bytes, output_bytes / layer_bytes)
 
 
 @dataclass(frozen=True)
@@ -105,10 +106,6 @@ class HeadTrace:
                 f"inconsistent head trace: layers {self.layers}, confidence "
                 f"{tuple(self.confidence.shape)}, correct {tuple(self.correct.shape)}, "
                 f"{sum(self.lengths)} positions in sequences")
-
-    @property
-    def num_positions(self) -> int:
-        return int(self.confidence.shape[0])
 
 
 @dataclass(frozen=True)

@@ -778,11 +778,10 @@ def head_trace(heads: ExitHeads, features: FeatureSet, items: Sequence[CorpusIte
         InvalidArgumentError: no item of ``sources`` in ``split``.
     """
     spans, position = [], 0
-    for source, group in by_source(items).items():  # the features' position order
-        for item in group:
-            if item.split == split and source in sources and item.num_scored > 0:
-                spans.append((position, item.num_scored))
-            position += item.num_scored
+    for item in in_feature_order(items):
+        if item.split == split and item.source in sources and item.num_scored > 0:
+            spans.append((position, item.num_scored))
+        position += item.num_scored
     if not spans:
         raise InvalidArgumentError(
             f"no {SPLIT_NAMES[split]} text of {', '.join(sources)} to replay AdaDecode on; "
