@@ -172,6 +172,43 @@ def test_train_predictors_then_decode_with_specee(capsys, home, model_dir, tmp_p
     assert result.stats.new_tokens == 8
 
 
+def test_train_drafter_then_predictors_on_its_candidates_then_decode(capsys, home, model_dir,
+                                                                     tmp_path):
+    heads_dir = tmp_path / "heads"
+    common = ["--model", str(model_dir), "--dtype", "fp32", "--threads", "1", "--quiet"]
+    data = ["--data", "humaneval", "--tokens", "600"]
+    code, out, err = _run(capsys, "heads", "train", *common, *data, "--layers", "2,4",
+                          "--epochs", "1", "--out", str(heads_dir), "--no-plots")
+    assert code == 0, err
+    # predictors on drafter candidates need a drafter first, and say how to get one
+    code, out, err = _run(capsys, "heads", "train-predictors", *common, *data, "--heads",
+                          str(heads_dir), "--candidates", "drafter")
+    assert code != 0 and "selfspec heads train-drafter" in err
+    code, out, err = _run(capsys, "heads", "train-drafter", str(heads_dir), *common,
+                          "--draft-vocab", "64", "--epochs", "2")
+    assert code == 0, err
+    assert "SpecEE drafter" in out and "top-4" in out
+    dc = json.loads((heads_dir / "card.json").read_text())["drafter"]
+    assert dc["exit_layers"] == [4] and dc["train_tokens"] > 0 and 0 <= dc["topk"] <= 1
+    code, out, err = _run(capsys, "heads", "train-predictors", *common, *data, "--heads",
+                          str(heads_dir), "--candidates", "drafter+ngram", "--draft-vocab", "64",
+                          "--epochs", "3", "--offline", "2")
+    assert code == 0, err
+    assert "candidates = the drafter's top-4 of 64 tokens" in out
+    pc = json.loads((heads_dir / "card.json").read_text())["predictors"]
+    # drafter candidates exist before layer 0: predictors from L // 8 = 1 on
+    assert pc["candidates"] == "drafter+ngram" and pc["layers"] == [1, 2, 3, 4, 5]
+    code, out, err = _run(capsys, "heads", "show", str(heads_dir))
+    assert code == 0 and "SpecEE drafter" in out and "the drafter's top-4" in out
+    engine = from_pretrained_model(tiny_model("llama", seed=3), tiny_tokenizer(), "tiny")
+    for kv in ("propagate", "deferred", "skip"):
+        result = engine.generate("def f(x):", method="specee", heads=str(heads_dir), kv=kv,
+                                 threshold=0.05, max_new_tokens=8)
+        # an early exit may emit EOS (a random model's predictors exit on anything)
+        assert result.stats.new_tokens == 8 or result.stats.finish_reason == "eos"
+        assert sum(result.stats.exit_counts[:6]) >= 1        # exits below the last layer
+
+
 def test_tune_adadecode_then_decode_with_the_tuned_thresholds(capsys, home, model_dir, tmp_path):
     heads_dir = tmp_path / "heads"
     common = ["--model", str(model_dir), "--dtype", "fp32", "--threads", "1", "--quiet"]

@@ -2,10 +2,13 @@
 
 Per token (batch 1):
 
-1. run layers ``[0, c)``; an exit head at layer ``c`` proposes ``k`` speculative tokens, the
-   candidates (:class:`HeadCandidates`; SpecEE uses an EAGLE draft head, which selfspec does
-   not have: an exit head of the model itself is the cheap drafter we already train, and its
-   top-``k`` costs one head call over the draft vocabulary). With ``ngram``, the token that
+1. ``k`` speculative tokens, the candidates, from one of two drafters. SpecEE drafts with
+   EAGLE's draft model; :class:`DrafterCandidates` does the same with selfspec's
+   :class:`~selfspec.heads.drafter.FeatureDrafter` (the previous position's last hidden state
+   and the current token's embedding → the top-``k`` of ``lm_head``), before layer 0, so
+   features start at any layer ``c``. :class:`HeadCandidates` instead runs layers ``[0, c)``
+   and takes an exit head's top-``k`` at ``c`` (no drafter to train, but no exit before
+   ``c``). Either costs one call of ``lm_head``'s draft-vocabulary rows. With ``ngram``, the token that
    prompt lookup predicts from the context (:class:`~selfspec.decoding.ngram.ContextIndex`,
    free) replaces the head's ``k``-th candidate when it is not among them
    (:func:`merge_ngram`): on code it is right where the mid-depth head is not (copied
@@ -47,11 +50,12 @@ from selfspec.decoding.state import DecodeState
 from selfspec.decoding.stats import StepStats
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
+from selfspec.executor.executor import Observer
 from selfspec.heads.predictor import ExitPredictors, candidate_features
 
 QUEUE_SIZE = 5   # SpecEE §5: the last 5 exit layers
 RADIUS = 2       # each adds its neighbours ±2
-CANDIDATE_SOURCES = ("head", "head+ngram")
+CANDIDATE_SOURCES = ("head", "head+ngram", "drafter", "drafter+ngram")
 NGRAM_MAX, NGRAM_MIN = 4, 2  # prompt lookup's n-gram lengths (as the ngram method's)
 
 
@@ -159,23 +163,69 @@ class HeadCandidates:
 
     def __init__(self, executor: LayerExecutor, layer: int, head: Callable[[torch.Tensor], torch.Tensor],
                  k: int, vocab: DraftVocab | None = None, ngram: bool = False) -> None:
+        self.executor = executor
         self.layer = layer
         self.head = head
         self.k = k
         self.vocab = vocab
         self.ngram = ngram
-        self._weight = executor.lm_head.weight
-        self._bias = executor.lm_head.bias
 
     def __call__(self, hidden: torch.Tensor, ngram: int = -1) -> Candidates:
         """Candidates from the hidden state ``[1, 1, H]`` leaving layer ``layer - 1`` and
         the prompt-lookup token ``ngram`` (``-1``: none; ignored without ``self.ngram``)."""
-        logits = self.head(hidden)[0, -1]                      # [V] or [R]
-        top = torch.topk(logits, self.k).indices
-        ids = top if self.vocab is None else self.vocab.rows[top]
-        if self.ngram and ngram >= 0:
-            ids = merge_ngram(ids, torch.tensor(ngram, dtype=ids.dtype, device=ids.device))
-        return Candidates(ids, self._weight[ids], None if self._bias is None else self._bias[ids])
+        return _top_candidates(self, self.head(hidden)[0, -1], ngram)
+
+
+class DrafterCandidates:
+    """``k`` speculative tokens drafted before the forward pass (SpecEE §4's EAGLE role) by a
+    :class:`~selfspec.heads.drafter.FeatureDrafter`.
+
+    Args:
+        executor: the model's executor (token embeddings and the candidates' ``lm_head`` rows).
+        drafter: the drafter, in the model's dtype.
+        layer: the first layer whose features the predictors see.
+        output: ``output(hidden [1, 1, H]) -> logits [1, 1, V or R]``: the model's final norm
+            and ``lm_head`` (over ``vocab.rows`` when ``vocab`` is given).
+        k: number of candidates.
+        vocab: the draft vocabulary, or ``None``.
+        ngram: merge in the prompt-lookup token (:func:`merge_ngram`).
+    """
+
+    def __init__(self, executor: LayerExecutor, drafter: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 layer: int, output: Callable[[torch.Tensor], torch.Tensor], k: int,
+                 vocab: DraftVocab | None = None, ngram: bool = False) -> None:
+        self.executor = executor
+        self.drafter = drafter
+        self.layer = layer
+        self.output = output
+        self.k = k
+        self.vocab = vocab
+        self.ngram = ngram
+
+    def __call__(self, previous: torch.Tensor, token_id: int, ngram: int = -1) -> Candidates:
+        """Candidates for the token after ``token_id``.
+
+        Args:
+            previous: ``[1, 1, H]`` the previous position's last hidden state (before the
+                final norm), or its exit-layer state when it exited early.
+            token_id: the current token (the one this step runs through the layers).
+            ngram: the prompt-lookup token, ``-1`` for none (ignored without ``self.ngram``).
+        """
+        ids = torch.tensor([[token_id]], device=previous.device)
+        predicted = self.drafter(previous, self.executor.embed(ids))
+        return _top_candidates(self, self.output(predicted.to(previous.dtype))[0, -1], ngram)
+
+
+def _top_candidates(source: HeadCandidates | DrafterCandidates, logits: torch.Tensor,
+                    ngram: int) -> Candidates:
+    """``source``'s top-``k`` of ``logits`` (``[V]``, or ``[R]`` over its draft vocabulary),
+    with the prompt-lookup token ``ngram`` merged in when ``source.ngram``."""
+    top = torch.topk(logits, source.k).indices
+    ids = top if source.vocab is None else source.vocab.rows[top]
+    if source.ngram and ngram >= 0:
+        ids = merge_ngram(ids, torch.tensor(ngram, dtype=ids.dtype, device=ids.device))
+    bias = source.executor.lm_head.bias
+    return Candidates(ids, source.executor.lm_head.weight[ids], None if bias is None else bias[ids])
 
 
 class SpecEEStep:
@@ -199,7 +249,7 @@ class SpecEEStep:
             candidate layer.
     """
 
-    def __init__(self, candidates: HeadCandidates, predictors: ExitPredictors,
+    def __init__(self, candidates: HeadCandidates | DrafterCandidates, predictors: ExitPredictors,
                  schedule: PredictorSchedule, threshold: float,
                  kv: Callable[[LayerExecutor, object], SkippedKV]) -> None:
         if candidates.k != predictors.num_candidates:
@@ -219,6 +269,22 @@ class SpecEEStep:
         self._feature_layers = frozenset(predictors.layers)
         self._last = max(predictors.layers)
         self._index: ContextIndex | None = None
+        self._drafts_first = isinstance(candidates, DrafterCandidates)
+        # The last position's hidden state (pre-norm; its exit layer's if it exited): the
+        # drafter's input for the next token.
+        self._previous: torch.Tensor | None = None
+
+    def prefill_observer(self, state: DecodeState) -> Observer | None:
+        """With drafter candidates: record the prompt's last hidden state during the prefill
+        (the drafter's input for the first generated token's successor)."""
+        if not self._drafts_first:
+            return None
+        last = state.executor.num_layers - 1
+
+        def observe(layer: int, sublayer: str, hidden: torch.Tensor) -> None:
+            if layer == last and sublayer == "mlp":
+                self._previous = hidden[:, -1:].clone()
+        return observe
 
     def start(self, state: DecodeState) -> None:
         """Begin a generation: fresh KV policy state, schedule queue and (with n-gram
@@ -226,6 +292,12 @@ class SpecEEStep:
         self._kv = self._make_kv(state.executor, state.cache)
         self.schedule.reset()
         self._index = ContextIndex(NGRAM_MAX, NGRAM_MIN) if self.candidates.ngram else None
+
+    def _ngram(self, state: DecodeState) -> int:
+        if self._index is None:
+            return -1
+        self._index.extend(state.tokens[len(self._index):])  # the tokens it has not seen
+        return ngram_token(self._index)
 
     def __call__(self, state: DecodeState) -> StepStats:
         ex, kv = state.executor, self._kv
@@ -235,18 +307,23 @@ class SpecEEStep:
         batches_before = list(kv.layer_batches)
         kv.begin(state.tokens[-1], state.seq_len - 1)
         first = self.candidates.layer
-        hidden = kv.advance(first)
-        tp = time.perf_counter()
-        ngram = -1
-        if self._index is not None:  # index the committed tokens it has not seen
-            self._index.extend(state.tokens[len(self._index):])
-            ngram = ngram_token(self._index)
-        cand = self.candidates(hidden, ngram)
-        predictor_s = time.perf_counter() - tp
+        cand: Candidates | None = None
+        predictor_s = 0.0
+        if self._drafts_first:
+            tp = time.perf_counter()
+            if self._previous is not None:  # None only if the prefill went unobserved
+                cand = self.candidates(self._previous, state.tokens[-1], self._ngram(state))
+            predictor_s += time.perf_counter() - tp
+            hidden = kv.advance(first)
+        else:
+            hidden = kv.advance(first)
+            tp = time.perf_counter()
+            cand = self.candidates(hidden, self._ngram(state))
+            predictor_s += time.perf_counter() - tp
         active = self.schedule.active()
         previous = None
         exit_layer, token, calls = ex.num_layers, None, 0
-        for layer in range(first, self._last + 1):
+        for layer in range(first, self._last + 1) if cand is not None else ():
             hidden = kv.advance(layer)
             if layer not in self._feature_layers:
                 continue
@@ -271,6 +348,7 @@ class SpecEEStep:
             kv.finish()
         else:
             kv.stop(exit_layer)
+        self._previous = hidden
         self.schedule.record(exit_layer)
         kept = state.commit([token])
         batches = [n - (batches_before[i] if i < len(batches_before) else 0)

@@ -195,7 +195,9 @@ class PredictorCard:
     """SpecEE exit predictors (SpecEE §4-5) stored with the head that drafts their candidates.
 
     Attributes:
-        candidate_layer: exit layer of the head whose top-``k`` tokens are the candidates.
+        candidate_layer: the first layer whose features the predictors see: the exit layer of
+            the head whose top-``k`` tokens are the candidates, or with ``drafter``
+            candidates (drafted before layer 0) the first predictor layer.
         num_candidates: ``k``.
         draft_vocab: the candidates were the top-``k`` over the ``K`` most frequent tokens (``0``
             = the full vocabulary).
@@ -215,9 +217,10 @@ class PredictorCard:
         thresholds / token_accuracy / mean_layers: the held-out simulation at each threshold
             (every predictor active): share of emitted tokens equal to the final layer's, and
             mean layers run per token (``L`` for a token no predictor lets exit).
-        candidates: ``"head"`` (the head's top-``k``) or ``"head+ngram"`` (the prompt-lookup
-            token replaces the head's ``k``-th when it is not among them:
-            :func:`~selfspec.decoding.specee.merge_ngram`).
+        candidates: ``"head"`` (the head's top-``k``), ``"drafter"`` (the file's
+            :class:`~selfspec.heads.drafter.FeatureDrafter`'s top-``k``), each with
+            ``"+ngram"`` (the prompt-lookup token replaces the ``k``-th when it is not among
+            them: :func:`~selfspec.decoding.specee.merge_ngram`).
     """
 
     candidate_layer: int
@@ -239,6 +242,38 @@ class PredictorCard:
     token_accuracy: list[float] = field(default_factory=list)
     mean_layers: list[float] = field(default_factory=list)
     candidates: str = "head"
+
+
+@dataclass
+class DrafterCard:
+    """The next-token drafter of SpecEE's candidates
+    (:class:`~selfspec.heads.drafter.FeatureDrafter`).
+
+    Attributes:
+        draft_vocab: the loss and the held-out figures used the ``K`` most frequent tokens'
+            rows (``0`` = the full vocabulary).
+        exit_mix: share of training inputs whose previous state was taken at an intermediate
+            layer (``exit_layers``) instead of the last one, as decoding sees after an exit.
+        exit_layers: the layers those states came from.
+        epochs / lr: optimisation; seconds: wall time.
+        train_tokens / eval_tokens: positions trained on (the heads' training split) and
+            evaluated on (their test split).
+        top1 / topk: held-out share of positions whose final-layer token is the drafter's
+            first candidate / among its top ``k``.
+        k: the ``k`` of ``topk`` (SpecEE's 4).
+    """
+
+    draft_vocab: int
+    exit_mix: float
+    exit_layers: list[int]
+    epochs: int
+    lr: float
+    seconds: float
+    train_tokens: int
+    eval_tokens: int
+    top1: float
+    topk: float
+    k: int = 4
 
 
 @dataclass
@@ -328,6 +363,7 @@ class HeadCard:
         calibration: per-head :class:`HeadCalibration` (empty until calibrated).
         probes: per-exit-layer :class:`ProbeCard`.
         predictors: SpecEE's exit predictors (:class:`PredictorCard`), or ``None``.
+        drafter: SpecEE's next-token drafter (:class:`DrafterCard`), or ``None``.
         adadecode: AdaDecode's tuned thresholds (:class:`AdaDecodeCard`), or ``None``.
         prompts: every prompt each stage used (:class:`PromptUse`); empty in files written
             before format 2, whose provenance :meth:`seen_prompts` cannot tell.
@@ -352,6 +388,7 @@ class HeadCard:
     probes: list[ProbeCard] = field(default_factory=list)
     predictors: PredictorCard | None = None
     adadecode: AdaDecodeCard | None = None
+    drafter: DrafterCard | None = None
     prompts: list[PromptUse] = field(default_factory=list)
     created: str = ""
     selfspec_version: str = ""
@@ -391,6 +428,8 @@ class HeadCard:
                         else _predictor_card(data["predictors"])),
             adadecode=(None if data.get("adadecode") is None
                        else AdaDecodeCard(**_floats(data["adadecode"]))),
+            drafter=(None if data.get("drafter") is None
+                     else DrafterCard(**_floats(data["drafter"]))),
             prompts=[PromptUse(str(u["use"]), str(u["dataset"]), [str(i) for i in u["ids"]])
                      for u in data.get("prompts", [])],
             created=str(data.get("created", "")),

@@ -18,6 +18,8 @@ Layout of ``heads.safetensors`` (a directory path means ``<dir>/heads.safetensor
     predictor.fc1_bias            [P, 512]      ``predictors.layers`` (float32; candidates
     predictor.fc2_weight          [P, 512]      from the head at ``candidate_layer``)
     predictor.fc2_bias            [P]
+    drafter.fc_weight             [H, 2H]  SpecEE's next-token drafter (card: ``drafter``;
+    drafter.fc_bias               [H]      :class:`~selfspec.heads.drafter.FeatureDrafter`)
     vocab.token_counts            [V] i64  final-layer greedy tokens counted on the training
                                            split (ranks the draft vocabulary, ``draft_vocab``)
     metadata: {"format": "selfspec-heads", "card": <HeadCard JSON>}
@@ -54,6 +56,7 @@ from selfspec.heads.calibration import (
     thresholds,
 )
 from selfspec.heads.card import HeadCard
+from selfspec.heads.drafter import FeatureDrafter
 from selfspec.heads.errors import (
     HeadsModelMismatchError,
     HeadsNotFoundError,
@@ -107,6 +110,7 @@ class ExitHeads:
             token on the training text (set at calibration; ``None`` in older files). Ranks
             the tokens of a reduced draft vocabulary (``draft_vocab``).
         predictors: SpecEE's exit predictors (card: ``card.predictors``), or ``None``.
+        drafter: SpecEE's next-token drafter (card: ``card.drafter``), or ``None``.
     """
 
     layers: list[int]
@@ -118,6 +122,7 @@ class ExitHeads:
     sampled_probes: dict[int, LinearProbe] = field(default_factory=dict)
     vocab_calibration: dict[int, dict[int, CalibrationSet]] = field(default_factory=dict)
     predictors: ExitPredictors | None = None
+    drafter: FeatureDrafter | None = None
 
     def head_at(self, layer: int) -> ExitHead:
         """The head at ``layer``.
@@ -265,6 +270,9 @@ def _tensors(heads: ExitHeads) -> dict[str, torch.Tensor]:
     if heads.predictors is not None:
         for name, t in heads.predictors.tensors().items():
             out[f"predictor.{name}"] = t.detach().to("cpu", torch.float32).contiguous().clone()
+    if heads.drafter is not None:
+        for name, t in heads.drafter.tensors().items():
+            out[f"drafter.{name}"] = t.detach().to("cpu", torch.float32).contiguous().clone()
     if heads.token_counts is not None:
         out["vocab.token_counts"] = heads.token_counts.to("cpu", torch.int64).contiguous()
     return out
@@ -467,6 +475,12 @@ def _build(raw: HeadFile, out: OutputLayer, target: Path) -> ExitHeads:
             predictors.load_tensors({k[len("predictor."):]: v for k, v in tensors.items()
                                      if k.startswith("predictor.")})
             predictors = predictors.to(device).eval().requires_grad_(False)
+        drafter = None
+        if card.drafter is not None:
+            drafter = FeatureDrafter(card.hidden_size)
+            drafter.load_tensors({k[len("drafter."):]: v for k, v in tensors.items()
+                                  if k.startswith("drafter.")})
+            drafter = drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
         counts = tensors.get("vocab.token_counts")
         if counts is not None and tuple(counts.shape) != (out.vocab_size,):
             raise InvalidArgumentError(
@@ -475,7 +489,7 @@ def _build(raw: HeadFile, out: OutputLayer, target: Path) -> ExitHeads:
         raise _corrupt(target, f"incomplete tensors: {err}") from err
     return ExitHeads(list(card.layers), heads, card, probes, calibration,
                      None if counts is None else counts.to(torch.int64), sampled, by_vocab,
-                     predictors)
+                     predictors, drafter)
 
 
 def _calibration_sets(card: HeadCard, tensors: dict[str, torch.Tensor], prefix: str

@@ -16,6 +16,7 @@ from selfspec.decoding.loop import Step
 from selfspec.decoding.skipped_kv import KV_POLICIES, make_skipped_kv
 from selfspec.decoding.specee import (
     CANDIDATE_SOURCES,
+    DrafterCandidates,
     HeadCandidates,
     PredictorSchedule,
     SpecEEStep,
@@ -32,8 +33,8 @@ SCHEDULES = ("two-level", "all")
 class Options:
     """SpecEE's options (defaults: the paper's, §4-5, except ``threshold``: measured)."""
 
-    heads: str = option(DEFAULT_HEADS, "head file holding the candidate head and the SpecEE "
-                        "predictors ('default' or a path; `selfspec heads train-predictors`)")
+    heads: str = option(DEFAULT_HEADS, "head file holding the candidate head or drafter and "
+                        "the SpecEE predictors ('default' or a path; `selfspec heads train-predictors`)")
     threshold: float = option(0.9, "exit when a layer's predictor output exceeds this (the "
                               "paper: 0.5; with exit-head candidates 0.5 lost every HumanEval "
                               "problem on Qwen2.5-Coder-0.5B, docs/results/specee)",
@@ -51,18 +52,26 @@ class Options:
     draft_vocab: int | None = option(None, "candidates are the head's top-k over the K most "
                                      "frequent tokens", low=1, high="V",
                                      default_text="as trained (the card's draft_vocab)")
-    candidates: str | None = option(None, "'head' (the head's top-k) or 'head+ngram' (the "
-                                    "prompt-lookup token replaces the k-th when missing)",
+    candidates: str | None = option(None, "'head' (the candidate head's top-k), 'drafter' "
+                                    "(the file's next-token drafter's top-k, before layer 0), "
+                                    "each with '+ngram' (the prompt-lookup token replaces the "
+                                    "k-th when missing); the predictors' drafter only",
                                     choices=CANDIDATE_SOURCES,
                                     default_text="as trained (the card's candidates)")
+
+
+def _family(source: str) -> str:
+    """``"head"`` or ``"drafter"``: the drafter of a candidate source, n-gram merge aside."""
+    return source.removesuffix("+ngram")
 
 
 def build(context: MethodContext, options: Options) -> Step:
     """SpecEE's Step for the predictors in ``options.heads``.
 
     Raises:
-        InvalidArgumentError: the head file has no predictors, or no head at their
-            candidate layer.
+        InvalidArgumentError: the head file has no predictors, no head at their candidate
+            layer (head candidates) or no drafter (drafter candidates), or ``candidates``
+            names another drafter than the predictors were trained with.
         HeadsNotFoundError, HeadsModelMismatchError, CorruptModelFileError: see
             :func:`selfspec.heads.load_heads`.
     """
@@ -73,17 +82,33 @@ def build(context: MethodContext, options: Options) -> Step:
         raise InvalidArgumentError(
             f"specee: the head file {options.heads!r} holds no SpecEE predictors; train them "
             f"with `selfspec heads train-predictors --model {ex.name}`")
-    head = trained.head_at(pc.candidate_layer)
-    size = options.draft_vocab if options.draft_vocab is not None else (pc.draft_vocab or None)
-    if size is not None:
-        vocab = context.draft_vocab(trained, size)
-        call = context.restricted(head, vocab)
-    else:
-        vocab = None
-        call = lambda hidden: ex.logits(hidden, head)
     source = options.candidates or pc.candidates
-    candidates = HeadCandidates(ex, pc.candidate_layer, call, pc.num_candidates, vocab,
-                                ngram=source == "head+ngram")
+    if _family(source) != _family(pc.candidates):
+        raise InvalidArgumentError(
+            f"specee: the predictors in {options.heads!r} were trained on {pc.candidates!r} "
+            f"candidates; candidates={source!r} would feed them features they never saw. Use "
+            f"candidates={_family(pc.candidates)} or {_family(pc.candidates)}+ngram, or train "
+            f"predictors for {_family(source)!r} candidates (`selfspec heads train-predictors "
+            f"--candidates {source}`)")
+    size = options.draft_vocab if options.draft_vocab is not None else (pc.draft_vocab or None)
+    vocab = context.draft_vocab(trained, size) if size is not None else None
+    ngram = source.endswith("+ngram")
+    if _family(source) == "drafter":
+        if trained.drafter is None:
+            raise InvalidArgumentError(
+                f"specee: the head file {options.heads!r} holds no drafter; train one with "
+                f"`selfspec heads train-drafter {options.heads} --model {ex.name}`")
+        output = context.restricted(None, vocab) if vocab is not None else ex.logits
+        candidates = DrafterCandidates(ex, trained.drafter, pc.candidate_layer, output,
+                                       pc.num_candidates, vocab, ngram=ngram)
+    else:
+        head = trained.head_at(pc.candidate_layer)
+        if vocab is not None:
+            call = context.restricted(head, vocab)
+        else:
+            call = lambda hidden: ex.logits(hidden, head)
+        candidates = HeadCandidates(ex, pc.candidate_layer, call, pc.num_candidates, vocab,
+                                    ngram=ngram)
     if options.schedule == "all":
         offline = None
     else:

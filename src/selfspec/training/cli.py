@@ -165,7 +165,8 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
                          "into it (default: the model's default heads)")
     pp.add_argument("--candidate-layer", type=int_arg(1), default=None,
                     help="exit layer of the candidate head (default: the deepest head in the "
-                         "first half of the layers, else the shallowest)")
+                         "first half of the layers, else the shallowest); with drafter "
+                         "candidates, the first predictor layer (default: L // 8)")
     pp.add_argument("--k", type=int_arg(1), default=4, help="speculative tokens per step (4 in the paper)")
     pp.add_argument("--draft-vocab", type=int_arg(0), default=16384,
                     help="candidates = the head's top-k over the K most frequent tokens (0 = full "
@@ -173,12 +174,30 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     pp.add_argument("--offline", type=int_arg(1), default=None,
                     help="offline layer-set size (default round(L/4), as SpecEE's 8 of 32)")
     # decoding.specee.CANDIDATE_SOURCES, spelled out: the parser is built without torch
-    pp.add_argument("--candidates", choices=("head", "head+ngram"), default="head",
-                    help="head = the head's top-k; head+ngram = the prompt-lookup token "
-                         "replaces the k-th when it is not among them")
+    pp.add_argument("--candidates", choices=("head", "head+ngram", "drafter", "drafter+ngram"),
+                    default="head",
+                    help="head = the candidate head's top-k; drafter = the file's next-token "
+                         "drafter's top-k (`selfspec heads train-drafter`; candidates before "
+                         "layer 0); +ngram = the prompt-lookup token replaces the k-th when it "
+                         "is not among them")
     pp.add_argument("--epochs", type=int_arg(1), default=30)
     _add_data_args(pp, "stdlib,gsm")
     pp.set_defaults(func=_cmd_train_predictors)
+
+    dr = sub.add_parser("train-drafter",
+                        help="train SpecEE's next-token drafter (EAGLE-style, on the model's "
+                             "last hidden state) into a head file, for specee's drafter "
+                             "candidates")
+    dr.add_argument("path", help="head file or directory, or 'default'")
+    _add_model_args(dr, required=False)
+    dr.add_argument("--draft-vocab", type=int_arg(0), default=16384,
+                    help="train and score over the K most frequent tokens (0 = full vocabulary)")
+    dr.add_argument("--epochs", type=int_arg(1), default=4)
+    dr.add_argument("--exit-mix", type=float_arg(0.0, 1.0, high_open=True), default=0.25,
+                    help="share of training inputs taken at an upper-half exit layer instead "
+                         "of the last (what the drafter reads after an early exit)")
+    _add_data_args(dr, "the data the heads were trained on")
+    dr.set_defaults(func=_cmd_train_drafter)
 
     _add_search_skip_parser(sub)
 
@@ -310,6 +329,7 @@ def _print_card(card, metric: str = "entropy", out=None) -> None:
               f"{_f(p.auc)} vs max-prob AUC {_f(p.max_prob_auc)}, BCE {_f(p.bce)}, "
               f"{p.train_tokens} train / {p.eval_tokens} held-out tokens, {p.seconds:.1f} s",
               file=out)
+    _print_drafter(card, out=out)
     _print_predictors(card, out=out)
     _print_adadecode(card.adadecode, card.num_layers, out=out)
     _print_prompts(card, out)
@@ -542,15 +562,52 @@ def _cmd_train_predictors(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train_drafter(args: argparse.Namespace) -> int:
+    from selfspec.heads.files import read_head_file, resolve_path
+    from selfspec.models.registry import DEFAULT_MODEL
+    from selfspec.training.drafter import DrafterTrainConfig
+    from selfspec.training.pipeline import DrafterRequest, train_drafter
+
+    config = DrafterTrainConfig(epochs=args.epochs, exit_mix=args.exit_mix)
+    path = resolve_path(args.path, args.model or DEFAULT_MODEL)
+    card = read_head_file(path).card
+    data = None  # default: the corpus the heads were trained on (same held-out problems)
+    if args.data or args.tokens:
+        info = card.training
+        args.data = args.data or (",".join(info.data) if info else None)
+        data = _data_request(args, (info.requested_tokens or info.train_tokens) if info else None)
+    dtype = args.dtype or (card.training.feature_dtype if card.training else None)
+    engine = _load_engine(args, args.model or card.model, dtype)
+    outcome = train_drafter(engine, DrafterRequest(str(path), args.draft_vocab, data, config),
+                            progress=not args.quiet)
+    _print_drafter(outcome.heads.card)
+    _print_times(outcome.times)
+    print(f"saved {outcome.path}")
+    return 0
+
+
+def _print_drafter(card, out=None) -> None:
+    dc = card.drafter
+    if dc is None:
+        return
+    vocab = f"the {dc.draft_vocab} most frequent tokens" if dc.draft_vocab else "every token"
+    print(f"\nSpecEE drafter (last hidden state + token embedding → next token, over {vocab}): "
+          f"{dc.train_tokens} train positions, {dc.epochs} epochs, {dc.seconds:.0f} s, "
+          f"{dc.exit_mix:.0%} of inputs from layers {dc.exit_layers}; held-out ({dc.eval_tokens} "
+          f"positions): top-1 {_f(dc.top1)}, top-{dc.k} {_f(dc.topk)}", file=out)
+
+
 def _print_predictors(card, out=None) -> None:
     pc = card.predictors
     if pc is None:
         return
     vocab = f"top-{pc.num_candidates} of {pc.draft_vocab} tokens" if pc.draft_vocab else \
         f"top-{pc.num_candidates} of the full vocabulary"
-    if pc.candidates == "head+ngram":
+    if pc.candidates.endswith("+ngram"):
         vocab += " (prompt lookup's token in the last slot when missing)"
-    print(f"\nSpecEE predictors: candidates = the layer-{pc.candidate_layer} head's {vocab}; "
+    source = ("the drafter's" if pc.candidates.startswith("drafter")
+              else f"the layer-{pc.candidate_layer} head's")
+    print(f"\nSpecEE predictors: candidates = {source} {vocab}; "
           f"MLP {3 * pc.num_candidates}→{pc.hidden}→1 at layers {pc.layers[0]}..{pc.layers[-1]}; "
           f"{pc.train_tokens} train / {pc.eval_tokens} held-out tokens, {pc.epochs} epochs, "
           f"{pc.seconds:.0f} s", file=out)

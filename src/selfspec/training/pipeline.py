@@ -1,10 +1,12 @@
-"""The stages behind ``selfspec heads train | calibrate | train-probe | train-predictors``, as
-functions.
+"""The stages behind ``selfspec heads train | calibrate | train-probe | train-drafter |
+train-predictors | tune-adadecode``, as functions.
 
     corpus (real text, on-policy generations) → features (one backbone pass, cached)
       → train heads → save → calibrate (DSSD §3.4.1) → save
       → train probes (AdaSPEED §II.B) → save
+      → train SpecEE's next-token drafter (its EAGLE role, §4) → save
       → train SpecEE predictors (SpecEE §4-5) → save
+      → tune AdaDecode's thresholds by replay → save
 
 Each stage takes and returns dataclasses; the CLI only parses arguments and prints.
 """
@@ -32,6 +34,7 @@ from selfspec.heads.calibration import (
 )
 from selfspec.heads.card import (
     AdaDecodeCard,
+    DrafterCard,
     HeadCalibration,
     HeadEval,
     MetricCalibration,
@@ -41,6 +44,7 @@ from selfspec.heads.card import (
     ThresholdRow,
     TrainingInfo,
 )
+from selfspec.heads.drafter import FeatureDrafter
 from selfspec.heads.files import (
     DEFAULT_PROBES,
     CalibrationSet,
@@ -74,6 +78,14 @@ from selfspec.training.corpus import (
     items_by_use,
     parse_data_spec,
     source_weight,
+)
+from selfspec.training.drafter import (
+    DrafterPositions,
+    DrafterTrainConfig,
+    drafter_inputs,
+    drafter_positions,
+    evaluate_drafter,
+    fit_drafter,
 )
 from selfspec.training.engine import Engine
 from selfspec.training.features import FeatureSet, by_source, load_features
@@ -548,12 +560,16 @@ class PredictorRequest:
     Attributes:
         heads: head file whose head at ``candidate_layer`` drafts the candidates; the
             predictors are saved into it.
-        candidate_layer: exit layer of that head (``None`` = :func:`default_candidate_layer`).
+        candidate_layer: exit layer of that head (``None`` = :func:`default_candidate_layer`);
+            with drafter candidates, the first predictor layer (``None`` =
+            :func:`default_first_layer`).
         num_candidates: ``k`` (4 in the paper).
         draft_vocab: candidates are the head's top-``k`` over the ``K`` most frequent tokens
             (``0`` = the full vocabulary; capped at ``V``).
         offline: size of the offline layer set (``None`` = ``round(L/4)``, as SpecEE's 8 of 32).
-        candidates: ``"head"`` or ``"head+ngram"`` (:func:`~selfspec.decoding.specee.merge_ngram`).
+        candidates: one of :data:`~selfspec.decoding.specee.CANDIDATE_SOURCES`: the head's or
+            the file's drafter's top-``k``, ``+ngram`` merging prompt lookup's token
+            (:func:`~selfspec.decoding.specee.merge_ngram`).
         data: :class:`DataRequest`.
         config: :class:`~selfspec.training.predictors.PredictorTrainConfig`.
     """
@@ -566,6 +582,14 @@ class PredictorRequest:
     candidates: str = "head"
     data: DataRequest = field(default_factory=DataRequest)
     config: PredictorTrainConfig = field(default_factory=PredictorTrainConfig)
+
+
+def default_first_layer(num_layers: int) -> int:
+    """First predictor layer with drafter candidates: ``max(1, L // 8)``. The candidates exist
+    before layer 0, but the first layers' states rarely point at the final token (on
+    Qwen2.5-Coder-1.5B a perfect predictor from layer 1 saves 0.3 layers per token more than
+    from layer 4, docs/results/specee) and every predictor layer costs features."""
+    return max(1, num_layers // 8)
 
 
 def default_candidate_layer(head_layers: Sequence[int], num_layers: int) -> int:
@@ -601,6 +625,24 @@ def head_candidates(engine: Engine, head: ExitHead, hidden: torch.Tensor, k: int
     out = []
     for start in range(0, hidden.shape[0], batch_tokens):
         logits = call(hidden[start:start + batch_tokens].unsqueeze(0))[0]
+        top = torch.topk(logits, k, dim=-1).indices
+        out.append(top if vocab_rows is None else vocab_rows[top])
+    return torch.cat(out)
+
+
+@torch.inference_mode()
+def drafter_candidates(engine: Engine, drafter: FeatureDrafter, features: FeatureSet,
+                       positions: DrafterPositions, index: torch.Tensor, k: int,
+                       vocab_rows: torch.Tensor | None, batch_tokens: int = 512) -> torch.Tensor:
+    """``[n, k]`` the drafter's top-``k`` token ids at the positions ``index`` (previous
+    states from the last layer; over ``vocab_rows`` when given), computed in the model's
+    dtype as :class:`~selfspec.decoding.specee.DrafterCandidates` computes them."""
+    ex = engine.executor
+    out = []
+    for part in index.split(batch_tokens):
+        state, emb = drafter_inputs(features, positions, ex.embed_tokens.weight, part)
+        predicted = drafter(state.to(ex.dtype), emb).to(ex.dtype)
+        logits = ex.logits(predicted.unsqueeze(0), vocab_rows=vocab_rows)[0]
         top = torch.topk(logits, k, dim=-1).indices
         out.append(top if vocab_rows is None else vocab_rows[top])
     return torch.cat(out)
@@ -655,6 +697,26 @@ def predictor_splits(items: Sequence[CorpusItem], features: FeatureSet,
     return train, torch.nonzero(split == TEST).squeeze(1)
 
 
+def _draft_rows(engine: Engine, heads: ExitHeads, target: Path, size: int
+                ) -> torch.Tensor | None:
+    """``[R]`` rows of the ``size`` most frequent tokens by ``heads``' counts (plus EOS), or
+    ``None`` for ``size == 0`` (the full vocabulary).
+
+    Raises:
+        InvalidArgumentError: the heads have no token counts.
+    """
+    from selfspec.decoding.draft_vocab import frequent_rows
+    from selfspec.models.eos import eos_token_ids
+
+    if not size:
+        return None
+    if heads.token_counts is None:
+        raise InvalidArgumentError(
+            f"{target} has no token counts to rank a draft vocabulary; run `selfspec heads "
+            f"calibrate {target}` once, or pass --draft-vocab 0")
+    return frequent_rows(heads.token_counts, size, eos_token_ids(engine.executor.model)).rows
+
+
 def train_predictors(engine: Engine, request: PredictorRequest,
                      progress: bool = True) -> PredictorOutcome:
     """Fit SpecEE predictors at every layer from the candidate layer on, rank the offline
@@ -663,14 +725,12 @@ def train_predictors(engine: Engine, request: PredictorRequest,
 
     Raises:
         InvalidArgumentError: bad ``num_candidates`` / ``draft_vocab`` / ``offline``, no head at
-            ``candidate_layer``, heads without token counts for a reduced vocabulary, or no
-            data.
+            ``candidate_layer`` (head candidates) or no drafter in the file (drafter
+            candidates), heads without token counts for a reduced vocabulary, or no data.
         HeadsNotFoundError, HeadsModelMismatchError, CorruptModelFileError: see
             :func:`~selfspec.heads.load_heads`.
     """
-    from selfspec.decoding.draft_vocab import frequent_rows
     from selfspec.decoding.specee import CANDIDATE_SOURCES, merge_ngram
-    from selfspec.models.eos import eos_token_ids
 
     ex = engine.executor
     num_layers = ex.num_layers
@@ -683,23 +743,31 @@ def train_predictors(engine: Engine, request: PredictorRequest,
         raise InvalidArgumentError(f"--draft-vocab must be >= 0, got {request.draft_vocab}")
     target = resolve_path(request.heads, model_name(engine))
     container = load_heads(target, engine)
-    if not container.layers:
-        raise InvalidArgumentError(f"{target} holds no exit heads to draft candidates with")
-    layer = (default_candidate_layer(container.layers, num_layers)
-             if request.candidate_layer is None else request.candidate_layer)
-    head = container.head_at(layer)
+    drafted = request.candidates.startswith("drafter")
+    if drafted:
+        if container.drafter is None:
+            raise InvalidArgumentError(
+                f"{target} holds no drafter for --candidates {request.candidates}; train one "
+                f"with `selfspec heads train-drafter {request.heads} --model {model_name(engine)}`")
+        layer = (default_first_layer(num_layers) if request.candidate_layer is None
+                 else request.candidate_layer)
+        if not 1 <= layer <= num_layers - 1:
+            raise InvalidArgumentError(
+                f"--candidate-layer (the first predictor layer with drafter candidates) must be "
+                f"in [1, {num_layers - 1}], got {layer}")
+        head = None
+    else:
+        if not container.layers:
+            raise InvalidArgumentError(f"{target} holds no exit heads to draft candidates with")
+        layer = (default_candidate_layer(container.layers, num_layers)
+                 if request.candidate_layer is None else request.candidate_layer)
+        head = container.head_at(layer)
     offline = (max(1, round(num_layers / 4)) if request.offline is None else request.offline)
     if not 1 <= offline <= num_layers - layer:
         raise InvalidArgumentError(
             f"--offline must be in [1, {num_layers - layer}] (predictor layers), got {offline}")
     size = min(request.draft_vocab, ex.vocab_size)
-    rows = None
-    if size:
-        if container.token_counts is None:
-            raise InvalidArgumentError(
-                f"{target} has no token counts to rank a draft vocabulary; run `selfspec heads "
-                f"calibrate {target}` once, or pass --draft-vocab 0")
-        rows = frequent_rows(container.token_counts, size, eos_token_ids(ex.model)).rows
+    rows = _draft_rows(engine, container, target, size)
     layers = list(range(layer, num_layers))
     times = StageTimes()
     prepared = prepare_features(engine, request.data, layers, times, progress)
@@ -707,18 +775,26 @@ def train_predictors(engine: Engine, request: PredictorRequest,
     head_train = {(u.dataset, i) for u in container.card.prompts if u.use == "train"
                   for i in u.ids}
     train_idx, eval_idx = predictor_splits(prepared.items, features, head_train)
+    positions = drafter_positions(in_feature_order(prepared.items))
+    if drafted:  # the drafter needs the previous position's state
+        usable = positions.usable()
+        train_idx, eval_idx = train_idx[usable[train_idx]], eval_idx[usable[eval_idx]]
     if train_idx.numel() == 0 or eval_idx.numel() == 0:
         raise InvalidArgumentError(
             "the predictors need training tokens from prompts the heads did not train on, and "
             "held-out tokens; give more data (or other --data than the heads saw)")
     t0 = time.perf_counter()
 
-    lookups = ngram_tokens(prepared.items) if request.candidates == "head+ngram" else None
+    lookups = ngram_tokens(prepared.items) if request.candidates.endswith("+ngram") else None
     assert lookups is None or lookups.numel() == features.num_tokens, "positions out of step"
 
     def data_of(idx: torch.Tensor) -> PredictorData:
         hidden = {x: features.hidden[x][idx] for x in layers}
-        cands = head_candidates(engine, head, hidden[layer], request.num_candidates, rows)
+        if drafted:
+            cands = drafter_candidates(engine, container.drafter, features, positions, idx,
+                                       request.num_candidates, rows)
+        else:
+            cands = head_candidates(engine, head, hidden[layer], request.num_candidates, rows)
         if lookups is not None:
             cands = merge_ngram(cands, lookups[idx])
         return predictor_data(ex, hidden, cands, features.teacher_token[idx], layers)
@@ -747,6 +823,94 @@ def train_predictors(engine: Engine, request: PredictorRequest,
         PREDICTOR_USES))
     save_heads(container, target)
     return PredictorOutcome(target, container, times, evaluation)
+
+
+# ------------------------------------------------------------------ SpecEE's drafter
+@dataclass(frozen=True)
+class DrafterRequest:
+    """``selfspec heads train-drafter``: a next-token drafter for SpecEE's candidates
+    (:mod:`selfspec.training.drafter`), saved into a head file.
+
+    Attributes:
+        heads: the head file (its token counts rank the draft vocabulary; the drafter is saved
+            into it).
+        draft_vocab: the loss and the card's figures over the ``K`` most frequent tokens
+            (``0`` = the full vocabulary).
+        data: the corpus; ``None`` = the one the heads were trained on (their card), whose
+            training split is then the drafter's too.
+        config: :class:`~selfspec.training.drafter.DrafterTrainConfig`.
+    """
+
+    heads: str = "default"
+    draft_vocab: int = DEFAULT_CANDIDATE_VOCAB
+    data: DataRequest | None = None
+    config: DrafterTrainConfig = field(default_factory=DrafterTrainConfig)
+
+
+@dataclass
+class DrafterOutcome:
+    """What :func:`train_drafter` did."""
+
+    path: Path
+    heads: ExitHeads
+    times: StageTimes
+
+
+def train_drafter(engine: Engine, request: DrafterRequest, progress: bool = True
+                  ) -> DrafterOutcome:
+    """Train SpecEE's next-token drafter on the training split of the heads' corpus (or
+    ``request.data``), evaluate it on the test split and save it into ``request.heads``.
+
+    Raises:
+        InvalidArgumentError: a bad ``draft_vocab``, heads without a card's corpus and no
+            ``data``, heads without token counts for a reduced vocabulary, or no data.
+        HeadsNotFoundError, HeadsModelMismatchError, CorruptModelFileError: see
+            :func:`~selfspec.heads.load_heads`.
+    """
+
+    ex = engine.executor
+    if request.draft_vocab < 0:
+        raise InvalidArgumentError(f"--draft-vocab must be >= 0, got {request.draft_vocab}")
+    target = resolve_path(request.heads, model_name(engine))
+    container = load_heads(target, engine)
+    data = request.data
+    if data is None:
+        if container.card.training is None:
+            raise InvalidArgumentError(
+                f"{target} records no training corpus to reuse; pass --data")
+        data = _card_request(container.card.training)
+    size = min(request.draft_vocab, ex.vocab_size)
+    rows = _draft_rows(engine, container, target, size)
+    # Previous states after an exit come from the upper half (exits are rare below it); the
+    # heads' layers there are in the feature cache already.
+    exit_layers = [x for x in container.layers if x >= ex.num_layers // 2]
+    times = StageTimes()
+    prepared = prepare_features(engine, data, exit_layers, times, progress)
+    features = prepared.features
+    positions = drafter_positions(in_feature_order(prepared.items))
+    usable = positions.usable()
+    train_idx = torch.nonzero(usable & (features.split == TRAIN)).squeeze(1)
+    eval_idx = torch.nonzero(usable & (features.split == TEST)).squeeze(1)
+    if train_idx.numel() == 0:
+        raise InvalidArgumentError("no training positions for the drafter; give more data")
+    out = output_layer(engine)
+    embedding = ex.embed_tokens.weight
+    t0 = time.perf_counter()
+    drafter = fit_drafter(out, features, positions, embedding, train_idx, rows, exit_layers,
+                          request.config)
+    seconds = time.perf_counter() - t0
+    times.train_s = seconds
+    drafter = drafter.to(device=ex.device, dtype=ex.dtype)
+    evaluation = evaluate_drafter(drafter, out, features, positions, embedding, eval_idx, rows)
+    cfg = request.config
+    container.drafter = drafter
+    container.card.drafter = DrafterCard(
+        draft_vocab=size, exit_mix=cfg.exit_mix, exit_layers=exit_layers, epochs=cfg.epochs,
+        lr=cfg.lr, seconds=seconds, train_tokens=int(train_idx.numel()),
+        eval_tokens=evaluation.tokens, top1=evaluation.top1, topk=evaluation.topk)
+    container.card.set_prompts(items_by_use(prepared.items, {TRAIN: "train", TEST: "test"}))
+    save_heads(container, target)
+    return DrafterOutcome(target, container, times)
 
 
 # ------------------------------------------------------------------ tune AdaDecode
