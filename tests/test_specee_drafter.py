@@ -264,8 +264,8 @@ def test_training_drafts_the_candidates_decoding_drafts(executor):
     cands = DrafterCandidates(executor, d, FIRST, executor.logits, K)
     with torch.inference_mode():
         for row, i in enumerate(index.tolist()):
-            state, _ = drafter_inputs(features, pos, executor.embed_tokens.weight, index[row:row + 1])
-            expected = cands(state.unsqueeze(0), int(pos.token[i])).ids
+            x = drafter_inputs(features, pos, executor.embed_tokens.weight, index[row:row + 1])
+            expected = cands(x.previous.unsqueeze(0), int(pos.token[i])).ids
             assert got[row].tolist() == expected.tolist()
 
 
@@ -283,8 +283,8 @@ def test_fit_drafter_lowers_the_kl_to_the_final_layer_and_mixes_exit_states(exec
 
     def kl(drafter):
         with torch.inference_mode():
-            state, e = drafter_inputs(features, pos, emb, idx)
-            logq = torch.log_softmax(out.project(out.norm(drafter(state, e))).float(), -1)
+            x = drafter_inputs(features, pos, emb, idx)
+            logq = torch.log_softmax(out.project(out.norm(drafter(x.previous, x.embedding))).float(), -1)
             logp = torch.log_softmax(out.project(out.norm(features.final[idx])).float(), -1)
             return float((logp.exp() * (logp - logq)).sum(-1).mean())
 

@@ -106,12 +106,28 @@ def drafter_positions(items: Sequence[CorpusItem]) -> DrafterPositions:
                             torch.tensor(token, dtype=torch.long))
 
 
+@dataclass(frozen=True)
+class DrafterInput:
+    """What the drafter reads at a batch of positions.
+
+    Attributes:
+        previous: ``[n, H]`` the previous position's state (last layer, or an exit layer).
+        embedding: ``[n, H]`` the current token's input embedding.
+    """
+
+    previous: torch.Tensor
+    embedding: torch.Tensor
+
+
 def drafter_inputs(features: FeatureSet, positions: DrafterPositions, embedding: torch.Tensor,
-                   index: torch.Tensor, layer_of: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(previous state [n, H], token embedding [n, H])`` of the positions ``index``.
+                   index: torch.Tensor, layer_of: torch.Tensor | None = None) -> DrafterInput:
+    """The :class:`DrafterInput` of the positions ``index``.
 
     Args:
+        features: the corpus' features.
+        positions: :func:`drafter_positions` of its items.
+        embedding: ``[V, H]`` the model's input embedding matrix.
+        index: ``[n]`` positions, each with a previous scored position.
         layer_of: ``[n]`` int64 layer to take each previous state from (``-1`` or ``None`` =
             the last layer, ``features.final``); every other layer must be in
             ``features.hidden``.
@@ -124,7 +140,7 @@ def drafter_inputs(features: FeatureSet, positions: DrafterPositions, embedding:
             if layer >= 0:
                 rows = layer_of == layer
                 state[rows] = features.hidden[layer][prev[rows]]
-    return state, embedding[positions.token[index]]
+    return DrafterInput(state, embedding[positions.token[index]])
 
 
 @dataclass(frozen=True)
@@ -144,8 +160,8 @@ def evaluate_drafter(drafter: FeatureDrafter, out: OutputLayer, features: Featur
     """:class:`DrafterEval` on ``index`` (previous states from the last layer)."""
     hit1 = hitk = 0
     for part in index.split(batch):
-        state, emb = drafter_inputs(features, positions, embedding, part)
-        logits = out.project(out.norm(drafter(state, emb)).to(out.weight.dtype), rows)
+        x = drafter_inputs(features, positions, embedding, part)
+        logits = out.project(out.norm(drafter(x.previous, x.embedding)).to(out.weight.dtype), rows)
         top = logits.topk(k, dim=-1).indices
         if rows is not None:
             top = rows[top]
@@ -204,10 +220,10 @@ def fit_drafter(out: OutputLayer, features: FeatureSet, positions: DrafterPositi
                     pick = choices[torch.randint(choices.numel(), (part.numel(),),
                                                  generator=generator)]
                     layer_of = torch.where(mixed, pick, torch.full_like(pick, -1))
-                state, emb = drafter_inputs(features, positions, embedding, part, layer_of)
+                x = drafter_inputs(features, positions, embedding, part, layer_of)
                 teacher = teacher_for(vocab.out, features.final[part], compute)
-                with _autocast(compute, state.device):
-                    predicted = drafter(state.float(), emb.float())
+                with _autocast(compute, x.previous.device):
+                    predicted = drafter(x.previous.float(), x.embedding.float())
                     logits = vocab.out.project(vocab.out.norm(predicted))
                 loss = forward_kl(logits, teacher)
                 optimizer.zero_grad(set_to_none=True)

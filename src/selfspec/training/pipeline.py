@@ -640,8 +640,8 @@ def drafter_candidates(engine: Engine, drafter: FeatureDrafter, features: Featur
     ex = engine.executor
     out = []
     for part in index.split(batch_tokens):
-        state, emb = drafter_inputs(features, positions, ex.embed_tokens.weight, part)
-        predicted = drafter(state.to(ex.dtype), emb).to(ex.dtype)
+        x = drafter_inputs(features, positions, ex.embed_tokens.weight, part)
+        predicted = drafter(x.previous.to(ex.dtype), x.embedding).to(ex.dtype)
         logits = ex.logits(predicted.unsqueeze(0), vocab_rows=vocab_rows)[0]
         top = torch.topk(logits, k, dim=-1).indices
         out.append(top if vocab_rows is None else vocab_rows[top])

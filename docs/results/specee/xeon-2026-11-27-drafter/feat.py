@@ -25,8 +25,8 @@ inv = torch.full((ex.vocab_size,), -1); inv[rows] = torch.arange(rows.numel())
 def build(idx):
     hidden = {x: f.hidden[x][idx] for x in layers}
     with torch.inference_mode():
-        st, emb = drafter_inputs(f, pos, ex.embed_tokens.weight, idx)
-        lg = ex.logits(heads.drafter(st, emb).to(ex.dtype).unsqueeze(0), vocab_rows=rows)[0].float()
+        x = drafter_inputs(f, pos, ex.embed_tokens.weight, idx)
+        lg = ex.logits(heads.drafter(x.previous, x.embedding).to(ex.dtype).unsqueeze(0), vocab_rows=rows)[0].float()
         prob = lg.softmax(-1)
         c = rows[lg.topk(4, -1).indices]
         c = merge_ngram(c, look[idx])
