@@ -30,4 +30,5 @@ selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset
 #   python curve2.py $M_15 $H_15/drafter49k onpolicy:humaneval,onpolicy:sharegpt-chat,stdlib
 #   python feat.py $M_15 $H_15/drafter49k onpolicy:humaneval,onpolicy:sharegpt-chat,stdlib
 #   python hid.py $M_15 $H_15/drafter49k onpolicy:humaneval,onpolicy:sharegpt-chat,stdlib 1e-3
+#   python mix.py $M_15 $H_15/drafter49k onpolicy:humaneval,onpolicy:sharegpt-chat,stdlib
 # GPU check (device tool, H200): gpu_check_specee.py from the repository root.
