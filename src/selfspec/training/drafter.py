@@ -32,7 +32,7 @@ from selfspec.training.features import FeatureSet
 from selfspec.training.losses import forward_kl
 from selfspec.training.train import (
     COMPUTE_DTYPES,
-    _autocast,
+    compute_autocast,
     make_loss_vocab,
     teacher_for,
     training_output_layer,
@@ -222,7 +222,7 @@ def fit_drafter(out: OutputLayer, features: FeatureSet, positions: DrafterPositi
                     layer_of = torch.where(mixed, pick, torch.full_like(pick, -1))
                 x = drafter_inputs(features, positions, embedding, part, layer_of)
                 teacher = teacher_for(vocab.out, features.final[part], compute)
-                with _autocast(compute, x.previous.device):
+                with compute_autocast(compute, x.previous.device):
                     predicted = drafter(x.previous.float(), x.embedding.float())
                     logits = vocab.out.project(vocab.out.norm(predicted))
                 loss = forward_kl(logits, teacher)

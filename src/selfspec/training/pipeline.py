@@ -587,7 +587,7 @@ class PredictorRequest:
 def default_first_layer(num_layers: int) -> int:
     """First predictor layer with drafter candidates: ``max(1, L // 8)``. The candidates exist
     before layer 0, but the first layers' states rarely point at the final token (on
-    Qwen2.5-Coder-1.5B a perfect predictor from layer 1 saves 0.3 layers per token more than
+    Qwen2.5-Coder-1.5B a perfect predictor from layer 1 saves 0.2 layers per token more than
     from layer 4, docs/results/specee) and every predictor layer costs features."""
     return max(1, num_layers // 8)
 
@@ -775,8 +775,8 @@ def train_predictors(engine: Engine, request: PredictorRequest,
     head_train = {(u.dataset, i) for u in container.card.prompts if u.use == "train"
                   for i in u.ids}
     train_idx, eval_idx = predictor_splits(prepared.items, features, head_train)
-    positions = drafter_positions(in_feature_order(prepared.items))
-    if drafted:  # the drafter needs the previous position's state
+    positions = drafter_positions(in_feature_order(prepared.items)) if drafted else None
+    if positions is not None:  # the drafter needs the previous position's state
         usable = positions.usable()
         train_idx, eval_idx = train_idx[usable[train_idx]], eval_idx[usable[eval_idx]]
     if train_idx.numel() == 0 or eval_idx.numel() == 0:
@@ -867,7 +867,6 @@ def train_drafter(engine: Engine, request: DrafterRequest, progress: bool = True
         HeadsNotFoundError, HeadsModelMismatchError, CorruptModelFileError: see
             :func:`~selfspec.heads.load_heads`.
     """
-
     ex = engine.executor
     if request.draft_vocab < 0:
         raise InvalidArgumentError(f"--draft-vocab must be >= 0, got {request.draft_vocab}")

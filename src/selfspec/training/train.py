@@ -139,7 +139,9 @@ def head_loss(head_logits: torch.Tensor, teacher: Teacher, labels: torch.Tensor,
 
 
 # ------------------------------------------------------------------------------ helpers
-def _autocast(dtype: torch.dtype, device: torch.device) -> torch.autocast:
+def compute_autocast(dtype: torch.dtype, device: torch.device) -> torch.autocast:
+    """bfloat16 autocast on ``device`` when the training compute dtype ``dtype`` is bfloat16,
+    else a disabled one (heads and the SpecEE drafter train their matmuls this way)."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
 
 
@@ -221,7 +223,7 @@ def batch_loss(heads: Sequence[ExitHead], hidden: dict[int, torch.Tensor], final
     loss = torch.zeros(())
     for head in heads:
         h = hidden[head.layer]
-        with _autocast(compute, h.device):
+        with compute_autocast(compute, h.device):
             logits = vocab.head_logits(head, h)
         loss = loss + head_loss(logits, teacher, labels, config)
     return loss
@@ -232,7 +234,7 @@ def teacher_for(out: OutputLayer, final: torch.Tensor, compute_dtype: torch.dtyp
     """The final layer's distribution from pre-norm final states ``[N, H]``:
     ``softmax(lm_head(norm(final)))``, the model's own output computation (over the rows of
     ``out``: a restricted output layer gives the distribution renormalised over them)."""
-    with _autocast(compute_dtype, final.device):
+    with compute_autocast(compute_dtype, final.device):
         logits = out.project(out.norm(final).to(out.weight.dtype))
     return Teacher.from_logits(logits)
 
@@ -287,7 +289,7 @@ def evaluate_heads(heads: Sequence[ExitHead], features: FeatureSet, indices: tor
         target = features.teacher_token[idx]
         for head in heads:
             hidden = features.hidden[head.layer][idx]
-            with _autocast(compute_dtype, hidden.device):
+            with compute_autocast(compute_dtype, hidden.device):
                 logits = head(hidden)
             logq = torch.log_softmax(logits.float(), dim=-1)
             agree = logq.argmax(-1) == target
