@@ -207,6 +207,18 @@ def test_train_drafter_then_predictors_on_its_candidates_then_decode(capsys, hom
         # an early exit may emit EOS (a random model's predictors exit on anything)
         assert result.stats.new_tokens == 8 or result.stats.finish_reason == "eos"
         assert sum(result.stats.exit_counts[:6]) >= 1        # exits below the last layer
+    # state-reading predictors, on the heads' training prompts too (more positions)
+    train_before = pc["train_tokens"]
+    code, out, err = _run(capsys, "heads", "train-predictors", *common, *data, "--heads",
+                          str(heads_dir), "--candidates", "drafter+ngram", "--draft-vocab", "64",
+                          "--state", "--include-head-train", "--epochs", "2", "--offline", "2")
+    assert code == 0, err
+    assert "MLP 12+64 (the state)→128→1" in out
+    pc = json.loads((heads_dir / "card.json").read_text())["predictors"]
+    assert pc["state_dim"] == 64 and pc["train_tokens"] > train_before
+    result = engine.generate("def f(x):", method="specee", heads=str(heads_dir), threshold=0.05,
+                             max_new_tokens=8)
+    assert result.stats.new_tokens == 8 or result.stats.finish_reason == "eos"
 
 
 def test_tune_adadecode_then_decode_with_the_tuned_thresholds(capsys, home, model_dir, tmp_path):

@@ -328,12 +328,13 @@ class SpecEEStep:
             if layer not in self._feature_layers:
                 continue
             tp = time.perf_counter()
-            scores = candidate_features(ex.final_norm(hidden)[0, 0], cand.rows, cand.bias, previous)
+            normed = ex.final_norm(hidden)[0, 0]
+            scores = candidate_features(normed, cand.rows, cand.bias, previous)
             previous = scores.probs
             fire = False
             if layer in active:
                 calls += 1
-                fire = float(self.predictors.prob(layer, scores.features)) > self.threshold
+                fire = float(self.predictors.prob(layer, scores.features, normed)) > self.threshold
             if fire:
                 pick = choose_next(scores.logits.unsqueeze(0), state.options.sampling,
                                    state.generator)

@@ -221,6 +221,8 @@ class PredictorCard:
             :class:`~selfspec.heads.drafter.FeatureDrafter`'s top-``k``), each with
             ``"+ngram"`` (the prompt-lookup token replaces the ``k``-th when it is not among
             them: :func:`~selfspec.decoding.specee.merge_ngram`).
+        state_dim: ``H`` when the predictors also read the layer's state
+            (:class:`~selfspec.heads.predictor.ExitPredictors`), ``0`` for SpecEE's 12 features.
     """
 
     candidate_layer: int
@@ -242,6 +244,7 @@ class PredictorCard:
     token_accuracy: list[float] = field(default_factory=list)
     mean_layers: list[float] = field(default_factory=list)
     candidates: str = "head"
+    state_dim: int = 0
 
 
 @dataclass

@@ -16,8 +16,9 @@ Layout of ``heads.safetensors`` (a directory path means ``<dir>/heads.safetensor
                                            calibration_draft_vocabs)
     predictor.fc1_weight          [P, 512, 3k]  SpecEE exit predictors at the card's
     predictor.fc1_bias            [P, 512]      ``predictors.layers`` (float32; candidates
-    predictor.fc2_weight          [P, 512]      from the head at ``candidate_layer``)
-    predictor.fc2_bias            [P]
+    predictor.fc2_weight          [P, 512]      from the head at ``candidate_layer``); state-
+    predictor.fc2_bias            [P]           reading ones: fc1 [P, w, 3k + H] and
+    predictor.feature_mean/std    [P, 3k]       the features' standardisation
     drafter.fc_weight             [H, 2H]  SpecEE's next-token drafter (card: ``drafter``;
     drafter.fc_bias               [H]      :class:`~selfspec.heads.drafter.FeatureDrafter`)
     vocab.token_counts            [V] i64  final-layer greedy tokens counted on the training
@@ -471,7 +472,7 @@ def _build(raw: HeadFile, out: OutputLayer, target: Path) -> ExitHeads:
         predictors = None
         if card.predictors is not None:
             pc = card.predictors
-            predictors = ExitPredictors(pc.layers, pc.num_candidates, pc.hidden)
+            predictors = ExitPredictors(pc.layers, pc.num_candidates, pc.hidden, pc.state_dim)
             predictors.load_tensors({k[len("predictor."):]: v for k, v in tensors.items()
                                      if k.startswith("predictor.")})
             predictors = predictors.to(device).eval().requires_grad_(False)

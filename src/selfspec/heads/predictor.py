@@ -19,6 +19,13 @@ exactly the features training saw, whichever layers the scheduler lets the MLP r
 
 Predictors are fitted by :mod:`selfspec.training.predictors` and stored in head files beside
 the head that drafts the candidates (:mod:`selfspec.heads.files`).
+
+*State-reading predictors* (``state_dim > 0``; ours, not in the paper) also read the layer's
+state itself: the MLP's input is ``[(features - mean) / std; STATE_SCALE · n / ||n||]``
+(``3k + H`` values). The 12 features say how the candidates compare; the state can also say
+whether the layer is still changing the prediction. Measured on Qwen2.5-Coder-1.5B (drafter
+candidates, docs/results/specee analysis §7) they need ~60k training positions to beat the
+12-feature MLP, and then run ~1 layer per token fewer at the same token accuracy.
 """
 
 from __future__ import annotations
@@ -33,6 +40,10 @@ from selfspec.errors import InvalidArgumentError
 
 FEATURES_PER_CANDIDATE = 3  # logit, local probability, change of the local probability
 PREDICTOR_HIDDEN = 512      # SpecEE's MLP width
+STATE_PREDICTOR_HIDDEN = 128  # state-reading predictors: 3k + H inputs, so a narrower MLP
+# The normalised state is scaled so its entries (~1/sqrt(H)) are of the order of the
+# standardised features'; 8 for H ~ 1-2k (what analysis §7 used).
+STATE_SCALE = 8.0
 
 
 @dataclass(frozen=True)
@@ -88,23 +99,36 @@ class ExitPredictors(nn.Module):
             sorted, distinct.
         num_candidates: ``k``.
         hidden: MLP width (512 in the paper).
+        state_dim: ``H`` for state-reading predictors (module doc), ``0`` for SpecEE's.
 
     Attributes:
-        fc1_weight: ``[P, hidden, 3k]``; fc1_bias: ``[P, hidden]``;
+        fc1_weight: ``[P, hidden, 3k + state_dim]``; fc1_bias: ``[P, hidden]``;
         fc2_weight: ``[P, hidden]``; fc2_bias: ``[P]`` (float32; ``P = len(layers)``).
+        feature_mean / feature_std: ``[P, 3k]`` standardisation of the features (state-reading
+            predictors only; set by training).
+
+    Raises:
+        InvalidArgumentError: unsorted or repeated layers, ``k < 2`` or ``state_dim < 0``.
     """
 
     def __init__(self, layers: list[int], num_candidates: int,
-                 hidden: int = PREDICTOR_HIDDEN) -> None:
+                 hidden: int = PREDICTOR_HIDDEN, state_dim: int = 0) -> None:
         super().__init__()
         if list(layers) != sorted(set(layers)) or not layers:
             raise InvalidArgumentError(f"predictor layers must be sorted and distinct, got {layers}")
         if num_candidates < 2:
             raise InvalidArgumentError(f"SpecEE needs at least 2 candidates, got {num_candidates}")
+        if state_dim < 0:
+            raise InvalidArgumentError(f"state_dim must be >= 0, got {state_dim}")
         self.layers = [int(x) for x in layers]
         self.num_candidates = int(num_candidates)
         self.hidden = int(hidden)
+        self.state_dim = int(state_dim)
         n, f = len(layers), FEATURES_PER_CANDIDATE * num_candidates
+        if state_dim:
+            self.feature_mean = nn.Parameter(torch.zeros(n, f), requires_grad=False)
+            self.feature_std = nn.Parameter(torch.ones(n, f), requires_grad=False)
+        f += state_dim
         self.fc1_weight = nn.Parameter(torch.randn(n, hidden, f) / f ** 0.5)
         self.fc1_bias = nn.Parameter(torch.zeros(n, hidden))
         self.fc2_weight = nn.Parameter(torch.randn(n, hidden) / hidden ** 0.5)
@@ -128,26 +152,54 @@ class ExitPredictors(nn.Module):
             raise InvalidArgumentError(
                 f"no SpecEE predictor at layer {layer}; predictors are at {self.layers}") from None
 
-    def logit(self, layer: int, features: torch.Tensor) -> torch.Tensor:
-        """Pre-sigmoid output of ``layer``'s predictor: ``[..., 3k]`` → ``[...]`` float32."""
+    def _inputs(self, features: torch.Tensor, state: torch.Tensor | None,
+                mean: torch.Tensor | None, std: torch.Tensor | None) -> torch.Tensor:
+        if not self.state_dim:
+            return features.float()
+        if state is None:
+            raise InvalidArgumentError("these SpecEE predictors read the layer's state; pass it")
+        state = F.normalize(state.float(), dim=-1) * STATE_SCALE
+        return torch.cat([(features.float() - mean) / std, state], dim=-1)
+
+    def logit(self, layer: int, features: torch.Tensor,
+              state: torch.Tensor | None = None) -> torch.Tensor:
+        """Pre-sigmoid output of ``layer``'s predictor: ``[..., 3k]`` features (and, for
+        state-reading predictors, ``[..., H]`` the layer's state after the final norm) →
+        ``[...]`` float32.
+
+        Raises:
+            InvalidArgumentError: no predictor at ``layer``; no ``state`` for state-reading
+                predictors.
+        """
         i = self.index(layer)
-        x = torch.relu(F.linear(features.float(), self.fc1_weight[i], self.fc1_bias[i]))
+        stats = (self.feature_mean[i], self.feature_std[i]) if self.state_dim else (None, None)
+        x = torch.relu(F.linear(self._inputs(features, state, *stats),
+                                self.fc1_weight[i], self.fc1_bias[i]))
         return x @ self.fc2_weight[i] + self.fc2_bias[i]
 
-    def prob(self, layer: int, features: torch.Tensor) -> torch.Tensor:
-        """Exit probability of ``layer``'s predictor: ``[..., 3k]`` → ``[...]`` in [0, 1]."""
-        return torch.sigmoid(self.logit(layer, features))
+    def prob(self, layer: int, features: torch.Tensor,
+             state: torch.Tensor | None = None) -> torch.Tensor:
+        """Exit probability of ``layer``'s predictor (arguments as :meth:`logit`), in [0, 1]."""
+        return torch.sigmoid(self.logit(layer, features, state))
 
-    def logits_all(self, features: torch.Tensor) -> torch.Tensor:
-        """Every layer's predictor on its own features: ``[P, N, 3k]`` → ``[P, N]`` (training)."""
-        x = torch.relu(torch.baddbmm(self.fc1_bias.unsqueeze(1), features.float(),
+    def logits_all(self, features: torch.Tensor, states: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """Every layer's predictor on its own features: ``[P, N, 3k]`` (and ``[P, N, H]``
+        states for state-reading predictors) → ``[P, N]`` (training)."""
+        stats = ((self.feature_mean.unsqueeze(1), self.feature_std.unsqueeze(1))
+                 if self.state_dim else (None, None))
+        x = torch.relu(torch.baddbmm(self.fc1_bias.unsqueeze(1),
+                                     self._inputs(features, states, *stats),
                                      self.fc1_weight.transpose(1, 2)))          # [P, N, hidden]
         return (x @ self.fc2_weight.unsqueeze(-1)).squeeze(-1) + self.fc2_bias.unsqueeze(1)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Stacked parameters by name (what head files store)."""
-        return {"fc1_weight": self.fc1_weight, "fc1_bias": self.fc1_bias,
-                "fc2_weight": self.fc2_weight, "fc2_bias": self.fc2_bias}
+        out = {"fc1_weight": self.fc1_weight, "fc1_bias": self.fc1_bias,
+               "fc2_weight": self.fc2_weight, "fc2_bias": self.fc2_bias}
+        if self.state_dim:
+            out.update(feature_mean=self.feature_mean, feature_std=self.feature_std)
+        return out
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy stored parameters in (shapes must match)."""

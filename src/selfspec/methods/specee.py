@@ -22,11 +22,17 @@ from selfspec.decoding.specee import (
     SpecEEStep,
 )
 from selfspec.errors import InvalidArgumentError
+from selfspec.heads.card import PredictorCard
 from selfspec.heads.files import DEFAULT as DEFAULT_HEADS
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.options import option
 
 SCHEDULES = ("two-level", "all")
+DEFAULT_THRESHOLD = 0.9
+# State-reading predictors train where the candidates are right more often than on new text
+# (heads/predictor.py), so their outputs are over-confident: 0.9 kept 84% of held-out tokens
+# on Qwen2.5-Coder-1.5B. Their default threshold is read off the card's held-out sweep.
+STATE_DEFAULT_ACCURACY = 0.97
 
 
 @dataclass(frozen=True)
@@ -35,10 +41,16 @@ class Options:
 
     heads: str = option(DEFAULT_HEADS, "head file holding the candidate head or drafter and "
                         "the SpecEE predictors ('default' or a path; `selfspec heads train-predictors`)")
-    threshold: float = option(0.9, "exit when a layer's predictor output exceeds this (the "
-                              "paper: 0.5; with exit-head candidates 0.5 lost every HumanEval "
-                              "problem on Qwen2.5-Coder-0.5B, docs/results/specee)",
-                              low=0, high=1, low_open=True, high_open=True)
+    threshold: float | None = option(
+        None, "exit when a layer's predictor output exceeds this (the paper: 0.5; with "
+        "exit-head candidates 0.5 lost every HumanEval problem on Qwen2.5-Coder-0.5B, "
+        "docs/results/specee)", low=0, high=1, low_open=True, high_open=True,
+        default_text=f"{DEFAULT_THRESHOLD}; state-reading predictors: as accuracy="
+                     f"{STATE_DEFAULT_ACCURACY}")
+    accuracy: float | None = option(
+        None, "instead of threshold: the lowest threshold of the card's held-out sweep whose "
+        "token accuracy (share of tokens equal to the final layer's) reaches this",
+        low=0, high=1, low_open=True, high_open=True, default_text="none")
     kv: str = option("propagate", "KV of the layers an exited token skipped: 'deferred' (run "
                      "later with the next token, exact), 'propagate' (CALM: K/V projections "
                      "of the exit state), 'skip' (none, as the SpecEE code)",
@@ -63,6 +75,35 @@ class Options:
 def _family(source: str) -> str:
     """``"head"`` or ``"drafter"``: the drafter of a candidate source, n-gram merge aside."""
     return source.removesuffix("+ngram")
+
+
+def exit_threshold(options: Options, card: PredictorCard) -> float:
+    """The predictors' exit threshold: ``options.threshold``; with ``options.accuracy`` (or by
+    default for state-reading predictors, accuracy :data:`STATE_DEFAULT_ACCURACY`) the lowest
+    threshold of the card's held-out sweep (``thresholds`` / ``token_accuracy``) reaching it;
+    else :data:`DEFAULT_THRESHOLD`.
+
+    Raises:
+        InvalidArgumentError: both ``threshold`` and ``accuracy`` given, or no threshold of
+            the sweep reaches the accuracy (the message gives the sweep's best).
+    """
+    if options.threshold is not None and options.accuracy is not None:
+        raise InvalidArgumentError("specee: give threshold or accuracy, not both")
+    if options.threshold is not None:
+        return options.threshold
+    target = options.accuracy
+    if target is None and card.state_dim:
+        target = STATE_DEFAULT_ACCURACY
+    if target is None:
+        return DEFAULT_THRESHOLD
+    reached = [t for t, a in sorted(zip(card.thresholds, card.token_accuracy)) if a >= target]
+    if not reached:
+        best = max(card.token_accuracy, default=float("nan"))
+        raise InvalidArgumentError(
+            f"specee: no threshold on the predictors' held-out sweep reaches token accuracy "
+            f"{target} (best {best:.4f} at thresholds {card.thresholds}); give a lower accuracy "
+            f"or an explicit threshold")
+    return reached[0]
 
 
 def build(context: MethodContext, options: Options) -> Step:
@@ -115,7 +156,7 @@ def build(context: MethodContext, options: Options) -> Step:
         n = len(pc.offline_layers) if options.offline_layers is None else options.offline_layers
         offline = pc.offline_layers[:n]
     schedule = PredictorSchedule(trained.predictors.layers, offline)
-    return SpecEEStep(candidates, trained.predictors, schedule, options.threshold,
+    return SpecEEStep(candidates, trained.predictors, schedule, exit_threshold(options, pc),
                       lambda executor, cache: make_skipped_kv(options.kv, executor, cache))
 
 

@@ -550,7 +550,9 @@ def probe_stats(probe: LinearProbe, hidden: torch.Tensor, labels: torch.Tensor,
 # prompts, see predictor_splits) and are evaluated on the test split.
 PREDICTOR_USES = {TRAIN: "predictor-train", CALIBRATION: "predictor-train", TEST: "predictor-eval"}
 DEFAULT_CANDIDATE_VOCAB = 16384
-THRESHOLD_SWEEP = (0.5, 0.7, 0.8, 0.9, 0.95)  # held-out token accuracy / layers on the card
+# held-out token accuracy / layers on the card (specee's accuracy= picks from it); the high end
+# is where state-reading predictors reach 97-99% token accuracy
+THRESHOLD_SWEEP = (0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.993, 0.995, 0.997, 0.998, 0.999)
 
 
 @dataclass(frozen=True)
@@ -571,7 +573,12 @@ class PredictorRequest:
             the file's drafter's top-``k``, ``+ngram`` merging prompt lookup's token
             (:func:`~selfspec.decoding.specee.merge_ngram`).
         data: :class:`DataRequest`.
-        config: :class:`~selfspec.training.predictors.PredictorTrainConfig`.
+        config: :class:`~selfspec.training.predictors.PredictorTrainConfig` (``state``:
+            state-reading predictors).
+        include_head_train: train on the prompts the heads (and drafter) trained on too
+            (:func:`predictor_splits` drops them by default). More data, at the price of
+            candidates that are right more often there than on new text; state-reading
+            predictors need the data (analysis §7). Held-out figures stay on the test split.
     """
 
     heads: str = "default"
@@ -582,6 +589,7 @@ class PredictorRequest:
     candidates: str = "head"
     data: DataRequest = field(default_factory=DataRequest)
     config: PredictorTrainConfig = field(default_factory=PredictorTrainConfig)
+    include_head_train: bool = False
 
 
 def default_first_layer(num_layers: int) -> int:
@@ -772,8 +780,8 @@ def train_predictors(engine: Engine, request: PredictorRequest,
     times = StageTimes()
     prepared = prepare_features(engine, request.data, layers, times, progress)
     features = prepared.features
-    head_train = {(u.dataset, i) for u in container.card.prompts if u.use == "train"
-                  for i in u.ids}
+    head_train = set() if request.include_head_train else {
+        (u.dataset, i) for u in container.card.prompts if u.use == "train" for i in u.ids}
     train_idx, eval_idx = predictor_splits(prepared.items, features, head_train)
     positions = drafter_positions(in_feature_order(prepared.items)) if drafted else None
     if positions is not None:  # the drafter needs the previous position's state
@@ -789,15 +797,16 @@ def train_predictors(engine: Engine, request: PredictorRequest,
     assert lookups is None or lookups.numel() == features.num_tokens, "positions out of step"
 
     def data_of(idx: torch.Tensor) -> PredictorData:
-        hidden = {x: features.hidden[x][idx] for x in layers}
         if drafted:
             cands = drafter_candidates(engine, container.drafter, features, positions, idx,
                                        request.num_candidates, rows)
         else:
-            cands = head_candidates(engine, head, hidden[layer], request.num_candidates, rows)
+            cands = head_candidates(engine, head, features.hidden[layer][idx],
+                                    request.num_candidates, rows)
         if lookups is not None:
             cands = merge_ngram(cands, lookups[idx])
-        return predictor_data(ex, hidden, cands, features.teacher_token[idx], layers)
+        return predictor_data(ex, features.hidden, cands, features.teacher_token[idx], layers,
+                              with_states=request.config.state, index=idx)
 
     train_data, eval_data = data_of(train_idx), data_of(eval_idx)
     predictors = fit_predictors(train_data, request.num_candidates, request.config)
@@ -816,7 +825,8 @@ def train_predictors(engine: Engine, request: PredictorRequest,
         precision=evaluation.precision, train_tokens=int(train_idx.numel()),
         eval_tokens=int(eval_idx.numel()), epochs=request.config.epochs, seconds=seconds,
         thresholds=list(THRESHOLD_SWEEP), token_accuracy=[e.token_accuracy for e in sweep],
-        mean_layers=[e.mean_exit_layer for e in sweep], candidates=request.candidates)
+        mean_layers=[e.mean_exit_layer for e in sweep], candidates=request.candidates,
+        state_dim=predictors.state_dim)
     container.card.set_prompts(items_by_use(
         [i for i in prepared.items
          if i.split == TEST or (dataset_of(i.source), i.prompt_id) not in head_train],

@@ -8,7 +8,9 @@ From one backbone pass over held-out text (teacher forcing; :mod:`selfspec.train
    with the change taken against layer ``ℓ - 1`` (decoding computes them the same way);
 3. label at ``ℓ``: the candidate with the highest local probability equals the final layer's
    greedy token (SpecEE §4);
-4. one MLP per layer, trained jointly (stacked weights) with the binary cross-entropy, Adam;
+4. one MLP per layer, trained jointly (stacked weights) with the binary cross-entropy, Adam
+   (state-reading predictors also get each layer's state after the final norm, and the
+   features are standardised on the training set first);
 5. held-out figures per layer, and the offline schedule: every predictor active, the first
    one above 0.5 is where a held-out token would exit; layers ranked by how often that
    happens, the most frequent ``offline`` kept (§5).
@@ -40,6 +42,9 @@ class PredictorTrainConfig:
         batch: tokens per step (every layer at once).
         hidden: MLP width (512 in the paper).
         seed: initialisation and shuffling.
+        state: train state-reading predictors
+            (:class:`~selfspec.heads.predictor.ExitPredictors` with ``state_dim = H``); the
+            data must carry ``states``.
     """
 
     epochs: int = 30
@@ -47,6 +52,7 @@ class PredictorTrainConfig:
     batch: int = 512
     hidden: int = PREDICTOR_HIDDEN
     seed: int = 0
+    state: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,8 @@ class PredictorData:
         labels: ``[P, N]`` bool: the top local candidate at that layer is the final token.
         picks: ``[P, N]`` int64: the token each layer would emit (top local candidate).
         recall: ``[N]`` bool: the final token is among the candidates.
+        states: ``[P, N, H]`` each layer's state after the final norm (model dtype), for
+            state-reading predictors; ``None`` otherwise.
     """
 
     layers: list[int]
@@ -66,21 +74,27 @@ class PredictorData:
     labels: torch.Tensor
     picks: torch.Tensor
     recall: torch.Tensor
+    states: torch.Tensor | None = None
 
 
 @torch.inference_mode()
 def predictor_data(executor: object, hidden: dict[int, torch.Tensor], candidates: torch.Tensor,
                    final_tokens: torch.Tensor, layers: list[int],
-                   batch_tokens: int = 2048) -> PredictorData:
+                   batch_tokens: int = 2048, with_states: bool = False,
+                   index: torch.Tensor | None = None) -> PredictorData:
     """Features and labels (module doc, steps 2-3).
 
     Args:
         executor: the model's :class:`~selfspec.executor.LayerExecutor`.
         hidden: ``{ℓ: [N, H]}`` hidden states leaving ``ℓ`` layers, for every ``ℓ`` in
-            ``layers``.
+            ``layers`` (``{ℓ: [M, H]}`` with ``index``).
         candidates: ``[N, k]`` int64 candidate ids per position.
         final_tokens: ``[N]`` the final layer's greedy tokens.
         layers: consecutive exit layers ``[c, c+1, ...]``.
+        with_states: also keep each layer's normed state (``states``; ``P·N·H`` values in the
+            model's dtype).
+        index: ``[N]`` int64 rows of ``hidden`` to use (sliced chunk by chunk, so the
+            positions' states are never copied whole; ``None`` = all ``N`` rows).
 
     Raises:
         InvalidArgumentError: non-consecutive layers or a missing hidden state.
@@ -92,6 +106,12 @@ def predictor_data(executor: object, hidden: dict[int, torch.Tensor], candidates
         raise InvalidArgumentError(f"no hidden states for layers {missing}")
     weight, bias = executor.lm_head.weight, executor.lm_head.bias
     n = candidates.shape[0]
+    if index is not None and index.numel() != n:
+        raise InvalidArgumentError(f"{index.numel()} positions in index, {n} candidate rows")
+    states = None
+    if with_states:
+        first = hidden[layers[0]]
+        states = torch.empty(len(layers), n, first.shape[-1], dtype=first.dtype)
     features, labels, picks = [], [], []
     for start in range(0, n, batch_tokens):
         cand = candidates[start:start + batch_tokens]
@@ -100,8 +120,12 @@ def predictor_data(executor: object, hidden: dict[int, torch.Tensor], candidates
         final = final_tokens[start:start + batch_tokens]
         previous = None
         f_chunk, l_chunk, p_chunk = [], [], []
-        for layer in layers:
-            normed = executor.final_norm(hidden[layer][start:start + batch_tokens])
+        rows_of = (slice(start, start + batch_tokens) if index is None
+                   else index[start:start + batch_tokens])
+        for j, layer in enumerate(layers):
+            normed = executor.final_norm(hidden[layer][rows_of])
+            if states is not None:
+                states[j, start:start + normed.shape[0]] = normed
             scores = candidate_features(normed, rows, b, previous)
             previous = scores.probs
             pick = cand.gather(1, scores.probs.argmax(-1, keepdim=True)).squeeze(1)
@@ -113,7 +137,7 @@ def predictor_data(executor: object, hidden: dict[int, torch.Tensor], candidates
         picks.append(torch.stack(p_chunk))
     recall = (candidates == final_tokens.unsqueeze(1)).any(1)
     return PredictorData(list(layers), torch.cat(features, 1), torch.cat(labels, 1),
-                         torch.cat(picks, 1), recall)
+                         torch.cat(picks, 1), recall, states)
 
 
 def fit_predictors(data: PredictorData, num_candidates: int,
@@ -121,14 +145,23 @@ def fit_predictors(data: PredictorData, num_candidates: int,
     """Train one MLP per layer on ``data`` (binary cross-entropy, Adam; module doc step 4).
 
     Raises:
-        InvalidArgumentError: no training tokens.
+        InvalidArgumentError: no training tokens; ``config.state`` without ``data.states``.
     """
     n = data.features.shape[1]
     if n == 0:
         raise InvalidArgumentError("no training tokens for the predictors; give more data")
+    states = data.states if config.state else None
+    if config.state and states is None:
+        raise InvalidArgumentError("state-reading predictors need the layers' states "
+                                   "(predictor_data(..., with_states=True))")
     generator = torch.Generator().manual_seed(config.seed)
     torch.manual_seed(config.seed)
-    model = ExitPredictors(data.layers, num_candidates, config.hidden)
+    model = ExitPredictors(data.layers, num_candidates, config.hidden,
+                           0 if states is None else states.shape[-1])
+    if states is not None:
+        model.feature_mean.data.copy_(data.features.mean(1))
+        model.feature_std.data.copy_(data.features.std(1).clamp_min(1e-6) if n > 1
+                                     else torch.ones_like(model.feature_std))
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     y = data.labels.float()
     steps_per_epoch = math.ceil(n / config.batch)
@@ -138,7 +171,8 @@ def fit_predictors(data: PredictorData, num_candidates: int,
             order = torch.randperm(n, generator=generator)
             for start in range(0, n, config.batch):
                 idx = order[start:start + config.batch]
-                logits = model.logits_all(data.features[:, idx])
+                logits = model.logits_all(data.features[:, idx],
+                                          None if states is None else states[:, idx])
                 loss = F.binary_cross_entropy_with_logits(logits, y[:, idx])
                 optimizer.zero_grad()
                 loss.backward()
@@ -173,8 +207,9 @@ class PredictorEval:
 @torch.inference_mode()
 def evaluate_predictors(model: ExitPredictors, data: PredictorData, num_layers: int,
                         threshold: float = 0.5) -> PredictorEval:
-    """Per-layer figures and the sequential-exit simulation on held-out ``data``."""
-    prob = torch.sigmoid(model.logits_all(data.features))      # [P, N]
+    """Per-layer figures and the sequential-exit simulation on held-out ``data`` (with
+    ``states`` for state-reading predictors)."""
+    prob = predictor_probs(model, data)                         # [P, N]
     fire = prob > threshold
     labels = data.labels
     n = labels.shape[1]
@@ -194,6 +229,20 @@ def evaluate_predictors(model: ExitPredictors, data: PredictorData, num_layers: 
     return PredictorEval(base.tolist(), acc.tolist(), precision.tolist(), freq.tolist(),
                          float(correct.float().mean()) if n else math.nan,
                          float(exit_layer.float().mean()) if n else math.nan)
+
+
+@torch.inference_mode()
+def predictor_probs(model: ExitPredictors, data: PredictorData,
+                    batch_tokens: int = 4096) -> torch.Tensor:
+    """``[P, N]`` every layer's exit probability on ``data`` (in chunks of positions: the
+    state-reading predictors' inputs are ``P·N·(3k + H)`` floats)."""
+    n = data.features.shape[1]
+    states = data.states if model.state_dim else None
+    parts = [torch.sigmoid(model.logits_all(
+        data.features[:, i:i + batch_tokens],
+        None if states is None else states[:, i:i + batch_tokens]))
+        for i in range(0, n, batch_tokens)]
+    return torch.cat(parts, 1) if parts else torch.zeros(len(data.layers), 0)
 
 
 def offline_schedule(layers: list[int], exit_frequency: list[float], size: int) -> list[int]:
