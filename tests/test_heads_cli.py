@@ -142,7 +142,7 @@ def test_train_predictors_then_decode_with_specee(capsys, home, model_dir, tmp_p
                           "--draft-vocab", "64", "--epochs", "3", "--offline", "2")
     assert code == 0, err
     assert "SpecEE predictors: candidates = the layer-2 head's top-4 of 64 tokens" in out
-    assert "offline schedule" in out and "0.90 → " in out
+    assert "offline schedule" in out and "0.900 → " in out
     card = json.loads((heads_dir / "card.json").read_text())
     pc = card["predictors"]
     assert pc["layers"] == [2, 3, 4, 5] and len(pc["offline_layers"]) == 2

@@ -635,7 +635,7 @@ def _print_predictors(card, out=None) -> None:
         print("held-out, every predictor active: threshold → token accuracy, mean layers of "
               f"{card.num_layers}", file=out)
         for t, acc, layers in zip(pc.thresholds, pc.token_accuracy, pc.mean_layers):
-            print(f"  {t:.2f} → {_f(acc)}, {_f(layers, 2)}", file=out)
+            print(f"  {t:.3f} → {_f(acc)}, {_f(layers, 2)}", file=out)
 
 
 def _cmd_train_probe(args: argparse.Namespace) -> int:

@@ -578,7 +578,8 @@ class PredictorRequest:
         include_head_train: train on the prompts the heads (and drafter) trained on too
             (:func:`predictor_splits` drops them by default). More data, at the price of
             candidates that are right more often there than on new text; state-reading
-            predictors need the data (analysis §7). Held-out figures stay on the test split.
+            predictors need the data (docs/results/specee/xeon-2026-11-27-state/analysis.txt
+            §7). Held-out figures stay on the test split.
     """
 
     heads: str = "default"

@@ -1,0 +1,20 @@
+#!/bin/bash
+# SpecEE with state-reading predictors, AMX Xeon, bf16, 2026-11-27 (after ../xeon-2026-11-27-drafter/).
+set -ex
+HOME_=${SELFSPEC_HOME:-$HOME/.cache/selfspec}
+M=qwen2.5-coder-1.5b-instruct
+H=$HOME_/heads/$M
+# drafter49k: the 49k-token heads + drafter + drafter+ngram predictors (../xeon-2026-11-27-drafter/commands.sh)
+rm -rf $H/state49k; cp -r $H/drafter49k $H/state49k
+# the heads' own corpus (its features are cached from training the heads): 60,963 training positions
+selfspec heads train-predictors --model $M --dtype bf16 --threads 2 --heads $H/state49k --candidates drafter+ngram \
+  --state --include-head-train --data stdlib,onpolicy:humaneval,onpolicy:stdlib*4,onpolicy:sharegpt-chat \
+  --tokens 49000 --max-new-tokens 128          # 206 s, 20.4 GB peak RSS; predictors-state.txt
+D=specee:heads=$H/drafter49k; S=specee:heads=$H/state49k
+selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset humaneval --n 8 --max-new-tokens 96 \
+  --methods ar,$D,$S,threshold=0.99,$S,threshold=0.995,$S,threshold=0.98 --out ${OUT:-.}/qwen-humaneval
+selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset gsm --n 5 --max-new-tokens 320 \
+  --methods ar,$D,$S --out ${OUT:-.}/qwen-gsm          # $S: default threshold = the card's for accuracy 0.97 (0.993)
+# offline analysis (analysis.txt §7-8), from this directory:
+#   python state_analysis.py      (reads $SELFSPEC_HOME; ~20 GB RAM)
+#   python sweep.py $H/state49k,$H/drafter49k heads,onpolicy:humaneval+onpolicy:sharegpt-chat+stdlib
