@@ -170,6 +170,16 @@ def test_train_predictors_then_decode_with_specee(capsys, home, model_dir, tmp_p
     result = engine.generate("def f(x):", method="specee", heads=str(heads_dir), threshold=0.05,
                              max_new_tokens=8)
     assert result.stats.new_tokens == 8
+    # state-reading predictors on head candidates; accuracy= reads the card's sweep
+    code, out, err = _run(capsys, "heads", "train-predictors", *common, "--heads", str(heads_dir),
+                          "--draft-vocab", "64", "--epochs", "1", "--state")
+    assert code == 0, err
+    pc = json.loads((heads_dir / "card.json").read_text())["predictors"]
+    assert pc["state_dim"] == 64 and pc["thresholds"][-1] == 0.999
+    low = min(min(pc["token_accuracy"]), 0.5)   # reached by some threshold, in (0, 1)
+    result = engine.generate("def f(x):", method="specee", heads=str(heads_dir), accuracy=low,
+                             max_new_tokens=8)
+    assert result.stats.new_tokens == 8 or result.stats.finish_reason == "eos"
 
 
 def test_train_drafter_then_predictors_on_its_candidates_then_decode(capsys, home, model_dir,

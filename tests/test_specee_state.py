@@ -241,3 +241,17 @@ def test_exit_threshold_from_options_or_the_cards_held_out_sweep():
         exit_threshold(Options(threshold=0.7, accuracy=0.9), state)
     with pytest.raises(InvalidArgumentError, match="best 0.9970"):
         exit_threshold(Options(accuracy=0.999), state)
+
+
+def test_state_predictor_training_refuses_what_memory_cannot_hold(monkeypatch):
+    """Checked before the states are built, with the figures and what to change."""
+    import selfspec.executor.cpu as cpu
+    from selfspec.training.pipeline import _check_state_memory
+
+    monkeypatch.setattr(cpu, "available_memory_bytes", lambda: 8 * 10 ** 9)
+    _check_state_memory(10_000, 25, 1536, 2)                  # 0.8 GB: fine
+    with pytest.raises(InvalidArgumentError, match=r"need 9.2 GB, 8.0 GB is available; give "
+                                                   r"fewer --tokens"):
+        _check_state_memory(120_000, 25, 1536, 2)
+    monkeypatch.setattr(cpu, "available_memory_bytes", lambda: None)
+    _check_state_memory(10 ** 9, 25, 1536, 2)                 # unknown: not refused

@@ -809,6 +809,9 @@ def train_predictors(engine: Engine, request: PredictorRequest,
         return predictor_data(ex, features.hidden, cands, features.teacher_token[idx], layers,
                               with_states=request.config.state, index=idx)
 
+    if request.config.state:
+        _check_state_memory(train_idx.numel() + eval_idx.numel(), len(layers),
+                            features.hidden[layer].shape[-1], features.hidden[layer].element_size())
     train_data, eval_data = data_of(train_idx), data_of(eval_idx)
     predictors = fit_predictors(train_data, request.num_candidates, request.config)
     evaluation = evaluate_predictors(predictors, eval_data, num_layers)
@@ -834,6 +837,26 @@ def train_predictors(engine: Engine, request: PredictorRequest,
         PREDICTOR_USES))
     save_heads(container, target)
     return PredictorOutcome(target, container, times, evaluation)
+
+
+def _check_state_memory(positions: int, layers: int, hidden: int, itemsize: int) -> None:
+    """Refuse state-reading predictors whose states (``positions × layers × H``) would not fit
+    in the memory left, before minutes of work end in the OOM killer.
+
+    Raises:
+        InvalidArgumentError: the states need more than the available memory (with margin).
+    """
+    from selfspec.executor.cpu import available_memory_bytes
+
+    need = positions * layers * hidden * itemsize
+    free = available_memory_bytes()
+    # the batches, features and MLP come on top of the states: keep a quarter spare
+    if free is not None and need > 0.75 * free:
+        raise InvalidArgumentError(
+            f"state-reading predictors keep every layer's state: {positions} positions × "
+            f"{layers} layers × {hidden} values need {need / 1e9:.1f} GB, {free / 1e9:.1f} GB "
+            f"is available; give fewer --tokens, a later --candidate-layer, or drop "
+            f"--include-head-train")
 
 
 # ------------------------------------------------------------------ SpecEE's drafter
