@@ -15,6 +15,16 @@ selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset
   --methods ar,$D,$S,threshold=0.99,$S,threshold=0.995,$S,threshold=0.98 --out ${OUT:-.}/qwen-humaneval
 selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset gsm --n 5 --max-new-tokens 320 \
   --methods ar,$D,$S --out ${OUT:-.}/qwen-gsm          # $S: default threshold = the card's for accuracy 0.97 (0.993)
+M=qwen2.5-coder-0.5b-instruct
+H=$HOME_/heads/$M
+rm -rf $H/state; cp -r $H/default $H/state     # heads 6/12/18 + head+ngram predictors
+selfspec heads train-predictors --model $M --dtype bf16 --threads 2 --heads $H/state --candidates head+ngram \
+  --state --include-head-train --data "stdlib*4,onpolicy:humaneval,onpolicy:stdlib" --tokens 49000 \
+  --max-new-tokens 128                         # 328 s (126 s of it on-policy generation), 8.9 GB peak RSS
+S=specee:heads=$H/state
+selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset humaneval --n 8 --max-new-tokens 96 \
+  --methods ar,specee,$S,$S,threshold=0.98,$S,threshold=0.99 --out ${OUT:-.}/qwen05-humaneval
+
 # offline analysis (analysis.txt §7-8), from this directory:
 #   python state_analysis.py      (reads $SELFSPEC_HOME; ~20 GB RAM)
 #   python sweep.py $H/state49k,$H/drafter49k heads,onpolicy:humaneval+onpolicy:sharegpt-chat+stdlib
