@@ -200,11 +200,12 @@ def test_a_card_without_state_dim_is_specee_12_features():
     """Files written before state-reading predictors keep loading as SpecEE's."""
     from selfspec.heads.card import _predictor_card
 
-    pc = _predictor_card(dict(
-        candidate_layer=2, num_candidates=4, draft_vocab=0, hidden=8, layers=[2, 3],
-        offline_layers=[3], exit_frequency=[0.1, 0.1], candidate_recall=0.5,
-        base_rate=[0.2, 0.2], accuracy=[0.8, 0.8], precision=[None, 0.9], train_tokens=1,
-        eval_tokens=1, epochs=1, seconds=0.1))
+    pc = _predictor_card({
+        "candidate_layer": 2, "num_candidates": 4, "draft_vocab": 0, "hidden": 8,
+        "layers": [2, 3], "offline_layers": [3], "exit_frequency": [0.1, 0.1],
+        "candidate_recall": 0.5, "base_rate": [0.2, 0.2], "accuracy": [0.8, 0.8],
+        "precision": [None, 0.9], "train_tokens": 1, "eval_tokens": 1, "epochs": 1,
+        "seconds": 0.1})
     assert pc.state_dim == 0 and math.isnan(pc.precision[0])
 
 
@@ -245,7 +246,7 @@ def test_exit_threshold_from_options_or_the_cards_held_out_sweep():
 
 def test_state_predictor_training_refuses_what_memory_cannot_hold(monkeypatch):
     """Checked before the states are built, with the figures and what to change."""
-    import selfspec.executor.cpu as cpu
+    from selfspec.executor import cpu
     from selfspec.training.pipeline import _check_state_memory
 
     monkeypatch.setattr(cpu, "available_memory_bytes", lambda: 8 * 10 ** 9)
