@@ -25,6 +25,7 @@ S=specee:heads=$H/state
 selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset humaneval --n 8 --max-new-tokens 96 \
   --methods ar,specee,$S,$S,threshold=0.98,$S,threshold=0.99 --out ${OUT:-.}/qwen05-humaneval
 
+# predictor time breakdown (results README): python prof.py $M $H/state; python prof.py $M $H/default
 # offline analysis (analysis.txt §7-8), from this directory:
 #   python state_analysis.py      (reads $SELFSPEC_HOME; ~20 GB RAM)
 #   python sweep.py $H/state49k,$H/drafter49k heads,onpolicy:humaneval+onpolicy:sharegpt-chat+stdlib
