@@ -29,3 +29,4 @@ selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset
 # offline analysis (analysis.txt §7-8), from this directory:
 #   python state_analysis.py      (reads $SELFSPEC_HOME; ~20 GB RAM)
 #   python sweep.py $H/state49k,$H/drafter49k heads,onpolicy:humaneval+onpolicy:sharegpt-chat+stdlib
+# GPU check (device tool, H200): gpu_check_state.py from the repository root (gpu_check.txt).
