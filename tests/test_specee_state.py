@@ -256,3 +256,24 @@ def test_state_predictor_training_refuses_what_memory_cannot_hold(monkeypatch):
         _check_state_memory(120_000, 25, 1536, 2)
     monkeypatch.setattr(cpu, "available_memory_bytes", lambda: None)
     _check_state_memory(10 ** 9, 25, 1536, 2)                 # unknown: not refused
+
+
+def test_state_reading_training_settings_and_one_probability_pass_per_sweep():
+    """The CLI and library users get the same measured settings; a sweep's figures from
+    probabilities computed once equal evaluating at each threshold."""
+    from selfspec.heads.predictor import STATE_PREDICTOR_HIDDEN
+    from selfspec.training.predictors import exit_figures, predictor_probs
+
+    cfg = PredictorTrainConfig.state_reading()
+    assert (cfg.state, cfg.hidden, cfg.epochs, cfg.lr) == (True, STATE_PREDICTOR_HIDDEN, 8, 2e-3)
+    assert PredictorTrainConfig.state_reading(3).epochs == 3
+    torch.manual_seed(0)
+    layers, n, h = [2, 3], 50, 16
+    data = PredictorData(layers, torch.randn(2, n, 3 * K), torch.rand(2, n) > 0.5,
+                         torch.zeros(2, n, dtype=torch.long), torch.ones(n, dtype=torch.bool),
+                         torch.randn(2, n, h))
+    model = ExitPredictors(layers, K, hidden=8, state_dim=h)
+    prob = predictor_probs(model, data)
+    for t in (0.3, 0.5, 0.9):
+        # (repr: NaN precision where a layer never fires compares unequal to itself)
+        assert repr(exit_figures(prob, data, 4, t)) == repr(evaluate_predictors(model, data, 4, t))

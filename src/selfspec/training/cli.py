@@ -182,8 +182,8 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
                          "is not among them")
     pp.add_argument("--state", action="store_true",
                     help="predictors that also read the layer's state (MLP 3k+H→128→1; not in "
-                         "the paper): ~1 layer per token fewer at equal accuracy on ~60k "
-                         "training positions, no better on a few thousand")
+                         "the paper): ~1.5 layers per token fewer at equal held-out accuracy "
+                         "on ~60k training positions, no better on a few thousand")
     pp.add_argument("--include-head-train", action="store_true",
                     help="train on the prompts the heads/drafter trained on too (more data; "
                          "held-out figures stay on the test split)")
@@ -550,18 +550,16 @@ def _print_skip_set(skip_set, out=None) -> None:
 def _cmd_train_predictors(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from selfspec.heads.predictor import PREDICTOR_HIDDEN, STATE_PREDICTOR_HIDDEN
     from selfspec.training.pipeline import PredictorRequest, train_predictors
     from selfspec.training.predictors import PredictorTrainConfig
 
-    epochs = args.epochs if args.epochs is not None else (8 if args.state else 30)
-    if epochs < 1:
-        raise InvalidArgumentError(f"--epochs must be >= 1, got {epochs}")
+    if args.epochs is not None and args.epochs < 1:
+        raise InvalidArgumentError(f"--epochs must be >= 1, got {args.epochs}")
     data = _data_request(args, 12_000)
     if args.data is None:
         data = replace(data, data=PREDICTOR_DATA)
-    config = PredictorTrainConfig(epochs=epochs, state=args.state, lr=2e-3 if args.state else 3e-3,
-                                  hidden=STATE_PREDICTOR_HIDDEN if args.state else PREDICTOR_HIDDEN)
+    make = PredictorTrainConfig.state_reading if args.state else PredictorTrainConfig
+    config = make(**({} if args.epochs is None else {"epochs": args.epochs}))
     request = PredictorRequest(heads=args.heads, candidate_layer=args.candidate_layer,
                                num_candidates=args.k, draft_vocab=args.draft_vocab,
                                offline=args.offline, candidates=args.candidates, data=data,

@@ -94,10 +94,11 @@ from selfspec.training.predictors import (
     PredictorData,
     PredictorEval,
     PredictorTrainConfig,
-    evaluate_predictors,
+    exit_figures,
     fit_predictors,
     offline_schedule,
     predictor_data,
+    predictor_probs,
 )
 from selfspec.training.probe import ProbeTrainConfig, fit_probe
 from selfspec.training.train import TrainConfig, train_heads
@@ -814,8 +815,9 @@ def train_predictors(engine: Engine, request: PredictorRequest,
                             features.hidden[layer].shape[-1], features.hidden[layer].element_size())
     train_data, eval_data = data_of(train_idx), data_of(eval_idx)
     predictors = fit_predictors(train_data, request.num_candidates, request.config)
-    evaluation = evaluate_predictors(predictors, eval_data, num_layers)
-    sweep = [evaluate_predictors(predictors, eval_data, num_layers, t) for t in THRESHOLD_SWEEP]
+    prob = predictor_probs(predictors, eval_data)
+    evaluation = exit_figures(prob, eval_data, num_layers)
+    sweep = [exit_figures(prob, eval_data, num_layers, t) for t in THRESHOLD_SWEEP]
     seconds = time.perf_counter() - t0
     times.predictors_s = seconds
     container.predictors = predictors.to(ex.device)

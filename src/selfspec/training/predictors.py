@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from selfspec.errors import InvalidArgumentError
 from selfspec.heads.predictor import (
     PREDICTOR_HIDDEN,
+    STATE_PREDICTOR_HIDDEN,
     ExitPredictors,
     candidate_features,
 )
@@ -53,6 +54,13 @@ class PredictorTrainConfig:
     hidden: int = PREDICTOR_HIDDEN
     seed: int = 0
     state: bool = False
+
+    @classmethod
+    def state_reading(cls, epochs: int = 8) -> PredictorTrainConfig:
+        """The settings measured for state-reading predictors (3k + H inputs: a narrower MLP,
+        fewer epochs over tens of thousands of positions; docs/results/specee
+        xeon-2026-11-27-state)."""
+        return cls(epochs=epochs, lr=2e-3, hidden=STATE_PREDICTOR_HIDDEN, state=True)
 
 
 @dataclass(frozen=True)
@@ -209,7 +217,13 @@ def evaluate_predictors(model: ExitPredictors, data: PredictorData, num_layers: 
                         threshold: float = 0.5) -> PredictorEval:
     """Per-layer figures and the sequential-exit simulation on held-out ``data`` (with
     ``states`` for state-reading predictors)."""
-    prob = predictor_probs(model, data)                         # [P, N]
+    return exit_figures(predictor_probs(model, data), data, num_layers, threshold)
+
+
+def exit_figures(prob: torch.Tensor, data: PredictorData, num_layers: int,
+                 threshold: float = 0.5) -> PredictorEval:
+    """:func:`evaluate_predictors` from the predictors' ``[P, N]`` exit probabilities on
+    ``data`` (:func:`predictor_probs`), so a threshold sweep computes them once."""
     fire = prob > threshold
     labels = data.labels
     n = labels.shape[1]
