@@ -127,3 +127,6 @@ def test_methods_command_lists_every_method_and_option(capsys):
     assert main(["methods", "dssd"]) == 0
     out = capsys.readouterr().out
     assert "--epsilon" in out and "default 0.9" in out and "layerskip" not in out
+    # lossless only with an option: said so on the method's line
+    assert main(["methods", "specee"]) == 0
+    assert capsys.readouterr().out.startswith("specee  (lossy by default;")

@@ -162,7 +162,10 @@ def _cmd_methods(args: argparse.Namespace) -> int:
     for i, spec in enumerate(specs):
         if i:
             print()
-        kind = "lossless" if spec.lossless else "lossy"
+        if spec.lossless_for(spec.options()):
+            kind = "lossless"
+        else:  # lossy as given; some options may make it lossless
+            kind = "lossy by default" if spec.lossless else "lossy"
         kind += "; batches share forwards" if spec.batched else ""
         print(f"{spec.name}  ({kind}; {spec.paper})")
         print(f"  {spec.summary}")

@@ -26,6 +26,7 @@ from selfspec.executor import KVCache, LayerExecutor
 @dataclass
 class _Pending:
     position: int
+    token: int              # the token id fed at this position
     reached: int            # layers [0, reached) have run
     hidden: torch.Tensor    # [1, 1, H]: the hidden state leaving layer reached - 1
 
@@ -59,11 +60,15 @@ class DeferredLayers:
         if self._pending:
             assert position == self._pending[-1].position + 1, "pending positions must be consecutive"
         ids = torch.tensor([[token_id]], device=self.executor.device)
-        self._pending.append(_Pending(position, 0, self.executor.embed(ids)))
+        self._pending.append(_Pending(position, token_id, 0, self.executor.embed(ids)))
 
     def position(self, index: int = -1) -> int:
         """Sequence position of the ``index``-th pending position (default: the last)."""
         return self._pending[index].position
+
+    def token(self, index: int = -1) -> int:
+        """Token id fed at the ``index``-th pending position (default: the last)."""
+        return self._pending[index].token
 
     def reached(self, index: int = -1) -> int:
         """Layers run so far by the ``index``-th pending position (default: the last)."""

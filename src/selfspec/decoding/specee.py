@@ -30,7 +30,9 @@ the public SpecEE code, which unions a fixed layer list with the queue's neighbo
 the fifth token on; we use the queue from the first exit). ``schedule="all"`` runs every
 predictor instead.
 
-Lossy by design (the paper: < 1% accuracy loss): no verification.
+Lossy by design (the paper: < 1% accuracy loss): no verification. With ``verify=true``
+(:class:`SpecEEExits`, :class:`VerifiedSpecEEStep`) an exited token's deeper layers run later,
+batched with the next tokens, and their output verifies it (AdaDecode §2.2): lossless.
 """
 
 from __future__ import annotations
@@ -38,16 +40,22 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
+from selfspec.decoding.deferred import DeferredLayers
 from selfspec.decoding.draft_vocab import DraftVocab
+from selfspec.decoding.drafting import ExitDrafter
+from selfspec.decoding.exits import Exit
 from selfspec.decoding.ngram import ContextIndex
-from selfspec.decoding.sampling import choose_next
+from selfspec.decoding.sampling import SamplingConfig, choose_next
 from selfspec.decoding.skipped_kv import SkippedKV
+from selfspec.decoding.speculative import DraftOutput, SpeculativeStep, TargetOutput
 from selfspec.decoding.state import DecodeState
 from selfspec.decoding.stats import StepStats
+from selfspec.decoding.stop_rules import BufferStopRule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.executor import Observer
@@ -228,13 +236,32 @@ def _top_candidates(source: HeadCandidates | DrafterCandidates, logits: torch.Te
     return Candidates(ids, source.executor.lm_head.weight[ids], None if bias is None else bias[ids])
 
 
-class SpecEEStep:
-    """One token per call, exiting at the first scheduled predictor above ``threshold``.
+@dataclass(frozen=True)
+class ScanResult:
+    """What the predictors decided for one token.
 
-    Its :class:`StepStats` reports the token as one unverified draft token whose
-    ``exit_layers`` entry is the layers it ran (L when no predictor fired), plus the time
-    spent on candidates, features and predictors (``predictor_ms``), their calls, and the time
-    spent settling the skipped layers' KV (``kv_ms``).
+    Attributes:
+        exit_layer: the layer whose predictor fired (layers ``[0, exit_layer)`` ran), or
+            ``None``: none fired and the token must run every layer.
+        ids: ``[k]`` int64 candidate ids, or ``None`` when there were no candidates.
+        logits: ``[k]`` float32 the candidates' logits at the exit layer, or ``None``.
+        hidden: ``[1, 1, H]`` the state leaving the last layer run.
+        calls: predictor evaluations.
+        seconds: wall time of candidates, features and predictors.
+    """
+
+    exit_layer: int | None
+    ids: torch.Tensor | None
+    logits: torch.Tensor | None
+    hidden: torch.Tensor
+    calls: int
+    seconds: float
+
+
+class PredictorScan:
+    """SpecEE's exit decision for one token (§4-5): candidates, then layer by layer the
+    candidates' features and the scheduled predictors, up to the first that fires. Shared by
+    the lossy step (:class:`SpecEEStep`) and the verified one (:class:`SpecEEExits`).
 
     Args:
         candidates: the speculative-token drafter (its ``layer`` is the first feature layer).
@@ -242,7 +269,6 @@ class SpecEEStep:
             contiguously where they exist (features change against the previous layer).
         schedule: which predictors run (reset at each generation).
         threshold: exit when a predictor's output exceeds it (0.5 in the paper).
-        kv: ``kv(executor, cache) -> SkippedKV`` for one generation.
 
     Raises:
         InvalidArgumentError: ``k`` differs from the predictors' or predictors below the
@@ -250,8 +276,7 @@ class SpecEEStep:
     """
 
     def __init__(self, candidates: HeadCandidates | DrafterCandidates, predictors: ExitPredictors,
-                 schedule: PredictorSchedule, threshold: float,
-                 kv: Callable[[LayerExecutor, object], SkippedKV]) -> None:
+                 schedule: PredictorSchedule, threshold: float) -> None:
         if candidates.k != predictors.num_candidates:
             raise InvalidArgumentError(
                 f"the predictors were trained on {predictors.num_candidates} candidates, got "
@@ -264,34 +289,111 @@ class SpecEEStep:
         self.predictors = predictors
         self.schedule = schedule
         self.threshold = threshold
-        self._make_kv = kv
-        self._kv: SkippedKV | None = None
+        self.drafts_first = isinstance(candidates, DrafterCandidates)
         self._feature_layers = frozenset(predictors.layers)
         self._last = max(predictors.layers)
+
+    def scan(self, advance: Callable[[int], torch.Tensor], executor: LayerExecutor,
+             token_id: int, previous: torch.Tensor | None, ngram: int) -> ScanResult:
+        """Run one token up to its exit (or the last predictor layer) and record the exit in
+        the schedule (``L`` when no predictor fired).
+
+        Args:
+            advance: ``advance(target) -> [1, 1, H]``: runs the token to ``target`` layers
+                done and returns the state leaving layer ``target - 1``.
+            executor: the model's executor (final norm; ``L``).
+            token_id: the token being run (the drafter's input).
+            previous: ``[1, 1, H]`` the previous position's last (or exit-layer) state, the
+                drafter's input; ``None`` = no candidates from a drafter (nothing exits).
+            ngram: the prompt-lookup token, ``-1`` for none.
+        """
+        first = self.candidates.layer
+        cand: Candidates | None = None
+        seconds = 0.0
+        if self.drafts_first:
+            tp = time.perf_counter()
+            if previous is not None:  # None only if the prefill went unobserved
+                cand = self.candidates(previous, token_id, ngram)
+            seconds += time.perf_counter() - tp
+            hidden = advance(first)
+        else:
+            hidden = advance(first)
+            tp = time.perf_counter()
+            cand = self.candidates(hidden, ngram)
+            seconds += time.perf_counter() - tp
+        active = self.schedule.active()
+        before = None
+        calls = 0
+        for layer in range(first, self._last + 1) if cand is not None else ():
+            hidden = advance(layer)
+            if layer not in self._feature_layers:
+                continue
+            tp = time.perf_counter()
+            normed = executor.final_norm(hidden)[0, 0]
+            scores = candidate_features(normed, cand.rows, cand.bias, before)
+            before = scores.probs
+            fire = False
+            if layer in active:
+                calls += 1
+                fire = float(self.predictors.prob(layer, scores.features, normed)) > self.threshold
+            seconds += time.perf_counter() - tp
+            if fire:
+                self.schedule.record(layer)
+                return ScanResult(layer, cand.ids, scores.logits, hidden, calls, seconds)
+        self.schedule.record(executor.num_layers)
+        return ScanResult(None, None if cand is None else cand.ids, None, hidden, calls, seconds)
+
+
+class SpecEEStep:
+    """One token per call, exiting at the first scheduled predictor above ``threshold``.
+
+    Its :class:`StepStats` reports the token as one unverified draft token whose
+    ``exit_layers`` entry is the layers it ran (L when no predictor fired), plus the time
+    spent on candidates, features and predictors (``predictor_ms``), their calls, and the time
+    spent settling the skipped layers' KV (``kv_ms``).
+
+    Args:
+        candidates, predictors, schedule, threshold: see :class:`PredictorScan`.
+        kv: ``kv(executor, cache) -> SkippedKV`` for one generation.
+
+    Raises:
+        InvalidArgumentError: see :class:`PredictorScan`.
+    """
+
+    def __init__(self, candidates: HeadCandidates | DrafterCandidates, predictors: ExitPredictors,
+                 schedule: PredictorSchedule, threshold: float,
+                 kv: Callable[[LayerExecutor, object], SkippedKV]) -> None:
+        self.scanner = PredictorScan(candidates, predictors, schedule, threshold)
+        self._make_kv = kv
+        self._kv: SkippedKV | None = None
         self._index: ContextIndex | None = None
-        self._drafts_first = isinstance(candidates, DrafterCandidates)
         # The last position's hidden state (pre-norm; its exit layer's if it exited): the
         # drafter's input for the next token.
         self._previous: torch.Tensor | None = None
 
+    @property
+    def schedule(self) -> PredictorSchedule:
+        """The predictor schedule (:class:`PredictorScan`'s)."""
+        return self.scanner.schedule
+
+    @property
+    def candidates(self) -> HeadCandidates | DrafterCandidates:
+        """The speculative-token drafter (:class:`PredictorScan`'s)."""
+        return self.scanner.candidates
+
     def prefill_observer(self, state: DecodeState) -> Observer | None:
         """With drafter candidates: record the prompt's last hidden state during the prefill
         (the drafter's input for the first generated token's successor)."""
-        if not self._drafts_first:
+        if not self.scanner.drafts_first:
             return None
-        last = state.executor.num_layers - 1
-
-        def observe(layer: int, sublayer: str, hidden: torch.Tensor) -> None:
-            if layer == last and sublayer == "mlp":
-                self._previous = hidden[:, -1:].clone()
-        return observe
+        return _last_state_observer(state.executor, self)
 
     def start(self, state: DecodeState) -> None:
         """Begin a generation: fresh KV policy state, schedule queue and (with n-gram
         candidates) prompt-lookup index over the prompt."""
         self._kv = self._make_kv(state.executor, state.cache)
         self.schedule.reset()
-        self._index = ContextIndex(NGRAM_MAX, NGRAM_MIN) if self.candidates.ngram else None
+        self._index = ContextIndex(NGRAM_MAX, NGRAM_MIN) if self.scanner.candidates.ngram else None
 
     def _ngram(self, state: DecodeState) -> int:
         if self._index is None:
@@ -306,56 +408,185 @@ class SpecEEStep:
         before, fill_before = kv.layer_forwards, kv.fill_ms
         batches_before = list(kv.layer_batches)
         kv.begin(state.tokens[-1], state.seq_len - 1)
-        first = self.candidates.layer
-        cand: Candidates | None = None
-        predictor_s = 0.0
-        if self._drafts_first:
-            tp = time.perf_counter()
-            if self._previous is not None:  # None only if the prefill went unobserved
-                cand = self.candidates(self._previous, state.tokens[-1], self._ngram(state))
-            predictor_s += time.perf_counter() - tp
-            hidden = kv.advance(first)
-        else:
-            hidden = kv.advance(first)
-            tp = time.perf_counter()
-            cand = self.candidates(hidden, self._ngram(state))
-            predictor_s += time.perf_counter() - tp
-        active = self.schedule.active()
-        previous = None
-        exit_layer, token, calls = ex.num_layers, None, 0
-        for layer in range(first, self._last + 1) if cand is not None else ():
-            hidden = kv.advance(layer)
-            if layer not in self._feature_layers:
-                continue
-            tp = time.perf_counter()
-            normed = ex.final_norm(hidden)[0, 0]
-            scores = candidate_features(normed, cand.rows, cand.bias, previous)
-            previous = scores.probs
-            fire = False
-            if layer in active:
-                calls += 1
-                fire = float(self.predictors.prob(layer, scores.features, normed)) > self.threshold
-            if fire:
-                pick = choose_next(scores.logits.unsqueeze(0), state.options.sampling,
-                                   state.generator)
-                token, exit_layer = int(cand.ids[int(pick)]), layer
-            predictor_s += time.perf_counter() - tp
-            if fire:
-                break
-        if token is None:
+        found = self.scanner.scan(kv.advance, ex, state.tokens[-1], self._previous,
+                                  self._ngram(state))
+        if found.exit_layer is None:
             hidden = kv.advance(ex.num_layers)
             logits = ex.logits(hidden)[0, -1]
             token = int(choose_next(logits.unsqueeze(0), state.options.sampling, state.generator))
             kv.finish()
+            exit_layer = ex.num_layers
         else:
+            hidden, exit_layer = found.hidden, found.exit_layer
+            pick = choose_next(found.logits.unsqueeze(0), state.options.sampling,
+                               state.generator)
+            token = int(found.ids[int(pick)])
             kv.stop(exit_layer)
         self._previous = hidden
-        self.schedule.record(exit_layer)
         kept = state.commit([token])
         batches = [n - (batches_before[i] if i < len(batches_before) else 0)
                    for i, n in enumerate(kv.layer_batches)]
         return StepStats(num_drafted=1, committed=len(kept), exit_layers=(exit_layer,),
                          sublayers=2 * (kv.layer_forwards - before),
                          draft_ms=(time.perf_counter() - t0) * 1e3,
-                         layer_batches=tuple(batches), predictor_ms=predictor_s * 1e3,
-                         predictor_calls=calls, kv_ms=kv.fill_ms - fill_before)
+                         layer_batches=tuple(batches), predictor_ms=found.seconds * 1e3,
+                         predictor_calls=found.calls, kv_ms=kv.fill_ms - fill_before)
+
+
+class _HasPrevious(Protocol):
+    _previous: torch.Tensor | None
+
+
+def _last_state_observer(executor: LayerExecutor, owner: _HasPrevious) -> Observer:
+    """A prefill observer that stores the prompt's last hidden state (leaving the last
+    layer, before the final norm) as ``owner._previous``."""
+    last = executor.num_layers - 1
+
+    def observe(layer: int, sublayer: str, hidden: torch.Tensor) -> None:
+        if layer == last and sublayer == "mlp":
+            owner._previous = hidden[:, -1:].clone()
+    return observe
+
+
+class SpecEEExits:
+    """SpecEE's exit decision as an :class:`~selfspec.decoding.exits.ExitPolicy`: verified
+    SpecEE (``specee:verify=true``).
+
+    A token whose predictor fires becomes a draft token (the candidate with the highest local
+    probability, or a draw from the candidates' softmax when sampling); the next token starts
+    at layer 0 and the exited token's deeper layers wait in the
+    :class:`~selfspec.decoding.deferred.DeferredLayers`, to run batched with later tokens —
+    the ``deferred`` KV policy. When they have run, the last layer's logits at that position
+    verify the token (:class:`~selfspec.decoding.speculative.SpeculativeStep`), as AdaDecode
+    §2.2 verifies its early predictions: the exit decision and the proposal are SpecEE's, the
+    schedule and the verification AdaDecode's. Lossless for greedy and sampling: the exit
+    decision is a function of the state, not of the draw, so the proposal ``q`` is the
+    candidates' transformed softmax and speculative sampling is exact for it.
+
+    Drafter candidates read the previous position's state: its exit-layer state inside a
+    draft (as lossy SpecEE), its last-layer state from verification at a draft's start.
+    The prompt-lookup candidate looks up the committed text and the draft so far.
+
+    Args:
+        scanner: the candidates, predictors, schedule and threshold.
+        executor: the model's executor.
+
+    Attributes:
+        vocab: ``None`` (exit logits are ``[V]``: the candidates' logits, ``-inf`` elsewhere).
+        calls, seconds: predictor evaluations and their wall time, cumulative.
+    """
+
+    vocab = None
+
+    def __init__(self, scanner: PredictorScan, executor: LayerExecutor) -> None:
+        self.scanner = scanner
+        self.executor = executor
+        self.calls = 0
+        self.seconds = 0.0
+        self._previous: torch.Tensor | None = None
+        self._tokens: Sequence[int] = ()
+        self._index: ContextIndex | None = None
+
+    def start(self) -> None:
+        """Begin a generation (after the prefill, whose observer set the previous state):
+        schedule queue and prompt-lookup index."""
+        self.scanner.schedule.reset()
+        self._index = ContextIndex(NGRAM_MAX, NGRAM_MIN) if self.scanner.candidates.ngram else None
+
+    def prefill_observer(self, state: DecodeState) -> Observer | None:
+        """With drafter candidates: records the prompt's last hidden state."""
+        return _last_state_observer(state.executor, self) if self.scanner.drafts_first else None
+
+    def begin_draft(self, state: DecodeState) -> None:
+        """A draft starts after ``state.tokens``: index the committed text."""
+        self._tokens = state.tokens
+        if self._index is not None:
+            self._index.extend(state.tokens[len(self._index):])
+
+    def verified(self, deferred: DeferredLayers, accepted: int) -> None:
+        """Verification accepted ``accepted`` draft tokens of the draft whose positions are in
+        ``deferred`` (all at the last layer): the next draft's first token follows pending
+        position ``accepted``, whose last-layer state is the drafter's input."""
+        self._previous = deferred.hidden(accepted)
+
+    def _ngram(self, deferred: DeferredLayers) -> int:
+        if self._index is None:
+            return -1
+        drafted = [deferred.token(i) for i in range(1, len(deferred))]
+        tail = (list(self._tokens[-NGRAM_MAX:]) + drafted)[-NGRAM_MAX:]
+        found = self._index.next_token(tail, NGRAM_MIN)
+        return -1 if found is None else found[0]
+
+    def choose(self, deferred: DeferredLayers, sampling: SamplingConfig,
+               generator: torch.Generator | None = None) -> Exit | None:
+        """Run the last pending position up to its first firing predictor; its
+        :class:`~selfspec.decoding.exits.Exit` (logits ``[V]``: the candidates' logits at
+        that layer, ``-inf`` elsewhere), or ``None`` when none fired."""
+        previous = self._previous if len(deferred) == 1 else deferred.hidden(-2)
+
+        def advance(target: int) -> torch.Tensor:
+            deferred.advance(target)
+            return deferred.hidden()
+
+        found = self.scanner.scan(advance, self.executor, deferred.token(), previous,
+                                  self._ngram(deferred))
+        self.calls += found.calls
+        self.seconds += found.seconds
+        if found.exit_layer is None:
+            return None
+        logits = torch.full((self.executor.vocab_size,), float("-inf"),
+                            device=found.logits.device)
+        logits[found.ids] = found.logits
+        return Exit(found.exit_layer, logits)
+
+
+class SpecEEDrafter(ExitDrafter):
+    """:class:`~selfspec.decoding.drafting.ExitDrafter` over :class:`SpecEEExits` with a
+    buffer of ``max_early`` exited tokens: hands the exits the committed text before a draft
+    and the verified states after it.
+
+    Raises:
+        InvalidArgumentError: ``max_early`` beyond :func:`check_draft_len_limit`.
+    """
+
+    def __init__(self, executor: LayerExecutor, exits: SpecEEExits, max_early: int) -> None:
+        super().__init__(executor, exits, BufferStopRule(max_early))
+        self.exits = exits
+        self._deferred: DeferredLayers | None = None
+
+    def draft(self, state: DecodeState) -> DraftOutput:
+        self.exits.begin_draft(state)
+        return super().draft(state)
+
+    def target_logits(self, state: DecodeState, draft: DraftOutput) -> TargetOutput:
+        out = super().target_logits(state, draft)
+        self._deferred = draft.deferred
+        return out
+
+    def update(self, stats: StepStats) -> None:
+        super().update(stats)
+        if self._deferred is not None:
+            self.exits.verified(self._deferred, stats.num_accepted)
+
+
+class VerifiedSpecEEStep(SpeculativeStep):
+    """Verified SpecEE (:class:`SpecEEExits`): draft → verify → rollback → commit, with the
+    predictors' time and calls in each step's :class:`StepStats`."""
+
+    def __init__(self, drafter: SpecEEDrafter) -> None:
+        super().__init__(drafter)
+        self.exits = drafter.exits
+
+    def prefill_observer(self, state: DecodeState) -> Observer | None:
+        """See :meth:`SpecEEExits.prefill_observer`."""
+        return self.exits.prefill_observer(state)
+
+    def start(self, state: DecodeState) -> None:
+        """Begin a generation (:meth:`SpecEEExits.start`)."""
+        self.exits.start()
+
+    def __call__(self, state: DecodeState) -> StepStats:
+        calls, seconds = self.exits.calls, self.exits.seconds
+        stats = super().__call__(state)
+        return replace(stats, predictor_ms=(self.exits.seconds - seconds) * 1e3,
+                       predictor_calls=self.exits.calls - calls)

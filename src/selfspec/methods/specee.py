@@ -1,11 +1,15 @@
 """SpecEE: per-layer predictors fed with features of ``k`` speculative tokens decide when the
-forward pass may stop (Xu et al. 2025, §4-5). Lossy (the paper: < 1% accuracy loss).
+forward pass may stop (Xu et al. 2025, §4-5). Lossy (the paper: < 1% accuracy loss), or
+lossless with ``verify=true``.
 
 A composition: :class:`~selfspec.decoding.specee.HeadCandidates` (the exit head at the
 predictors' candidate layer) + :class:`~selfspec.heads.predictor.ExitPredictors` (stored in the
 same head file, ``selfspec heads train-predictors``) + :class:`PredictorSchedule` + a policy
 for the skipped layers' KV (:mod:`selfspec.decoding.skipped_kv`), in
-:class:`~selfspec.decoding.specee.SpecEEStep`.
+:class:`~selfspec.decoding.specee.SpecEEStep`. ``verify=true`` puts the same exit decision
+(:class:`~selfspec.decoding.specee.SpecEEExits`) into AdaDecode's schedule: exited tokens'
+deeper layers run batched with later tokens and verify them
+(:class:`~selfspec.decoding.specee.VerifiedSpecEEStep`).
 """
 
 from __future__ import annotations
@@ -18,8 +22,12 @@ from selfspec.decoding.specee import (
     CANDIDATE_SOURCES,
     DrafterCandidates,
     HeadCandidates,
+    PredictorScan,
     PredictorSchedule,
+    SpecEEDrafter,
+    SpecEEExits,
     SpecEEStep,
+    VerifiedSpecEEStep,
 )
 from selfspec.errors import InvalidArgumentError
 from selfspec.heads.card import PredictorCard
@@ -70,6 +78,11 @@ class Options:
                                     "k-th when missing); the predictors' drafter only",
                                     choices=CANDIDATE_SOURCES,
                                     default_text="as trained (the card's candidates)")
+    verify: bool = option(False, "verify exited tokens: their skipped layers run later, "
+                          "batched with the next tokens (as kv=deferred), and the last layer's "
+                          "token replaces a wrong one (AdaDecode §2.2's verification; lossless)")
+    max_early: int = option(5, "with verify: most exited tokens outstanding before one must "
+                            "run every layer", low=1, high="R-1")
 
 
 def _family(source: str) -> str:
@@ -110,7 +123,8 @@ def build(context: MethodContext, options: Options) -> Step:
     """SpecEE's Step for the predictors in ``options.heads``.
 
     Raises:
-        InvalidArgumentError: the head file has no predictors, no head at their candidate
+        InvalidArgumentError: ``kv`` other than ``deferred`` with ``verify``, ``max_early``
+            without it; the head file has no predictors, no head at their candidate
             layer (head candidates) or no drafter (drafter candidates), or ``candidates``
             names another drafter than the predictors were trained with.
         HeadsNotFoundError, HeadsModelMismatchError, CorruptModelFileError: see
@@ -156,15 +170,30 @@ def build(context: MethodContext, options: Options) -> Step:
         n = len(pc.offline_layers) if options.offline_layers is None else options.offline_layers
         offline = pc.offline_layers[:n]
     schedule = PredictorSchedule(trained.predictors.layers, offline)
-    return SpecEEStep(candidates, trained.predictors, schedule, exit_threshold(options, pc),
+    threshold = exit_threshold(options, pc)
+    defaults = Options()
+    if options.verify and options.kv not in (defaults.kv, "deferred"):
+        raise InvalidArgumentError(
+            f"specee: verify=true runs an exited token's skipped layers later, batched with the "
+            f"next tokens (kv=deferred); kv={options.kv!r} does not apply: drop it")
+    if not options.verify and options.max_early != defaults.max_early:
+        raise InvalidArgumentError(
+            "specee: max_early bounds the exited tokens awaiting verification; give verify=true "
+            "or drop max_early")
+    if options.verify:
+        scanner = PredictorScan(candidates, trained.predictors, schedule, threshold)
+        return VerifiedSpecEEStep(SpecEEDrafter(ex, SpecEEExits(scanner, ex), options.max_early))
+    return SpecEEStep(candidates, trained.predictors, schedule, threshold,
                       lambda executor, cache: make_skipped_kv(options.kv, executor, cache))
 
 
 SPEC = MethodSpec(
     name="specee",
     summary="speculative early exit: per-layer predictors on k candidate tokens stop the "
-            "forward pass (lossy)",
-    lossless=False,
+            "forward pass (lossy; verify=true: lossless)",
+    lossless=True,
     paper="SpecEE §4-5 (predictor features, two-level scheduling); skipped-layer KV: "
           "decoding/skipped_kv.py",
-    options=Options, build=build, heads_files=lambda options: [str(options.heads)])
+    options=Options, build=build, heads_files=lambda options: [str(options.heads)],
+    lossy_when=lambda options: not options.verify,
+    unused_when=lambda options: {"kv"} if options.verify else {"max_early"})
