@@ -21,3 +21,9 @@ S=specee:heads=$H/state
 selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset humaneval --n 40 --max-new-tokens 96 \
   --methods ar,specee,specee:threshold=0.95,$S,$S,threshold=0.99,specee:verify=true --out ${OUT:-.}/qwen05-humaneval-40
 # GPU check (device tool, H200): gpu_check_verify.py from the repository root (gpu_check.txt).
+# 1.5B, 32 problems (qwen-humaneval-32.md), 35 min
+M=qwen2.5-coder-1.5b-instruct
+H=$HOME_/heads/$M
+S=specee:heads=$H/state49k; D=specee:heads=$H/drafter49k
+selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset humaneval --n 32 --max-new-tokens 96 \
+  --methods ar,$D,$D,threshold=0.95,$S,threshold=0.995 --out ${OUT:-.}/qwen-humaneval-32
