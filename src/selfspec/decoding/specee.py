@@ -41,7 +41,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 import torch
 
@@ -386,7 +385,10 @@ class SpecEEStep:
         (the drafter's input for the first generated token's successor)."""
         if not self.scanner.drafts_first:
             return None
-        return _last_state_observer(state.executor, self)
+        return _last_state_observer(state.executor, self._keep_previous)
+
+    def _keep_previous(self, hidden: torch.Tensor) -> None:
+        self._previous = hidden
 
     def start(self, state: DecodeState) -> None:
         """Begin a generation: fresh KV policy state, schedule queue and (with n-gram
@@ -433,18 +435,15 @@ class SpecEEStep:
                          predictor_calls=found.calls, kv_ms=kv.fill_ms - fill_before)
 
 
-class _HasPrevious(Protocol):
-    _previous: torch.Tensor | None
-
-
-def _last_state_observer(executor: LayerExecutor, owner: _HasPrevious) -> Observer:
-    """A prefill observer that stores the prompt's last hidden state (leaving the last
-    layer, before the final norm) as ``owner._previous``."""
+def _last_state_observer(executor: LayerExecutor,
+                         keep: Callable[[torch.Tensor], None]) -> Observer:
+    """A prefill observer that hands ``keep`` the prompt's last hidden state ``[1, 1, H]``
+    (leaving the last layer, before the final norm)."""
     last = executor.num_layers - 1
 
     def observe(layer: int, sublayer: str, hidden: torch.Tensor) -> None:
         if layer == last and sublayer == "mlp":
-            owner._previous = hidden[:, -1:].clone()
+            keep(hidden[:, -1:].clone())
     return observe
 
 
@@ -487,6 +486,9 @@ class SpecEEExits:
         self._tokens: Sequence[int] = ()
         self._index: ContextIndex | None = None
 
+    def _keep_previous(self, hidden: torch.Tensor) -> None:
+        self._previous = hidden
+
     def start(self) -> None:
         """Begin a generation (after the prefill, whose observer set the previous state):
         schedule queue and prompt-lookup index."""
@@ -495,7 +497,9 @@ class SpecEEExits:
 
     def prefill_observer(self, state: DecodeState) -> Observer | None:
         """With drafter candidates: records the prompt's last hidden state."""
-        return _last_state_observer(state.executor, self) if self.scanner.drafts_first else None
+        if not self.scanner.drafts_first:
+            return None
+        return _last_state_observer(state.executor, self._keep_previous)
 
     def begin_draft(self, state: DecodeState) -> None:
         """A draft starts after ``state.tokens``: index the committed text."""
