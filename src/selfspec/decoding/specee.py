@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -268,6 +268,9 @@ class PredictorScan:
             contiguously where they exist (features change against the previous layer).
         schedule: which predictors run (reset at each generation).
         threshold: exit when a predictor's output exceeds it (0.5 in the paper).
+        lenses: ``{ℓ: lens}``, ``lens(hidden [1, 1, H]) -> [1, 1, H]`` (an exit head's
+            ``T · norm(h)``): the head lens the predictors were trained with at ``ℓ`` (the
+            card's ``lens_layers``; :mod:`selfspec.heads.predictor`); ``None``: none.
 
     Raises:
         InvalidArgumentError: ``k`` differs from the predictors' or predictors below the
@@ -275,7 +278,9 @@ class PredictorScan:
     """
 
     def __init__(self, candidates: HeadCandidates | DrafterCandidates, predictors: ExitPredictors,
-                 schedule: PredictorSchedule, threshold: float) -> None:
+                 schedule: PredictorSchedule, threshold: float,
+                 lenses: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] | None = None
+                 ) -> None:
         if candidates.k != predictors.num_candidates:
             raise InvalidArgumentError(
                 f"the predictors were trained on {predictors.num_candidates} candidates, got "
@@ -290,6 +295,7 @@ class PredictorScan:
         self.threshold = threshold
         self.drafts_first = isinstance(candidates, DrafterCandidates)
         self._feature_layers = frozenset(predictors.layers)
+        self.lenses = dict(lenses or {})
         self._last = max(predictors.layers)
 
     def scan(self, advance: Callable[[int], torch.Tensor], executor: LayerExecutor,
@@ -325,11 +331,16 @@ class PredictorScan:
         calls = 0
         for layer in range(first, self._last + 1) if cand is not None else ():
             hidden = advance(layer)
-            if layer not in self._feature_layers:
+            # features where a predictor runs, and one layer before (its change is taken
+            # against the previous layer, as in training); elsewhere they would go unread
+            if layer not in self._feature_layers or (layer not in active
+                                                     and layer + 1 not in active):
                 continue
             tp = time.perf_counter()
             normed = executor.final_norm(hidden)[0, 0]
-            scores = candidate_features(normed, cand.rows, cand.bias, before)
+            lens = self.lenses.get(layer)
+            read = normed if lens is None else lens(hidden)[0, 0]
+            scores = candidate_features(read, cand.rows, cand.bias, before)
             before = scores.probs
             fire = False
             if layer in active:
@@ -352,7 +363,7 @@ class SpecEEStep:
     spent settling the skipped layers' KV (``kv_ms``).
 
     Args:
-        candidates, predictors, schedule, threshold: see :class:`PredictorScan`.
+        candidates, predictors, schedule, threshold, lenses: see :class:`PredictorScan`.
         kv: ``kv(executor, cache) -> SkippedKV`` for one generation.
 
     Raises:
@@ -361,8 +372,10 @@ class SpecEEStep:
 
     def __init__(self, candidates: HeadCandidates | DrafterCandidates, predictors: ExitPredictors,
                  schedule: PredictorSchedule, threshold: float,
-                 kv: Callable[[LayerExecutor, object], SkippedKV]) -> None:
-        self.scanner = PredictorScan(candidates, predictors, schedule, threshold)
+                 kv: Callable[[LayerExecutor, object], SkippedKV],
+                 lenses: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] | None = None
+                 ) -> None:
+        self.scanner = PredictorScan(candidates, predictors, schedule, threshold, lenses)
         self._make_kv = kv
         self._kv: SkippedKV | None = None
         self._index: ContextIndex | None = None

@@ -223,6 +223,10 @@ class PredictorCard:
             them: :func:`~selfspec.decoding.specee.merge_ngram`).
         state_dim: ``H`` when the predictors also read the layer's state
             (:class:`~selfspec.heads.predictor.ExitPredictors`), ``0`` for SpecEE's 12 features.
+        lens_layers: layers whose features read the candidates through the file's exit head
+            there (``T · final_norm(h)`` before the candidates' ``lm_head`` rows: the head's
+            tuned lens) instead of ``final_norm(h)`` (the logit lens; SpecEE's features). Empty
+            for SpecEE's own features (:mod:`selfspec.heads.predictor`, "head lens").
     """
 
     candidate_layer: int
@@ -245,6 +249,7 @@ class PredictorCard:
     mean_layers: list[float] = field(default_factory=list)
     candidates: str = "head"
     state_dim: int = 0
+    lens_layers: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -180,8 +180,9 @@ class LightweightHead(ExitHead):
         self.transform = nn.Parameter(torch.eye(size, dtype=dtype, device=out.weight.device))
         self._fast: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def _transformed(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``T · norm(h)``: ``[B, T, H]`` → ``[B, T, H]`` (packed ``T`` when not training)."""
+    def transformed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``T · norm(h)``: ``[B, T, H]`` → ``[B, T, H]`` (packed ``T`` when not training): the
+        head's logits are ``lm_head`` of this (SpecEE's head-lens features read it)."""
         if hidden.dtype != self.transform.dtype:
             hidden = hidden.to(self.transform.dtype)
         x = self.norm(hidden)
@@ -191,7 +192,7 @@ class LightweightHead(ExitHead):
 
     def forward(self, hidden: torch.Tensor, vocab_rows: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, T, H]`` → logits ``[B, T, V]`` (``[B, T, R]`` with ``vocab_rows`` ``[R]``)."""
-        return self.out.project(self._transformed(hidden), vocab_rows)
+        return self.out.project(self.transformed(hidden), vocab_rows)
 
     def prepare_inference(self) -> LightweightHead:
         """Eval mode, no gradients, and ``T`` oneDNN-packed where that is exact and faster."""
@@ -208,7 +209,7 @@ class LightweightHead(ExitHead):
 
     def restricted(self, rows: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         project = self.out.project_rows(rows)
-        return lambda hidden: project(self._transformed(hidden))
+        return lambda hidden: project(self.transformed(hidden))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         own = {"transform": self.transform}

@@ -17,6 +17,14 @@ candidate. The change is always taken against the previous *layer* (features are
 every layer from the candidates' layer on; they cost one ``[k, H]`` product), so decoding sees
 exactly the features training saw, whichever layers the scheduler lets the MLP run at.
 
+*Head lens* (``lens_layers`` on the card; ours, not in the paper): at a layer where the head
+file has a lightweight exit head ``E*·T`` (AdaDecode §2.1), ``n`` is replaced by
+``T · final_norm(h_ℓ)``, so the candidates' logits are the exit head's own (its tuned lens)
+instead of the final ``lm_head``'s reading of a middle layer (the logit lens), which rarely
+points at the final token before the last third of the layers. The cost is the head's one
+``H×H`` product at those few layers. The emitted token is then the candidate the exit head
+ranks first there. The state-reading predictors' state input stays ``final_norm(h_ℓ)``.
+
 Predictors are fitted by :mod:`selfspec.training.predictors` and stored in head files beside
 the head that drafts the candidates (:mod:`selfspec.heads.files`).
 

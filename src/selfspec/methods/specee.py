@@ -14,7 +14,10 @@ deeper layers run batched with later tokens and verify them
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from selfspec.decoding.loop import Step
 from selfspec.decoding.skipped_kv import KV_POLICIES, make_skipped_kv
@@ -32,6 +35,8 @@ from selfspec.decoding.specee import (
 from selfspec.errors import InvalidArgumentError
 from selfspec.heads.card import PredictorCard
 from selfspec.heads.files import DEFAULT as DEFAULT_HEADS
+from selfspec.heads.files import ExitHeads
+from selfspec.heads.modules import LightweightHead
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.options import option
 
@@ -171,6 +176,7 @@ def build(context: MethodContext, options: Options) -> Step:
         offline = pc.offline_layers[:n]
     schedule = PredictorSchedule(trained.predictors.layers, offline)
     threshold = exit_threshold(options, pc)
+    lenses = _lenses(trained, pc, options.heads)
     defaults = Options()
     if options.verify and options.kv not in (defaults.kv, "deferred"):
         raise InvalidArgumentError(
@@ -181,10 +187,33 @@ def build(context: MethodContext, options: Options) -> Step:
             "specee: max_early bounds the exited tokens awaiting verification; give verify=true "
             "or drop max_early")
     if options.verify:
-        scanner = PredictorScan(candidates, trained.predictors, schedule, threshold)
+        scanner = PredictorScan(candidates, trained.predictors, schedule, threshold, lenses)
         return VerifiedSpecEEStep(SpecEEDrafter(ex, SpecEEExits(scanner, ex), options.max_early))
     return SpecEEStep(candidates, trained.predictors, schedule, threshold,
-                      lambda executor, cache: make_skipped_kv(options.kv, executor, cache))
+                      lambda executor, cache: make_skipped_kv(options.kv, executor, cache),
+                      lenses)
+
+
+def _lenses(trained: ExitHeads, card: PredictorCard, name: str
+            ) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
+    """The head lens the predictors were trained with: ``{ℓ: head.transformed}`` for the
+    card's ``lens_layers``.
+
+    Raises:
+        InvalidArgumentError: a lens layer whose head is missing or not lightweight (the
+            file's heads were replaced after the predictors were trained).
+    """
+    lenses = {}
+    for layer in card.lens_layers:
+        head = trained.head_at(layer) if layer in trained.layers else None
+        if not isinstance(head, LightweightHead):
+            raise InvalidArgumentError(
+                f"specee: the predictors in {name!r} read layer {layer} through its lightweight "
+                f"exit head, and the file has {'no head' if head is None else 'a full head'} "
+                f"there (the heads changed after the predictors were trained); retrain them "
+                f"with `selfspec heads train-predictors --head-lens`")
+        lenses[layer] = head.transformed
+    return lenses
 
 
 SPEC = MethodSpec(

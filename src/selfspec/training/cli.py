@@ -184,6 +184,10 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
                     help="predictors that also read the layer's state (MLP 3k+H→128→1; not in "
                          "the paper): ~1.5 layers per token fewer at equal held-out accuracy "
                          "on ~60k training positions, no better on a few thousand")
+    pp.add_argument("--head-lens", action="store_true",
+                    help="at layers with a lightweight exit head, the features read the "
+                         "candidates through that head (its tuned lens) instead of the final "
+                         "norm + lm_head (not in the paper)")
     pp.add_argument("--include-head-train", action="store_true",
                     help="train on the prompts the heads/drafter trained on too (more data; "
                          "held-out figures stay on the test split)")
@@ -563,7 +567,8 @@ def _cmd_train_predictors(args: argparse.Namespace) -> int:
     request = PredictorRequest(heads=args.heads, candidate_layer=args.candidate_layer,
                                num_candidates=args.k, draft_vocab=args.draft_vocab,
                                offline=args.offline, candidates=args.candidates, data=data,
-                               config=config, include_head_train=args.include_head_train)
+                               config=config, include_head_train=args.include_head_train,
+                               head_lens=args.head_lens)
     engine = _load_engine(args, args.model, args.dtype)
     outcome = train_predictors(engine, request, progress=not args.quiet)
     _print_predictors(outcome.heads.card)
@@ -628,6 +633,9 @@ def _print_predictors(card, out=None) -> None:
     for i, layer in enumerate(pc.layers):
         print(f"{layer:5d}  {_f(pc.base_rate[i]):>10}  {_f(pc.accuracy[i]):>8}  "
               f"{_f(pc.precision[i]):>9}  {_f(pc.exit_frequency[i]):>10}", file=out)
+    if pc.lens_layers:
+        print(f"head lens (features read through the exit head) at layers {pc.lens_layers}",
+              file=out)
     print(f"offline schedule (most frequent exits first): {pc.offline_layers}", file=out)
     if pc.thresholds:
         print("held-out, every predictor active: threshold → token accuracy, mean layers of "

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -581,6 +581,9 @@ class PredictorRequest:
             candidates that are right more often there than on new text; state-reading
             predictors need the data (docs/results/specee/xeon-2026-11-27-state/analysis.txt
             §7). Held-out figures stay on the test split.
+        head_lens: at the predictor layers where the file has a lightweight exit head, the
+            features read the candidates through that head (the head lens,
+            :mod:`selfspec.heads.predictor`; not in the paper).
     """
 
     heads: str = "default"
@@ -592,6 +595,7 @@ class PredictorRequest:
     data: DataRequest = field(default_factory=DataRequest)
     config: PredictorTrainConfig = field(default_factory=PredictorTrainConfig)
     include_head_train: bool = False
+    head_lens: bool = False
 
 
 def default_first_layer(num_layers: int) -> int:
@@ -779,6 +783,7 @@ def train_predictors(engine: Engine, request: PredictorRequest,
     size = min(request.draft_vocab, ex.vocab_size)
     rows = _draft_rows(engine, container, target, size)
     layers = list(range(layer, num_layers))
+    lenses = head_lenses(container, layers, target) if request.head_lens else {}
     times = StageTimes()
     prepared = prepare_features(engine, request.data, layers, times, progress)
     features = prepared.features
@@ -808,7 +813,7 @@ def train_predictors(engine: Engine, request: PredictorRequest,
         if lookups is not None:
             cands = merge_ngram(cands, lookups[idx])
         return predictor_data(ex, features.hidden, cands, features.teacher_token[idx], layers,
-                              with_states=request.config.state, index=idx)
+                              with_states=request.config.state, index=idx, lenses=lenses)
 
     if request.config.state:
         _check_state_memory(train_idx.numel() + eval_idx.numel(), len(layers),
@@ -832,13 +837,36 @@ def train_predictors(engine: Engine, request: PredictorRequest,
         eval_tokens=int(eval_idx.numel()), epochs=request.config.epochs, seconds=seconds,
         thresholds=list(THRESHOLD_SWEEP), token_accuracy=[e.token_accuracy for e in sweep],
         mean_layers=[e.mean_exit_layer for e in sweep], candidates=request.candidates,
-        state_dim=predictors.state_dim)
+        state_dim=predictors.state_dim, lens_layers=sorted(lenses))
     container.card.set_prompts(items_by_use(
         [i for i in prepared.items
          if i.split == TEST or (dataset_of(i.source), i.prompt_id) not in head_train],
         PREDICTOR_USES))
     save_heads(container, target)
     return PredictorOutcome(target, container, times, evaluation)
+
+
+def head_lenses(heads: ExitHeads, layers: Sequence[int], path: object
+                ) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
+    """``{ℓ: head.transformed}`` for the lightweight exit heads of ``heads`` at ``layers``: the
+    head lens of SpecEE's features (:mod:`selfspec.heads.predictor`).
+
+    Raises:
+        InvalidArgumentError: no lightweight head at any of ``layers`` (a full head's logits
+            are its own matrix's, not ``lm_head``'s rows, so it has no lens over the candidates'
+            rows).
+    """
+    from selfspec.heads.modules import LightweightHead
+
+    lenses = {h.layer: h.transformed for h in heads.heads
+              if isinstance(h, LightweightHead) and h.layer in set(layers)}
+    if not lenses:
+        raise InvalidArgumentError(
+            f"--head-lens reads the candidates through the lightweight exit heads at the "
+            f"predictor layers {layers[0]}..{layers[-1]}; {path} has none there (heads at "
+            f"{heads.layers}, kind {heads.card.kind!r}): drop --head-lens or train lightweight "
+            f"heads")
+    return lenses
 
 
 def _check_state_memory(positions: int, layers: int, hidden: int, itemsize: int) -> None:

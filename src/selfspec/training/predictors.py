@@ -5,7 +5,8 @@ From one backbone pass over held-out text (teacher forcing; :mod:`selfspec.train
 1. candidates: the top-``k`` of the exit head at the candidate layer ``c`` (over the draft
    vocabulary when one is given), per position — what decoding will draft;
 2. features at every layer ``ℓ ∈ [c, L)``: :func:`~selfspec.heads.predictor.candidate_features`
-   with the change taken against layer ``ℓ - 1`` (decoding computes them the same way);
+   with the change taken against layer ``ℓ - 1`` (decoding computes them the same way), read
+   through the exit head at the layers of the head lens when one is asked for;
 3. label at ``ℓ``: the candidate with the highest local probability equals the final layer's
    greedy token (SpecEE §4);
 4. one MLP per layer, trained jointly (stacked weights) with the binary cross-entropy, Adam
@@ -19,6 +20,7 @@ From one backbone pass over held-out text (teacher forcing; :mod:`selfspec.train
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -89,7 +91,9 @@ class PredictorData:
 def predictor_data(executor: object, hidden: dict[int, torch.Tensor], candidates: torch.Tensor,
                    final_tokens: torch.Tensor, layers: list[int],
                    batch_tokens: int = 2048, with_states: bool = False,
-                   index: torch.Tensor | None = None) -> PredictorData:
+                   index: torch.Tensor | None = None,
+                   lenses: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] | None = None
+                   ) -> PredictorData:
     """Features and labels (module doc, steps 2-3).
 
     Args:
@@ -103,6 +107,9 @@ def predictor_data(executor: object, hidden: dict[int, torch.Tensor], candidates
             model's dtype).
         index: ``[N]`` int64 rows of ``hidden`` to use (sliced chunk by chunk, so the
             positions' states are never copied whole; ``None`` = all ``N`` rows).
+        lenses: ``{ℓ: lens}`` with ``lens(hidden [1, n, H]) -> [1, n, H]`` (an exit head's
+            ``T · norm(h)``): the features at ``ℓ`` read the candidates through it (the head
+            lens, :mod:`selfspec.heads.predictor`); other layers use the final norm.
 
     Raises:
         InvalidArgumentError: non-consecutive layers or a missing hidden state.
@@ -131,9 +138,12 @@ def predictor_data(executor: object, hidden: dict[int, torch.Tensor], candidates
         rows_of = (slice(start, start + batch_tokens) if index is None
                    else index[start:start + batch_tokens])
         for j, layer in enumerate(layers):
-            normed = executor.final_norm(hidden[layer][rows_of])
+            h = hidden[layer][rows_of]
+            normed = executor.final_norm(h)
             if states is not None:
                 states[j, start:start + normed.shape[0]] = normed
+            if lenses and layer in lenses:
+                normed = lenses[layer](h.unsqueeze(0))[0]
             scores = candidate_features(normed, rows, b, previous)
             previous = scores.probs
             pick = cand.gather(1, scores.probs.argmax(-1, keepdim=True)).squeeze(1)

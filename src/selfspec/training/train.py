@@ -177,7 +177,7 @@ class LossVocab:
         if self.rows is not None and isinstance(head, LightweightHead):
             # E*·T·norm(h) with E*'s rows R gathered once in self.out: gathering them per
             # head and step costs half a forward matmul (Qwen2.5: [16384, 1536] of [151936, 1536]).
-            return self.out.project(head._transformed(hidden))
+            return self.out.project(head.transformed(hidden))
         return head(hidden, self.rows)  # a full head's own rows, gathered in the autograd graph
 
 
