@@ -52,7 +52,7 @@ def test_predictor_data_reads_lens_layers_through_the_head(executor):
     head = _lens_head(executor)
     plain = predictor_data(executor, hidden, cands, final, layers, batch_tokens=3)
     data = predictor_data(executor, hidden, cands, final, layers, batch_tokens=3,
-                          with_states=True, lenses={LENS: head.transformed})
+                          with_states=True, lenses={LENS: head.transform_normed})
     rows = executor.lm_head.weight[cands]
     bias = None if executor.lm_head.bias is None else executor.lm_head.bias[cands]
     first = candidate_features(executor.final_norm(hidden[2]), rows, bias, None)
@@ -94,7 +94,7 @@ def test_decoding_features_are_the_training_features_of_the_same_states(executor
     step = SpecEEStep(HeadCandidates(executor, CAND_LAYER, own, K), pred,
                       PredictorSchedule(pred.layers, offline), 0.5,
                       lambda ex, cache: make_skipped_kv("propagate", ex, cache),
-                      lenses={LENS: head.transformed})
+                      lenses={LENS: head.transform_normed})
     state = run_step(executor, step, PROMPT, max_new_tokens=2)
     tokens = state.tokens[:len(PROMPT) + 1]      # the second token was decoded by the step
     with torch.inference_mode():
@@ -108,7 +108,7 @@ def test_decoding_features_are_the_training_features_of_the_same_states(executor
             hidden[layer + 1] = h[0, -1:].clone()
         cands = torch.topk(executor.logits(hidden[CAND_LAYER].unsqueeze(0))[0, -1], K).indices
         data = predictor_data(executor, hidden, cands.unsqueeze(0), torch.tensor([0]),
-                              pred.layers, lenses={LENS: head.transformed})
+                              pred.layers, lenses={LENS: head.transform_normed})
     # the first token comes from the prefill; the second is the first the predictors see
     assert [x for x, _ in pred.seen] == (pred.layers if offline is None else offline)
     for layer, seen in pred.seen:

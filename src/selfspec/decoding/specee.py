@@ -268,9 +268,9 @@ class PredictorScan:
             contiguously where they exist (features change against the previous layer).
         schedule: which predictors run (reset at each generation).
         threshold: exit when a predictor's output exceeds it (0.5 in the paper).
-        lenses: ``{ℓ: lens}``, ``lens(hidden [1, 1, H]) -> [1, 1, H]`` (an exit head's
-            ``T · norm(h)``): the head lens the predictors were trained with at ``ℓ`` (the
-            card's ``lens_layers``; :mod:`selfspec.heads.predictor`); ``None``: none.
+        lenses: ``{ℓ: lens}``, ``lens(normed [1, 1, H]) -> [1, 1, H]`` (an exit head's ``T``
+            on the final norm of the state): the head lens the predictors were trained with at
+            ``ℓ`` (the card's ``lens_layers``; :mod:`selfspec.heads.predictor`); ``None``: none.
 
     Raises:
         InvalidArgumentError: ``k`` differs from the predictors' or predictors below the
@@ -337,9 +337,10 @@ class PredictorScan:
                                                      and layer + 1 not in active):
                 continue
             tp = time.perf_counter()
-            normed = executor.final_norm(hidden)[0, 0]
+            normed = executor.final_norm(hidden)
             lens = self.lenses.get(layer)
-            read = normed if lens is None else lens(hidden)[0, 0]
+            read = normed if lens is None else lens(normed)
+            normed, read = normed[0, 0], read[0, 0]
             scores = candidate_features(read, cand.rows, cand.bias, before)
             before = scores.probs
             fire = False

@@ -182,13 +182,19 @@ class LightweightHead(ExitHead):
 
     def transformed(self, hidden: torch.Tensor) -> torch.Tensor:
         """``T · norm(h)``: ``[B, T, H]`` → ``[B, T, H]`` (packed ``T`` when not training): the
-        head's logits are ``lm_head`` of this (SpecEE's head-lens features read it)."""
+        head's logits are ``lm_head`` of this."""
         if hidden.dtype != self.transform.dtype:
             hidden = hidden.to(self.transform.dtype)
-        x = self.norm(hidden)
+        return self.transform_normed(self.norm(hidden))
+
+    def transform_normed(self, normed: torch.Tensor) -> torch.Tensor:
+        """``T · x`` for ``x`` already through the (frozen copy of the) final norm: ``[..., H]`` →
+        ``[..., H]``. SpecEE's head lens reads it from the state its features normalise anyway."""
+        if normed.dtype != self.transform.dtype:
+            normed = normed.to(self.transform.dtype)
         if self._fast is not None and not torch.is_grad_enabled():
-            return self._fast(x)
-        return F.linear(x, self.transform)
+            return self._fast(normed)
+        return F.linear(normed, self.transform)
 
     def forward(self, hidden: torch.Tensor, vocab_rows: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, T, H]`` → logits ``[B, T, V]`` (``[B, T, R]`` with ``vocab_rows`` ``[R]``)."""

@@ -196,7 +196,7 @@ def build(context: MethodContext, options: Options) -> Step:
 
 def _lenses(trained: ExitHeads, card: PredictorCard, name: str
             ) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
-    """The head lens the predictors were trained with: ``{ℓ: head.transformed}`` for the
+    """The head lens the predictors were trained with: ``{ℓ: head.transform_normed}`` for the
     card's ``lens_layers``.
 
     Raises:
@@ -212,7 +212,7 @@ def _lenses(trained: ExitHeads, card: PredictorCard, name: str
                 f"exit head, and the file has {'no head' if head is None else 'a full head'} "
                 f"there (the heads changed after the predictors were trained); retrain them "
                 f"with `selfspec heads train-predictors --head-lens`")
-        lenses[layer] = head.transformed
+        lenses[layer] = head.transform_normed
     return lenses
 
 

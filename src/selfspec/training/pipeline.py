@@ -848,8 +848,8 @@ def train_predictors(engine: Engine, request: PredictorRequest,
 
 def head_lenses(heads: ExitHeads, layers: Sequence[int], path: object
                 ) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
-    """``{ℓ: head.transformed}`` for the lightweight exit heads of ``heads`` at ``layers``: the
-    head lens of SpecEE's features (:mod:`selfspec.heads.predictor`).
+    """``{ℓ: head.transform_normed}`` for the lightweight exit heads of ``heads`` at
+    ``layers``: the head lens of SpecEE's features (:mod:`selfspec.heads.predictor`).
 
     Raises:
         InvalidArgumentError: no lightweight head at any of ``layers`` (a full head's logits
@@ -858,7 +858,7 @@ def head_lenses(heads: ExitHeads, layers: Sequence[int], path: object
     """
     from selfspec.heads.modules import LightweightHead
 
-    lenses = {h.layer: h.transformed for h in heads.heads
+    lenses = {h.layer: h.transform_normed for h in heads.heads
               if isinstance(h, LightweightHead) and h.layer in set(layers)}
     if not lenses:
         raise InvalidArgumentError(

@@ -107,9 +107,10 @@ def predictor_data(executor: object, hidden: dict[int, torch.Tensor], candidates
             model's dtype).
         index: ``[N]`` int64 rows of ``hidden`` to use (sliced chunk by chunk, so the
             positions' states are never copied whole; ``None`` = all ``N`` rows).
-        lenses: ``{ℓ: lens}`` with ``lens(hidden [1, n, H]) -> [1, n, H]`` (an exit head's
-            ``T · norm(h)``): the features at ``ℓ`` read the candidates through it (the head
-            lens, :mod:`selfspec.heads.predictor`); other layers use the final norm.
+        lenses: ``{ℓ: lens}`` with ``lens(normed [1, n, H]) -> [1, n, H]`` (an exit head's
+            ``T``, applied to the final norm of the state): the features at ``ℓ`` read the
+            candidates through it (the head lens, :mod:`selfspec.heads.predictor`); other
+            layers read the final norm itself.
 
     Raises:
         InvalidArgumentError: non-consecutive layers or a missing hidden state.
@@ -138,12 +139,11 @@ def predictor_data(executor: object, hidden: dict[int, torch.Tensor], candidates
         rows_of = (slice(start, start + batch_tokens) if index is None
                    else index[start:start + batch_tokens])
         for j, layer in enumerate(layers):
-            h = hidden[layer][rows_of]
-            normed = executor.final_norm(h)
+            normed = executor.final_norm(hidden[layer][rows_of])
             if states is not None:
                 states[j, start:start + normed.shape[0]] = normed
             if lenses and layer in lenses:
-                normed = lenses[layer](h.unsqueeze(0))[0]
+                normed = lenses[layer](normed.unsqueeze(0))[0]
             scores = candidate_features(normed, rows, b, previous)
             previous = scores.probs
             pick = cand.gather(1, scores.probs.argmax(-1, keepdim=True)).squeeze(1)
