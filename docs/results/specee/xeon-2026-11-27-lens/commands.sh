@@ -34,4 +34,6 @@ selfspec heads train-predictors --model $M --dtype bf16 --threads 2 --heads $H/l
 S=specee:heads=$H/lensstate
 selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset humaneval --n 40 --max-new-tokens 96 \
   --methods ar,adadecode,$S,verify=true,threshold=0.98,$S,threshold=0.993,$S,threshold=0.98 --out ${OUT:-.}/qwen05-humaneval-40
-# where the predictor time goes (verified, per token): python prof.py $M $H/lensstate4k 0.98
+# where the predictor time goes (verified, per token), from this directory:
+python prof.py $M $H/lensstate 0.98 > prof-0.5b.txt
+python prof.py qwen2.5-coder-1.5b-instruct $HOME_/heads/qwen2.5-coder-1.5b-instruct/lensstate4k 0.98 > prof-1.5b.txt

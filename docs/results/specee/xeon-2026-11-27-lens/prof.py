@@ -17,7 +17,9 @@ sp.HeadCandidates.__call__ = timed("candidates", sp.HeadCandidates.__call__)
 from selfspec.heads.predictor import ExitPredictors
 from selfspec.heads.modules import LightweightHead
 ExitPredictors.prob = timed("mlp", ExitPredictors.prob)
-LightweightHead.transformed = timed("lens/head T", LightweightHead.transformed)
+LightweightHead.transform_normed = timed("lens (head T)", LightweightHead.transform_normed)
+from selfspec.executor import LayerExecutor
+LayerExecutor.final_norm = timed("final_norm", LayerExecutor.final_norm)
 scan = sp.PredictorScan.scan
 sp.PredictorScan.scan = timed("scan total (incl layers)", scan)
 prompt = "def sort_by_length(words: list[str]) -> list[str]:\n    \"\"\"Sort words by length, then alphabetically.\"\"\"\n"
