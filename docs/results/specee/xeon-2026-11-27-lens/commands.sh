@@ -34,6 +34,13 @@ selfspec heads train-predictors --model $M --dtype bf16 --threads 2 --heads $H/l
 S=specee:heads=$H/lensstate
 selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset humaneval --n 40 --max-new-tokens 96 \
   --methods ar,adadecode,$S,verify=true,threshold=0.98,$S,threshold=0.993,$S,threshold=0.98 --out ${OUT:-.}/qwen05-humaneval-40
+V=specee:heads=$H/lensstate,verify=true                     # settings, 12 problems each (~6 min per run)
+selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset humaneval --n 12 --max-new-tokens 96 \
+  --methods ar,$V,threshold=0.98,$V,threshold=0.98,offline_layers=3,$V,threshold=0.98,offline_layers=2,$V,threshold=0.98,offline_layers=4 \
+  --out ${OUT:-.}/qwen05-humaneval-12-offline
+selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset humaneval --n 12 --max-new-tokens 96 \
+  --methods ar,$V,threshold=0.98,$V,threshold=0.95,$V,threshold=0.9,$V,threshold=0.98,max_early=8 \
+  --out ${OUT:-.}/qwen05-humaneval-12-threshold
 # where the predictor time goes (verified, per token), from this directory:
 python prof.py $M $H/lensstate 0.98 > prof-0.5b.txt
 python prof.py qwen2.5-coder-1.5b-instruct $HOME_/heads/qwen2.5-coder-1.5b-instruct/lensstate4k 0.98 > prof-1.5b.txt
