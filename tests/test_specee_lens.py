@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import run_step, tiny_model
+from tiny import last_position_states, run_step, tiny_model
 
 from selfspec.decoding.skipped_kv import make_skipped_kv
 from selfspec.decoding.specee import HeadCandidates, PredictorSchedule, SpecEEStep
@@ -97,15 +97,8 @@ def test_decoding_features_are_the_training_features_of_the_same_states(executor
                       lenses={LENS: head.transform_normed})
     state = run_step(executor, step, PROMPT, max_new_tokens=2)
     tokens = state.tokens[:len(PROMPT) + 1]      # the second token was decoded by the step
+    hidden = last_position_states(executor, tokens)
     with torch.inference_mode():
-        ids = torch.tensor([tokens])
-        pos = torch.arange(len(tokens)).unsqueeze(0)
-        h = executor.embed(ids)
-        cache = executor.new_cache(capacity=len(tokens))
-        hidden = {}
-        for layer in range(NUM_LAYERS):
-            h = executor.run_layers(h, pos, layer, layer + 1, cache)
-            hidden[layer + 1] = h[0, -1:].clone()
         cands = torch.topk(executor.logits(hidden[CAND_LAYER].unsqueeze(0))[0, -1], K).indices
         data = predictor_data(executor, hidden, cands.unsqueeze(0), torch.tensor([0]),
                               pred.layers, lenses={LENS: head.transform_normed})

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import run_step, tiny_model
+from tiny import last_position_states, run_step, tiny_model
 
 from selfspec.decoding.skipped_kv import KV_POLICIES, make_skipped_kv
 from selfspec.decoding.specee import HeadCandidates, PredictorSchedule, SpecEEStep
@@ -133,15 +133,9 @@ def test_decoding_hands_the_predictor_the_layers_normed_state(executor):
                       lambda ex, cache: make_skipped_kv("propagate", ex, cache))
     state = run_step(executor, step, PROMPT, max_new_tokens=2)
     tokens = state.tokens[:len(PROMPT) + 1]      # the second token was decoded by the step
+    states = last_position_states(executor, tokens)
     with torch.inference_mode():
-        ids = torch.tensor([tokens])
-        pos = torch.arange(len(tokens)).unsqueeze(0)
-        h = executor.embed(ids)
-        cache = executor.new_cache(capacity=len(tokens))
-        expected = {}
-        for layer in range(NUM_LAYERS):
-            h = executor.run_layers(h, pos, layer, layer + 1, cache)
-            expected[layer + 1] = executor.final_norm(h)[0, -1]
+        expected = {x: executor.final_norm(h)[-1] for x, h in states.items()}
     assert [x for x, _ in pred.seen] == pred.layers
     for layer, seen in pred.seen:
         assert torch.allclose(seen.float(), expected[layer].float(), atol=1e-4), layer

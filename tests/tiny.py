@@ -137,3 +137,19 @@ def assert_lossless_on_rows_kernel(arch: str, rows: str) -> None:
         assert result.token_ids == reference, method
         drafted += result.stats.drafted
     assert drafted > 0
+
+
+def last_position_states(executor, tokens: list[int]) -> dict[int, torch.Tensor]:
+    """``{ℓ: [1, H]}`` the state of the last of ``tokens`` leaving ``ℓ`` layers, for every
+    ``ℓ`` in ``[1, L]``, from one forward pass without a prior cache (the reference for what
+    decoding computed at that position)."""
+    with torch.inference_mode():
+        ids = torch.tensor([tokens])
+        pos = torch.arange(len(tokens)).unsqueeze(0)
+        h = executor.embed(ids)
+        cache = executor.new_cache(capacity=len(tokens))
+        states = {}
+        for layer in range(executor.num_layers):
+            h = executor.run_layers(h, pos, layer, layer + 1, cache)
+            states[layer + 1] = h[0, -1:].clone()
+    return states
