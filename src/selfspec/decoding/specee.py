@@ -13,9 +13,10 @@ Per token (batch 1):
    free) replaces the head's ``k``-th candidate when it is not among them
    (:func:`merge_ngram`): on code it is right where the mid-depth head is not (copied
    identifiers), which raises the candidates' recall, the ceiling on exits;
-2. from layer ``c`` on, after each layer, the candidates' features (logits, local
-   probabilities, their change; :func:`~selfspec.heads.predictor.candidate_features`) and, at
-   the layers the scheduler activates, that layer's predictor MLP; the first predictor above
+2. from layer ``c`` on, at the layers the scheduler activates, the candidates' features
+   (logits, local probabilities, their change against the layer before, computed there too;
+   :func:`~selfspec.heads.predictor.candidate_features`) and that layer's predictor MLP; the
+   first predictor above
    ``threshold`` ends the forward pass and emits the candidate with the highest local
    probability (§4);
 3. otherwise the token runs every layer and the model's own head picks it;

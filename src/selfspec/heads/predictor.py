@@ -13,9 +13,10 @@ The ``3k`` features (12 for ``k = 4``) feed a per-layer two-layer MLP ``3k → 5
 sigmoid (the paper's predictor, as in the public SpecEE code). Its label is "the final layer's
 token equals the candidate with the highest local probability at ℓ"; at decoding time the
 token exits at ℓ when the predictor's output passes a threshold (0.5), emitting that
-candidate. The change is always taken against the previous *layer* (features are computed at
-every layer from the candidates' layer on; they cost one ``[k, H]`` product), so decoding sees
-exactly the features training saw, whichever layers the scheduler lets the MLP run at.
+candidate. The change is always taken against the previous *layer* (decoding computes the
+features at every layer whose predictor runs and at the layer before it; each costs one
+``[k, H]`` product), so decoding sees exactly the features training saw, whichever layers the
+scheduler lets the MLP run at.
 
 *Head lens* (``lens_layers`` on the card; ours, not in the paper): at a layer where the head
 file has a lightweight exit head ``E*·T`` (AdaDecode §2.1), ``n`` is replaced by

@@ -858,8 +858,9 @@ def head_lenses(heads: ExitHeads, layers: Sequence[int], path: object
     """
     from selfspec.heads.modules import LightweightHead
 
+    wanted = set(layers)
     lenses = {h.layer: h.transform_normed for h in heads.heads
-              if isinstance(h, LightweightHead) and h.layer in set(layers)}
+              if isinstance(h, LightweightHead) and h.layer in wanted}
     if not lenses:
         raise InvalidArgumentError(
             f"--head-lens reads the candidates through the lightweight exit heads at the "
