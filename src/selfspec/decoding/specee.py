@@ -52,6 +52,11 @@ from selfspec.decoding.exits import Exit
 from selfspec.decoding.ngram import ContextIndex
 from selfspec.decoding.sampling import SamplingConfig, choose_next
 from selfspec.decoding.skipped_kv import SkippedKV
+from selfspec.decoding.specee_kernel import (
+    CandidateKernel,
+    KernelLayerDecision,
+    TorchLayerDecision,
+)
 from selfspec.decoding.speculative import DraftOutput, SpeculativeStep, TargetOutput
 from selfspec.decoding.state import DecodeState
 from selfspec.decoding.stats import StepStats
@@ -59,7 +64,7 @@ from selfspec.decoding.stop_rules import BufferStopRule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.executor import Observer
-from selfspec.heads.predictor import ExitPredictors, candidate_features
+from selfspec.heads.predictor import ExitPredictors
 
 QUEUE_SIZE = 5   # SpecEE §5: the last 5 exit layers
 RADIUS = 2       # each adds its neighbours ±2
@@ -149,7 +154,7 @@ class Candidates:
     Attributes:
         ids: ``[k]`` int64 token ids, most likely first.
         rows: ``[k, H]`` their ``lm_head`` rows.
-        bias: ``[k]`` their ``lm_head`` bias, or ``None``.
+        bias: ``[k]`` float32 their ``lm_head`` bias, or ``None``.
     """
 
     ids: torch.Tensor
@@ -197,12 +202,16 @@ class DrafterCandidates:
         k: number of candidates.
         vocab: the draft vocabulary, or ``None``.
         ngram: merge in the prompt-lookup token (:func:`merge_ngram`).
+        fused: the same drafter, norm, rows and top ``k`` in one compiled call
+            (:func:`~selfspec.decoding.specee_kernel.candidate_kernel`), or ``None``: torch.
     """
 
     def __init__(self, executor: LayerExecutor, drafter: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  layer: int, output: Callable[[torch.Tensor], torch.Tensor], k: int,
-                 vocab: DraftVocab | None = None, ngram: bool = False) -> None:
+                 vocab: DraftVocab | None = None, ngram: bool = False,
+                 fused: CandidateKernel | None = None) -> None:
         self.executor = executor
+        self.fused = fused
         self.drafter = drafter
         self.layer = layer
         self.output = output
@@ -220,7 +229,10 @@ class DrafterCandidates:
             ngram: the prompt-lookup token, ``-1`` for none (ignored without ``self.ngram``).
         """
         ids = torch.tensor([[token_id]], device=previous.device)
-        predicted = self.drafter(previous, self.executor.embed(ids))
+        embedding = self.executor.embed(ids)
+        if self.fused is not None:
+            return _candidates(self, self.fused(previous, embedding), ngram)
+        predicted = self.drafter(previous, embedding)
         return _top_candidates(self, self.output(predicted.to(previous.dtype))[0, -1], ngram)
 
 
@@ -228,12 +240,19 @@ def _top_candidates(source: HeadCandidates | DrafterCandidates, logits: torch.Te
                     ngram: int) -> Candidates:
     """``source``'s top-``k`` of ``logits`` (``[V]``, or ``[R]`` over its draft vocabulary),
     with the prompt-lookup token ``ngram`` merged in when ``source.ngram``."""
-    top = torch.topk(logits, source.k).indices
+    return _candidates(source, torch.topk(logits, source.k).indices, ngram)
+
+
+def _candidates(source: HeadCandidates | DrafterCandidates, top: torch.Tensor,
+                ngram: int) -> Candidates:
+    """The candidates at ``top`` (``[k]`` indices into ``V``, or into ``source``'s draft
+    vocabulary), with the prompt-lookup token ``ngram`` merged in when ``source.ngram``."""
     ids = top if source.vocab is None else source.vocab.rows[top]
     if source.ngram and ngram >= 0:
         ids = merge_ngram(ids, torch.tensor(ngram, dtype=ids.dtype, device=ids.device))
     bias = source.executor.lm_head.bias
-    return Candidates(ids, source.executor.lm_head.weight[ids], None if bias is None else bias[ids])
+    return Candidates(ids, source.executor.lm_head.weight[ids],
+                      None if bias is None else bias[ids].float())
 
 
 @dataclass(frozen=True)
@@ -272,6 +291,9 @@ class PredictorScan:
         lenses: ``{ℓ: lens}``, ``lens(normed [1, 1, H]) -> [1, 1, H]`` (an exit head's ``T``
             on the final norm of the state): the head lens the predictors were trained with at
             ``ℓ`` (the card's ``lens_layers``; :mod:`selfspec.heads.predictor`); ``None``: none.
+        decision: computes each layer's features and predictor
+            (:mod:`selfspec.decoding.specee_kernel`); ``None``: torch operations with
+            ``lenses``.
 
     Raises:
         InvalidArgumentError: ``k`` differs from the predictors' or predictors below the
@@ -280,8 +302,8 @@ class PredictorScan:
 
     def __init__(self, candidates: HeadCandidates | DrafterCandidates, predictors: ExitPredictors,
                  schedule: PredictorSchedule, threshold: float,
-                 lenses: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] | None = None
-                 ) -> None:
+                 lenses: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+                 decision: TorchLayerDecision | KernelLayerDecision | None = None) -> None:
         if candidates.k != predictors.num_candidates:
             raise InvalidArgumentError(
                 f"the predictors were trained on {predictors.num_candidates} candidates, got "
@@ -297,6 +319,8 @@ class PredictorScan:
         self.drafts_first = isinstance(candidates, DrafterCandidates)
         self._feature_layers = frozenset(predictors.layers)
         self.lenses = dict(lenses or {})
+        self.decision = decision or TorchLayerDecision(candidates.executor, predictors,
+                                                       self.lenses)
         self._last = max(predictors.layers)
 
     def scan(self, advance: Callable[[int], torch.Tensor], executor: LayerExecutor,
@@ -338,20 +362,16 @@ class PredictorScan:
                                                      and layer + 1 not in active):
                 continue
             tp = time.perf_counter()
-            normed = executor.final_norm(hidden)
-            lens = self.lenses.get(layer)
-            read = normed if lens is None else lens(normed)
-            normed, read = normed[0, 0], read[0, 0]
-            scores = candidate_features(read, cand.rows, cand.bias, before)
-            before = scores.probs
-            fire = False
-            if layer in active:
-                calls += 1
-                fire = float(self.predictors.prob(layer, scores.features, normed)) > self.threshold
+            predict = layer in active
+            decided = self.decision(layer, hidden, cand.rows, cand.bias, before, predict)
+            before = decided.scores.probs
+            calls += predict
+            fire = predict and decided.prob > self.threshold
             seconds += time.perf_counter() - tp
             if fire:
                 self.schedule.record(layer)
-                return ScanResult(layer, cand.ids, scores.logits, hidden, calls, seconds)
+                return ScanResult(layer, cand.ids, decided.scores.logits.clone(), hidden, calls,
+                                  seconds)
         self.schedule.record(executor.num_layers)
         return ScanResult(None, None if cand is None else cand.ids, None, hidden, calls, seconds)
 
@@ -365,7 +385,8 @@ class SpecEEStep:
     spent settling the skipped layers' KV (``kv_ms``).
 
     Args:
-        candidates, predictors, schedule, threshold, lenses: see :class:`PredictorScan`.
+        candidates, predictors, schedule, threshold, lenses, decision: see
+            :class:`PredictorScan`.
         kv: ``kv(executor, cache) -> SkippedKV`` for one generation.
 
     Raises:
@@ -375,9 +396,10 @@ class SpecEEStep:
     def __init__(self, candidates: HeadCandidates | DrafterCandidates, predictors: ExitPredictors,
                  schedule: PredictorSchedule, threshold: float,
                  kv: Callable[[LayerExecutor, object], SkippedKV],
-                 lenses: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] | None = None
-                 ) -> None:
-        self.scanner = PredictorScan(candidates, predictors, schedule, threshold, lenses)
+                 lenses: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+                 decision: TorchLayerDecision | KernelLayerDecision | None = None) -> None:
+        self.scanner = PredictorScan(candidates, predictors, schedule, threshold, lenses,
+                                     decision)
         self._make_kv = kv
         self._kv: SkippedKV | None = None
         self._index: ContextIndex | None = None

@@ -10,7 +10,7 @@ lists the modules. Everything else — CLI flags, API keywords, benchmark specs,
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,6 +129,15 @@ class MethodContext:
         if key not in self._derived:
             vocab = frequent_rows(counts, size, eos_token_ids(self.executor.model))
             self._derived[key] = (trained, vocab)  # holding trained keeps id() unique
+        return self._derived[key][1]
+
+    def derived(self, kind: str, owner: Any, options: Hashable, build: Callable[[], Any]) -> Any:
+        """``build()``'s result for ``owner`` (trained heads, say) and ``options``, built once
+        for the context's life (``owner`` is held, so its ``id`` stays unique): what a method
+        prepares from heads and checks before use (SpecEE's compiled predictors)."""
+        key = (kind, id(owner), options)
+        if key not in self._derived:
+            self._derived[key] = (owner, build())
         return self._derived[key][1]
 
     def restricted(self, head: Any, vocab: DraftVocab) -> Callable:

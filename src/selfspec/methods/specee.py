@@ -14,10 +14,7 @@ deeper layers run batched with later tokens and verify them
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
 
 from selfspec.decoding.loop import Step
 from selfspec.decoding.skipped_kv import KV_POLICIES, make_skipped_kv
@@ -31,6 +28,11 @@ from selfspec.decoding.specee import (
     SpecEEExits,
     SpecEEStep,
     VerifiedSpecEEStep,
+)
+from selfspec.decoding.specee_kernel import (
+    KERNEL_CHOICES,
+    candidate_kernel,
+    layer_decision,
 )
 from selfspec.errors import InvalidArgumentError
 from selfspec.heads.card import PredictorCard
@@ -88,6 +90,10 @@ class Options:
                           "token replaces a wrong one (AdaDecode §2.2's verification; lossless)")
     max_early: int = option(5, "with verify: most exited tokens outstanding before one must "
                             "run every layer", low=1, high="R-1")
+    kernel: str = option("auto", "each layer's features and predictor: 'auto' (one compiled "
+                         "call on bf16 CPU models where it agrees with torch, else torch), "
+                         "'kernel' (that call, or an error saying why not), 'torch'",
+                         choices=KERNEL_CHOICES)
 
 
 def _family(source: str) -> str:
@@ -159,8 +165,13 @@ def build(context: MethodContext, options: Options) -> Step:
                 f"specee: the head file {options.heads!r} holds no drafter; train one with "
                 f"`selfspec heads train-drafter {options.heads} --model {ex.name}`")
         output = context.restricted(None, vocab) if vocab is not None else ex.logits
+        rows = None if vocab is None else vocab.rows
+        fused = context.derived(
+            "specee-candidates", trained, (None if vocab is None else vocab.key, options.kernel),
+            lambda: candidate_kernel(ex, trained.drafter, output, rows, pc.num_candidates,
+                                     options.kernel))
         candidates = DrafterCandidates(ex, trained.drafter, pc.candidate_layer, output,
-                                       pc.num_candidates, vocab, ngram=ngram)
+                                       pc.num_candidates, vocab, ngram=ngram, fused=fused)
     else:
         head = trained.head_at(pc.candidate_layer)
         if vocab is not None:
@@ -176,7 +187,11 @@ def build(context: MethodContext, options: Options) -> Step:
         offline = pc.offline_layers[:n]
     schedule = PredictorSchedule(trained.predictors.layers, offline)
     threshold = exit_threshold(options, pc)
-    lenses = _lenses(trained, pc, options.heads)
+    heads = _lens_heads(trained, pc, options.heads)
+    lenses = {layer: head.transform_normed for layer, head in heads.items()}
+    decision = context.derived(
+        "specee-decision", trained, options.kernel,
+        lambda: layer_decision(ex, trained.predictors, heads, options.kernel))
     defaults = Options()
     if options.verify and options.kv not in (defaults.kv, "deferred"):
         raise InvalidArgumentError(
@@ -187,17 +202,18 @@ def build(context: MethodContext, options: Options) -> Step:
             "specee: max_early bounds the exited tokens awaiting verification; give verify=true "
             "or drop max_early")
     if options.verify:
-        scanner = PredictorScan(candidates, trained.predictors, schedule, threshold, lenses)
+        scanner = PredictorScan(candidates, trained.predictors, schedule, threshold, lenses,
+                                decision)
         return VerifiedSpecEEStep(SpecEEDrafter(ex, SpecEEExits(scanner, ex), options.max_early))
     return SpecEEStep(candidates, trained.predictors, schedule, threshold,
                       lambda executor, cache: make_skipped_kv(options.kv, executor, cache),
-                      lenses)
+                      lenses, decision)
 
 
-def _lenses(trained: ExitHeads, card: PredictorCard, name: str
-            ) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
-    """The head lens the predictors were trained with: ``{ℓ: head.transform_normed}`` for the
-    card's ``lens_layers``.
+def _lens_heads(trained: ExitHeads, card: PredictorCard, name: str
+                ) -> dict[int, LightweightHead]:
+    """The heads whose lens the predictors were trained with: ``{ℓ: head}`` for the card's
+    ``lens_layers`` (the lens is ``head.transform_normed``).
 
     Raises:
         InvalidArgumentError: a lens layer whose head is missing or not lightweight (the
@@ -212,7 +228,7 @@ def _lenses(trained: ExitHeads, card: PredictorCard, name: str
                 f"exit head, and the file has {'no head' if head is None else 'a full head'} "
                 f"there (the heads changed after the predictors were trained); retrain them "
                 f"with `selfspec heads train-predictors --head-lens`")
-        lenses[layer] = head.transform_normed
+        lenses[layer] = head
     return lenses
 
 
