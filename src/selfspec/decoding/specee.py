@@ -230,8 +230,8 @@ class DrafterCandidates:
         """
         ids = torch.tensor([[token_id]], device=previous.device)
         embedding = self.executor.embed(ids)
-        if self.fused is not None:
-            return _candidates(self, self.fused(previous, embedding), ngram)
+        if self.fused is not None:  # its buffer is overwritten by the next call: copy
+            return _candidates(self, self.fused(previous, embedding).clone(), ngram)
         predicted = self.drafter(previous, embedding)
         return _top_candidates(self, self.output(predicted.to(previous.dtype))[0, -1], ngram)
 

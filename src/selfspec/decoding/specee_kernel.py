@@ -142,6 +142,7 @@ class KernelLayerDecision:
         # Two output buffers, alternating: one layer's probabilities are the next one's
         # ``previous`` while the next writes its own.
         self._out = [torch.empty(3 * k), torch.empty(3 * k)]
+        self._scores = [CandidateScores(out[:k], out[k:2 * k], out) for out in self._out]
         self._turn = 0
         self._logit = ctypes.c_float()
         self._keep = [self._norm_weight]
@@ -184,7 +185,7 @@ class KernelLayerDecision:
         dimension, ``rows`` bf16 contiguous. The scores are views of a buffer that the call
         after next overwrites (clone what is kept longer)."""
         a = self._args[layer][0 if predict else 1]
-        out = self._out[self._turn]
+        turn = self._turn
         self._turn ^= 1
         if hidden.dtype != torch.bfloat16 or hidden.stride(-1) != 1:
             hidden = hidden.to(torch.bfloat16).contiguous()
@@ -192,10 +193,9 @@ class KernelLayerDecision:
         a.rows = rows.data_ptr()
         a.bias = None if bias is None else bias.data_ptr()
         a.previous = None if previous is None else previous.data_ptr()
-        a.features = out.data_ptr()
+        scores = self._scores[turn]
+        a.features = scores.features.data_ptr()
         self._fn(ctypes.byref(a))
-        k = rows.shape[0]
-        scores = CandidateScores(out[:k], out[k:2 * k], out)
         if not predict:
             return LayerDecision(scores, None)
         z = self._logit.value
