@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
 
@@ -223,26 +223,42 @@ def layer_decision(executor: LayerExecutor, predictors: ExitPredictors,
         InvalidArgumentError: an unknown ``kernel``, or ``"kernel"`` where it cannot run
             (the message says why).
     """
-    if kernel not in KERNEL_CHOICES:
-        raise InvalidArgumentError(
-            f"specee: kernel must be one of {', '.join(KERNEL_CHOICES)}, got {kernel!r}")
+    _check_choice(kernel)
     torch_path = TorchLayerDecision(executor, predictors,
                                     {layer: head.transform_normed for layer, head in lenses.items()})
     if kernel == "torch":
         return torch_path
-    reason = kernel_unavailable_reason() or _unsupported(executor, lenses)
-    fused = None
-    if not reason:
+
+    def build() -> tuple[KernelLayerDecision, str]:
         fused = KernelLayerDecision(executor, predictors,
                                     {layer: head.transform for layer, head in lenses.items()})
-        reason = kernel_check(torch_path, fused, executor, predictors)
+        return fused, kernel_check(torch_path, fused, executor, predictors)
+
+    reason = kernel_unavailable_reason() or _unsupported(executor, lenses)
+    return _fused_or_none(kernel, "predictor", reason, build) or torch_path
+
+
+def _check_choice(kernel: str) -> None:
+    if kernel not in KERNEL_CHOICES:
+        raise InvalidArgumentError(
+            f"specee: kernel must be one of {', '.join(KERNEL_CHOICES)}, got {kernel!r}")
+
+
+def _fused_or_none(kernel: str, what: str, reason: str,
+                   build: Callable[[], tuple[object, str]]) -> object | None:
+    """``build()``'s kernel where ``reason`` is empty and its check (``build``'s second
+    value) passes; else ``None`` (torch), logged, or with ``kernel="kernel"`` an
+    :class:`InvalidArgumentError` naming the reason."""
+    fused = None
+    if not reason:
+        fused, reason = build()
     if not reason:
         return fused
     if kernel == "kernel":
-        raise InvalidArgumentError(f"specee: the predictor kernel cannot run here: {reason}; "
+        raise InvalidArgumentError(f"specee: the {what} kernel cannot run here: {reason}; "
                                    f"use kernel=auto or kernel=torch")
-    logger.info("SpecEE predictors run in torch: the kernel %s", reason)
-    return torch_path
+    logger.info("SpecEE's %s runs in torch: the kernel %s", what, reason)
+    return None
 
 
 def _unsupported(executor: LayerExecutor, lenses: Mapping[int, LightweightHead]) -> str:
@@ -375,25 +391,18 @@ def candidate_kernel(executor: LayerExecutor, drafter: torch.nn.Module,
     Raises:
         InvalidArgumentError: an unknown ``kernel``, or ``"kernel"`` where it cannot run.
     """
-    if kernel not in KERNEL_CHOICES:
-        raise InvalidArgumentError(
-            f"specee: kernel must be one of {', '.join(KERNEL_CHOICES)}, got {kernel!r}")
+    _check_choice(kernel)
     if kernel == "torch":
         return None
+
+    def build() -> tuple[CandidateKernel, str]:
+        fused = CandidateKernel(executor, drafter, rows, k)
+        return fused, _check_candidates(fused, executor, drafter, output)
+
     reason = kernel_unavailable_reason() or _unsupported(executor, {})
     if not reason and drafter.fc_weight.dtype != torch.bfloat16:
         reason = "needs a bf16 drafter"
-    fused = None
-    if not reason:
-        fused = CandidateKernel(executor, drafter, rows, k)
-        reason = _check_candidates(fused, executor, drafter, output)
-    if not reason:
-        return fused
-    if kernel == "kernel":
-        raise InvalidArgumentError(f"specee: the candidate kernel cannot run here: {reason}; "
-                                   f"use kernel=auto or kernel=torch")
-    logger.info("SpecEE candidates come from torch: the kernel %s", reason)
-    return None
+    return _fused_or_none(kernel, "candidate", reason, build)
 
 
 def _check_candidates(fused: CandidateKernel, executor: LayerExecutor,

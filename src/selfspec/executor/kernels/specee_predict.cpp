@@ -28,21 +28,13 @@
 
 namespace {
 
-// fp32 dot product of n floats, fixed order (two 8-lane accumulators, scalar tail).
-inline float dot_ff(const float* a, const float* b, int64_t n) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    s0 = _mm256_fmadd_ps(load8(a + i), load8(b + i), s0);
-    s1 = _mm256_fmadd_ps(load8(a + i + 8), load8(b + i + 8), s1);
-  }
-  float s = hsum(_mm256_add_ps(s0, s1));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) { return bf16_to_float(v); }
 
-// The same with bf16 weights w.
-inline float dot_bf(const uint16_t* w, const float* x, int64_t n) {
+// Dot product of n weights (fp32 or bf16) with fp32 x, in a fixed order (two 8-lane
+// accumulators, scalar tail).
+template <typename W>
+inline float dot(const W* w, const float* x, int64_t n) {
   __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -50,7 +42,7 @@ inline float dot_bf(const uint16_t* w, const float* x, int64_t n) {
     s1 = _mm256_fmadd_ps(load8(w + i + 8), load8(x + i + 8), s1);
   }
   float s = hsum(_mm256_add_ps(s0, s1));
-  for (; i < n; ++i) s += bf16_to_float(w[i]) * x[i];
+  for (; i < n; ++i) s += to_float(w[i]) * x[i];
   return s;
 }
 
@@ -72,7 +64,7 @@ inline void product_bf16(const uint16_t* w, const float* x, const float* bias, i
                          int64_t K, float* out) {
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
-      out[n] = round_bf16(dot_bf(w + n * K, x, K) + (bias ? bias[n] : 0.f));
+      out[n] = round_bf16(dot(w + n * K, x, K) + (bias ? bias[n] : 0.f));
   });
 }
 
@@ -123,7 +115,7 @@ void selfspec_specee_predict(const PredictArgs* a) {
   float* f = a->features;
   float top = -INFINITY;
   for (int64_t j = 0; j < k; ++j) {
-    float v = round_bf16(dot_bf(a->rows + j * H, x, H));
+    float v = round_bf16(dot(a->rows + j * H, x, H));
     if (a->bias) v += a->bias[j];
     f[j] = v;
     top = fmaxf(top, v);
@@ -147,9 +139,9 @@ void selfspec_specee_predict(const PredictArgs* a) {
   std::vector<float> act(static_cast<size_t>(a->hidden_units));
   at::parallel_for(0, a->hidden_units, 32, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u)
-      act[u] = fmaxf(dot_bf(a->fc1 + u * width, in.data(), width) + a->b1[u], 0.f);
+      act[u] = fmaxf(dot(a->fc1 + u * width, in.data(), width) + a->b1[u], 0.f);
   });
-  *a->logit = dot_ff(act.data(), a->w2, a->hidden_units) + a->b2;
+  *a->logit = dot(act.data(), a->w2, a->hidden_units) + a->b2;
 }
 
 // The feature drafter's candidates for one token (CandidateKernel's ctypes mirror).
