@@ -21,6 +21,7 @@ from selfspec.decoding.specee import (
     SpecEEDrafter,
     SpecEEExits,
     VerifiedSpecEEStep,
+    depth_thresholds,
 )
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
@@ -179,3 +180,55 @@ def test_the_method_with_verify_is_lossless_and_refuses_options_that_do_not_appl
         build_step("specee", executor, {"heads": str(path), "verify": True, "kv": "skip"})
     with pytest.raises(InvalidArgumentError, match="max_early"):
         build_step("specee", executor, {"heads": str(path), "max_early": 2})
+
+
+def test_depth_thresholds_fall_linearly_from_the_deepest_predictor_to_the_first():
+    got = depth_thresholds([1, 3, 5, 7], deep=0.98, shallow=0.8)
+    assert got[7] == pytest.approx(0.98) and got[1] == pytest.approx(0.8)
+    assert got[3] == pytest.approx(0.86) and got[5] == pytest.approx(0.92)
+    assert depth_thresholds([4], 0.9, 0.5) == {4: pytest.approx(0.5)}
+
+
+class _Constant(ExitPredictors):
+    """Every predictor outputs ``value``."""
+
+    def __init__(self, layers, value):
+        super().__init__(list(layers), K, hidden=8)
+        self.value = value
+
+    def prob(self, layer, features, state=None):
+        return torch.tensor(self.value)
+
+
+def test_a_per_layer_threshold_exits_where_the_output_clears_that_layers_threshold(
+        executor, reference):
+    """Outputs of 0.7 everywhere: a flat 0.9 never exits; thresholds rising from 0.6 at the
+    first predictor layer to 0.9 at the last exit where theirs is below 0.7, and verified
+    decoding stays autoregressive greedy."""
+    cands = _candidates(executor, "drafter")
+    pred = _Constant(range(FIRST, NUM_LAYERS), 0.7)
+    flat = PredictorScan(cands, pred, PredictorSchedule(pred.layers, None), 0.9)
+    state = run_step(executor, VerifiedSpecEEStep(SpecEEDrafter(
+        executor, SpecEEExits(flat, executor), 3)), PROMPT, max_new_tokens=30)
+    assert state.tokens == reference and state.stats.drafted == 0
+    rising = depth_thresholds(pred.layers, 0.9, 0.6)
+    scan = PredictorScan(cands, pred, PredictorSchedule(pred.layers, None), rising)
+    state = run_step(executor, VerifiedSpecEEStep(SpecEEDrafter(
+        executor, SpecEEExits(scan, executor), 3)), PROMPT, max_new_tokens=30)
+    assert state.tokens == reference and state.stats.drafted > 0
+    below = max(x for x, t in rising.items() if t < 0.7)
+    exits = {layer for layer, n in enumerate(state.stats.exit_counts) if n}
+    assert exits and exits <= set(range(FIRST, below + 1))
+
+
+def test_the_method_takes_a_shallow_threshold(executor, reference, tmp_path):
+    path, _ = _head_file(executor, tmp_path, fire=True)
+    step = build_step("specee", executor, {"heads": str(path), "verify": True,
+                                            "threshold": 0.9, "shallow_threshold": 0.6})
+    thresholds = step.exits.scanner._thresholds
+    layers = sorted(thresholds)
+    assert thresholds[layers[0]] == pytest.approx(0.6)
+    assert thresholds[layers[-1]] == pytest.approx(0.9)
+    assert run_step(executor, step, PROMPT, max_new_tokens=30).tokens == reference
+    with pytest.raises(InvalidArgumentError, match="shallow_threshold"):
+        build_step("specee", executor, {"heads": str(path), "shallow_threshold": 1.5})

@@ -96,6 +96,25 @@ def ngram_token(index: ContextIndex) -> int:
     return -1 if found is None else found[0]
 
 
+def depth_thresholds(layers: Sequence[int], deep: float, shallow: float) -> dict[int, float]:
+    """Exit thresholds that fall linearly from ``deep`` at the last predictor layer to
+    ``shallow`` at the first (ours, for verified SpecEE: an exit at layer ``ℓ`` saves the
+    ``L - ℓ`` layers of one token's pass while a rejected one costs the pending tokens' work
+    whatever ``ℓ``, so a shallow exit is worth a lower confidence; AdaDecode tunes one
+    threshold per exit head for the same reason).
+
+    Args:
+        layers: predictor layers, sorted.
+        deep, shallow: thresholds at ``layers[-1]`` and ``layers[0]``, in (0, 1).
+
+    Returns:
+        ``{ℓ: threshold}``.
+    """
+    first, last = layers[0], layers[-1]
+    span = max(last - first, 1)
+    return {x: shallow + (deep - shallow) * (x - first) / span for x in layers}
+
+
 class PredictorSchedule:
     """Which layers' predictors run for the next token (SpecEE §5, module doc).
 
@@ -287,7 +306,8 @@ class PredictorScan:
         predictors: per-layer predictors; they must cover ``[candidates.layer, L)``
             contiguously where they exist (features change against the previous layer).
         schedule: which predictors run (reset at each generation).
-        threshold: exit when a predictor's output exceeds it (0.5 in the paper).
+        threshold: exit when a predictor's output exceeds it (0.5 in the paper), or
+            ``{ℓ: threshold}`` per predictor layer (:func:`depth_thresholds`).
         lenses: ``{ℓ: lens}``, ``lens(normed [1, 1, H]) -> [1, 1, H]`` (an exit head's ``T``
             on the final norm of the state): the head lens the predictors were trained with at
             ``ℓ`` (the card's ``lens_layers``; :mod:`selfspec.heads.predictor`); ``None``: none.
@@ -301,7 +321,7 @@ class PredictorScan:
     """
 
     def __init__(self, candidates: HeadCandidates | DrafterCandidates, predictors: ExitPredictors,
-                 schedule: PredictorSchedule, threshold: float,
+                 schedule: PredictorSchedule, threshold: float | Mapping[int, float],
                  lenses: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] | None = None,
                  decision: TorchLayerDecision | KernelLayerDecision | None = None) -> None:
         if candidates.k != predictors.num_candidates:
@@ -316,6 +336,8 @@ class PredictorScan:
         self.predictors = predictors
         self.schedule = schedule
         self.threshold = threshold
+        self._thresholds = (dict(threshold) if isinstance(threshold, Mapping)
+                            else dict.fromkeys(predictors.layers, float(threshold)))
         self.drafts_first = isinstance(candidates, DrafterCandidates)
         self._feature_layers = frozenset(predictors.layers)
         self.lenses = dict(lenses or {})
@@ -366,7 +388,7 @@ class PredictorScan:
             decided = self.decision(layer, hidden, cand.rows, cand.bias, before, predict)
             before = decided.scores.probs
             calls += predict
-            fire = predict and decided.prob > self.threshold
+            fire = predict and decided.prob > self._thresholds[layer]
             seconds += time.perf_counter() - tp
             if fire:
                 self.schedule.record(layer)
@@ -394,7 +416,7 @@ class SpecEEStep:
     """
 
     def __init__(self, candidates: HeadCandidates | DrafterCandidates, predictors: ExitPredictors,
-                 schedule: PredictorSchedule, threshold: float,
+                 schedule: PredictorSchedule, threshold: float | Mapping[int, float],
                  kv: Callable[[LayerExecutor, object], SkippedKV],
                  lenses: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] | None = None,
                  decision: TorchLayerDecision | KernelLayerDecision | None = None) -> None:

@@ -28,6 +28,7 @@ from selfspec.decoding.specee import (
     SpecEEExits,
     SpecEEStep,
     VerifiedSpecEEStep,
+    depth_thresholds,
 )
 from selfspec.decoding.specee_kernel import (
     KERNEL_CHOICES,
@@ -90,6 +91,10 @@ class Options:
                           "token replaces a wrong one (AdaDecode §2.2's verification; lossless)")
     max_early: int = option(5, "with verify: most exited tokens outstanding before one must "
                             "run every layer", low=1, high="R-1")
+    shallow_threshold: float | None = option(
+        None, "the threshold at the first predictor layer, rising linearly to threshold at the "
+        "last (ours: a shallow exit saves more layers for the same risk)", low=0, high=1,
+        low_open=True, high_open=True, default_text="threshold at every layer")
     kernel: str = option("auto", "each layer's features and predictor: 'auto' (one compiled "
                          "call on bf16 CPU models where it agrees with torch, else torch), "
                          "'kernel' (that call, or an error saying why not), 'torch'",
@@ -187,6 +192,9 @@ def build(context: MethodContext, options: Options) -> Step:
         offline = pc.offline_layers[:n]
     schedule = PredictorSchedule(trained.predictors.layers, offline)
     threshold = exit_threshold(options, pc)
+    if options.shallow_threshold is not None:
+        threshold = depth_thresholds(trained.predictors.layers, threshold,
+                                     options.shallow_threshold)
     heads = _lens_heads(trained, pc, options.heads)
     lenses = {layer: head.transform_normed for layer, head in heads.items()}
     decision = context.derived(
