@@ -23,3 +23,12 @@ rm -rf $H/lensstate8; cp -r $H/drafter $H/lensstate8
 selfspec heads train-predictors --model $M --dtype bf16 --threads 2 --heads $H/lensstate8 --candidates drafter+ngram \
   --k 8 --draft-vocab 4096 --head-lens --state --include-head-train --data "stdlib*4,onpolicy:humaneval,onpolicy:stdlib" \
   --tokens 49000 --max-new-tokens 128 > qwen05-predictors-lensstate8.txt   # 5 min
+# thresholds falling with depth (specee:shallow_threshold; ours), 0.5B 12 problems, then 1.5B 8 problems
+M=qwen2.5-coder-0.5b-instruct; H=$HOME_/heads/$M; V=specee:heads=$H/lensstate,verify=true
+selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset humaneval --n 12 --max-new-tokens 96 \
+  --methods ar,$V,threshold=0.98,$V,threshold=0.98,shallow_threshold=0.9,$V,threshold=0.98,shallow_threshold=0.8,$V,threshold=0.99,shallow_threshold=0.9 \
+  --out ${OUT:-.}/qwen05-humaneval-12-depth                 # 14 min
+M=qwen2.5-coder-1.5b-instruct; H=$HOME_/heads/$M; V=specee:heads=$H/lensstate4k,verify=true
+selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset humaneval --n 8 --max-new-tokens 96 \
+  --methods ar,adadecode:tuned=true,$V,threshold=0.98,$V,threshold=0.98,shallow_threshold=0.9,$V,threshold=0.98,shallow_threshold=0.95 \
+  --out ${OUT:-.}/qwen-humaneval-d
