@@ -142,7 +142,8 @@ def build(context: MethodContext, options: Options) -> Step:
         InvalidArgumentError: ``kv`` other than ``deferred`` with ``verify``, ``max_early``
             without it; the head file has no predictors, no head at their candidate
             layer (head candidates) or no drafter (drafter candidates), or ``candidates``
-            names another drafter than the predictors were trained with.
+            names another drafter than the predictors were trained with; ``kernel=kernel``
+            where the compiled predictors cannot run (the message says why).
         HeadsNotFoundError, HeadsModelMismatchError, CorruptModelFileError: see
             :func:`selfspec.heads.load_heads`.
     """
