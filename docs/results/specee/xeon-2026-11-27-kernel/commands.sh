@@ -32,3 +32,6 @@ M=qwen2.5-coder-1.5b-instruct; H=$HOME_/heads/$M; V=specee:heads=$H/lensstate4k,
 selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset humaneval --n 8 --max-new-tokens 96 \
   --methods ar,adadecode:tuned=true,$V,threshold=0.98,$V,threshold=0.98,shallow_threshold=0.9,$V,threshold=0.98,shallow_threshold=0.95 \
   --out ${OUT:-.}/qwen-humaneval-d
+# a third 1.5B run, the same 8 problems
+selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset humaneval --n 8 --max-new-tokens 96 \
+  --methods ar,adadecode:tuned=true,$V,threshold=0.98 --out ${OUT:-.}/qwen-humaneval-e     # 11 min
