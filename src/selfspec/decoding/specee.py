@@ -335,7 +335,6 @@ class PredictorScan:
         self.candidates = candidates
         self.predictors = predictors
         self.schedule = schedule
-        self.threshold = threshold
         self._thresholds = (dict(threshold) if isinstance(threshold, Mapping)
                             else dict.fromkeys(predictors.layers, float(threshold)))
         self.drafts_first = isinstance(candidates, DrafterCandidates)

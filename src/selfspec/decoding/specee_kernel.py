@@ -14,7 +14,7 @@ path to fp32 rounding, not bit for bit; a threshold decision can differ only whe
 predictor's output is within that rounding of the threshold. Verified SpecEE stays lossless
 either way (verification decides), and the predictors were trained on torch's features.
 
-:func:`specee_kernel` checks the kernel against the torch path on the model's own weights
+:func:`layer_decision` and :func:`candidate_kernel` check the kernels against the torch path on the model's own weights
 before it is used and returns ``None`` (torch path) where it cannot run: not bf16, not an x86
 CPU with AVX2, no C++ compiler, a final norm that is not the plain RMSNorm, or a failed check.
 """
@@ -116,7 +116,7 @@ class TorchLayerDecision:
 class KernelLayerDecision:
     """The per-layer exit decision in one call of the compiled kernel (module doc).
 
-    Build it with :func:`specee_kernel`, which checks it first.
+    Build it with :func:`layer_decision`, which checks it first.
 
     Args:
         executor: the model's executor (bf16; its final norm an RMSNorm with a weight).
@@ -133,11 +133,8 @@ class KernelLayerDecision:
         if lib.call is None:
             raise RuntimeError(f"the SpecEE kernel is not available: {lib.reason}")
         self._fn = lib.call
-        norm = executor.norm
-        self._norm_weight = norm.weight.detach().contiguous()
-        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-        self._hidden_size = self._norm_weight.shape[0]
-        self.predictors = predictors
+        self._norm_weight = executor.norm.weight.detach().contiguous()
+        eps = _norm_eps(executor.norm)
         k = predictors.num_candidates
         # Two output buffers, alternating: one layer's probabilities are the next one's
         # ``previous`` while the next writes its own.
@@ -154,8 +151,8 @@ class KernelLayerDecision:
             i = predictors.index(layer)
             a = _PredictArgs()
             a.norm_weight = self._norm_weight.data_ptr()
-            a.eps = float(eps)
-            a.H = self._hidden_size
+            a.eps = eps
+            a.H = self._norm_weight.shape[0]
             a.k = k
             if layer in transforms:
                 t = transforms[layer].detach().contiguous()
@@ -261,6 +258,12 @@ def _fused_or_none(kernel: str, what: str, reason: str,
     return None
 
 
+def _norm_eps(norm: torch.nn.Module) -> float | None:
+    """An RMSNorm module's epsilon (HF's ``variance_epsilon`` or torch's ``eps``), or ``None``."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return None if eps is None else float(eps)
+
+
 def _unsupported(executor: LayerExecutor, lenses: Mapping[int, LightweightHead]) -> str:
     """Why the kernel does not apply to this model (``""`` when it does)."""
     norm = executor.norm
@@ -269,7 +272,7 @@ def _unsupported(executor: LayerExecutor, lenses: Mapping[int, LightweightHead])
         return f"runs on the CPU (the model is on {executor.device.type})"
     if weight is None or weight.dtype != torch.bfloat16 or executor.lm_head.weight.dtype != torch.bfloat16:
         return "needs a bf16 model"
-    if not hasattr(norm, "variance_epsilon") and not hasattr(norm, "eps"):
+    if _norm_eps(norm) is None:
         return f"knows RMSNorm, not {type(norm).__name__}"
     if any(head.transform.dtype != torch.bfloat16 for head in lenses.values()):
         return "needs bf16 head lenses"
@@ -356,7 +359,7 @@ class CandidateKernel:
         a.drafter_eps = float(torch.finfo(torch.float32).eps)  # F.rms_norm's default
         a.fc, a.fc_bias = self._keep[2].data_ptr(), self._keep[3].data_ptr()
         a.norm_weight = self._keep[1].data_ptr()
-        a.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+        a.eps = _norm_eps(norm)
         a.rows = weight.data_ptr()
         a.row_bias = None if bias is None else self._keep[4].data_ptr()
         a.R = weight.shape[0]

@@ -125,16 +125,13 @@ class MethodContext:
                 "draft_vocab ranks tokens by the token counts stored with trained heads: give "
                 "heads=PATH or heads=default (--heads on the command line); heads calibrated by "
                 "an older selfspec need `selfspec heads calibrate PATH` once")
-        key = ("vocab", id(trained), size)
-        if key not in self._derived:
-            vocab = frequent_rows(counts, size, eos_token_ids(self.executor.model))
-            self._derived[key] = (trained, vocab)  # holding trained keeps id() unique
-        return self._derived[key][1]
+        return self.derived("vocab", trained, size, lambda: frequent_rows(
+            counts, size, eos_token_ids(self.executor.model)))
 
     def derived(self, kind: str, owner: Any, options: Hashable, build: Callable[[], Any]) -> Any:
         """``build()``'s result for ``owner`` (trained heads, say) and ``options``, built once
         for the context's life (``owner`` is held, so its ``id`` stays unique): what a method
-        prepares from heads and checks before use (SpecEE's compiled predictors)."""
+        prepares from heads (a draft vocabulary, restricted heads, SpecEE's checked kernels)."""
         key = (kind, id(owner), options)
         if key not in self._derived:
             self._derived[key] = (owner, build())
@@ -142,10 +139,8 @@ class MethodContext:
 
     def restricted(self, head: Any, vocab: DraftVocab) -> Callable:
         """``head`` (``None`` = the model's own output) scoring only ``vocab.rows``."""
-        key = ("restricted", id(head), vocab.key)
-        if key not in self._derived:
-            self._derived[key] = (head, restricted_head(self.executor, head, vocab))
-        return self._derived[key][1]
+        return self.derived("restricted", head, vocab.key,
+                            lambda: restricted_head(self.executor, head, vocab))
 
 
 @dataclass(frozen=True)
