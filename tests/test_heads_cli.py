@@ -281,3 +281,31 @@ def test_train_with_a_restricted_loss_vocabulary(capsys, home, model_dir, tmp_pa
 def test_heads_errors_are_one_line(capsys, home, argv, message):
     code, _, err = _run(capsys, *argv)
     assert code == 2 and err.startswith("error: ") and message in err
+
+
+def test_train_predictors_tunes_verified_specee_on_onpolicy_text(capsys, home, model_dir,
+                                                                  tmp_path):
+    heads_dir = tmp_path / "heads"
+    common = ["--model", str(model_dir), "--dtype", "fp32", "--threads", "1", "--quiet"]
+    data = ["--data", "humaneval,onpolicy:humaneval*2", "--tokens", "900",
+            "--max-new-tokens", "24"]
+    code, out, err = _run(capsys, "heads", "train", *common, *data, "--layers", "2,4",
+                          "--epochs", "1", "--out", str(heads_dir), "--no-plots",
+                          "--draft-vocab", "64")
+    assert code == 0, err
+    code, out, err = _run(capsys, "heads", "train-drafter", str(heads_dir), *common,
+                          "--draft-vocab", "64", "--epochs", "1")
+    assert code == 0, err
+    code, out, err = _run(capsys, "heads", "train-predictors", *common, *data, "--heads",
+                          str(heads_dir), "--candidates", "drafter+ngram", "--draft-vocab",
+                          "64", "--epochs", "2", "--include-head-train")
+    assert code == 0, err
+    assert "verified SpecEE tuned by replay on onpolicy:humaneval" in out
+    tu = json.loads((heads_dir / "card.json").read_text())["predictors"]["tuning"]
+    assert tu["data"] == ["onpolicy:humaneval"] and tu["tokens"] > 0 and tu["check_tokens"] > 0
+    assert tu["layers"] and set(tu["layers"]) <= {1, 2, 3, 4, 5}
+    assert len(tu["thresholds"]) == len(tu["layers"])
+    engine = from_pretrained_model(tiny_model("llama", seed=3), tiny_tokenizer(), "tiny")
+    tuned = engine.generate("def f(x):", method="specee", heads=str(heads_dir), verify=True,
+                            tuned=True, max_new_tokens=12)
+    assert tuned.token_ids == engine.generate("def f(x):", max_new_tokens=12).token_ids

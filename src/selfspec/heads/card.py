@@ -191,6 +191,45 @@ class AdaDecodeCard:
 
 
 @dataclass
+class PredictorTuning:
+    """Verified SpecEE's per-layer exit thresholds, tuned by replaying its schedule on held-out
+    on-policy text (:mod:`selfspec.training.specee_tuning`; read by ``specee:tuned=true``).
+
+    Attributes:
+        layers / thresholds: the predictor layers left on, increasing, and their thresholds.
+        single_threshold: the best single threshold of the grid (every layer on) on the
+            tuning half.
+        max_early: exited tokens outstanding before one runs every layer.
+        row_cost / scan_cost / output_cost / check_costs: the cost model in single-position
+            layer calls (one more position in a layer call, the drafter, the output layer,
+            ``[len(layers)]`` each kept layer's check).
+        data: on-policy sources replayed.
+        tokens / speedup / acceptance / drafts_per_token: the replay on the tuning half of the
+            held-out sequences (what was tuned on).
+        check_tokens / check_speedup / check_acceptance: the same setting on the other half;
+        single_check_speedup: the single threshold there.
+    """
+
+    layers: list[int]
+    thresholds: list[float]
+    single_threshold: float
+    max_early: int
+    row_cost: float
+    scan_cost: float
+    output_cost: float
+    check_costs: list[float]
+    data: list[str]
+    tokens: int
+    speedup: float
+    acceptance: float
+    drafts_per_token: float
+    check_tokens: int
+    check_speedup: float
+    check_acceptance: float
+    single_check_speedup: float
+
+
+@dataclass
 class PredictorCard:
     """SpecEE exit predictors (SpecEE §4-5) stored with the head that drafts their candidates.
 
@@ -227,6 +266,8 @@ class PredictorCard:
             there (``T · final_norm(h)`` before the candidates' ``lm_head`` rows: the head's
             tuned lens) instead of ``final_norm(h)`` (the logit lens; SpecEE's features). Empty
             for SpecEE's own features (:mod:`selfspec.heads.predictor`, "head lens").
+        tuning: verified SpecEE's per-layer thresholds (:class:`PredictorTuning`), or
+            ``None`` (no on-policy held-out text to replay).
     """
 
     candidate_layer: int
@@ -250,6 +291,7 @@ class PredictorCard:
     candidates: str = "head"
     state_dim: int = 0
     lens_layers: list[int] = field(default_factory=list)
+    tuning: PredictorTuning | None = None
 
 
 @dataclass
@@ -492,9 +534,12 @@ def _floats(data: dict[str, Any]) -> dict[str, Any]:
 
 def _predictor_card(data: dict[str, Any]) -> PredictorCard:
     """A :class:`PredictorCard` from JSON (``null`` back to NaN, in lists too)."""
+    data = dict(data)
+    tuning = data.pop("tuning", None)
     fixed = {k: [math.nan if x is None else x for x in v] if isinstance(v, list) else v
              for k, v in _floats(data).items()}
-    return PredictorCard(**fixed)
+    return PredictorCard(**fixed, tuning=None if tuning is None else
+                         PredictorTuning(**_floats(tuning)))
 
 
 def _head_calibration(data: dict[str, Any]) -> HeadCalibration:

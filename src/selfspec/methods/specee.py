@@ -95,6 +95,9 @@ class Options:
         None, "the threshold at the first predictor layer, rising linearly to threshold at the "
         "last (ours: a shallow exit saves more layers for the same risk)", low=0, high=1,
         low_open=True, high_open=True, default_text="threshold at every layer")
+    tuned: bool = option(False, "with verify: the per-layer thresholds (and the layers they "
+                         "keep) tuned by replay on the predictors' held-out text, from the "
+                         "card (`selfspec heads train-predictors`; ours)")
     kernel: str = option("auto", "each layer's features and predictor: 'auto' (one compiled "
                          "call on bf16 CPU models where it agrees with torch, else torch), "
                          "'kernel' (that call, or an error saying why not), 'torch'",
@@ -140,7 +143,8 @@ def build(context: MethodContext, options: Options) -> Step:
 
     Raises:
         InvalidArgumentError: ``kv`` other than ``deferred`` with ``verify``, ``max_early``
-            without it; the head file has no predictors, no head at their candidate
+            without it; ``tuned`` without ``verify``, with an option it replaces or on
+            predictors without tuning; the head file has no predictors, no head at their candidate
             layer (head candidates) or no drafter (drafter candidates), or ``candidates``
             names another drafter than the predictors were trained with; ``kernel=kernel``
             where the compiled predictors cannot run (the message says why).
@@ -186,16 +190,20 @@ def build(context: MethodContext, options: Options) -> Step:
             call = lambda hidden: ex.logits(hidden, head)
         candidates = HeadCandidates(ex, pc.candidate_layer, call, pc.num_candidates, vocab,
                                     ngram=ngram)
-    if options.schedule == "all":
-        offline = None
+    if options.tuned:
+        schedule, threshold = _tuned(options, pc)
     else:
-        n = len(pc.offline_layers) if options.offline_layers is None else options.offline_layers
-        offline = pc.offline_layers[:n]
-    schedule = PredictorSchedule(trained.predictors.layers, offline)
-    threshold = exit_threshold(options, pc)
-    if options.shallow_threshold is not None:
-        threshold = depth_thresholds(trained.predictors.layers, threshold,
-                                     options.shallow_threshold)
+        if options.schedule == "all":
+            offline = None
+        else:
+            n = (len(pc.offline_layers) if options.offline_layers is None
+                 else options.offline_layers)
+            offline = pc.offline_layers[:n]
+        schedule = PredictorSchedule(trained.predictors.layers, offline)
+        threshold = exit_threshold(options, pc)
+        if options.shallow_threshold is not None:
+            threshold = depth_thresholds(trained.predictors.layers, threshold,
+                                         options.shallow_threshold)
     heads = _lens_heads(trained, pc, options.heads)
     lenses = {layer: head.transform_normed for layer, head in heads.items()}
     decision = context.derived(
@@ -217,6 +225,38 @@ def build(context: MethodContext, options: Options) -> Step:
     return SpecEEStep(candidates, trained.predictors, schedule, threshold,
                       lambda executor, cache: make_skipped_kv(options.kv, executor, cache),
                       lenses, decision)
+
+
+TUNED_OPTIONS = ("threshold", "accuracy", "shallow_threshold", "schedule", "offline_layers")
+
+
+def _tuned(options: Options, card: PredictorCard) -> tuple[PredictorSchedule, dict[int, float]]:
+    """``tuned=true``: the card's tuned layers, always on (the tuning chose them, in place of
+    the two-level schedule), and their thresholds.
+
+    Raises:
+        InvalidArgumentError: without ``verify=true`` (the tuning replays verified SpecEE),
+            with an option it replaces, or predictors whose card has no tuning.
+    """
+    if not options.verify:
+        raise InvalidArgumentError(
+            "specee: tuned=true reads thresholds tuned by replaying verified SpecEE; add "
+            "verify=true")
+    defaults = Options()
+    given = [name for name in TUNED_OPTIONS
+             if getattr(options, name) != getattr(defaults, name)]
+    if given:
+        raise InvalidArgumentError(
+            f"specee: tuned=true takes the layers and thresholds from the predictors' card; "
+            f"drop {', '.join(given)} (or drop tuned)")
+    if card.tuning is None:
+        raise InvalidArgumentError(
+            "specee: these predictors have no tuned thresholds (their held-out text had no "
+            "on-policy sequences); retrain them with `selfspec heads train-predictors --data "
+            "onpolicy:DATASET,...`, or give threshold=")
+    tuning = card.tuning
+    return (PredictorSchedule(tuning.layers, None),
+            dict(zip(tuning.layers, tuning.thresholds)))
 
 
 def _lens_heads(trained: ExitHeads, card: PredictorCard, name: str
@@ -250,4 +290,5 @@ SPEC = MethodSpec(
           "decoding/skipped_kv.py",
     options=Options, build=build, heads_files=lambda options: [str(options.heads)],
     lossy_when=lambda options: not options.verify,
-    unused_when=lambda options: {"kv"} if options.verify else {"max_early"})
+    unused_when=lambda options: ({"kv"} if options.verify else {"max_early"})
+    | (set(TUNED_OPTIONS) if options.tuned else set()))

@@ -51,11 +51,14 @@ class ScheduleCosts:
         row: extra cost of each further position in one layer call (``>= 0``).
         head: one exit-head check on one position.
         output: the output layer (final norm + ``lm_head``) on one position.
+        scan: once per position that may exit, before its first check (SpecEE's drafter of
+            candidate tokens; ``0`` for AdaDecode, whose heads draft at the check).
     """
 
     row: float
     head: float
     output: float
+    scan: float = 0.0
 
     @staticmethod
     def from_sizes(layer_bytes: int, head_bytes: int, output_bytes: int,
@@ -143,15 +146,15 @@ class TunedSchedule:
 def _layer_calls(first: int, last: int, groups: list[list[int]], row: float) -> float:
     """Cost of layers ``[first, last)`` for the newest position, carrying the deferred
     groups (``[wait_layer, positions]``) that wait at or below each layer."""
-    cost = 0.0
-    for layer in range(first, last):
-        riders = sum(size for wait, size in groups if wait <= layer)
-        cost += 1.0 + row * riders
+    cost = float(max(last - first, 0))
+    for wait, size in groups:  # a group rides along in layers [max(first, wait), last)
+        cost += row * size * max(last - max(first, wait), 0)
     return cost
 
 
 def simulate(trace: HeadTrace, gammas: Sequence[float | None], num_layers: int,
-             costs: ScheduleCosts, max_early: int = 5) -> SchedulePrediction:
+             costs: ScheduleCosts, max_early: int = 5,
+             check_costs: Sequence[float] | None = None) -> SchedulePrediction:
     """Replay Algorithm 1 (greedy) on ``trace`` with per-head thresholds (module doc).
 
     Args:
@@ -160,6 +163,8 @@ def simulate(trace: HeadTrace, gammas: Sequence[float | None], num_layers: int,
         num_layers: ``L``.
         costs: :class:`ScheduleCosts`.
         max_early: early predictions outstanding before a token must run every layer.
+        check_costs: ``[K]`` cost of each head's check (``None``: ``costs.head`` each;
+            SpecEE's predictors differ by layer, :mod:`selfspec.training.specee_tuning`).
 
     Returns:
         :class:`SchedulePrediction`.
@@ -170,6 +175,10 @@ def simulate(trace: HeadTrace, gammas: Sequence[float | None], num_layers: int,
     if len(gammas) != len(trace.layers) or all(g is None for g in gammas):
         raise InvalidArgumentError(
             f"give one threshold per head ({len(trace.layers)}), not all None; got {gammas}")
+    if check_costs is not None and len(check_costs) != len(trace.layers):
+        raise InvalidArgumentError(
+            f"give one check cost per head ({len(trace.layers)}), got {len(check_costs)}")
+    check = [costs.head] * len(trace.layers) if check_costs is None else list(check_costs)
     heads = [(k, layer, g) for k, (layer, g) in enumerate(zip(trace.layers, gammas))
              if g is not None]
     conf = trace.confidence.tolist()
@@ -185,12 +194,13 @@ def simulate(trace: HeadTrace, gammas: Sequence[float | None], num_layers: int,
             while True:
                 may_exit = len(outcomes) < max_early and pos < length - 1
                 reached, exit_at = 0, None
+                cost += costs.scan if may_exit else 0.0
                 for k, layer, gamma in heads:
                     cost += _layer_calls(reached, layer, groups, costs.row)
                     reached = layer
                     if not may_exit:
                         continue
-                    cost += costs.head
+                    cost += check[k]
                     if conf[start + pos][k] > gamma:
                         exit_at = (k, layer)
                         break
@@ -220,18 +230,24 @@ def simulate(trace: HeadTrace, gammas: Sequence[float | None], num_layers: int,
 
 
 def tune(trace: HeadTrace, num_layers: int, costs: ScheduleCosts, max_early: int = 5,
-         grid: Sequence[float | None] = DEFAULT_GRID, start: float = 0.97,
-         rounds: int = 2) -> TunedSchedule:
+         grid: Sequence[float | None] = DEFAULT_GRID, start: float | Sequence[float | None] = 0.97,
+         rounds: int = 2, check_costs: Sequence[float] | None = None) -> TunedSchedule:
     """Per-head thresholds that maximise the replayed speedup (coordinate ascent over
-    ``grid`` per head, from ``start`` at every head, ``rounds`` sweeps).
+    ``grid`` per head, from ``start`` at every head (or ``[K]`` starting thresholds),
+    ``rounds`` sweeps; ``check_costs`` as in :func:`simulate`).
 
     Raises:
         InvalidArgumentError: an empty grid or a threshold outside [0, 1).
     """
     if not grid or any(g is not None and not 0 <= g < 1 for g in grid):
         raise InvalidArgumentError(f"thresholds must lie in [0, 1) (None = head off), got {grid}")
-    best = [start] * len(trace.layers)
-    score = simulate(trace, best, num_layers, costs, max_early).speedup
+
+    def run(gammas: Sequence[float | None]) -> SchedulePrediction:
+        return simulate(trace, gammas, num_layers, costs, max_early, check_costs)
+
+    best = ([start] * len(trace.layers) if isinstance(start, (int, float))
+            else list(start))
+    score = run(best).speedup
     for _ in range(rounds):
         changed = False
         for k in range(len(best)):
@@ -239,10 +255,10 @@ def tune(trace: HeadTrace, num_layers: int, costs: ScheduleCosts, max_early: int
                 trial = best[:k] + [g] + best[k + 1:]
                 if all(x is None for x in trial) or trial == best:
                     continue
-                s = simulate(trace, trial, num_layers, costs, max_early).speedup
+                s = run(trial).speedup
                 if s > score + 1e-6:
                     best, score, changed = trial, s, True
         if not changed:
             break
     return TunedSchedule({layer: g for layer, g in zip(trace.layers, best) if g is not None},
-                         simulate(trace, best, num_layers, costs, max_early))
+                         run(best))

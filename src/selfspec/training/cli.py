@@ -642,6 +642,23 @@ def _print_predictors(card, out=None) -> None:
               f"{card.num_layers}", file=out)
         for t, acc, layers in zip(pc.thresholds, pc.token_accuracy, pc.mean_layers):
             print(f"  {t:.3f} → {_f(acc)}, {_f(layers, 2)}", file=out)
+    tu = pc.tuning
+    if tu is not None:
+        print(f"verified SpecEE tuned by replay on {', '.join(tu.data)} (at most "
+              f"{tu.max_early} exited tokens outstanding; specee:verify=true,tuned=true): "
+              + ", ".join(f"layer {x} {t:g}" for x, t in zip(tu.layers, tu.thresholds)),
+              file=out)
+        print(f"replayed speedup over autoregressive decoding: tuning half {_f(tu.speedup)} "
+              f"({tu.tokens} tokens, acceptance {_f(tu.acceptance)}, "
+              f"{_f(tu.drafts_per_token)} exits / token); check half {_f(tu.check_speedup)} "
+              f"({tu.check_tokens} tokens, acceptance {_f(tu.check_acceptance)}); the best "
+              f"single threshold {tu.single_threshold:g} there: {_f(tu.single_check_speedup)}",
+              file=out)
+        print(f"cost model (single-position layer calls of {card.num_layers}): one more "
+              f"position {tu.row_cost:g}, drafter {tu.scan_cost:.3f}, output layer "
+              f"{tu.output_cost:.2f}, predictor checks "
+              f"{min(tu.check_costs, default=0):.4f}-{max(tu.check_costs, default=0):.4f}",
+              file=out)
 
 
 def _cmd_train_probe(args: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ from selfspec.heads.card import (
     HeadEval,
     MetricCalibration,
     PredictorCard,
+    PredictorTuning,
     ProbeCard,
     PromptUse,
     ThresholdRow,
@@ -57,6 +58,7 @@ from selfspec.heads.files import (
 )
 from selfspec.heads.fingerprint import fingerprint
 from selfspec.heads.modules import ExitHead, output_layer
+from selfspec.heads.predictor import ExitPredictors
 from selfspec.heads.probe import LinearProbe
 from selfspec.training.adadecode_tuning import (
     DEFAULT_ROW_COST,
@@ -101,6 +103,11 @@ from selfspec.training.predictors import (
     predictor_probs,
 )
 from selfspec.training.probe import ProbeTrainConfig, fit_probe
+from selfspec.training.specee_tuning import (
+    SpecEECosts,
+    predictor_trace,
+    tune_thresholds,
+)
 from selfspec.training.train import TrainConfig, train_heads
 
 logger = logging.getLogger(__name__)
@@ -823,6 +830,8 @@ def train_predictors(engine: Engine, request: PredictorRequest,
     prob = predictor_probs(predictors, eval_data)
     evaluation = exit_figures(prob, eval_data, num_layers)
     sweep = [exit_figures(prob, eval_data, num_layers, t) for t in THRESHOLD_SWEEP]
+    tuning = _tune_predictors(engine, prepared.items, eval_idx, predictors, prob, eval_data,
+                              lenses, container.drafter if drafted else head, rows)
     seconds = time.perf_counter() - t0
     times.predictors_s = seconds
     container.predictors = predictors.to(ex.device)
@@ -837,13 +846,68 @@ def train_predictors(engine: Engine, request: PredictorRequest,
         eval_tokens=int(eval_idx.numel()), epochs=request.config.epochs, seconds=seconds,
         thresholds=list(THRESHOLD_SWEEP), token_accuracy=[e.token_accuracy for e in sweep],
         mean_layers=[e.mean_exit_layer for e in sweep], candidates=request.candidates,
-        state_dim=predictors.state_dim, lens_layers=sorted(lenses))
+        state_dim=predictors.state_dim, lens_layers=sorted(lenses), tuning=tuning)
     container.card.set_prompts(items_by_use(
         [i for i in prepared.items
          if i.split == TEST or (dataset_of(i.source), i.prompt_id) not in head_train],
         PREDICTOR_USES))
     save_heads(container, target)
     return PredictorOutcome(target, container, times, evaluation)
+
+
+def _tune_predictors(engine: Engine, items: Sequence[CorpusItem], eval_idx: torch.Tensor,
+                     model: ExitPredictors, prob: torch.Tensor, data: PredictorData,
+                     lenses: dict[int, object], candidates: torch.nn.Module,
+                     rows: torch.Tensor | None, max_early: int = 5) -> PredictorTuning | None:
+    """Verified SpecEE's per-layer thresholds by replay on the held-out positions of on-policy
+    text (:mod:`selfspec.training.specee_tuning`), or ``None`` (logged) when there are fewer
+    than two such sequences (teacher-forced text is not what greedy decoding visits).
+
+    Args:
+        items: the corpus; eval_idx: ``[N]`` held-out positions; model: the predictors;
+            prob / data: their ``[P, N]`` outputs and the labels there; lenses: ``{ℓ: head}``
+            of the head lens; candidates: the drafter, or the exit head drafting the
+            candidates; rows: the draft-vocabulary rows (``None``: every token).
+    """
+    ordered = in_feature_order(items)
+    counts = torch.tensor([i.num_scored for i in ordered])
+    sequence = torch.repeat_interleave(torch.arange(len(ordered)), counts)
+    onpolicy = torch.repeat_interleave(
+        torch.tensor([i.source.startswith(ONPOLICY) for i in ordered]), counts)
+    keep = onpolicy[eval_idx]
+    if torch.unique(sequence[eval_idx][keep]).numel() < 2:
+        logger.info("no per-layer SpecEE thresholds: fewer than two held-out on-policy "
+                    "sequences (give --data onpolicy:DATASET)")
+        return None
+    trace = predictor_trace(prob[:, keep], data.labels[:, keep], data.layers,
+                            sequence[eval_idx][keep])
+    ex = engine.executor
+    hidden = ex.model.lm_head.in_features
+    element = torch.tensor([], dtype=ex.dtype).element_size()
+    predictors = list(data.layers)
+    mlp = sum(p.numel() for p in model.parameters()) // len(predictors)  # one layer's MLP
+    checks = [(model.num_candidates * hidden + mlp
+               + (hidden * hidden if layer in lenses else 0)) * element for layer in predictors]
+    scored = ex.vocab_size if rows is None else int(rows.numel())
+    scan = (sum(p.numel() for p in candidates.parameters()) + scored * hidden) * element
+    costs = SpecEECosts.from_sizes(ex.decode_layer_bytes(0), checks, scan,
+                                   ex.output_decode_bytes)
+    found = tune_thresholds(trace, ex.num_layers, costs, max_early)
+    kept = sorted(found.thresholds)
+    sources = sorted({i.source for i in ordered if i.source.startswith(ONPOLICY)})
+    logger.info("SpecEE per-layer thresholds %s (single %s): replayed speedup %.3f, check "
+                "half %.3f (single %.3f)", found.thresholds, found.single,
+                found.tuned.speedup, found.tuned_check.speedup, found.single_check.speedup)
+    return PredictorTuning(
+        layers=kept, thresholds=[found.thresholds[x] for x in kept],
+        single_threshold=found.single, max_early=max_early, row_cost=costs.schedule.row,
+        scan_cost=costs.schedule.scan, output_cost=costs.schedule.output,
+        check_costs=[costs.checks[predictors.index(x)] for x in kept], data=sources,
+        tokens=found.tuned.tokens, speedup=found.tuned.speedup,
+        acceptance=found.tuned.acceptance, drafts_per_token=found.tuned.drafts_per_token,
+        check_tokens=found.tuned_check.tokens, check_speedup=found.tuned_check.speedup,
+        check_acceptance=found.tuned_check.acceptance,
+        single_check_speedup=found.single_check.speedup)
 
 
 def head_lenses(heads: ExitHeads, layers: Sequence[int], path: object

@@ -1,0 +1,205 @@
+"""Verified SpecEE's per-layer exit thresholds, chosen by replaying its schedule on held-out
+greedy text (selfspec's addition; SpecEE §4 exits at 0.5 at every layer, and selfspec's
+``specee`` option takes one threshold for all layers).
+
+**Why the replay applies.** Verified SpecEE (``specee:verify=true``,
+:class:`~selfspec.decoding.specee.VerifiedSpecEEStep`) puts the predictors' exit decision into
+AdaDecode's schedule: an exited token's deeper layers run later, batched with the next tokens,
+and verify it. So :func:`~selfspec.training.adadecode_tuning.simulate` replays it with the
+predictor layers in place of the heads: per position and predictor layer, the predictor's
+output (the confidence) and whether the candidate with the highest local probability there is
+the final layer's token (correct; the label the predictors train on). The predictors' features
+at a layer are taken against the layer before it whichever predictors run
+(:class:`~selfspec.decoding.specee.PredictorScan`), so a layer's output does not depend on
+which others are switched on.
+
+**One approximation.** The drafter of the candidates reads the previous position's last-layer
+state at a draft's start and its exit-layer state inside a draft
+(:class:`~selfspec.decoding.specee.SpecEEExits`); the teacher-forced trace has last-layer states
+only, so a position inside a draft is replayed with the candidates it would have at a draft's
+start. The thresholds' check on the other half of the text, and the benchmark, say how much
+that matters.
+
+**Why per-layer thresholds.** As for AdaDecode (:mod:`selfspec.training.adadecode_tuning`): an
+accepted exit at layer ``ℓ`` saves about ``L - ℓ`` layer calls and a rejected one wastes the
+pending tokens' work wherever it happened, so a shallow layer may exit at a lower confidence
+than a deep one, and a layer whose predictor rarely earns its check may be switched off.
+
+**Cost model** (:class:`SpecEECosts`, in single-position decoder-layer calls, from the bytes
+each part reads: decoding is bandwidth bound): a predictor check reads the candidates' ``k``
+``lm_head`` rows, the predictor MLP, and at head-lens layers the lens ``T`` (``H×H``); each
+position that may exit first runs the drafter (its weights and the draft-vocabulary rows).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from selfspec.errors import InvalidArgumentError
+from selfspec.training.adadecode_tuning import (
+    DEFAULT_ROW_COST,
+    HeadTrace,
+    ScheduleCosts,
+    SchedulePrediction,
+    simulate,
+    tune,
+)
+
+# Thresholds tried per layer (None = that layer's predictor off). State-reading predictors
+# are over-confident on new text (decoding.specee.STATE_DEFAULT_ACCURACY), so the grid is
+# dense near 1.
+DEFAULT_GRID: tuple[float | None, ...] = (0.5, 0.7, 0.8, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99,
+                                          0.993, 0.995, 0.998, None)
+
+
+@dataclass(frozen=True)
+class SpecEECosts:
+    """Verified SpecEE's cost model (module doc).
+
+    Attributes:
+        schedule: row, drafter (``scan``) and output-layer costs
+            (:class:`~selfspec.training.adadecode_tuning.ScheduleCosts`; ``head`` unused).
+        checks: ``[P]`` cost of each predictor layer's check.
+    """
+
+    schedule: ScheduleCosts
+    checks: tuple[float, ...]
+
+    @staticmethod
+    def from_sizes(layer_bytes: int, check_bytes: Sequence[int], scan_bytes: int,
+                   output_bytes: int, row: float = DEFAULT_ROW_COST) -> SpecEECosts:
+        """Costs proportional to the bytes each part reads.
+
+        Args:
+            layer_bytes: one decoder-layer call.
+            check_bytes: ``[P]`` one predictor check at each predictor layer.
+            scan_bytes: the candidates of one position (the drafter; ``0`` when the candidates
+                come from an exit head, whose check is in the first layer's).
+            output_bytes: the output layer (``V·H`` weights).
+            row: :attr:`ScheduleCosts.row`.
+
+        Raises:
+            InvalidArgumentError: ``layer_bytes < 1``, a negative size or ``row < 0``.
+        """
+        if layer_bytes < 1 or min([scan_bytes, output_bytes, *check_bytes]) < 0 or row < 0:
+            raise InvalidArgumentError(
+                f"SpecEE costs need a positive layer size and sizes, row >= 0; got layer "
+                f"{layer_bytes}, checks {list(check_bytes)}, drafter {scan_bytes}, output "
+                f"{output_bytes}, row {row}")
+        return SpecEECosts(
+            ScheduleCosts(row, 0.0, output_bytes / layer_bytes, scan_bytes / layer_bytes),
+            tuple(b / layer_bytes for b in check_bytes))
+
+
+@dataclass(frozen=True)
+class ThresholdTuning:
+    """What :func:`tune_thresholds` chose and how it replays.
+
+    Attributes:
+        thresholds: ``{ℓ: threshold}`` of the predictor layers left on.
+        single: the best single threshold of the grid (every layer on) on the tuning half.
+        tuned / tuned_check: the per-layer setting replayed on the tuning half / check half.
+        single_check: the single threshold replayed on the check half.
+    """
+
+    thresholds: dict[int, float]
+    single: float
+    tuned: SchedulePrediction
+    tuned_check: SchedulePrediction
+    single_check: SchedulePrediction
+
+
+def halves(trace: HeadTrace) -> tuple[HeadTrace, HeadTrace]:
+    """The trace's sequences split alternately (even-numbered, odd-numbered) into a tuning and
+    a check half, so both see every source.
+
+    Raises:
+        InvalidArgumentError: fewer than two sequences.
+    """
+    if len(trace.lengths) < 2:
+        raise InvalidArgumentError(
+            f"tuning thresholds needs at least two held-out sequences, got {len(trace.lengths)}")
+    starts = [0]
+    for n in trace.lengths[:-1]:
+        starts.append(starts[-1] + n)
+    parts = []
+    for parity in (0, 1):
+        picked = [(s, n) for i, (s, n) in enumerate(zip(starts, trace.lengths)) if i % 2 == parity]
+        index = torch.cat([torch.arange(s, s + n) for s, n in picked])
+        parts.append(HeadTrace(trace.layers, trace.confidence[index], trace.correct[index],
+                               tuple(n for _, n in picked)))
+    return parts[0], parts[1]
+
+
+def tune_thresholds(trace: HeadTrace, num_layers: int, costs: SpecEECosts, max_early: int = 5,
+                    grid: Sequence[float | None] = DEFAULT_GRID, rounds: int = 2
+                    ) -> ThresholdTuning:
+    """Per-layer exit thresholds for verified SpecEE (module doc): on the tuning half of
+    ``trace`` (:func:`halves`), the best single threshold of ``grid``, then coordinate ascent
+    per layer from it (a layer may be switched off); both replayed on the check half.
+
+    Args:
+        trace: ``confidence [N, P]`` predictor outputs, ``correct [N, P]`` labels, over
+            held-out on-policy sequences.
+        num_layers: ``L``.
+        costs: :class:`SpecEECosts` with one check cost per trace layer.
+        max_early: exited tokens outstanding before one must run every layer.
+        grid: thresholds tried, ``None`` = off.
+        rounds: coordinate-ascent sweeps.
+
+    Raises:
+        InvalidArgumentError: check costs of the wrong length, fewer than two sequences, or
+            an empty grid / a threshold outside [0, 1).
+    """
+    if len(costs.checks) != len(trace.layers):
+        raise InvalidArgumentError(
+            f"{len(costs.checks)} check costs for {len(trace.layers)} predictor layers")
+    singles = [g for g in grid if g is not None]
+    if not singles:
+        raise InvalidArgumentError(f"the grid needs at least one threshold, got {list(grid)}")
+    tuning, check = halves(trace)
+
+    def run(text: HeadTrace, gammas: Sequence[float | None]) -> SchedulePrediction:
+        return simulate(text, gammas, num_layers, costs.schedule, max_early, costs.checks)
+
+    width = len(trace.layers)
+    single = max(singles, key=lambda g: _score(run(tuning, [g] * width)))
+    found = tune(tuning, num_layers, costs.schedule, max_early, grid, [single] * width, rounds,
+                 costs.checks)
+    gammas = [found.gammas.get(layer) for layer in trace.layers]
+    return ThresholdTuning(found.gammas, single, found.prediction, run(check, gammas),
+                           run(check, [single] * width))
+
+
+def _score(p: SchedulePrediction) -> float:
+    return -math.inf if math.isnan(p.speedup) else p.speedup
+
+
+def predictor_trace(prob: torch.Tensor, labels: torch.Tensor, layers: Sequence[int],
+                    sequence: torch.Tensor) -> HeadTrace:
+    """The replay's input from the predictors' held-out outputs.
+
+    Args:
+        prob: ``[P, N]`` predictor outputs (:func:`~selfspec.training.predictors.predictor_probs`).
+        labels: ``[P, N]`` bool, the top local candidate is the final token.
+        layers: ``[P]`` predictor layers.
+        sequence: ``[N]`` int, which sequence each position belongs to; positions of one
+            sequence are consecutive and in text order.
+
+    Raises:
+        InvalidArgumentError: shapes that disagree, or a sequence split in two.
+    """
+    if prob.shape != labels.shape or prob.shape[0] != len(layers) or \
+            sequence.shape != (prob.shape[1],):
+        raise InvalidArgumentError(
+            f"predictor trace: prob {tuple(prob.shape)}, labels {tuple(labels.shape)}, "
+            f"{len(layers)} layers, sequence ids {tuple(sequence.shape)}")
+    ids, counts = torch.unique_consecutive(sequence, return_counts=True)
+    if ids.numel() != torch.unique(ids).numel():
+        raise InvalidArgumentError("predictor trace: a sequence's positions are not consecutive")
+    return HeadTrace(tuple(int(x) for x in layers), prob.t().float().contiguous(),
+                     labels.t().contiguous(), tuple(int(c) for c in counts))

@@ -1,0 +1,152 @@
+"""Verified SpecEE's per-layer thresholds tuned by replay (selfspec.training.specee_tuning):
+hand-counted costs of the drafter and per-layer checks, the halves, the tuner, the trace from
+predictor outputs, the card round trip, and ``specee:verify=true,tuned=true`` in decoding
+(lossless, the card's layers and thresholds, errors that say what to do)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from test_specee import _head_file
+from test_specee_verify import PROMPT, executor, reference  # noqa: F401 (fixtures)
+from tiny import run_step
+
+from selfspec.errors import InvalidArgumentError
+from selfspec.heads.card import HeadCard, PredictorTuning
+from selfspec.heads.files import load_heads, save_heads
+from selfspec.methods.registry import build_step
+from selfspec.training.adadecode_tuning import HeadTrace, ScheduleCosts, simulate
+from selfspec.training.specee_tuning import (
+    SpecEECosts,
+    halves,
+    predictor_trace,
+    tune_thresholds,
+)
+
+
+def test_the_drafter_is_paid_once_per_position_that_may_exit_and_each_check_its_own_cost():
+    # L = 4, predictors after layers 1 and 2 that never fire; 3 positions of one sequence.
+    # Positions 0 and 1 may exit: drafter 0.5 + checks 0.1 + 0.2, then 4 layers and the
+    # output (1.0); position 2 (the last) may not: 4 layers + output.
+    trace = HeadTrace((1, 2), torch.zeros(3, 2), torch.zeros(3, 2, dtype=torch.bool), (3,))
+    costs = ScheduleCosts(row=0.0, head=9.0, output=1.0, scan=0.5)
+    p = simulate(trace, [0.5, 0.5], 4, costs, check_costs=[0.1, 0.2])
+    assert p.cost_per_token == pytest.approx((2 * (0.5 + 0.3 + 5) + 5) / 3)
+    assert p.drafts_per_token == 0
+    # head cost applies when no per-check costs are given (AdaDecode): 2 * 2 * 9 more
+    q = simulate(trace, [0.5, 0.5], 4, ScheduleCosts(row=0.0, head=9.0, output=1.0))
+    assert q.cost_per_token == pytest.approx((2 * 23 + 5) / 3)
+    with pytest.raises(InvalidArgumentError, match="check cost per head"):
+        simulate(trace, [0.5, 0.5], 4, costs, check_costs=[0.1])
+
+
+def test_costs_are_byte_ratios_against_a_layer():
+    c = SpecEECosts.from_sizes(1000, [10, 50], 200, 3000, row=0.1)
+    assert c.checks == (0.01, 0.05)
+    assert (c.schedule.scan, c.schedule.output, c.schedule.row) == (0.2, 3.0, 0.1)
+    with pytest.raises(InvalidArgumentError):
+        SpecEECosts.from_sizes(0, [1], 1, 1)
+    with pytest.raises(InvalidArgumentError):
+        SpecEECosts.from_sizes(10, [-1], 1, 1)
+
+
+def test_halves_alternate_whole_sequences():
+    conf = torch.arange(10, dtype=torch.float32).unsqueeze(1)
+    trace = HeadTrace((3,), conf, torch.ones(10, 1, dtype=torch.bool), (2, 3, 1, 4))
+    a, b = halves(trace)
+    assert a.lengths == (2, 1) and a.confidence[:, 0].tolist() == [0, 1, 5]
+    assert b.lengths == (3, 4) and b.confidence[:, 0].tolist() == [2, 3, 4, 6, 7, 8, 9]
+    with pytest.raises(InvalidArgumentError, match="two held-out sequences"):
+        halves(HeadTrace((3,), conf, torch.ones(10, 1, dtype=torch.bool), (10,)))
+
+
+def _two_layer_trace(n=800):
+    """A shallow predictor (layer 2 of 8) right 85% of the time when it says 0.9, and a deep
+    one (layer 6) that says 0.999 and is always wrong."""
+    gen = torch.Generator().manual_seed(0)
+    shallow = torch.where(torch.arange(n) % 2 == 0, 0.9, 0.2)
+    conf = torch.stack([shallow, torch.full((n,), 0.999)], 1)
+    correct = torch.stack([torch.rand(n, generator=gen) < 0.85,
+                           torch.zeros(n, dtype=torch.bool)], 1)
+    return HeadTrace((2, 6), conf, correct, (100,) * (n // 100))
+
+
+def test_tuner_keeps_a_paying_shallow_layer_and_silences_a_confident_wrong_one():
+    trace = _two_layer_trace()
+    costs = SpecEECosts.from_sizes(100, [1, 1], 10, 100, row=0.05)
+    found = tune_thresholds(trace, 8, costs)
+    assert found.thresholds.get(6, 1.0) > 0.999        # off, or above anything it says
+    assert found.thresholds[2] < 0.9                    # the shallow layer exits
+    # every single threshold of the grid lets the deep layer's wrong 0.999 exits through
+    assert found.single_check.acceptance < found.tuned_check.acceptance
+    assert found.tuned.speedup > 1 and found.tuned_check.speedup > found.single_check.speedup
+    assert found.tuned.tokens + found.tuned_check.tokens == trace.confidence.shape[0]
+    with pytest.raises(InvalidArgumentError, match="check costs"):
+        tune_thresholds(trace, 8, SpecEECosts.from_sizes(100, [1], 10, 100))
+    with pytest.raises(InvalidArgumentError, match="at least one threshold"):
+        tune_thresholds(trace, 8, costs, grid=[None])
+
+
+def test_predictor_trace_from_outputs_and_sequence_ids():
+    prob = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.5, 0.6, 0.7, 0.8]])
+    labels = prob > 0.25
+    trace = predictor_trace(prob, labels, [4, 5], torch.tensor([7, 7, 9, 9]))
+    assert trace.layers == (4, 5) and trace.lengths == (2, 2)
+    assert trace.confidence[2].tolist() == pytest.approx([0.3, 0.7])
+    assert trace.correct[:, 0].tolist() == [False, False, True, True]
+    with pytest.raises(InvalidArgumentError, match="consecutive"):
+        predictor_trace(prob, labels, [4, 5], torch.tensor([7, 9, 7, 9]))
+    with pytest.raises(InvalidArgumentError, match="predictor trace"):
+        predictor_trace(prob, labels, [4], torch.tensor([7, 7, 9, 9]))
+
+
+TUNING = PredictorTuning(
+    layers=[4, 6], thresholds=[0.9, 0.98], single_threshold=0.97, max_early=5, row_cost=0.05,
+    scan_cost=0.2, output_cost=5.0, check_costs=[0.01, 0.06], data=["onpolicy:humaneval"],
+    tokens=100, speedup=1.3, acceptance=0.8, drafts_per_token=0.6, check_tokens=90,
+    check_speedup=1.25, check_acceptance=math.nan, single_check_speedup=1.2)
+
+
+def _tuned_file(executor, tmp_path, tuning=TUNING):
+    path, _ = _head_file(executor, tmp_path, fire=True)
+    heads = load_heads(path, executor)
+    heads.card.predictors = dataclasses.replace(heads.card.predictors, tuning=tuning)
+    return save_heads(heads, path)
+
+
+def test_card_round_trip_keeps_the_tuning(executor, tmp_path):  # noqa: F811
+    path = _tuned_file(executor, tmp_path)
+    back = load_heads(path, executor).card.predictors.tuning
+    assert back.layers == [4, 6] and back.thresholds == [0.9, 0.98]
+    assert math.isnan(back.check_acceptance)
+    data = load_heads(path, executor).card.to_dict()
+    del data["predictors"]["tuning"]  # cards written before the tuning existed
+    assert HeadCard.from_dict(data).predictors.tuning is None
+
+
+def test_tuned_option_uses_the_cards_layers_and_thresholds_losslessly(
+        executor, reference, tmp_path):  # noqa: F811
+    path = _tuned_file(executor, tmp_path)
+    step = build_step("specee", executor, {"heads": str(path), "verify": True, "tuned": True})
+    scanner = step.exits.scanner
+    assert scanner.schedule.active() == {4, 6}
+    assert scanner._thresholds == {4: 0.9, 6: 0.98}
+    state = run_step(executor, step, PROMPT, max_new_tokens=30)
+    assert state.tokens == reference and state.stats.drafted > 0
+    exits = {layer for layer, n in enumerate(state.stats.exit_counts) if n}
+    assert exits <= {4, 6, executor.num_layers}
+
+
+def test_tuned_option_errors_say_what_to_do(executor, tmp_path):  # noqa: F811
+    path = _tuned_file(executor, tmp_path)
+    with pytest.raises(InvalidArgumentError, match="add verify=true"):
+        build_step("specee", executor, {"heads": str(path), "tuned": True})
+    with pytest.raises(InvalidArgumentError, match="drop threshold, schedule"):
+        build_step("specee", executor, {"heads": str(path), "verify": True, "tuned": True,
+                                        "threshold": 0.9, "schedule": "all"})
+    bare = _tuned_file(executor, tmp_path / "bare", tuning=None)
+    with pytest.raises(InvalidArgumentError, match="no tuned thresholds.*onpolicy"):
+        build_step("specee", executor, {"heads": str(bare), "verify": True, "tuned": True})
