@@ -208,6 +208,9 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     dr.add_argument("--exit-mix", type=float_arg(0.0, 1.0, high_open=True), default=0.25,
                     help="share of training inputs taken at an upper-half exit layer instead "
                          "of the last (what the drafter reads after an early exit)")
+    dr.add_argument("--compute-dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                    help="dtype of the training matmuls (parameters stay fp32); auto = bf16 "
+                         "on a CPU with native bf16")
     _add_data_args(dr, "the data the heads were trained on")
     dr.set_defaults(func=_cmd_train_drafter)
 
@@ -580,10 +583,14 @@ def _cmd_train_predictors(args: argparse.Namespace) -> int:
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from selfspec.heads.files import read_head_file, resolve_path
     from selfspec.models.registry import DEFAULT_MODEL
+    from selfspec.executor.cpu import fast_matmul_dtype
     from selfspec.training.drafter import DrafterTrainConfig
     from selfspec.training.pipeline import DrafterRequest, train_drafter
 
-    config = DrafterTrainConfig(epochs=args.epochs, exit_mix=args.exit_mix)
+    # bf16 products only where the CPU runs them natively (emulated bf16 is 5-7x slower)
+    compute = fast_matmul_dtype() if args.compute_dtype == "auto" else args.compute_dtype
+    config = DrafterTrainConfig(epochs=args.epochs, exit_mix=args.exit_mix,
+                                compute_dtype=compute)
     path = resolve_path(args.path, args.model or DEFAULT_MODEL)
     card = read_head_file(path).card
     data = None  # default: the corpus the heads were trained on (same held-out problems)
