@@ -317,13 +317,13 @@ def test_train_drafter_multiplies_in_bf16_only_where_the_cpu_runs_it_natively(
         capsys, home, model_dir, tmp_path, monkeypatch, native, flag, expected):
     """Emulated bf16 products are 5-8x slower than fp32 (AVX2 CPUs): the drafter trained in
     bf16 there took over 13 minutes instead of 50 s on Qwen2.5-Coder-0.5B."""
-    import selfspec.executor.cpu as cpu
-    import selfspec.training.pipeline as pipeline
+    from selfspec.executor import cpu
+    from selfspec.training import pipeline
 
     heads_dir = tmp_path / "heads"
-    code, out, err = _run(capsys, "heads", "train", "--model", str(model_dir), "--dtype", "fp32",
-                          "--threads", "1", "--quiet", "--data", "humaneval", "--tokens", "300",
-                          "--layers", "2", "--epochs", "1", "--out", str(heads_dir), "--no-plots")
+    code, _, err = _run(capsys, "heads", "train", "--model", str(model_dir), "--dtype", "fp32",
+                        "--threads", "1", "--quiet", "--data", "humaneval", "--tokens", "300",
+                        "--layers", "2", "--epochs", "1", "--out", str(heads_dir), "--no-plots")
     assert code == 0, err
     seen = []
 
@@ -333,6 +333,6 @@ def test_train_drafter_multiplies_in_bf16_only_where_the_cpu_runs_it_natively(
 
     monkeypatch.setattr(cpu, "fast_matmul_dtype", lambda: native)
     monkeypatch.setattr(pipeline, "train_drafter", fake_train)
-    code, out, err = _run(capsys, "heads", "train-drafter", str(heads_dir), "--model",
-                          str(model_dir), "--dtype", "fp32", "--quiet", *flag)
+    code, _, err = _run(capsys, "heads", "train-drafter", str(heads_dir), "--model",
+                        str(model_dir), "--dtype", "fp32", "--quiet", *flag)
     assert code != 0 and "stop here" in err and seen == [expected]

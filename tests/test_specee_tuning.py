@@ -11,10 +11,11 @@ import math
 import pytest
 import torch
 from test_specee import _head_file
-from test_specee_verify import PROMPT, executor, reference  # noqa: F401 (fixtures)
-from tiny import run_step
+from test_specee_verify import NUM_LAYERS, PROMPT
+from tiny import run_step, tiny_model
 
 from selfspec.errors import InvalidArgumentError
+from selfspec.executor import LayerExecutor
 from selfspec.heads.card import HeadCard, PredictorTuning
 from selfspec.heads.files import load_heads, save_heads
 from selfspec.methods.registry import build_step
@@ -103,6 +104,16 @@ def test_predictor_trace_from_outputs_and_sequence_ids():
         predictor_trace(prob, labels, [4], torch.tensor([7, 7, 9, 9]))
 
 
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def executor(request):
+    return LayerExecutor(tiny_model(request.param, seed=11, num_layers=NUM_LAYERS))
+
+
+@pytest.fixture(scope="module")
+def reference(executor):
+    return run_step(executor, build_step("ar", executor, {}), PROMPT, max_new_tokens=30).tokens
+
+
 TUNING = PredictorTuning(
     layers=[4, 6], thresholds=[0.9, 0.98], single_threshold=0.97, max_early=5, row_cost=0.05,
     scan_cost=0.2, output_cost=5.0, check_costs=[0.01, 0.06], data=["onpolicy:humaneval"],
@@ -117,7 +128,7 @@ def _tuned_file(executor, tmp_path, tuning=TUNING):
     return save_heads(heads, path)
 
 
-def test_card_round_trip_keeps_the_tuning(executor, tmp_path):  # noqa: F811
+def test_card_round_trip_keeps_the_tuning(executor, tmp_path):
     path = _tuned_file(executor, tmp_path)
     back = load_heads(path, executor).card.predictors.tuning
     assert back.layers == [4, 6] and back.thresholds == [0.9, 0.98]
@@ -128,7 +139,7 @@ def test_card_round_trip_keeps_the_tuning(executor, tmp_path):  # noqa: F811
 
 
 def test_tuned_option_uses_the_cards_layers_and_thresholds_losslessly(
-        executor, reference, tmp_path):  # noqa: F811
+        executor, reference, tmp_path):
     path = _tuned_file(executor, tmp_path)
     step = build_step("specee", executor, {"heads": str(path), "verify": True, "tuned": True})
     scanner = step.exits.scanner
@@ -140,7 +151,7 @@ def test_tuned_option_uses_the_cards_layers_and_thresholds_losslessly(
     assert exits <= {4, 6, executor.num_layers}
 
 
-def test_tuned_option_errors_say_what_to_do(executor, tmp_path):  # noqa: F811
+def test_tuned_option_errors_say_what_to_do(executor, tmp_path):
     path = _tuned_file(executor, tmp_path)
     with pytest.raises(InvalidArgumentError, match="add verify=true"):
         build_step("specee", executor, {"heads": str(path), "tuned": True})

@@ -193,6 +193,11 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
                          "held-out figures stay on the test split)")
     pp.add_argument("--epochs", type=int_arg(1), default=None,
                     help="default 30 (8 with --state)")
+    pp.add_argument("--row-cost", type=float_arg(0.0), default=0.05,
+                    help="for the thresholds tuned by replay (specee:verify=true,tuned=true): "
+                         "cost of one more position in a decoder-layer call, as a share of "
+                         "one position's (default 0.05, measured on an AMX Xeon; `selfspec "
+                         "models latency` shows this machine's forward of T tokens)")
     _add_data_args(pp, "stdlib,gsm")
     pp.set_defaults(func=_cmd_train_predictors)
 
@@ -571,7 +576,7 @@ def _cmd_train_predictors(args: argparse.Namespace) -> int:
                                num_candidates=args.k, draft_vocab=args.draft_vocab,
                                offline=args.offline, candidates=args.candidates, data=data,
                                config=config, include_head_train=args.include_head_train,
-                               head_lens=args.head_lens)
+                               head_lens=args.head_lens, row_cost=args.row_cost)
     engine = _load_engine(args, args.model, args.dtype)
     outcome = train_predictors(engine, request, progress=not args.quiet)
     _print_predictors(outcome.heads.card)
@@ -581,9 +586,9 @@ def _cmd_train_predictors(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
+    from selfspec.executor.cpu import fast_matmul_dtype
     from selfspec.heads.files import read_head_file, resolve_path
     from selfspec.models.registry import DEFAULT_MODEL
-    from selfspec.executor.cpu import fast_matmul_dtype
     from selfspec.training.drafter import DrafterTrainConfig
     from selfspec.training.pipeline import DrafterRequest, train_drafter
 

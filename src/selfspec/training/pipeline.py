@@ -591,6 +591,9 @@ class PredictorRequest:
         head_lens: at the predictor layers where the file has a lightweight exit head, the
             features read the candidates through that head (the head lens,
             :mod:`selfspec.heads.predictor`; not in the paper).
+        row_cost: the tuning replay's cost of one more position in a layer call
+            (:attr:`~selfspec.training.adadecode_tuning.ScheduleCosts.row`; ``selfspec models
+            latency`` shows this machine's: a forward of ``T`` tokens over one token).
     """
 
     heads: str = "default"
@@ -603,6 +606,7 @@ class PredictorRequest:
     config: PredictorTrainConfig = field(default_factory=PredictorTrainConfig)
     include_head_train: bool = False
     head_lens: bool = False
+    row_cost: float = DEFAULT_ROW_COST
 
 
 def default_first_layer(num_layers: int) -> int:
@@ -831,7 +835,8 @@ def train_predictors(engine: Engine, request: PredictorRequest,
     evaluation = exit_figures(prob, eval_data, num_layers)
     sweep = [exit_figures(prob, eval_data, num_layers, t) for t in THRESHOLD_SWEEP]
     tuning = _tune_predictors(engine, prepared.items, eval_idx, predictors, prob, eval_data,
-                              lenses, container.drafter if drafted else head, rows)
+                              lenses, container.drafter if drafted else head, rows,
+                              request.row_cost)
     seconds = time.perf_counter() - t0
     times.predictors_s = seconds
     container.predictors = predictors.to(ex.device)
@@ -858,7 +863,8 @@ def train_predictors(engine: Engine, request: PredictorRequest,
 def _tune_predictors(engine: Engine, items: Sequence[CorpusItem], eval_idx: torch.Tensor,
                      model: ExitPredictors, prob: torch.Tensor, data: PredictorData,
                      lenses: dict[int, object], candidates: torch.nn.Module,
-                     rows: torch.Tensor | None, max_early: int = 5) -> PredictorTuning | None:
+                     rows: torch.Tensor | None, row_cost: float = DEFAULT_ROW_COST,
+                     max_early: int = 5) -> PredictorTuning | None:
     """Verified SpecEE's per-layer thresholds by replay on the held-out positions of on-policy
     text (:mod:`selfspec.training.specee_tuning`), or ``None`` (logged) when there are fewer
     than two such sequences (teacher-forced text is not what greedy decoding visits).
@@ -867,7 +873,8 @@ def _tune_predictors(engine: Engine, items: Sequence[CorpusItem], eval_idx: torc
         items: the corpus; eval_idx: ``[N]`` held-out positions; model: the predictors;
             prob / data: their ``[P, N]`` outputs and the labels there; lenses: ``{ℓ: head}``
             of the head lens; candidates: the drafter, or the exit head drafting the
-            candidates; rows: the draft-vocabulary rows (``None``: every token).
+            candidates; rows: the draft-vocabulary rows (``None``: every token); row_cost:
+            :attr:`~selfspec.training.adadecode_tuning.ScheduleCosts.row`.
     """
     ordered = in_feature_order(items)
     counts = torch.tensor([i.num_scored for i in ordered])
@@ -891,7 +898,7 @@ def _tune_predictors(engine: Engine, items: Sequence[CorpusItem], eval_idx: torc
     scored = ex.vocab_size if rows is None else int(rows.numel())
     scan = (sum(p.numel() for p in candidates.parameters()) + scored * hidden) * element
     costs = SpecEECosts.from_sizes(ex.decode_layer_bytes(0), checks, scan,
-                                   ex.output_decode_bytes)
+                                   ex.output_decode_bytes, row_cost)
     found = tune_thresholds(trace, ex.num_layers, costs, max_early)
     kept = sorted(found.thresholds)
     sources = sorted({i.source for i in ordered if i.source.startswith(ONPOLICY)})
