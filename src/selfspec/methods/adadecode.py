@@ -24,7 +24,7 @@ from selfspec.executor import LayerExecutor
 from selfspec.heads.files import DEFAULT as DEFAULT_HEADS
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.exit_drafting import DRAFT_VOCAB_HELP
-from selfspec.methods.options import option
+from selfspec.methods.options import changed_options, option
 
 NO_HEADS = "none"
 ALL_LAYERS = "all"
@@ -114,9 +114,7 @@ def build(context: MethodContext, options: Options) -> Step:
     else:
         available, source = list(trained.layers), f"the head file {options.heads!r}"
     if options.tuned:
-        defaults = Options()
-        given = [name for name in TUNED_OPTIONS
-                 if getattr(options, name) != getattr(defaults, name)]
+        given = changed_options(options, TUNED_OPTIONS)
         if given:
             raise InvalidArgumentError(
                 f"adadecode: tuned=true takes layers, gamma and draft_vocab from the heads' "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,6 +218,13 @@ def option_fields(options_cls: type) -> list[OptionField]:
             raise TypeError(f"{options_cls.__name__}.{f.name} is not declared with option()")
         fields.append(OptionField(f.name, _base_type(hints[f.name]), f.default, info))
     return fields
+
+
+def changed_options(options: Any, names: Sequence[str]) -> list[str]:
+    """The fields among ``names`` whose value in ``options`` (a method's ``Options``) differs
+    from the class default: what the user gave, e.g. options a ``tuned=true`` replaces."""
+    defaults = type(options)()
+    return [name for name in names if getattr(options, name) != getattr(defaults, name)]
 
 
 def model_symbols(executor: LayerExecutor) -> dict[str, int]:

@@ -41,7 +41,7 @@ from selfspec.heads.files import DEFAULT as DEFAULT_HEADS
 from selfspec.heads.files import ExitHeads
 from selfspec.heads.modules import LightweightHead
 from selfspec.methods.base import MethodContext, MethodSpec
-from selfspec.methods.options import option
+from selfspec.methods.options import changed_options, option
 
 SCHEDULES = ("two-level", "all")
 DEFAULT_THRESHOLD = 0.9
@@ -242,9 +242,7 @@ def _tuned(options: Options, card: PredictorCard) -> tuple[PredictorSchedule, di
         raise InvalidArgumentError(
             "specee: tuned=true reads thresholds tuned by replaying verified SpecEE; add "
             "verify=true")
-    defaults = Options()
-    given = [name for name in TUNED_OPTIONS
-             if getattr(options, name) != getattr(defaults, name)]
+    given = changed_options(options, TUNED_OPTIONS)
     if given:
         raise InvalidArgumentError(
             f"specee: tuned=true takes the layers and thresholds from the predictors' card; "
