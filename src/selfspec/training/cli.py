@@ -89,10 +89,7 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--epochs", type=int_arg(1), default=3)
     t.add_argument("--lr", type=float_arg(0.0, low_open=True), default=None, help="peak Adam learning rate")
     t.add_argument("--batch-tokens", type=int_arg(1), default=256)
-    t.add_argument("--compute-dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="dtype of the training matmuls (parameters stay fp32); auto = bf16 on "
-                        "a CPU with native bf16 (avx512_bf16/AMX), else fp32 (emulated bf16 "
-                        "matmuls are 5-7x slower)")
+    _add_compute_dtype_arg(t)
     t.add_argument("--out", default=None, help="directory or .safetensors file "
                                                "(default: $SELFSPEC_HOME/heads/<model>/default)")
     t.add_argument("--no-calibrate", dest="calibrate", action="store_false")
@@ -213,9 +210,7 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     dr.add_argument("--exit-mix", type=float_arg(0.0, 1.0, high_open=True), default=0.25,
                     help="share of training inputs taken at an upper-half exit layer instead "
                          "of the last (what the drafter reads after an early exit)")
-    dr.add_argument("--compute-dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                    help="dtype of the training matmuls (parameters stay fp32); auto = bf16 "
-                         "on a CPU with native bf16")
+    _add_compute_dtype_arg(dr)
     _add_data_args(dr, "the data the heads were trained on")
     dr.set_defaults(func=_cmd_train_drafter)
 
@@ -395,9 +390,22 @@ def _print_times(times) -> None:
     print("wall time: " + ", ".join(parts))
 
 
+def _add_compute_dtype_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compute-dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                        help="dtype of the training matmuls (parameters stay fp32); auto = bf16 "
+                             "on a CPU with native bf16 (avx512_bf16/AMX), else fp32 (emulated "
+                             "bf16 matmuls are 5-8x slower)")
+
+
+def _compute_dtype(args: argparse.Namespace) -> str:
+    """``--compute-dtype``, with ``auto`` resolved for this CPU."""
+    from selfspec.executor.cpu import fast_matmul_dtype
+
+    return fast_matmul_dtype() if args.compute_dtype == "auto" else args.compute_dtype
+
+
 # ----------------------------------------------------------------------------- commands
 def _cmd_train(args: argparse.Namespace) -> int:
-    from selfspec.executor.cpu import fast_matmul_dtype
     from selfspec.training.calibration import DEFAULT_EPSILONS
     from selfspec.training.pipeline import DEFAULT_TOKENS, TrainRequest, train
     from selfspec.training.train import TrainConfig
@@ -405,8 +413,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config = TrainConfig(kind=args.kind, init=args.init, loss=args.loss,
                          kl_direction=args.kl_direction, alpha=args.alpha, epochs=args.epochs,
                          batch_tokens=args.batch_tokens,
-                         compute_dtype=(fast_matmul_dtype() if args.compute_dtype == "auto"
-                                        else args.compute_dtype),
+                         compute_dtype=_compute_dtype(args),
                          seed=args.seed, loss_vocab=args.loss_vocab,
                          **({"lr": args.lr} if args.lr else {}))
     request = TrainRequest(layers=args.layers, train=config,
@@ -586,16 +593,13 @@ def _cmd_train_predictors(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
-    from selfspec.executor.cpu import fast_matmul_dtype
     from selfspec.heads.files import read_head_file, resolve_path
     from selfspec.models.registry import DEFAULT_MODEL
     from selfspec.training.drafter import DrafterTrainConfig
     from selfspec.training.pipeline import DrafterRequest, train_drafter
 
-    # bf16 products only where the CPU runs them natively (emulated bf16 is 5-7x slower)
-    compute = fast_matmul_dtype() if args.compute_dtype == "auto" else args.compute_dtype
     config = DrafterTrainConfig(epochs=args.epochs, exit_mix=args.exit_mix,
-                                compute_dtype=compute)
+                                compute_dtype=_compute_dtype(args))
     path = resolve_path(args.path, args.model or DEFAULT_MODEL)
     card = read_head_file(path).card
     data = None  # default: the corpus the heads were trained on (same held-out problems)

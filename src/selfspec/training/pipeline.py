@@ -882,12 +882,13 @@ def _tune_predictors(engine: Engine, items: Sequence[CorpusItem], eval_idx: torc
     onpolicy = torch.repeat_interleave(
         torch.tensor([i.source.startswith(ONPOLICY) for i in ordered]), counts)
     keep = onpolicy[eval_idx]
-    if torch.unique(sequence[eval_idx][keep]).numel() < 2:
+    replayed = sequence[eval_idx][keep]
+    seqs = torch.unique(replayed).tolist()
+    if len(seqs) < 2:
         logger.info("no per-layer SpecEE thresholds: fewer than two held-out on-policy "
                     "sequences (give --data onpolicy:DATASET)")
         return None
-    trace = predictor_trace(prob[:, keep], data.labels[:, keep], data.layers,
-                            sequence[eval_idx][keep])
+    trace = predictor_trace(prob[:, keep], data.labels[:, keep], data.layers, replayed)
     ex = engine.executor
     hidden = ex.model.lm_head.in_features
     element = torch.tensor([], dtype=ex.dtype).element_size()
@@ -901,7 +902,7 @@ def _tune_predictors(engine: Engine, items: Sequence[CorpusItem], eval_idx: torc
                                    ex.output_decode_bytes, row_cost)
     found = tune_thresholds(trace, ex.num_layers, costs, max_early)
     kept = sorted(found.thresholds)
-    sources = sorted({i.source for i in ordered if i.source.startswith(ONPOLICY)})
+    sources = sorted({ordered[i].source for i in seqs})  # what was replayed
     logger.info("SpecEE per-layer thresholds %s (single %s): replayed speedup %.3f, check "
                 "half %.3f (single %.3f)", found.thresholds, found.single,
                 found.tuned.speedup, found.tuned_check.speedup, found.single_check.speedup)
