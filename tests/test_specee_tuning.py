@@ -16,12 +16,19 @@ from tiny import run_step, tiny_model
 
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
+from selfspec.executor.cost_model import LatencyModel
 from selfspec.heads.card import HeadCard, PredictorTuning
 from selfspec.heads.files import load_heads, save_heads
 from selfspec.methods.registry import build_step
-from selfspec.training.adadecode_tuning import HeadTrace, ScheduleCosts, simulate
+from selfspec.training.adadecode_tuning import (
+    HeadTrace,
+    ScheduleCosts,
+    row_cost_from_latency,
+    simulate,
+)
 from selfspec.training.specee_tuning import (
     SpecEECosts,
+    ceiling,
     halves,
     predictor_trace,
     tune_thresholds,
@@ -91,6 +98,49 @@ def test_tuner_keeps_a_paying_shallow_layer_and_silences_a_confident_wrong_one()
         tune_thresholds(trace, 8, costs, grid=[None])
 
 
+def test_ceiling_replays_perfect_predictors_at_every_layer():
+    # L = 4, layers 1 and 2, one sequence of 3 positions, no row or check costs. Position 0
+    # is right at layer 1 (the predictor says 0.1: a real one misses it), position 1 only at
+    # layer 2, position 2 (the last, which may not exit) nowhere.
+    conf = torch.tensor([[0.1, 0.1], [0.99, 0.1], [0.0, 0.0]])
+    correct = torch.tensor([[True, True], [False, True], [False, False]])
+    trace = HeadTrace((1, 2), conf, correct, (3,))
+    costs = SpecEECosts(ScheduleCosts(row=0.0, head=0.0, output=1.0), (0.0, 0.0))
+    best = ceiling(trace, 4, costs)
+    # exits after 1 and 2 layers, accepted; their 3 and 2 deeper layers run with position 2's
+    # 4, in one batch of free rows, and one output layer verifies all three
+    assert (best.acceptance, best.drafts_per_token) == (1.0, pytest.approx(2 / 3))
+    assert best.cost_per_token == pytest.approx((1 + 2 + 4 + 1) / 3)
+    real = simulate(trace, [0.5, 0.5], 4, costs.schedule, check_costs=costs.checks)
+    assert real.acceptance == 0 and best.speedup > real.speedup  # the 0.99 at layer 1 is wrong
+    found = tune_thresholds(_two_layer_trace(), 8, SpecEECosts.from_sizes(100, [1, 1], 10, 100))
+    assert found.ceiling_check.acceptance == 1.0
+    assert found.ceiling_check.speedup >= found.tuned_check.speedup
+    with pytest.raises(InvalidArgumentError, match="check costs"):
+        ceiling(trace, 4, SpecEECosts(costs.schedule, (0.0,)))
+
+
+def _latency(points, head_ms=6.0):
+    # L = 2, attention 1 ms, MLP 1 ms, head 6 ms: one token's forward is 10 ms
+    return LatencyModel(2, 0.0, 1.0, 1.0, head_ms, verify_points=points)
+
+
+def test_row_cost_is_the_slope_of_this_machines_forwards_of_a_few_tokens():
+    # extra time 2 ms per further token: 0.2 of a token whatever the forwards fitted
+    linear = _latency(((1, 0.0), (2, 2.0), (4, 6.0), (8, 14.0)))
+    assert row_cost_from_latency(linear) == pytest.approx(0.2)
+    assert row_cost_from_latency(linear, 2) == pytest.approx(0.2)
+    # T = 2: +1 ms, T = 3: +4 ms -> least squares through the origin: (1·1 + 2·4) / (1 + 4)
+    convex = _latency(((1, 0.0), (2, 1.0), (3, 4.0), (6, 40.0)))
+    assert row_cost_from_latency(convex, 3) == pytest.approx(1.8 / 10)
+    # by default forwards up to 4 tokens (T = 4 interpolated between 3 and 6: +16 ms)
+    assert row_cost_from_latency(convex) == pytest.approx((1 + 2 * 4 + 3 * 16) / 14 / 10)
+    assert row_cost_from_latency(_latency(((1, 0.0), (2, 50.0))), 2) == 1.0     # clamped
+    assert row_cost_from_latency(_latency(((1, 0.0), (2, 0.0))), 2) == 0.0
+    with pytest.raises(InvalidArgumentError, match="tokens >= 2"):
+        row_cost_from_latency(linear, 1)
+
+
 def test_predictor_trace_from_outputs_and_sequence_ids():
     prob = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.5, 0.6, 0.7, 0.8]])
     labels = prob > 0.25
@@ -118,7 +168,8 @@ TUNING = PredictorTuning(
     layers=[4, 6], thresholds=[0.9, 0.98], single_threshold=0.97, max_early=5, row_cost=0.05,
     scan_cost=0.2, output_cost=5.0, check_costs=[0.01, 0.06], data=["onpolicy:humaneval"],
     tokens=100, speedup=1.3, acceptance=0.8, drafts_per_token=0.6, check_tokens=90,
-    check_speedup=1.25, check_acceptance=math.nan, single_check_speedup=1.2)
+    check_speedup=1.25, check_acceptance=math.nan, single_check_speedup=1.2,
+    ceiling_check_speedup=1.8, row_cost_source="given")
 
 
 def _tuned_file(executor, tmp_path, tuning=TUNING):
@@ -134,6 +185,10 @@ def test_card_round_trip_keeps_the_tuning(executor, tmp_path):
     assert back.layers == [4, 6] and back.thresholds == [0.9, 0.98]
     assert math.isnan(back.check_acceptance)
     data = load_heads(path, executor).card.to_dict()
+    for key in ("ceiling_check_speedup", "row_cost_source"):  # cards written before them
+        del data["predictors"]["tuning"][key]
+    old = HeadCard.from_dict(data).predictors.tuning
+    assert math.isnan(old.ceiling_check_speedup) and old.row_cost_source == ""
     del data["predictors"]["tuning"]  # cards written before the tuning existed
     assert HeadCard.from_dict(data).predictors.tuning is None
 

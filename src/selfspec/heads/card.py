@@ -203,11 +203,16 @@ class PredictorTuning:
         row_cost / scan_cost / output_cost / check_costs: the cost model in single-position
             layer calls (one more position in a layer call, the drafter, the output layer,
             ``[len(layers)]`` each kept layer's check).
+        row_cost_source: ``"given"`` (``--row-cost``) or ``"measured: <latency key>"`` (this
+            machine's latency model); ``""`` on cards written before it was recorded.
         data: on-policy sources replayed.
         tokens / speedup / acceptance / drafts_per_token: the replay on the tuning half of the
             held-out sequences (what was tuned on).
         check_tokens / check_speedup / check_acceptance: the same setting on the other half;
         single_check_speedup: the single threshold there.
+        ceiling_check_speedup: perfect predictors there (every layer on, firing exactly where
+            the top local candidate is the final token:
+            :func:`~selfspec.training.specee_tuning.ceiling`); NaN on cards written before it.
     """
 
     layers: list[int]
@@ -227,6 +232,8 @@ class PredictorTuning:
     check_speedup: float
     check_acceptance: float
     single_check_speedup: float
+    ceiling_check_speedup: float = math.nan
+    row_cost_source: str = ""
 
 
 @dataclass

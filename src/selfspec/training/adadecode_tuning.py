@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.errors import InvalidArgumentError
+from selfspec.executor.cost_model import LatencyModel
 
 # Candidate thresholds per head; None = the head is not used.
 DEFAULT_GRID: tuple[float | None, ...] = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97,
@@ -81,6 +82,43 @@ class ScheduleCosts:
                 f"schedule costs need positive sizes and row >= 0, got layer {layer_bytes}, "
                 f"head {head_bytes}, output {output_bytes}, row {row}")
         return ScheduleCosts(row, head_bytes / layer_bytes, output_bytes / layer_bytes)
+
+
+# Forwards of 2 .. ROW_COST_TOKENS tokens set a machine's row cost: the calls these schedules
+# make (1.4-1.5 positions per layer call, 2.3-2.6 tokens per verification, measured).
+ROW_COST_TOKENS = 4
+
+
+def row_cost_from_latency(latency: LatencyModel, tokens: int = ROW_COST_TOKENS,
+                          context_len: int = 256) -> float:
+    """:attr:`ScheduleCosts.row` of this machine, from its measured latency model: the
+    least-squares slope through the origin of the extra time of a full forward of ``T``
+    tokens over one (``latency.extra_tokens_ms``) against ``T - 1``, for ``T = 2 .. tokens``,
+    over one token's forward (``latency.target_ms(context_len)``), clamped to ``[0, 1]``. The
+    extra rows of the output layer count as the layers' do (a verification runs both on the
+    same rows).
+
+    Why up to 4 tokens: the calls are that small (:data:`ROW_COST_TOKENS`), and larger ones
+    cost more per row on CPUs whose kernels run out of registers or L1 (on the AVX2 EPYC a
+    forward of 2, 4 and 6 tokens costs 0.06, 0.11 and 0.16 of a token per extra token; fitting
+    up to 6 gave 0.14 and tuned thresholds 5% slower than 0.1 on 40 held-out problems,
+    docs/results/specee).
+
+    Args:
+        latency: :class:`~selfspec.executor.cost_model.LatencyModel` of the model on this
+            machine (:func:`~selfspec.executor.cost_model.cached_latency`).
+        tokens: the largest forward fitted (``>= 2``).
+        context_len: cached positions of the reference token.
+
+    Raises:
+        InvalidArgumentError: ``tokens < 2``.
+    """
+    if tokens < 2:
+        raise InvalidArgumentError(f"the row cost fit needs tokens >= 2, got {tokens}")
+    extra = range(1, tokens)
+    slope = (sum(x * latency.extra_tokens_ms(x + 1) for x in extra)
+             / sum(x * x for x in extra))
+    return min(1.0, max(0.0, slope / latency.target_ms(context_len)))
 
 
 @dataclass(frozen=True)

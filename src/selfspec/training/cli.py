@@ -190,11 +190,12 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
                          "held-out figures stay on the test split)")
     pp.add_argument("--epochs", type=int_arg(1), default=None,
                     help="default 30 (8 with --state)")
-    pp.add_argument("--row-cost", type=float_arg(0.0), default=0.05,
+    pp.add_argument("--row-cost", type=_row_cost_arg, default=None,
                     help="for the thresholds tuned by replay (specee:verify=true,tuned=true): "
                          "cost of one more position in a decoder-layer call, as a share of "
-                         "one position's (default 0.05, measured on an AMX Xeon; `selfspec "
-                         "models latency` shows this machine's forward of T tokens)")
+                         "one position's; default 'auto': this machine's, from its measured "
+                         "forwards of 2-4 tokens (`selfspec models latency`, measured once "
+                         "and kept: run it on a quiet machine)")
     _add_data_args(pp, "stdlib,gsm")
     pp.set_defaults(func=_cmd_train_predictors)
 
@@ -283,6 +284,18 @@ def _data_request(args: argparse.Namespace, default_tokens: int | None):
     return DataRequest(data=args.data or DEFAULT_DATA,
                        tokens=args.tokens or default_tokens or DEFAULT_TOKENS,
                        max_new_tokens=args.max_new_tokens, seed=args.seed)
+
+
+_ROW_COST_NUMBER = float_arg(0.0, 1.0)
+
+
+def _row_cost_arg(text: str) -> float | None:
+    """``--row-cost``: ``auto`` (``None``: this machine's) or a number in [0, 1]."""
+    return None if text.strip().lower() == "auto" else _ROW_COST_NUMBER(text)
+
+
+def _source(source: str) -> str:
+    return f" ({source})" if source else ""
 
 
 def _f(x: float, digits: int = 3) -> str:
@@ -668,10 +681,11 @@ def _print_predictors(card, out=None) -> None:
               f"({tu.tokens} tokens, acceptance {_f(tu.acceptance)}, "
               f"{_f(tu.drafts_per_token)} exits / token); check half {_f(tu.check_speedup)} "
               f"({tu.check_tokens} tokens, acceptance {_f(tu.check_acceptance)}); the best "
-              f"single threshold {tu.single_threshold:g} there: {_f(tu.single_check_speedup)}",
-              file=out)
+              f"single threshold {tu.single_threshold:g} there: {_f(tu.single_check_speedup)}; "
+              f"perfect predictors there (every layer, exiting exactly where the top "
+              f"candidate is the final token): {_f(tu.ceiling_check_speedup)}", file=out)
         print(f"cost model (single-position layer calls of {card.num_layers}): one more "
-              f"position {tu.row_cost:g}, drafter {tu.scan_cost:.3f}, output layer "
+              f"position {tu.row_cost:.3g}{_source(tu.row_cost_source)}, drafter {tu.scan_cost:.3f}, output layer "
               f"{tu.output_cost:.2f}, predictor checks "
               f"{min(tu.check_costs, default=0):.4f}-{max(tu.check_costs, default=0):.4f}",
               file=out)

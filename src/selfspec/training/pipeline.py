@@ -24,6 +24,7 @@ import torch
 
 from selfspec.decoding.sampling import SamplingConfig, logits_to_probs
 from selfspec.errors import InvalidArgumentError
+from selfspec.executor.cost_model import cached_latency
 from selfspec.executor.cpu import detect_cpu
 from selfspec.heads.calibration import (
     CONFIDENCE_METRICS,
@@ -64,6 +65,7 @@ from selfspec.training.adadecode_tuning import (
     DEFAULT_ROW_COST,
     HeadTrace,
     ScheduleCosts,
+    row_cost_from_latency,
 )
 from selfspec.training.adadecode_tuning import simulate as simulate_schedule
 from selfspec.training.adadecode_tuning import tune as tune_schedule
@@ -103,6 +105,9 @@ from selfspec.training.predictors import (
     predictor_probs,
 )
 from selfspec.training.probe import ProbeTrainConfig, fit_probe
+from selfspec.training.specee_tuning import (
+    DEFAULT_MAX_EARLY as SPECEE_DEFAULT_MAX_EARLY,
+)
 from selfspec.training.specee_tuning import (
     SpecEECosts,
     predictor_trace,
@@ -592,8 +597,9 @@ class PredictorRequest:
             features read the candidates through that head (the head lens,
             :mod:`selfspec.heads.predictor`; not in the paper).
         row_cost: the tuning replay's cost of one more position in a layer call
-            (:attr:`~selfspec.training.adadecode_tuning.ScheduleCosts.row`; ``selfspec models
-            latency`` shows this machine's: a forward of ``T`` tokens over one token).
+            (:attr:`~selfspec.training.adadecode_tuning.ScheduleCosts.row`); ``None``: this
+            machine's, from its latency model (``selfspec models latency``, measured once and
+            kept; :func:`~selfspec.training.adadecode_tuning.row_cost_from_latency`).
     """
 
     heads: str = "default"
@@ -606,7 +612,7 @@ class PredictorRequest:
     config: PredictorTrainConfig = field(default_factory=PredictorTrainConfig)
     include_head_train: bool = False
     head_lens: bool = False
-    row_cost: float = DEFAULT_ROW_COST
+    row_cost: float | None = None
 
 
 def default_first_layer(num_layers: int) -> int:
@@ -795,6 +801,11 @@ def train_predictors(engine: Engine, request: PredictorRequest,
     rows = _draft_rows(engine, container, target, size)
     layers = list(range(layer, num_layers))
     lenses = head_lenses(container, layers, target) if request.head_lens else {}
+    # Before the long stages, and only where on-policy text lets the tuning run: a first run
+    # on this machine measures its latencies (~1 min on Qwen2.5-Coder-0.5B).
+    tunable = any(x.startswith(ONPOLICY) for x in parse_data_spec(request.data.data))
+    row_cost = (_replay_row_cost(engine, request.row_cost) if tunable
+                else RowCost(DEFAULT_ROW_COST, "given"))
     times = StageTimes()
     prepared = prepare_features(engine, request.data, layers, times, progress)
     features = prepared.features
@@ -836,7 +847,7 @@ def train_predictors(engine: Engine, request: PredictorRequest,
     sweep = [exit_figures(prob, eval_data, num_layers, t) for t in THRESHOLD_SWEEP]
     tuning = _tune_predictors(engine, prepared.items, eval_idx, predictors, prob, eval_data,
                               lenses, container.drafter if drafted else head, rows,
-                              request.row_cost)
+                              row_cost)
     seconds = time.perf_counter() - t0
     times.predictors_s = seconds
     container.predictors = predictors.to(ex.device)
@@ -860,11 +871,35 @@ def train_predictors(engine: Engine, request: PredictorRequest,
     return PredictorOutcome(target, container, times, evaluation)
 
 
+@dataclass(frozen=True)
+class RowCost:
+    """The tuning replay's row cost and where it came from (``"given"`` or ``"measured:
+    <latency key>"``)."""
+
+    value: float
+    source: str
+
+
+def _replay_row_cost(engine: Engine, given: float | None) -> RowCost:
+    """The tuning replay's row cost: ``given``, or this machine's from its latency model."""
+    if given is not None:
+        if given < 0:
+            raise InvalidArgumentError(f"--row-cost must be >= 0, got {given}")
+        return RowCost(float(given), "given")
+    from selfspec.models.provision import selfspec_home
+
+    latency = cached_latency(engine.executor, selfspec_home())
+    row = row_cost_from_latency(latency)
+    logger.info("replay row cost %.3f from this machine's latency model (%s)", row, latency.key)
+    return RowCost(row, f"measured: {latency.key}")
+
+
 def _tune_predictors(engine: Engine, items: Sequence[CorpusItem], eval_idx: torch.Tensor,
                      model: ExitPredictors, prob: torch.Tensor, data: PredictorData,
                      lenses: dict[int, object], candidates: torch.nn.Module,
-                     rows: torch.Tensor | None, row_cost: float = DEFAULT_ROW_COST,
-                     max_early: int = 5) -> PredictorTuning | None:
+                     rows: torch.Tensor | None,
+                     row_cost: RowCost = RowCost(DEFAULT_ROW_COST, "given"),
+                     max_early: int = SPECEE_DEFAULT_MAX_EARLY) -> PredictorTuning | None:
     """Verified SpecEE's per-layer thresholds by replay on the held-out positions of on-policy
     text (:mod:`selfspec.training.specee_tuning`), or ``None`` (logged) when there are fewer
     than two such sequences (teacher-forced text is not what greedy decoding visits).
@@ -874,7 +909,7 @@ def _tune_predictors(engine: Engine, items: Sequence[CorpusItem], eval_idx: torc
             prob / data: their ``[P, N]`` outputs and the labels there; lenses: ``{ℓ: head}``
             of the head lens; candidates: the drafter, or the exit head drafting the
             candidates; rows: the draft-vocabulary rows (``None``: every token); row_cost:
-            :attr:`~selfspec.training.adadecode_tuning.ScheduleCosts.row`.
+            :attr:`~selfspec.training.adadecode_tuning.ScheduleCosts.row` and its source.
     """
     ordered = in_feature_order(items)
     counts = torch.tensor([i.num_scored for i in ordered])
@@ -899,23 +934,26 @@ def _tune_predictors(engine: Engine, items: Sequence[CorpusItem], eval_idx: torc
     scored = ex.vocab_size if rows is None else int(rows.numel())
     scan = (sum(p.numel() for p in candidates.parameters()) + scored * hidden) * element
     costs = SpecEECosts.from_sizes(ex.decode_layer_bytes(0), checks, scan,
-                                   ex.output_decode_bytes, row_cost)
+                                   ex.output_decode_bytes, row_cost.value)
     found = tune_thresholds(trace, ex.num_layers, costs, max_early)
     kept = sorted(found.thresholds)
     sources = sorted({ordered[i].source for i in seqs})  # what was replayed
     logger.info("SpecEE per-layer thresholds %s (single %s): replayed speedup %.3f, check "
-                "half %.3f (single %.3f)", found.thresholds, found.single,
-                found.tuned.speedup, found.tuned_check.speedup, found.single_check.speedup)
+                "half %.3f (single %.3f, perfect predictors %.3f)", found.thresholds,
+                found.single, found.tuned.speedup, found.tuned_check.speedup,
+                found.single_check.speedup, found.ceiling_check.speedup)
     return PredictorTuning(
         layers=kept, thresholds=[found.thresholds[x] for x in kept],
         single_threshold=found.single, max_early=max_early, row_cost=costs.schedule.row,
+        row_cost_source=row_cost.source,
         scan_cost=costs.schedule.scan, output_cost=costs.schedule.output,
         check_costs=[costs.checks[predictors.index(x)] for x in kept], data=sources,
         tokens=found.tuned.tokens, speedup=found.tuned.speedup,
         acceptance=found.tuned.acceptance, drafts_per_token=found.tuned.drafts_per_token,
         check_tokens=found.tuned_check.tokens, check_speedup=found.tuned_check.speedup,
         check_acceptance=found.tuned_check.acceptance,
-        single_check_speedup=found.single_check.speedup)
+        single_check_speedup=found.single_check.speedup,
+        ceiling_check_speedup=found.ceiling_check.speedup)
 
 
 def head_lenses(heads: ExitHeads, layers: Sequence[int], path: object

@@ -52,6 +52,9 @@ from selfspec.training.adadecode_tuning import (
 # Thresholds tried per layer (None = that layer's predictor off). State-reading predictors
 # are over-confident on new text (decoding.specee.STATE_DEFAULT_ACCURACY), so the grid is
 # dense near 1.
+# specee's max_early default (selfspec.methods.specee): the schedule the tuning replays.
+DEFAULT_MAX_EARLY = 5
+
 DEFAULT_GRID: tuple[float | None, ...] = (0.5, 0.7, 0.8, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99,
                                           0.993, 0.995, 0.998, None)
 
@@ -104,6 +107,8 @@ class ThresholdTuning:
         single: the best single threshold of the grid (every layer on) on the tuning half.
         tuned / tuned_check: the per-layer setting replayed on the tuning half / check half.
         single_check: the single threshold replayed on the check half.
+        ceiling_check: :func:`ceiling` on the check half: perfect predictors at every trace
+            layer, what better predictors could reach with these candidates and costs.
     """
 
     thresholds: dict[int, float]
@@ -111,6 +116,7 @@ class ThresholdTuning:
     tuned: SchedulePrediction
     tuned_check: SchedulePrediction
     single_check: SchedulePrediction
+    ceiling_check: SchedulePrediction
 
 
 def halves(trace: HeadTrace) -> tuple[HeadTrace, HeadTrace]:
@@ -172,7 +178,32 @@ def tune_thresholds(trace: HeadTrace, num_layers: int, costs: SpecEECosts, max_e
                  costs.checks)
     gammas = [found.gammas.get(layer) for layer in trace.layers]
     return ThresholdTuning(found.gammas, single, found.prediction, run(check, gammas),
-                           run(check, [single] * width))
+                           run(check, [single] * width),
+                           ceiling(check, num_layers, costs, max_early))
+
+
+def ceiling(trace: HeadTrace, num_layers: int, costs: SpecEECosts, max_early: int = 5
+            ) -> SchedulePrediction:
+    """The replay with perfect predictors: every trace layer on, each firing exactly where its
+    top local candidate is the final token (confidence = label), so every exit is accepted
+    and each token exits at its first such layer. It bounds what better predictors could
+    give with the same candidates, layers and costs (a later exit than the first correct
+    layer, or a rejected one, costs more; switching a layer off saves only its check), and
+    separates the predictors' share of a shortfall from the candidates' and the schedule's.
+
+    Args:
+        trace: ``correct [N, P]`` labels over held-out sequences (the confidence is ignored).
+        num_layers / costs / max_early: as :func:`tune_thresholds`.
+
+    Raises:
+        InvalidArgumentError: check costs of the wrong length.
+    """
+    if len(costs.checks) != len(trace.layers):
+        raise InvalidArgumentError(
+            f"{len(costs.checks)} check costs for {len(trace.layers)} predictor layers")
+    perfect = HeadTrace(trace.layers, trace.correct.float(), trace.correct, trace.lengths)
+    return simulate(perfect, [0.5] * len(trace.layers), num_layers, costs.schedule, max_early,
+                    costs.checks)
 
 
 def _score(p: SchedulePrediction) -> float:
