@@ -1,0 +1,28 @@
+#!/bin/bash
+# Verified SpecEE's replay ceiling and the predictors' quality; --row-cost auto. AMD EPYC (AVX2 only,
+# 2 cores), bf16, 2026-11-27, after ../epyc-2026-11-27-tuned/commands.sh (heads, drafter, lensstate-r10).
+set -ex
+HOME_=${SELFSPEC_HOME:-$HOME/.cache/selfspec}
+M=qwen2.5-coder-0.5b-instruct
+H=$HOME_/heads/$M
+P="--model $M --dtype bf16 --threads 2 --candidates drafter+ngram --draft-vocab 4096 --head-lens --state \
+  --include-head-train --data stdlib*4,onpolicy:humaneval,onpolicy:stdlib --tokens 49000 --max-new-tokens 128"
+# predictors tuned with this machine's row cost (--row-cost auto, the default: 0.101 here from
+# latency.txt's forwards of 2-4 tokens); 4.5 min from cached features; predictors-lensstate-auto.txt
+rm -rf $H/lensstate-auto; cp -r $H/drafter $H/lensstate-auto
+selfspec heads train-predictors --heads $H/lensstate-auto $P
+# 40 held-out problems (13 min). In the run kept here lensstate-auto was the first estimator's
+# (forwards of 2-6 tokens: row cost 0.14; predictors-lensstate-row014-tuning.txt)
+selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset humaneval --n 40 --max-new-tokens 96 \
+  --methods ar,specee:heads=$H/lensstate-r10,verify=true,tuned=true,specee:heads=$H/lensstate-auto,verify=true,tuned=true \
+  --out ${OUT:-.}/qwen05-humaneval-40
+# analysis.txt: dump the predictors' data and replay trace (two train-predictors runs, 5 min each),
+# then the offline experiments, from this directory
+rm -rf /tmp/dumpH; cp -r $H/drafter /tmp/dumpH
+python dump.py heads train-predictors --heads /tmp/dumpH $P        # train.pt, eval.pt (layers 3, 6, 12, 17, 18)
+python dumptrace.py heads train-predictors --heads /tmp/dumpH $P   # trace.pt
+python replay.py          # §2 max_early
+python exp.py             # §3 discrimination, capacity
+python exp2.py /tmp/dumpH/heads.safetensors   # §4 head statistics as features
+python curve.py           # §5 learning curve
+python kbench.py          # §6 the bf16 rows kernel over T rows
