@@ -182,13 +182,13 @@ def tune_thresholds(trace: HeadTrace, num_layers: int, costs: SpecEECosts, max_e
                            ceiling(check, num_layers, costs, max_early))
 
 
-def ceiling(trace: HeadTrace, num_layers: int, costs: SpecEECosts, max_early: int = 5
-            ) -> SchedulePrediction:
+def ceiling(trace: HeadTrace, num_layers: int, costs: SpecEECosts,
+            max_early: int = DEFAULT_MAX_EARLY) -> SchedulePrediction:
     """The replay with perfect predictors: every trace layer on, each firing exactly where its
     top local candidate is the final token (confidence = label), so every exit is accepted
-    and each token exits at its first such layer. It bounds what better predictors could
+    and each token exits at its first such layer. It is about the most better predictors could
     give with the same candidates, layers and costs (a later exit than the first correct
-    layer, or a rejected one, costs more; switching a layer off saves only its check), and
+    layer, or a rejected one, costs more; switching a layer off would save only its check), and
     separates the predictors' share of a shortfall from the candidates' and the schedule's.
 
     Args:
