@@ -181,3 +181,27 @@ def test_a_cache_of_another_dtype_is_not_written_by_the_kernel(monkeypatch):
     with pytest.raises(RuntimeError, match="dtype"):
         ex.forward(torch.tensor([[5]]), torch.tensor([[0]]), cache)
     assert calls == []
+
+
+@pytest.mark.parametrize(("kernel", "dtype"), SETUPS)
+def test_layer_by_layer_calls_equal_one_call_bit_for_bit_with_the_rope_table_growing(kernel, dtype):
+    """SpecEE and AdaDecode run a token one layer per call; the fused path's RoPE rows are
+    slices of an fp32 copy of the table, which must follow the table when it grows."""
+    ex = _view("qwen2", dtype, kernel)
+    prompt = torch.randint(0, 250, (1, 5), generator=torch.Generator().manual_seed(4))
+    whole, split = _prefilled(ex, prompt), _prefilled(ex, prompt)
+    hidden = ex.embed(torch.tensor([[11, 3]]))
+    positions = torch.tensor([[5, 6]])
+    want = ex.run_layers(hidden, positions, 0, ex.num_layers, whole)
+    got = hidden
+    for i in range(ex.num_layers):
+        got = ex.run_layers(got, positions, i, i + 1, split)
+    assert torch.equal(got, want)
+    for pos0, num in [(2, 3), (300, 2), (9, 1), (700, 4)]:   # 300, 700 grow the table
+        cos, sin = ex._rope_span(hidden, pos0, num)
+        ref_cos, ref_sin = ex._rope_rows(hidden, torch.arange(pos0, pos0 + num)[None])
+        assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+        assert cos.dtype == torch.float32 and cos.is_contiguous() and cos.shape[0] == num
+    ex._rope(hidden, torch.tensor([[1500]]))   # grown by the torch path: the copy follows
+    cos, _ = ex._rope_span(hidden, 1400, 3)
+    assert torch.equal(cos, ex._rope_rows(hidden, torch.arange(1400, 1403)[None])[0])

@@ -232,3 +232,39 @@ def test_the_method_takes_a_shallow_threshold(executor, reference, tmp_path):
     assert run_step(executor, step, PROMPT, max_new_tokens=30).tokens == reference
     with pytest.raises(InvalidArgumentError, match="shallow_threshold"):
         build_step("specee", executor, {"heads": str(path), "shallow_threshold": 1.5})
+
+
+def test_a_draft_token_is_picked_among_the_candidates_as_over_the_whole_vocabulary(executor):
+    """The exit's logits range over its k candidates (ascending ids): the same token as the
+    argmax over [V] with -inf elsewhere, ties to the lowest id, and the same sampling
+    distribution once expanded to V."""
+    from selfspec.decoding.drafting import pick_draft_token
+    from selfspec.decoding.specee import ScanResult
+
+    ids, logits = torch.tensor([9, 7, 3, 5]), torch.tensor([1.0, 2.0, 2.0, 0.5])
+
+    class _Fixed:
+        def scan(self, *args):
+            return ScanResult(2, ids, logits, torch.zeros(1, 1, 8), 1, 0.0)
+
+    class _Pending:
+        def __len__(self):
+            return 1
+
+        def token(self, index=-1):
+            return 5
+
+    exits = SpecEEExits(_Fixed(), executor)
+    exit = exits.choose(_Pending(), SamplingConfig())
+    assert exit.layer == 2 and exit.vocab.rows.tolist() == [3, 5, 7, 9]
+    assert exit.logits.tolist() == [2.0, 0.5, 2.0, 1.0]
+    full = torch.full((executor.vocab_size,), float("-inf"))
+    full[ids] = logits
+    greedy = SamplingConfig()
+    assert pick_draft_token(exit.logits, greedy, None, vocab=exit.vocab).token_id == 3
+    assert pick_draft_token(full, greedy, None).token_id == 3
+    sampled = SamplingConfig(temperature=0.7, top_p=0.9)
+    gen = torch.Generator().manual_seed(0)
+    q = pick_draft_token(exit.logits, sampled, gen, vocab=exit.vocab).q
+    want = pick_draft_token(full, sampled, torch.Generator().manual_seed(0)).q
+    assert q.shape == want.shape and torch.allclose(q, want, atol=1e-6)

@@ -199,7 +199,8 @@ class ExitDrafter:
             if exit is None:  # no confident exit: verification produces this token
                 break
             pick = pick_draft_token(exit.logits, sampling, state.generator, exit.score,
-                                    policy.vocab, exit.proposal)
+                                    policy.vocab if exit.vocab is None else exit.vocab,
+                                    exit.proposal)
             token = pick.token_id
             draft.append(pick, exit.layer)
             if rule.should_stop(DraftTokenInfo(index=index, token_id=token, prob=pick.prob,

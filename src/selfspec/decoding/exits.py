@@ -47,12 +47,16 @@ class Exit:
         proposal: ``[V]`` (``[R]``) the distribution a sampled draft token must be drawn from
             when it is not ``logits``' transformed distribution (AdaDecode eq. 1 restricts it
             to the tokens above γ), or ``None``.
+        vocab: the rows ``logits`` range over when they are this exit's own (SpecEE's ``k``
+            candidates, ascending), overriding the policy's ``vocab``; ``None``: the
+            policy's.
     """
 
     layer: int
     logits: torch.Tensor
     score: torch.Tensor | None = None
     proposal: torch.Tensor | None = None
+    vocab: DraftVocab | None = None
 
 
 class ExitPolicy(Protocol):

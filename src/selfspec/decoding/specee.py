@@ -529,7 +529,7 @@ class SpecEEExits:
         executor: the model's executor.
 
     Attributes:
-        vocab: ``None`` (exit logits are ``[V]``: the candidates' logits, ``-inf`` elsewhere).
+        vocab: ``None``: each exit carries its own (its ``k`` candidates; logits ``[k]``).
         calls, seconds: predictor evaluations and their wall time, cumulative.
     """
 
@@ -582,8 +582,9 @@ class SpecEEExits:
     def choose(self, deferred: DeferredLayers, sampling: SamplingConfig,
                generator: torch.Generator | None = None) -> Exit | None:
         """Run the last pending position up to its first firing predictor; its
-        :class:`~selfspec.decoding.exits.Exit` (logits ``[V]``: the candidates' logits at
-        that layer, ``-inf`` elsewhere), or ``None`` when none fired."""
+        :class:`~selfspec.decoding.exits.Exit` (logits ``[k]``: the candidates' logits at
+        that layer, over its ``vocab``, the candidate ids ascending), or ``None`` when none
+        fired."""
         previous = self._previous if len(deferred) == 1 else deferred.hidden(-2)
 
         def advance(target: int) -> torch.Tensor:
@@ -596,10 +597,12 @@ class SpecEEExits:
         self.seconds += found.seconds
         if found.exit_layer is None:
             return None
-        logits = torch.full((self.executor.vocab_size,), float("-inf"),
-                            device=found.logits.device)
-        logits[found.ids] = found.logits
-        return Exit(found.exit_layer, logits)
+        # The draft token is picked among the k candidates alone (ascending ids, so ties go
+        # to the lowest id as over [V]): an argmax and softmax over all V rows, -inf but k,
+        # cost ~0.7 ms a draft token on the 0.5B model's 151,936 rows.
+        ids, order = found.ids.sort()
+        return Exit(found.exit_layer, found.logits[order],
+                    vocab=DraftVocab(ids, self.executor.vocab_size))
 
 
 class SpecEEDrafter(ExitDrafter):
