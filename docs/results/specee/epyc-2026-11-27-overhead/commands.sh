@@ -22,6 +22,7 @@ $BENCH --out ${OUT:-.}/qwen05-humaneval-40-before
 #    the Python side of one layer call (ovh2.py, ovh3.py)
 python prof.py specee > prof-specee.txt; python prof.py ar > prof-ar.txt
 python ovh2.py; python ovh3.py
+python kt.py   # per token: wall time, time in the compiled layer and output kernels, the rest
 # 4. the bf16 rows kernel's tiles and prefetch distance (kvar.py, needs the compile-time knobs
 #    it names added to kernels/bf16_rows.cpp; kvar.txt): no variant beats the noise, kept as is
 # 5. after 233465a (the fused path's RoPE rows sliced from an fp32 table; SpecEE's draft token
