@@ -129,6 +129,7 @@ def test_bulk_blocks_and_masked_caches_stay_on_the_torch_path(monkeypatch):
     calls = []
     fused = ex.fused_layers()
     monkeypatch.setattr(fused, "attention", lambda *a: calls.append(a) or a[1])
+    monkeypatch.setattr(fused, "attention_at", lambda *a: calls.append(a) or a[1])
     prompt = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(4))
     cache = _prefilled(ex, prompt)              # prefill: a bulk block
     assert calls == []
@@ -138,6 +139,11 @@ def test_bulk_blocks_and_masked_caches_stay_on_the_torch_path(monkeypatch):
         cache.append(layer, keys[:, :, :1], values[:, :, :1], 12)
     ex.forward(torch.tensor([[3]]), torch.tensor([[13]]), cache)
     assert calls == []
+    hidden = ex.run_layers_at(ex.embed(torch.tensor([[5]])), 14, 0, 1, cache)
+    assert calls == []                          # the layer-by-layer entry: the masked layer
+    for layer in range(1, ex.num_layers):       # stays on torch, the others need not
+        hidden = ex.run_layers_at(hidden, 14, layer, layer + 1, cache)
+    assert len(calls) == ex.num_layers - 1 and cache.lengths() == [15] * ex.num_layers
 
 
 @W4A8
@@ -205,3 +211,32 @@ def test_layer_by_layer_calls_equal_one_call_bit_for_bit_with_the_rope_table_gro
     ex._rope(hidden, torch.tensor([[1500]]))   # grown by the torch path: the copy follows
     cos, _ = ex._rope_span(hidden, 1400, 3)
     assert torch.equal(cos, ex._rope_rows(hidden, torch.arange(1400, 1403)[None])[0])
+
+
+@pytest.mark.parametrize(("kernel", "dtype"), SETUPS)
+def test_run_layers_at_equals_run_layers_bit_for_bit_and_returns_fresh_tensors(kernel, dtype):
+    """The layer-by-layer entry (DeferredLayers: SpecEE, AdaDecode, DSSD) takes the position as
+    an int and writes each attention output to one scratch buffer: the same hidden states and
+    cache as run_layers, and no returned tensor is overwritten by a later call."""
+    ex = _view("qwen2", dtype, kernel)
+    prompt = torch.randint(0, 250, (1, 5), generator=torch.Generator().manual_seed(6))
+    whole, split = _prefilled(ex, prompt), _prefilled(ex, prompt)
+    hidden = ex.embed(torch.tensor([[11, 3]]))
+    want = ex.run_layers(hidden, torch.tensor([[5, 6]]), 0, ex.num_layers, whole)
+    got, kept = hidden, []
+    for i in range(ex.num_layers):
+        got = ex.run_layers_at(got, 5, i, i + 1, split)
+        kept.append((got, got.clone()))
+    assert torch.equal(got, want)
+    assert all(torch.equal(out, copy) for out, copy in kept)
+    assert whole.lengths() == split.lengths() == [7] * ex.num_layers
+    for i in range(ex.num_layers):
+        assert torch.equal(whole.get(i)[0], split.get(i)[0])
+        assert torch.equal(whole.get(i)[1], split.get(i)[1])
+    one = ex.embed_token(8)                      # a view of the table's row, then one call
+    assert torch.equal(one, ex.embed(torch.tensor([[8]])))
+    assert torch.equal(ex.run_layers_at(one, 7, 0, ex.num_layers, split),
+                       ex.run_layers(one, torch.tensor([[7]]), 0, ex.num_layers, whole))
+    assert torch.equal(one, ex.embed(torch.tensor([[8]])))   # the table is not written
+    with pytest.raises(IndexError):
+        ex.embed_token(ex.embed_tokens.num_embeddings)

@@ -59,8 +59,7 @@ class DeferredLayers:
         """
         if self._pending:
             assert position == self._pending[-1].position + 1, "pending positions must be consecutive"
-        ids = torch.tensor([[token_id]], device=self.executor.device)
-        self._pending.append(_Pending(position, token_id, 0, self.executor.embed(ids)))
+        self._pending.append(_Pending(position, token_id, 0, self.executor.embed_token(token_id)))
 
     def position(self, index: int = -1) -> int:
         """Sequence position of the ``index``-th pending position (default: the last)."""
@@ -77,24 +76,30 @@ class DeferredLayers:
     def advance(self, target: int) -> None:
         """Run every pending position that is short of layer ``target`` up to it
         (``[0, target)`` done), batching positions that stand at the same layer."""
+        # Layers reached never increase along the pending positions (module doc), so the
+        # shallowest form a suffix and the position before it bounds how far they go in one
+        # call: no scan of every position (this runs ~15 times a token in SpecEE).
         pending = self._pending
-        while True:
-            low = min((p.reached for p in pending if p.reached < target), default=None)
-            if low is None:
-                break
-            group = [p for p in pending if p.reached == low]  # a suffix (see module doc)
-            stop = min((p.reached for p in pending if low < p.reached < target), default=target)
-            hidden = group[0].hidden if len(group) == 1 else torch.cat([p.hidden for p in group], 1)
-            start_pos = group[0].position
-            positions = torch.arange(start_pos, start_pos + len(group),
-                                     device=hidden.device).unsqueeze(0)
-            out = self.executor.run_layers(hidden, positions, low, stop, self.cache)
-            self.layer_forwards += len(group) * (stop - low)
-            if len(self.layer_batches) < len(group):
-                self.layer_batches.extend([0] * (len(group) - len(self.layer_batches)))
-            self.layer_batches[len(group) - 1] += stop - low
-            for i, p in enumerate(group):
-                p.hidden, p.reached = out[:, i: i + 1], stop
+        while pending and pending[-1].reached < target:
+            low = pending[-1].reached
+            first = len(pending) - 1
+            while first and pending[first - 1].reached == low:
+                first -= 1
+            assert not first or pending[first - 1].reached > low, "pending layers must not increase"
+            stop = target if not first else min(pending[first - 1].reached, target)
+            group = pending[first:]
+            num = len(group)
+            hidden = group[0].hidden if num == 1 else torch.cat([p.hidden for p in group], 1)
+            out = self.executor.run_layers_at(hidden, group[0].position, low, stop, self.cache)
+            self.layer_forwards += num * (stop - low)
+            if len(self.layer_batches) < num:
+                self.layer_batches.extend([0] * (num - len(self.layer_batches)))
+            self.layer_batches[num - 1] += stop - low
+            if num == 1:
+                group[0].hidden, group[0].reached = out, stop
+            else:
+                for i, p in enumerate(group):
+                    p.hidden, p.reached = out[:, i: i + 1], stop
 
     def drop_completed(self) -> None:
         """Forget leading positions that have run every layer (nothing left to defer)."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.errors import InvalidArgumentError
+from selfspec.executor.argmax import argmax_last
 from selfspec.validation import check_float, check_int, check_seed
 
 
@@ -118,5 +119,5 @@ def choose_next(logits: torch.Tensor, config: SamplingConfig,
         ``[N]`` int64 token ids.
     """
     if config.greedy:
-        return logits.argmax(dim=-1)
+        return argmax_last(logits)
     return sample(logits_to_probs(logits, config), generator)

@@ -247,8 +247,7 @@ class DrafterCandidates:
             token_id: the current token (the one this step runs through the layers).
             ngram: the prompt-lookup token, ``-1`` for none (ignored without ``self.ngram``).
         """
-        ids = torch.tensor([[token_id]], device=previous.device)
-        embedding = self.executor.embed(ids)
+        embedding = self.executor.embed_token(token_id)
         if self.fused is not None:  # its buffer is overwritten by the next call: copy
             return _candidates(self, self.fused(previous, embedding).clone(), ngram)
         predicted = self.drafter(previous, embedding)

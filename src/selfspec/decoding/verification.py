@@ -37,6 +37,7 @@ import torch
 
 from selfspec.decoding.sampling import SamplingConfig, logits_to_probs
 from selfspec.errors import InvalidArgumentError
+from selfspec.executor.argmax import argmax_last
 
 __all__ = ["VerifyOutput", "verify_greedy", "verify_sampling"]
 
@@ -95,7 +96,7 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Ve
     draft_tokens, target_logits = _check_shapes(draft_tokens, None, target_logits)
     num_drafted = draft_tokens.shape[0]
     # [D+1]: the target's greedy choice at every position, bonus position included.
-    target_argmax = target_logits.argmax(dim=-1)
+    target_argmax = argmax_last(target_logits)
     # [D]: 1 while the draft still agrees with the target, 0 from the first mismatch on.
     agree_prefix = (draft_tokens == target_argmax[:num_drafted]).cumprod(dim=0)
     # [1]

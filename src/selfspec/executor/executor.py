@@ -215,6 +215,8 @@ class LayerExecutor:
         self._rope_sin = torch.empty(0)
         # fp32 copies of the table for the fused path, and the table they were made from
         self._rope_rows_table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._rope_span_last: tuple | None = None  # (table, pos0, num, cos, sin)
+        self._fused_scratch: dict[int, torch.Tensor] = {}  # rows -> [1, rows, H] buffer
         self.max_positions = int(config.max_position_embeddings)
         self._fused: list[FusedLayers | None] = []  # built at first use: [] = not yet
 
@@ -374,6 +376,23 @@ class LayerExecutor:
         """Token embeddings: ``[B, T]`` int64 → ``[B, T, H]``."""
         return self.embed_tokens(input_ids)
 
+    def embed_token(self, token_id: int) -> torch.Tensor:
+        """One token's embedding ``[1, 1, H]``, equal to ``embed([[token_id]])``: a read-only
+        view of the table's row where the embedding is a plain ``nn.Embedding`` lookup (the
+        layer-by-layer methods embed each token separately; the lookup op cost 20-180 µs
+        a call on the AVX2 EPYC), else :meth:`embed`.
+
+        Raises:
+            IndexError: ``token_id`` outside ``[0, V)``.
+        """
+        emb = self.embed_tokens
+        if (type(emb) is torch.nn.Embedding and emb.max_norm is None
+                and not emb._forward_hooks and not emb._forward_pre_hooks):
+            if not 0 <= token_id < emb.num_embeddings:
+                raise IndexError(f"token id {token_id} is outside [0, {emb.num_embeddings})")
+            return emb.weight.detach()[token_id].view(1, 1, -1)
+        return self.embed(torch.tensor([[token_id]], device=self.device))
+
     def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, start: int, end: int,
                    cache: KVCache, skip: SkipPlan | None = None, *,
                    observe: Observer | None = None, write_cache: bool = True,
@@ -426,7 +445,7 @@ class LayerExecutor:
         fused = None if bulk or free or not write_cache or bsz != 1 else self.fused_layers()
         if (fused is not None and hidden.dtype == cache.dtype == fused.dtype
                 and cache.shape.batch_size == 1 and not cache.any_masked(start, end)):
-            return self._run_fused(fused, hidden, positions, start, end, cache, skip_attn,
+            return self._run_fused(fused, hidden, pos0, start, end, cache, skip_attn,
                                    skip_mlp, observe)
         cos, sin = self._rope(hidden, positions)  # [B, T, 1, head_dim]
         # Blocks from position 0 use SDPA's is_causal and need no explicit mask.
@@ -505,30 +524,77 @@ class LayerExecutor:
             made = (self._rope_cos, self._rope_cos.float().contiguous(),
                     self._rope_sin.float().contiguous())
             self._rope_rows_table = made
-        return made[1][pos0:pos0 + num], made[2][pos0:pos0 + num]
+        last = self._rope_span_last  # a token's layer calls share its rows: slice once
+        if last is not None and last[0] is made and last[1] == pos0 and last[2] == num:
+            return last[3], last[4]
+        cos, sin = made[1][pos0:pos0 + num], made[2][pos0:pos0 + num]
+        self._rope_span_last = (made, pos0, num, cos, sin)
+        return cos, sin
 
-    def _run_fused(self, fused: FusedLayers, hidden: torch.Tensor, positions: torch.Tensor,
+    def run_layers_at(self, hidden: torch.Tensor, pos0: int, start: int, end: int,
+                      cache: KVCache) -> torch.Tensor:
+        """:meth:`run_layers` for one sequence's ``T`` consecutive tokens from position
+        ``pos0`` (an int, not a position tensor), writing ``cache``; the same result bit for
+        bit. The entry of :class:`~selfspec.decoding.deferred.DeferredLayers`, through which
+        SpecEE, AdaDecode and DSSD run a token a layer or a few at a time (~15 calls a
+        token): it goes straight to the fused sub-layers where :meth:`run_layers` would, and
+        its per-call Python is what those methods pay on top of the layers.
+
+        Args:
+            hidden: ``[1, T, H]`` hidden states entering layer ``start``.
+            pos0: the first token's position, equal to the cache length of every layer run.
+            start / end: the layer range, ``0 <= start <= end <= L``.
+            cache: the batch-1 KV cache to read and append to.
+
+        Returns:
+            ``[1, T, H]`` hidden states leaving layer ``end - 1``.
+
+        Raises:
+            InvalidArgumentError: the layer range is outside ``[0, L]``.
+        """
+        num_new = hidden.shape[1]
+        fused = self._fused[0] if self._fused else self.fused_layers()
+        if (fused is None or hidden.shape[0] != 1 or self.is_free_block(pos0, num_new)
+                or not hidden.dtype == cache.dtype == fused.dtype
+                or cache.shape.batch_size != 1 or cache.any_masked(start, end)):
+            positions = torch.arange(pos0, pos0 + num_new, device=hidden.device).unsqueeze(0)
+            return self.run_layers(hidden, positions, start, end, cache)
+        self._check_range(start, end)
+        if start == end:
+            return hidden
+        return self._run_fused(fused, hidden, pos0, start, end, cache, (), (), None)
+
+    def _run_fused(self, fused: FusedLayers, hidden: torch.Tensor, pos0: int,
                    start: int, end: int, cache: KVCache, skip_attn: Sequence[int],
                    skip_mlp: Sequence[int], observe: Observer | None) -> torch.Tensor:
-        """:meth:`run_layers` for one sequence (``hidden`` ``[1, T, H]``) on fused sub-layers."""
-        from selfspec.executor.fused_layers import KVSegment
-
+        """:meth:`run_layers` for one sequence (``hidden`` ``[1, T, H]``, positions from
+        ``pos0``) on fused sub-layers."""
         num_new = hidden.shape[1]
-        pos0 = int(positions[0, 0])
         cos, sin = self._rope_span(hidden, pos0, num_new)
         cache.reserve(pos0 + num_new)
-        h = hidden[0].contiguous()
+        h = hidden.contiguous()  # [1, T, H]: the kernels read T rows of H
+        if observe is None and not skip_attn and not skip_mlp:
+            # Decoding's path: each attention output is read only by its MLP, so it goes to
+            # one scratch buffer (an allocation less per layer).
+            scratch = self._fused_scratch.get(num_new)
+            if scratch is None or scratch.dtype != h.dtype:
+                scratch = self._fused_scratch[num_new] = torch.empty_like(h)
+            for i in range(start, end):
+                keys, values = cache.claim(i, pos0, num_new)
+                h = fused.mlp(i, fused.attention_at(i, h, cos, sin, keys, values, pos0,
+                                                    scratch))
+            return h
         for i in range(start, end):
             if i not in skip_attn:
                 keys, values = cache.claim(i, pos0, num_new)
-                h = fused.attention(i, h, cos, sin, [KVSegment(keys, values, pos0, 0, num_new)])
+                h = fused.attention_at(i, h, cos, sin, keys, values, pos0)
             if observe is not None:
-                observe(i, "attention", h.unsqueeze(0))
+                observe(i, "attention", h)
             if i not in skip_mlp:
                 h = fused.mlp(i, h)
             if observe is not None:
-                observe(i, "mlp", h.unsqueeze(0))
-        return h.unsqueeze(0)
+                observe(i, "mlp", h)
+        return h
 
     def run_rows(self, hidden: torch.Tensor, positions: torch.Tensor, lengths: Sequence[int],
                  start: int, end: int, caches: Sequence[KVCache]) -> torch.Tensor:

@@ -179,6 +179,9 @@ class FusedLayers:
         self._keep: list[object] = []  # ctypes structs the args point into
         self._attention_args: list[_AttentionArgs] = []
         self._mlp_args: list[_MlpArgs] = []
+        # The one segment of a one-sequence call (:meth:`attention_at`), refilled per call:
+        # building a ctypes array per call cost more than the fields.
+        self._one_segment = (_Segment * 1)()
         for part in self._parts:
             (qkv, _, _), (o, hidden, _), (gate_up, _, _), (down, _, inter) = (
                 _matrix(m) for m in (part.qkv, part.o, part.gate_up, part.down))
@@ -217,12 +220,42 @@ class FusedLayers:
         self._attention_fn(ctypes.byref(args))
         return out
 
+    def attention_at(self, layer: int, hidden: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     first_position: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`attention` for one sequence: ``hidden`` ``[T, H]`` or ``[1, T, H]``
+        (contiguous) is its consecutive tokens from ``first_position``, with that layer's
+        storage ``keys`` / ``values`` (``[1, H_kv, capacity, head_dim]``, holding positions
+        ``0 .. first_position - 1``). The same call as :meth:`attention` with one
+        :class:`KVSegment`, without building one: the layer-by-layer decoding of SpecEE and
+        AdaDecode makes ~15 such calls a token, so their Python counts.
+
+        Args:
+            out: where to write the result (``hidden``'s shape, not ``hidden``), or ``None``
+                for a new tensor.
+
+        Returns:
+            ``out``, or a new tensor shaped as ``hidden``.
+        """
+        if out is None:
+            out = torch.empty_like(hidden)
+        rows = hidden.shape[-2]
+        seg = self._one_segment[0]
+        seg.keys, seg.values, seg.capacity = keys.data_ptr(), values.data_ptr(), keys.shape[2]
+        seg.first_position, seg.first_row, seg.rows = first_position, 0, rows
+        args = self._attention_args[layer]
+        args.hidden_in, args.hidden_out = hidden.data_ptr(), out.data_ptr()
+        args.cos, args.sin = cos.data_ptr(), sin.data_ptr()
+        args.segments, args.num_segments, args.rows = self._one_segment, 1, rows
+        self._attention_fn(ctypes.byref(args))
+        return out
+
     def mlp(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden + mlp_sublayer(hidden)`` for layer ``layer``: ``[T, H]`` → ``[T, H]``
-        (``hidden`` contiguous in :attr:`dtype`, not modified)."""
+        """``hidden + mlp_sublayer(hidden)`` for layer ``layer``: ``[T, H]`` (or ``[1, T,
+        H]``) → the same shape (``hidden`` contiguous in :attr:`dtype`, not modified)."""
         out = torch.empty_like(hidden)
         args = self._mlp_args[layer]
         args.hidden_in, args.hidden_out = hidden.data_ptr(), out.data_ptr()
-        args.rows = hidden.shape[0]
+        args.rows = hidden.shape[-2]
         self._mlp_fn(ctypes.byref(args))
         return out
