@@ -9,6 +9,7 @@ import torch
 from tiny import tiny_model, tiny_tokenizer
 
 import selfspec
+from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor, SkipPlan
 from selfspec.executor.bf16_rows import bf16_rows_available
 from selfspec.executor.cpu import detect_cpu
@@ -240,3 +241,6 @@ def test_run_layers_at_equals_run_layers_bit_for_bit_and_returns_fresh_tensors(k
     assert torch.equal(one, ex.embed(torch.tensor([[8]])))   # the table is not written
     with pytest.raises(IndexError):
         ex.embed_token(ex.embed_tokens.num_embeddings)
+    with pytest.raises(InvalidArgumentError, match="outside"):
+        ex.run_layers_at(one, 8, 0, ex.num_layers + 1, split)
+    assert split.lengths() == [8] * ex.num_layers    # nothing written

@@ -552,6 +552,9 @@ class LayerExecutor:
         Raises:
             InvalidArgumentError: the layer range is outside ``[0, L]``.
         """
+        self._check_range(start, end)
+        if start == end:
+            return hidden
         num_new = hidden.shape[1]
         fused = self._fused[0] if self._fused else self.fused_layers()
         if (fused is None or hidden.shape[0] != 1 or self.is_free_block(pos0, num_new)
@@ -559,9 +562,6 @@ class LayerExecutor:
                 or cache.shape.batch_size != 1 or cache.any_masked(start, end)):
             positions = torch.arange(pos0, pos0 + num_new, device=hidden.device).unsqueeze(0)
             return self.run_layers(hidden, positions, start, end, cache)
-        self._check_range(start, end)
-        if start == end:
-            return hidden
         return self._run_fused(fused, hidden, pos0, start, end, cache, (), (), None)
 
     def _run_fused(self, fused: FusedLayers, hidden: torch.Tensor, pos0: int,
