@@ -13,8 +13,8 @@ python brk.py > breakdown.txt
 #    Python side alone, kernels stubbed, and single operations (py.py); kernel time against
 #    the rest per layer call (cold.py)
 python rl3.py; python py.py; python cold.py
-# 3. Two bench runs after 278095f (11 min each): qwen05-humaneval-40-after-3.md, -after-4.md
-for r in 3 4; do
+# 3. Three bench runs after 278095f (11 min each): qwen05-humaneval-40-after-3.md, -4.md, -5.md (40f463a)
+for r in 3 4 5; do
 selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset humaneval --n 40 --max-new-tokens 96 \
   --methods ar,specee:heads=$H/lensstate-r10,verify=true,tuned=true,specee:heads=$H/lensstate-98ks,verify=true,tuned=true \
   --out ${OUT:-.}/qwen05-humaneval-40-after-$r
