@@ -573,21 +573,18 @@ class LayerExecutor:
         cos, sin = self._rope_span(hidden, pos0, num_new)
         cache.reserve(pos0 + num_new)
         h = hidden.contiguous()  # [1, T, H]: the kernels read T rows of H
-        if observe is None and not skip_attn and not skip_mlp:
-            # Decoding's path: each attention output is read only by its MLP, so it goes to
-            # one scratch buffer (an allocation less per layer).
+        scratch = None
+        if observe is None:
+            # An attention output that only its MLP reads goes to one scratch buffer (an
+            # allocation less per layer; the MLP's output is always a new tensor).
             scratch = self._fused_scratch.get(num_new)
             if scratch is None or scratch.dtype != h.dtype:
                 scratch = self._fused_scratch[num_new] = torch.empty_like(h)
-            for i in range(start, end):
-                keys, values = cache.claim(i, pos0, num_new)
-                h = fused.mlp(i, fused.attention_at(i, h, cos, sin, keys, values, pos0,
-                                                    scratch))
-            return h
         for i in range(start, end):
             if i not in skip_attn:
                 keys, values = cache.claim(i, pos0, num_new)
-                h = fused.attention_at(i, h, cos, sin, keys, values, pos0)
+                h = fused.attention_at(i, h, cos, sin, keys, values, pos0,
+                                       None if i in skip_mlp else scratch)
             if observe is not None:
                 observe(i, "attention", h)
             if i not in skip_mlp:

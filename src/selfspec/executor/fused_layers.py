@@ -209,16 +209,10 @@ class FusedLayers:
         Returns:
             ``[T, H]`` in :attr:`dtype`.
         """
-        out = torch.empty_like(hidden)
         segs = (_Segment * len(segments))(*[
             _Segment(s.keys.data_ptr(), s.values.data_ptr(), s.keys.shape[2], s.first_position,
                      s.first_row, s.rows) for s in segments])
-        args = self._attention_args[layer]
-        args.hidden_in, args.hidden_out = hidden.data_ptr(), out.data_ptr()
-        args.cos, args.sin = cos.data_ptr(), sin.data_ptr()
-        args.segments, args.num_segments, args.rows = segs, len(segments), hidden.shape[0]
-        self._attention_fn(ctypes.byref(args))
-        return out
+        return self._attend(layer, hidden, cos, sin, segs, len(segments), torch.empty_like(hidden))
 
     def attention_at(self, layer: int, hidden: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -237,16 +231,19 @@ class FusedLayers:
         Returns:
             ``out``, or a new tensor shaped as ``hidden``.
         """
-        if out is None:
-            out = torch.empty_like(hidden)
-        rows = hidden.shape[-2]
         seg = self._one_segment[0]
         seg.keys, seg.values, seg.capacity = keys.data_ptr(), values.data_ptr(), keys.shape[2]
-        seg.first_position, seg.first_row, seg.rows = first_position, 0, rows
+        seg.first_position, seg.first_row, seg.rows = first_position, 0, hidden.shape[-2]
+        return self._attend(layer, hidden, cos, sin, self._one_segment, 1,
+                            torch.empty_like(hidden) if out is None else out)
+
+    def _attend(self, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segments: ctypes.Array, num_segments: int, out: torch.Tensor) -> torch.Tensor:
+        """The attention kernel call of :meth:`attention` and :meth:`attention_at`."""
         args = self._attention_args[layer]
         args.hidden_in, args.hidden_out = hidden.data_ptr(), out.data_ptr()
         args.cos, args.sin = cos.data_ptr(), sin.data_ptr()
-        args.segments, args.num_segments, args.rows = self._one_segment, 1, rows
+        args.segments, args.num_segments, args.rows = segments, num_segments, hidden.shape[-2]
         self._attention_fn(ctypes.byref(args))
         return out
 
