@@ -444,6 +444,25 @@ def test_plots_cover_speedup_exit_layers_and_sweeps(tmp_path):
     assert [p.name for p in only_ar] == ["speedup.png"]
 
 
+def test_plot_labels_shorten_paths_and_wrap_between_options():
+    """A method spec holding a heads path squeezed the plots' axes to a sliver (the label
+    was wider than the figure); labels now name a file by its folder or name and wrap."""
+    from selfspec.bench.plots import LABEL_WIDTH, plot_label
+
+    label = plot_label("specee:heads=/root/.cache/selfspec/heads/qwen2.5-coder-1.5b-instruct/"
+                       "lensstate,verify=true,tuned=true")
+    assert label == "specee:heads=lensstate,\nverify=true,tuned=true"
+    assert plot_label("dssd:heads=/x/y/lens/heads.safetensors,gamma=0.97") == (
+        "dssd:heads=lens,gamma=0.97")
+    assert plot_label("knapspec:skip=./sets/skip-set.json") == "knapspec:skip=skip-set.json"
+    assert plot_label("ar") == "ar"
+    assert plot_label("layerskip (draft_len=3)") == "layerskip (draft_len=3)"
+    long = plot_label("adadecode:" + ",".join(f"option{i}=0.{i}" for i in range(12)))
+    assert all(len(line) <= LABEL_WIDTH for line in long.splitlines())
+    assert long.replace("\n", "") == "adadecode:" + ",".join(
+        f"option{i}=0.{i}" for i in range(12))
+
+
 # ---------------------------------------------------------------- CLI
 
 

@@ -19,7 +19,7 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from selfspec.bench.metrics import MethodSummary
 from selfspec.bench.spec import MethodConfig
@@ -40,6 +40,30 @@ def _speed_measure(summaries: Sequence[MethodSummary]) -> _Measure:
         if any(getattr(s, attr) is not None for s in summaries):
             return _Measure(attr, label)
     return _Measure("tokens_per_s", "tokens / s")
+
+
+_PATH_VALUE = re.compile(r"(?<==)[^,=()\s]*/[^,=()\s]*")
+LABEL_WIDTH = 34  # characters per line of a method's label in a plot
+
+
+def _short_path(match: re.Match) -> str:
+    path = PurePath(match.group(0).rstrip("/"))
+    # a head file is named by its folder (``.../lensstate/heads.safetensors`` → lensstate)
+    return path.parent.name if path.suffix == ".safetensors" and path.parent.name else path.name
+
+
+def plot_label(method: str, width: int = LABEL_WIDTH) -> str:
+    """A method's label for a plot: file and folder values shortened to their name
+    (``heads=/root/.cache/.../lensstate`` → ``heads=lensstate``), then wrapped between
+    options at ``width`` characters, so that long method specs do not squeeze the axes.
+    The report's tables keep the full spec."""
+    text = _PATH_VALUE.sub(_short_path, method)
+    lines = [""]
+    for part in re.split(r"(?<=[,:])", text):  # break after an option's comma or the colon
+        if lines[-1] and len(lines[-1]) + len(part) > width:
+            lines.append("")
+        lines[-1] += part
+    return "\n".join(lines)
 
 
 def require_matplotlib() -> None:
@@ -67,8 +91,9 @@ def plot_speedup(summaries: Sequence[MethodSummary], path: Path) -> Path:
     """Horizontal bars, one per method; failed methods are shown as "failed"."""
     plt = _pyplot()
     measure = _speed_measure(summaries)
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(summaries) + 1.5))
-    names = [s.method for s in summaries]
+    lines = sum(plot_label(s.method).count("\n") + 1 for s in summaries)
+    fig, ax = plt.subplots(figsize=(8, 0.3 * lines + 0.2 * len(summaries) + 1.5))
+    names = [plot_label(s.method) for s in summaries]
     values = [getattr(s, measure.attr) or 0.0 for s in summaries]
     bars = ax.barh(range(len(names)), values,
                    color=["tab:gray" if s.method in ("ar", "hf-ar") else "tab:blue"
@@ -91,7 +116,7 @@ def plot_speedup(summaries: Sequence[MethodSummary], path: Path) -> Path:
 
 def _others(config: MethodConfig, key: str) -> str:
     rest = ",".join(f"{k}={v}" for k, v in config.options.items() if k != key)
-    return config.name + (f" ({rest})" if rest else "")
+    return plot_label(config.name + (f" ({rest})" if rest else ""))
 
 
 def _numeric(value: object) -> bool:
@@ -230,10 +255,11 @@ def plot_accuracy_vs_speedup(summaries: Sequence[MethodSummary], path: Path) -> 
     fig, ax = plt.subplots(figsize=(7.5, 5))
     ax.scatter([p[0] for p in points], [100 * p[1] for p in points], zorder=3)
     for x, y, label in points:
-        ax.annotate(label, (x, 100 * y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        ax.annotate(plot_label(label), (x, 100 * y), fontsize=7, xytext=(4, 3), textcoords="offset points")
     front = pareto_front([(x, y) for x, y, _ in points])
     ax.plot([p[0] for p in front], [100 * p[1] for p in front], "--", color="grey",
             label="Pareto frontier", zorder=2)
+    ax.margins(x=0.2)  # room for the rightmost point's label inside the figure
     return _save_axes(plt, fig, ax, measure.label, "accuracy (%)", path)
 
 
