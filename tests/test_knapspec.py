@@ -257,6 +257,19 @@ def test_a_latency_measurement_is_kept_per_cpu_kernel_level(monkeypatch):
     assert len(keys) == 3
 
 
+def test_models_of_other_shapes_under_one_name_get_their_own_latency_key():
+    """Two models loaded under one name read each other's timings when the key held the name
+    only (in the test suite, tiny models of 6 and 8 layers are all named ``model``)."""
+    from selfspec.executor import cost_model
+
+    six = LayerExecutor(tiny_model("qwen2", seed=5))
+    eight = LayerExecutor(tiny_model("qwen2", seed=5, num_layers=8))
+    other_seed = LayerExecutor(tiny_model("qwen2", seed=6))
+    assert six.name == eight.name
+    assert cost_model.machine_key(six) != cost_model.machine_key(eight)
+    assert cost_model.machine_key(six) == cost_model.machine_key(other_seed)  # weights: same cost
+
+
 @pytest.mark.skipif(not quantized_kernels_available("int4"), reason="no CPU int4 kernel here")
 def test_knapspec_on_int4_draft_weights_drafts_on_them_and_stays_lossless(executor, ar_tokens):
     """draft_weights: drafts run on the int4 copies and cost what the view's latency model

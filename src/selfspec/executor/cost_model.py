@@ -147,8 +147,15 @@ def machine_key(executor: LayerExecutor) -> str:
     """What a measurement holds for: model, dtype, decoding kernel (and a draft view's weight
     format; for selfspec's own kernels, a digest of their source), threads, processor and
     its kernel level (cloud VMs often name every CPU "AMD EPYC"; an AVX2-only one and one
-    with native bf16 time the same model 1.5-2x apart, so the name alone is not enough)."""
+    with native bf16 time the same model 1.5-2x apart, so the name alone is not enough).
+    The model's shapes are part of the key: two models loaded under one name (a user's
+    ``name=``, or a resized model) must not read each other's timings."""
     name = executor.name.replace("/", "_")
+    cfg = executor.config
+    shape = "x".join(str(getattr(cfg, attr, None) or 0) for attr in (
+        "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+        "num_key_value_heads", "vocab_size"))
+    name += f"-{shape}"
     formats = getattr(executor, "formats", None)
     kernel = ""
     if formats is not None and formats.rows != "weights":
