@@ -91,9 +91,9 @@ def plot_speedup(summaries: Sequence[MethodSummary], path: Path) -> Path:
     """Horizontal bars, one per method; failed methods are shown as "failed"."""
     plt = _pyplot()
     measure = _speed_measure(summaries)
-    lines = sum(plot_label(s.method).count("\n") + 1 for s in summaries)
-    fig, ax = plt.subplots(figsize=(8, 0.3 * lines + 0.2 * len(summaries) + 1.5))
     names = [plot_label(s.method) for s in summaries]
+    lines = sum(name.count("\n") + 1 for name in names)
+    fig, ax = plt.subplots(figsize=(8, 0.3 * lines + 0.2 * len(summaries) + 1.5))
     values = [getattr(s, measure.attr) or 0.0 for s in summaries]
     bars = ax.barh(range(len(names)), values,
                    color=["tab:gray" if s.method in ("ar", "hf-ar") else "tab:blue"
@@ -255,7 +255,8 @@ def plot_accuracy_vs_speedup(summaries: Sequence[MethodSummary], path: Path) -> 
     fig, ax = plt.subplots(figsize=(7.5, 5))
     ax.scatter([p[0] for p in points], [100 * p[1] for p in points], zorder=3)
     for x, y, label in points:
-        ax.annotate(plot_label(label), (x, 100 * y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        ax.annotate(plot_label(label), (x, 100 * y), fontsize=7, xytext=(4, 3),
+                    textcoords="offset points")
     front = pareto_front([(x, y) for x, y, _ in points])
     ax.plot([p[0] for p in front], [100 * p[1] for p in front], "--", color="grey",
             label="Pareto frontier", zorder=2)
