@@ -110,8 +110,12 @@ def check_held_out(prompts: Sequence[Prompt], dataset: str, methods: Sequence[Me
         :class:`HeldOutCheck`. A missing or unreadable head file is skipped here: its method
         fails with that error when it is built, and the others run.
     """
-    from selfspec.heads.files import read_head_file, resolve_path
-    from selfspec.heads.skip_set import HELD_OUT_PREFIX, read_skip_set, resolve_skip_set_path
+    from selfspec.heads.files import find_head_file, read_head_file
+    from selfspec.heads.skip_set import (
+        HELD_OUT_PREFIX,
+        read_skip_set,
+        resolve_skip_set_path,
+    )
     from selfspec.methods.registry import heads_files
 
     files: dict[str, list[str]] = {}
@@ -124,7 +128,7 @@ def check_held_out(prompts: Sequence[Prompt], dataset: str, methods: Sequence[Me
                 path = str(resolve_skip_set_path(name[len(HELD_OUT_PREFIX):], model))
                 skip_sets.add(path)
             else:
-                path = str(resolve_path(name, model))
+                path = str(find_head_file(name, model))
             files.setdefault(path, []).append(method.label)
     seen: set[str] = set()
     legacy = []

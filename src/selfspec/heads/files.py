@@ -233,6 +233,24 @@ def resolve_path(path: str | os.PathLike, model: str | None = None) -> Path:
     return p
 
 
+def find_head_file(path: str | os.PathLike, model: str | None = None) -> Path:
+    """The head file to read for ``path``: as :func:`resolve_path`, and a bare name that is
+    not a local file or directory (``"lensstate"``) names a folder beside the default heads,
+    ``$SELFSPEC_HOME/heads/<model>/<name>/heads.safetensors``, when that file exists.
+
+    Only for reading: a write target keeps :func:`resolve_path`'s meaning, so ``--out NAME``
+    never overwrites a file in the model's heads folder that the user did not name by path.
+    """
+    local = resolve_path(path, model)
+    text = str(path)
+    if local.exists() or not model or text in (DEFAULT, DEFAULT_PROBES):
+        return local
+    if Path(text).name != text or text in (".", ".."):
+        return local  # a path with folders: only what it says
+    named = default_heads_dir(model).parent / text / FILE_NAME
+    return named if named.is_file() else local
+
+
 def model_name(source: object) -> str:
     """Name of a ``SelfSpec`` engine (``.name``) or an HF model (``config._name_or_path``)."""
     name = getattr(source, "name", None)
@@ -376,7 +394,8 @@ def load_heads(path: str | os.PathLike, source: object, *, check_model: bool = T
 
     Args:
         path: ``"default"`` (``$SELFSPEC_HOME/heads/<model>/default/``), a directory holding
-            ``heads.safetensors``, or the file itself.
+            ``heads.safetensors``, the file itself, or a bare folder name under
+            ``$SELFSPEC_HOME/heads/<model>/`` (``"lensstate"``; :func:`find_head_file`).
         source: the model they are for: a ``SelfSpec`` engine, a ``LayerExecutor`` or an HF
             causal LM. Heads are built in that model's dtype and device and share its
             ``lm_head``.
@@ -392,7 +411,7 @@ def load_heads(path: str | os.PathLike, source: object, *, check_model: bool = T
         CorruptModelFileError: the file is truncated, damaged or incomplete.
     """
     name = model_name(source)
-    target = resolve_path(path, name)
+    target = find_head_file(path, name)
     if not target.is_file():
         if str(path) == DEFAULT:
             hint = (f"no default heads for model {name!r} at {target.parent}; train them with "
@@ -402,6 +421,9 @@ def load_heads(path: str | os.PathLike, source: object, *, check_model: bool = T
                     f"`selfspec heads train-probe --model {name} --exit-layer E`")
         else:
             hint = f"no head file at {target}"
+            if Path(str(path)).name == str(path):
+                hint += (f" (nor at {default_heads_dir(name).parent / str(path) / FILE_NAME}, "
+                         f"where a bare name is looked up)")
         raise HeadsNotFoundError(hint)
     raw = _read(target)
     card = raw.card

@@ -93,9 +93,9 @@ class MethodContext:
                 :func:`selfspec.heads.load_heads`.
         """
         from selfspec.heads import load_heads
-        from selfspec.heads.files import resolve_path
+        from selfspec.heads.files import find_head_file
 
-        resolved = resolve_path(path, self.executor.name)
+        resolved = find_head_file(path, self.executor.name)
         return self.file_cached("heads", resolved, lambda: load_heads(path, self.executor))
 
     def file_cached(self, kind: str, path: Path, load: Callable[[], Any]) -> Any:

@@ -131,9 +131,10 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     t.set_defaults(func=_cmd_tune_adadecode)
 
     s = sub.add_parser("show", help="print a head file's card (or a skip-set .json file)")
-    s.add_argument("path", help="head file or directory, 'default' (with --model), or a "
-                                "skip-set .json file")
-    s.add_argument("--model", default=None, help="model for 'default' (default: the registry default)")
+    s.add_argument("path", help="head file or directory, 'default' or a folder name under the "
+                                "model's heads (with --model), or a skip-set .json file")
+    s.add_argument("--model", default=None,
+                   help="model for 'default' or a folder name (default: the registry default)")
     s.add_argument("--metric", default="entropy", choices=["max_prob", "entropy", "margin"])
     s.add_argument("--json", action="store_true", help="print the card as JSON")
     s.set_defaults(func=_cmd_show)
@@ -449,16 +450,12 @@ def _report(args: argparse.Namespace, outcome) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from selfspec.heads.files import read_head_file, resolve_path
+    from selfspec.heads.files import find_head_file, read_head_file
+    from selfspec.models.registry import DEFAULT_MODEL
     from selfspec.training.calibration import DEFAULT_EPSILONS
     from selfspec.training.pipeline import calibrate_file
 
-    if args.path == "default":
-        from selfspec.models.registry import DEFAULT_MODEL
-
-        path = resolve_path("default", args.model or DEFAULT_MODEL)
-    else:
-        path = resolve_path(args.path)
+    path = find_head_file(args.path, args.model or DEFAULT_MODEL)
     card = read_head_file(path).card
     dtype = args.dtype or (card.training.feature_dtype if card.training else None)
     engine = _load_engine(args, args.model or card.model, dtype)
@@ -473,13 +470,13 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune_adadecode(args: argparse.Namespace) -> int:
-    from selfspec.heads.files import read_head_file, resolve_path
+    from selfspec.heads.files import find_head_file, read_head_file
     from selfspec.models.registry import DEFAULT_MODEL
     from selfspec.training.corpus import parse_data_spec
     from selfspec.training.pipeline import DEFAULT_TUNE_VOCABS, tune_adadecode_file
 
     sources = parse_data_spec(args.data) if args.data else None  # refused before loading
-    path = resolve_path(args.path, args.model or DEFAULT_MODEL)
+    path = find_head_file(args.path, args.model or DEFAULT_MODEL)
     card = read_head_file(path).card
     dtype = args.dtype or (card.training.feature_dtype if card.training else None)
     engine = _load_engine(args, args.model or card.model, dtype)
@@ -515,7 +512,7 @@ def _print_adadecode(ac, num_layers: int, out=None) -> None:
 def _cmd_show(args: argparse.Namespace) -> int:
     import json
 
-    from selfspec.heads.files import read_head_file, resolve_path
+    from selfspec.heads.files import find_head_file, read_head_file
     from selfspec.models.registry import DEFAULT_MODEL
 
     if args.path.endswith(".json"):  # a skip-set file (selfspec heads search-skip)
@@ -528,7 +525,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
             print(args.path)
             _print_skip_set(skip_set)
         return 0
-    path = resolve_path(args.path, args.model or DEFAULT_MODEL)
+    path = find_head_file(args.path, args.model or DEFAULT_MODEL)
     card = read_head_file(path).card
     if args.json:
         print(json.dumps(card.to_dict(), indent=1))
@@ -606,14 +603,14 @@ def _cmd_train_predictors(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
-    from selfspec.heads.files import read_head_file, resolve_path
+    from selfspec.heads.files import find_head_file, read_head_file
     from selfspec.models.registry import DEFAULT_MODEL
     from selfspec.training.drafter import DrafterTrainConfig
     from selfspec.training.pipeline import DrafterRequest, train_drafter
 
     config = DrafterTrainConfig(epochs=args.epochs, exit_mix=args.exit_mix,
                                 compute_dtype=_compute_dtype(args))
-    path = resolve_path(args.path, args.model or DEFAULT_MODEL)
+    path = find_head_file(args.path, args.model or DEFAULT_MODEL)
     card = read_head_file(path).card
     data = None  # default: the corpus the heads were trained on (same held-out problems)
     if args.data or args.tokens:

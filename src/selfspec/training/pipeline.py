@@ -51,6 +51,7 @@ from selfspec.heads.files import (
     DEFAULT_PROBES,
     CalibrationSet,
     ExitHeads,
+    find_head_file,
     load_heads,
     model_name,
     new_card,
@@ -390,7 +391,7 @@ def calibrate_file(engine: Engine, path: str, request: DataRequest | None = None
     whose held-out problems are then the same as at training time. ``draft_vocabs``: sizes K
     to calibrate on the K most frequent tokens too (``None`` = those calibrated before).
     """
-    target = resolve_path(path, model_name(engine))
+    target = find_head_file(path, model_name(engine))
     heads = load_heads(target, engine)
     if request is None:
         info = heads.card.training
@@ -485,7 +486,7 @@ def train_probe(engine: Engine, request: ProbeRequest, progress: bool = True) ->
     if sampling is not None and sampling.greedy:
         raise InvalidArgumentError("a sampled-decoding probe needs temperature > 0")
     if request.heads is not None:
-        target = resolve_path(request.heads, model_name(engine))
+        target = find_head_file(request.heads, model_name(engine))
         container = load_heads(target, engine)
     else:
         target = resolve_path(request.out or DEFAULT_PROBES, model_name(engine))
@@ -772,7 +773,7 @@ def train_predictors(engine: Engine, request: PredictorRequest,
         raise InvalidArgumentError(f"--k must be in [2, 64], got {request.num_candidates}")
     if request.draft_vocab < 0:
         raise InvalidArgumentError(f"--draft-vocab must be >= 0, got {request.draft_vocab}")
-    target = resolve_path(request.heads, model_name(engine))
+    target = find_head_file(request.heads, model_name(engine))
     container = load_heads(target, engine)
     drafted = request.candidates.startswith("drafter")
     if drafted:
@@ -1045,7 +1046,7 @@ def train_drafter(engine: Engine, request: DrafterRequest, progress: bool = True
     ex = engine.executor
     if request.draft_vocab < 0:
         raise InvalidArgumentError(f"--draft-vocab must be >= 0, got {request.draft_vocab}")
-    target = resolve_path(request.heads, model_name(engine))
+    target = find_head_file(request.heads, model_name(engine))
     container = load_heads(target, engine)
     data = request.data
     if data is None:
@@ -1161,7 +1162,7 @@ def tune_adadecode_file(engine: Engine, path: str, sources: Sequence[str] | None
     from selfspec.decoding.draft_vocab import frequent_rows
 
     t0 = time.perf_counter()
-    target = resolve_path(path, model_name(engine))
+    target = find_head_file(path, model_name(engine))
     heads = load_heads(target, engine)
     info = heads.card.training
     if info is None:
