@@ -462,7 +462,7 @@ def test_missing_default_heads_say_how_to_train(executor, tmp_path, monkeypatch)
 def test_a_bare_name_reads_a_folder_beside_the_default_heads(trained, tmp_path, monkeypatch):
     """``heads=lensstate`` finds ``$SELFSPEC_HOME/heads/<model>/lensstate``; a local folder of
     that name wins, and a write target (``save_heads``) keeps its own meaning."""
-    from selfspec.heads.files import default_heads_dir, find_head_file
+    from selfspec.heads.files import default_heads_dir, find_head_file, read_head_file
 
     monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
@@ -474,6 +474,9 @@ def test_a_bare_name_reads_a_folder_beside_the_default_heads(trained, tmp_path, 
     assert load_heads("mine", engine).layers == [2, 4]
     with pytest.raises(HeadsNotFoundError, match="where a bare name is looked up"):
         load_heads("other", engine)
+    assert read_head_file("mine", "tiny-llama").card.layers == [2, 4]
+    with pytest.raises(HeadsNotFoundError, match="where a bare name is looked up"):
+        read_head_file("other", "tiny-llama")
     # A local folder of that name is what the name means.
     local = save_heads(_heads(ex, trained), tmp_path / "mine")
     assert find_head_file("mine", "tiny-llama").resolve() == local.resolve()

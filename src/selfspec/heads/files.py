@@ -354,14 +354,38 @@ def _not_heads(path: Path, why: str) -> CorruptModelFileError:
         "written by `selfspec heads train` (or 'default').")
 
 
-def read_head_file(path: str | os.PathLike) -> HeadFile:
+def read_head_file(path: str | os.PathLike, model: str | None = None) -> HeadFile:
     """Read a head file's card and tensors without a model (``selfspec heads show``).
+
+    Args:
+        path: as for :func:`load_heads`; ``model`` names the model whose heads folder
+            ``"default"`` and a bare folder name refer to (:func:`find_head_file`).
 
     Raises:
         HeadsNotFoundError: no file at ``path``.
         CorruptModelFileError: unreadable, truncated, or not a selfspec head file.
     """
-    return _read(resolve_path(path))
+    target = find_head_file(path, model)
+    if not target.is_file():
+        raise HeadsNotFoundError(_missing(path, target, model))
+    return _read(target)
+
+
+def _missing(path: str | os.PathLike, target: Path, model: str | None) -> str:
+    """The not-found message for ``path`` (resolved to ``target``): how to train a missing
+    default, and where a bare name was looked up."""
+    text = str(path)
+    if text == DEFAULT:
+        return (f"no default heads for model {model!r} at {target.parent}; train them with "
+                f"`selfspec heads train --model {model}`")
+    if text == DEFAULT_PROBES:
+        return (f"no default probes for model {model!r} at {target.parent}; train one with "
+                f"`selfspec heads train-probe --model {model} --exit-layer E`")
+    hint = f"no head file at {target}"
+    if model and Path(text).name == text and text not in (".", ".."):
+        hint += (f" (nor at {default_heads_dir(model).parent / text / FILE_NAME}, where a bare "
+                 f"name is looked up)")
+    return hint
 
 
 def _read(path: Path) -> HeadFile:
@@ -413,18 +437,7 @@ def load_heads(path: str | os.PathLike, source: object, *, check_model: bool = T
     name = model_name(source)
     target = find_head_file(path, name)
     if not target.is_file():
-        if str(path) == DEFAULT:
-            hint = (f"no default heads for model {name!r} at {target.parent}; train them with "
-                    f"`selfspec heads train --model {name}`")
-        elif str(path) == DEFAULT_PROBES:
-            hint = (f"no default probes for model {name!r} at {target.parent}; train one with "
-                    f"`selfspec heads train-probe --model {name} --exit-layer E`")
-        else:
-            hint = f"no head file at {target}"
-            if Path(str(path)).name == str(path):
-                hint += (f" (nor at {default_heads_dir(name).parent / str(path) / FILE_NAME}, "
-                         f"where a bare name is looked up)")
-        raise HeadsNotFoundError(hint)
+        raise HeadsNotFoundError(_missing(path, target, name))
     raw = _read(target)
     card = raw.card
     out = output_layer(source)

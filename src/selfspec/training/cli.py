@@ -456,7 +456,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from selfspec.training.pipeline import calibrate_file
 
     path = find_head_file(args.path, args.model or DEFAULT_MODEL)
-    card = read_head_file(path).card
+    card = read_head_file(args.path, args.model or DEFAULT_MODEL).card
     dtype = args.dtype or (card.training.feature_dtype if card.training else None)
     engine = _load_engine(args, args.model or card.model, dtype)
     request = None  # default: the corpus the heads were trained on (same held-out problems)
@@ -477,7 +477,7 @@ def _cmd_tune_adadecode(args: argparse.Namespace) -> int:
 
     sources = parse_data_spec(args.data) if args.data else None  # refused before loading
     path = find_head_file(args.path, args.model or DEFAULT_MODEL)
-    card = read_head_file(path).card
+    card = read_head_file(args.path, args.model or DEFAULT_MODEL).card
     dtype = args.dtype or (card.training.feature_dtype if card.training else None)
     engine = _load_engine(args, args.model or card.model, dtype)
     outcome = tune_adadecode_file(engine, str(path), sources,
@@ -525,8 +525,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
             print(args.path)
             _print_skip_set(skip_set)
         return 0
-    path = find_head_file(args.path, args.model or DEFAULT_MODEL)
-    card = read_head_file(path).card
+    model = args.model or DEFAULT_MODEL
+    path = find_head_file(args.path, model)
+    card = read_head_file(args.path, model).card
     if args.json:
         print(json.dumps(card.to_dict(), indent=1))
     else:
@@ -611,7 +612,7 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     config = DrafterTrainConfig(epochs=args.epochs, exit_mix=args.exit_mix,
                                 compute_dtype=_compute_dtype(args))
     path = find_head_file(args.path, args.model or DEFAULT_MODEL)
-    card = read_head_file(path).card
+    card = read_head_file(args.path, args.model or DEFAULT_MODEL).card
     data = None  # default: the corpus the heads were trained on (same held-out problems)
     if args.data or args.tokens:
         info = card.training
