@@ -33,3 +33,13 @@ chain qwen2.5-coder-1.5b-instruct 7,14,21 15
 # as run: heads 7.5 min, drafter 22 s, predictors 8.2 min; train05.log
 chain qwen2.5-coder-0.5b-instruct 6,12,18 05
 # each report's plots were copied beside it with the report's name as a prefix
+
+# Then: the 0.5B predictors on on-policy text of 320 tokens (the GSM bench's length; the heads
+# and drafter as above), 15 min (corpus 727 s, features 87 s, predictors 89 s); train05-p320.log
+M=qwen2.5-coder-0.5b-instruct; H=$HOME_/heads/$M
+rm -rf $H/lensstate320; cp -r $H/drafter $H/lensstate320
+selfspec heads train-predictors --model $M --dtype bf16 --threads 2 --heads $H/lensstate320 --candidates drafter+ngram \
+  --draft-vocab 4096 --head-lens --state --include-head-train \
+  --data "stdlib*4,onpolicy:humaneval,onpolicy:stdlib,onpolicy:gsm*2" --tokens 49000 --max-new-tokens 320
+selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset gsm --n 20 --max-new-tokens 320 \
+  --methods ar,specee:heads=$H/lensstate320,verify=true,tuned=true --out ${OUT:-.}/qwen05-gsm-20-p320
