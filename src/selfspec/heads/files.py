@@ -242,13 +242,17 @@ def find_head_file(path: str | os.PathLike, model: str | None = None) -> Path:
     never overwrites a file in the model's heads folder that the user did not name by path.
     """
     local = resolve_path(path, model)
-    text = str(path)
-    if local.exists() or not model or text in (DEFAULT, DEFAULT_PROBES):
-        return local
-    if Path(text).name != text or text in (".", ".."):
-        return local  # a path with folders: only what it says
-    named = default_heads_dir(model).parent / text / FILE_NAME
+    if local.exists() or not model or not _bare_name(path):
+        return local  # a path with folders is only what it says
+    named = default_heads_dir(model).parent / str(path) / FILE_NAME
     return named if named.is_file() else local
+
+
+def _bare_name(path: str | os.PathLike) -> bool:
+    """``path`` is one folder name (``"lensstate"``), not ``default``, a path or a dot."""
+    text = str(path)
+    return (Path(text).name == text and text not in (".", "..")
+            and text not in (DEFAULT, DEFAULT_PROBES))
 
 
 def model_name(source: object) -> str:
@@ -335,10 +339,12 @@ def save_heads(heads: ExitHeads, path: str | os.PathLike) -> Path:
 # --------------------------------------------------------------------------------- load
 @dataclass
 class HeadFile:
-    """A head file as stored: its card and float32 tensors by name (layout in the module doc)."""
+    """A head file as stored: its card and float32 tensors by name (layout in the module doc),
+    and the path it was read from."""
 
     card: HeadCard
     tensors: dict[str, torch.Tensor]
+    path: Path
 
 
 def _corrupt(path: Path, why: str) -> CorruptModelFileError:
@@ -382,7 +388,7 @@ def _missing(path: str | os.PathLike, target: Path, model: str | None) -> str:
         return (f"no default probes for model {model!r} at {target.parent}; train one with "
                 f"`selfspec heads train-probe --model {model} --exit-layer E`")
     hint = f"no head file at {target}"
-    if model and Path(text).name == text and text not in (".", ".."):
+    if model and _bare_name(path):
         hint += (f" (nor at {default_heads_dir(model).parent / text / FILE_NAME}, where a bare "
                  f"name is looked up)")
     return hint
@@ -410,7 +416,7 @@ def _read(path: Path) -> HeadFile:
         card = HeadCard.from_dict(json.loads(metadata["card"]))
     except (KeyError, TypeError, ValueError) as err:
         raise _corrupt(path, f"unreadable card: {err}") from err
-    return HeadFile(card, tensors)
+    return HeadFile(card, tensors, path)
 
 
 def load_heads(path: str | os.PathLike, source: object, *, check_model: bool = True) -> ExitHeads:

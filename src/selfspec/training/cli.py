@@ -450,13 +450,13 @@ def _report(args: argparse.Namespace, outcome) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from selfspec.heads.files import find_head_file, read_head_file
+    from selfspec.heads.files import read_head_file
     from selfspec.models.registry import DEFAULT_MODEL
     from selfspec.training.calibration import DEFAULT_EPSILONS
     from selfspec.training.pipeline import calibrate_file
 
-    path = find_head_file(args.path, args.model or DEFAULT_MODEL)
-    card = read_head_file(args.path, args.model or DEFAULT_MODEL).card
+    head_file = read_head_file(args.path, args.model or DEFAULT_MODEL)
+    path, card = head_file.path, head_file.card
     dtype = args.dtype or (card.training.feature_dtype if card.training else None)
     engine = _load_engine(args, args.model or card.model, dtype)
     request = None  # default: the corpus the heads were trained on (same held-out problems)
@@ -470,14 +470,14 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune_adadecode(args: argparse.Namespace) -> int:
-    from selfspec.heads.files import find_head_file, read_head_file
+    from selfspec.heads.files import read_head_file
     from selfspec.models.registry import DEFAULT_MODEL
     from selfspec.training.corpus import parse_data_spec
     from selfspec.training.pipeline import DEFAULT_TUNE_VOCABS, tune_adadecode_file
 
     sources = parse_data_spec(args.data) if args.data else None  # refused before loading
-    path = find_head_file(args.path, args.model or DEFAULT_MODEL)
-    card = read_head_file(args.path, args.model or DEFAULT_MODEL).card
+    head_file = read_head_file(args.path, args.model or DEFAULT_MODEL)
+    path, card = head_file.path, head_file.card
     dtype = args.dtype or (card.training.feature_dtype if card.training else None)
     engine = _load_engine(args, args.model or card.model, dtype)
     outcome = tune_adadecode_file(engine, str(path), sources,
@@ -512,7 +512,7 @@ def _print_adadecode(ac, num_layers: int, out=None) -> None:
 def _cmd_show(args: argparse.Namespace) -> int:
     import json
 
-    from selfspec.heads.files import find_head_file, read_head_file
+    from selfspec.heads.files import read_head_file
     from selfspec.models.registry import DEFAULT_MODEL
 
     if args.path.endswith(".json"):  # a skip-set file (selfspec heads search-skip)
@@ -525,9 +525,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
             print(args.path)
             _print_skip_set(skip_set)
         return 0
-    model = args.model or DEFAULT_MODEL
-    path = find_head_file(args.path, model)
-    card = read_head_file(args.path, model).card
+    head_file = read_head_file(args.path, args.model or DEFAULT_MODEL)
+    path, card = head_file.path, head_file.card
     if args.json:
         print(json.dumps(card.to_dict(), indent=1))
     else:
@@ -604,15 +603,15 @@ def _cmd_train_predictors(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
-    from selfspec.heads.files import find_head_file, read_head_file
+    from selfspec.heads.files import read_head_file
     from selfspec.models.registry import DEFAULT_MODEL
     from selfspec.training.drafter import DrafterTrainConfig
     from selfspec.training.pipeline import DrafterRequest, train_drafter
 
     config = DrafterTrainConfig(epochs=args.epochs, exit_mix=args.exit_mix,
                                 compute_dtype=_compute_dtype(args))
-    path = find_head_file(args.path, args.model or DEFAULT_MODEL)
-    card = read_head_file(args.path, args.model or DEFAULT_MODEL).card
+    head_file = read_head_file(args.path, args.model or DEFAULT_MODEL)
+    path, card = head_file.path, head_file.card
     data = None  # default: the corpus the heads were trained on (same held-out problems)
     if args.data or args.tokens:
         info = card.training
