@@ -67,15 +67,15 @@ class Spy(DrafterCandidates):
         super().__init__(*args, **kwargs)
         self.calls = []
 
-    def __call__(self, previous, token_id, ngram=-1):
-        out = super().__call__(previous, token_id, ngram)
-        self.calls.append((previous.clone(), token_id, out.ids.tolist()))
+    def __call__(self, previous, token_id, ngram=-1, exited=False):
+        out = super().__call__(previous, token_id, ngram, exited)
+        self.calls.append((previous.clone(), token_id, out.ids.tolist(), exited))
         return out
 
 
-def _step(executor, fire, policy="propagate", schedule=None, drafter=None):
+def _step(executor, fire, policy="propagate", schedule=None, drafter=None, exit_drafter=None):
     drafter = drafter or _drafter(_h(executor))
-    cands = Spy(executor, drafter, FIRST, executor.logits, K)
+    cands = Spy(executor, drafter, FIRST, executor.logits, K, exit_drafter=exit_drafter)
     pred = _predictors(fire)
     return SpecEEStep(cands, pred, schedule or PredictorSchedule(pred.layers, None), 0.5,
                       lambda ex, cache: make_skipped_kv(policy, ex, cache))
@@ -133,7 +133,7 @@ def test_the_first_draft_reads_the_prompts_last_state_and_never_firing_gives_ar(
     calls = step.candidates.calls
     assert len(calls) == 9                          # the first token comes from the prefill
     # step t drafts from the previous position's last-layer state and the current token
-    for t, (previous, token, _) in enumerate(calls):
+    for t, (previous, token, _, _) in enumerate(calls):
         seq = ref[:len(PROMPT) + t + 1]
         assert token == seq[-1]
         assert torch.allclose(previous, _last_hidden(executor, seq[:-1]), atol=1e-4)
@@ -160,8 +160,27 @@ def test_after_an_exit_the_drafter_reads_the_exit_layers_state(executor, policy)
         assert lengths == [n] * NUM_LAYERS
 
 
+def test_after_an_exit_the_exit_state_drafter_drafts(executor):
+    """With an exit-state drafter, the first token after the prefill is drafted by the main
+    drafter from the prompt's last-layer state, every later one (each follows an exit) by
+    the exit-state drafter from the exit-layer state; a token that ran every layer hands the
+    main drafter its last-layer state again."""
+    main, after_exit = _drafter(_h(executor), seed=1), _drafter(_h(executor), seed=7)
+    step = _step(executor, True, exit_drafter=after_exit)
+    run_step(executor, step, PROMPT, max_new_tokens=6)
+    calls = step.candidates.calls
+    assert [c[3] for c in calls] == [False] + [True] * (len(calls) - 1)
+    for previous, token, ids, exited in calls[1:]:
+        with torch.inference_mode():
+            logits = executor.logits(after_exit(previous, executor.embed_token(token)))[0, -1]
+        assert ids == torch.topk(logits, K).indices.tolist()
+    never = _step(executor, False, drafter=main, exit_drafter=after_exit)
+    run_step(executor, never, PROMPT, max_new_tokens=4)
+    assert [c[3] for c in never.candidates.calls] == [False] * 3  # the first from the prefill
+
+
 # --------------------------------------------------------------- files and the method
-def _head_file(executor, tmp_path, with_drafter=True, candidates="drafter"):
+def _head_file(executor, tmp_path, with_drafter=True, candidates="drafter", exit_drafter=False):
     out = output_layer(executor)
     head = make_head("lightweight", 3, out, init="lm_head").prepare_inference()
     card = new_card(executor.model, "lightweight", [3])
@@ -179,6 +198,11 @@ def _head_file(executor, tmp_path, with_drafter=True, candidates="drafter"):
         card.drafter = DrafterCard(draft_vocab=0, exit_mix=0.25, exit_layers=[4], epochs=1,
                                    lr=1e-3, seconds=0.1, train_tokens=10, eval_tokens=5,
                                    top1=0.3, topk=math.nan)
+        if exit_drafter:
+            heads.exit_drafter = _drafter(_h(executor), seed=9)
+            card.drafter.exit_state_layers = [1, 3]
+            card.drafter.exit_state_topk = 0.5
+    tmp_path.mkdir(parents=True, exist_ok=True)
     return save_heads(heads, tmp_path / "heads.safetensors"), heads
 
 
@@ -189,6 +213,35 @@ def test_drafter_round_trips_through_head_files(executor, tmp_path):
         assert torch.equal(loaded.drafter.tensors()[name].float(), t.float())
     dc = loaded.card.drafter
     assert dc.exit_layers == [4] and math.isnan(dc.topk) and dc.k == 4
+    assert loaded.exit_drafter is None and dc.exit_state_layers == []
+    assert math.isnan(dc.exit_state_topk)
+
+
+def test_an_exit_state_drafter_round_trips_and_the_method_drafts_with_it(executor, tmp_path):
+    path, saved = _head_file(executor, tmp_path / "a", exit_drafter=True)
+    loaded = load_heads(path, executor)
+    for name, t in saved.exit_drafter.tensors().items():
+        assert torch.equal(loaded.exit_drafter.tensors()[name].float(), t.float())
+        assert not torch.equal(loaded.drafter.tensors()[name].float(), t.float())
+    dc = loaded.card.drafter
+    assert dc.exit_state_layers == [1, 3] and dc.exit_state_topk == 0.5
+    step = build_step("specee", executor, {"heads": str(path), "schedule": "all"})
+    assert step.candidates.exit_drafter is not None
+    off = build_step("specee", executor, {"heads": str(path), "exit_drafter": False})
+    assert off.candidates.exit_drafter is None
+    state = run_step(executor, step, PROMPT, max_new_tokens=6)
+    assert state.num_generated == 6 and state.stats.exit_counts[FIRST] == 5
+    # the card names it, its tensors are gone: corrupt, not silently the main drafter
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()  # noqa: SIM118
+                   if not k.startswith("exit_drafter.")}
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(CorruptModelFileError, match="drafter"):
+        load_heads(path, executor)
 
 
 def test_a_card_naming_a_drafter_without_its_tensors_is_corrupt(executor, tmp_path):
@@ -297,7 +350,13 @@ def test_fit_drafter_lowers_the_kl_to_the_final_layer_and_mixes_exit_states(exec
     with pytest.raises(InvalidArgumentError, match="lack the exit layers"):
         fit_drafter(out, features, pos, emb, idx, None, [5], config)
     with pytest.raises(InvalidArgumentError, match="exit_mix"):
-        DrafterTrainConfig(exit_mix=1.0)
+        DrafterTrainConfig(exit_mix=1.5)
+    # an exit-state drafter: every input from layer 4's state, and evaluated there
+    exit_only = fit_drafter(out, features, pos, emb, idx, None, [4],
+                            DrafterTrainConfig(epochs=30, lr=1e-2, batch=16, exit_mix=1.0,
+                                               compute_dtype="fp32"))
+    at4 = evaluate_drafter(exit_only, out, features, pos, emb, idx, None, layer=4)
+    assert at4.tokens == idx.numel() and 0 <= at4.top1 <= at4.topk <= 1
 
 
 def test_features_type_is_what_training_reads():

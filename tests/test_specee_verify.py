@@ -60,8 +60,8 @@ class _Predictors(ExitPredictors):
         return torch.tensor(1.0 if self.fire == "always" else 0.0)
 
 
-def _drafter(executor):
-    torch.manual_seed(0)
+def _drafter(executor, seed=0):
+    torch.manual_seed(seed)
     d = FeatureDrafter(executor.config.hidden_size)
     with torch.no_grad():
         d.fc_weight.normal_(0, 0.05)
@@ -71,8 +71,10 @@ def _drafter(executor):
 def _candidates(executor, source):
     ngram = source.endswith("+ngram")
     if source.startswith("drafter"):
+        # "drafter+exit": a second drafter drafts after an exited token
+        exit_drafter = _drafter(executor, seed=5) if "+exit" in source else None
         return DrafterCandidates(executor, _drafter(executor), FIRST, executor.logits, K,
-                                 ngram=ngram)
+                                 ngram=ngram, exit_drafter=exit_drafter)
     return HeadCandidates(executor, CAND_LAYER, lambda h: executor.logits(h), K, ngram=ngram)
 
 
@@ -83,7 +85,8 @@ def _step(executor, source, fire, max_early=3, exits_class=SpecEEExits):
     return VerifiedSpecEEStep(SpecEEDrafter(executor, exits_class(scanner, executor), max_early))
 
 
-@pytest.mark.parametrize("source", ["head", "head+ngram", "drafter", "drafter+ngram"])
+@pytest.mark.parametrize("source", ["head", "head+ngram", "drafter", "drafter+ngram",
+                                    "drafter+exit"])
 @pytest.mark.parametrize("fire", ["never", "always", "random"])
 @pytest.mark.parametrize("max_early", [1, 4])
 def test_verified_specee_is_autoregressive_greedy(executor, reference, source, fire, max_early):
@@ -124,28 +127,38 @@ def _hidden_at(executor, tokens, layers):
     return h[:, -1:]
 
 
-def test_the_drafter_reads_verified_states_at_a_drafts_start_and_exit_states_inside(executor):
-    """At a draft's start the drafter reads the previous position's last-layer state (from
-    the prefill or from verification); inside a draft, the previous draft position's
-    exit-layer state (here always layer 1), as lossy SpecEE does."""
-    step = _step(executor, "drafter", "always", max_early=3, exits_class=_Recording)
+@pytest.mark.parametrize("source", ["drafter", "drafter+exit"])
+def test_the_drafter_reads_verified_states_at_a_drafts_start_and_exit_states_inside(executor,
+                                                                                   source):
+    """At a draft's start the main drafter reads the previous position's last-layer state
+    (from the prefill or from verification); inside a draft, the previous draft position's
+    exit-layer state (here always layer 1), as lossy SpecEE does, and the exit-state drafter
+    drafts from it when there is one."""
+    step = _step(executor, source, "always", max_early=3, exits_class=_Recording)
     seen = []
 
     class Spied(DrafterCandidates):
-        def __call__(self, previous, token_id, ngram=-1):
-            seen.append((previous.clone(), token_id))
-            return super().__call__(previous, token_id, ngram)
+        def __call__(self, previous, token_id, ngram=-1, exited=False):
+            out = super().__call__(previous, token_id, ngram, exited)
+            seen.append((previous.clone(), token_id, exited, out.ids.tolist()))
+            return out
 
-    step.exits.scanner.candidates.__class__ = Spied
+    cands = step.exits.scanner.candidates
+    cands.__class__ = Spied
     run_step(executor, step, PROMPT, max_new_tokens=12)
     contexts = step.exits.contexts
     assert len(seen) == len(contexts) > 0
     kinds = set()
-    for (previous, token), (tokens, pending) in zip(seen, contexts):
+    for (previous, token, exited, ids), (tokens, pending) in zip(seen, contexts):
         assert token == tokens[-1]
         layers = NUM_LAYERS if pending == 1 else FIRST
         kinds.add(layers)
+        assert exited == (pending > 1)
         assert torch.allclose(previous, _hidden_at(executor, tokens, layers), atol=1e-4)
+        drafter = cands.exit_drafter if exited and cands.exit_drafter is not None else cands.drafter
+        with torch.inference_mode():
+            logits = executor.logits(drafter(previous, executor.embed_token(token)))[0, -1]
+        assert ids == torch.topk(logits, K).indices.tolist()
     assert kinds == {NUM_LAYERS, FIRST}
 
 

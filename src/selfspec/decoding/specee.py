@@ -223,22 +223,31 @@ class DrafterCandidates:
         ngram: merge in the prompt-lookup token (:func:`merge_ngram`).
         fused: the same drafter, norm, rows and top ``k`` in one compiled call
             (:func:`~selfspec.decoding.specee_kernel.candidate_kernel`), or ``None``: torch.
+        exit_drafter: the exit-state drafter, which drafts when the previous position exited
+            early and so left its exit-layer state, not its last-layer one
+            (:mod:`selfspec.training.drafter`), or ``None``: ``drafter`` reads both.
+        exit_fused: ``exit_drafter``'s compiled call, or ``None``.
     """
 
     def __init__(self, executor: LayerExecutor, drafter: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  layer: int, output: Callable[[torch.Tensor], torch.Tensor], k: int,
                  vocab: DraftVocab | None = None, ngram: bool = False,
-                 fused: CandidateKernel | None = None) -> None:
+                 fused: CandidateKernel | None = None,
+                 exit_drafter: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 exit_fused: CandidateKernel | None = None) -> None:
         self.executor = executor
         self.fused = fused
         self.drafter = drafter
+        self.exit_drafter = exit_drafter
+        self.exit_fused = exit_fused
         self.layer = layer
         self.output = output
         self.k = k
         self.vocab = vocab
         self.ngram = ngram
 
-    def __call__(self, previous: torch.Tensor, token_id: int, ngram: int = -1) -> Candidates:
+    def __call__(self, previous: torch.Tensor, token_id: int, ngram: int = -1,
+                 exited: bool = False) -> Candidates:
         """Candidates for the token after ``token_id``.
 
         Args:
@@ -246,11 +255,16 @@ class DrafterCandidates:
                 final norm), or its exit-layer state when it exited early.
             token_id: the current token (the one this step runs through the layers).
             ngram: the prompt-lookup token, ``-1`` for none (ignored without ``self.ngram``).
+            exited: ``previous`` is an exit-layer state: the exit-state drafter drafts, when
+                there is one.
         """
         embedding = self.executor.embed_token(token_id)
-        if self.fused is not None:  # its buffer is overwritten by the next call: copy
-            return _candidates(self, self.fused(previous, embedding).clone(), ngram)
-        predicted = self.drafter(previous, embedding)
+        drafter, fused = self.drafter, self.fused
+        if exited and self.exit_drafter is not None:
+            drafter, fused = self.exit_drafter, self.exit_fused
+        if fused is not None:  # its buffer is overwritten by the next call: copy
+            return _candidates(self, fused(previous, embedding).clone(), ngram)
+        predicted = drafter(previous, embedding)
         return _top_candidates(self, self.output(predicted.to(previous.dtype))[0, -1], ngram)
 
 
@@ -344,7 +358,8 @@ class PredictorScan:
         self._last = max(predictors.layers)
 
     def scan(self, advance: Callable[[int], torch.Tensor], executor: LayerExecutor,
-             token_id: int, previous: torch.Tensor | None, ngram: int) -> ScanResult:
+             token_id: int, previous: torch.Tensor | None, ngram: int,
+             exited: bool = False) -> ScanResult:
         """Run one token up to its exit (or the last predictor layer) and record the exit in
         the schedule (``L`` when no predictor fired).
 
@@ -356,6 +371,8 @@ class PredictorScan:
             previous: ``[1, 1, H]`` the previous position's last (or exit-layer) state, the
                 drafter's input; ``None`` = no candidates from a drafter (nothing exits).
             ngram: the prompt-lookup token, ``-1`` for none.
+            exited: ``previous`` is the previous position's exit-layer state (it exited
+                early), not its last-layer one (:class:`DrafterCandidates`).
         """
         first = self.candidates.layer
         cand: Candidates | None = None
@@ -363,7 +380,7 @@ class PredictorScan:
         if self.drafts_first:
             tp = time.perf_counter()
             if previous is not None:  # None only if the prefill went unobserved
-                cand = self.candidates(previous, token_id, ngram)
+                cand = self.candidates(previous, token_id, ngram, exited)
             seconds += time.perf_counter() - tp
             hidden = advance(first)
         else:
@@ -426,6 +443,7 @@ class SpecEEStep:
         # The last position's hidden state (pre-norm; its exit layer's if it exited): the
         # drafter's input for the next token.
         self._previous: torch.Tensor | None = None
+        self._previous_exited = False
 
     @property
     def schedule(self) -> PredictorSchedule:
@@ -445,7 +463,7 @@ class SpecEEStep:
         return _last_state_observer(state.executor, self._keep_previous)
 
     def _keep_previous(self, hidden: torch.Tensor) -> None:
-        self._previous = hidden
+        self._previous, self._previous_exited = hidden, False
 
     def start(self, state: DecodeState) -> None:
         """Begin a generation: fresh KV policy state, schedule queue and (with n-gram
@@ -468,7 +486,7 @@ class SpecEEStep:
         batches_before = list(kv.layer_batches)
         kv.begin(state.tokens[-1], state.seq_len - 1)
         found = self.scanner.scan(kv.advance, ex, state.tokens[-1], self._previous,
-                                  self._ngram(state))
+                                  self._ngram(state), self._previous_exited)
         if found.exit_layer is None:
             hidden = kv.advance(ex.num_layers)
             logits = ex.logits(hidden)[0, -1]
@@ -481,7 +499,7 @@ class SpecEEStep:
                                state.generator)
             token = int(found.ids[int(pick)])
             kv.stop(exit_layer)
-        self._previous = hidden
+        self._previous, self._previous_exited = hidden, exit_layer < ex.num_layers
         kept = state.commit([token])
         batches = [n - (batches_before[i] if i < len(batches_before) else 0)
                    for i, n in enumerate(kv.layer_batches)]
@@ -520,7 +538,8 @@ class SpecEEExits:
     candidates' transformed softmax and speculative sampling is exact for it.
 
     Drafter candidates read the previous position's state: its exit-layer state inside a
-    draft (as lossy SpecEE), its last-layer state from verification at a draft's start.
+    draft (as lossy SpecEE; the exit-state drafter drafts from it when the file has one), its
+    last-layer state from verification at a draft's start.
     The prompt-lookup candidate looks up the committed text and the draft so far.
 
     Args:
@@ -584,14 +603,16 @@ class SpecEEExits:
         :class:`~selfspec.decoding.exits.Exit` (logits ``[k]``: the candidates' logits at
         that layer, over its ``vocab``, the candidate ids ascending), or ``None`` when none
         fired."""
-        previous = self._previous if len(deferred) == 1 else deferred.hidden(-2)
+        # Inside a draft the previous position is an exited token, waiting at its exit layer.
+        exited = len(deferred) > 1
+        previous = deferred.hidden(-2) if exited else self._previous
 
         def advance(target: int) -> torch.Tensor:
             deferred.advance(target)
             return deferred.hidden()
 
         found = self.scanner.scan(advance, self.executor, deferred.token(), previous,
-                                  self._ngram(deferred))
+                                  self._ngram(deferred), exited)
         self.calls += found.calls
         self.seconds += found.seconds
         if found.exit_layer is None:

@@ -318,6 +318,13 @@ class DrafterCard:
         top1 / topk: held-out share of positions whose final-layer token is the drafter's
             first candidate / among its top ``k``.
         k: the ``k`` of ``topk`` (SpecEE's 4).
+        exit_state_layers: the layers whose states the exit-state drafter (a second drafter
+            that drafts after an exited token, from its exit-layer state) was trained on, one
+            drawn per position; empty: no exit-state drafter.
+        exit_state_topk: held-out top-``k`` of the exit-state drafter with the previous state
+            at each of ``exit_state_layers`` (mean over them).
+        exit_state_topk_main: the main drafter's on the same inputs (what decoding had
+            before the exit-state drafter).
     """
 
     draft_vocab: int
@@ -331,6 +338,9 @@ class DrafterCard:
     top1: float
     topk: float
     k: int = 4
+    exit_state_layers: list[int] = field(default_factory=list)
+    exit_state_topk: float = math.nan
+    exit_state_topk_main: float = math.nan
 
 
 @dataclass

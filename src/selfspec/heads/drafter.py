@@ -20,7 +20,9 @@ and the candidates are the top-``k`` of ``lm_head(final_norm(g))`` (over the dra
 rows when one is used). ``rms`` is a parameter-free RMS normalisation that puts the two inputs
 on one scale. When the previous token exited early, decoding passes the hidden state at its
 exit layer instead of the last one (as the SpecEE code does); training mixes such states in
-(:mod:`selfspec.training.drafter`).
+(:mod:`selfspec.training.drafter`). One map reads both poorly, so a head file may hold a
+second drafter of this form, the *exit-state drafter*, trained on exit-layer states only, that
+drafts after an exited token (``ExitHeads.exit_drafter``).
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ Layout of ``heads.safetensors`` (a directory path means ``<dir>/heads.safetensor
     predictor.feature_mean/std    [P, 3k]       the features' standardisation
     drafter.fc_weight             [H, 2H]  SpecEE's next-token drafter (card: ``drafter``;
     drafter.fc_bias               [H]      :class:`~selfspec.heads.drafter.FeatureDrafter`)
+    exit_drafter.fc_weight        [H, 2H]  its exit-state drafter, which drafts after an exited
+    exit_drafter.fc_bias          [H]      token (card: ``drafter.exit_state_layers``)
     vocab.token_counts            [V] i64  final-layer greedy tokens counted on the training
                                            split (ranks the draft vocabulary, ``draft_vocab``)
     metadata: {"format": "selfspec-heads", "card": <HeadCard JSON>}
@@ -112,6 +114,8 @@ class ExitHeads:
             the tokens of a reduced draft vocabulary (``draft_vocab``).
         predictors: SpecEE's exit predictors (card: ``card.predictors``), or ``None``.
         drafter: SpecEE's next-token drafter (card: ``card.drafter``), or ``None``.
+        exit_drafter: the drafter that reads an exited position's exit-layer state instead
+            of its last-layer state (card: ``card.drafter.exit_state_layers``), or ``None``.
     """
 
     layers: list[int]
@@ -124,6 +128,7 @@ class ExitHeads:
     vocab_calibration: dict[int, dict[int, CalibrationSet]] = field(default_factory=dict)
     predictors: ExitPredictors | None = None
     drafter: FeatureDrafter | None = None
+    exit_drafter: FeatureDrafter | None = None
 
     def head_at(self, layer: int) -> ExitHead:
         """The head at ``layer``.
@@ -293,9 +298,10 @@ def _tensors(heads: ExitHeads) -> dict[str, torch.Tensor]:
     if heads.predictors is not None:
         for name, t in heads.predictors.tensors().items():
             out[f"predictor.{name}"] = t.detach().to("cpu", torch.float32).contiguous().clone()
-    if heads.drafter is not None:
-        for name, t in heads.drafter.tensors().items():
-            out[f"drafter.{name}"] = t.detach().to("cpu", torch.float32).contiguous().clone()
+    for prefix, drafter in (("drafter.", heads.drafter), ("exit_drafter.", heads.exit_drafter)):
+        if drafter is not None:
+            for name, t in drafter.tensors().items():
+                out[prefix + name] = t.detach().to("cpu", torch.float32).contiguous().clone()
     if heads.token_counts is not None:
         out["vocab.token_counts"] = heads.token_counts.to("cpu", torch.int64).contiguous()
     return out
@@ -517,12 +523,11 @@ def _build(raw: HeadFile, out: OutputLayer, target: Path) -> ExitHeads:
             predictors.load_tensors({k[len("predictor."):]: v for k, v in tensors.items()
                                      if k.startswith("predictor.")})
             predictors = predictors.to(device).eval().requires_grad_(False)
-        drafter = None
+        drafter = exit_drafter = None
         if card.drafter is not None:
-            drafter = FeatureDrafter(card.hidden_size)
-            drafter.load_tensors({k[len("drafter."):]: v for k, v in tensors.items()
-                                  if k.startswith("drafter.")})
-            drafter = drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
+            drafter = _drafter(card, tensors, "drafter.", device, dtype)
+            if card.drafter.exit_state_layers:
+                exit_drafter = _drafter(card, tensors, "exit_drafter.", device, dtype)
         counts = tensors.get("vocab.token_counts")
         if counts is not None and tuple(counts.shape) != (out.vocab_size,):
             raise InvalidArgumentError(
@@ -531,7 +536,16 @@ def _build(raw: HeadFile, out: OutputLayer, target: Path) -> ExitHeads:
         raise _corrupt(target, f"incomplete tensors: {err}") from err
     return ExitHeads(list(card.layers), heads, card, probes, calibration,
                      None if counts is None else counts.to(torch.int64), sampled, by_vocab,
-                     predictors, drafter)
+                     predictors, drafter, exit_drafter)
+
+
+def _drafter(card: HeadCard, tensors: dict[str, torch.Tensor], prefix: str,
+             device: torch.device | str, dtype: torch.dtype) -> FeatureDrafter:
+    """The drafter stored under ``prefix`` (raises ``InvalidArgumentError`` when a tensor
+    is missing or misshapen)."""
+    drafter = FeatureDrafter(card.hidden_size)
+    drafter.load_tensors({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+    return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 def _calibration_sets(card: HeadCard, tensors: dict[str, torch.Tensor], prefix: str

@@ -102,6 +102,10 @@ class Options:
                          "call on bf16 CPU models where it agrees with torch, else torch), "
                          "'kernel' (that call, or an error saying why not), 'torch'",
                          choices=KERNEL_CHOICES)
+    exit_drafter: bool = option(True, "drafter candidates after an exited token come from the "
+                                "file's exit-state drafter, which reads exit-layer states "
+                                "(`selfspec heads train-drafter`), when it has one; false: "
+                                "the main drafter reads them")
 
 
 def _family(source: str) -> str:
@@ -176,12 +180,19 @@ def build(context: MethodContext, options: Options) -> Step:
                 f"`selfspec heads train-drafter {options.heads} --model {ex.name}`")
         output = context.restricted(None, vocab) if vocab is not None else ex.logits
         rows = None if vocab is None else vocab.rows
+        key = (None if vocab is None else vocab.key, options.kernel)
         fused = context.derived(
-            "specee-candidates", trained, (None if vocab is None else vocab.key, options.kernel),
+            "specee-candidates", trained, key,
             lambda: candidate_kernel(ex, trained.drafter, output, rows, pc.num_candidates,
                                      options.kernel))
+        exit_drafter = trained.exit_drafter if options.exit_drafter else None
+        exit_fused = None if exit_drafter is None else context.derived(
+            "specee-exit-candidates", trained, key,
+            lambda: candidate_kernel(ex, exit_drafter, output, rows, pc.num_candidates,
+                                     options.kernel))
         candidates = DrafterCandidates(ex, trained.drafter, pc.candidate_layer, output,
-                                       pc.num_candidates, vocab, ngram=ngram, fused=fused)
+                                       pc.num_candidates, vocab, ngram=ngram, fused=fused,
+                                       exit_drafter=exit_drafter, exit_fused=exit_fused)
     else:
         head = trained.head_at(pc.candidate_layer)
         if vocab is not None:

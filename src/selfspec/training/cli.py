@@ -27,6 +27,16 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _exit_state_layers(text: str) -> tuple[int, ...]:
+    """``--exit-state-layers``: comma-separated layers, or ``none`` (an empty tuple)."""
+    if text.strip().lower() == "none":
+        return ()
+    layers = _ints(text)
+    if not layers:
+        raise argparse.ArgumentTypeError("expected comma-separated layers or 'none'")
+    return layers
+
+
 def _floats(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(x) for x in text.split(",") if x.strip())
@@ -209,9 +219,18 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     dr.add_argument("--draft-vocab", type=int_arg(0), default=16384,
                     help="train and score over the K most frequent tokens (0 = full vocabulary)")
     dr.add_argument("--epochs", type=int_arg(1), default=4)
-    dr.add_argument("--exit-mix", type=float_arg(0.0, 1.0, high_open=True), default=0.25,
-                    help="share of training inputs taken at an upper-half exit layer instead "
-                         "of the last (what the drafter reads after an early exit)")
+    dr.add_argument("--exit-mix", type=float_arg(0.0, 1.0, high_open=True), default=None,
+                    help="share of the main drafter's training inputs taken at an upper-half "
+                         "exit layer instead of the last (default 0 with an exit-state drafter, "
+                         "which drafts after an exit, else 0.25)")
+    dr.add_argument("--exit-state-layers", type=_exit_state_layers, default=None,
+                    help="also train an exit-state drafter, which drafts after an exited token "
+                         "from its exit-layer state, on the states at these layers, e.g. "
+                         "3,6,9,12,15,18,21; 'none': no exit-state drafter (default: every "
+                         "L//8-th layer from L//8)")
+    dr.add_argument("--exit-state-only", action="store_true",
+                    help="keep the file's drafter (and the predictors trained on its "
+                         "candidates) and add only an exit-state drafter")
     _add_compute_dtype_arg(dr)
     _add_data_args(dr, "the data the heads were trained on")
     dr.set_defaults(func=_cmd_train_drafter)
@@ -608,7 +627,10 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from selfspec.training.drafter import DrafterTrainConfig
     from selfspec.training.pipeline import DrafterRequest, train_drafter
 
-    config = DrafterTrainConfig(epochs=args.epochs, exit_mix=args.exit_mix,
+    exit_mix = args.exit_mix
+    if exit_mix is None:  # the exit-state drafter reads the exit states
+        exit_mix = 0.0 if args.exit_state_layers != () else 0.25
+    config = DrafterTrainConfig(epochs=args.epochs, exit_mix=exit_mix,
                                 compute_dtype=_compute_dtype(args))
     head_file = read_head_file(args.path, args.model or DEFAULT_MODEL)
     path, card = head_file.path, head_file.card
@@ -619,7 +641,8 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
         data = _data_request(args, (info.requested_tokens or info.train_tokens) if info else None)
     dtype = args.dtype or (card.training.feature_dtype if card.training else None)
     engine = _load_engine(args, args.model or card.model, dtype)
-    outcome = train_drafter(engine, DrafterRequest(str(path), args.draft_vocab, data, config),
+    outcome = train_drafter(engine, DrafterRequest(str(path), args.draft_vocab, data, config,
+                                                   args.exit_state_layers, args.exit_state_only),
                             progress=not args.quiet)
     _print_drafter(outcome.heads.card)
     _print_times(outcome.times)
@@ -636,6 +659,11 @@ def _print_drafter(card, out=None) -> None:
           f"{dc.train_tokens} train positions, {dc.epochs} epochs, {dc.seconds:.0f} s, "
           f"{dc.exit_mix:.0%} of inputs from layers {dc.exit_layers}; held-out ({dc.eval_tokens} "
           f"positions): top-1 {_f(dc.top1)}, top-{dc.k} {_f(dc.topk)}", file=out)
+    if dc.exit_state_layers:
+        print(f"exit-state drafter (drafts after an exited token, from its exit-layer state), "
+              f"trained on states at layers {dc.exit_state_layers}: held-out top-{dc.k} from "
+              f"those states {_f(dc.exit_state_topk)} (the main drafter's: "
+              f"{_f(dc.exit_state_topk_main)})", file=out)
 
 
 def _print_predictors(card, out=None) -> None:
