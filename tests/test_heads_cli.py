@@ -201,21 +201,21 @@ def test_train_drafter_then_predictors_on_its_candidates_then_decode(capsys, hom
                           "--exit-state-layers", "2,9")
     assert code != 0 and "exit-state layers [9] are outside 1..5" in err
     code, out, err = _run(capsys, "heads", "train-drafter", str(heads_dir), *common,
-                          "--exit-state-only")
+                          "--exit-state-only", "--exit-state-layers", "auto")
     assert code != 0 and "holds no drafter to keep" in err
     code, out, err = _run(capsys, "heads", "train-drafter", str(heads_dir), *common,
-                          "--draft-vocab", "64", "--epochs", "1", "--exit-state-layers", "none")
+                          "--draft-vocab", "64", "--epochs", "1")
     assert code == 0, err
     dc = json.loads((heads_dir / "card.json").read_text())["drafter"]
-    assert dc["exit_state_layers"] == [] and dc["exit_mix"] == 0.25
+    assert dc["exit_state_layers"] == [] and dc["exit_mix"] == 0.25   # none by default
     assert "exit-state drafter" not in out
     code, out, err = _run(capsys, "heads", "train-drafter", str(heads_dir), *common,
-                          "--draft-vocab", "64", "--epochs", "2")
+                          "--draft-vocab", "64", "--epochs", "2", "--exit-state-layers", "auto")
     assert code == 0, err
     assert "SpecEE drafter" in out and "top-4" in out and "exit-state drafter" in out
     dc = json.loads((heads_dir / "card.json").read_text())["drafter"]
     assert dc["exit_layers"] == [4] and dc["train_tokens"] > 0 and 0 <= dc["topk"] <= 1
-    # by default an exit-state drafter reads every L//8-th layer's state (L = 6: all)
+    # 'auto': every L//8-th layer's state from L//8 (L = 6: all)
     assert dc["exit_state_layers"] == [1, 2, 3, 4, 5] and dc["exit_mix"] == 0
     assert 0 <= dc["exit_state_topk"] <= 1 and 0 <= dc["exit_state_topk_main"] <= 1
     # only an exit-state drafter: the main drafter and its card figures stay
