@@ -1,30 +1,21 @@
 """Drafter variants trained on the predictors' 320-token corpus (train split), and their
-held-out top-4 recall over the 4096-token draft vocabulary by the layer of the previous state."""
-import sys, time, torch
-import selfspec
-from selfspec.heads import load_heads
-from selfspec.heads.files import find_head_file
-from selfspec.heads.modules import output_layer
-from selfspec.training.pipeline import (DataRequest, StageTimes, prepare_features, in_feature_order,
-                                        _draft_rows)
-from selfspec.training.drafter import drafter_positions, fit_drafter, DrafterTrainConfig
+held-out top-4 recall over the 4096-token draft vocabulary by the layer of the previous state. The setup lives in corpus_setup.py (shared by both
+scripts since); the computation is as run."""
+import sys
+import time
+
+import torch
+from corpus_setup import load
+
 from selfspec.training.corpus import TEST, TRAIN
+from selfspec.training.drafter import DrafterTrainConfig, fit_drafter
+from selfspec.training.pipeline import _draft_rows
 
 model, heads, mnt, layers = sys.argv[1], sys.argv[2], int(sys.argv[3]), [int(x) for x in sys.argv[4].split(",")]
 variants = sys.argv[5].split(";")
-torch.set_num_threads(2)
-eng = selfspec.load(model, dtype="bf16", show_progress=False)
-ex = eng.executor
-target = find_head_file(heads, model)
-c = load_heads(target, eng)
-req = DataRequest("stdlib*4,onpolicy:humaneval,onpolicy:stdlib,onpolicy:gsm*2", 49000, mnt)
-prep = prepare_features(eng, req, layers, StageTimes(), progress=False)
-f = prep.features
-pos = drafter_positions(in_feature_order(prep.items))
-rows16 = _draft_rows(eng, c, target, 16384)
-rows = _draft_rows(eng, c, target, 4096)
-out = output_layer(eng)
-E = ex.embed_tokens.weight
+s = load(model, heads, mnt, layers)
+ex, f, pos, rows, out, E, c = s.ex, s.features, s.positions, s.rows, s.out, s.embedding, s.heads
+rows16 = _draft_rows(s.eng, c, s.target, 16384)
 idx = torch.nonzero((pos.previous >= 0) & (f.split == TEST)).squeeze(1)
 tr = torch.nonzero((pos.previous >= 0) & (f.split == TRAIN)).squeeze(1)
 print(f"train {tr.numel()} held-out {idx.numel()}")
