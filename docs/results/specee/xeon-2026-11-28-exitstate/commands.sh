@@ -36,3 +36,5 @@ S=specee:heads=$H/lensstate320x,verify=true,tuned=true
 selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset gsm --n 20 --max-new-tokens 320 \
   --methods ar,$S,$S,exit_drafter=false --out qwen05-gsm-20-exitstate
 # each report's plots were copied beside it with the report's name as a prefix
+selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset humaneval --n 20 --max-new-tokens 96 \
+  --methods ar,$S,$S,exit_drafter=false --out qwen05-humaneval-20-exitstate
