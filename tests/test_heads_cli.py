@@ -233,6 +233,7 @@ def test_train_drafter_then_predictors_on_its_candidates_then_decode(capsys, hom
     kept = json.loads((heads_dir / "card.json").read_text())["drafter"]
     assert kept["exit_state_layers"] == [2, 3] and kept["topk"] == dc["topk"]
     assert kept["epochs"] == 2 and torch.equal(tensor("drafter.fc_weight"), main)
+    assert kept["seconds"] == dc["seconds"] and kept["exit_state_seconds"] >= 0
     assert not torch.equal(tensor("exit_drafter.fc_weight"), exit_before)
     code, out, err = _run(capsys, "heads", "train-predictors", *common, *data, "--heads",
                           str(heads_dir), "--candidates", "drafter+ngram", "--draft-vocab", "64",

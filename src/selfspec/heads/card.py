@@ -325,6 +325,8 @@ class DrafterCard:
             at each of ``exit_state_layers`` (mean over them).
         exit_state_topk_main: the main drafter's on the same inputs (what decoding had
             before the exit-state drafter).
+        exit_state_seconds: the exit-state drafter's training wall time (``seconds`` is the
+            main drafter's).
     """
 
     draft_vocab: int
@@ -341,6 +343,7 @@ class DrafterCard:
     exit_state_layers: list[int] = field(default_factory=list)
     exit_state_topk: float = math.nan
     exit_state_topk_main: float = math.nan
+    exit_state_seconds: float = math.nan
 
 
 @dataclass

@@ -665,7 +665,9 @@ def _print_drafter(card, out=None) -> None:
           f"positions): top-1 {_f(dc.top1)}, top-{dc.k} {_f(dc.topk)}", file=out)
     if dc.exit_state_layers:
         print(f"exit-state drafter (drafts after an exited token, from its exit-layer state), "
-              f"trained on states at layers {dc.exit_state_layers}: held-out top-{dc.k} from "
+              f"trained on states at layers {dc.exit_state_layers}"
+              + ("" if math.isnan(dc.exit_state_seconds) else f" ({dc.exit_state_seconds:.0f} s)")
+              + f": held-out top-{dc.k} from "
               f"those states {_f(dc.exit_state_topk)} (the main drafter's: "
               f"{_f(dc.exit_state_topk_main)})", file=out)
 

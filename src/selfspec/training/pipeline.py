@@ -1127,12 +1127,13 @@ def train_drafter(engine: Engine, request: DrafterRequest, progress: bool = True
             draft_vocab=size, exit_mix=cfg.exit_mix, exit_layers=exit_layers, epochs=cfg.epochs,
             lr=cfg.lr, seconds=seconds, train_tokens=int(train_idx.numel()),
             eval_tokens=evaluation.tokens, top1=evaluation.top1, topk=evaluation.topk)
-    exit_drafter, state_topk, state_topk_main = None, math.nan, math.nan
+    exit_drafter, state_topk, state_topk_main, state_seconds = None, math.nan, math.nan, math.nan
     if state_layers:
         t0 = time.perf_counter()
         exit_drafter = fit_drafter(out, features, positions, embedding, train_idx, rows,
                                    state_layers, replace(cfg, exit_mix=1.0))
-        seconds += time.perf_counter() - t0
+        state_seconds = time.perf_counter() - t0
+        seconds += state_seconds
         exit_drafter = exit_drafter.to(device=ex.device, dtype=ex.dtype)
 
         def at_states(model: FeatureDrafter) -> float:
@@ -1143,7 +1144,8 @@ def train_drafter(engine: Engine, request: DrafterRequest, progress: bool = True
     container.drafter, container.exit_drafter = drafter, exit_drafter
     container.card.drafter = replace(card, exit_state_layers=list(state_layers),
                                      exit_state_topk=state_topk,
-                                     exit_state_topk_main=state_topk_main)
+                                     exit_state_topk_main=state_topk_main,
+                                     exit_state_seconds=state_seconds)
     container.card.set_prompts(items_by_use(prepared.items, {TRAIN: "train", TEST: "test"}))
     save_heads(container, target)
     return DrafterOutcome(target, container, times)
