@@ -36,7 +36,7 @@ def _exit_state_layers(text: str) -> tuple[int, ...] | None:
         return None
     layers = _ints(text)
     if not layers:
-        raise argparse.ArgumentTypeError("expected comma-separated layers or 'none'")
+        raise argparse.ArgumentTypeError("expected comma-separated layers, 'auto' or 'none'")
     return layers
 
 
