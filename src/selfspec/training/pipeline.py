@@ -66,6 +66,7 @@ from selfspec.training.adadecode_tuning import (
     DEFAULT_ROW_COST,
     HeadTrace,
     ScheduleCosts,
+    output_cost_from_latency,
     row_cost_from_latency,
 )
 from selfspec.training.adadecode_tuning import simulate as simulate_schedule
@@ -601,6 +602,11 @@ class PredictorRequest:
             (:attr:`~selfspec.training.adadecode_tuning.ScheduleCosts.row`); ``None``: this
             machine's, from its latency model (``selfspec models latency``, measured once and
             kept; :func:`~selfspec.training.adadecode_tuning.row_cost_from_latency`).
+        output_cost: the tuning replay's cost of the output layer in single-position layer
+            calls: ``"auto"``: this machine's, from the same latency model
+            (:func:`~selfspec.training.adadecode_tuning.output_cost_from_latency`);
+            ``"bytes"``: its weight bytes over a decoder layer's (before 2026-11-28); or a
+            number.
     """
 
     heads: str = "default"
@@ -614,6 +620,7 @@ class PredictorRequest:
     include_head_train: bool = False
     head_lens: bool = False
     row_cost: float | None = None
+    output_cost: float | str = "auto"
 
 
 def default_first_layer(num_layers: int) -> int:
@@ -665,14 +672,18 @@ def head_candidates(engine: Engine, head: ExitHead, hidden: torch.Tensor, k: int
 @torch.inference_mode()
 def drafter_candidates(engine: Engine, drafter: FeatureDrafter, features: FeatureSet,
                        positions: DrafterPositions, index: torch.Tensor, k: int,
-                       vocab_rows: torch.Tensor | None, batch_tokens: int = 512) -> torch.Tensor:
+                       vocab_rows: torch.Tensor | None, batch_tokens: int = 512,
+                       exit_layer: int | None = None) -> torch.Tensor:
     """``[n, k]`` the drafter's top-``k`` token ids at the positions ``index`` (previous
-    states from the last layer; over ``vocab_rows`` when given), computed in the model's
-    dtype as :class:`~selfspec.decoding.specee.DrafterCandidates` computes them."""
+    states from the last layer, or leaving layer ``exit_layer - 1`` as after an exit there;
+    over ``vocab_rows`` when given), computed in the model's dtype as
+    :class:`~selfspec.decoding.specee.DrafterCandidates` computes them."""
     ex = engine.executor
     out = []
     for part in index.split(batch_tokens):
-        x = drafter_inputs(features, positions, ex.embed_tokens.weight, part)
+        layer_of = (None if exit_layer is None
+                    else torch.full((part.numel(),), exit_layer, dtype=torch.long))
+        x = drafter_inputs(features, positions, ex.embed_tokens.weight, part, layer_of)
         predicted = drafter(x.previous.to(ex.dtype), x.embedding).to(ex.dtype)
         logits = ex.logits(predicted.unsqueeze(0), vocab_rows=vocab_rows)[0]
         top = torch.topk(logits, k, dim=-1).indices
@@ -805,8 +816,8 @@ def train_predictors(engine: Engine, request: PredictorRequest,
     # Before the long stages, and only where on-policy text lets the tuning run: a first run
     # on this machine measures its latencies (~1 min on Qwen2.5-Coder-0.5B).
     tunable = any(x.startswith(ONPOLICY) for x in parse_data_spec(request.data.data))
-    row_cost = (_replay_row_cost(engine, request.row_cost) if tunable
-                else RowCost(DEFAULT_ROW_COST, "given"))
+    replay_costs = (_replay_costs(engine, request.row_cost, request.output_cost) if tunable
+                    else ReplayCosts(DEFAULT_ROW_COST, "given"))
     times = StageTimes()
     prepared = prepare_features(engine, request.data, layers, times, progress)
     features = prepared.features
@@ -844,11 +855,31 @@ def train_predictors(engine: Engine, request: PredictorRequest,
     train_data, eval_data = data_of(train_idx), data_of(eval_idx)
     predictors = fit_predictors(train_data, request.num_candidates, request.config)
     prob = predictor_probs(predictors, eval_data)
+    inner = None
+    if drafted and tunable:
+        # Inside a draft the drafter reads the previous position's exit-layer state
+        # (SpecEEExits): the replay takes those positions from this second view.
+        drafter = container.exit_drafter or container.drafter
+        exits = [e for e in default_exit_state_layers(num_layers) if e in features.hidden]
+        outputs, labels = [], []
+        for e in exits:
+            cands = drafter_candidates(engine, drafter, features, positions, eval_idx,
+                                       request.num_candidates, rows, exit_layer=e)
+            if lookups is not None:
+                cands = merge_ngram(cands, lookups[eval_idx])
+            view = predictor_data(ex, features.hidden, cands, features.teacher_token[eval_idx],
+                                  layers, with_states=request.config.state, index=eval_idx,
+                                  lenses=lenses)
+            outputs.append(predictor_probs(predictors, view))
+            labels.append(view.labels)
+            del view
+        inner = InnerOutputs(tuple(exits), torch.stack(outputs), torch.stack(labels),
+                             "exit-state" if container.exit_drafter is not None else "main")
     evaluation = exit_figures(prob, eval_data, num_layers)
     sweep = [exit_figures(prob, eval_data, num_layers, t) for t in THRESHOLD_SWEEP]
     tuning = _tune_predictors(engine, prepared.items, eval_idx, predictors, prob, eval_data,
                               lenses, container.drafter if drafted else head, rows,
-                              row_cost)
+                              replay_costs, inner=inner)
     seconds = time.perf_counter() - t0
     times.predictors_s = seconds
     container.predictors = predictors.to(ex.device)
@@ -873,34 +904,79 @@ def train_predictors(engine: Engine, request: PredictorRequest,
 
 
 @dataclass(frozen=True)
-class RowCost:
-    """The tuning replay's row cost and where it came from (``"given"`` or ``"measured:
-    <latency key>"``)."""
+class InnerOutputs:
+    """The predictors on the held-out positions as they stand inside a draft.
 
-    value: float
-    source: str
+    Attributes:
+        layers: ``[E]`` exit layers of the previous position, increasing.
+        prob: ``[E, P, N]`` predictor outputs with the candidates drafted from the previous
+            position's state leaving layer ``layers[e] - 1``.
+        labels: ``[E, P, N]`` bool, the top local candidate is the final token.
+        drafter: ``"exit-state"`` (the file's exit-state drafter drafted them, as decoding
+            does by default) or ``"main"``.
+    """
+
+    layers: tuple[int, ...]
+    prob: torch.Tensor
+    labels: torch.Tensor
+    drafter: str
 
 
-def _replay_row_cost(engine: Engine, given: float | None) -> RowCost:
-    """The tuning replay's row cost: ``given``, or this machine's from its latency model."""
-    if given is not None:
-        if given < 0:
-            raise InvalidArgumentError(f"--row-cost must be >= 0, got {given}")
-        return RowCost(float(given), "given")
-    from selfspec.models.provision import selfspec_home
+@dataclass(frozen=True)
+class ReplayCosts:
+    """The tuning replay's measured or given costs and where each came from (``"given"``,
+    ``"measured: <latency key>"``, ``"bytes"``).
 
-    latency = cached_latency(engine.executor, selfspec_home())
-    row = row_cost_from_latency(latency)
-    logger.info("replay row cost %.3f from this machine's latency model (%s)", row, latency.key)
-    return RowCost(row, f"measured: {latency.key}")
+    Attributes:
+        row / row_source: :attr:`~selfspec.training.adadecode_tuning.ScheduleCosts.row`.
+        output / output_source: the output layer in single-position layer calls, or
+            ``None``: from its weight bytes.
+    """
+
+    row: float
+    row_source: str
+    output: float | None = None
+    output_source: str = "bytes"
+
+
+def _replay_costs(engine: Engine, row: float | None, output: float | str) -> ReplayCosts:
+    """The tuning replay's row and output-layer costs: as given, or this machine's from its
+    latency model (measured once and kept), or (``output="bytes"``) from the weights."""
+    if row is not None and row < 0:
+        raise InvalidArgumentError(f"--row-cost must be >= 0, got {row}")
+    if isinstance(output, str) and output not in ("auto", "bytes"):
+        raise InvalidArgumentError(f"--output-cost must be auto, bytes or a number > 0, got "
+                                   f"{output!r}")
+    if not isinstance(output, str) and not output > 0:
+        raise InvalidArgumentError(f"--output-cost must be > 0, got {output}")
+    latency = None
+    if row is None or output == "auto":
+        from selfspec.models.provision import selfspec_home
+
+        latency = cached_latency(engine.executor, selfspec_home())
+    measured = "" if latency is None else f"measured: {latency.key}"
+    if row is None:
+        row, row_source = row_cost_from_latency(latency), measured
+    else:
+        row, row_source = float(row), "given"
+    if output == "auto":
+        out, out_source = output_cost_from_latency(latency), measured
+    elif output == "bytes":
+        out, out_source = None, "bytes"
+    else:
+        out, out_source = float(output), "given"
+    logger.info("replay costs: one more position %.3f (%s), output layer %s (%s)", row,
+                row_source, "from bytes" if out is None else f"{out:.2f}", out_source)
+    return ReplayCosts(row, row_source, out, out_source)
 
 
 def _tune_predictors(engine: Engine, items: Sequence[CorpusItem], eval_idx: torch.Tensor,
                      model: ExitPredictors, prob: torch.Tensor, data: PredictorData,
                      lenses: dict[int, object], candidates: torch.nn.Module,
                      rows: torch.Tensor | None,
-                     row_cost: RowCost = RowCost(DEFAULT_ROW_COST, "given"),
-                     max_early: int = SPECEE_DEFAULT_MAX_EARLY) -> PredictorTuning | None:
+                     costs_in: ReplayCosts = ReplayCosts(DEFAULT_ROW_COST, "given"),
+                     max_early: int = SPECEE_DEFAULT_MAX_EARLY,
+                     inner: InnerOutputs | None = None) -> PredictorTuning | None:
     """Verified SpecEE's per-layer thresholds by replay on the held-out positions of on-policy
     text (:mod:`selfspec.training.specee_tuning`), or ``None`` (logged) when there are fewer
     than two such sequences (teacher-forced text is not what greedy decoding visits).
@@ -909,8 +985,9 @@ def _tune_predictors(engine: Engine, items: Sequence[CorpusItem], eval_idx: torc
         items: the corpus; eval_idx: ``[N]`` held-out positions; model: the predictors;
             prob / data: their ``[P, N]`` outputs and the labels there; lenses: ``{ℓ: head}``
             of the head lens; candidates: the drafter, or the exit head drafting the
-            candidates; rows: the draft-vocabulary rows (``None``: every token); row_cost:
-            :attr:`~selfspec.training.adadecode_tuning.ScheduleCosts.row` and its source.
+            candidates; rows: the draft-vocabulary rows (``None``: every token); costs_in:
+            the row and output-layer costs and their sources; inner: the positions as they
+            stand inside a draft (``None``: replayed as at a draft's start).
     """
     ordered = in_feature_order(items)
     counts = torch.tensor([i.num_scored for i in ordered])
@@ -924,7 +1001,9 @@ def _tune_predictors(engine: Engine, items: Sequence[CorpusItem], eval_idx: torc
         logger.info("no per-layer SpecEE thresholds: fewer than two held-out on-policy "
                     "sequences (give --data onpolicy:DATASET)")
         return None
-    trace = predictor_trace(prob[:, keep], data.labels[:, keep], data.layers, replayed)
+    trace = predictor_trace(prob[:, keep], data.labels[:, keep], data.layers, replayed,
+                            None if inner is None else
+                            (inner.layers, inner.prob[:, :, keep], inner.labels[:, :, keep]))
     ex = engine.executor
     hidden = ex.model.lm_head.in_features
     element = torch.tensor([], dtype=ex.dtype).element_size()
@@ -935,7 +1014,7 @@ def _tune_predictors(engine: Engine, items: Sequence[CorpusItem], eval_idx: torc
     scored = ex.vocab_size if rows is None else int(rows.numel())
     scan = (sum(p.numel() for p in candidates.parameters()) + scored * hidden) * element
     costs = SpecEECosts.from_sizes(ex.decode_layer_bytes(0), checks, scan,
-                                   ex.output_decode_bytes, row_cost.value)
+                                   ex.output_decode_bytes, costs_in.row, costs_in.output)
     found = tune_thresholds(trace, ex.num_layers, costs, max_early)
     kept = sorted(found.thresholds)
     sources = sorted({ordered[i].source for i in seqs})  # what was replayed
@@ -946,7 +1025,9 @@ def _tune_predictors(engine: Engine, items: Sequence[CorpusItem], eval_idx: torc
     return PredictorTuning(
         layers=kept, thresholds=[found.thresholds[x] for x in kept],
         single_threshold=found.single, max_early=max_early, row_cost=costs.schedule.row,
-        row_cost_source=row_cost.source,
+        row_cost_source=costs_in.row_source, output_cost_source=costs_in.output_source,
+        inner_layers=[] if inner is None else list(inner.layers),
+        inner_drafter="" if inner is None else inner.drafter,
         scan_cost=costs.schedule.scan, output_cost=costs.schedule.output,
         check_costs=[costs.checks[predictors.index(x)] for x in kept], data=sources,
         tokens=found.tuned.tokens, speedup=found.tuned.speedup,

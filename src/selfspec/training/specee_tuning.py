@@ -13,22 +13,30 @@ at a layer are taken against the layer before it whichever predictors run
 (:class:`~selfspec.decoding.specee.PredictorScan`), so a layer's output does not depend on
 which others are switched on.
 
-**One approximation.** The drafter of the candidates reads the previous position's last-layer
+**Inside a draft.** The drafter of the candidates reads the previous position's last-layer
 state at a draft's start and its exit-layer state inside a draft
-(:class:`~selfspec.decoding.specee.SpecEEExits`); the teacher-forced trace has last-layer states
-only, so a position inside a draft is replayed with the candidates it would have at a draft's
-start. The thresholds' check on the other half of the text, and the benchmark, say how much
-that matters.
+(:class:`~selfspec.decoding.specee.SpecEEExits`), where its candidates are right far less often
+(on Qwen2.5-Coder-0.5B the final token is among the top 4 for 57% of positions from a
+last-layer state, 32-50% from exit layers 3-18). So the trace holds each position twice more
+over: at a draft's start, and inside a draft after an exit at each of a few layers
+(:attr:`~selfspec.training.adadecode_tuning.HeadTrace.inner_layers`, the nearest standing in
+for the others), with the candidates the file's exit-state drafter (or its main drafter)
+drafts there. Before 2026-11-28 every position was replayed as at a draft's start, and the
+replay overestimated acceptance (82% against 78% measured).
 
 **Why per-layer thresholds.** As for AdaDecode (:mod:`selfspec.training.adadecode_tuning`): an
 accepted exit at layer ``ℓ`` saves about ``L - ℓ`` layer calls and a rejected one wastes the
 pending tokens' work wherever it happened, so a shallow layer may exit at a lower confidence
 than a deep one, and a layer whose predictor rarely earns its check may be switched off.
 
-**Cost model** (:class:`SpecEECosts`, in single-position decoder-layer calls, from the bytes
-each part reads: decoding is bandwidth bound): a predictor check reads the candidates' ``k``
-``lm_head`` rows, the predictor MLP, and at head-lens layers the lens ``T`` (``H×H``); each
-position that may exit first runs the drafter (its weights and the draft-vocabulary rows).
+**Cost model** (:class:`SpecEECosts`, in single-position decoder-layer calls): the output
+layer's cost and a layer call's per-position cost are this machine's, measured
+(:func:`~selfspec.training.adadecode_tuning.output_cost_from_latency`,
+:func:`~selfspec.training.adadecode_tuning.row_cost_from_latency`); the small parts are priced
+by the bytes they read (decoding is bandwidth bound): a predictor check reads the candidates'
+``k`` ``lm_head`` rows, the predictor MLP, and at head-lens layers the lens ``T`` (``H×H``);
+each position that may exit first runs the drafter (its weights and the draft-vocabulary
+rows).
 """
 
 from __future__ import annotations
@@ -74,7 +82,8 @@ class SpecEECosts:
 
     @staticmethod
     def from_sizes(layer_bytes: int, check_bytes: Sequence[int], scan_bytes: int,
-                   output_bytes: int, row: float = DEFAULT_ROW_COST) -> SpecEECosts:
+                   output_bytes: int, row: float = DEFAULT_ROW_COST,
+                   output: float | None = None) -> SpecEECosts:
         """Costs proportional to the bytes each part reads.
 
         Args:
@@ -84,17 +93,23 @@ class SpecEECosts:
                 come from an exit head, whose check is in the first layer's).
             output_bytes: the output layer (``V·H`` weights).
             row: :attr:`ScheduleCosts.row`.
+            output: the output layer's cost measured in layer calls
+                (:func:`~selfspec.training.adadecode_tuning.output_cost_from_latency`),
+                replacing ``output_bytes / layer_bytes``; ``None``: from the bytes.
 
         Raises:
-            InvalidArgumentError: ``layer_bytes < 1``, a negative size or ``row < 0``.
+            InvalidArgumentError: ``layer_bytes < 1``, a negative size, ``row < 0`` or
+                ``output <= 0``.
         """
-        if layer_bytes < 1 or min([scan_bytes, output_bytes, *check_bytes]) < 0 or row < 0:
+        if (layer_bytes < 1 or min([scan_bytes, output_bytes, *check_bytes]) < 0 or row < 0
+                or (output is not None and not output > 0)):
             raise InvalidArgumentError(
-                f"SpecEE costs need a positive layer size and sizes, row >= 0; got layer "
-                f"{layer_bytes}, checks {list(check_bytes)}, drafter {scan_bytes}, output "
-                f"{output_bytes}, row {row}")
+                f"SpecEE costs need a positive layer size and sizes, row >= 0, a positive "
+                f"output cost; got layer {layer_bytes}, checks {list(check_bytes)}, drafter "
+                f"{scan_bytes}, output {output_bytes} bytes / {output}, row {row}")
+        out = output_bytes / layer_bytes if output is None else float(output)
         return SpecEECosts(
-            ScheduleCosts(row, 0.0, output_bytes / layer_bytes, scan_bytes / layer_bytes),
+            ScheduleCosts(row, 0.0, out, scan_bytes / layer_bytes),
             tuple(b / layer_bytes for b in check_bytes))
 
 
@@ -136,8 +151,7 @@ def halves(trace: HeadTrace) -> tuple[HeadTrace, HeadTrace]:
     for parity in (0, 1):
         picked = [(s, n) for i, (s, n) in enumerate(zip(starts, trace.lengths)) if i % 2 == parity]
         index = torch.cat([torch.arange(s, s + n) for s, n in picked])
-        parts.append(HeadTrace(trace.layers, trace.confidence[index], trace.correct[index],
-                               tuple(n for _, n in picked)))
+        parts.append(trace.select(index, tuple(n for _, n in picked)))
     return parts[0], parts[1]
 
 
@@ -201,8 +215,7 @@ def ceiling(trace: HeadTrace, num_layers: int, costs: SpecEECosts,
     if len(costs.checks) != len(trace.layers):
         raise InvalidArgumentError(
             f"{len(costs.checks)} check costs for {len(trace.layers)} predictor layers")
-    perfect = HeadTrace(trace.layers, trace.correct.float(), trace.correct, trace.lengths)
-    return simulate(perfect, [0.5] * len(trace.layers), num_layers, costs.schedule, max_early,
+    return simulate(trace.perfect(), [0.5] * len(trace.layers), num_layers, costs.schedule, max_early,
                     costs.checks)
 
 
@@ -211,7 +224,9 @@ def _score(p: SchedulePrediction) -> float:
 
 
 def predictor_trace(prob: torch.Tensor, labels: torch.Tensor, layers: Sequence[int],
-                    sequence: torch.Tensor) -> HeadTrace:
+                    sequence: torch.Tensor,
+                    inner: tuple[Sequence[int], torch.Tensor, torch.Tensor] | None = None
+                    ) -> HeadTrace:
     """The replay's input from the predictors' held-out outputs.
 
     Args:
@@ -220,6 +235,9 @@ def predictor_trace(prob: torch.Tensor, labels: torch.Tensor, layers: Sequence[i
         layers: ``[P]`` predictor layers.
         sequence: ``[N]`` int, which sequence each position belongs to; positions of one
             sequence are consecutive and in text order.
+        inner: ``(exit layers [E], prob [E, P, N], labels [E, P, N])``: the same positions
+            inside a draft, candidates drafted from the previous position's state at each
+            exit layer (:attr:`HeadTrace.inner_layers`); ``None``: none.
 
     Raises:
         InvalidArgumentError: shapes that disagree, or a sequence split in two.
@@ -232,5 +250,12 @@ def predictor_trace(prob: torch.Tensor, labels: torch.Tensor, layers: Sequence[i
     ids, counts = torch.unique_consecutive(sequence, return_counts=True)
     if ids.numel() != torch.unique(ids).numel():
         raise InvalidArgumentError("predictor trace: a sequence's positions are not consecutive")
+    if inner is None:
+        extra = ((), None, None)
+    else:
+        exits, inner_prob, inner_labels = inner
+        extra = (tuple(int(x) for x in exits),
+                 inner_prob.transpose(1, 2).float().contiguous(),
+                 inner_labels.transpose(1, 2).contiguous())
     return HeadTrace(tuple(int(x) for x in layers), prob.t().float().contiguous(),
-                     labels.t().contiguous(), tuple(int(c) for c in counts))
+                     labels.t().contiguous(), tuple(int(c) for c in counts), *extra)
