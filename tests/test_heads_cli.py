@@ -353,6 +353,10 @@ def test_train_predictors_tunes_verified_specee_on_onpolicy_text(capsys, home, m
         output_cost_from_latency(LatencyModel.from_json(latency_file.read_text())))
     assert tu["output_cost_source"] == f"measured: {latency_file.stem}"
     assert f"output layer {tu['output_cost']:.2f} (measured: " in out
+    # positions inside a draft were replayed from exit-layer states, with the main drafter
+    # (the file has no exit-state drafter)
+    assert tu["inner_layers"] and tu["inner_drafter"] == "main"
+    assert "inside a draft replayed with the main drafter's candidates" in out
     assert tu["ceiling_check_speedup"] >= tu["check_speedup"]
     assert tu["data"] == ["onpolicy:humaneval"] and tu["tokens"] > 0 and tu["check_tokens"] > 0
     assert tu["layers"] and set(tu["layers"]) <= {1, 2, 3, 4, 5}

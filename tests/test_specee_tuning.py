@@ -27,6 +27,7 @@ from selfspec.training.adadecode_tuning import (
     row_cost_from_latency,
     simulate,
 )
+from selfspec.training.pipeline import inner_outputs
 from selfspec.training.specee_tuning import (
     SpecEECosts,
     ceiling,
@@ -131,6 +132,10 @@ def test_positions_inside_a_draft_are_replayed_from_the_view_after_the_previous_
     assert ceiling(trace, 4, costs).acceptance == 1.0
     with pytest.raises(InvalidArgumentError, match="inner trace"):
         HeadTrace((1, 2), conf, correct, (4,), (1,), after, wrong)
+
+
+def test_no_inner_view_without_exit_layers():
+    assert inner_outputs(None, [], lambda e: None, "main") is None
 
 
 def test_ceiling_replays_perfect_predictors_at_every_layer():

@@ -854,27 +854,23 @@ def train_predictors(engine: Engine, request: PredictorRequest,
                             features.hidden[layer].shape[-1], features.hidden[layer].element_size())
     train_data, eval_data = data_of(train_idx), data_of(eval_idx)
     predictors = fit_predictors(train_data, request.num_candidates, request.config)
+    del train_data  # the largest tensors here (states): the views below need the memory
     prob = predictor_probs(predictors, eval_data)
     inner = None
     if drafted and tunable:
-        # Inside a draft the drafter reads the previous position's exit-layer state
-        # (SpecEEExits): the replay takes those positions from this second view.
-        drafter = container.exit_drafter or container.drafter
-        exits = [e for e in default_exit_state_layers(num_layers) if e in features.hidden]
-        outputs, labels = [], []
-        for e in exits:
-            cands = drafter_candidates(engine, drafter, features, positions, eval_idx,
-                                       request.num_candidates, rows, exit_layer=e)
+        def view_after(exit_layer: int) -> PredictorData:
+            cands = drafter_candidates(engine, container.exit_drafter or container.drafter,
+                                       features, positions, eval_idx, request.num_candidates,
+                                       rows, exit_layer=exit_layer)
             if lookups is not None:
                 cands = merge_ngram(cands, lookups[eval_idx])
-            view = predictor_data(ex, features.hidden, cands, features.teacher_token[eval_idx],
+            return predictor_data(ex, features.hidden, cands, features.teacher_token[eval_idx],
                                   layers, with_states=request.config.state, index=eval_idx,
                                   lenses=lenses)
-            outputs.append(predictor_probs(predictors, view))
-            labels.append(view.labels)
-            del view
-        inner = InnerOutputs(tuple(exits), torch.stack(outputs), torch.stack(labels),
-                             "exit-state" if container.exit_drafter is not None else "main")
+
+        exits = [e for e in default_exit_state_layers(num_layers) if e in features.hidden]
+        inner = inner_outputs(predictors, exits, view_after,
+                              "exit-state" if container.exit_drafter is not None else "main")
     evaluation = exit_figures(prob, eval_data, num_layers)
     sweep = [exit_figures(prob, eval_data, num_layers, t) for t in THRESHOLD_SWEEP]
     tuning = _tune_predictors(engine, prepared.items, eval_idx, predictors, prob, eval_data,
@@ -920,6 +916,26 @@ class InnerOutputs:
     prob: torch.Tensor
     labels: torch.Tensor
     drafter: str
+
+
+def inner_outputs(predictors: ExitPredictors, exits: Sequence[int],
+                  view_after: Callable[[int], PredictorData], drafter: str
+                  ) -> InnerOutputs | None:
+    """The predictors' outputs and labels on the held-out positions as they stand inside a
+    draft, after an exit at each layer of ``exits`` (``view_after(e)``: their
+    :class:`PredictorData` with the candidates drafted from the previous position's state
+    leaving layer ``e - 1``: :class:`~selfspec.decoding.specee.SpecEEExits` drafts from it);
+    ``None`` without ``exits``. One view at a time: each holds every predictor layer's
+    states."""
+    if not exits:
+        return None
+    outputs, labels = [], []
+    for e in exits:
+        view = view_after(e)
+        outputs.append(predictor_probs(predictors, view))
+        labels.append(view.labels)
+        del view
+    return InnerOutputs(tuple(exits), torch.stack(outputs), torch.stack(labels), drafter)
 
 
 @dataclass(frozen=True)
