@@ -49,3 +49,6 @@ selfspec heads show $H/lensstatexi/heads.safetensors --model $M > card15xi.txt
 selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset gsm --n 20 --max-new-tokens 320 \
   --methods ar,specee:heads=$H/lensstate,$S,specee:heads=$H/lensstatexi,$S --out qwen15-gsm-20
 # each report's plots were copied beside it with the report's name as a prefix
+# 4. 1.5B HumanEval, stopped by hand after 15 problems (qwen15-humaneval-partial.txt)
+selfspec bench --model $M --dtype bf16 --threads 2 --bandwidth-mib 512 --dataset humaneval --n 40 --max-new-tokens 96 \
+  --methods ar,specee:heads=$H/lensstate,$S,specee:heads=$H/lensstatexi,$S --out qwen15-humaneval-40
