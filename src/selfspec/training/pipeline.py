@@ -837,10 +837,15 @@ def train_predictors(engine: Engine, request: PredictorRequest,
     lookups = ngram_tokens(prepared.items) if request.candidates.endswith("+ngram") else None
     assert lookups is None or lookups.numel() == features.num_tokens, "positions out of step"
 
-    def data_of(idx: torch.Tensor) -> PredictorData:
+    def data_of(idx: torch.Tensor, exit_layer: int | None = None) -> PredictorData:
+        """The predictors' data at ``idx``; with ``exit_layer`` (drafter candidates), as the
+        positions stand inside a draft after an exit there: drafted by the exit-state drafter
+        (the main one if none) from the previous position's state at that layer."""
         if drafted:
-            cands = drafter_candidates(engine, container.drafter, features, positions, idx,
-                                       request.num_candidates, rows)
+            drafter = (container.drafter if exit_layer is None
+                       else container.exit_drafter or container.drafter)
+            cands = drafter_candidates(engine, drafter, features, positions, idx,
+                                       request.num_candidates, rows, exit_layer=exit_layer)
         else:
             cands = head_candidates(engine, head, features.hidden[layer][idx],
                                     request.num_candidates, rows)
@@ -858,18 +863,8 @@ def train_predictors(engine: Engine, request: PredictorRequest,
     prob = predictor_probs(predictors, eval_data)
     inner = None
     if drafted and tunable:
-        def view_after(exit_layer: int) -> PredictorData:
-            cands = drafter_candidates(engine, container.exit_drafter or container.drafter,
-                                       features, positions, eval_idx, request.num_candidates,
-                                       rows, exit_layer=exit_layer)
-            if lookups is not None:
-                cands = merge_ngram(cands, lookups[eval_idx])
-            return predictor_data(ex, features.hidden, cands, features.teacher_token[eval_idx],
-                                  layers, with_states=request.config.state, index=eval_idx,
-                                  lenses=lenses)
-
         exits = [e for e in default_exit_state_layers(num_layers) if e in features.hidden]
-        inner = inner_outputs(predictors, exits, view_after,
+        inner = inner_outputs(predictors, exits, lambda e: data_of(eval_idx, e),
                               "exit-state" if container.exit_drafter is not None else "main")
     evaluation = exit_figures(prob, eval_data, num_layers)
     sweep = [exit_figures(prob, eval_data, num_layers, t) for t in THRESHOLD_SWEEP]
