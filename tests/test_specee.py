@@ -342,6 +342,23 @@ def test_specee_method_builds_from_a_head_file_and_runs(executor, tmp_path):
             assert state.stats.exit_counts[expected] >= 1
 
 
+def test_lossy_kv_default_is_deferred(executor, tmp_path):
+    """Picked by the accuracy-speed Pareto plots (docs/results/specee): the default runs an
+    exited token's skipped layers later (exact KV), as kv=deferred does, not CALM's K/V."""
+    path, _ = _head_file(executor, tmp_path, fire=True)
+
+    def run(**options):
+        step = build_step("specee", executor, {"heads": str(path), **options})
+        return run_step(executor, step, PROMPT, max_new_tokens=6)
+
+    default, deferred, propagate = run(), run(kv="deferred"), run(kv="propagate")
+    assert sum(default.stats.exit_counts) > 0
+    assert default.tokens == deferred.tokens
+    assert default.stats.layer_batches == deferred.stats.layer_batches
+    # the skipped layers run later, batched: no K/V is written from an exit state
+    assert default.stats.kv_ms == 0 and propagate.stats.kv_ms > 0
+
+
 def test_specee_without_predictors_says_how_to_train_them(executor, tmp_path):
     path, _ = _head_file(executor, tmp_path, with_predictors=False)
     with pytest.raises(InvalidArgumentError, match="heads train-predictors"):
