@@ -53,7 +53,7 @@ STATE_DEFAULT_ACCURACY = 0.97
 
 @dataclass(frozen=True)
 class Options:
-    """SpecEE's options (defaults: the paper's, §4-5, except ``threshold``: measured)."""
+    """SpecEE's options (defaults: the paper's, §4-5, except ``threshold`` and ``kv``: measured)."""
 
     heads: str = option(DEFAULT_HEADS, "head file holding the candidate head or drafter and "
                         "the SpecEE predictors ('default' or a path; `selfspec heads train-predictors`)")
