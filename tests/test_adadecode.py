@@ -9,12 +9,12 @@ import pytest
 import torch
 from tiny import VOCAB, exact_prefix_distribution, run_step, tiny_model
 
-from selfspec.decoding.adadecode import ThresholdExits, early_proposal
-from selfspec.decoding.drafting import ExitDrafter
-from selfspec.decoding.sampling import SamplingConfig
-from selfspec.decoding.speculative import SpeculativeStep
-from selfspec.decoding.stop_rules import BufferStopRule
-from selfspec.decoding.verification import verify_sampling
+from selfspec.decoding.adadecode.threshold_exits import ThresholdExits, early_proposal
+from selfspec.decoding.core.sampling import SamplingConfig
+from selfspec.decoding.core.speculative import SpeculativeStep
+from selfspec.decoding.core.verification import verify_sampling
+from selfspec.decoding.drafting.exit_drafter import ExitDrafter
+from selfspec.decoding.drafting.stop_rules import BufferStopRule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.methods.registry import METHODS, build_step
@@ -101,7 +101,7 @@ def test_every_layer_holds_the_committed_kv_whenever_a_token_reads_it(executor):
 
     heads = [_own_head(executor, 3.0)] * len(LAYERS)
     step = _step(executor, heads, 0.5)
-    from selfspec.decoding.state import DecodeOptions, DecodeState
+    from selfspec.decoding.core.state import DecodeOptions, DecodeState
 
     state = DecodeState(executor, PROMPT, DecodeOptions(max_new_tokens=30))
     executor.run_layers = checked

@@ -10,10 +10,10 @@ import pytest
 import torch
 from tiny import run_step, tiny_model
 
-from selfspec.decoding.adadecode import ThresholdExits
-from selfspec.decoding.drafting import ExitDrafter
-from selfspec.decoding.speculative import SpeculativeStep
-from selfspec.decoding.stop_rules import BufferStopRule
+from selfspec.decoding.adadecode.threshold_exits import ThresholdExits
+from selfspec.decoding.core.speculative import SpeculativeStep
+from selfspec.decoding.drafting.exit_drafter import ExitDrafter
+from selfspec.decoding.drafting.stop_rules import BufferStopRule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.heads.card import AdaDecodeCard, HeadCard

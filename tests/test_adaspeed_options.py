@@ -4,21 +4,20 @@ in the stop rule (AdaSPEED §II, Table I); probes per decoding mode."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from tiny import run_step, tiny_model
 
-from selfspec.decoding.speculative import SpeculativeStep
-from selfspec.decoding.stop_rules import make_stop_rule
+from selfspec.decoding.core.speculative import SpeculativeStep
+from selfspec.decoding.drafting.exit_drafter import EarlyExitDrafter
+from selfspec.decoding.drafting.stop_rules import make_stop_rule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.heads import ExitHeads, HeadsNotFoundError, save_heads
 from selfspec.heads.card import ProbeCard
 from selfspec.heads.files import default_probes_dir, new_card
-from selfspec.training import fit_probe
-from selfspec.decoding.drafting import EarlyExitDrafter
 from selfspec.methods.registry import build_step, heads_files
+from selfspec.training import fit_probe
 
 PROMPT = [1, 5, 9, 13, 17]
 
@@ -111,7 +110,7 @@ def test_the_drafter_scores_with_the_probe_of_the_decoding_mode(executor):
 
 
 def _sampling():
-    from selfspec.decoding.sampling import SamplingConfig
+    from selfspec.decoding.core.sampling import SamplingConfig
 
     return SamplingConfig(temperature=1.0, top_p=0.9, seed=1)
 

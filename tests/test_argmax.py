@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from selfspec.decoding.sampling import SamplingConfig, choose_next
+from selfspec.decoding.core.sampling import SamplingConfig, choose_next
 from selfspec.executor import argmax as argmax_mod
 from selfspec.executor.argmax import MIN_LENGTH, argmax_available, argmax_last
 

@@ -1,4 +1,4 @@
-"""``auto`` (decoding/auto.py, methods/auto.py): whatever drafter it picks, the output is
+"""``auto`` (decoding/auto/step.py, methods/auto.py): whatever drafter it picks, the output is
 the model's; it picks by predicted tokens per second and falls back to plain decoding."""
 
 import math
@@ -10,15 +10,15 @@ import torch
 from tiny import exact_prefix_distribution, run_step, tiny_model, tiny_tokenizer
 
 import selfspec
-from selfspec.decoding.auto import AutoStep, ModelDrafter
-from selfspec.decoding.autoregressive import ArStep
-from selfspec.decoding.ngram_drafter import NgramDrafter, NgramSettings
-from selfspec.decoding.quant_draft import quantized_drafter
-from selfspec.decoding.sampling import SamplingConfig
-from selfspec.decoding.speculative import SpeculativeStep
-from selfspec.decoding.stop_rules import ConstantStopRule
-from selfspec.decoding.tpt import AcceptanceEstimate, ForwardCosts
-from selfspec.decoding.tpt_stop import ConfidenceCalibration, TptStopRule
+from selfspec.decoding.auto.step import AutoStep, ModelDrafter
+from selfspec.decoding.core.autoregressive import ArStep
+from selfspec.decoding.core.sampling import SamplingConfig
+from selfspec.decoding.core.speculative import SpeculativeStep
+from selfspec.decoding.drafting.quant_draft import quantized_drafter
+from selfspec.decoding.drafting.stop_rules import ConstantStopRule
+from selfspec.decoding.ngram.drafter import NgramDrafter, NgramSettings
+from selfspec.decoding.planning.tpt import AcceptanceEstimate, ForwardCosts
+from selfspec.decoding.planning.tpt_stop import ConfidenceCalibration, TptStopRule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.cost_model import LatencyModel

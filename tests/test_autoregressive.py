@@ -4,10 +4,10 @@ import pytest
 import torch
 from tiny import VOCAB, tiny_model
 
-from selfspec.decoding import loop
-from selfspec.decoding.autoregressive import ArStep
-from selfspec.decoding.sampling import SamplingConfig
-from selfspec.decoding.state import DecodeOptions, DecodeState
+from selfspec.decoding.core import loop
+from selfspec.decoding.core.autoregressive import ArStep
+from selfspec.decoding.core.sampling import SamplingConfig
+from selfspec.decoding.core.state import DecodeOptions, DecodeState
 from selfspec.errors import InvalidArgumentError, PromptError
 from selfspec.executor import LayerExecutor
 

@@ -1,4 +1,4 @@
-"""Ragged batches (executor.run_rows, decoding/batch.py, the scheduler): each row of a batched
+"""Ragged batches (executor.run_rows, decoding/auto/batch.py, the scheduler): each row of a batched
 greedy run is exactly that prompt's single-prompt output, rows accept different numbers of
 draft tokens and finish on their own, sampling keeps each row's distribution."""
 
@@ -11,11 +11,11 @@ import torch
 from tiny import VOCAB, exact_prefix_distribution, run_step, tiny_model, tiny_tokenizer
 
 import selfspec
-from selfspec.decoding.autoregressive import ArStep
-from selfspec.decoding.batch import BatchArStep, BatchNgramStep, run_batch
-from selfspec.decoding.ngram_drafter import NgramSettings
-from selfspec.decoding.sampling import SamplingConfig
-from selfspec.decoding.state import DecodeOptions, DecodeState
+from selfspec.decoding.auto.batch import BatchArStep, BatchNgramStep, run_batch
+from selfspec.decoding.core.autoregressive import ArStep
+from selfspec.decoding.core.sampling import SamplingConfig
+from selfspec.decoding.core.state import DecodeOptions, DecodeState
+from selfspec.decoding.ngram.drafter import NgramSettings
 from selfspec.errors import InvalidArgumentError, PromptError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.cost_model import LatencyModel

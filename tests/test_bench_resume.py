@@ -25,7 +25,7 @@ from selfspec.bench.report import record_from_json, record_json
 from selfspec.bench.spec import parse_method, parse_sweep
 from selfspec.cli import main
 from selfspec.data import Prompt
-from selfspec.decoding.plan_log import PlanRecord
+from selfspec.decoding.core.plan_log import PlanRecord
 from selfspec.errors import InvalidArgumentError, SelfSpecError
 
 PROMPTS = [Prompt(f"q{i}", f"def f{i}(x):\n", chat=False) for i in range(5)]

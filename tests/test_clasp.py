@@ -7,10 +7,10 @@ import pytest
 import torch
 from tiny import run_step, tiny_model
 
-from selfspec.decoding.autoregressive import ArStep
-from selfspec.decoding.clasp import CLaSpConfig, CLaSpStep
-from selfspec.decoding.knapsack import solve_knapsack
-from selfspec.decoding.sampling import SamplingConfig
+from selfspec.decoding.core.autoregressive import ArStep
+from selfspec.decoding.core.sampling import SamplingConfig
+from selfspec.decoding.knapspec.clasp import CLaSpConfig, CLaSpStep
+from selfspec.decoding.planning.knapsack import solve_knapsack
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.methods.clasp import skip_layers
@@ -80,7 +80,7 @@ def test_clasp_scores_on_the_last_verifications_own_hidden_states(executor, monk
     """As in CLaSp, the DP's history comes from the forwards that computed it (the prefill
     for the first steps, then verifications): no read-only pass at all; without the
     prefill's recording only the first steps (history in the prompt) pay one."""
-    from selfspec.decoding import clasp
+    from selfspec.decoding.knapspec.step import clasp
 
     passes = []
     read = clasp.read_history

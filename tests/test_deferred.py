@@ -3,7 +3,7 @@
 import torch
 from tiny import tiny_model
 
-from selfspec.decoding.deferred import DeferredLayers
+from selfspec.decoding.core.deferred import DeferredLayers
 from selfspec.executor import LayerExecutor
 
 

@@ -7,16 +7,19 @@ import pytest
 import torch
 from tiny import VOCAB, exact_prefix_distribution, run_step, tiny_model
 
-from selfspec.decoding.sampling import SamplingConfig
-from selfspec.decoding.speculative import SpeculativeStep
-from selfspec.decoding.stop_rules import make_stop_rule
+from selfspec.decoding.core.sampling import SamplingConfig
+from selfspec.decoding.core.speculative import SpeculativeStep
+from selfspec.decoding.drafting.draft_vocab import (
+    DraftVocab,
+    check_draft_vocab,
+    frequent_rows,
+)
+from selfspec.decoding.drafting.exit_drafter import DSSDDrafter, EarlyExitDrafter
+from selfspec.decoding.drafting.exits import CalibratedExits
+from selfspec.decoding.drafting.stop_rules import make_stop_rule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.heads.modules import make_head, output_layer
-from selfspec.decoding.draft_vocab import DraftVocab, check_draft_vocab, frequent_rows
-from selfspec.decoding.drafting import DSSDDrafter
-from selfspec.decoding.exits import CalibratedExits
-from selfspec.decoding.drafting import EarlyExitDrafter
 from selfspec.methods.registry import build_step
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]

@@ -5,13 +5,12 @@ import pytest
 import torch
 from tiny import run_step, tiny_model
 
-from selfspec.decoding.speculative import SpeculativeStep
-from selfspec.decoding.stop_rules import make_stop_rule
+from selfspec.decoding.core.speculative import SpeculativeStep
+from selfspec.decoding.drafting.calibrated_exit import CalibratedExitStep
+from selfspec.decoding.drafting.exit_drafter import DSSDDrafter, EarlyExitDrafter
+from selfspec.decoding.drafting.exits import CalibratedExits
+from selfspec.decoding.drafting.stop_rules import make_stop_rule
 from selfspec.executor import LayerExecutor
-from selfspec.decoding.calibrated_exit import CalibratedExitStep
-from selfspec.decoding.drafting import DSSDDrafter
-from selfspec.decoding.exits import CalibratedExits
-from selfspec.decoding.drafting import EarlyExitDrafter
 from selfspec.methods.registry import build_step
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]

@@ -10,16 +10,16 @@ import torch
 from bench_helpers import tiny_engine
 from tiny import VOCAB, run_step, tiny_model
 
-from selfspec.decoding.autoregressive import ArStep
-from selfspec.decoding.dynamic_exit import (
+from selfspec.decoding.core.autoregressive import ArStep
+from selfspec.decoding.core.sampling import SamplingConfig
+from selfspec.decoding.drafting.exits import FixedExit
+from selfspec.decoding.knapspec.dynamic_exit import (
     DELConfig,
     DELStep,
     ExitChoice,
     candidate_layers,
     choose_exit,
 )
-from selfspec.decoding.exits import FixedExit
-from selfspec.decoding.sampling import SamplingConfig
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 

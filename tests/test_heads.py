@@ -245,7 +245,7 @@ def test_train_config_validates():
 
 
 def test_restricted_kl_trains_on_the_draft_vocabulary_rows(executor, features):
-    from selfspec.decoding.draft_vocab import frequent_rows
+    from selfspec.decoding.drafting.draft_vocab import frequent_rows
 
     eos = (255,)
     result = train_heads(output_layer(executor), features, [2, 4],

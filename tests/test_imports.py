@@ -1,8 +1,11 @@
-"""The package's import graph has no cycle (DESIGN.md: data flows down, never up).
+"""The package's import graph has no cycle and its layers import downwards only
+(DESIGN.md: data flows down, never up; docs/design.md "Layers").
 
-Every ``import`` of a ``selfspec`` module counts, at module level or inside a function (a
-late import that only hides a cycle is still a cycle); imports under ``TYPE_CHECKING`` are
-annotations only and do not count.
+Every ``import`` of a ``selfspec`` module counts: at module level, inside a function (a late
+import that only hides a cycle is still a cycle), under ``TYPE_CHECKING`` (a cycle of type
+names is a design cycle: the shared types belong in a module both sides import), and edges
+out of the package root (``from selfspec import x`` runs ``selfspec/__init__``, which
+imports the API and everything below it) like any other.
 """
 
 from __future__ import annotations
@@ -15,46 +18,35 @@ import selfspec
 ROOT = Path(selfspec.__file__).parent
 
 
-def _module_name(path: Path) -> str:
-    parts = ["selfspec", *path.relative_to(ROOT).with_suffix("").parts]
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = [root.name, *path.relative_to(root).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    skipped = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
-    return skipped
-
-
-def import_graph() -> dict[str, set[str]]:
-    """Module → the selfspec modules it imports (``from pkg import name`` resolves to the
-    submodule ``pkg.name`` when one exists, else to ``pkg``)."""
-    modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module → the modules of the package at ``root`` it imports (``from pkg import name``
+    resolves to the submodule ``pkg.name`` when one exists, else to ``pkg``)."""
+    package = root.name
+    modules = {_module_name(p, root): p for p in root.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        skipped = _type_checking_nodes(tree)
         targets = set()
-        for node in ast.walk(tree):
-            if id(node) in skipped:
-                continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
-                targets |= {a.name for a in node.names if a.name.startswith("selfspec")}
+                targets |= {a.name for a in node.names
+                            if a.name == package or a.name.startswith(package + ".")}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
-                    and node.module.startswith("selfspec"):
+                    and (node.module == package or node.module.startswith(package + ".")):
                 for alias in node.names:
                     sub = f"{node.module}.{alias.name}"
                     targets.add(sub if sub in modules else node.module)
-        # a package's own __init__ importing its submodules is not a dependency on itself
         graph[name] = {t for t in targets if t in modules and t != name}
     return graph
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One cycle of ``graph`` as a path ``[a, b, ..., a]``, or ``None``. A package and its
-    ``__init__`` re-exports are edges like any other, except package → own submodule."""
+    """One cycle of ``graph`` as a path ``[a, b, ..., a]``, or ``None``. Every edge counts,
+    a package's ``__init__`` importing its own submodules included (it runs them)."""
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -62,8 +54,6 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         state[node] = 1
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
-            if nxt.startswith(node + "."):  # a package importing its own submodule
-                continue
             if state.get(nxt) == 1:
                 return stack[stack.index(nxt):] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
@@ -83,10 +73,108 @@ def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+def _plant(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "planted"
+    for rel, text in {"__init__.py": "", **files}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text, encoding="utf-8")
+    return root
+
+
+def test_a_cycle_through_the_package_root_is_found(tmp_path):
+    """The runtime cycle ``selfspec → api → ... → heads.files → selfspec`` (a late
+    ``from selfspec import __version__``) was invisible while edges out of the root were
+    skipped."""
+    root = _plant(tmp_path, {
+        "__init__.py": "from planted.api import load\n__version__ = '1'\n",
+        "api.py": "from planted.heads import files\ndef load(): ...\n",
+        "heads/__init__.py": "",
+        "heads/files.py": "def save():\n    from planted import __version__\n",
+    })
+    cycle = find_cycle(import_graph(root))
+    assert cycle is not None and "planted" in cycle and "planted.heads.files" in cycle
+
+
+def test_a_typing_only_cycle_is_found(tmp_path):
+    root = _plant(tmp_path, {
+        "state.py": "from planted.stats import Stats\nclass State: ...\n",
+        "stats.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                     "    from planted.state import State\nclass Stats: ...\n"),
+    })
+    assert find_cycle(import_graph(root)) in (
+        ["planted.state", "planted.stats", "planted.state"],
+        ["planted.stats", "planted.state", "planted.stats"])
+
+
 def test_the_package_has_no_import_cycle():
     graph = import_graph()
     assert len(graph) > 40
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+# Layers, lowest first (docs/design.md "Layers"): a module imports only from its own layer
+# and the layers below. Foundations (errors, version, extras, validation's pure checks)
+# are below everything.
+LAYERS = (
+    ("errors", "version", "extras", "validation"),
+    ("models", "data"),
+    ("executor",),
+    ("heads",),
+    ("decoding",),
+    ("methods",),
+    ("api", "", "cli_args"),  # "" = the package root, which re-exports the API
+    ("training",),
+    ("bench", "serving"),
+    ("cli",),
+)
+# decoding/'s packages, lowest first: core imports no other decoding package; auto composes
+# all of them. ``memory`` (what an engine learns across generations) sits with the n-gram
+# lookup it stores.
+DECODING_LAYERS = (
+    ("core",),
+    ("drafting",),
+    ("planning",),
+    ("ngram", "memory"),
+    ("specee", "knapspec", "adadecode"),
+    ("auto",),
+)
+
+
+def _part(module: str, depth: int) -> str:
+    parts = module.split(".")
+    return parts[depth] if len(parts) > depth else ""
+
+
+def upward_edges(graph: dict[str, set[str]], layers, depth: int = 1, within: str = "selfspec"):
+    """``(importer, imported)`` pairs under ``within`` whose imported module's part at
+    ``depth`` sits in a higher layer than the importer's."""
+    rank = {name: i for i, names in enumerate(layers) for name in names}
+    found = []
+    for module, targets in graph.items():
+        if not (module == within or module.startswith(within + ".")):
+            continue
+        mine = rank.get(_part(module, depth))
+        assert mine is not None or module == within, f"{module}: not in any layer"
+        for target in targets:
+            if target.startswith(within + ".") or target == within:
+                theirs = rank.get(_part(target, depth))
+                if mine is not None and theirs is not None and theirs > mine:
+                    found.append((module, target))
+    return sorted(found)
+
+
+def test_layers_import_downwards_only():
+    assert upward_edges(import_graph(), LAYERS) == []
+
+
+def test_decoding_packages_import_downwards_only():
+    graph = import_graph()
+    assert upward_edges(graph, DECODING_LAYERS, depth=2, within="selfspec.decoding") == []
+
+
+def test_an_upward_import_is_found():
+    graph = {"selfspec.methods.x": {"selfspec.bench.spec"}, "selfspec.bench.spec": set()}
+    assert upward_edges(graph, LAYERS) == [("selfspec.methods.x", "selfspec.bench.spec")]
 
 
 # ------------------------------------------------------------------------ layering

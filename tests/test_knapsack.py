@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from selfspec.decoding.knapsack import (
+from selfspec.decoding.planning.knapsack import (
     choose_plan,
     knapsack_candidates,
     mean_cosine,

@@ -8,11 +8,11 @@ import pytest
 import torch
 from tiny import run_step, tiny_model
 
-from selfspec.decoding.autoregressive import ArStep
-from selfspec.decoding.knapspec import KnapSpecConfig, KnapSpecStep
-from selfspec.decoding.skip_drafter import SkipPlanDrafter
-from selfspec.decoding.speculative import SpeculativeStep
-from selfspec.decoding.stop_rules import ConstantStopRule
+from selfspec.decoding.core.autoregressive import ArStep
+from selfspec.decoding.core.speculative import SpeculativeStep
+from selfspec.decoding.drafting.skip_drafter import SkipPlanDrafter
+from selfspec.decoding.drafting.stop_rules import ConstantStopRule
+from selfspec.decoding.knapspec.step import KnapSpecConfig, KnapSpecStep
 from selfspec.executor import LayerExecutor
 from selfspec.executor.cost_model import LatencyModel, cached_latency, measure_latency
 from selfspec.executor.executor import SkipPlan
@@ -314,9 +314,9 @@ def test_a_draft_view_has_its_own_latency_key():
 def _recorded_vs_read(ex, step, recorder, r):
     """After a generation with ``step`` (recording into ``recorder``), the recorded history of
     the last ``r`` positions against the read-only pass's."""
-    from selfspec.decoding import loop
-    from selfspec.decoding.history import read_history
-    from selfspec.decoding.state import DecodeOptions, DecodeState
+    from selfspec.decoding.core import loop
+    from selfspec.decoding.core.history import read_history
+    from selfspec.decoding.core.state import DecodeOptions, DecodeState
 
     state = DecodeState(ex, PROMPT, DecodeOptions(max_new_tokens=30))
     with torch.inference_mode():
@@ -330,7 +330,7 @@ def _recorded_vs_read(ex, step, recorder, r):
 def test_recorded_history_equals_the_read_only_pass(executor, ar_tokens, kind):
     """The residual stream kept from the step's own forwards (one-token steps, or
     verifications whose rejected positions are overwritten) is the read-only pass's."""
-    from selfspec.decoding.history import ResidualRecorder
+    from selfspec.decoding.core.history import ResidualRecorder
 
     recorder = ResidualRecorder(64)
     if kind == "ar":
@@ -355,7 +355,7 @@ def test_recorded_history_equals_the_read_only_pass(executor, ar_tokens, kind):
 
 
 def test_a_recorder_keeps_only_its_capacity(executor):
-    from selfspec.decoding.history import ResidualRecorder
+    from selfspec.decoding.core.history import ResidualRecorder
 
     recorder = ResidualRecorder(8)
     state, recorded, _ = _recorded_vs_read(executor, ArStep(recorder), recorder, 8)
@@ -392,8 +392,8 @@ def test_knapspec_plans_on_recorded_history_and_waits_for_it_when_only_the_pass_
 def test_a_recorded_prefill_keeps_the_prompts_end(executor):
     """The prefill's residual stream, cut to what the recorder reaches, is the read-only
     pass's on the prompt's end; a recorder attached to a new generation forgets the old."""
-    from selfspec.decoding.history import ResidualRecorder, read_history
-    from selfspec.decoding.state import DecodeOptions, DecodeState
+    from selfspec.decoding.core.history import ResidualRecorder, read_history
+    from selfspec.decoding.core.state import DecodeOptions, DecodeState
 
     recorder = ResidualRecorder(8)
     state = DecodeState(executor, PROMPT, DecodeOptions(max_new_tokens=4))
@@ -418,9 +418,9 @@ def test_alpha_over_a_shortlist_never_under_estimates_and_is_exact_over_the_voca
     """α̂ (eq. 9) scored over the union of the full model's top-k tokens: a candidate whose
     prediction is right over the whole vocabulary is right over the shortlist (the label is
     in it), so the estimate can only rise; with every token listed it is exact."""
-    from selfspec.decoding.history import read_history
-    from selfspec.decoding.knapsack import Candidate
-    from selfspec.decoding.state import DecodeOptions, DecodeState
+    from selfspec.decoding.core.history import read_history
+    from selfspec.decoding.core.state import DecodeOptions, DecodeState
+    from selfspec.decoding.planning.knapsack import Candidate
 
     state = DecodeState(executor, PROMPT, DecodeOptions(max_new_tokens=8))
     torch.manual_seed(0)
@@ -460,7 +460,7 @@ def test_knapspec_sampling_reproduces_the_target_distribution(draft_stop):
 
     from tiny import exact_prefix_distribution
 
-    from selfspec.decoding.sampling import SamplingConfig
+    from selfspec.decoding.core.sampling import SamplingConfig
 
     torch.manual_seed(0)
     model = tiny_model("llama", seed=8).float()
@@ -490,7 +490,7 @@ def test_knapspec_tpt_draft_stop_keeps_the_greedy_tokens_and_calibrates_the_plan
                                                                                  ar_tokens):
     """draft_stop="tpt": drafts end where the predicted tokens/s peak; outputs stay the
     autoregressive ones, and the calibration starts from the chosen plan's α̂."""
-    from selfspec.decoding.tpt_stop import TptStopRule
+    from selfspec.decoding.planning.tpt_stop import TptStopRule
 
     step = KnapSpecStep(executor, _latency(executor),
                         KnapSpecConfig(reoptimize_every=6, min_history=8, tau=-1.0,

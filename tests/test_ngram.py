@@ -1,4 +1,4 @@
-"""n-gram drafts (decoding/ngram.py, ngram_drafter.py, tpt.py, methods/ngram.py): the
+"""n-gram drafts (decoding/ngram/lookup.py, ngram_drafter.py, tpt.py, methods/ngram.py): the
 lookups equal brute force, the draft length follows predicted tokens per second, and the
 method keeps the model's greedy tokens and sampling distribution."""
 
@@ -12,11 +12,15 @@ from hypothesis import strategies as st
 from tiny import VOCAB, exact_prefix_distribution, run_step, tiny_model, tiny_tokenizer
 
 import selfspec
-from selfspec.decoding.autoregressive import ArStep
-from selfspec.decoding.ngram import ContextIndex, HistoryMatcher, SuffixAutomaton
-from selfspec.decoding.ngram_drafter import NgramDrafter, NgramSettings, NgramStep
-from selfspec.decoding.sampling import SamplingConfig
-from selfspec.decoding.tpt import AcceptanceEstimate, ForwardCosts, best_draft_len
+from selfspec.decoding.core.autoregressive import ArStep
+from selfspec.decoding.core.sampling import SamplingConfig
+from selfspec.decoding.ngram.drafter import NgramDrafter, NgramSettings, NgramStep
+from selfspec.decoding.ngram.lookup import ContextIndex, HistoryMatcher, SuffixAutomaton
+from selfspec.decoding.planning.tpt import (
+    AcceptanceEstimate,
+    ForwardCosts,
+    best_draft_len,
+)
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.cost_model import LatencyModel

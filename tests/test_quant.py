@@ -1,5 +1,5 @@
 """Quantized draft weights (executor/quant.py) and QSpec-style drafting on them
-(decoding/quant_draft.py, methods/qspec.py): the kernels compute what the quantized weights
+(decoding/drafting/quant_draft.py, methods/qspec.py): the kernels compute what the quantized weights
 stand for, the draft view leaves the model alone, and drafting on int8/int4 copies keeps the
 model's own greedy tokens and sampling distribution."""
 
@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from tiny import VOCAB, exact_prefix_distribution, run_step, tiny_model, tiny_tokenizer
 
 import selfspec
-from selfspec.decoding.quant_draft import quantized_drafter
-from selfspec.decoding.sampling import SamplingConfig
-from selfspec.decoding.speculative import SpeculativeStep
-from selfspec.decoding.stop_rules import make_stop_rule
+from selfspec.decoding.core.sampling import SamplingConfig
+from selfspec.decoding.core.speculative import SpeculativeStep
+from selfspec.decoding.drafting.quant_draft import quantized_drafter
+from selfspec.decoding.drafting.stop_rules import make_stop_rule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor, quant
 from selfspec.executor.quant import (

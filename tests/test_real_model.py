@@ -55,8 +55,8 @@ def test_speculative_greedy_equals_autoregressive(engine, prompts, ar_outputs, m
 def test_knapspec_greedy_equals_autoregressive(engine, prompts, ar_outputs):
     """KnapSpec re-optimising its plan every 8 steps (whether it drafts or falls back to plain
     decoding, the output is the model's), and fixed sub-layer plans of every kind."""
-    from selfspec.decoding.skip_drafter import SkipPlanDrafter
-    from selfspec.decoding.stop_rules import ConstantStopRule
+    from selfspec.decoding.drafting.skip_drafter import SkipPlanDrafter
+    from selfspec.decoding.drafting.stop_rules import ConstantStopRule
     from selfspec.executor.executor import SkipPlan
 
     for prompt, reference in zip(prompts, ar_outputs):
@@ -103,14 +103,14 @@ def test_del_greedy_equals_autoregressive(engine, prompts, ar_outputs):
 def test_swift_greedy_equals_autoregressive(engine, prompts, ar_outputs, tmp_path):
     """SWIFT with a skip set from a short search (3 random sets scored on one 16-token
     continuation; the output is the model's for any skip set), read from a skip-set file."""
-    from selfspec.decoding.skip_search import (
+    from selfspec.heads.skip_set import new_skip_set, save_skip_set
+    from selfspec.training.skip_set_search import (
         CalibrationSequence,
         MatchnessScorer,
         SearchSettings,
         search_skip_set,
         sublayers_of,
     )
-    from selfspec.heads.skip_set import new_skip_set, save_skip_set
 
     ids = engine.encode(prompts[1])
     scorer = MatchnessScorer(engine.executor,
@@ -172,9 +172,9 @@ def test_bad_input_is_refused_clearly(engine):
 
 def _drafted(engine, drafter, prompts):
     """Finished decode states of speculative decoding with ``drafter``, one per prompt."""
-    from selfspec.decoding import loop
-    from selfspec.decoding.speculative import SpeculativeStep
-    from selfspec.decoding.state import DecodeOptions, DecodeState
+    from selfspec.decoding.core import loop
+    from selfspec.decoding.core.speculative import SpeculativeStep
+    from selfspec.decoding.core.state import DecodeOptions, DecodeState
 
     states = []
     for prompt in prompts:
@@ -190,8 +190,8 @@ def test_dssd_greedy_equals_autoregressive(engine, prompts, ar_outputs):
     """DSSD's per-token head choice with deferred KV catch-up, on the real model. The heads
     here are the model's own norm + lm_head at DSSD's default placement with fixed
     max-probability thresholds (trained, calibrated heads are not needed for losslessness)."""
-    from selfspec.decoding.drafting import DSSDDrafter
-    from selfspec.decoding.exits import CalibratedExits
+    from selfspec.decoding.drafting.exit_drafter import DSSDDrafter
+    from selfspec.decoding.drafting.exits import CalibratedExits
 
     ex = engine.executor
 
@@ -211,9 +211,9 @@ def test_adaspeed_probe_greedy_equals_autoregressive(engine, prompts, ar_outputs
     """AdaSPEED's product rule driven by a linear probe's acceptance estimates (§II.B). The
     probe here has random weights: which tokens it accepts changes the draft lengths, never
     the output (training probes is covered by test_heads)."""
-    from selfspec.decoding.stop_rules import make_stop_rule
+    from selfspec.decoding.drafting.exit_drafter import EarlyExitDrafter
+    from selfspec.decoding.drafting.stop_rules import make_stop_rule
     from selfspec.heads.probe import LinearProbe
-    from selfspec.decoding.drafting import EarlyExitDrafter
 
     ex = engine.executor
     probe = LinearProbe(24, engine.model.config.hidden_size)
@@ -327,9 +327,9 @@ def test_drafts_on_quantized_weights_keep_the_greedy_tokens(engine, prompts, ar_
     """QSpec-style drafting on int8/int4 copies of the model's own layers, KnapSpec planning
     over the int4 copies, and DSSD drafting on int8 layers (its heads here: the model's own norm + lm_head at fixed thresholds):
     verification by the full-precision model gives exactly `ar`'s tokens."""
-    from selfspec.decoding.drafting import DSSDDrafter
-    from selfspec.decoding.exits import CalibratedExits
-    from selfspec.decoding.quant_draft import RecomputedVerification
+    from selfspec.decoding.drafting.exit_drafter import DSSDDrafter
+    from selfspec.decoding.drafting.exits import CalibratedExits
+    from selfspec.decoding.drafting.quant_draft import RecomputedVerification
 
     view = engine.executor.draft_view("int8")
 

@@ -17,17 +17,7 @@ from selfspec.bench.heldout import check_held_out
 from selfspec.bench.spec import parse_methods
 from selfspec.cli import main
 from selfspec.data import Prompt
-from selfspec.decoding.autoregressive import ArStep
-from selfspec.decoding.skip_search import (
-    CalibrationSequence,
-    MatchnessScorer,
-    SearchSettings,
-    plan_of,
-    search_skip_set,
-    searchable_sublayers,
-    skip_count,
-    sublayers_of,
-)
+from selfspec.decoding.core.autoregressive import ArStep
 from selfspec.errors import CorruptModelFileError, InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.executor import SkipPlan
@@ -41,6 +31,16 @@ from selfspec.heads.skip_set import (
 )
 from selfspec.methods.registry import MethodContext, build_step, heads_files
 from selfspec.training.corpus import CALIBRATION, split_of
+from selfspec.training.skip_set_search import (
+    CalibrationSequence,
+    MatchnessScorer,
+    SearchSettings,
+    plan_of,
+    search_skip_set,
+    searchable_sublayers,
+    skip_count,
+    sublayers_of,
+)
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 12, 200, 31, 8, 77, 150, 9, 41, 2, 19, 88, 120]
 PLAN = SkipPlan(skip_attention=frozenset({1, 3}), skip_mlp=frozenset({2, 4}))

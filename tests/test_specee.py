@@ -8,9 +8,9 @@ import pytest
 import torch
 from tiny import run_step, tiny_model
 
-from selfspec.decoding.ngram import ContextIndex
-from selfspec.decoding.skipped_kv import KV_POLICIES, make_skipped_kv
-from selfspec.decoding.specee import (
+from selfspec.decoding.ngram.lookup import ContextIndex
+from selfspec.decoding.specee.skipped_kv import KV_POLICIES, make_skipped_kv
+from selfspec.decoding.specee.step import (
     HeadCandidates,
     PredictorSchedule,
     SpecEEStep,

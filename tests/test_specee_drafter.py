@@ -8,8 +8,12 @@ import pytest
 import torch
 from tiny import run_step, tiny_model
 
-from selfspec.decoding.skipped_kv import KV_POLICIES, make_skipped_kv
-from selfspec.decoding.specee import DrafterCandidates, PredictorSchedule, SpecEEStep
+from selfspec.decoding.specee.skipped_kv import KV_POLICIES, make_skipped_kv
+from selfspec.decoding.specee.step import (
+    DrafterCandidates,
+    PredictorSchedule,
+    SpecEEStep,
+)
 from selfspec.errors import CorruptModelFileError, InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.heads import ExitHeads, load_heads, save_heads

@@ -1,4 +1,4 @@
-"""SpecEE's compiled per-token work (decoding/specee_kernel.py): the per-layer decision and the
+"""SpecEE's compiled per-token work (decoding/specee/kernel.py): the per-layer decision and the
 drafter candidates agree with the torch path on tiny bf16 models, the method uses them where
 they run and falls back (or refuses, with kernel=kernel) where they do not, and verified SpecEE
 through them is still exactly autoregressive greedy."""
@@ -9,8 +9,7 @@ import pytest
 import torch
 from tiny import run_step, tiny_model
 
-from selfspec.decoding.specee import DrafterCandidates
-from selfspec.decoding.specee_kernel import (
+from selfspec.decoding.specee.kernel import (
     CandidateKernel,
     KernelLayerDecision,
     TorchLayerDecision,
@@ -18,6 +17,7 @@ from selfspec.decoding.specee_kernel import (
     kernel_unavailable_reason,
     layer_decision,
 )
+from selfspec.decoding.specee.step import DrafterCandidates
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.heads import ExitHeads, save_heads
@@ -112,7 +112,7 @@ def test_the_kernel_decision_is_the_torch_decision(executor, state):
 def test_the_candidate_kernel_is_the_drafters_top_k(executor):
     drafter = _drafter(executor)
     rows = torch.arange(3, executor.vocab_size, 2)  # a draft vocabulary
-    from selfspec.decoding.draft_vocab import restricted_lm_head
+    from selfspec.decoding.drafting.draft_vocab import restricted_lm_head
 
     class Vocab:
         key = "odd"

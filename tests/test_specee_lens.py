@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from tiny import last_position_states, run_step, tiny_model
 
-from selfspec.decoding.skipped_kv import make_skipped_kv
-from selfspec.decoding.specee import HeadCandidates, PredictorSchedule, SpecEEStep
+from selfspec.decoding.specee.skipped_kv import make_skipped_kv
+from selfspec.decoding.specee.step import HeadCandidates, PredictorSchedule, SpecEEStep
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.heads import ExitHeads, load_heads, save_heads

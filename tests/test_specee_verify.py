@@ -12,8 +12,8 @@ from test_adadecode import _sampled_tv
 from test_specee import _head_file
 from tiny import exact_prefix_distribution, run_step, tiny_model
 
-from selfspec.decoding.sampling import SamplingConfig
-from selfspec.decoding.specee import (
+from selfspec.decoding.core.sampling import SamplingConfig
+from selfspec.decoding.specee.step import (
     DrafterCandidates,
     HeadCandidates,
     PredictorScan,
@@ -251,8 +251,8 @@ def test_a_draft_token_is_picked_among_the_candidates_as_over_the_whole_vocabula
     """The exit's logits range over its k candidates (ascending ids): the same token as the
     argmax over [V] with -inf elsewhere, ties to the lowest id, and the same sampling
     distribution once expanded to V."""
-    from selfspec.decoding.drafting import pick_draft_token
-    from selfspec.decoding.specee import ScanResult
+    from selfspec.decoding.drafting.exit_drafter import pick_draft_token
+    from selfspec.decoding.specee.step import ScanResult
 
     ids, logits = torch.tensor([9, 7, 3, 5]), torch.tensor([1.0, 2.0, 2.0, 0.5])
 

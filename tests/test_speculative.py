@@ -1,19 +1,19 @@
 """Self-speculative methods are lossless: greedy output == autoregressive greedy output;
 sampling reproduces the target distribution; verification reuses the drafting work."""
 
-from collections import Counter
 import math
+from collections import Counter
 
 import pytest
 import torch
 from tiny import exact_prefix_distribution, run_step, tiny_model
 
-from selfspec.decoding.sampling import SamplingConfig
-from selfspec.decoding.speculative import SpeculativeStep
-from selfspec.decoding.stop_rules import make_stop_rule
+from selfspec.decoding.core.sampling import SamplingConfig
+from selfspec.decoding.core.speculative import SpeculativeStep
+from selfspec.decoding.drafting.exit_drafter import EarlyExitDrafter
+from selfspec.decoding.drafting.stop_rules import make_stop_rule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
-from selfspec.decoding.drafting import EarlyExitDrafter
 from selfspec.methods.registry import build_step
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]

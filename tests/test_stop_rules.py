@@ -1,4 +1,4 @@
-"""Tests of selfspec.decoding.stop_rules on scripted probability sequences."""
+"""Tests of selfspec.decoding.drafting.stop_rules on scripted probability sequences."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from selfspec.decoding.stop_rules import (
+from selfspec.decoding.drafting.stop_rules import (
     GAMMA_MAX,
     GAMMA_MIN,
     STOP_RULES,

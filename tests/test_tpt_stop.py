@@ -1,11 +1,12 @@
-"""The stop rule that ends a draft where its predicted tokens/s peak (decoding/tpt_stop.py)."""
+"""The stop rule that ends a draft where its predicted tokens/s peak
+(decoding/planning/tpt_stop.py)."""
 
 import pytest
 
-from selfspec.decoding.stats import StepStats
-from selfspec.decoding.stop_rules import ConstantStopRule, DraftTokenInfo
-from selfspec.decoding.tpt import AcceptanceEstimate
-from selfspec.decoding.tpt_stop import (
+from selfspec.decoding.core.stats import StepStats
+from selfspec.decoding.drafting.stop_rules import ConstantStopRule, DraftTokenInfo
+from selfspec.decoding.planning.tpt import AcceptanceEstimate
+from selfspec.decoding.planning.tpt_stop import (
     CONFIDENCE_EDGES,
     ConfidenceCalibration,
     TptStopRule,
@@ -73,7 +74,7 @@ def test_expensive_drafts_of_a_poor_drafter_stop_at_once():
 def test_the_stop_point_maximises_the_predicted_tokens_per_second():
     """With one acceptance for every token, the rule stops where the TPT of KnapSpec eq. 4
     (per-position form) peaks."""
-    from selfspec.decoding.tpt import best_draft_len
+    from selfspec.decoding.planning.tpt import best_draft_len
     for alpha in (0.6, 0.8, 0.9, 0.95):
         fwd = lambda t: 100.0 + 8.0 * t
         rule = TptStopRule(ConstantStopRule(16), calibration(average=alpha), lambda: 20.0, fwd)
@@ -100,7 +101,7 @@ def test_one_slow_first_forward_does_not_set_the_forward_costs():
     """The first forward of a generation can take twice the latency model's time (a slow
     first call); it moves the predictions by one smoothing step, not to its own value, and
     steady observations then pull them to the measured times."""
-    from selfspec.decoding.tpt import ForwardCosts
+    from selfspec.decoding.planning.tpt import ForwardCosts
     from selfspec.executor.cost_model import LatencyModel
     costs = ForwardCosts(LatencyModel(4, 0.0, 10.0, 10.0, 20.0, verify_token_ms=1.0),
                          smoothing=0.2)

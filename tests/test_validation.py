@@ -15,7 +15,7 @@ from tiny import VOCAB, save_tiny, tiny_model, tiny_tokenizer
 
 from selfspec import from_pretrained_model
 from selfspec.cli import main
-from selfspec.decoding.sampling import SamplingConfig, logits_to_probs
+from selfspec.decoding.core.sampling import SamplingConfig, logits_to_probs
 from selfspec.errors import InvalidArgumentError, PromptError, SelfSpecError
 from selfspec.validation import check_float, check_int, check_seed, check_stop
 

@@ -1,4 +1,4 @@
-"""Tests of selfspec.decoding.verification on hand-built tensors (tiers 1 and 3 of DESIGN.md).
+"""Tests of selfspec.decoding.core.verification on hand-built tensors (tiers 1 and 3 of DESIGN.md).
 
 Statistical tests use the Bretagnolle-Huber-Carol inequality: for N i.i.d. draws over k cells,
 P(||p_hat - p||_1 >= eps) <= 2^k exp(-N eps^2 / 2). With delta = 1e-6 this gives the total
@@ -18,8 +18,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from selfspec.decoding.sampling import SamplingConfig, logits_to_probs
-from selfspec.decoding.verification import VerifyOutput, verify_greedy, verify_sampling
+from selfspec.decoding.core.sampling import SamplingConfig, logits_to_probs
+from selfspec.decoding.core.verification import (
+    VerifyOutput,
+    verify_greedy,
+    verify_sampling,
+)
 from selfspec.errors import InvalidArgumentError
 
 DELTA = 1e-6

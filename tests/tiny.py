@@ -63,8 +63,8 @@ def tiny_tokenizer():
 def run_step(executor, step, prompt, **options):
     """Run the generation loop with ``step`` on ``prompt`` (token ids) and
     ``DecodeOptions(**options)``; the finished ``DecodeState``."""
-    from selfspec.decoding import loop
-    from selfspec.decoding.state import DecodeOptions, DecodeState
+    from selfspec.decoding.core import loop
+    from selfspec.decoding.core.state import DecodeOptions, DecodeState
 
     state = DecodeState(executor, prompt, DecodeOptions(**options))
     with torch.inference_mode():
@@ -75,7 +75,7 @@ def run_step(executor, step, prompt, **options):
 def exact_prefix_distribution(executor, prompt, config, length):
     """Exact probability of every ``length``-token continuation of ``prompt`` under the
     target model with sampling transform ``config`` (``{tokens: probability}``)."""
-    from selfspec.decoding.sampling import logits_to_probs
+    from selfspec.decoding.core.sampling import logits_to_probs
 
     dist = {(): 1.0}
     with torch.inference_mode():

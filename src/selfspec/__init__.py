@@ -1,8 +1,9 @@
 """selfspec: faster generation from a Hugging Face causal LM using its own layers."""
 
 from selfspec.api import GenerationResult, SelfSpec, from_pretrained_model, load
-from selfspec.decoding.state import GenerationStats
+from selfspec.decoding.core.state import GenerationStats
+from selfspec.version import __version__
 
-__version__ = "0.1.0"
-
-__all__ = ["GenerationResult", "GenerationStats", "SelfSpec", "from_pretrained_model", "load"]
+__all__ = [
+    "GenerationResult", "GenerationStats", "SelfSpec", "__version__", "from_pretrained_model", "load",
+]

@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from selfspec.decoding import loop
-from selfspec.decoding.batch import run_batch
-from selfspec.decoding.sampling import SamplingConfig
-from selfspec.decoding.state import DecodeOptions, DecodeState
-from selfspec.decoding.stats import GenerationStats
-from selfspec.decoding.stop_strings import StopStringSink, Streamer
+from selfspec.decoding.auto.batch import run_batch
+from selfspec.decoding.core import loop
+from selfspec.decoding.core.sampling import SamplingConfig
+from selfspec.decoding.core.state import DecodeOptions, DecodeState
+from selfspec.decoding.core.stats import GenerationStats
+from selfspec.decoding.core.stop_strings import StopStringSink, Streamer
 from selfspec.errors import InvalidArgumentError, PromptError
 from selfspec.executor import LayerExecutor
 from selfspec.methods.registry import MethodContext, get_method
@@ -183,7 +183,7 @@ class SelfSpec:
                        seed: int | None = None, chat: bool = False, stop: Sequence[str] = (),
                        **method_options: Any) -> list[GenerationResult]:
         """Generate a continuation of every prompt together, as one ragged batch
-        (:mod:`selfspec.decoding.batch`): rows of any lengths, each accepting its own number
+        (:mod:`selfspec.decoding.auto.batch`): rows of any lengths, each accepting its own number
         of draft tokens per step and finishing on its own (EOS, stop strings, budget).
 
         Each row is the generation its prompt would get alone (same greedy tokens; sampling

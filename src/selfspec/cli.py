@@ -14,6 +14,13 @@ import typing
 from collections.abc import Sequence
 
 from selfspec.bench.cli import add_bench_cpu_parser, add_bench_parser
+from selfspec.cli_args import (
+    add_model_argument,
+    add_weight_format_arguments,
+    float_arg,
+    int_arg,
+    threads_arg,
+)
 from selfspec.errors import SelfSpecError
 from selfspec.executor.quant import DRAFT_WEIGHT_FORMATS
 from selfspec.methods.cli_options import (  # noqa: F401 (re-exported for callers)
@@ -27,14 +34,9 @@ from selfspec.training.cli import add_heads_parser
 from selfspec.validation import (
     SEED_MAX,
     SEED_MIN,
-    add_model_argument,
-    add_weight_format_arguments,
     check_stop,
     check_text,
     check_threads,
-    float_arg,
-    int_arg,
-    threads_arg,
 )
 
 
@@ -75,8 +77,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     import selfspec
-    from selfspec.decoding.sampling import SamplingConfig
-    from selfspec.decoding.state import DecodeOptions
+    from selfspec.decoding.core.sampling import SamplingConfig
+    from selfspec.decoding.core.state import DecodeOptions
     from selfspec.methods.registry import get_method
 
     # Refuse bad options before spending seconds on loading the model.
@@ -308,9 +310,9 @@ def _cmd_models_latency(args: argparse.Namespace) -> int:
 
 
 def _version_line() -> str:
-    import selfspec
+    from selfspec.version import __version__
 
-    return f"selfspec {selfspec.__version__}"
+    return f"selfspec {__version__}"
 
 
 def _cmd_info(args: argparse.Namespace) -> int:

@@ -111,11 +111,6 @@ def check_threads(name: str, threads: Any) -> int | None:
                      hint="omit it to keep torch's default")
 
 
-def threads_arg():
-    """The argparse ``type=`` of ``--threads``: an integer in ``[1, MAX_THREADS]``."""
-    return int_arg(1, MAX_THREADS)
-
-
 def check_stop(stop: Any) -> tuple[str, ...]:
     """Stop strings: one string or a sequence of non-empty strings.
 
@@ -238,58 +233,3 @@ def _num(x: float) -> str:
 
 def _hint(hint: str) -> str:
     return f" ({hint})" if hint else ""
-
-
-def int_arg(low: int | None = None, high: int | None = None):
-    """An argparse ``type=`` that parses an integer in ``[low, high]``, so a bad value is a
-    usage error at parse time (exit status 2) before anything is loaded."""
-    return _arg_type(int, "an integer", lambda v: check_int("", v, low=low, high=high))
-
-
-def float_arg(low: float | None = None, high: float | None = None, *, low_open: bool = False,
-              high_open: bool = False):
-    """An argparse ``type=`` for a finite number in the range given (see :func:`check_float`)."""
-    return _arg_type(float, "a number", lambda v: check_float(
-        "", v, low=low, high=high, low_open=low_open, high_open=high_open))
-
-
-def _arg_type(kind: type, what: str, check):
-    import argparse
-
-    def parse(text: str):
-        try:
-            return check(kind(text))
-        except ValueError as err:  # InvalidArgumentError is a ValueError too
-            message = str(err) if isinstance(err, InvalidArgumentError) else (
-                f"expected {what}, got {text!r}")
-            raise argparse.ArgumentTypeError(message) from None
-
-    parse.__name__ = kind.__name__  # argparse names the type in its messages
-    return parse
-
-
-def add_model_argument(parser) -> None:
-    """``--model``, as every command that loads one model for decoding takes it."""
-    parser.add_argument("--model", default=None,
-                        help="registry name, local directory or Hugging Face hub id "
-                             "(default: smollm2-135m-instruct)")
-
-
-def add_weight_format_arguments(parser) -> None:
-    """``--dtype`` and ``--decode-kernel``, as every command that loads a model for decoding
-    (generate, bench, serve) takes them."""
-    from selfspec.executor.cpu import QUANTIZED_ROWS, ROWS_FORMATS
-
-    parser.add_argument("--dtype", default="bf16",
-                        choices=["bf16", "fp32", "fp16", *QUANTIZED_ROWS],
-                        help="weights' format (int4: bf16 weights, decoding on int4 copies; "
-                             "w4a8: on 4-bit copies with 8-bit activations, as llama.cpp's "
-                             "Q4_1)")
-    parser.add_argument(
-        "--decode-kernel", default="auto", choices=list(ROWS_FORMATS),
-        help="kernel of decoding and verification products: auto (on CPUs that emulate "
-             "bf16: bf16, i.e. selfspec's AVX2 bf16 kernel for every matrix, prefill on "
-             "FBGEMM fp16 copies of matrices >= 4 MiB), bf16+fp16 (FBGEMM's fp16-weight "
-             "kernel for matrices >= 4 MiB, selfspec's for the rest), fp16 "
-             "(FBGEMM for every matrix), weights (the weights' own format), int4 (4-bit "
-             "copies: lossy), w4a8 (4-bit copies, 8-bit activations: lossy)")

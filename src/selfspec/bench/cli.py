@@ -12,16 +12,15 @@ from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
-from selfspec.data import DATASETS
-from selfspec.validation import (
-    SEED_MAX,
-    SEED_MIN,
+from selfspec.cli_args import (
     add_model_argument,
     add_weight_format_arguments,
     float_arg,
     int_arg,
     threads_arg,
 )
+from selfspec.data import DATASETS
+from selfspec.validation import SEED_MAX, SEED_MIN
 
 DEFAULT_BASELINES = ("hf-ar", "hf-early-exit", "hf-prompt-lookup")
 

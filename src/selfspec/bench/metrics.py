@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 from selfspec.bench.harness import BenchRun, PromptRecord
 from selfspec.bench.roofline import Roofline
-from selfspec.decoding.stats import add_batch_counts, mean_batch
+from selfspec.decoding.core.stats import add_batch_counts, mean_batch
 
 AR = "ar"
 HF_AR = "hf-ar"

@@ -24,7 +24,7 @@ from selfspec.bench.harness import BenchRun, PromptRecord
 from selfspec.bench.metrics import MethodSummary
 from selfspec.bench.roofline import Roofline
 from selfspec.bench.runners import RunOutput
-from selfspec.decoding.plan_log import PlanRecord
+from selfspec.decoding.core.plan_log import PlanRecord
 from selfspec.errors import InvalidArgumentError
 
 
@@ -66,14 +66,14 @@ def collect_machine_info() -> MachineInfo:
     """Describe this machine, its torch thread count and the library versions."""
     import transformers
 
-    import selfspec
     from selfspec.executor.cpu import detect_cpu
+    from selfspec.version import __version__
 
     return MachineInfo(cpu=_cpu_model(), logical_cores=os.cpu_count() or 0,
                        torch_threads=torch.get_num_threads(),
                        platform=f"{platform.system()} {platform.release()} {platform.machine()}",
                        python=platform.python_version(), torch=torch.__version__,
-                       transformers=transformers.__version__, selfspec=selfspec.__version__,
+                       transformers=transformers.__version__, selfspec=__version__,
                        capability=detect_cpu().summary())
 
 

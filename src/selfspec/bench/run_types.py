@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from selfspec.bench.spec import MethodConfig
-from selfspec.decoding.plan_log import PlanRecord
+from selfspec.decoding.core.plan_log import PlanRecord
 
 # Seconds, monotonic; injectable so tests can script timings.
 Clock = Callable[[], float]

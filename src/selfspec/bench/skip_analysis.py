@@ -29,20 +29,20 @@ from pathlib import Path
 
 import torch
 
-from selfspec.decoding import loop
-from selfspec.decoding.knapsack import choose_plan, tokens_per_time
-from selfspec.decoding.knapspec import KnapSpecConfig, KnapSpecStep
-from selfspec.decoding.skip_drafter import SkipPlanDrafter
-from selfspec.decoding.speculative import SpeculativeStep
-from selfspec.decoding.state import DecodeOptions, DecodeState
-from selfspec.decoding.stop_rules import ConstantStopRule
+from selfspec.cli_args import threads_arg
+from selfspec.decoding.core import loop
+from selfspec.decoding.core.speculative import SpeculativeStep
+from selfspec.decoding.core.state import DecodeOptions, DecodeState
+from selfspec.decoding.drafting.skip_drafter import SkipPlanDrafter
+from selfspec.decoding.drafting.stop_rules import ConstantStopRule
+from selfspec.decoding.knapspec.step import KnapSpecConfig, KnapSpecStep
+from selfspec.decoding.planning.knapsack import choose_plan, tokens_per_time
 from selfspec.executor.cost_model import (
     LatencyModel,
     measure_sublayers,
     measure_token_ms,
 )
 from selfspec.executor.executor import SkipPlan
-from selfspec.validation import threads_arg
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def throughput_points(engine, latency: LatencyModel, plan_prompt: list[int],
                       max_new_tokens: int = 48) -> tuple[list[ConfigPoint], float]:
     """Decode every (candidate plan, γ) on ``prompts``; returns the points and ``ar``'s
     tokens per second."""
-    from selfspec.decoding.autoregressive import ArStep
+    from selfspec.decoding.core.autoregressive import ArStep
 
     ar_tps = _decode(engine, ArStep(), prompts, max_new_tokens)[0]
     points = []

@@ -1,18 +1,18 @@
 """What an engine learns across generations, kept for its life (a process or a server).
 
 - ``history``: the suffix automaton of earlier prompts and outputs, the n-gram drafters'
-  second source (SuffixDecoding / SAM-Decoding; :mod:`selfspec.decoding.ngram`).
+  second source (SuffixDecoding / SAM-Decoding; :mod:`selfspec.decoding.ngram.lookup`).
 - ``drafters``: where each of ``auto``'s model drafters ended its last generation — its
   per-token acceptance and its draft token's share of a one-token forward — so the next
   generation starts its TPT choice (KnapSpec eq. 4) from measurements instead of a fixed
   prior, and its first drafts are not capped short while the estimate climbs
-  (:mod:`selfspec.decoding.auto`), and its acceptance by draft confidence, from which its
-  drafts end (:mod:`selfspec.decoding.tpt_stop`).
+  (:mod:`selfspec.decoding.auto.step`), and its acceptance by draft confidence, from which its
+  drafts end (:mod:`selfspec.decoding.planning.tpt_stop`).
 - ``ngram``: the n-gram drafter's per-token acceptance per (source, match length) at the end
   of the last generation that drafted from it, the next one's priors: a kind of match that
   keeps failing on this workload (short prompt-lookup matches in code completion were
   accepted ~36% on HumanEval) is not tried at the fixed prior again in every generation
-  (:mod:`selfspec.decoding.ngram_drafter`).
+  (:mod:`selfspec.decoding.ngram.drafter`).
 
 The outputs never depend on it: every drafter is verified by the full model.
 """
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from selfspec.decoding.ngram import SuffixAutomaton
+from selfspec.decoding.ngram.lookup import SuffixAutomaton
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class DrafterPrior:
         acceptance: per-token acceptance ``α`` in ``[0, 1]``.
         draft_cost: a draft token's time as a share of a one-token forward of the model.
         by_confidence: its acceptance per bucket of the draft's top-1 probability (bucket
-            index of :data:`~selfspec.decoding.tpt_stop.CONFIDENCE_EDGES` -> rate), for the
+            index of :data:`~selfspec.decoding.planning.tpt_stop.CONFIDENCE_EDGES` -> rate), for the
             buckets it saw.
     """
 

@@ -535,7 +535,7 @@ class LayerExecutor:
                       cache: KVCache) -> torch.Tensor:
         """:meth:`run_layers` for one sequence's ``T`` consecutive tokens from position
         ``pos0`` (an int, not a position tensor), writing ``cache``; the same result bit for
-        bit. The entry of :class:`~selfspec.decoding.deferred.DeferredLayers`, through which
+        bit. The entry of :class:`~selfspec.decoding.core.deferred.DeferredLayers`, through which
         SpecEE, AdaDecode and DSSD run a token a layer or a few at a time (~15 calls a
         token): it goes straight to the fused sub-layers where :meth:`run_layers` would, and
         its per-call Python is what those methods pay on top of the layers.

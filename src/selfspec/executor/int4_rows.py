@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.executor.linear import PackedRowLimits, in_consistent_chunks
 from selfspec.executor.quant import INT4_GROUP, Int4Linear, quantized_kernels_available
+from selfspec.executor.row_consistency import PackedRowLimits, in_consistent_chunks
 
 
 def int4_available() -> bool:

@@ -276,7 +276,7 @@ class PredictorCard:
         candidates: ``"head"`` (the head's top-``k``), ``"drafter"`` (the file's
             :class:`~selfspec.heads.drafter.FeatureDrafter`'s top-``k``), each with
             ``"+ngram"`` (the prompt-lookup token replaces the ``k``-th when it is not among
-            them: :func:`~selfspec.decoding.specee.merge_ngram`).
+            them: :func:`~selfspec.decoding.specee.step.merge_ngram`).
         state_dim: ``H`` when the predictors also read the layer's state
             (:class:`~selfspec.heads.predictor.ExitPredictors`), ``0`` for SpecEE's 12 features.
         lens_layers: layers whose features read the candidates through the file's exit head

@@ -6,7 +6,7 @@ SpecEE drafts its speculative tokens with EAGLE's draft model (SpecEE §4; EAGLE
 token predict the current position's top-layer feature, which the model's ``lm_head`` turns into
 tokens. Its candidates exist *before* the current token runs any layer, so a predictor may stop
 the forward pass at any layer. Candidates from an exit head exist only from that head's layer
-on (:class:`~selfspec.decoding.specee.HeadCandidates`), which caps the layers an exit can save
+on (:class:`~selfspec.decoding.specee.step.HeadCandidates`), which caps the layers an exit can save
 (on Qwen2.5-Coder-1.5B a perfect predictor with the layer-14 head's candidates still runs 22 of
 28 layers per token; with this drafter's, 20; ``docs/results/specee``).
 

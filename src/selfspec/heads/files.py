@@ -327,7 +327,7 @@ def save_heads(heads: ExitHeads, path: str | os.PathLike) -> Path:
     Returns:
         The path of the safetensors file.
     """
-    from selfspec import __version__
+    from selfspec.version import __version__
 
     target = resolve_path(path, heads.card.model)
     heads.card.created = datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -284,8 +284,8 @@ def save_skip_set(skip_set: SkipSet, path: str | os.PathLike) -> Path:
     Returns:
         The path of the file.
     """
-    from selfspec import __version__
     from selfspec.heads.files import _atomic_write
+    from selfspec.version import __version__
 
     target = resolve_skip_set_path(path, skip_set.card.model)
     skip_set.card.created = datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -2,9 +2,9 @@
 0; its deeper layers run later, batched with later tokens; the full model verifies every early
 prediction (Wei et al. 2025, §2.2, Algorithm 1, eq. 1-2). Lossless (greedy and sampling).
 
-A composition: :class:`~selfspec.decoding.drafting.ExitDrafter` with the exit policy
-:class:`~selfspec.decoding.adadecode.ThresholdExits` (eq. 1) and a buffer of ``max_early``
-early predictions, inside :class:`~selfspec.decoding.speculative.SpeculativeStep`. The
+A composition: :class:`~selfspec.decoding.drafting.exit_drafter.ExitDrafter` with the exit policy
+:class:`~selfspec.decoding.adadecode.threshold_exits.ThresholdExits` (eq. 1) and a buffer of
+``max_early`` early predictions, inside :class:`~selfspec.decoding.core.speculative.SpeculativeStep`. The
 options also give Table 3's ablations: ``verify=false`` (no verification, lossy), one entry in
 ``layers`` (fixed-layer early prediction), ``heads=none`` (the original LM head) and a file of
 full-parameter heads (``selfspec heads train --kind full``).
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from selfspec.decoding.adadecode import ThresholdExits
-from selfspec.decoding.drafting import ExitDrafter
-from selfspec.decoding.loop import Step
-from selfspec.decoding.speculative import SpeculativeStep, accept_all
-from selfspec.decoding.stop_rules import BufferStopRule
+from selfspec.decoding.adadecode.threshold_exits import ThresholdExits
+from selfspec.decoding.core.loop import Step
+from selfspec.decoding.core.speculative import SpeculativeStep, accept_all
+from selfspec.decoding.drafting.exit_drafter import ExitDrafter
+from selfspec.decoding.drafting.stop_rules import BufferStopRule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.heads.files import DEFAULT as DEFAULT_HEADS
@@ -141,7 +141,7 @@ SPEC = MethodSpec(
             "batched with later tokens; the full model verifies",
     lossless=True,
     paper="AdaDecode §2.2, Algorithm 1, eq. 1-2 (verification of sampled tokens: exact "
-          "proposal, see decoding/adadecode.py)",
+          "proposal, see decoding/adadecode/threshold_exits.py)",
     options=Options, build=build,
     heads_files=lambda options: [] if options.heads == NO_HEADS else [str(options.heads)],
     lossy_when=lambda options: not options.verify,

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from selfspec.decoding.loop import Step
-from selfspec.decoding.stop_rules import ProductStopRule
-from selfspec.methods.base import MethodContext, MethodSpec
+from selfspec.decoding.core.loop import Step
+from selfspec.decoding.drafting.stop_rules import ProductStopRule
 from selfspec.methods import dv
+from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.exit_drafting import build_exit_step, heads_files
 from selfspec.methods.options import option
 

@@ -8,7 +8,7 @@ the same options draft identically and differ only in the stop rule.
 
 from __future__ import annotations
 
-from selfspec.decoding.loop import Step
+from selfspec.decoding.core.loop import Step
 from selfspec.methods.adaspeed import Options, product_rule
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.exit_drafting import build_exit_step, heads_files

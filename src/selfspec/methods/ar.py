@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from selfspec.decoding.autoregressive import ArStep
-from selfspec.decoding.batch import BatchArStep, BatchStep
-from selfspec.decoding.loop import Step
+from selfspec.decoding.auto.batch import BatchArStep, BatchStep
+from selfspec.decoding.core.autoregressive import ArStep
+from selfspec.decoding.core.loop import Step
 from selfspec.methods.base import MethodContext, MethodSpec
 
 

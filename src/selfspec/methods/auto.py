@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-from selfspec.decoding.auto import AutoStep, ModelDrafter
-from selfspec.decoding.batch import BatchArStep, BatchNgramStep, BatchStep
-from selfspec.decoding.loop import Step
-from selfspec.decoding.ngram_drafter import NgramDrafter, NgramSettings
-from selfspec.decoding.tpt import AcceptanceEstimate, ForwardCosts
-from selfspec.decoding.tpt_stop import ConfidenceCalibration, TptStopRule
+from selfspec.decoding.auto.batch import BatchArStep, BatchNgramStep, BatchStep
+from selfspec.decoding.auto.step import AutoStep, ModelDrafter
+from selfspec.decoding.core.loop import Step
+from selfspec.decoding.ngram.drafter import NgramDrafter, NgramSettings
+from selfspec.decoding.planning.tpt import AcceptanceEstimate, ForwardCosts
+from selfspec.decoding.planning.tpt_stop import ConfidenceCalibration, TptStopRule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.cpu import QUANTIZED_ROWS

@@ -15,11 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from selfspec.decoding.batch import BatchStep, SoloRows
-from selfspec.decoding.draft_vocab import DraftVocab, frequent_rows, restricted_head
-from selfspec.decoding.loop import Step
+from selfspec.decoding.auto.batch import BatchStep, SoloRows
+from selfspec.decoding.core.loop import Step
+from selfspec.decoding.drafting.draft_vocab import (
+    DraftVocab,
+    frequent_rows,
+    restricted_head,
+)
 from selfspec.decoding.memory import EngineMemory
-from selfspec.decoding.ngram import SuffixAutomaton
+from selfspec.decoding.ngram.lookup import SuffixAutomaton
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.cost_model import LatencyModel, cached_latency
@@ -74,7 +78,7 @@ class MethodContext:
 
     def history(self) -> SuffixAutomaton:
         """The engine's suffix automaton of earlier texts (finished prompts + outputs): the
-        n-gram drafters' second source (:mod:`selfspec.decoding.ngram`)."""
+        n-gram drafters' second source (:mod:`selfspec.decoding.ngram.lookup`)."""
         return self.memory().history
 
     def use_memory(self, memory: EngineMemory | None) -> EngineMemory | None:
@@ -164,7 +168,7 @@ class MethodSpec:
             irrelevant (AdaDecode's ``tuned`` sets ``gamma``; a sweep plot then does not
             place the row at ``gamma``'s default).
         build_batch: ``build_batch(context, options) -> BatchStep`` advancing a ragged batch
-            of rows with shared forwards (:mod:`selfspec.decoding.batch`); ``None`` = rows run
+            of rows with shared forwards (:mod:`selfspec.decoding.auto.batch`); ``None`` = rows run
             one after another with the method's own Step (:class:`SoloRows`).
     """
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from selfspec.decoding.clasp import CLaSpConfig, CLaSpStep
-from selfspec.decoding.loop import Step
+from selfspec.decoding.core.loop import Step
+from selfspec.decoding.knapspec.clasp import CLaSpConfig, CLaSpStep
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.exit_drafting import draft_weights_option
 from selfspec.methods.options import option

@@ -66,14 +66,14 @@ def apply_method_spec(args: argparse.Namespace) -> None:
     """
     if ":" not in args.method:
         return
-    from selfspec.bench.spec import DECODE_KERNEL, parse_method
     from selfspec.errors import InvalidArgumentError
+    from selfspec.methods.labels import DECODE_KERNEL, parse_method
 
-    config = parse_method(args.method)  # validates names and values
-    if config.is_baseline:
+    name = args.method.partition(":")[0].strip()
+    if name.startswith(("hf-", "llamacpp-")):
         raise InvalidArgumentError(
-            f"{config.name} is a benchmark baseline; run it with `selfspec bench --methods "
-            f"{config.name}`")
+            f"{name} is a benchmark baseline; run it with `selfspec bench --methods {name}`")
+    config = parse_method(args.method)  # validates names and values
     given = dict(config.method_options)
     if DECODE_KERNEL in config.options:
         given[DECODE_KERNEL] = config.options[DECODE_KERNEL]

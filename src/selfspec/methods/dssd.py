@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from selfspec.decoding.drafting import DSSDDrafter
-from selfspec.decoding.exits import CalibratedExits
-from selfspec.decoding.loop import Step
-from selfspec.decoding.quant_draft import RecomputedVerification
-from selfspec.decoding.speculative import SpeculativeStep
+from selfspec.decoding.core.loop import Step
+from selfspec.decoding.core.speculative import SpeculativeStep
+from selfspec.decoding.drafting.exit_drafter import DSSDDrafter
+from selfspec.decoding.drafting.exits import CalibratedExits
+from selfspec.decoding.drafting.quant_draft import RecomputedVerification
 from selfspec.heads.calibration import CONFIDENCE_METRICS, DEFAULT_METRIC
 from selfspec.heads.files import DEFAULT as DEFAULT_HEADS
 from selfspec.methods.base import MethodContext, MethodSpec

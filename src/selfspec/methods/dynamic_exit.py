@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from selfspec.decoding.dynamic_exit import DELConfig, DELStep
-from selfspec.decoding.loop import Step
+from selfspec.decoding.core.loop import Step
+from selfspec.decoding.knapspec.dynamic_exit import DELConfig, DELStep
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.options import option
 

@@ -3,8 +3,8 @@ head that is confident at accuracy ε, or from the full model. Lossy by design."
 
 from __future__ import annotations
 
-from selfspec.decoding.calibrated_exit import CalibratedExitStep
-from selfspec.decoding.loop import Step
+from selfspec.decoding.core.loop import Step
+from selfspec.decoding.drafting.calibrated_exit import CalibratedExitStep
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.dssd import CalibratedOptions, calibrated_exits
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from selfspec.decoding.drafting import EarlyExitDrafter
-from selfspec.decoding.loop import Step
-from selfspec.decoding.quant_draft import RecomputedVerification
-from selfspec.decoding.speculative import SpeculativeStep
-from selfspec.decoding.stop_rules import StopRule
+from selfspec.decoding.core.loop import Step
+from selfspec.decoding.core.speculative import SpeculativeStep
+from selfspec.decoding.drafting.exit_drafter import EarlyExitDrafter
+from selfspec.decoding.drafting.quant_draft import RecomputedVerification
+from selfspec.decoding.drafting.stop_rules import StopRule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.quant import DRAFT_WEIGHT_CHOICES

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from selfspec.decoding.knapspec import KnapSpecConfig, KnapSpecStep
-from selfspec.decoding.loop import Step
+from selfspec.decoding.core.loop import Step
+from selfspec.decoding.knapspec.step import KnapSpecConfig, KnapSpecStep
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.exit_drafting import draft_weights_option
 from selfspec.methods.options import option
@@ -37,7 +37,8 @@ class Options:
     draft_weights: str | None = draft_weights_option()
     tpt_stop: bool = option(False, "end each draft token by token where the predicted "
                             "tokens/s peak, from each token's calibrated confidence "
-                            "(decoding/tpt_stop.py), instead of the paper's rule (§3.5: top-1 "
+                            "(decoding/planning/tpt_stop.py), instead of the paper's rule "
+                            "(§3.5: top-1 "
                             "probability < confidence, or max_draft_len)")
 
 

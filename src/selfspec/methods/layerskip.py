@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from selfspec.decoding.loop import Step
-from selfspec.decoding.stop_rules import ConstantStopRule
+from selfspec.decoding.core.loop import Step
+from selfspec.decoding.drafting.stop_rules import ConstantStopRule
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.exit_drafting import ExitOptions, build_exit_step, heads_files
 from selfspec.methods.options import option

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from selfspec.decoding.batch import BatchNgramStep, BatchStep
-from selfspec.decoding.loop import Step
-from selfspec.decoding.ngram_drafter import NgramDrafter, NgramSettings, NgramStep
-from selfspec.decoding.tpt import ForwardCosts
+from selfspec.decoding.auto.batch import BatchNgramStep, BatchStep
+from selfspec.decoding.core.loop import Step
+from selfspec.decoding.ngram.drafter import NgramDrafter, NgramSettings, NgramStep
+from selfspec.decoding.planning.tpt import ForwardCosts
 from selfspec.errors import InvalidArgumentError
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.options import option

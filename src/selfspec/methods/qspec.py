@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from selfspec.decoding.loop import Step
-from selfspec.decoding.quant_draft import quantized_drafter
-from selfspec.decoding.speculative import SpeculativeStep
-from selfspec.decoding.stop_rules import ConfidenceStopRule, ConstantStopRule
+from selfspec.decoding.core.loop import Step
+from selfspec.decoding.core.speculative import SpeculativeStep
+from selfspec.decoding.drafting.quant_draft import quantized_drafter
+from selfspec.decoding.drafting.stop_rules import ConfidenceStopRule, ConstantStopRule
 from selfspec.executor.quant import DRAFT_WEIGHT_CHOICES
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.options import option

@@ -2,23 +2,28 @@
 forward pass may stop (Xu et al. 2025, §4-5). Lossy (the paper: < 1% accuracy loss), or
 lossless with ``verify=true``.
 
-A composition: :class:`~selfspec.decoding.specee.HeadCandidates` (the exit head at the
+A composition: :class:`~selfspec.decoding.specee.step.HeadCandidates` (the exit head at the
 predictors' candidate layer) + :class:`~selfspec.heads.predictor.ExitPredictors` (stored in the
 same head file, ``selfspec heads train-predictors``) + :class:`PredictorSchedule` + a policy
-for the skipped layers' KV (:mod:`selfspec.decoding.skipped_kv`), in
-:class:`~selfspec.decoding.specee.SpecEEStep`. ``verify=true`` puts the same exit decision
-(:class:`~selfspec.decoding.specee.SpecEEExits`) into AdaDecode's schedule: exited tokens'
+for the skipped layers' KV (:mod:`selfspec.decoding.specee.skipped_kv`), in
+:class:`~selfspec.decoding.specee.step.SpecEEStep`. ``verify=true`` puts the same exit decision
+(:class:`~selfspec.decoding.specee.step.SpecEEExits`) into AdaDecode's schedule: exited tokens'
 deeper layers run batched with later tokens and verify them
-(:class:`~selfspec.decoding.specee.VerifiedSpecEEStep`).
+(:class:`~selfspec.decoding.specee.step.VerifiedSpecEEStep`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from selfspec.decoding.loop import Step
-from selfspec.decoding.skipped_kv import KV_POLICIES, make_skipped_kv
-from selfspec.decoding.specee import (
+from selfspec.decoding.core.loop import Step
+from selfspec.decoding.specee.kernel import (
+    KERNEL_CHOICES,
+    candidate_kernel,
+    layer_decision,
+)
+from selfspec.decoding.specee.skipped_kv import KV_POLICIES, make_skipped_kv
+from selfspec.decoding.specee.step import (
     CANDIDATE_SOURCES,
     DrafterCandidates,
     HeadCandidates,
@@ -29,11 +34,6 @@ from selfspec.decoding.specee import (
     SpecEEStep,
     VerifiedSpecEEStep,
     depth_thresholds,
-)
-from selfspec.decoding.specee_kernel import (
-    KERNEL_CHOICES,
-    candidate_kernel,
-    layer_decision,
 )
 from selfspec.errors import InvalidArgumentError
 from selfspec.heads.card import PredictorCard
@@ -299,7 +299,7 @@ SPEC = MethodSpec(
             "forward pass (lossy; verify=true: lossless)",
     lossless=True,
     paper="SpecEE §4-5 (predictor features, two-level scheduling); skipped-layer KV: "
-          "decoding/skipped_kv.py",
+          "decoding/specee/skipped_kv.py",
     options=Options, build=build, heads_files=lambda options: [str(options.heads)],
     lossy_when=lambda options: not options.verify,
     unused_when=lambda options: ({"kv"} if options.verify else {"max_early"})

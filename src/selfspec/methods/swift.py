@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from selfspec.decoding.loop import Step
-from selfspec.decoding.skip_drafter import SkipPlanDrafter
-from selfspec.decoding.speculative import SpeculativeStep
-from selfspec.decoding.stop_rules import ConfidenceStopRule
+from selfspec.decoding.core.loop import Step
+from selfspec.decoding.core.speculative import SpeculativeStep
+from selfspec.decoding.drafting.skip_drafter import SkipPlanDrafter
+from selfspec.decoding.drafting.stop_rules import ConfidenceStopRule
 from selfspec.heads.skip_set import (
     HELD_OUT_PREFIX,
     SkipSet,

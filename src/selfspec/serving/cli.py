@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from selfspec.validation import (
+from selfspec.cli_args import (
     add_model_argument,
     add_weight_format_arguments,
-    check_threads,
     int_arg,
     threads_arg,
 )
+from selfspec.validation import check_threads
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:

@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from selfspec.validation import threads_arg
+from selfspec.cli_args import threads_arg
 
 
 @dataclass

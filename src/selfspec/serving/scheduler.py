@@ -3,7 +3,7 @@
 One worker thread owns the model. Each iteration it (1) drops cancelled rows, (2) admits
 queued requests while fewer than ``max_batch`` rows run (prefill alone, first token), and
 (3) advances every running row by one step: rows of the same method and options share one
-:class:`~selfspec.decoding.batch.BatchStep` (one batched forward for ar / ngram / auto; the
+:class:`~selfspec.decoding.auto.batch.BatchStep` (one batched forward for ar / ngram / auto; the
 other methods run their rows in turn). Committed tokens reach each request's callback as
 they come; a finished row calls its ``on_done`` and frees its KV cache.
 
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from selfspec.decoding.batch import BatchStep, begin
-from selfspec.decoding.state import DecodeOptions, DecodeState
-from selfspec.decoding.stop_strings import StopStringSink
+from selfspec.decoding.auto.batch import BatchStep, begin
+from selfspec.decoding.core.state import DecodeOptions, DecodeState
+from selfspec.decoding.core.stop_strings import StopStringSink
 from selfspec.errors import InvalidArgumentError, SelfSpecError
 from selfspec.methods.registry import get_method
 

@@ -9,8 +9,9 @@ import math
 import sys
 from pathlib import Path
 
+from selfspec.cli_args import float_arg, int_arg, threads_arg
 from selfspec.errors import InvalidArgumentError
-from selfspec.validation import SEED_MAX, SEED_MIN, float_arg, int_arg, threads_arg
+from selfspec.validation import SEED_MAX, SEED_MIN
 
 _EPS_SHOWN = (0.6, 0.7, 0.8, 0.9, 0.95)
 
@@ -184,7 +185,7 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
                          "vocabulary)")
     pp.add_argument("--offline", type=int_arg(1), default=None,
                     help="offline layer-set size (default round(L/4), as SpecEE's 8 of 32)")
-    # decoding.specee.CANDIDATE_SOURCES, spelled out: the parser is built without torch
+    # decoding.specee.step.CANDIDATE_SOURCES, spelled out: the parser is built without torch
     pp.add_argument("--candidates", choices=("head", "head+ngram", "drafter", "drafter+ngram"),
                     default="head",
                     help="head = the candidate head's top-k; drafter = the file's next-token "
@@ -250,8 +251,8 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_search_skip_parser(sub: argparse._SubParsersAction) -> None:
     """``selfspec heads search-skip`` (SWIFT's offline skip-set search)."""
-    from selfspec.decoding.skip_search import SearchSettings
     from selfspec.training.skip_search import DEFAULT_SKIP_DATA, SkipSearchRequest
+    from selfspec.training.skip_set_search import SearchSettings
 
     req, cfg = SkipSearchRequest(), SearchSettings()
     k = sub.add_parser(
@@ -574,12 +575,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_search_skip(args: argparse.Namespace) -> int:
-    from selfspec.decoding.skip_search import SearchSettings
     from selfspec.training.skip_search import (
         SkipSearchRequest,
         check_request,
         search_skip,
     )
+    from selfspec.training.skip_set_search import SearchSettings
 
     settings = SearchSettings(skip_ratio=args.skip_ratio, trials=args.trials,
                               refine_steps=args.refine_steps,
@@ -746,7 +747,7 @@ def _print_predictors(card, out=None) -> None:
 
 
 def _cmd_train_probe(args: argparse.Namespace) -> int:
-    from selfspec.decoding.sampling import SamplingConfig
+    from selfspec.decoding.core.sampling import SamplingConfig
     from selfspec.training.pipeline import DEFAULT_TOKENS, ProbeRequest, train_probe
 
     sampling = None

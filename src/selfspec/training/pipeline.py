@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec.decoding.sampling import SamplingConfig, logits_to_probs
+from selfspec.decoding.core.sampling import SamplingConfig, logits_to_probs
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor.cost_model import cached_latency
 from selfspec.executor.cpu import detect_cpu
@@ -340,7 +340,7 @@ def calibrate(heads: ExitHeads, features: FeatureSet, metrics: Sequence[str] = C
     Raises:
         InvalidArgumentError: no calibration tokens, bad metric, ε or draft vocabulary size.
     """
-    from selfspec.decoding.draft_vocab import check_draft_vocab, frequent_rows
+    from selfspec.decoding.drafting.draft_vocab import check_draft_vocab, frequent_rows
 
     metrics = [check_metric(m) for m in metrics]
     epsilons = sorted(check_epsilon(e) for e in epsilons)
@@ -584,9 +584,9 @@ class PredictorRequest:
         draft_vocab: candidates are the head's top-``k`` over the ``K`` most frequent tokens
             (``0`` = the full vocabulary; capped at ``V``).
         offline: size of the offline layer set (``None`` = ``round(L/4)``, as SpecEE's 8 of 32).
-        candidates: one of :data:`~selfspec.decoding.specee.CANDIDATE_SOURCES`: the head's or
+        candidates: one of :data:`~selfspec.decoding.specee.step.CANDIDATE_SOURCES`: the head's or
             the file's drafter's top-``k``, ``+ngram`` merging prompt lookup's token
-            (:func:`~selfspec.decoding.specee.merge_ngram`).
+            (:func:`~selfspec.decoding.specee.step.merge_ngram`).
         data: :class:`DataRequest`.
         config: :class:`~selfspec.training.predictors.PredictorTrainConfig` (``state``:
             state-reading predictors).
@@ -677,7 +677,7 @@ def drafter_candidates(engine: Engine, drafter: FeatureDrafter, features: Featur
     """``[n, k]`` the drafter's top-``k`` token ids at the positions ``index`` (previous
     states from the last layer, or leaving layer ``exit_layer - 1`` as after an exit there;
     over ``vocab_rows`` when given), computed in the model's dtype as
-    :class:`~selfspec.decoding.specee.DrafterCandidates` computes them."""
+    :class:`~selfspec.decoding.specee.step.DrafterCandidates` computes them."""
     ex = engine.executor
     out = []
     for part in index.split(batch_tokens):
@@ -701,9 +701,9 @@ def ngram_tokens(items: Sequence[CorpusItem]) -> torch.Tensor:
     """``[N]`` int64 prompt-lookup token at every scored position of ``items``, ``-1`` where
     there is none, in the order of :func:`~selfspec.training.features.load_features` (items
     grouped by source). Position ``t`` looks up ``token_ids[: t + 1]``, as SpecEE decoding does
-    before the token at ``t + 1`` (:func:`~selfspec.decoding.specee.ngram_token`)."""
-    from selfspec.decoding.ngram import ContextIndex
-    from selfspec.decoding.specee import NGRAM_MAX, NGRAM_MIN, ngram_token
+    before the token at ``t + 1`` (:func:`~selfspec.decoding.specee.step.ngram_token`)."""
+    from selfspec.decoding.ngram.lookup import ContextIndex
+    from selfspec.decoding.specee.step import NGRAM_MAX, NGRAM_MIN, ngram_token
 
     out: list[int] = []
     for item in in_feature_order(items):
@@ -748,7 +748,7 @@ def _draft_rows(engine: Engine, heads: ExitHeads, target: Path, size: int
     Raises:
         InvalidArgumentError: the heads have no token counts.
     """
-    from selfspec.decoding.draft_vocab import frequent_rows
+    from selfspec.decoding.drafting.draft_vocab import frequent_rows
     from selfspec.models.eos import eos_token_ids
 
     if not size:
@@ -773,7 +773,7 @@ def train_predictors(engine: Engine, request: PredictorRequest,
         HeadsNotFoundError, HeadsModelMismatchError, CorruptModelFileError: see
             :func:`~selfspec.heads.load_heads`.
     """
-    from selfspec.decoding.specee import CANDIDATE_SOURCES, merge_ngram
+    from selfspec.decoding.specee.step import CANDIDATE_SOURCES, merge_ngram
 
     ex = engine.executor
     num_layers = ex.num_layers
@@ -919,7 +919,7 @@ def inner_outputs(predictors: ExitPredictors, exits: Sequence[int],
     """The predictors' outputs and labels on the held-out positions as they stand inside a
     draft, after an exit at each layer of ``exits`` (``view_after(e)``: their
     :class:`PredictorData` with the candidates drafted from the previous position's state
-    leaving layer ``e - 1``: :class:`~selfspec.decoding.specee.SpecEEExits` drafts from it);
+    leaving layer ``e - 1``: :class:`~selfspec.decoding.specee.step.SpecEEExits` drafts from it);
     ``None`` without ``exits``. One view at a time: each holds every predictor layer's
     states."""
     if not exits:
@@ -1314,7 +1314,7 @@ def tune_adadecode_file(engine: Engine, path: str, sources: Sequence[str] | None
             data, heads without token counts for a reduced vocabulary, bad sizes.
         HeadsNotFoundError, HeadsModelMismatchError: see :func:`load_heads`.
     """
-    from selfspec.decoding.draft_vocab import frequent_rows
+    from selfspec.decoding.drafting.draft_vocab import frequent_rows
 
     t0 = time.perf_counter()
     target = find_head_file(path, model_name(engine))

@@ -1,6 +1,6 @@
 """``selfspec heads search-skip``: the offline skip-set search of ``--method swift``
 (SWIFT, Xia et al. 2024, §3 layer set optimisation; the search itself is
-:mod:`selfspec.decoding.skip_search`).
+:mod:`selfspec.training.skip_set_search`).
 
     calibration prompts (the CALIBRATION split of each dataset, by problem hash)
       → the model's greedy continuation of each (cached with the heads' on-policy text)
@@ -24,14 +24,6 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from selfspec.decoding.skip_search import (
-    CalibrationSequence,
-    Evaluation,
-    MatchnessScorer,
-    SearchSettings,
-    SkipSearchResult,
-    search_skip_set,
-)
 from selfspec.errors import InvalidArgumentError
 from selfspec.heads.card import PromptUse, prompt_uses
 from selfspec.heads.skip_set import SkipSet, new_skip_set, save_skip_set
@@ -47,6 +39,14 @@ from selfspec.training.corpus import (
 from selfspec.training.engine import Engine
 from selfspec.training.onpolicy import DEFAULT_BATCH, generate_greedy_batch
 from selfspec.training.pipeline import DEFAULT_DATA, cache_root, dtype_label
+from selfspec.training.skip_set_search import (
+    CalibrationSequence,
+    Evaluation,
+    MatchnessScorer,
+    SearchSettings,
+    SkipSearchResult,
+    search_skip_set,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class SkipSearchRequest:
         max_new_tokens: length of each greedy continuation (>= 1); the scored positions.
         max_len: prompts longer than ``max_len - max_new_tokens`` tokens are passed over.
         window: positions per scoring window, the draft length mirrored (>= 1).
-        settings: the search (:class:`~selfspec.decoding.skip_search.SearchSettings`);
+        settings: the search (:class:`~selfspec.training.skip_set_search.SearchSettings`);
             its seed also orders the prompts.
         out: where to save (``None`` = ``$SELFSPEC_HOME/heads/<model>/swift-skip.json``).
     """

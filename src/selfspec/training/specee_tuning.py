@@ -3,19 +3,19 @@ greedy text (selfspec's addition; SpecEE §4 exits at 0.5 at every layer, and se
 ``specee`` option takes one threshold for all layers).
 
 **Why the replay applies.** Verified SpecEE (``specee:verify=true``,
-:class:`~selfspec.decoding.specee.VerifiedSpecEEStep`) puts the predictors' exit decision into
+:class:`~selfspec.decoding.specee.step.VerifiedSpecEEStep`) puts the predictors' exit decision into
 AdaDecode's schedule: an exited token's deeper layers run later, batched with the next tokens,
 and verify it. So :func:`~selfspec.training.adadecode_tuning.simulate` replays it with the
 predictor layers in place of the heads: per position and predictor layer, the predictor's
 output (the confidence) and whether the candidate with the highest local probability there is
 the final layer's token (correct; the label the predictors train on). The predictors' features
 at a layer are taken against the layer before it whichever predictors run
-(:class:`~selfspec.decoding.specee.PredictorScan`), so a layer's output does not depend on
+(:class:`~selfspec.decoding.specee.step.PredictorScan`), so a layer's output does not depend on
 which others are switched on.
 
 **Inside a draft.** The drafter of the candidates reads the previous position's last-layer
 state at a draft's start and its exit-layer state inside a draft
-(:class:`~selfspec.decoding.specee.SpecEEExits`), where its candidates are right far less often
+(:class:`~selfspec.decoding.specee.step.SpecEEExits`), where its candidates are right far less often
 (on Qwen2.5-Coder-0.5B the final token is among the top 4 for 57% of positions from a
 last-layer state, 32-50% from exit layers 3-18). So the trace holds each position twice more
 over: at a draft's start, and inside a draft after an exit at each of a few layers
@@ -58,7 +58,7 @@ from selfspec.training.adadecode_tuning import (
 )
 
 # Thresholds tried per layer (None = that layer's predictor off). State-reading predictors
-# are over-confident on new text (decoding.specee.STATE_DEFAULT_ACCURACY), so the grid is
+# are over-confident on new text (decoding.specee.step.STATE_DEFAULT_ACCURACY), so the grid is
 # dense near 1.
 # specee's max_early default (selfspec.methods.specee): the schedule the tuning replays.
 DEFAULT_MAX_EARLY = 5

@@ -15,9 +15,9 @@ scored token, averaged over the batch (DSSD §3.3):
 
 ``loss_vocab = K > 0`` restricts the KL to the rows ``R`` = the ``K`` tokens the final layer
 emits most often on the training split (plus the EOS ids), ranked exactly as the reduced draft
-vocabulary ranks them (:func:`selfspec.decoding.draft_vocab.frequent_rows` on the head file's
-``token_counts``), so a head used with ``draft_vocab=K`` was trained on exactly its rows. Per
-token, ``p_R = softmax(z_final[R])`` and ``q_R = softmax(z_head[R])``, each renormalised over
+vocabulary ranks them (:func:`selfspec.decoding.drafting.draft_vocab.frequent_rows` on the head
+file's ``token_counts``), so a head used with ``draft_vocab=K`` was trained on exactly its rows.
+Per token, ``p_R = softmax(z_final[R])`` and ``q_R = softmax(z_head[R])``, each renormalised over
 ``R``, and the loss is ``KL(p_R || q_R)`` (or ``KL(q_R || p_R)``). This is our departure from
 AdaDecode §2.1, whose KL is over the full vocabulary: every step costs ``N·V·H`` multiply-adds
 for the teacher and two per head (forward and the input gradient through the frozen
@@ -187,12 +187,13 @@ def loss_rows(features: FeatureSet, size: int, vocab_size: int, eos_ids: Sequenc
     training split of ``features`` (ties: lower id first), plus ``eos_ids``, as ``[R]`` int64
     ascending. The same counts are stored in the head file as ``token_counts`` by
     :func:`selfspec.training.pipeline.calibrate`, so these are exactly the rows of
-    ``draft_vocab=size`` at inference (:func:`selfspec.decoding.draft_vocab.frequent_rows`).
+    ``draft_vocab=size`` at inference
+    (:func:`selfspec.decoding.drafting.draft_vocab.frequent_rows`).
 
     Raises:
         InvalidArgumentError: ``size`` outside ``[1, vocab_size]``.
     """
-    from selfspec.decoding.draft_vocab import frequent_rows
+    from selfspec.decoding.drafting.draft_vocab import frequent_rows
 
     if not 1 <= size <= vocab_size:
         raise InvalidArgumentError(

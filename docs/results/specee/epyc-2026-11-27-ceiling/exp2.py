@@ -1,7 +1,7 @@
 import os, sys, torch, time, glob
 from safetensors import safe_open
 from selfspec.training.predictors import PredictorData, PredictorTrainConfig, fit_predictors, predictor_probs
-from selfspec.decoding.draft_vocab import frequent_rows
+from selfspec.decoding.drafting.draft_vocab import frequent_rows
 torch.set_num_threads(2)
 tr = torch.load("train.pt"); ev = torch.load("eval.pt")
 exec(open("exp.py").read().split("def data")[0].split("ev = torch.load(\"eval.pt\")")[1])  # metrics()

@@ -19,8 +19,10 @@ orig = bf16_rows._product
 def prod(*a):
     t = time.perf_counter(); r = orig(*a); acc["k.product"] += time.perf_counter() - t; cnt["k.product"] += 1; return r
 bf16_rows._product = prod
-from selfspec.decoding import state as st_mod, speculative, drafting, deferred, specee, specee_kernel, autoregressive
-from selfspec.decoding.state import DecodeState
+from selfspec.decoding.core import state as st_mod, speculative, deferred, autoregressive
+from selfspec.decoding.drafting import exit_drafter as drafting
+from selfspec.decoding.specee import step as specee, kernel as specee_kernel
+from selfspec.decoding.core.state import DecodeState
 wrap(DecodeState, "prefill", "prefill"); wrap(DecodeState, "commit", "commit")
 wrap(speculative.SpeculativeStep, "__call__", "step")
 wrap(specee.SpecEEDrafter, "draft", "step.draft")

@@ -4,8 +4,8 @@ from selfspec.heads.files import load_heads
 from selfspec.training.pipeline import (DataRequest, prepare_features, StageTimes, predictor_splits,
     head_candidates, ngram_tokens, in_feature_order)
 from selfspec.training.predictors import predictor_data
-from selfspec.decoding.specee import merge_ngram
-from selfspec.decoding.draft_vocab import frequent_rows
+from selfspec.decoding.specee.step import merge_ngram
+from selfspec.decoding.drafting.draft_vocab import frequent_rows
 from selfspec.models.eos import eos_token_ids
 torch.set_num_threads(2)
 model, heads_path, data_spec = sys.argv[1], sys.argv[2], sys.argv[3]

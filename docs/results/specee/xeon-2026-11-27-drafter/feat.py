@@ -5,8 +5,8 @@ from selfspec.heads.files import load_heads
 from selfspec.training import pipeline as pl
 from selfspec.training.predictors import predictor_data, fit_predictors, evaluate_predictors, PredictorData, PredictorTrainConfig
 from selfspec.training.drafter import drafter_positions, drafter_inputs
-from selfspec.decoding.specee import merge_ngram
-from selfspec.decoding.draft_vocab import frequent_rows
+from selfspec.decoding.specee.step import merge_ngram
+from selfspec.decoding.drafting.draft_vocab import frequent_rows
 from selfspec.models.eos import eos_token_ids
 torch.set_num_threads(2)
 model, hp, spec = sys.argv[1], sys.argv[2], sys.argv[3]

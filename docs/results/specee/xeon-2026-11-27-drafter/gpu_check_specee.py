@@ -4,8 +4,8 @@ import sys, torch
 sys.path[:0] = ["src", "tests"]
 from tiny import tiny_model, run_step
 from selfspec.executor import LayerExecutor
-from selfspec.decoding.specee import DrafterCandidates, PredictorSchedule, SpecEEStep
-from selfspec.decoding.skipped_kv import KV_POLICIES, make_skipped_kv
+from selfspec.decoding.specee.step import DrafterCandidates, PredictorSchedule, SpecEEStep
+from selfspec.decoding.specee.skipped_kv import KV_POLICIES, make_skipped_kv
 from selfspec.heads.drafter import FeatureDrafter
 from selfspec.heads.predictor import ExitPredictors
 from selfspec.methods.registry import build_step

@@ -3,8 +3,8 @@ import sys, math, torch, selfspec, torch.nn.functional as F
 from selfspec.heads.files import load_heads
 from selfspec.training.pipeline import DataRequest, prepare_features, StageTimes, in_feature_order, ngram_tokens
 from selfspec.training.corpus import TEST
-from selfspec.decoding.draft_vocab import frequent_rows
-from selfspec.decoding.specee import merge_ngram
+from selfspec.decoding.drafting.draft_vocab import frequent_rows
+from selfspec.decoding.specee.step import merge_ngram
 from selfspec.models.eos import eos_token_ids
 torch.set_num_threads(2)
 model, heads_path, width = sys.argv[1], sys.argv[2], int(sys.argv[3])

@@ -3,7 +3,7 @@ import sys, math, torch, selfspec, torch.nn.functional as F
 from selfspec.heads.files import load_heads
 from selfspec.training.pipeline import DataRequest, prepare_features, StageTimes, in_feature_order
 from selfspec.training.corpus import TRAIN, CALIBRATION, TEST
-from selfspec.decoding.draft_vocab import frequent_rows
+from selfspec.decoding.drafting.draft_vocab import frequent_rows
 from selfspec.models.eos import eos_token_ids
 torch.set_num_threads(2); torch.manual_seed(0)
 model, heads_path = sys.argv[1], sys.argv[2]

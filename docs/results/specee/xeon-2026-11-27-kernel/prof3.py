@@ -1,7 +1,7 @@
 """In-situ split of verified SpecEE's predictor time: candidates vs per-layer decisions."""
 import sys, time, torch, selfspec, collections
-import selfspec.decoding.specee as sp
-import selfspec.decoding.specee_kernel as sk
+import selfspec.decoding.specee.step as sp
+import selfspec.decoding.specee.kernel as sk
 torch.set_num_threads(2)
 model, heads, thr = sys.argv[1], sys.argv[2], float(sys.argv[3])
 eng = selfspec.load(model, dtype="bf16", show_progress=False)

@@ -1,6 +1,6 @@
 """Where verified SpecEE's predictor time goes, per token."""
 import sys, time, torch, selfspec
-import selfspec.decoding.specee as sp
+import selfspec.decoding.specee.step as sp
 torch.set_num_threads(2)
 model, heads, thr = sys.argv[1], sys.argv[2], float(sys.argv[3])
 eng = selfspec.load(model, dtype="bf16", show_progress=False)

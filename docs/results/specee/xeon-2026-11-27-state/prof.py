@@ -1,6 +1,6 @@
 """Where SpecEE's predictor time goes: candidates / final norm + features / predictor MLP, per token."""
 import sys, time, torch, selfspec
-import selfspec.decoding.specee as sp
+import selfspec.decoding.specee.step as sp
 torch.set_num_threads(2)
 model, heads = sys.argv[1], sys.argv[2]
 eng = selfspec.load(model, dtype="bf16", show_progress=False)

@@ -7,8 +7,8 @@ from selfspec.training.pipeline import (DataRequest, prepare_features, StageTime
 from selfspec.training.drafter import drafter_positions
 from selfspec.training.predictors import predictor_data, fit_predictors, PredictorTrainConfig
 from selfspec.training.corpus import TRAIN, CALIBRATION, TEST
-from selfspec.decoding.specee import merge_ngram
-from selfspec.decoding.draft_vocab import frequent_rows
+from selfspec.decoding.specee.step import merge_ngram
+from selfspec.decoding.drafting.draft_vocab import frequent_rows
 from selfspec.models.eos import eos_token_ids
 torch.set_num_threads(2)
 model = "qwen2.5-coder-1.5b-instruct"

@@ -6,8 +6,8 @@ from selfspec.training.pipeline import (DataRequest, prepare_features, StageTime
 from selfspec.training.drafter import drafter_positions
 from selfspec.training.predictors import predictor_data, predictor_probs
 from selfspec.training.corpus import TEST
-from selfspec.decoding.specee import merge_ngram
-from selfspec.decoding.draft_vocab import frequent_rows
+from selfspec.decoding.specee.step import merge_ngram
+from selfspec.decoding.drafting.draft_vocab import frequent_rows
 from selfspec.models.eos import eos_token_ids
 torch.set_num_threads(2)
 eng = selfspec.load("qwen2.5-coder-1.5b-instruct", dtype="bf16", show_progress=False)

@@ -6,8 +6,8 @@ import sys, torch
 sys.path[:0] = ["src", "tests"]
 from tiny import tiny_model, run_step
 from selfspec.executor import LayerExecutor
-from selfspec.decoding.sampling import SamplingConfig
-from selfspec.decoding.specee import (DrafterCandidates, HeadCandidates, PredictorScan,
+from selfspec.decoding.core.sampling import SamplingConfig
+from selfspec.decoding.specee.step import (DrafterCandidates, HeadCandidates, PredictorScan,
                                       PredictorSchedule, SpecEEDrafter, SpecEEExits,
                                       VerifiedSpecEEStep)
 from selfspec.heads.drafter import FeatureDrafter

@@ -11,11 +11,11 @@ import torch
 sys.path[:0] = ["src", "tests"]
 from tiny import run_step, tiny_model
 
-from selfspec.decoding.adadecode import ThresholdExits
-from selfspec.decoding.drafting import DSSDDrafter, ExitDrafter
-from selfspec.decoding.exits import CalibratedExits
-from selfspec.decoding.speculative import SpeculativeStep
-from selfspec.decoding.stop_rules import BufferStopRule
+from selfspec.decoding.adadecode.threshold_exits import ThresholdExits
+from selfspec.decoding.drafting.exit_drafter import DSSDDrafter, ExitDrafter
+from selfspec.decoding.drafting.exits import CalibratedExits
+from selfspec.decoding.core.speculative import SpeculativeStep
+from selfspec.decoding.drafting.stop_rules import BufferStopRule
 from selfspec.executor import LayerExecutor
 from selfspec.executor.argmax import argmax_last
 from selfspec.methods.registry import build_step

@@ -1,5 +1,5 @@
 // SpecEE's per-token work outside the layers, one call each (SpecEE §4;
-// selfspec.decoding.specee_kernel).
+// selfspec.decoding.specee.kernel).
 //
 // selfspec_specee_predict, per feature layer: from the bf16 state leaving the layer, the
 // model's final RMSNorm, the optional head lens T (an exit head's transform, read as
@@ -72,7 +72,7 @@ inline void product_bf16(const uint16_t* w, const float* x, const float* bias, i
 
 extern "C" {
 
-// One layer's inputs and outputs (SpecEEKernel's ctypes mirror in decoding/specee_kernel.py).
+// One layer's inputs and outputs (SpecEEKernel's ctypes mirror in decoding/specee/kernel.py).
 struct PredictArgs {
   const uint16_t* hidden;       // [H] bf16, the state leaving the layer (before the final norm)
   const uint16_t* norm_weight;  // [H] bf16, the final RMSNorm's weight

@@ -1,11 +1,11 @@
 """Where one KnapSpec re-optimisation's time goes (SmolLM2 bf16, recorded history)."""
 import time, torch
 import selfspec
-from selfspec.decoding import knapspec as K
-from selfspec.decoding import knapsack as KS
-from selfspec.decoding.knapspec import KnapSpecConfig, KnapSpecStep
-from selfspec.decoding.state import DecodeOptions, DecodeState
-from selfspec.decoding import loop
+from selfspec.decoding.knapspec.step import step as knapspec as K
+from selfspec.decoding.planning import knapsack as KS
+from selfspec.decoding.knapspec.step import KnapSpecConfig, KnapSpecStep
+from selfspec.decoding.core.state import DecodeOptions, DecodeState
+from selfspec.decoding.core import loop
 from selfspec.executor.cost_model import cached_latency
 
 torch.set_num_threads(2)

@@ -2,10 +2,10 @@
 import sys, time, torch
 from pathlib import Path
 import selfspec
-from selfspec.decoding import knapspec as K
-from selfspec.decoding.knapspec import KnapSpecConfig, KnapSpecStep
-from selfspec.decoding.state import DecodeOptions, DecodeState
-from selfspec.decoding import loop
+from selfspec.decoding.knapspec.step import step as knapspec as K
+from selfspec.decoding.knapspec.step import KnapSpecConfig, KnapSpecStep
+from selfspec.decoding.core.state import DecodeOptions, DecodeState
+from selfspec.decoding.core import loop
 from selfspec.executor.cost_model import cached_latency
 torch.set_num_threads(2)
 name = sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m-instruct"

@@ -1,0 +1,7 @@
+"""The decoding core: the one loop (``loop``), the state of a generation (``state``), its
+statistics (``stats``), the speculative step (``speculative``), verification as pure tensor
+functions (``verification``), sampling (``sampling``), deferred layers (``deferred``), stop
+strings and streaming (``stop_strings``), plain decoding (``autoregressive``), the residual
+history of recent tokens (``history``) and the log of re-chosen drafts (``plan_log``).
+
+Imports nothing else from ``selfspec.decoding``: every other package builds on it."""

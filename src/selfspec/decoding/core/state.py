@@ -1,0 +1,164 @@
+"""The state of one generation, shared by the loop and every Step.
+
+A Step only drafts, verifies and calls :meth:`DecodeState.commit`; the state owns the
+sequence, the KV cache, the stopping conditions (EOS, ``max_new_tokens``, the model's
+context, a caller's stop check) and the :class:`GenerationStats` the loop accumulates.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from selfspec.decoding.core.sampling import SamplingConfig
+from selfspec.decoding.core.stats import GenerationStats
+from selfspec.errors import InvalidArgumentError, PromptError
+from selfspec.executor import KVCache, LayerExecutor
+from selfspec.executor.executor import Observer
+from selfspec.validation import check_int
+
+# Called with each batch of newly committed token ids; returns True to stop generating
+# (stop strings, a user's cancel). Streaming output hangs off this too.
+TokenSink = Callable[[list[int]], bool]
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """Limits and sampling for one generation.
+
+    Attributes:
+        max_new_tokens: at most this many tokens are generated (>= 1).
+        sampling: greedy or sampling configuration.
+        eos_token_ids: generation ends after committing any of these ids.
+
+    Raises:
+        InvalidArgumentError: ``max_new_tokens`` not an integer >= 1 (bools and floats are
+            refused).
+    """
+
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        check_int("max_new_tokens", self.max_new_tokens, low=1)
+        if not isinstance(self.sampling, SamplingConfig):
+            raise InvalidArgumentError(
+                f"sampling must be a SamplingConfig; got {type(self.sampling).__name__}")
+
+
+class DecodeState:
+    """The sequence, KV cache, limits and counters of one generation (batch size 1).
+
+    Args:
+        executor: the model's layer executor.
+        prompt_ids: the prompt's token ids (non-empty).
+        options: limits and sampling.
+        sink: optional callback for committed tokens (see :data:`TokenSink`).
+        cache_margin: extra cache positions beyond prompt + max_new_tokens (draft overshoot).
+
+    Raises:
+        PromptError: the prompt is empty or fills the model's context.
+    """
+
+    def __init__(self, executor: LayerExecutor, prompt_ids: list[int], options: DecodeOptions,
+                 sink: TokenSink | None = None, cache_margin: int = 16) -> None:
+        if not prompt_ids:
+            raise PromptError("the prompt is empty; give at least one token of text")
+        if len(prompt_ids) >= executor.max_positions:
+            raise PromptError(
+                f"the prompt has {len(prompt_ids)} tokens but the model's context is "
+                f"{executor.max_positions}; shorten the prompt to leave room for new tokens")
+        self.executor = executor
+        self.options = options
+        self.sink = sink
+        self.tokens: list[int] = list(prompt_ids)
+        self.prompt_len = len(prompt_ids)
+        self.context_limit = executor.max_positions
+        capacity = min(self.prompt_len + options.max_new_tokens, self.context_limit) + cache_margin
+        self.cache: KVCache = executor.new_cache(capacity=capacity)
+        self.generator = options.sampling.make_generator(executor.device)
+        self.stats = GenerationStats(prompt_tokens=self.prompt_len)
+        self.finish_reason: str | None = None
+        self._start = time.perf_counter()
+
+    @property
+    def seq_len(self) -> int:
+        """Committed sequence length (prompt + generated)."""
+        return len(self.tokens)
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens generated so far."""
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def remaining(self) -> int:
+        """How many more tokens may be committed before a limit is reached."""
+        return min(self.options.max_new_tokens - self.num_generated,
+                   self.context_limit - self.seq_len)
+
+    @property
+    def done(self) -> bool:
+        """True once a stopping condition has been met."""
+        return self.finish_reason is not None
+
+    def positions(self, start: int, count: int) -> torch.Tensor:
+        """``[1, count]`` int64 positions ``start .. start+count-1`` on the model's device."""
+        return torch.arange(start, start + count, device=self.executor.device).unsqueeze(0)
+
+    def last_token(self) -> torch.Tensor:
+        """``[1, 1]`` int64 tensor of the last committed token on the model's device."""
+        return torch.tensor([[self.tokens[-1]]], device=self.executor.device)
+
+    def commit(self, new_tokens: list[int]) -> list[int]:
+        """Append accepted tokens to the sequence, stopping at EOS or a limit.
+
+        Args:
+            new_tokens: token ids in order (e.g. accepted draft tokens + the next token).
+
+        Returns:
+            The tokens actually committed (a prefix of ``new_tokens``).
+        """
+        if self.done:
+            return []
+        kept = new_tokens[: max(self.remaining, 0)]
+        eos = self.options.eos_token_ids
+        for i, tok in enumerate(kept):
+            if tok in eos:
+                kept = kept[: i + 1]
+                self.finish_reason = "eos"
+                break
+        first = self.num_generated == 0
+        self.tokens.extend(kept)
+        if first and kept:
+            self.stats.ttft_ms = (time.perf_counter() - self._start) * 1e3
+        if self.sink is not None and kept and self.sink(kept) and self.finish_reason is None:
+            self.finish_reason = "stop"
+        if self.finish_reason is None and self.remaining <= 0:
+            self.finish_reason = ("length" if self.num_generated >= self.options.max_new_tokens
+                                  else "context")
+        return kept
+
+    def finish(self) -> GenerationStats:
+        """Close the timers and return the final statistics."""
+        stats = self.stats
+        stats.total_ms = (time.perf_counter() - self._start) * 1e3
+        stats.new_tokens = self.num_generated
+        stats.tokens_per_s = stats.new_tokens / (stats.total_ms / 1e3) if stats.total_ms > 0 else 0.0
+        stats.finish_reason = self.finish_reason or "length"
+        return stats
+
+    def prefill(self, observe: Observer | None = None) -> torch.Tensor:
+        """Run the prompt through all layers, filling the cache (``observe``: as
+        :meth:`~selfspec.executor.LayerExecutor.run_layers`'s).
+
+        Returns:
+            ``[1, V]`` logits for the token after the prompt.
+        """
+        ids = torch.tensor([self.tokens], device=self.executor.device)
+        return self.executor.forward(ids, self.positions(0, self.prompt_len), self.cache,
+                                     last_only=True, observe=observe)[:, -1]

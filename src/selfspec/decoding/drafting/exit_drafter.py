@@ -1,0 +1,275 @@
+"""The one drafting loop of every self-speculative drafter (LayerSkip, Draft & Verify,
+AdaSPEED, DSSD; KnapSpec's sub-layer plans in :mod:`selfspec.decoding.drafting.skip_drafter`).
+
+Per draft position::
+
+    deferred.add(token, position)             # the previous token enters layer 0
+    exit = policy.choose(deferred, sampling)  # run it to its exit layer (FixedExit / CalibratedExits)
+    if exit is None: stop                     # DSSD: no head confident, verification decides
+    token = pick_draft_token(exit.logits)     # argmax, or a sample from q when sampling
+    if stop_rule.should_stop(...): stop       # constant D, p < γ, Π p < γ, buffer full, EOS
+
+Draft tokens write KV only into the layers they ran; their hidden states stay pending in a
+:class:`DeferredLayers`, and verification (:func:`complete_to_last_layer`) runs each
+position through exactly the layers it skipped, batched, never repeating one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from selfspec.decoding.core.deferred import DeferredLayers
+from selfspec.decoding.core.sampling import SamplingConfig, logits_to_probs, sample
+from selfspec.decoding.core.speculative import DraftOutput, TargetOutput
+from selfspec.decoding.core.state import DecodeState
+from selfspec.decoding.core.stats import StepStats
+from selfspec.decoding.drafting.draft_vocab import DraftVocab
+from selfspec.decoding.drafting.exits import (
+    CalibratedExits,
+    ExitPolicy,
+    FixedExit,
+    Scorer,
+)
+from selfspec.decoding.drafting.stop_rules import (
+    BufferStopRule,
+    DraftTokenInfo,
+    StopRule,
+)
+from selfspec.errors import InvalidArgumentError
+from selfspec.executor import LayerExecutor
+from selfspec.executor.executor import Head
+
+
+@dataclass
+class PickedToken:
+    """One draft token chosen from draft logits.
+
+    Attributes:
+        token: ``[]`` int64 tensor of the token id.
+        token_id: the same id as an int.
+        prob: untempered softmax probability of the token (Draft & Verify's stop statistic).
+        top1_prob: the largest untempered probability.
+        score: the scorer's acceptance estimate, or ``None``.
+        q: ``[V]`` the transformed distribution the token was sampled from (sampling only).
+    """
+
+    token: torch.Tensor
+    token_id: int
+    prob: float
+    top1_prob: float
+    score: float | None
+    q: torch.Tensor | None
+
+
+def pick_draft_token(logits: torch.Tensor, sampling: SamplingConfig,
+                     generator: torch.Generator | None,
+                     score: torch.Tensor | None = None,
+                     vocab: DraftVocab | None = None,
+                     proposal: torch.Tensor | None = None) -> PickedToken:
+    """Choose a draft token from ``[V]`` draft logits (``[R]`` over ``vocab.rows`` with a
+    reduced draft vocabulary): argmax when greedy, else a sample from the transformed
+    distribution ``q`` (kept, as ``[V]``, for speculative sampling), or from ``proposal``
+    (``[V]`` / ``[R]``) when the exit restricts it (AdaDecode eq. 1).
+
+    One host sync brings the id, its probability, the top-1 probability and the score.
+    """
+    logits = logits.float()
+    softmax = logits.softmax(dim=-1)  # [V] or [R], untempered
+    q = None
+    if sampling.greedy:
+        index = softmax.argmax()
+    else:
+        q = logits_to_probs(logits, sampling) if proposal is None else proposal.float()
+        index = sample(q.unsqueeze(0), generator)[0]
+    token = index if vocab is None else vocab.rows[index]
+    if q is not None and vocab is not None:
+        q = vocab.expand(q)
+    parts = [token.float(), softmax[index], softmax.max()]
+    if score is not None:
+        parts.append(score.float())
+    values = torch.stack(parts).tolist()
+    return PickedToken(token=token, token_id=int(values[0]), prob=values[1], top1_prob=values[2],
+                       score=values[3] if score is not None else None, q=q)
+
+
+@dataclass
+class DraftBuilder:
+    """Collects draft tokens one by one and assembles the :class:`DraftOutput`.
+
+    Attributes:
+        picks: the chosen tokens, in order.
+        exit_layers: the exit layer of each.
+    """
+
+    picks: list[PickedToken] = field(default_factory=list)
+    exit_layers: list[int] = field(default_factory=list)
+
+    def append(self, pick: PickedToken, exit_layer: int) -> None:
+        """Add one draft token that exited at ``exit_layer``."""
+        self.picks.append(pick)
+        self.exit_layers.append(exit_layer)
+
+    def build(self, executor: LayerExecutor, sampling: SamplingConfig,
+              deferred: DeferredLayers | None) -> DraftOutput:
+        """The :class:`DraftOutput`, its inputs pending in ``deferred`` (if any)."""
+        picks = self.picks
+        token_ids = (torch.stack([p.token for p in picks]) if picks
+                     else torch.empty(0, dtype=torch.long, device=executor.device))
+        probs = None
+        if not sampling.greedy:
+            probs = (torch.stack([p.q for p in picks]) if picks                  # [D, V]
+                     else torch.empty(0, executor.vocab_size, device=executor.device))
+        return DraftOutput(tokens=[p.token_id for p in picks], token_ids=token_ids, probs=probs,
+                           exit_layers=list(self.exit_layers),
+                           sublayers=0 if deferred is None else 2 * deferred.layer_forwards,
+                           deferred=deferred)
+
+
+def check_draft_len_limit(executor: LayerExecutor, max_draft_len: object) -> int:
+    """Validate a longest draft: verification of ``D + 1`` positions must stay within the
+    executor's per-token attention blocks (``row_attention_max``), which keep bf16
+    verification bit-identical to one-token decoding.
+
+    Raises:
+        InvalidArgumentError: not an integer in ``[1, row_attention_max - 1]``.
+    """
+    limit = max(1, executor.row_attention_max - 1)
+    if isinstance(max_draft_len, bool) or not isinstance(max_draft_len, int) or not (
+            1 <= max_draft_len <= limit):
+        raise InvalidArgumentError(
+            f"max_draft_len must be an integer in [1, {limit}] (longer drafts would verify with "
+            f"a different attention kernel and lose bf16 exactness), got {max_draft_len!r}")
+    return max_draft_len
+
+
+def complete_to_last_layer(executor: LayerExecutor, state: DecodeState,
+                           draft: DraftOutput) -> TargetOutput:
+    """Target logits ``[D+1, V]`` for a draft whose inputs wait in ``draft.deferred``.
+
+    Feeds the last draft token (or, for an empty draft, the last committed token), then runs
+    every pending position through the layers it has not run yet — batched, never repeating a
+    layer a position already ran — and applies the model's final norm and ``lm_head``.
+    """
+    deferred = draft.deferred
+    assert deferred is not None, "complete_to_last_layer needs a draft with deferred inputs"
+    num = len(draft.tokens)
+    before = deferred.layer_forwards
+    if len(deferred) == num:  # the last draft token has not been fed yet
+        deferred.add(draft.tokens[-1] if num else state.tokens[-1], state.seq_len - 1 + num)
+    deferred.advance(executor.num_layers)
+    logits = executor.logits(deferred.stacked())[0]  # [D+1, V]
+    return TargetOutput(logits=logits, sublayers=2 * (deferred.layer_forwards - before))
+
+
+class ExitDrafter:
+    """Drafts token by token, each from the exit its policy chooses, until the stop rule,
+    the policy (no confident exit) or the token budget ends the draft; verification runs only
+    the layers each position skipped.
+
+    Args:
+        executor: the model's executor.
+        policy: where each draft token exits (:class:`FixedExit`, :class:`CalibratedExits`).
+        stop_rule: decides the draft length (:mod:`selfspec.decoding.drafting.stop_rules`).
+
+    Raises:
+        InvalidArgumentError: a stop rule whose longest draft exceeds
+            :func:`check_draft_len_limit`.
+    """
+
+    def __init__(self, executor: LayerExecutor, policy: ExitPolicy, stop_rule: StopRule) -> None:
+        check_draft_len_limit(executor, stop_rule.max_draft_len)
+        self.executor = executor
+        self.policy = policy
+        self.stop_rule = stop_rule
+
+    def draft(self, state: DecodeState) -> DraftOutput:
+        """Draft up to ``min(max_draft_len, remaining - 1)`` tokens.
+
+        Returns:
+            :class:`DraftOutput` whose ``deferred`` holds the hidden states of its inputs
+            (the last committed token and draft tokens ``0..D-2``) at their exit layers.
+        """
+        sampling, policy, rule = state.options.sampling, self.policy, self.stop_rule
+        eos = state.options.eos_token_ids
+        rule.reset()
+        deferred = DeferredLayers(self.executor, state.cache)
+        draft = DraftBuilder()
+        token = state.tokens[-1]
+        for index in range(min(rule.max_draft_len, state.remaining - 1)):
+            deferred.add(token, state.seq_len - 1 + index)
+            exit = policy.choose(deferred, sampling, state.generator)
+            if exit is None:  # no confident exit: verification produces this token
+                break
+            pick = pick_draft_token(exit.logits, sampling, state.generator, exit.score,
+                                    policy.vocab if exit.vocab is None else exit.vocab,
+                                    exit.proposal)
+            token = pick.token_id
+            draft.append(pick, exit.layer)
+            if rule.should_stop(DraftTokenInfo(index=index, token_id=token, prob=pick.prob,
+                                               top1_prob=pick.top1_prob, is_eos=token in eos,
+                                               score=pick.score)):
+                break
+        return draft.build(self.executor, sampling, deferred)
+
+    def target_logits(self, state: DecodeState, draft: DraftOutput) -> TargetOutput:
+        """Target logits ``[D+1, V]``, running only the layers each position skipped."""
+        return complete_to_last_layer(self.executor, state, draft)
+
+    def update(self, stats: StepStats) -> None:
+        """Pass the verification result to the stop rule (adaptive gamma)."""
+        self.stop_rule.update(stats)
+
+
+class EarlyExitDrafter(ExitDrafter):
+    """LayerSkip's self-speculative drafter (Elhoushi et al. 2024, §4), also that of Draft &
+    Verify and AdaSPEED: every draft token runs layers ``[0, exit_layer)`` and one head.
+
+    Verification reuses the drafting work: the exit-layer hidden states of the drafted
+    positions are kept (LayerSkip's exit-query cache) and only layers ``[exit_layer, L)`` run
+    on them, plus layers ``[0, exit_layer)`` for the last draft token.
+
+    Args: see :class:`~selfspec.decoding.drafting.exits.FixedExit` (``executor``, ``exit_layer``,
+        ``head``, ``scorer``, ``sampled_scorer``, ``vocab``, ``restricted``) and
+        ``stop_rule``.
+
+    Raises:
+        InvalidArgumentError: ``exit_layer`` out of range, or a stop rule whose longest draft
+            exceeds :func:`check_draft_len_limit`.
+    """
+
+    def __init__(self, executor: LayerExecutor, exit_layer: int, stop_rule: StopRule,
+                 head: Head | None = None, scorer: Scorer | None = None,
+                 vocab: DraftVocab | None = None, sampled_scorer: Scorer | None = None,
+                 restricted=None) -> None:
+        super().__init__(executor, FixedExit(executor, exit_layer, head, scorer, sampled_scorer,
+                                             vocab, restricted), stop_rule)
+
+    @property
+    def exit_layer(self) -> int:
+        """Layers every draft token runs."""
+        return self.policy.exit_layer
+
+
+class DSSDDrafter(ExitDrafter):
+    """The DSSD drafter (DSSD §4.3.1): each draft token from the first calibrated exit head
+    that is confident at ε; the draft ends when the buffer is full, at EOS, or when no head
+    is confident (the fallback to the full model, which verification provides). A position
+    that needs a deeper head than its predecessors ran first catches their missing layers up
+    in one batched call, so no layer ever runs twice for a position. DSSD has no online
+    state: its acceptance mechanism is the adaptive draft length.
+
+    Args:
+        executor: the model's executor.
+        exits: calibrated heads at one ε.
+        max_draft_len: the draft buffer limit (DSSD uses e.g. 32).
+
+    Raises:
+        InvalidArgumentError: ``max_draft_len`` outside ``[1, row_attention_max - 1]``.
+    """
+
+    def __init__(self, executor: LayerExecutor, exits: CalibratedExits,
+                 max_draft_len: int = 32) -> None:
+        check_draft_len_limit(executor, max_draft_len)
+        super().__init__(executor, exits, BufferStopRule(max_draft_len))
