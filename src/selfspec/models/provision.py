@@ -82,6 +82,7 @@ from selfspec.models.common import (
 )
 from selfspec.models.integrity import MANIFEST_NAME
 from selfspec.models.registry import ModelSpec, get_spec
+from selfspec.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -473,7 +474,7 @@ def _write_manifest(entry: Path, spec: ModelSpec, dtype: torch.dtype) -> None:
         "transformers_version": transformers.__version__,
         "torch_version": torch.__version__,
         "gguf_version": importlib.metadata.version("gguf"),
-        "selfspec_version": importlib.metadata.version("selfspec"),
+        "selfspec_version": __version__,
         "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     (entry / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
