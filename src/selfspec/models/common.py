@@ -1,16 +1,23 @@
-"""What model loading and provisioning share: dtype names, architecture checks, and
-transformers' progress bars (a module of its own, so neither imports the other's internals)."""
+"""What the stages of model loading share: dtype names, architecture checks (of a config
+object or of a directory's ``config.json``), and transformers' progress bars (a module of its
+own, so no stage imports another's internals)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
-from selfspec.errors import InvalidArgumentError, UnsupportedArchitectureError
+from selfspec.errors import (
+    InvalidArgumentError,
+    ModelNotFoundError,
+    UnsupportedArchitectureError,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -95,3 +102,28 @@ def check_config(config: PretrainedConfig, source: str) -> None:
             "selfspec supports full attention only. Set use_sliding_window=false in its config.json "
             "if the model was trained without a window."
         )
+
+
+def read_config(model_dir: Path, source: str, repair_hint: str | None = None) -> PretrainedConfig:
+    """Read and check ``model_dir/config.json`` without touching the weights.
+
+    Args:
+        model_dir: the model directory.
+        source: model name used in messages.
+        repair_hint: what to tell the user when the config is missing (default: what a model directory is).
+
+    Raises:
+        ModelNotFoundError: no readable ``config.json``.
+        UnsupportedArchitectureError: see :func:`check_config`.
+    """
+    config_path = model_dir / "config.json"
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        hint = repair_hint or "a model directory is one written by save_pretrained"
+        raise ModelNotFoundError(f"{source}: cannot read {config_path} ({err}); {hint}") from err
+    # Check the type before AutoConfig, which rejects types transformers does not know with a vaguer message.
+    check_model_type(raw.get("model_type"), source)
+    config = AutoConfig.from_pretrained(model_dir)
+    check_config(config, source)
+    return config

@@ -30,10 +30,7 @@ them right after the conversion. Three depths of check read that record:
 - :attr:`Depth.FULL` (``selfspec models verify``): every file hashed, as a fetch does when it
   records them.
 
-Entries fetched by selfspec versions that recorded no file hashes are *unverified*: they still
-load, with a logged warning, and ``selfspec models verify`` reports them as such. Nothing can
-vouch for their files after the fact, so they are never "adopted"; ``selfspec models fetch NAME
---force`` replaces them with a recorded entry.
+A manifest that records no files is unreadable, so its entry is corrupt like any other damage.
 """
 
 from __future__ import annotations
@@ -116,21 +113,19 @@ class EntryCheck:
     Attributes:
         entry: the entry directory checked.
         depth: how far the check went.
-        records: the recorded files, or ``None`` when the manifest records none (unverified entry).
+        records: the recorded files (empty when the manifest is unreadable).
         problems: what differs from the record (empty when intact).
     """
 
     entry: Path
     depth: Depth
-    records: tuple[FileRecord, ...] | None
+    records: tuple[FileRecord, ...]
     problems: tuple[FileProblem, ...]
 
     @property
     def status(self) -> str:
-        """``"corrupt"``, ``"unverified"`` (no recorded hashes) or ``"ok"``."""
-        if self.problems:
-            return "corrupt"
-        return "unverified" if self.records is None else "ok"
+        """``"corrupt"`` or ``"ok"``."""
+        return "corrupt" if self.problems else "ok"
 
 
 def fetch_command(name: str, dtype: torch.dtype) -> str:
@@ -171,8 +166,6 @@ def check_entry(entry: Path, depth: Depth) -> EntryCheck:
         records = _read_records(entry / MANIFEST_NAME)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
         return EntryCheck(entry, depth, (), (FileProblem(MANIFEST_NAME, "unreadable", actual=str(err)),))
-    if records is None:
-        return EntryCheck(entry, depth, None, ())
     stamps = _read_stamp(entry) if depth is Depth.LOAD else {}
     fresh: dict[str, dict[str, int | str]] = {}
     problems = []
@@ -209,8 +202,6 @@ def check_entry(entry: Path, depth: Depth) -> EntryCheck:
 def require_intact(entry: Path, name: str, dtype: torch.dtype) -> EntryCheck:
     """Check ``entry`` (the cache entry of registry model ``name`` in ``dtype``) before it is loaded.
 
-    An unverified entry (no recorded hashes) passes with a logged warning.
-
     Raises:
         CorruptModelFileError: a recorded file is missing, has another size or another sha256, or
             the manifest is unreadable; the message names the file and the command that re-fetches.
@@ -222,21 +213,20 @@ def require_intact(entry: Path, name: str, dtype: torch.dtype) -> EntryCheck:
             f"{'; '.join(p.describe() for p in check.problems)}. Run `{fetch_command(name, dtype)}` to fetch "
             "it again (`selfspec models verify` checks every cached entry)."
         )
-    if check.status == "unverified":
-        logger.warning(
-            "%s (%s): the cache entry %s records no file hashes (fetched by an older selfspec), so damaged "
-            "weights would go unnoticed; run `%s` to replace it", name, dtype_name(dtype), entry,
-            fetch_command(name, dtype),
-        )
     return check
 
 
-def _read_records(manifest_path: Path) -> tuple[FileRecord, ...] | None:
-    """The manifest's file records, or ``None`` for a manifest that has none (older selfspec)."""
+def _read_records(manifest_path: Path) -> tuple[FileRecord, ...]:
+    """The manifest's file records.
+
+    Raises:
+        OSError, ValueError, TypeError, KeyError, AttributeError: the manifest is missing, not
+            JSON, records no files, or records them in another shape.
+    """
     manifest = json.loads(manifest_path.read_text())
     files = manifest.get("files")
     if files is None:
-        return None
+        raise ValueError("the manifest records no files")
     records = tuple(FileRecord(str(n), int(v["size"]), str(v["sha256"])) for n, v in files.items())
     if not records:
         raise ValueError("the manifest's file list is empty")

