@@ -6,8 +6,8 @@ a SWIFT skip-set file (:mod:`selfspec.heads.skip_set`) lists the prompts its sea
 Before a run, :func:`check_held_out` compares the benchmark's prompts with the cards of the
 head files its methods read: by default prompts seen there are dropped (a benchmark on them
 would overstate acceptance and speed); with ``allow_in_sample`` they stay and the run is
-labelled in-sample in the table, ``report.md`` and ``summary.json`` (DESIGN.md, "Honest
-evaluation").
+labelled in-sample in the table, ``report.md`` and ``summary.json`` (docs/design.md,
+"Held-out evaluation").
 
 Cards written before prompts were recorded (format 1) name only their data sources: every
 prompt of those datasets that the problem-hash split put in the training or calibration

@@ -399,8 +399,8 @@ class TrainingInfo:
 
 @dataclass
 class PromptUse:
-    """The prompts of one dataset that one stage used (held-out bookkeeping, DESIGN.md
-    "Honest evaluation").
+    """The prompts of one dataset that one stage used (held-out bookkeeping,
+    docs/design.md "Held-out evaluation").
 
     Attributes:
         use: one of :data:`PROMPT_USES`: ``train`` (head training and the token counts that
