@@ -9,15 +9,14 @@ import pytest
 from tiny import tiny_model, tiny_tokenizer
 
 from selfspec.api import from_pretrained_model
-from selfspec.bench.heldout import check_held_out, seen_prompts
+from selfspec.bench.heldout import check_held_out
 from selfspec.bench.pipeline import BenchOptions, run_benchmark
 from selfspec.bench.spec import parse_methods
 from selfspec.data import Prompt
 from selfspec.errors import InvalidArgumentError
 from selfspec.heads import ExitHeads, make_head, output_layer, save_heads
-from selfspec.heads.card import PromptUse, TrainingInfo
+from selfspec.heads.card import PromptUse
 from selfspec.heads.files import new_card
-from selfspec.training.corpus import CALIBRATION, TEST, TRAIN, split_of
 
 PROMPTS = [Prompt("HumanEval/0", "def add(a, b):\n", chat=False),
            Prompt("HumanEval/1", "def sub(a, b):\n", chat=False)]
@@ -114,15 +113,27 @@ def test_methods_without_head_files_need_no_check(engine):
     assert check.prompts == PROMPTS
 
 
-def test_cards_without_prompt_records_fall_back_to_the_training_split(engine):
+def test_a_card_of_another_format_does_not_load(engine, tmp_path):
+    """Cards record their prompts from format 2 on; one of another format is refused (it
+    cannot say which prompts it saw), with what to do."""
+    from selfspec.errors import CorruptModelFileError
+    from selfspec.heads.card import HeadCard
+    from selfspec.heads.files import read_head_file
+
     card = new_card(engine, "lightweight", [2])
-    card.format_version = 1
-    card.training = TrainingInfo(loss="kl", kl_direction="forward", alpha=0.5, data=["humaneval"],
-                                 train_tokens=1, eval_tokens=1, epochs=1, lr=1e-3, batch_tokens=1,
-                                 compute_dtype="bf16", feature_dtype="bf16", init="lm_head",
-                                 seed=0, seconds=0.0)
-    prompts = [Prompt(f"HumanEval/{i}", "x", chat=False) for i in range(40)]
-    seen = seen_prompts(card, "humaneval", prompts)
-    assert seen == {p.id for p in prompts if split_of(p.id) in (TRAIN, CALIBRATION)}
-    assert any(split_of(p.id) == TEST for p in prompts) and len(seen) < len(prompts)
-    assert seen_prompts(card, "mtbench", prompts) == set()
+    data = card.to_dict()
+    data["format_version"] = 1
+    with pytest.raises(ValueError, match="train the heads again"):
+        HeadCard.from_dict(data)
+    path = _heads_file(engine, tmp_path / "h", [PromptUse("train", "humaneval", ["HumanEval/0"])])
+    path = path if path.is_file() else path / "heads.safetensors"
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    card_data = json.loads(metadata["card"])
+    card_data["format_version"] = 1
+    save_file(tensors, str(path), metadata={**metadata, "card": json.dumps(card_data)})
+    with pytest.raises(CorruptModelFileError, match="train the heads again"):
+        read_head_file(path)

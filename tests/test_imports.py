@@ -1,5 +1,5 @@
 """The package's import graph has no cycle and its layers import downwards only
-(DESIGN.md: data flows down, never up; docs/design.md "Layers").
+(data flows down, never up; docs/design.md "Layers").
 
 Every ``import`` of a ``selfspec`` module counts: at module level, inside a function (a late
 import that only hides a cycle is still a cycle), under ``TYPE_CHECKING`` (a cycle of type
@@ -178,7 +178,7 @@ def test_an_upward_import_is_found():
 
 
 # ------------------------------------------------------------------------ layering
-# DESIGN.md "Layers of the code": training is never imported by the code that decodes.
+# docs/design.md "Layers": training is never imported by the code that decodes.
 DECODE_TIME_PACKAGES = ("heads", "decoding", "executor", "methods", "models")
 TRAINING = "selfspec.training"
 

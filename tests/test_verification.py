@@ -1,4 +1,4 @@
-"""Tests of selfspec.decoding.core.verification on hand-built tensors (tiers 1 and 3 of DESIGN.md).
+"""Tests of selfspec.decoding.core.verification on hand-built tensors.
 
 Statistical tests use the Bretagnolle-Huber-Carol inequality: for N i.i.d. draws over k cells,
 P(||p_hat - p||_1 >= eps) <= 2^k exp(-N eps^2 / 2). With delta = 1e-6 this gives the total

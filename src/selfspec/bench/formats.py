@@ -17,8 +17,9 @@ AVX2 kernels (``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2``), so the beha
 without native bf16 can be measured on a machine that has it (issue "Fast on every CPU").
 The switches restrict oneDNN and ATen only: FBGEMM (the fp16 decoding kernel) keeps the
 machine's own instructions, and PyTorch still sends bf16 products to oneDNN where the CPU has
-AVX-512 (oneDNN then runs them with AVX2 conversions: measured ~4× an fp32 product here, ~7×
-on a real AVX2-only CPU), so the restricted run approximates such a CPU rather than equals it.
+AVX-512 (oneDNN then runs them with AVX2 conversions, cheaper than a real AVX2-only CPU's
+emulation; docs/results/timings.md), so the restricted run approximates such a CPU rather
+than equals it.
 """
 
 from __future__ import annotations

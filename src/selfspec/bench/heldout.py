@@ -6,12 +6,8 @@ a SWIFT skip-set file (:mod:`selfspec.heads.skip_set`) lists the prompts its sea
 Before a run, :func:`check_held_out` compares the benchmark's prompts with the cards of the
 head files its methods read: by default prompts seen there are dropped (a benchmark on them
 would overstate acceptance and speed); with ``allow_in_sample`` they stay and the run is
-labelled in-sample in the table, ``report.md`` and ``summary.json`` (DESIGN.md, "Honest
-evaluation").
-
-Cards written before prompts were recorded (format 1) name only their data sources: every
-prompt of those datasets that the problem-hash split put in the training or calibration
-split counts as seen (a superset of what was used).
+labelled in-sample in the table, ``report.md`` and ``summary.json`` (docs/design.md,
+"Held-out evaluation").
 """
 
 from __future__ import annotations
@@ -26,9 +22,6 @@ from selfspec.errors import SelfSpecError
 
 logger = logging.getLogger(__name__)
 
-# What `selfspec heads train` / `train-probe` used by default before cards recorded prompts.
-LEGACY_DEFAULT_DATASETS = ("humaneval", "gsm", "mtbench")
-
 
 @dataclass(frozen=True)
 class HeldOutCheck:
@@ -39,7 +32,6 @@ class HeldOutCheck:
         in_sample: ids of the benchmark prompts some head file saw (dropped or kept).
         dropped: ids of the prompts removed (empty when in-sample prompts are allowed).
         files: head file → the method labels that read it (every file checked).
-        legacy_files: files whose card predates prompt records (checked by split).
         considered: how many of the given prompts were looked at (all of them, or up to the
             last one needed to fill ``limit``).
         replaced: dropped prompts were replaced by later ones (a ``limit`` was given).
@@ -49,7 +41,6 @@ class HeldOutCheck:
     in_sample: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     files: dict[str, list[str]] = field(default_factory=dict)
-    legacy_files: list[str] = field(default_factory=list)
     considered: int = 0
     replaced: bool = False
 
@@ -72,24 +63,12 @@ class HeldOutCheck:
                        f"held-out ones ({', '.join(self.dropped)})")
         elif self.dropped:
             dropped = f"; {len(self.dropped)} of {total} prompts seen there were dropped"
-        legacy = (f" (cards without prompt records, checked by their training split: "
-                  f"{', '.join(self.legacy_files)})" if self.legacy_files else "")
-        return f"held out: all {len(self.prompts)} prompts are unseen by {names}{dropped}{legacy}"
+        return f"held out: all {len(self.prompts)} prompts are unseen by {names}{dropped}"
 
 
 def seen_prompts(card, dataset: str, prompts: Sequence[Prompt]) -> set[str]:
     """Ids among ``prompts`` (of ``dataset``) that ``card`` (a ``HeadCard``) saw."""
-    if card.records_prompts:
-        return {p.id for p in prompts} & card.seen_prompts().get(dataset, set())
-    from selfspec.training.corpus import CALIBRATION, TRAIN, dataset_of, split_of
-
-    datasets = ({dataset_of(d) for d in card.training.data} if card.training is not None
-                else set(LEGACY_DEFAULT_DATASETS))
-    if card.training is not None and card.probes:
-        datasets |= set(LEGACY_DEFAULT_DATASETS)  # probes trained on the old default data
-    if dataset not in datasets:
-        return set()
-    return {p.id for p in prompts if split_of(p.id) in (TRAIN, CALIBRATION)}
+    return {p.id for p in prompts} & card.seen_prompts().get(dataset, set())
 
 
 def check_held_out(prompts: Sequence[Prompt], dataset: str, methods: Sequence[MethodConfig],
@@ -131,7 +110,6 @@ def check_held_out(prompts: Sequence[Prompt], dataset: str, methods: Sequence[Me
                 path = str(find_head_file(name, model))
             files.setdefault(path, []).append(method.label)
     seen: set[str] = set()
-    legacy = []
     for path in list(files):
         try:
             card = read_skip_set(path).card if path in skip_sets else read_head_file(path).card
@@ -139,8 +117,6 @@ def check_held_out(prompts: Sequence[Prompt], dataset: str, methods: Sequence[Me
             logger.info("held-out check skips %s: %s", path, err)
             del files[path]
             continue
-        if not card.records_prompts:
-            legacy.append(path)
         seen |= seen_prompts(card, dataset, prompts)
     kept: list[Prompt] = []
     considered = 0
@@ -154,5 +130,5 @@ def check_held_out(prompts: Sequence[Prompt], dataset: str, methods: Sequence[Me
     dropped = [] if allow_in_sample else in_sample
     if limit is not None and len(kept) < limit:
         logger.warning("only %d of the %d prompts asked for are held out", len(kept), limit)
-    return HeldOutCheck(kept, in_sample, dropped, files, legacy, considered,
+    return HeldOutCheck(kept, in_sample, dropped, files, considered,
                         replaced=limit is not None and considered > limit)

@@ -1,6 +1,6 @@
 """Per-method metrics of a benchmark run (pure functions of the records).
 
-Definitions (DESIGN.md glossary):
+Definitions (docs/design.md "Glossary"):
 
 - ``tokens_per_s``: all new tokens / all wall time of the method (long generations weigh
   more, as in Spec-Bench); ``median_tokens_per_s``: median of the per-prompt rates.

@@ -113,7 +113,7 @@ def _file_text(dataset: str) -> str:
 
 
 def all_prompts() -> list[Prompt]:
-    """Every long summarize request in the packaged file (about 130; ~1 s to scan).
+    """Every long summarize request in the packaged file (about 130; about a second to scan).
 
     Raises:
         DatasetUnavailableError: the package is not installed.

@@ -81,7 +81,7 @@ def prompts_of_file(module: str, source: str) -> list[Prompt]:
 
 def all_prompts(root: Path | None = None) -> list[Prompt]:
     """Every qualifying function of the standard library under ``root`` (default: this
-    interpreter's), sorted by id (a few thousand; ~5 s to parse)."""
+    interpreter's), sorted by id (a few thousand; seconds to parse)."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
     prompts: dict[str, Prompt] = {}
     for path in sorted(root.rglob("*.py")):

@@ -1,4 +1,4 @@
-"""The per-layer KV cache owned by selfspec (DESIGN.md "The KV cache").
+"""The per-layer KV cache owned by selfspec (docs/design.md "Glossary": KV cache).
 
 Each layer keeps its own length: an early-exit draft writes only the layers it ran, and
 later methods (DSSD, AdaDecode) fill deeper layers afterwards. Storage is preallocated per

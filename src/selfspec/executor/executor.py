@@ -1,4 +1,4 @@
-"""Layer-wise execution of an unmodified Hugging Face decoder (DESIGN.md "The executor").
+"""Layer-wise execution of an unmodified Hugging Face decoder (docs/design.md "Executor contract").
 
 The executor drives the model's own modules (embedding, each layer's norms, attention
 projections and MLP, the rotary embedding, the final norm and ``lm_head``) so any layer range

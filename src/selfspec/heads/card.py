@@ -204,14 +204,13 @@ class PredictorTuning:
             layer calls (one more position in a layer call, the drafter, the output layer,
             ``[len(layers)]`` each kept layer's check).
         row_cost_source: ``"given"`` (``--row-cost``) or ``"measured: <latency key>"`` (this
-            machine's latency model); ``""`` on cards written before it was recorded.
+            machine's latency model).
         output_cost_source: ``"measured: <latency key>"``, ``"given"`` (``--output-cost``) or
-            ``"bytes"`` (the weights' bytes over a decoder layer's; cards written before it
-            was recorded).
+            ``"bytes"`` (the weights' bytes over a decoder layer's).
         inner_layers / inner_drafter: positions inside a draft were replayed with the
             candidates drafted from the previous position's state at these exit layers, by
-            the ``"exit-state"`` or ``"main"`` drafter; ``[]``: as at a draft's start (cards
-            written before 2026-11-28).
+            the ``"exit-state"`` or ``"main"`` drafter; ``[]`` and ``""``: as at a draft's
+            start.
         data: on-policy sources replayed.
         tokens / speedup / acceptance / drafts_per_token: the replay on the tuning half of the
             held-out sequences (what was tuned on).
@@ -219,7 +218,7 @@ class PredictorTuning:
         single_check_speedup: the single threshold there.
         ceiling_check_speedup: perfect predictors there (every layer on, firing exactly where
             the top local candidate is the final token:
-            :func:`~selfspec.training.specee_tuning.ceiling`); NaN on cards written before it.
+            :func:`~selfspec.training.specee_tuning.ceiling`).
     """
 
     layers: list[int]
@@ -239,11 +238,11 @@ class PredictorTuning:
     check_speedup: float
     check_acceptance: float
     single_check_speedup: float
-    ceiling_check_speedup: float = math.nan
-    row_cost_source: str = ""
-    output_cost_source: str = "bytes"
-    inner_layers: list[int] = field(default_factory=list)
-    inner_drafter: str = ""
+    ceiling_check_speedup: float
+    row_cost_source: str
+    output_cost_source: str
+    inner_layers: list[int]
+    inner_drafter: str
 
 
 @dataclass
@@ -365,9 +364,9 @@ class TrainingInfo:
     ``train_tokens`` / ``eval_tokens`` are what that corpus actually held. ``loss_vocab``:
     ``0`` = the KL was over the full vocabulary (AdaDecode §2.1); ``K > 0`` = over the ``K``
     most frequent tokens plus EOS (the rows of ``draft_vocab=K``), renormalised over them
-    (our departure, for speed with large vocabularies; absent in older cards = 0).
-    ``cpu``: the CPU's number-format abilities where training ran (:meth:`CpuInfo.summary`;
-    ``""`` in older cards), which explain ``compute_dtype`` and ``seconds``.
+    (our departure, for speed with large vocabularies).
+    ``cpu``: the CPU's number-format abilities where training ran (:meth:`CpuInfo.summary`),
+    which explain ``compute_dtype`` and ``seconds``.
     """
 
     loss: str
@@ -399,8 +398,8 @@ class TrainingInfo:
 
 @dataclass
 class PromptUse:
-    """The prompts of one dataset that one stage used (held-out bookkeeping, DESIGN.md
-    "Honest evaluation").
+    """The prompts of one dataset that one stage used (held-out bookkeeping,
+    docs/design.md "Held-out evaluation").
 
     Attributes:
         use: one of :data:`PROMPT_USES`: ``train`` (head training and the token counts that
@@ -445,11 +444,10 @@ class HeadCard:
         predictors: SpecEE's exit predictors (:class:`PredictorCard`), or ``None``.
         drafter: SpecEE's next-token drafter (:class:`DrafterCard`), or ``None``.
         adadecode: AdaDecode's tuned thresholds (:class:`AdaDecodeCard`), or ``None``.
-        prompts: every prompt each stage used (:class:`PromptUse`); empty in files written
-            before format 2, whose provenance :meth:`seen_prompts` cannot tell.
+        prompts: every prompt each stage used (:class:`PromptUse`).
         created: ISO-8601 time of the last write.
         selfspec_version: package version that wrote the file.
-        format_version: :data:`CARD_FORMAT_VERSION`.
+        format_version: :data:`CARD_FORMAT_VERSION` (a card of another format does not load).
     """
 
     model: str
@@ -485,9 +483,13 @@ class HeadCard:
         """Inverse of :meth:`to_dict`.
 
         Raises:
-            KeyError, TypeError, ValueError: malformed card (callers turn these into
-                :class:`~selfspec.errors.CorruptModelFileError`).
+            KeyError, TypeError, ValueError: malformed card, or one of another format
+                (callers turn these into :class:`~selfspec.errors.CorruptModelFileError`).
         """
+        version = int(data["format_version"])
+        if version != CARD_FORMAT_VERSION:
+            raise ValueError(f"card format {version}, but this selfspec reads format "
+                             f"{CARD_FORMAT_VERSION}: train the heads again")
         training = data.get("training")
         return cls(
             model=str(data["model"]),
@@ -514,13 +516,8 @@ class HeadCard:
                      for u in data.get("prompts", [])],
             created=str(data.get("created", "")),
             selfspec_version=str(data.get("selfspec_version", "")),
-            format_version=int(data.get("format_version", CARD_FORMAT_VERSION)),
+            format_version=version,
         )
-
-    @property
-    def records_prompts(self) -> bool:
-        """True when the card lists the prompts it saw (format 2 and later)."""
-        return self.format_version >= 2
 
     def seen_prompts(self) -> dict[str, set[str]]:
         """Dataset → ids of the prompts that shaped these heads, thresholds or probes

@@ -110,7 +110,7 @@ class ExitHeads:
             restricted to the K most frequent tokens (confidence and correctness over those
             rows), for DSSD with ``draft_vocab=K``.
         token_counts: ``[V]`` int64 how often the final layer's greedy prediction was each
-            token on the training text (set at calibration; ``None`` in older files). Ranks
+            token on the training text (set at calibration; ``None`` before it). Ranks
             the tokens of a reduced draft vocabulary (``draft_vocab``).
         predictors: SpecEE's exit predictors (card: ``card.predictors``), or ``None``.
         drafter: SpecEE's next-token drafter (card: ``card.drafter``), or ``None``.

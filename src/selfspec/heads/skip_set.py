@@ -73,11 +73,6 @@ class SkipSetCard:
     selfspec_version: str = ""
     format_version: int = FORMAT_VERSION
 
-    @property
-    def records_prompts(self) -> bool:
-        """Always True: skip-set files record their prompts from the first format on."""
-        return True
-
     def seen_prompts(self) -> dict[str, set[str]]:
         """Dataset → ids of the prompts that chose this skip set."""
         seen: dict[str, set[str]] = {}

@@ -33,11 +33,10 @@ HEADS_METHODS = ("layerskip", "dv", "adaspeed", "dssd")
 #: Per-token acceptance a model drafter starts each generation with (2 pseudo-observations),
 #: before its own verifications correct it. A quantized copy of the model itself agrees with
 #: it on 95-96% of top-1 tokens (int8 / int4 / w4a8 on Qwen2.5-Coder-1.5B,
-#: docs/results/executor-profile/w4a8_probe.py); its drafts under ``auto`` on 4 held-out
-#: prompts each (w4a8, AMX Xeon, bf16) were accepted 227 of 228 verified tokens on HumanEval,
-#: 227/228 on GSM-Symbolic and 218/234 (0.93) on MT-Bench; early-exit heads agree far less
-#: (0.3-0.7 at their layers). Starting qspec at 0.7 capped its first drafts at 1-3 tokens for
-#: ~4 steps of a 64-token generation, at 0.85 at 3 and then 6 tokens.
+#: docs/results/executor-profile/w4a8_probe.py), and its drafts under ``auto`` were accepted
+#: 93-99% of the time on held-out prompts (docs/results/auto, "2026-11-26 (night)"); early-exit
+#: heads agree far less (0.3-0.7 at their layers). A lower prior capped qspec's first drafts
+#: at a few tokens for the first steps of a generation.
 DRAFTER_PRIORS: dict[str, float] = {"qspec": 0.95}
 DEFAULT_PRIOR = 0.7
 #: Pseudo-observations behind an acceptance carried from the engine's last generation (a

@@ -127,8 +127,8 @@ class MethodContext:
         if counts is None:
             raise InvalidArgumentError(
                 "draft_vocab ranks tokens by the token counts stored with trained heads: give "
-                "heads=PATH or heads=default (--heads on the command line); heads calibrated by "
-                "an older selfspec need `selfspec heads calibrate PATH` once")
+                "heads=PATH or heads=default (--heads on the command line); heads not yet "
+                "calibrated need `selfspec heads calibrate PATH` once")
         return self.derived("vocab", trained, size, lambda: frequent_rows(
             counts, size, eos_token_ids(self.executor.model)))
 

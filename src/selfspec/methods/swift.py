@@ -47,7 +47,7 @@ class Options:
 
 def _skip_set(context: MethodContext, path: str) -> SkipSet:
     """The skip set at ``path``, read once per file version: the check against the model
-    fingerprints its output weights (~0.4 s for SmolLM2), too slow for every generation."""
+    fingerprints its output weights (a large tensor hash), too slow for every generation."""
     resolved = resolve_skip_set_path(path, context.executor.name)
     return context.file_cached("skip-set", resolved,
                                lambda: load_skip_set(path, context.executor))

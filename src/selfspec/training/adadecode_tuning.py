@@ -39,8 +39,9 @@ from selfspec.executor.cost_model import LatencyModel
 # Candidate thresholds per head; None = the head is not used.
 DEFAULT_GRID: tuple[float | None, ...] = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97,
                                           0.98, 0.99, 0.995, None)
-# Relative cost of one more position in a decoder-layer call (bf16 decoding on a 2-core
-# AMX Xeon: 1 → 4 positions cost 1.10-1.20x; docs/results/adadecode).
+# Relative cost of one more position in a decoder-layer call, used where no latency model
+# prices it (:func:`row_cost_from_latency`): a small share of a position, since a layer call
+# is bound by reading the weights (measured figures: docs/results/timings.md).
 DEFAULT_ROW_COST = 0.05
 
 
@@ -99,10 +100,9 @@ def row_cost_from_latency(latency: LatencyModel, tokens: int = ROW_COST_TOKENS,
     same rows).
 
     Why up to 4 tokens: the calls are that small (:data:`ROW_COST_TOKENS`), and larger ones
-    cost more per row on CPUs whose kernels run out of registers or L1 (on the AVX2 EPYC a
-    forward of 2, 4 and 6 tokens costs 0.06, 0.11 and 0.16 of a token per extra token; fitting
-    up to 6 gave 0.14 and tuned thresholds 5% slower than 0.1 on 40 held-out problems,
-    docs/results/specee).
+    cost more per row on CPUs whose kernels run out of registers or L1, so fitting them prices
+    the small calls too high and the tuned thresholds come out slower (measured:
+    docs/results/timings.md).
 
     Args:
         latency: :class:`~selfspec.executor.cost_model.LatencyModel` of the model on this
@@ -127,10 +127,10 @@ def output_cost_from_latency(latency: LatencyModel, context_len: int = 256) -> f
     layer's on one token (``t_attn(context_len) + mlp_ms``).
 
     Why measured, not from the weights' bytes: the output layer streams its one large matrix
-    faster per byte than a decoder layer streams its seven small ones. On Qwen2.5-Coder-0.5B,
-    bf16, on the 2-core AMX Xeon the bytes say 9.1 layers and the clock 4.8-6.1
-    (docs/results/specee); an output layer priced too high makes every exit look worth more
-    than it is, and the tuned thresholds exit too eagerly.
+    faster per byte than a decoder layer streams its seven small ones, so its bytes can
+    overstate its time by half or more (docs/results/timings.md); an output layer priced too
+    high makes every exit look worth more than it is, and the tuned thresholds exit too
+    eagerly.
 
     Args:
         latency: :class:`~selfspec.executor.cost_model.LatencyModel` of the model on this

@@ -405,10 +405,6 @@ def _print_card(card, metric: str = "entropy", out=None) -> None:
 
 def _print_prompts(card, out) -> None:
     """Which prompts each stage saw (what ``selfspec bench`` holds out)."""
-    if not card.records_prompts:
-        print("\nprompts: not recorded (file written before card format 2); selfspec bench "
-              "treats the training data's train/calibration splits as seen", file=out)
-        return
     by_use: dict[str, list[str]] = {}
     for u in card.prompts:
         by_use.setdefault(u.use, []).append(f"{u.dataset} {len(u.ids)}")

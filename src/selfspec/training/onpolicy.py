@@ -4,12 +4,12 @@ On-policy text is the model's own greedy answer to real prompts. Generating it o
 a time is what made ``selfspec heads train`` slow: a decode step of a small model is bound by
 reading the weights, so 16 sequences per step cost little more than one. Training data need
 not be token-exact (only decoding does), so this uses transformers' batched ``generate``
-with left padding: 3.3× the single-sequence rate of selfspec's own decoder for SmolLM2-135M
-in bf16 on the 2-core dev machine (112 vs ~34 tok/s, 16 prompts × 128 tokens).
+with left padding, several times the single-sequence rate of selfspec's own decoder
+(docs/results/timings.md).
 
 A batch is matrix-matrix work: where the CPU emulates bf16 (the executor's bulk format is
 fp32), a float32 copy of the model generates instead, made per call and dropped after it, if
-memory allows (SmolLM2-135M, AVX2, 2 threads, 16 prompts × 32 tokens: 79 vs 26 tok/s).
+memory allows (faster there than emulated bf16; docs/results/timings.md).
 """
 
 from __future__ import annotations

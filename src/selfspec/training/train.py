@@ -30,7 +30,7 @@ distribution once and sums the heads' losses (the sum's gradient w.r.t. one head
 parameters is that head's own gradient). Batches are random scored tokens across the
 corpus, reshuffled every epoch. Optimiser: Adam with linear warm-up over the first 3% of
 steps and cosine decay (AdaDecode Appendix D's schedule). Matmuls run in bfloat16 autocast
-by default (``compute_dtype``; about 3-4× faster than float32 on a CPU with AVX-512 BF16),
+by default (``compute_dtype``; faster than float32 on a CPU with native bf16),
 softmaxes and losses in float32, parameters in float32.
 """
 

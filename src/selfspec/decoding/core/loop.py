@@ -1,4 +1,4 @@
-"""The one generation loop (DESIGN.md "The loop and its Steps").
+"""The one generation loop (docs/design.md "The loop", "Step").
 
 Every method runs through :func:`run`::
 

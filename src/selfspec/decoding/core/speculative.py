@@ -1,4 +1,4 @@
-"""The speculative step shared by every self-speculative method (DESIGN.md "The speculative step").
+"""The speculative step shared by every self-speculative method (docs/design.md "Step").
 
 One step: draft → verify → rollback → commit → update::
 

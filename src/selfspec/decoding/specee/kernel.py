@@ -4,9 +4,9 @@ At a feature layer :class:`~selfspec.decoding.specee.step.PredictorScan` needs t
 norm of the state, the optional head lens, the candidates' logits, local probabilities and
 their change (:func:`~selfspec.heads.predictor.candidate_features`) and, where a predictor
 runs, its MLP (:meth:`~selfspec.heads.predictor.ExitPredictors.prob`). In torch that is ~30
-small operations, each 5-80 µs of dispatch on a 2-core CPU against ~1 µs of arithmetic: 6-9%
-of verified SpecEE's time on Qwen2.5-Coder-0.5B/1.5B (docs/results/specee). The kernel does
-all of it in one ``ctypes`` call on bf16 models.
+small operations whose dispatch costs far more than their arithmetic, a noticeable share of
+verified SpecEE's time (docs/results/timings.md). The kernel does all of it in one ``ctypes``
+call on bf16 models.
 
 Numbers: the kernel rounds where torch rounds (the norm and the bf16 products to bf16) and
 sums in fp32 in its own order, so its features and predictor outputs agree with the torch

@@ -623,7 +623,8 @@ class SpecEEExits:
             return None
         # The draft token is picked among the k candidates alone (ascending ids, so ties go
         # to the lowest id as over [V]): an argmax and softmax over all V rows, -inf but k,
-        # cost ~0.7 ms a draft token on the 0.5B model's 151,936 rows.
+        # cost a noticeable share of a draft token on a 151,936-token vocabulary
+        # (docs/results/timings.md).
         ids, order = found.ids.sort()
         return Exit(found.exit_layer, found.logits[order],
                     vocab=DraftVocab(ids, self.executor.vocab_size))
