@@ -133,6 +133,10 @@ def _public(cls: type) -> set[str]:
     return {n for n in dir(cls) if not n.startswith("_")}
 
 
+def _params(fn) -> list[tuple]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
 def test_the_protocol_lists_every_public_entry_point_with_its_signature():
     ex = LayerExecutor(tiny_model("llama"))
     members = _public(Executor) | set(Executor.__annotations__)
@@ -144,7 +148,7 @@ def test_the_protocol_lists_every_public_entry_point_with_its_signature():
         if isinstance(want, property):
             assert isinstance(got, property), name
             continue
-        assert inspect.signature(got) == inspect.signature(want), name
+        assert _params(got) == _params(want), name
 
 
 def test_the_design_doc_names_every_public_entry_point():

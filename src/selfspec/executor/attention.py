@@ -81,15 +81,6 @@ class Attention:
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", self.num_heads // self.num_kv_heads)
 
-    def causal_mask(self, num_new: int, pos0: int,
-                    device: torch.device) -> torch.Tensor | None:
-        """The grouped causal mask of ``num_new`` tokens after ``pos0`` cached positions
-        (``[G*T, pos0 + T]``), or ``None`` (one token, or a block from position 0, which
-        uses SDPA's ``is_causal``)."""
-        if pos0 == 0:
-            return None
-        return grouped_causal_mask(num_new, pos0 + num_new, self.groups, device)
-
     def sublayer(self, layer_idx: int, w: LayerWeights, hidden: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, pos0: int,
                  mask: torch.Tensor | None, write_cache: bool = True,
@@ -105,7 +96,8 @@ class Attention:
                 else the layer's first ``pos0`` positions plus the new tokens are attended
                 to without appending (a batch-1 cache serves ``B`` candidate states).
             pos0: the first new token's position.
-            mask: :meth:`causal_mask` of the block.
+            mask: the block's :func:`grouped_causal_mask` (``None`` from position 0 or for
+                one token).
             bulk: the products run in the bulk format.
             free: one attention call even for a verification-sized block.
 

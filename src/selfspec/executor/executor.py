@@ -387,7 +387,8 @@ class LayerExecutor:
         attn = self._attn
         cos, sin = self.rope.lookup(hidden, positions)  # [B, T, 1, head_dim]
         # Blocks from position 0 use SDPA's is_causal and need no explicit mask.
-        mask = attn.causal_mask(num_new, pos0, hidden.device)
+        mask = (grouped_causal_mask(num_new, pos0 + num_new, attn.groups, hidden.device)
+                if pos0 > 0 else None)
         for i in range(start, end):
             w = self.layer_weights[i]
             if i not in skip_attn:
