@@ -112,10 +112,10 @@ def test_choose_rows(monkeypatch):
 def test_executor_switches_kernels_and_verification_stays_exact(arch):
     ex = LayerExecutor(tiny_model(arch, dtype=torch.bfloat16), rows="fp16")
     assert ex.formats.rows == "fp16" and ex.fp16_rows is not None
-    assert all(w.qkv.rows is ex.fp16_rows for w in ex._weights)
+    assert all(w.qkv.rows is ex.fp16_rows for w in ex.layer_weights)
     assert_block_equals_one_token_decoding(ex, [5, 9, 17, 33, 2, 8])
     ex.set_bulk("auto", "weights")
-    assert ex.fp16_rows is None and all(w.qkv.rows is None for w in ex._weights)
+    assert ex.fp16_rows is None and all(w.qkv.rows is None for w in ex.layer_weights)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

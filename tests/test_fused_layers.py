@@ -205,13 +205,13 @@ def test_layer_by_layer_calls_equal_one_call_bit_for_bit_with_the_rope_table_gro
         got = ex.run_layers(got, positions, i, i + 1, split)
     assert torch.equal(got, want)
     for pos0, num in [(2, 3), (300, 2), (9, 1), (700, 4)]:   # 300, 700 grow the table
-        cos, sin = ex._rope_span(hidden, pos0, num)
-        ref_cos, ref_sin = ex._rope_rows(hidden, torch.arange(pos0, pos0 + num)[None])
+        cos, sin = ex.rope.span(hidden, pos0, num)
+        ref_cos, ref_sin = ex.rope.rows(hidden, torch.arange(pos0, pos0 + num)[None])
         assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
         assert cos.dtype == torch.float32 and cos.is_contiguous() and cos.shape[0] == num
-    ex._rope(hidden, torch.tensor([[1500]]))   # grown by the torch path: the copy follows
-    cos, _ = ex._rope_span(hidden, 1400, 3)
-    assert torch.equal(cos, ex._rope_rows(hidden, torch.arange(1400, 1403)[None])[0])
+    ex.rope.lookup(hidden, torch.tensor([[1500]]))   # grown by the torch path: the copy follows
+    cos, _ = ex.rope.span(hidden, 1400, 3)
+    assert torch.equal(cos, ex.rope.rows(hidden, torch.arange(1400, 1403)[None])[0])
 
 
 @pytest.mark.parametrize(("kernel", "dtype"), SETUPS)

@@ -74,7 +74,7 @@ def test_lossless_methods_keep_ar_greedy_tokens_on_4bit_rows(arch, kernel):
                                             tiny_tokenizer(), name=f"tiny-{arch}")
     prompt = "def add(a, b):\n"
     engine.executor.set_bulk("auto", kernel)
-    assert all(w.gate_up.rows is not None for w in engine.executor._weights)
+    assert all(w.gate_up.rows is not None for w in engine.executor.layer_weights)
     reference = engine.generate(prompt, max_new_tokens=24).token_ids  # lossy vs bf16
     drafted = 0
     for method, options in (("layerskip", {"exit_layer": 3, "draft_len": 4}),

@@ -80,8 +80,8 @@ def test_draft_view_shares_the_model_and_quantizes_only_the_view():
     ex = LayerExecutor(tiny_model("llama"))
     view = ex.draft_view("int8")
     assert view is ex.draft_view("int8") and view.draft_weights == "int8"
-    assert isinstance(view._weights[0].qkv, Int8DynamicLinear)
-    assert not isinstance(ex._weights[0].qkv, Int8DynamicLinear) and ex.draft_weights is None
+    assert isinstance(view.layer_weights[0].qkv, Int8DynamicLinear)
+    assert not isinstance(ex.layer_weights[0].qkv, Int8DynamicLinear) and ex.draft_weights is None
     assert view.embed_tokens is ex.embed_tokens and view.num_layers == ex.num_layers
     ids = torch.tensor([PROMPT])
     with torch.inference_mode():

@@ -172,3 +172,8 @@ class Bf16Rows:
             return bulk_product(x, packed.bulk_copy)
         bias = packed.bias
         return F.linear(x.float(), packed.weight.float(), bias).to(x.dtype)
+
+    def decode_bytes(self, packed: Bf16Weight, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> int:
+        """Bytes one call reads (weight and bias, :attr:`Bf16Weight.nbytes`)."""
+        return packed.nbytes

@@ -13,6 +13,11 @@ tokens cost, and not linearly — with AMX a product of 1 to 16 rows costs the s
 cost a second tile; beyond the table ``verify_token_ms`` per token), and the time of one
 read-only call of a sub-layer on a batch of rows (``batched_call_ms + rows ·
 batched_row_ms``), from which a planner predicts its own cost.
+
+Byte accounting (:func:`decode_weight_bytes`, :func:`decode_layer_bytes`,
+:func:`output_decode_bytes`) counts what one decoding call reads, each matrix in its decoding
+backend's format (:meth:`selfspec.executor.backends.MatrixBackend.decode_bytes`): the
+numerator of the bandwidth roofline and the unit of the byte-based cost models.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ import torch
 
 from selfspec.executor import bf16_rows, native, w4a8
 from selfspec.executor.cpu import detect_cpu
-from selfspec.executor.executor import LayerExecutor, SkipPlan
+from selfspec.executor.contract import Executor
+from selfspec.executor.plan import SkipPlan
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +149,34 @@ class LatencyModel:
         return cls(**data)
 
 
-def machine_key(executor: LayerExecutor) -> str:
+def decode_layer_bytes(executor: Executor, layer: int = 0) -> int:
+    """Bytes of weights decoder layer ``layer`` (``0 <= layer < L``) reads per decoding call:
+    its four matrices in their decoding backend's format (or the weights' own) and its two
+    norms. The unit of the byte-based cost models.
+
+    Raises:
+        IndexError: ``layer`` outside ``[0, L)``.
+    """
+    w = executor.layer_weights[layer]
+    return (sum(lin.decode_bytes for lin in w.matrices)
+            + sum(t.numel() * t.element_size() for t in (w.attn_norm, w.mlp_norm)))
+
+
+def output_decode_bytes(executor: Executor) -> int:
+    """Bytes of ``lm_head`` weights (and bias) one decoding call reads."""
+    return executor.output_weights.decode_bytes
+
+
+def decode_weight_bytes(executor: Executor) -> int:
+    """Bytes of weights one token's full forward reads in decoding: every layer
+    (:func:`decode_layer_bytes`), the final norm and ``lm_head``
+    (:func:`output_decode_bytes`). The numerator of the bandwidth roofline."""
+    total = output_decode_bytes(executor) + sum(decode_layer_bytes(executor, i)
+                                                for i in range(executor.num_layers))
+    return total + sum(p.numel() * p.element_size() for p in executor.norm.parameters())
+
+
+def machine_key(executor: Executor) -> str:
     """What a measurement holds for: model, dtype, decoding kernel (and a draft view's weight
     format; for selfspec's own kernels, a digest of their source), threads, processor and
     its kernel level (cloud VMs often name every CPU "AMD EPYC"; an AVX2-only one and one
@@ -219,7 +252,7 @@ class SublayerTimes:
 
 
 @torch.inference_mode()
-def measure_sublayers(executor: LayerExecutor, context_len: int,
+def measure_sublayers(executor: Executor, context_len: int,
                       repeats: int = 20) -> SublayerTimes:
     """Median time of one attention and of one MLP sub-layer on one token over a cache of
     ``context_len`` random keys and values (the cache is left as it was).
@@ -239,7 +272,7 @@ def measure_sublayers(executor: LayerExecutor, context_len: int,
     return SublayerTimes(context_len, times[0], times[1])
 
 
-def _step(ex: LayerExecutor, hidden: torch.Tensor, pos: torch.Tensor, cache,
+def _step(ex: Executor, hidden: torch.Tensor, pos: torch.Tensor, cache,
           plan: SkipPlan | None = None, head: bool = False) -> None:
     """One block as decoding and verification run it (appending to the cache: the path
     they take, e.g. the fused w4a8 sub-layers, which read-only blocks do not), then the cache
@@ -252,7 +285,7 @@ def _step(ex: LayerExecutor, hidden: torch.Tensor, pos: torch.Tensor, cache,
 
 
 @torch.inference_mode()
-def measure_latency(executor: LayerExecutor, lengths: tuple[int, ...] = DEFAULT_LENGTHS,
+def measure_latency(executor: Executor, lengths: tuple[int, ...] = DEFAULT_LENGTHS,
                     repeats: int = 20) -> LatencyModel:
     """Measure the sub-layer latencies of ``executor``'s model on this machine.
 
@@ -289,7 +322,7 @@ def measure_latency(executor: LayerExecutor, lengths: tuple[int, ...] = DEFAULT_
 
 
 @torch.inference_mode()
-def measure_token_ms(executor: LayerExecutor, context_len: int, repeats: int = 10) -> float:
+def measure_token_ms(executor: Executor, context_len: int, repeats: int = 10) -> float:
     """Median time of one decoding token through every layer and the output head over
     ``context_len`` cached (random) positions (the cache left as it was), ms."""
     ex = executor
@@ -299,7 +332,7 @@ def measure_token_ms(executor: LayerExecutor, context_len: int, repeats: int = 1
     return _time_ms(functools.partial(_step, ex, hidden, pos, cache, head=True), repeats)
 
 
-def _filled_cache(ex: LayerExecutor, n: int, layers: range):
+def _filled_cache(ex: Executor, n: int, layers: range):
     cache = ex.new_cache(capacity=n + 64)
     shape = (1, ex.num_kv_heads, n, ex.head_dim)
     for layer in layers:
@@ -308,7 +341,7 @@ def _filled_cache(ex: LayerExecutor, n: int, layers: range):
     return cache
 
 
-def _verify_points(ex: LayerExecutor, n: int, repeats: int) -> tuple[tuple[int, float], ...]:
+def _verify_points(ex: Executor, n: int, repeats: int) -> tuple[tuple[int, float], ...]:
     """``((T, ms), ...)`` for ``T`` in :data:`VERIFY_TOKENS` (those the model's positions
     allow): the extra median time of a full forward of ``T`` tokens over ``n`` cached
     positions over one token, made non-decreasing (a forward of more tokens never costs less;
@@ -329,7 +362,7 @@ def _verify_points(ex: LayerExecutor, n: int, repeats: int) -> tuple[tuple[int, 
     return tuple(points)
 
 
-def _batched_ms(ex: LayerExecutor, n: int, repeats: int) -> tuple[float, float]:
+def _batched_ms(ex: Executor, n: int, repeats: int) -> tuple[float, float]:
     """``(call_ms, row_ms)``: one read-only ``free`` sub-layer call (attention and MLP
     averaged) on ``rows`` rows, as the DP runs them, costs ``call_ms + rows · row_ms``
     (fitted on 16 and 256 rows). Successive calls go to successive layers, as in the DP, so
@@ -351,7 +384,7 @@ def _batched_ms(ex: LayerExecutor, n: int, repeats: int) -> tuple[float, float]:
     return max(0.0, t0 - r0 * row_ms), row_ms
 
 
-def _sublayer_call(ex: LayerExecutor, hidden: torch.Tensor, pos: torch.Tensor, cache,
+def _sublayer_call(ex: Executor, hidden: torch.Tensor, pos: torch.Tensor, cache,
                    calls: Iterator[int], skip_attention: bool) -> None:
     """One read-only ``free`` call of the attention (or MLP) sub-layer of the next layer
     (``next(calls) mod L``: successive calls stream successive layers' weights)."""
@@ -361,12 +394,12 @@ def _sublayer_call(ex: LayerExecutor, hidden: torch.Tensor, pos: torch.Tensor, c
     ex.run_layers(hidden, pos, layer, layer + 1, cache, plan, write_cache=False, free=True)
 
 
-def latency_path(executor: LayerExecutor, home: Path) -> Path:
+def latency_path(executor: Executor, home: Path) -> Path:
     """``home/latency/<key>.json``: where :func:`cached_latency` keeps ``executor``'s model."""
     return home / "latency" / f"{machine_key(executor)}.json"
 
 
-def cached_latency(executor: LayerExecutor, home: Path, remeasure: bool = False) -> LatencyModel:
+def cached_latency(executor: Executor, home: Path, remeasure: bool = False) -> LatencyModel:
     """The latency model of ``executor`` on this machine, measured once and kept in
     ``home/latency/<key>.json`` (a changed model, dtype, thread count or processor is a new
     key; a corrupt file is measured again). ``remeasure=True`` measures and replaces the file

@@ -1,4 +1,5 @@
-"""Layer-wise execution of an unmodified Hugging Face decoder (docs/design.md "Executor contract").
+"""Layer-wise execution of an unmodified Hugging Face decoder (docs/design.md "Executor contract"
+lists every public entry point).
 
 The executor drives the model's own modules (embedding, each layer's norms, attention
 projections and MLP, the rotary embedding, the final norm and ``lm_head``) so any layer range
@@ -6,129 +7,52 @@ can run on any tokens at explicit positions, against selfspec's own :class:`KVCa
 Nothing is forked from the modeling files: only the attention score computation is done
 here (``scaled_dot_product_attention`` over the cache), which is what lets layers hold
 different cache lengths.
+
+:class:`LayerExecutor` is the core: it owns the layer ranges, the positions, the KV cache and
+RoPE, and delegates the rest, one purpose a module:
+
+* :mod:`~selfspec.executor.rope` — cos/sin rows from a table of the model's rotary module;
+* :mod:`~selfspec.executor.attention` — the torch path's attention sub-layer (SDPA layouts,
+  per-token attention of verification-sized blocks);
+* :mod:`~selfspec.executor.weights` — a layer's matrices, q/k/v and gate/up fused;
+* :mod:`~selfspec.executor.backends` — the number format / kernel family of each matrix,
+  chosen once per matrix as a function of (device, format); the fused sub-layers; draft copies;
+* :mod:`~selfspec.executor.cost_model` — bytes read per call and measured latencies;
+* :mod:`~selfspec.executor.plan` — the shared types (:class:`SkipPlan`, ``Observer``, ``Head``).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from selfspec.errors import InvalidArgumentError, UnsupportedArchitectureError
-from selfspec.executor.bf16_rows import Bf16Rows
+from selfspec.executor import cost_model
+from selfspec.executor.attention import Attention, grouped_causal_mask, rms_norm, rotate
+from selfspec.executor.backends import BackendCache, assign, draft_copies, fused_backend
 from selfspec.executor.cache import CacheShape, KVCache
 from selfspec.executor.cpu import ComputeFormats, choose_formats
 from selfspec.executor.fp16_rows import Fp16Rows
-from selfspec.executor.linear import ChainRows, Linear, PackedRowLimits, RowsKernel
+from selfspec.executor.linear import Linear, PackedRowLimits
+from selfspec.executor.plan import BULK_MIN_ROWS, Head, Observer, SkipPlan
+from selfspec.executor.rope import RopeTable
+from selfspec.executor.weights import LayerWeights, layer_weights
 from selfspec.models.common import SUPPORTED_MODEL_TYPES
 
 if TYPE_CHECKING:
+    from selfspec.executor.backends import MatrixBackend
     from selfspec.executor.fused_layers import FusedLayers
     from selfspec.executor.quant import FormatTiming
 
+__all__ = ["BULK_MIN_ROWS", "SUPPORTED_MODEL_TYPES", "Head", "LayerExecutor", "Observer",
+           "SkipPlan"]
+
 logger = logging.getLogger(__name__)
-
-# observe(layer_idx, sublayer, hidden [B, T, H]): called after each sub-layer ("attention",
-# "mlp") of run_layers; skipped sub-layers pass the unchanged hidden state.
-Observer = Callable[[int, str, torch.Tensor], None]
-
-# A head maps final-layer-style hidden states [B, T, H] to logits; ``vocab_rows`` restricts
-# the output to those vocabulary ids. Exit heads (a later issue) implement this signature.
-Head = Callable[..., torch.Tensor]
-
-# Bulk calls of fewer rows stay in the weights' format: at 4 rows the cast of a bf16 weight to
-# fp32 already pays on an AVX2 CPU (0.49 vs 0.55 ms for [4×576]·[576×1536], 2 threads).
-BULK_MIN_ROWS = 4
-
-
-@dataclass(frozen=True)
-class _LayerWeights:
-    """One layer's weights, arranged for few kernel launches per token.
-
-    q/k/v and gate/up projections are concatenated once at load time (one matmul each
-    instead of three and two; the HF modules then hold views of the fused tensors);
-    everything else is the HF module's own tensor.
-    """
-
-    attn_norm: torch.Tensor      # [H]
-    attn_norm_eps: float
-    qkv: Linear                  # [H] → [(Hq + 2 Hkv) * head_dim]
-    o: Linear                    # [Hq * head_dim] → [H]
-    mlp_norm: torch.Tensor       # [H]
-    mlp_norm_eps: float
-    gate_up: Linear              # [H] → [2 I]
-    down: Linear                 # [I] → [H]
-    act: Callable[[torch.Tensor], torch.Tensor]
-
-
-def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
-    if all(lin.bias is None for lin in linears):
-        return None
-    return torch.cat([lin.bias if lin.bias is not None
-                      else torch.zeros(lin.out_features, dtype=lin.weight.dtype,
-                                       device=lin.weight.device) for lin in linears])
-
-
-def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
-    """Concatenate the weights of ``linears`` along the output dimension and point each
-    module's weight at its slice of the result, so the fused copy costs no extra memory and
-    the HF modules still compute exactly what they did."""
-    fused = torch.cat([lin.weight.detach() for lin in linears])
-    for lin, part in zip(linears, fused.split([lin.out_features for lin in linears])):
-        lin.weight = torch.nn.Parameter(part, requires_grad=False)
-    return fused
-
-
-def _layer_weights(layer: torch.nn.Module, pack: bool, limits: PackedRowLimits) -> _LayerWeights:
-    attn, mlp = layer.self_attn, layer.mlp
-    return _LayerWeights(
-        attn_norm=layer.input_layernorm.weight,
-        attn_norm_eps=layer.input_layernorm.variance_epsilon,
-        qkv=Linear(_fuse(attn.q_proj, attn.k_proj, attn.v_proj),
-                   _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), pack, row_limits=limits),
-        o=Linear(attn.o_proj.weight, attn.o_proj.bias, pack, row_limits=limits),
-        mlp_norm=layer.post_attention_layernorm.weight,
-        mlp_norm_eps=layer.post_attention_layernorm.variance_epsilon,
-        gate_up=Linear(_fuse(mlp.gate_proj, mlp.up_proj), _cat_bias(mlp.gate_proj, mlp.up_proj),
-                       pack, row_limits=limits),
-        down=Linear(mlp.down_proj.weight, mlp.down_proj.bias, pack, row_limits=limits),
-        act=mlp.act_fn)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 and cast back, as the HF Llama/Qwen2 modules do."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (HF ``rotate_half`` convention) on ``[B, T, heads, head_dim]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-@dataclass(frozen=True)
-class SkipPlan:
-    """Which sub-layers to skip, per layer (KnapSpec drafts with a subset of sub-layers).
-
-    Attributes:
-        skip_attention: layer indices whose attention sub-layer is skipped (writes no KV).
-        skip_mlp: layer indices whose MLP sub-layer is skipped.
-    """
-
-    skip_attention: frozenset[int] = field(default_factory=frozenset)
-    skip_mlp: frozenset[int] = field(default_factory=frozenset)
-
-    @classmethod
-    def from_flags(cls, attention: Sequence[bool], mlp: Sequence[bool]) -> SkipPlan:
-        """Build a plan from per-layer booleans (True = skip)."""
-        return cls(frozenset(i for i, s in enumerate(attention) if s),
-                   frozenset(i for i, s in enumerate(mlp) if s))
 
 
 class LayerExecutor:
@@ -157,6 +81,15 @@ class LayerExecutor:
             (:func:`selfspec.executor.cpu.choose_rows`: ``"auto"`` = FBGEMM's fp16-weight
             kernel for the larger bf16 matrices on a CPU that emulates bf16, which keeps fp16
             copies of them; ``"fp16"`` = every matrix; ``"weights"`` = the weights' own).
+
+    Attributes:
+        device: the device of the model's weights; backends are chosen for it
+            (:func:`selfspec.executor.backends.select_backend`).
+        dtype: the weights' (and KV cache's, hidden states') dtype.
+        layer_weights: one :class:`~selfspec.executor.weights.LayerWeights` per decoder layer
+            (a draft view's: quantized copies).
+        output_weights: ``lm_head`` as the executor multiplies it.
+        rope: the RoPE table (:class:`~selfspec.executor.rope.RopeTable`).
 
     Raises:
         UnsupportedArchitectureError: ``config.model_type`` is not one of
@@ -190,40 +123,36 @@ class LayerExecutor:
         self.rotary_emb = model.model.rotary_emb
         self.lm_head = model.lm_head
         self.vocab_size = model.lm_head.out_features
-        self._groups = self.num_heads // self.num_kv_heads
         self.row_attention_max = row_attention_max
+        self._attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.scaling,
+                               row_attention_max)
         param = next(model.parameters())
         self.dtype = param.dtype
         self.device = param.device
         # One row-consistency table for every packed weight (probed per shape, not per layer).
         self.row_limits = PackedRowLimits(max(64, row_attention_max))
-        self._weights = [_layer_weights(layer, pack_weights, self.row_limits)
-                         for layer in self.layers]
-        self._lm_head = Linear(model.lm_head.weight, model.lm_head.bias, pack_weights,
-                               row_limits=self.row_limits)
-        self._rows_kernel: RowsKernel | None = None
-        # One kernel object per (format, min bytes), kept so that switching back finds each
-        # linear's copy already built (Linear caches its copies per kernel).
-        self._rows_kernels: dict[tuple[str, int], RowsKernel] = {}
+        self.layer_weights: list[LayerWeights] = [
+            layer_weights(layer, pack_weights, self.row_limits) for layer in self.layers]
+        self.output_weights = Linear(model.lm_head.weight, model.lm_head.bias, pack_weights,
+                                     row_limits=self.row_limits)
+        self._backend: MatrixBackend | None = None
+        self._backends = BackendCache(self.device, max(64, row_attention_max))
         self.formats: ComputeFormats = self.set_bulk(bulk, rows)
         self.draft_weights: str | None = None  # set on the views of draft_view()
         self._fastest_draft: FormatTiming | None = None
         self._draft_views: dict[str, LayerExecutor] = {}
-        # RoPE variants whose frequencies depend on the sequence length cannot use a table.
-        self._rope_dynamic = "dynamic" in str(getattr(self.rotary_emb, "rope_type", ""))
-        self._rope_cos = torch.empty(0)
-        self._rope_sin = torch.empty(0)
-        # fp32 copies of the table for the fused path, and the table they were made from
-        self._rope_rows_table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._rope_span_last: tuple | None = None  # (table, pos0, num, cos, sin)
+        self.rope = RopeTable(self.rotary_emb)
         self._fused_scratch: dict[int, torch.Tensor] = {}  # rows -> [1, rows, H] buffer
         self.max_positions = int(config.max_position_embeddings)
         self._fused: list[FusedLayers | None] = []  # built at first use: [] = not yet
 
+    # ---------------------------------------------------------------- formats and kernels
     def set_bulk(self, bulk: str = "auto", rows: str | None = None) -> ComputeFormats:
         """Choose the bulk format again (``"auto"``, ``"weights"``, ``"bf16"``, ``"fp16"`` or
         ``"fp32"``; see :func:`selfspec.executor.cpu.choose_formats`) and, given ``rows``, the
-        decoding kernel (``None`` keeps the current one); return the formats.
+        decoding kernel (``None`` keeps the current one); return the formats. The decoding
+        kernel's backend is :func:`selfspec.executor.backends.select_backend` of this
+        executor's device and ``formats.rows``; each matrix prepacks its copy once.
 
         Raises:
             InvalidArgumentError: an unknown format.
@@ -232,38 +161,15 @@ class LayerExecutor:
             rows = self._rows_request if hasattr(self, "formats") else "auto"
         formats = choose_formats(self.dtype, self.device, bulk, rows)
         self._bulk_request, self._rows_request = bulk, rows
-        fmt = formats.bulk if formats.upcast else None
-        linears = [lin for w in self._weights for lin in (w.qkv, w.o, w.gate_up, w.down)]
-        linears.append(self._lm_head)
         changed = not hasattr(self, "formats") or (
             (formats.rows, formats.rows_min_bytes)
             != (self.formats.rows, self.formats.rows_min_bytes))
         if changed:
-            max_rows = max(64, self.row_attention_max)
-            key = (formats.rows, formats.rows_min_bytes)
-            kernel = self._rows_kernels.get(key)
-            if kernel is None and formats.rows == "fp16":
-                kernel = Fp16Rows(max_rows, formats.rows_min_bytes)
-            elif kernel is None and formats.rows == "bf16":
-                kernel = Bf16Rows(formats.rows_min_bytes or None)
-            elif kernel is None and formats.rows == "bf16+fp16":
-                kernel = ChainRows(Fp16Rows(max_rows, formats.rows_min_bytes), Bf16Rows())
-            elif kernel is None and formats.rows == "int4":
-                from selfspec.executor.int4_rows import Int4Rows
-
-                kernel = Int4Rows(max_rows)
-            elif kernel is None and formats.rows == "w4a8":
-                from selfspec.executor.w4a8 import W4A8Rows
-
-                kernel = W4A8Rows()
-            if kernel is not None:
-                self._rows_kernels[key] = kernel
-            self._rows_kernel = kernel
+            self._backend = self._backends.get(formats.rows, formats.rows_min_bytes)
             self._fused = []
-        for lin in linears:
-            lin.bulk_dtype = fmt
-            if changed:
-                lin.set_rows(self._rows_kernel)
+        matrices = [lin for w in self.layer_weights for lin in w.matrices]
+        matrices.append(self.output_weights)
+        assign(matrices, formats.bulk if formats.upcast else None, self._backend, changed)
         self.formats = formats
         return formats
 
@@ -281,6 +187,18 @@ class LayerExecutor:
         self.set_bulk(self._bulk_request, rows)
         return previous
 
+    @property
+    def backend(self) -> MatrixBackend | None:
+        """The backend of decoding and verification products (``None``: every matrix on the
+        weights' own product)."""
+        return self._backend
+
+    @property
+    def fp16_rows(self) -> Fp16Rows | None:
+        """The fp16-weight decoding kernel in use (heads built for this executor use it too),
+        or ``None``."""
+        return self._backend if isinstance(self._backend, Fp16Rows) else None
+
     def draft_view(self, fmt: str) -> LayerExecutor:
         """This executor on quantized copies of every decoder layer's linears and of
         ``lm_head`` (:mod:`selfspec.executor.quant`; ``fmt="auto"``: the format
@@ -294,19 +212,17 @@ class LayerExecutor:
             InvalidArgumentError: an unknown format or one without a kernel here
                 (:func:`selfspec.executor.quant.check_draft_weights`).
         """
-        from selfspec.executor.quant import check_draft_weights, quantize_linear
+        from selfspec.executor.quant import check_draft_weights
 
         if fmt == "auto":
             fmt = self.fastest_draft_format().fastest
         fmt = check_draft_weights(fmt)
         view = self._draft_views.get(fmt)
         if view is None:
+            copies = draft_copies(self.layer_weights, self.output_weights, fmt)
             view = copy.copy(self)
-            view._weights = [replace(w, **{name: quantize_linear(getattr(w, name).weight,
-                                                                 getattr(w, name).bias, fmt)
-                                           for name in ("qkv", "o", "gate_up", "down")})
-                             for w in self._weights]
-            view._lm_head = quantize_linear(self._lm_head.weight, self._lm_head.bias, fmt)
+            view.layer_weights = copies.layers
+            view.output_weights = copies.lm_head
             view.draft_weights = fmt
             view._draft_views = {}
             view._fused = []
@@ -326,8 +242,7 @@ class LayerExecutor:
         if self._fastest_draft is None:
             sample = {0, self.num_layers // 2}
             weights = [(lin.weight, lin.bias) for i in sorted(sample)
-                       for lin in (self._weights[i].qkv, self._weights[i].o,
-                                   self._weights[i].gate_up, self._weights[i].down)]
+                       for lin in self.layer_weights[i].matrices]
             self._fastest_draft = fastest_format(weights, self.dtype)
             logger.info("draft weights: %s fastest here (%s)", self._fastest_draft.fastest,
                         ", ".join(f"{k} {v:.2f} ms" for k, v in self._fastest_draft.ms.items()))
@@ -339,31 +254,34 @@ class LayerExecutor:
         ``draft_weights=auto`` yet (the bench reports it)."""
         return self._fastest_draft
 
+    def fused_layers(self) -> FusedLayers | None:
+        """The decoder layers as fused sub-layer kernels (:mod:`selfspec.executor.fused_layers`)
+        when every projection decodes on one of selfspec's kernels — all on w4a8
+        (``--dtype w4a8``, a ``draft_view("w4a8")``) or all on the bf16 kernel (bf16 models
+        whose matrices it takes where bf16 is emulated) — and the layers are ones it takes
+        (SiLU MLP, RoPE from a table, bf16/fp32, CPU); else ``None``
+        (:func:`selfspec.executor.backends.fused_backend`). Non-bulk blocks that write the
+        cache (decoding, verification, batched rows) then run on it, so they stay
+        bit-consistent with each other. Built at first use."""
+        if not self._fused:
+            self._fused = [fused_backend(self.layer_weights, self._attn, self.dtype,
+                                         self.device, self.rope.dynamic,
+                                         getattr(self.config, "hidden_act", None))]
+        return self._fused[0]
+
+    # ---------------------------------------------------------------- byte accounting
     def decode_weight_bytes(self) -> int:
-        """Bytes of weights one token's full forward reads in decoding (every layer's
-        projections in the decoding kernel's format, the norms, the final norm and
-        ``lm_head``): the numerator of the bandwidth roofline."""
-        total = self._lm_head.decode_bytes + sum(self.decode_layer_bytes(i)
-                                                 for i in range(self.num_layers))
-        return total + sum(p.numel() * p.element_size() for p in self.norm.parameters())
+        """:func:`selfspec.executor.cost_model.decode_weight_bytes` of this executor."""
+        return cost_model.decode_weight_bytes(self)
 
     def decode_layer_bytes(self, layer: int = 0) -> int:
-        """Bytes of weights decoder layer ``layer`` reads per decoding call (its projections
-        in the decoding kernel's format and its norms): the unit of cost models."""
-        w = self._weights[layer]
-        return (sum(lin.decode_bytes for lin in (w.qkv, w.o, w.gate_up, w.down))
-                + sum(t.numel() * t.element_size() for t in (w.attn_norm, w.mlp_norm)))
+        """:func:`selfspec.executor.cost_model.decode_layer_bytes` of this executor."""
+        return cost_model.decode_layer_bytes(self, layer)
 
     @property
     def output_decode_bytes(self) -> int:
-        """Bytes of ``lm_head`` weights one decoding call reads."""
-        return self._lm_head.decode_bytes
-
-    @property
-    def fp16_rows(self) -> Fp16Rows | None:
-        """The fp16-weight decoding kernel in use (heads built for this executor use it too),
-        or ``None``."""
-        return self._rows_kernel if isinstance(self._rows_kernel, Fp16Rows) else None
+        """:func:`selfspec.executor.cost_model.output_decode_bytes` of this executor."""
+        return cost_model.output_decode_bytes(self)
 
     # ------------------------------------------------------------------ cache
     def new_cache(self, batch_size: int = 1, capacity: int = 256) -> KVCache:
@@ -393,6 +311,25 @@ class LayerExecutor:
             return emb.weight.detach()[token_id].view(1, 1, -1)
         return self.embed(torch.tensor([[token_id]], device=self.device))
 
+    def is_free_block(self, pos0: int, num_new: int, batch: int = 1) -> bool:
+        """Whether a block of ``num_new`` tokens from position ``pos0`` need not be
+        bit-consistent with one-token decoding (prefill, blocks longer than any
+        verification): its matrix products then run in the bulk format, in one call each
+        (no row padding or splitting)."""
+        return (batch * num_new >= BULK_MIN_ROWS
+                and (pos0 == 0 or num_new > self.row_attention_max))
+
+    def is_bulk(self, pos0: int, num_new: int, batch: int = 1) -> bool:
+        """Whether a block of ``num_new`` tokens from position ``pos0`` computes its matrix
+        products in the bulk format (see the class docstring)."""
+        return self.formats.upcast and self.is_free_block(pos0, num_new, batch)
+
+    def _check_range(self, start: int, end: int) -> None:
+        if not 0 <= start <= end <= self.num_layers:
+            raise InvalidArgumentError(
+                f"layer range [{start}, {end}) is outside [0, {self.num_layers}]")
+
+    # ------------------------------------------------------------- running layers
     def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, start: int, end: int,
                    cache: KVCache, skip: SkipPlan | None = None, *,
                    observe: Observer | None = None, write_cache: bool = True,
@@ -447,89 +384,25 @@ class LayerExecutor:
                 and cache.shape.batch_size == 1 and not cache.any_masked(start, end)):
             return self._run_fused(fused, hidden, pos0, start, end, cache, skip_attn,
                                    skip_mlp, observe)
-        cos, sin = self._rope(hidden, positions)  # [B, T, 1, head_dim]
+        attn = self._attn
+        cos, sin = self.rope.lookup(hidden, positions)  # [B, T, 1, head_dim]
         # Blocks from position 0 use SDPA's is_causal and need no explicit mask.
-        mask = (_grouped_causal_mask(num_new, pos0 + num_new, self._groups, hidden.device)
+        mask = (grouped_causal_mask(num_new, pos0 + num_new, attn.groups, hidden.device)
                 if pos0 > 0 else None)
         for i in range(start, end):
-            w = self._weights[i]
+            w = self.layer_weights[i]
             if i not in skip_attn:
-                hidden = hidden + self._attention(i, w, hidden, cos, sin, cache, pos0, mask,
-                                                  write_cache, bulk, free)
+                hidden = hidden + attn.sublayer(i, w, hidden, cos, sin, cache, pos0, mask,
+                                                write_cache, bulk, free)
             if observe is not None:
                 observe(i, "attention", hidden)
             if i not in skip_mlp:
-                x = _rms_norm(hidden, w.mlp_norm, w.mlp_norm_eps)
+                x = rms_norm(hidden, w.mlp_norm, w.mlp_norm_eps)
                 gate, up = w.gate_up(x, bulk).chunk(2, dim=-1)
                 hidden = hidden + w.down(w.act(gate) * up, bulk)
             if observe is not None:
                 observe(i, "mlp", hidden)
         return hidden
-
-    def fused_layers(self) -> FusedLayers | None:
-        """The decoder layers as fused sub-layer kernels (:mod:`selfspec.executor.fused_layers`)
-        when every projection decodes on one of selfspec's kernels — all on w4a8
-        (``--dtype w4a8``, a ``draft_view("w4a8")``) or all on the bf16 kernel (bf16 models
-        whose matrices it takes where bf16 is emulated) — and the layers are ones it takes
-        (SiLU MLP, RoPE from a table, bf16/fp32, CPU); else ``None``. Non-bulk blocks that
-        write the cache (decoding, verification, batched rows) then run on it, so they stay
-        bit-consistent with each other. Built at first use."""
-        if not self._fused:
-            self._fused = [self._build_fused()]
-        return self._fused[0]
-
-    def _build_fused(self) -> FusedLayers | None:
-        from selfspec.executor import fused_layers
-        from selfspec.executor.linear import ChainedWeight
-
-        def copy_of(lin: object) -> object:
-            copy = lin if not isinstance(lin, Linear) else lin.rows_weight
-            return copy.copy if isinstance(copy, ChainedWeight) else copy
-
-        if (self.device.type != "cpu" or self.dtype not in (torch.bfloat16, torch.float32)
-                or self._rope_dynamic or getattr(self.config, "hidden_act", None) != "silu"
-                or self.head_dim % 2):
-            return None
-        parts = []
-        for w in self._weights:
-            if not w.attn_norm.dtype == w.mlp_norm.dtype == self.dtype:
-                return None  # the kernel reads norms in the hidden states' dtype
-            copies = [copy_of(lin) for lin in (w.qkv, w.o, w.gate_up, w.down)]
-            parts.append(fused_layers.LayerParts(
-                w.attn_norm.detach().contiguous(), w.attn_norm_eps, copies[0], copies[1],
-                w.mlp_norm.detach().contiguous(), w.mlp_norm_eps, copies[2], copies[3]))
-        kernel = fused_layers.kernel_of([m for p in parts for m in (p.qkv, p.o, p.gate_up,
-                                                                     p.down)])
-        if kernel is None or not fused_layers.fused_available(kernel):
-            return None
-        return fused_layers.FusedLayers(parts, self.num_heads, self.num_kv_heads, self.head_dim,
-                                        float(self.scaling), self.dtype)
-
-    def _rope_rows(self, hidden: torch.Tensor,
-                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[N, head_dim]`` fp32 for ``positions`` ``[1, N]`` (the fused path's)."""
-        cos, sin = self._rope(hidden, positions)
-        return cos[0, :, 0].float().contiguous(), sin[0, :, 0].float().contiguous()
-
-    def _rope_span(self, hidden: torch.Tensor, pos0: int,
-                   num: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[num, head_dim]`` fp32 for the consecutive positions ``pos0 ..
-        pos0 + num - 1``: views of an fp32 copy of the table, the same values as
-        :meth:`_rope_rows`. Why: methods that run a token layer by layer (SpecEE, AdaDecode)
-        call the fused path once per layer, and the table lookup of :meth:`_rope_rows` cost
-        ~70 µs a call against ~2 µs for a slice (a 0.5B layer is ~1.6 ms)."""
-        made = self._rope_rows_table
-        if made is None or made[0] is not self._rope_cos or pos0 + num > made[1].shape[0]:
-            self._rope(hidden, torch.tensor([[pos0 + num - 1]]))  # grows the table if short
-            made = (self._rope_cos, self._rope_cos.float().contiguous(),
-                    self._rope_sin.float().contiguous())
-            self._rope_rows_table = made
-        last = self._rope_span_last  # a token's layer calls share its rows: slice once
-        if last is not None and last[0] is made and last[1] == pos0 and last[2] == num:
-            return last[3], last[4]
-        cos, sin = made[1][pos0:pos0 + num], made[2][pos0:pos0 + num]
-        self._rope_span_last = (made, pos0, num, cos, sin)
-        return cos, sin
 
     def run_layers_at(self, hidden: torch.Tensor, pos0: int, start: int, end: int,
                       cache: KVCache) -> torch.Tensor:
@@ -570,7 +443,7 @@ class LayerExecutor:
         """:meth:`run_layers` for one sequence (``hidden`` ``[1, T, H]``, positions from
         ``pos0``) on fused sub-layers."""
         num_new = hidden.shape[1]
-        cos, sin = self._rope_span(hidden, pos0, num_new)
+        cos, sin = self.rope.span(hidden, pos0, num_new)
         cache.reserve(pos0 + num_new)
         h = hidden.contiguous()  # [1, T, H]: the kernels read T rows of H
         scratch = None
@@ -639,7 +512,7 @@ class LayerExecutor:
                         and not c.any_masked(start, end) for c in caches)):
             from selfspec.executor.fused_layers import KVSegment
 
-            cos32, sin32 = self._rope_rows(hidden, positions.unsqueeze(0))
+            cos32, sin32 = self.rope.rows(hidden, positions.unsqueeze(0))
             for cache, n, p in zip(caches, lengths, starts):
                 cache.reserve(p + n)
             h = hidden.contiguous()
@@ -650,149 +523,31 @@ class LayerExecutor:
                     segments.append(KVSegment(keys, values, starts[b], offsets[b], lengths[b]))
                 h = fused.mlp(i, fused.attention(i, h, cos32, sin32, segments))
             return h
-        cos, sin = self._rope(hidden, positions.unsqueeze(0))           # [1, N, 1, hd]
-        masks = [_grouped_causal_mask(n, p + n, self._groups, hidden.device)
+        attn = self._attn
+        cos, sin = self.rope.lookup(hidden, positions.unsqueeze(0))     # [1, N, 1, hd]
+        masks = [grouped_causal_mask(n, p + n, attn.groups, hidden.device)
                  for n, p in zip(lengths, starts)]
-        nq, nkv, hd, groups = self.num_heads, self.num_kv_heads, self.head_dim, self._groups
+        nq, nkv, hd, groups = self.num_heads, self.num_kv_heads, self.head_dim, attn.groups
         hidden = hidden.unsqueeze(0)                                    # [1, N, H]
         for i in range(start, end):
-            w = self._weights[i]
-            x = _rms_norm(hidden, w.attn_norm, w.attn_norm_eps)
+            w = self.layer_weights[i]
+            x = rms_norm(hidden, w.attn_norm, w.attn_norm_eps)
             qkv = w.qkv(x).view(1, num, nq + 2 * nkv, hd)
-            qk = _rotate(qkv[:, :, : nq + nkv], cos, sin)
+            qk = rotate(qkv[:, :, : nq + nkv], cos, sin)
             new_k, new_v = qk[:, :, nq:].transpose(1, 2), qkv[:, :, nq + nkv:].transpose(1, 2)
             q = qk[:, :, :nq].reshape(1, num, nkv, groups, hd).permute(0, 2, 3, 1, 4)
             outs = []
             for b, cache in enumerate(caches):  # [1, Hkv, G, T_b, hd] each
                 lo, hi = offsets[b], offsets[b + 1]
                 keys, values = cache.append(i, new_k[:, :, lo:hi], new_v[:, :, lo:hi], starts[b])
-                outs.append(self._attend(q[:, :, :, lo:hi], keys, values, starts[b], masks[b],
-                                         cache.visible(i)))
+                outs.append(attn.attend(q[:, :, :, lo:hi], keys, values, starts[b], masks[b],
+                                        cache.visible(i)))
             out = torch.cat(outs, dim=3)                                # [1, Hkv, G, N, hd]
             hidden = hidden + w.o(out.permute(0, 3, 1, 2, 4).reshape(1, num, nq * hd))
-            x = _rms_norm(hidden, w.mlp_norm, w.mlp_norm_eps)
+            x = rms_norm(hidden, w.mlp_norm, w.mlp_norm_eps)
             gate, up = w.gate_up(x).chunk(2, dim=-1)
             hidden = hidden + w.down(w.act(gate) * up)
         return hidden[0]
-
-    def forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                     lengths: Sequence[int], caches: Sequence[KVCache]) -> torch.Tensor:
-        """The full model on a packed ragged batch (:meth:`run_rows`): ``input_ids`` ``[N]``
-        → ``[N, V]`` logits, ``lm_head`` in the decoding kernel (as one-row decoding)."""
-        hidden = self.run_rows(self.embed(input_ids), positions, lengths, 0, self.num_layers,
-                               caches)
-        return self._lm_head(self.norm(hidden), bulk=False)
-
-    def is_free_block(self, pos0: int, num_new: int, batch: int = 1) -> bool:
-        """Whether a block of ``num_new`` tokens from position ``pos0`` need not be
-        bit-consistent with one-token decoding (prefill, blocks longer than any
-        verification): its matrix products then run in the bulk format, in one call each
-        (no row padding or splitting)."""
-        return (batch * num_new >= BULK_MIN_ROWS
-                and (pos0 == 0 or num_new > self.row_attention_max))
-
-    def is_bulk(self, pos0: int, num_new: int, batch: int = 1) -> bool:
-        """Whether a block of ``num_new`` tokens from position ``pos0`` computes its matrix
-        products in the bulk format (see the class docstring)."""
-        return self.formats.upcast and self.is_free_block(pos0, num_new, batch)
-
-    def _check_range(self, start: int, end: int) -> None:
-        if not 0 <= start <= end <= self.num_layers:
-            raise InvalidArgumentError(
-                f"layer range [{start}, {end}) is outside [0, {self.num_layers}]")
-
-    def _attention(self, layer_idx: int, w: _LayerWeights, hidden: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, pos0: int,
-                   mask: torch.Tensor | None, write_cache: bool = True,
-                   bulk: bool = False, free: bool = False) -> torch.Tensor:
-        """One attention sub-layer (norm included) on ``hidden`` ``[B, T, H]`` → ``[B, T, H]``;
-        ``write_cache=False`` attends to the cache plus the new keys without appending;
-        ``free``: one attention call even for a verification-sized block."""
-        bsz, num_new, _ = hidden.shape
-        nq, nkv, hd, groups = self.num_heads, self.num_kv_heads, self.head_dim, self._groups
-        x = _rms_norm(hidden, w.attn_norm, w.attn_norm_eps)
-        qkv = w.qkv(x, bulk).view(bsz, num_new, nq + 2 * nkv, hd)
-        qk = _rotate(qkv[:, :, : nq + nkv], cos, sin)           # [B, T, Hq + Hkv, hd]
-        new_k, new_v = qk[:, :, nq:].transpose(1, 2), qkv[:, :, nq + nkv:].transpose(1, 2)
-        if write_cache:
-            keys, values = cache.append(layer_idx, new_k, new_v, pos0)
-            visible = cache.visible(layer_idx)
-        else:
-            old_k, old_v = cache.get(layer_idx)
-            assert old_k.shape[2] >= pos0, (
-                f"KV cache layer {layer_idx} holds {old_k.shape[2]} positions; read-only "
-                f"attention cannot start after them, at {pos0}")
-            old_k, old_v = old_k[:, :, :pos0], old_v[:, :, :pos0]
-            if old_k.shape[0] != bsz:  # one cached sequence, B candidate states
-                old_k = old_k.expand(bsz, -1, -1, -1)
-                old_v = old_v.expand(bsz, -1, -1, -1)
-            keys, values = torch.cat([old_k, new_k], dim=2), torch.cat([old_v, new_v], dim=2)
-            visible = cache.visible(layer_idx)
-            if visible is not None:
-                visible = torch.cat([visible[:pos0], visible.new_ones(num_new)])
-        if pos0 == 0 and num_new > 1:
-            # A block from position 0 sees only itself (all of it visible, as it was just
-            # computed): plain causal attention, which SDPA's
-            # CPU flash kernel runs in half the time of the explicit mask (it skips the
-            # masked blocks; 214 vs 494 ms for 4,096 tokens of SmolLM2-135M, one layer).
-            out = F.scaled_dot_product_attention(
-                qk[:, :, :nq].transpose(1, 2), keys, values, is_causal=True,
-                scale=self.scaling, enable_gqa=groups > 1)          # [B, Hq, T, hd]
-            return w.o(out.transpose(1, 2).reshape(bsz, num_new, nq * hd), bulk)
-        # keys, values: [B, Hkv, S, hd]. Query heads sharing a KV head are stacked along the
-        # sequence axis ([B, Hkv, G*T, hd]): plain SDPA on that layout is several times
-        # faster on CPU than SDPA's own enable_gqa path.
-        q = qk[:, :, :nq].reshape(bsz, num_new, nkv, groups, hd).permute(0, 2, 3, 1, 4)
-        out = self._attend(q, keys, values, pos0, mask, visible, per_token=not free)
-        return w.o(out.permute(0, 3, 1, 2, 4).reshape(bsz, num_new, nq * hd), bulk)
-
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos0: int,
-                mask: torch.Tensor | None, visible: torch.Tensor | None,
-                per_token: bool = True) -> torch.Tensor:
-        """Scores of ``T`` new queries after ``pos0 > 0`` cached positions.
-
-        Args:
-            q: ``[B, Hkv, G, T, hd]`` queries (rotated), grouped by KV head.
-            keys / values: ``[B, Hkv, pos0 + T, hd]`` (the new tokens' included).
-            mask: the grouped causal mask ``[G*T, pos0 + T]`` (``None`` for ``T = 1``).
-            visible: ``[pos0 + T]`` bool, False at masked positions, or ``None``.
-            per_token: verification-sized blocks attend one token per call (bit-identical
-                to decoding each alone); ``False`` = one call.
-
-        Returns:
-            ``[B, Hkv, G, T, hd]``.
-        """
-        bsz, nkv, groups, num_new, hd = q.shape
-        if per_token and 1 < num_new <= self.row_attention_max:
-            # Verification-sized blocks: one SDPA call per token, exactly the call decoding
-            # that token alone makes. SDPA's CPU kernel rounds differently with more query
-            # rows, which in bf16 flips near-tied argmaxes between speculative and
-            # autoregressive decoding; per-token calls keep them bit-identical.
-            return torch.stack([
-                F.scaled_dot_product_attention(
-                    q[:, :, :, t], keys[:, :, : pos0 + t + 1], values[:, :, : pos0 + t + 1],
-                    attn_mask=None if visible is None else visible[None, : pos0 + t + 1],
-                    scale=self.scaling)
-                for t in range(num_new)], dim=3)                  # [B, Hkv, G, T, hd]
-        if visible is not None:  # masked positions (SpecEE's skipped layers) stay unread
-            mask = visible.unsqueeze(0) if mask is None else mask & visible.unsqueeze(0)
-        return F.scaled_dot_product_attention(
-            q.reshape(bsz, nkv, groups * num_new, hd), keys, values, attn_mask=mask,
-            scale=self.scaling).view(bsz, nkv, groups, num_new, hd)
-
-    def _rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[B, T, 1, head_dim]`` for ``positions`` from a table built with the
-        model's own rotary module (rebuilt per call for RoPE types that depend on length)."""
-        if self._rope_dynamic:
-            cos, sin = self.rotary_emb(hidden, positions)
-            return cos.unsqueeze(2), sin.unsqueeze(2)
-        needed = int(positions.max()) + 1
-        if needed > self._rope_cos.shape[0]:
-            size = max(needed, 2 * self._rope_cos.shape[0], 256)
-            table = torch.arange(size, device=hidden.device).unsqueeze(0)
-            cos, sin = self.rotary_emb(hidden, table)
-            self._rope_cos, self._rope_sin = cos[0], sin[0]
-        return self._rope_cos[positions].unsqueeze(2), self._rope_sin[positions].unsqueeze(2)
 
     def propagate_kv(self, hidden: torch.Tensor, positions: torch.Tensor, start: int, end: int,
                      cache: KVCache) -> None:
@@ -821,16 +576,17 @@ class LayerExecutor:
         bsz, num_new, _ = hidden.shape
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         pos0 = int(positions[0, 0])
-        cos, sin = self._rope(hidden, positions)
+        cos, sin = self.rope.lookup(hidden, positions)
         for i in range(start, end):
-            w = self._weights[i]
-            x = _rms_norm(hidden, w.attn_norm, w.attn_norm_eps)
+            w = self.layer_weights[i]
+            x = rms_norm(hidden, w.attn_norm, w.attn_norm_eps)
             bias = w.qkv.bias
             kv = F.linear(x, w.qkv.weight[nq * hd:],
                           None if bias is None else bias[nq * hd:]).view(bsz, num_new, 2 * nkv, hd)
-            k = _rotate(kv[:, :, :nkv], cos, sin).transpose(1, 2)
+            k = rotate(kv[:, :, :nkv], cos, sin).transpose(1, 2)
             cache.append(i, k, kv[:, :, nkv:].transpose(1, 2), pos0)
 
+    # ------------------------------------------------------------- outputs
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's final norm: ``[B, T, H]`` → ``[B, T, H]``."""
         return self.norm(hidden)
@@ -869,11 +625,13 @@ class LayerExecutor:
         """
         if vocab_rows is None:
             rows = normed.numel() // max(normed.shape[-1], 1)
-            return self._lm_head(normed, bulk=rows > max(self.row_attention_max, BULK_MIN_ROWS))
+            return self.output_weights(
+                normed, bulk=rows > max(self.row_attention_max, BULK_MIN_ROWS))
         bias = self.lm_head.bias
         return F.linear(normed, self.lm_head.weight[vocab_rows],
                         None if bias is None else bias[vocab_rows])
 
+    # ------------------------------------------------------------- whole-model entries
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 last_only: bool = False, observe: Observer | None = None) -> torch.Tensor:
         """Full model on ``input_ids`` ``[B, T]`` at ``positions`` ``[B, T]`` (``observe``: as
@@ -888,18 +646,10 @@ class LayerExecutor:
             hidden = hidden[:, -1:]
         return self.logits(hidden)
 
-
-def _grouped_causal_mask(num_new: int, total: int, groups: int,
-                         device: torch.device) -> torch.Tensor | None:
-    """Boolean mask ``[G*T, S]`` for ``G`` query heads × ``T`` new queries over ``S`` keys.
-
-    Query ``t`` (at position ``S - T + t``) sees keys ``0 .. S - T + t``; rows are ordered
-    (group, token) to match the grouped query layout. A single new token sees everything,
-    so no mask is built on the one-token decode path.
-    """
-    if num_new == 1:
-        return None
-    past = total - num_new
-    rows = torch.arange(num_new, device=device).unsqueeze(1)
-    cols = torch.arange(total, device=device).unsqueeze(0)
-    return (cols <= rows + past).repeat(groups, 1)
+    def forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     lengths: Sequence[int], caches: Sequence[KVCache]) -> torch.Tensor:
+        """The full model on a packed ragged batch (:meth:`run_rows`): ``input_ids`` ``[N]``
+        → ``[N, V]`` logits, ``lm_head`` in the decoding kernel (as one-row decoding)."""
+        hidden = self.run_rows(self.embed(input_ids), positions, lengths, 0, self.num_layers,
+                               caches)
+        return self.output_weights(self.norm(hidden), bulk=False)

@@ -135,6 +135,11 @@ class Fp16Rows:
         also 1.5-30× faster there than casting bf16 weights to fp32 per call)."""
         return bulk_product(x, packed)
 
+    def decode_bytes(self, packed: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> int:
+        """Bytes one call reads: 2 a weight (FBGEMM's packed copy is opaque) and the bias."""
+        return weight.numel() * 2 + (0 if bias is None else bias.numel() * bias.element_size())
+
     # ------------------------------------------------------------------ internals
     def _canonical(self, row: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         """``[K]`` → ``[1, N]``: the row's canonical result."""

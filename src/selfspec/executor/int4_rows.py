@@ -74,3 +74,8 @@ class Int4Rows:
         """One call, no row splitting (unused by :class:`Linear`, which sends bulk calls to
         the bf16 weights, see :attr:`serves_bulk`)."""
         return packed(x)
+
+    def decode_bytes(self, packed: Int4Linear, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> int:
+        """Bytes one call reads (codes, scales, offsets and bias: :attr:`Int4Linear.nbytes`)."""
+        return packed.nbytes

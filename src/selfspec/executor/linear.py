@@ -89,6 +89,11 @@ class ChainRows:
         """A bulk call on the kernel that took the weight."""
         return packed.kernel.bulk(x, packed.copy)
 
+    def decode_bytes(self, packed: ChainedWeight, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> int:
+        """Bytes one call reads, as the kernel that took the weight counts them."""
+        return packed.kernel.decode_bytes(packed.copy, weight, bias)
+
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor:
     """oneDNN's blocked copy of ``weight`` ``[N, K]``; raises ``RuntimeError`` where this CPU
@@ -176,13 +181,10 @@ class Linear:
         """Bytes of weight and bias one decoding call reads: the decoding kernel's copy where
         one serves (fp16: 2 bytes a weight; int4: codes + scales + offsets), else the
         weight's own."""
+        if self.rows is not None:
+            return self.rows.decode_bytes(self.rows_weight, self.weight, self.bias)
         bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
-        if self.rows is None:
-            return self.weight.numel() * self.weight.element_size() + bias
-        nbytes = getattr(self.rows_weight, "nbytes", None)
-        if isinstance(nbytes, int):
-            return nbytes
-        return self.weight.numel() * 2 + bias  # FBGEMM's fp16 copy (an opaque object)
+        return self.weight.numel() * self.weight.element_size() + bias
 
     def __call__(self, x: torch.Tensor, bulk: bool = False) -> torch.Tensor:
         """``[..., K]`` → ``[..., N]`` in ``x``'s dtype; ``bulk=True`` computes in the bulk

@@ -213,3 +213,8 @@ class W4A8Rows:
     def bulk(self, x: torch.Tensor, packed: W4A8Linear) -> torch.Tensor:
         """The same product: bulk blocks and decoding rows agree bit for bit."""
         return packed(x)
+
+    def decode_bytes(self, packed: W4A8Linear, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> int:
+        """Bytes one call reads (:attr:`W4A8Linear.nbytes`)."""
+        return packed.nbytes

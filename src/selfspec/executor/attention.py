@@ -1,0 +1,177 @@
+"""The torch path's attention sub-layer: RMSNorm, the fused qkv product, RoPE, the cache write
+(or read-only concatenation), scaled dot-product attention and the output projection.
+
+Only the score computation is selfspec's (SDPA over :class:`KVCache`'s views), which is what
+lets layers hold different cache lengths. Two layouts matter for speed and for bit-exactness:
+
+* blocks from position 0 use SDPA's ``is_causal`` (no explicit mask: the CPU flash kernel
+  skips the masked blocks);
+* blocks of 2..``row_attention_max`` tokens after a prefix (verification, deferred KV fills)
+  attend one token per SDPA call, exactly the call one-token decoding makes, so each token's
+  output is bit-identical to decoding it alone.
+
+The fused sub-layers (:mod:`selfspec.executor.fused_layers`) replace this module on the paths
+that take them; nothing here runs there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from selfspec.executor.cache import KVCache
+    from selfspec.executor.weights import LayerWeights
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, as the HF Llama/Qwen2 modules do:
+    ``[..., H]`` → ``[..., H]`` in ``x``'s dtype (times ``weight`` ``[H]``)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (HF ``rotate_half`` convention) on ``[B, T, heads, head_dim]`` with
+    ``cos``/``sin`` ``[B, T, 1, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def grouped_causal_mask(num_new: int, total: int, groups: int,
+                        device: torch.device) -> torch.Tensor | None:
+    """Boolean mask ``[G*T, S]`` for ``G`` query heads × ``T`` new queries over ``S`` keys.
+
+    Query ``t`` (at position ``S - T + t``) sees keys ``0 .. S - T + t``; rows are ordered
+    (group, token) to match the grouped query layout. A single new token sees everything,
+    so no mask is built on the one-token decode path (``None``).
+    """
+    if num_new == 1:
+        return None
+    past = total - num_new
+    rows = torch.arange(num_new, device=device).unsqueeze(1)
+    cols = torch.arange(total, device=device).unsqueeze(0)
+    return (cols <= rows + past).repeat(groups, 1)
+
+
+@dataclass(frozen=True)
+class Attention:
+    """The attention geometry of one model, and its torch-path sub-layer.
+
+    Attributes:
+        num_heads: query heads ``Hq``.
+        num_kv_heads: key/value heads ``Hkv`` (``Hq`` is a multiple of it).
+        head_dim: ``hd``.
+        scaling: the softmax scale (the HF module's ``scaling``).
+        row_attention_max: blocks of 2..this many new tokens after a prefix attend one token
+            per call (0: never).
+        groups: query heads per KV head ``G = Hq / Hkv`` (derived).
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    row_attention_max: int
+    groups: int = field(init=False)  # query heads per KV head, G = Hq / Hkv
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "groups", self.num_heads // self.num_kv_heads)
+
+    def sublayer(self, layer_idx: int, w: LayerWeights, hidden: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, pos0: int,
+                 mask: torch.Tensor | None, write_cache: bool = True,
+                 bulk: bool = False, free: bool = False) -> torch.Tensor:
+        """One attention sub-layer (norm included, residual not added).
+
+        Args:
+            layer_idx: the decoder layer (its KV cache layer).
+            w: that layer's weights.
+            hidden: ``[B, T, H]`` the residual stream entering the sub-layer.
+            cos / sin: ``[B, T, 1, hd]`` RoPE rows of the tokens' positions.
+            cache: the KV cache; ``write_cache`` appends the new keys and values at ``pos0``,
+                else the layer's first ``pos0`` positions plus the new tokens are attended
+                to without appending (a batch-1 cache serves ``B`` candidate states).
+            pos0: the first new token's position.
+            mask: the block's :func:`grouped_causal_mask` (``None`` from position 0 or for
+                one token).
+            bulk: the products run in the bulk format.
+            free: one attention call even for a verification-sized block.
+
+        Returns:
+            ``[B, T, H]`` the sub-layer's output (to add to ``hidden``).
+        """
+        bsz, num_new, _ = hidden.shape
+        nq, nkv, hd, groups = self.num_heads, self.num_kv_heads, self.head_dim, self.groups
+        x = rms_norm(hidden, w.attn_norm, w.attn_norm_eps)
+        qkv = w.qkv(x, bulk).view(bsz, num_new, nq + 2 * nkv, hd)
+        qk = rotate(qkv[:, :, : nq + nkv], cos, sin)           # [B, T, Hq + Hkv, hd]
+        new_k, new_v = qk[:, :, nq:].transpose(1, 2), qkv[:, :, nq + nkv:].transpose(1, 2)
+        if write_cache:
+            keys, values = cache.append(layer_idx, new_k, new_v, pos0)
+            visible = cache.visible(layer_idx)
+        else:
+            old_k, old_v = cache.get(layer_idx)
+            assert old_k.shape[2] >= pos0, (
+                f"KV cache layer {layer_idx} holds {old_k.shape[2]} positions; read-only "
+                f"attention cannot start after them, at {pos0}")
+            old_k, old_v = old_k[:, :, :pos0], old_v[:, :, :pos0]
+            if old_k.shape[0] != bsz:  # one cached sequence, B candidate states
+                old_k = old_k.expand(bsz, -1, -1, -1)
+                old_v = old_v.expand(bsz, -1, -1, -1)
+            keys, values = torch.cat([old_k, new_k], dim=2), torch.cat([old_v, new_v], dim=2)
+            visible = cache.visible(layer_idx)
+            if visible is not None:
+                visible = torch.cat([visible[:pos0], visible.new_ones(num_new)])
+        if pos0 == 0 and num_new > 1:
+            # A block from position 0 sees only itself (all of it visible, as it was just
+            # computed): plain causal attention, which SDPA's
+            # CPU flash kernel runs in half the time of the explicit mask (it skips the
+            # masked blocks; 214 vs 494 ms for 4,096 tokens of SmolLM2-135M, one layer).
+            out = F.scaled_dot_product_attention(
+                qk[:, :, :nq].transpose(1, 2), keys, values, is_causal=True,
+                scale=self.scaling, enable_gqa=groups > 1)          # [B, Hq, T, hd]
+            return w.o(out.transpose(1, 2).reshape(bsz, num_new, nq * hd), bulk)
+        # keys, values: [B, Hkv, S, hd]. Query heads sharing a KV head are stacked along the
+        # sequence axis ([B, Hkv, G*T, hd]): plain SDPA on that layout is several times
+        # faster on CPU than SDPA's own enable_gqa path.
+        q = qk[:, :, :nq].reshape(bsz, num_new, nkv, groups, hd).permute(0, 2, 3, 1, 4)
+        out = self.attend(q, keys, values, pos0, mask, visible, per_token=not free)
+        return w.o(out.permute(0, 3, 1, 2, 4).reshape(bsz, num_new, nq * hd), bulk)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos0: int,
+               mask: torch.Tensor | None, visible: torch.Tensor | None,
+               per_token: bool = True) -> torch.Tensor:
+        """Scores of ``T`` new queries after ``pos0 > 0`` cached positions.
+
+        Args:
+            q: ``[B, Hkv, G, T, hd]`` queries (rotated), grouped by KV head.
+            keys / values: ``[B, Hkv, pos0 + T, hd]`` (the new tokens' included).
+            mask: the grouped causal mask ``[G*T, pos0 + T]`` (``None`` for ``T = 1``).
+            visible: ``[pos0 + T]`` bool, False at masked positions, or ``None``.
+            per_token: verification-sized blocks attend one token per call (bit-identical
+                to decoding each alone); ``False`` = one call.
+
+        Returns:
+            ``[B, Hkv, G, T, hd]``.
+        """
+        bsz, nkv, groups, num_new, hd = q.shape
+        if per_token and 1 < num_new <= self.row_attention_max:
+            # Verification-sized blocks: one SDPA call per token, exactly the call decoding
+            # that token alone makes. SDPA's CPU kernel rounds differently with more query
+            # rows, which in bf16 flips near-tied argmaxes between speculative and
+            # autoregressive decoding; per-token calls keep them bit-identical.
+            return torch.stack([
+                F.scaled_dot_product_attention(
+                    q[:, :, :, t], keys[:, :, : pos0 + t + 1], values[:, :, : pos0 + t + 1],
+                    attn_mask=None if visible is None else visible[None, : pos0 + t + 1],
+                    scale=self.scaling)
+                for t in range(num_new)], dim=3)                  # [B, Hkv, G, T, hd]
+        if visible is not None:  # masked positions (SpecEE's skipped layers) stay unread
+            mask = visible.unsqueeze(0) if mask is None else mask & visible.unsqueeze(0)
+        return F.scaled_dot_product_attention(
+            q.reshape(bsz, nkv, groups * num_new, hd), keys, values, attn_mask=mask,
+            scale=self.scaling).view(bsz, nkv, groups, num_new, hd)
