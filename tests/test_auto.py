@@ -13,8 +13,7 @@ import selfspec
 from selfspec.decoding.auto.step import AutoStep, ModelDrafter
 from selfspec.decoding.core.autoregressive import ArStep
 from selfspec.decoding.core.sampling import SamplingConfig
-from selfspec.decoding.core.speculative import SpeculativeStep
-from selfspec.decoding.drafting.quant_draft import quantized_drafter
+from selfspec.decoding.drafting.skip_drafter import quantized_drafter
 from selfspec.decoding.drafting.stop_rules import ConstantStopRule
 from selfspec.decoding.ngram.drafter import NgramDrafter, NgramSettings
 from selfspec.decoding.planning.tpt import AcceptanceEstimate, ForwardCosts
@@ -80,8 +79,8 @@ def test_auto_explores_each_model_drafter_then_follows_the_prediction():
     executor = LayerExecutor(tiny_model("llama", seed=3))
     costs = FixedCosts(LATENCY)
     rule = ConstantStopRule(4)
-    model = ModelDrafter("qspec", SpeculativeStep(quantized_drafter(executor, "int8", rule)),
-                         rule, AcceptanceEstimate(prior=0.7))
+    model = ModelDrafter("qspec", quantized_drafter(executor, executor.draft_view("int8"), rule),
+                         AcceptanceEstimate(prior=0.7))
     step = AutoStep(costs, None, [model], explore_every=0)
     state = run_step(executor, step, [3, 4, 5], max_new_tokens=12)
     usage = state.stats.drafters
@@ -132,8 +131,8 @@ def test_auto_sampling_reproduces_the_target_distribution(draft_stop):
             if draft_stop == "tpt":  # the second token is drafted only after a confident one
                 rule = TptStopRule(rule, SharpCalibration(acceptance, "qspec"),
                                    lambda: 6.0, costs.forward_ms)
-            models.append(ModelDrafter("qspec", SpeculativeStep(quantized_drafter(
-                executor, "int8", rule)), rule, acceptance,
+            models.append(ModelDrafter("qspec", quantized_drafter(
+                executor, executor.draft_view("int8"), rule), acceptance,
                 last_run=0))  # no forced exploration: the choice follows the prediction
         ngram = NgramDrafter(executor, costs, NgramSettings(min_ngram=1, min_share=0.0,
                                                             prior=0.9))

@@ -80,7 +80,7 @@ def test_clasp_scores_on_the_last_verifications_own_hidden_states(executor, monk
     """As in CLaSp, the DP's history comes from the forwards that computed it (the prefill
     for the first steps, then verifications): no read-only pass at all; without the
     prefill's recording only the first steps (history in the prompt) pay one."""
-    from selfspec.decoding.knapspec.step import clasp
+    from selfspec.decoding.knapspec import clasp
 
     passes = []
     read = clasp.read_history

@@ -1,5 +1,5 @@
 """Quantized draft weights (executor/quant.py) and QSpec-style drafting on them
-(decoding/drafting/quant_draft.py, methods/qspec.py): the kernels compute what the quantized weights
+(decoding/drafting/skip_drafter.py, methods/qspec.py): the kernels compute what the quantized weights
 stand for, the draft view leaves the model alone, and drafting on int8/int4 copies keeps the
 model's own greedy tokens and sampling distribution."""
 
@@ -15,7 +15,7 @@ from tiny import VOCAB, exact_prefix_distribution, run_step, tiny_model, tiny_to
 import selfspec
 from selfspec.decoding.core.sampling import SamplingConfig
 from selfspec.decoding.core.speculative import SpeculativeStep
-from selfspec.decoding.drafting.quant_draft import quantized_drafter
+from selfspec.decoding.drafting.skip_drafter import quantized_drafter
 from selfspec.decoding.drafting.stop_rules import make_stop_rule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor, quant
@@ -177,7 +177,7 @@ def test_qspec_sampling_reproduces_the_target_distribution():
     executor = LayerExecutor(tiny_model("llama", seed=8))
     config = SamplingConfig(temperature=1.0, top_k=3)
     exact = exact_prefix_distribution(executor, PROMPT, config, 3)
-    decoder = SpeculativeStep(quantized_drafter(executor, "int8",
+    decoder = SpeculativeStep(quantized_drafter(executor, executor.draft_view("int8"),
                                                 make_stop_rule("constant", draft_len=2)))
     n = 1200
     counts = Counter()

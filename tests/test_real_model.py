@@ -329,7 +329,6 @@ def test_drafts_on_quantized_weights_keep_the_greedy_tokens(engine, prompts, ar_
     verification by the full-precision model gives exactly `ar`'s tokens."""
     from selfspec.decoding.drafting.exit_drafter import DSSDDrafter
     from selfspec.decoding.drafting.exits import CalibratedExits
-    from selfspec.decoding.drafting.quant_draft import RecomputedVerification
 
     view = engine.executor.draft_view("int8")
 
@@ -340,9 +339,8 @@ def test_drafts_on_quantized_weights_keep_the_greedy_tokens(engine, prompts, ar_
         def thresholds(self, epsilon, metric, draft_vocab=None):
             return [0.8, 0.4]
 
-    drafter = RecomputedVerification(
-        DSSDDrafter(view, CalibratedExits(OwnHeads(), 0.9, "max_prob"), max_draft_len=8),
-        engine.executor)
+    drafter = DSSDDrafter(view, CalibratedExits(OwnHeads(), 0.9, "max_prob"), max_draft_len=8,
+                          verifier=engine.executor)
     drafted = 0
     for state, reference in zip(_drafted(engine, drafter, prompts[:2]), ar_outputs):
         assert state.tokens[state.prompt_len:] == reference

@@ -12,10 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from selfspec.decoding.core.loop import Step
+from selfspec.decoding.core.speculative import SpeculativeStep
+from selfspec.decoding.drafting.exit_drafter import EarlyExitDrafter
 from selfspec.decoding.drafting.stop_rules import ProductStopRule
 from selfspec.methods import dv
-from selfspec.methods.base import MethodContext, MethodSpec
-from selfspec.methods.exit_drafting import build_exit_step, heads_files
+from selfspec.methods.base import MethodContext, MethodSpec, WrapStopRule, wrapped
+from selfspec.methods.exit_drafting import build_exit_drafter, heads_files
 from selfspec.methods.options import option
 
 
@@ -35,9 +37,15 @@ def product_rule(context: MethodContext, options: Options) -> ProductStopRule:
     return ProductStopRule(options.gamma, adaptive=options.adaptive, max_draft_len=cap)
 
 
+def drafter(context: MethodContext, options: Options,
+            wrap: WrapStopRule | None = None) -> EarlyExitDrafter:
+    """The early-exit drafter with the product stop rule (Π p < γ; ``wrap``-ped if given)."""
+    return build_exit_drafter(context, options, wrapped(product_rule(context, options), wrap))
+
+
 def build(context: MethodContext, options: Options) -> Step:
     """Early-exit drafter + product stop rule (Π p < γ) + verifier."""
-    return build_exit_step(context, options, product_rule(context, options))
+    return SpeculativeStep(drafter(context, options))
 
 
 SPEC = MethodSpec(
@@ -45,4 +53,4 @@ SPEC = MethodSpec(
     summary="early-exit drafting until the product of draft probabilities < gamma, adaptive gamma",
     lossless=True,
     paper="AdaSPEED §II.A, Algorithm 2",
-    options=Options, build=build, heads_files=heads_files)
+    options=Options, build=build, heads_files=heads_files, drafter=drafter)

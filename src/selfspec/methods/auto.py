@@ -7,26 +7,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from selfspec.decoding.auto.batch import BatchArStep, BatchNgramStep, BatchStep
-from selfspec.decoding.auto.step import AutoStep, ModelDrafter
+from selfspec.decoding.auto.step import AutoStep, ModelDrafter, predicted_draft_token_ms
 from selfspec.decoding.core.loop import Step
+from selfspec.decoding.core.stop_rule import StopRule
+from selfspec.decoding.memory import EngineMemory
 from selfspec.decoding.ngram.drafter import NgramDrafter, NgramSettings
-from selfspec.decoding.planning.tpt import AcceptanceEstimate, ForwardCosts
+from selfspec.decoding.planning.tpt import (
+    AcceptanceEstimate,
+    ForwardCosts,
+    MovingAverage,
+)
 from selfspec.decoding.planning.tpt_stop import ConfidenceCalibration, TptStopRule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.cpu import QUANTIZED_ROWS
-from selfspec.executor.quant import (
-    DRAFT_WEIGHT_CHOICES,
-    DRAFT_WEIGHT_FORMATS,
-    quantized_kernels_available,
-)
+from selfspec.executor.quant import DRAFT_WEIGHT_FORMATS, quantized_kernels_available
 from selfspec.methods import adaspeed, dssd, dv, layerskip, qspec
 from selfspec.methods.base import MethodContext, MethodSpec
+from selfspec.methods.draft_copy import DraftWeightsOptions, draft_weights_option
 from selfspec.methods.options import option
 
-#: Model drafters ``auto`` can choose among (built by their own methods, default options).
+#: Model drafters ``auto`` can choose among: methods with a drafter builder
+#: (:attr:`MethodSpec.drafter`), their drafters composed with default options.
 MODEL_DRAFTERS: dict[str, MethodSpec] = {
     m.SPEC.name: m.SPEC for m in (qspec, layerskip, dv, adaspeed, dssd)}
 HEADS_METHODS = ("layerskip", "dv", "adaspeed", "dssd")
@@ -49,8 +54,10 @@ CARRIED_PRIOR_WEIGHT = 8.0
 
 
 @dataclass(frozen=True)
-class Options:
-    """``auto``'s options."""
+class Options(DraftWeightsOptions):
+    """``auto``'s options. ``draft_weights`` (the shared option group) is the qspec
+    drafter's copy, so it defaults to ``auto`` as qspec's does; the other model drafters
+    draft on the model itself."""
 
     drafters: str | None = option(
         None, "comma-separated drafters to choose among besides ar: ngram, "
@@ -63,9 +70,9 @@ class Options:
                                    "draft time it ended this engine's last generation with, "
                                    "the n-gram drafter from its acceptance per kind of match "
                                    "(false: from fixed priors every generation)")
-    draft_weights: str = option("auto", "weight format of the qspec drafter's copy (int8, int4, "
-                                "w4a8; auto: the fastest here, measured at load)",
-                                choices=DRAFT_WEIGHT_CHOICES)
+    draft_weights: str = draft_weights_option(
+        "auto", "weight format of the qspec drafter's copy (int8, int4, w4a8; auto: the "
+        "fastest here, measured at load)")
     history: bool = option(True, "n-gram drafts also from this engine's earlier prompts and "
                            "outputs")
     draft_stop: str = option("tpt", "where a model drafter's draft ends: tpt (token by token, "
@@ -108,7 +115,8 @@ def drafter_names(options: Options) -> list[str]:
 
 
 def build(context: MethodContext, options: Options) -> Step:
-    """n-gram drafter, model drafters built by their own methods, and the chooser."""
+    """n-gram drafter, model drafters composed from their methods' drafters, and the
+    chooser."""
     names = drafter_names(options)
     if options.drafters is None and context.executor.formats.rows in QUANTIZED_ROWS:
         # The model already decodes on 4-bit weights: its quantized self-draft would be the
@@ -122,36 +130,62 @@ def build(context: MethodContext, options: Options) -> Step:
         ngram = NgramDrafter(context.executor, costs,
                              NgramSettings(max_draft_len=options.max_draft_len), history,
                              memory=memory)
-    models = []
-    for name in names:
-        if name == "ngram":
-            continue
-        values = {"heads": options.heads} if name in HEADS_METHODS and options.heads else {}
-        if name == "qspec":
-            values["draft_weights"] = options.draft_weights
-            if options.draft_stop == "tpt":
-                # The copy's confidence does not mark its errors (tokens it drafted at top-1
-                # < 0.3 were accepted 79-100% of the time): the calibrated rule decides alone.
-                values["confidence"] = 0.0
-        step = MODEL_DRAFTERS[name].make_step(context, values)
-        key = memory_key(name, options, context.executor)
-        known = None if memory is None else memory.drafters.get(key)
-        drafter = ModelDrafter(
-            name, step, step.drafter.stop_rule,
-            AcceptanceEstimate(known.acceptance, prior_weight=CARRIED_PRIOR_WEIGHT) if known
-            else AcceptanceEstimate(DRAFTER_PRIORS.get(name, DEFAULT_PRIOR)),
-            draft_cost=known.draft_cost if known else draft_cost(context.executor, step),
-            memory_key=key)
-        if options.draft_stop == "tpt":
-            calibration = ConfidenceCalibration(drafter.acceptance, name,
-                                                priors=known.by_confidence if known else None)
-            drafter.stop_rule = step.drafter.stop_rule = TptStopRule(
-                drafter.stop_rule, calibration, partial(drafter.draft_token_ms, costs),
-                costs.forward_ms)
-        models.append(drafter)
+    models = [model_drafter(context, name, options, costs, memory)
+              for name in names if name != "ngram"]
     return AutoStep(costs, ngram, models, history if ngram is not None else None,
                     max_draft_len=options.max_draft_len, explore_every=options.explore_every,
                     memory=memory)
+
+
+def drafter_options(context: MethodContext, name: str, options: Options) -> Any:
+    """The ``Options`` of model drafter ``name`` under ``auto``: its method's defaults, with
+    ``auto``'s heads for the head drafters, and for qspec ``auto``'s ``draft_weights`` (and,
+    with ``draft_stop=tpt``, no confidence stop: the calibrated rule decides alone).
+
+    Raises:
+        InvalidArgumentError: a value outside its range for this model.
+    """
+    values: dict[str, Any] = ({"heads": options.heads}
+                              if name in HEADS_METHODS and options.heads else {})
+    if name == "qspec":
+        values["draft_weights"] = options.draft_weights
+        if options.draft_stop == "tpt":
+            # The copy's confidence does not mark its errors (tokens it drafted at top-1
+            # < 0.3 were accepted 79-100% of the time): the calibrated rule decides alone.
+            values["confidence"] = 0.0
+    return MODEL_DRAFTERS[name].parse(values, context.executor)
+
+
+def model_drafter(context: MethodContext, name: str, options: Options, costs: ForwardCosts,
+                  memory: EngineMemory | None) -> ModelDrafter:
+    """Model drafter ``name`` as an ``auto`` candidate: its estimates (carried from the
+    engine's last generation, else priors) and its method's drafter, built with its stop rule
+    (with ``draft_stop=tpt``, a :class:`TptStopRule` around the method's own).
+
+    Raises:
+        InvalidArgumentError, HeadsNotFoundError: see the method's drafter builder.
+    """
+    spec = MODEL_DRAFTERS[name]
+    method_options = drafter_options(context, name, options)
+    key = memory_key(name, options, context.executor)
+    known = None if memory is None else memory.drafters.get(key)
+    acceptance = (AcceptanceEstimate(known.acceptance, prior_weight=CARRIED_PRIOR_WEIGHT)
+                  if known else AcceptanceEstimate(DRAFTER_PRIORS.get(name, DEFAULT_PRIOR)))
+    cost = (known.draft_cost if known
+            else draft_cost(context.executor, context.draft_executor(method_options)))
+    draft_ms = MovingAverage(0.0)
+    wrap = None
+    if options.draft_stop == "tpt":
+        calibration = ConfidenceCalibration(acceptance, name,
+                                            priors=known.by_confidence if known else None)
+
+        def wrap(rule: StopRule) -> StopRule:
+            return TptStopRule(rule, calibration,
+                               partial(predicted_draft_token_ms, draft_ms, cost, costs),
+                               costs.forward_ms)
+
+    return ModelDrafter(name, spec.make_drafter(context, method_options, wrap), acceptance,
+                        draft_ms=draft_ms, draft_cost=cost, memory_key=key)
 
 
 def memory_key(name: str, options: Options, executor: LayerExecutor) -> str:
@@ -162,15 +196,14 @@ def memory_key(name: str, options: Options, executor: LayerExecutor) -> str:
     return f"{name}{fmt}@{executor.formats.rows}"
 
 
-def draft_cost(executor: LayerExecutor, step: Step) -> float:
+def draft_cost(executor: LayerExecutor, draft: LayerExecutor) -> float:
     """A draft token's time as a share of one token of ``executor``, before the drafter
-    has run: the share of the weight bytes a token reads when the drafter runs on another
-    copy of the weights (a :meth:`~LayerExecutor.draft_view`; decoding is bound by
-    memory bandwidth), else 0.5."""
-    view = getattr(getattr(step, "drafter", None), "executor", None)
-    if not isinstance(view, LayerExecutor) or view is executor:
+    has run: the share of the weight bytes a token reads when ``draft`` (the executor the
+    drafter drafts on) is another copy of the weights (a
+    :meth:`~LayerExecutor.draft_view`; decoding is bound by memory bandwidth), else 0.5."""
+    if draft is executor:
         return 0.5
-    return view.decode_weight_bytes() / max(executor.decode_weight_bytes(), 1)
+    return draft.decode_weight_bytes() / max(executor.decode_weight_bytes(), 1)
 
 
 def build_batch(context: MethodContext, options: Options) -> BatchStep:

@@ -17,6 +17,8 @@ from typing import Any
 
 from selfspec.decoding.auto.batch import BatchStep, SoloRows
 from selfspec.decoding.core.loop import Step
+from selfspec.decoding.core.speculative import Drafter
+from selfspec.decoding.core.stop_rule import StopRule
 from selfspec.decoding.drafting.draft_vocab import (
     DraftVocab,
     frequent_rows,
@@ -27,6 +29,7 @@ from selfspec.decoding.ngram.lookup import SuffixAutomaton
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.cost_model import LatencyModel, cached_latency
+from selfspec.methods.draft_copy import DraftWeightsOptions
 from selfspec.methods.options import (
     OptionField,
     check_model_bounds,
@@ -34,6 +37,16 @@ from selfspec.methods.options import (
     option_fields,
     parse_options,
 )
+
+#: ``wrap(rule) -> rule``: how a composing method (``auto``) gives a drafter its stop rule at
+#: construction, e.g. a :class:`~selfspec.decoding.planning.tpt_stop.TptStopRule` around the
+#: method's own.
+WrapStopRule = Callable[[StopRule], StopRule]
+
+
+def wrapped(rule: StopRule, wrap: WrapStopRule | None) -> StopRule:
+    """``wrap(rule)``, or ``rule`` itself without a ``wrap``: a drafter builder's stop rule."""
+    return rule if wrap is None else wrap(rule)
 
 
 class MethodContext:
@@ -67,6 +80,18 @@ class MethodContext:
         if key not in self._latency:
             self._latency[key] = cached_latency(executor, selfspec_home())
         return self._latency[key]
+
+    def draft_executor(self, options: DraftWeightsOptions) -> LayerExecutor:
+        """The executor a method with ``options`` drafts on: the model's own when
+        ``options.draft_weights`` is ``None``, else its
+        :meth:`~LayerExecutor.draft_view` in that format (quantized once per format and
+        kept by the executor, so every method and generation shares one copy).
+
+        Raises:
+            InvalidArgumentError: a format without a kernel on this machine.
+        """
+        fmt = options.draft_weights
+        return self.executor if fmt is None else self.executor.draft_view(fmt)
 
     def memory(self) -> EngineMemory:
         """What methods learnt from earlier generations of this context (the engine, or the
@@ -170,6 +195,11 @@ class MethodSpec:
         build_batch: ``build_batch(context, options) -> BatchStep`` advancing a ragged batch
             of rows with shared forwards (:mod:`selfspec.decoding.auto.batch`); ``None`` = rows run
             one after another with the method's own Step (:class:`SoloRows`).
+        drafter: ``drafter(context, options, wrap) -> Drafter`` for a method whose Step is a
+            :class:`~selfspec.decoding.core.speculative.SpeculativeStep` around one drafter:
+            the drafter alone, its stop rule ``wrap(rule)`` of the method's own ``rule``
+            (``wrap=None``: the rule itself). What ``auto`` composes its model drafters from;
+            ``None`` = the method has no drafter of its own to lend.
     """
 
     name: str
@@ -182,6 +212,7 @@ class MethodSpec:
     lossy_when: Callable[[Any], bool] = field(default=lambda options: False)
     unused_when: Callable[[Any], set[str]] = field(default=lambda options: set())
     build_batch: Callable[[MethodContext, Any], BatchStep] | None = None
+    drafter: Callable[[MethodContext, Any, WrapStopRule | None], Drafter] | None = None
 
     def lossless_for(self, values: Mapping[str, Any] | Any) -> bool:
         """Whether the method with these options (a mapping or an ``Options``) is lossless.
@@ -222,6 +253,23 @@ class MethodSpec:
                    else self.parse(values, context.executor))
         check_model_bounds(options, context.executor, self.name)
         return self.build(context, options)
+
+    def make_drafter(self, context: MethodContext, values: Mapping[str, Any] | Any,
+                     wrap: WrapStopRule | None = None) -> Drafter:
+        """Validate ``values`` (a mapping or an ``Options`` instance) for this model and build
+        the method's drafter alone, its stop rule ``wrap(rule)`` of the method's own (see
+        :attr:`drafter`).
+
+        Raises:
+            InvalidArgumentError: see :meth:`make_step`.
+            TypeError: the method has no drafter builder.
+        """
+        if self.drafter is None:
+            raise TypeError(f"method {self.name!r} has no drafter of its own to compose")
+        options = (values if isinstance(values, self.options)
+                   else self.parse(values, context.executor))
+        check_model_bounds(options, context.executor, self.name)
+        return self.drafter(context, options, wrap)
 
     @property
     def batched(self) -> bool:

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 from selfspec.decoding.core.loop import Step
 from selfspec.decoding.knapspec.clasp import CLaSpConfig, CLaSpStep
 from selfspec.methods.base import MethodContext, MethodSpec
-from selfspec.methods.exit_drafting import draft_weights_option
+from selfspec.methods.draft_copy import DraftWeightsOptions
 from selfspec.methods.options import option
 
 
 @dataclass(frozen=True)
-class Options:
-    """CLaSp's options (the paper's schedule as defaults)."""
+class Options(DraftWeightsOptions):
+    """CLaSp's options (the paper's schedule as defaults; ``draft_weights`` from
+    :class:`~selfspec.methods.draft_copy.DraftWeightsOptions`)."""
 
     skip_ratio: float = option(0.45, "share of the layers every draft skips (M = round(ratio × L), "
                                "at least 1)", low=0, high=1, low_open=True, high_open=True)
@@ -25,7 +26,6 @@ class Options:
     max_draft_len: int = option(10, "the draft cap", low=1, high="R-1")
     confidence: float = option(0.7, "stop drafting when the top-1 probability falls below this",
                                low=0, high=1, low_open=True, high_open=True)
-    draft_weights: str | None = draft_weights_option()
 
 
 def skip_layers(num_layers: int, ratio: float) -> int:
@@ -40,8 +40,7 @@ def build(context: MethodContext, options: Options) -> Step:
                          reoptimize_every=options.reoptimize_every,
                          history_steps=options.history_steps,
                          max_draft_len=options.max_draft_len, confidence=options.confidence)
-    draft = None if options.draft_weights is None else ex.draft_view(options.draft_weights)
-    return CLaSpStep(ex, config, draft)
+    return CLaSpStep(ex, config, context.draft_executor(options))
 
 
 SPEC = MethodSpec(

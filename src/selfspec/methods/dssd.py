@@ -9,11 +9,12 @@ from selfspec.decoding.core.loop import Step
 from selfspec.decoding.core.speculative import SpeculativeStep
 from selfspec.decoding.drafting.exit_drafter import DSSDDrafter
 from selfspec.decoding.drafting.exits import CalibratedExits
-from selfspec.decoding.drafting.quant_draft import RecomputedVerification
+from selfspec.decoding.drafting.stop_rules import BufferStopRule
 from selfspec.heads.calibration import CONFIDENCE_METRICS, DEFAULT_METRIC
 from selfspec.heads.files import DEFAULT as DEFAULT_HEADS
-from selfspec.methods.base import MethodContext, MethodSpec
-from selfspec.methods.exit_drafting import DRAFT_VOCAB_HELP, draft_weights_option
+from selfspec.methods.base import MethodContext, MethodSpec, WrapStopRule, wrapped
+from selfspec.methods.draft_copy import DraftWeightsOptions
+from selfspec.methods.exit_drafting import DRAFT_VOCAB_HELP
 from selfspec.methods.options import option
 
 HEADS_HELP = ("calibrated exit heads: 'default' (from `selfspec heads train`) or a head "
@@ -32,13 +33,13 @@ class CalibratedOptions:
 
 
 @dataclass(frozen=True)
-class Options(CalibratedOptions):
-    """DSSD's options."""
+class Options(CalibratedOptions, DraftWeightsOptions):
+    """DSSD's options (``draft_weights`` from
+    :class:`~selfspec.methods.draft_copy.DraftWeightsOptions`)."""
 
     max_draft_len: int = option(32, "the draft buffer", low=1, high="R-1")
     draft_vocab: int | None = option(None, DRAFT_VOCAB_HELP, low=1, high="V",
                                      default_text="none (full vocabulary)")
-    draft_weights: str | None = draft_weights_option()
 
 
 def calibrated_exits(context: MethodContext, options: CalibratedOptions,
@@ -58,15 +59,19 @@ def calibrated_exits(context: MethodContext, options: CalibratedOptions,
                            draft_vocab, restricted)
 
 
+def drafter(context: MethodContext, options: Options,
+            wrap: WrapStopRule | None = None) -> DSSDDrafter:
+    """The DSSD drafter: calibrated exits + buffer stop rule (``wrap``-ped if given), on
+    ``draft_weights``' copy if given (verification then recomputes every layer)."""
+    exits = calibrated_exits(context, options, options.draft_vocab)
+    rule = wrapped(BufferStopRule(options.max_draft_len), wrap)
+    return DSSDDrafter(context.draft_executor(options), exits, options.max_draft_len,
+                       verifier=context.executor, stop_rule=rule)
+
+
 def build(context: MethodContext, options: Options) -> Step:
     """DSSD drafter (calibrated exits + buffer stop rule) + verifier."""
-    exits = calibrated_exits(context, options, options.draft_vocab)
-    ex = context.executor
-    if options.draft_weights is None:
-        return SpeculativeStep(DSSDDrafter(ex, exits, options.max_draft_len))
-    # Drafts on quantized layers: their KV and hidden states are not the model's.
-    drafter = DSSDDrafter(ex.draft_view(options.draft_weights), exits, options.max_draft_len)
-    return SpeculativeStep(RecomputedVerification(drafter, ex))
+    return SpeculativeStep(drafter(context, options))
 
 
 SPEC = MethodSpec(
@@ -75,4 +80,5 @@ SPEC = MethodSpec(
             "verified by the full model",
     lossless=True,
     paper="DSSD §4.3.1 (drafting), §3.4.1 (calibration)",
-    options=Options, build=build, heads_files=lambda options: [str(options.heads)])
+    options=Options, build=build, heads_files=lambda options: [str(options.heads)],
+    drafter=drafter)

@@ -9,42 +9,31 @@ from typing import Any
 from selfspec.decoding.core.loop import Step
 from selfspec.decoding.core.speculative import SpeculativeStep
 from selfspec.decoding.drafting.exit_drafter import EarlyExitDrafter
-from selfspec.decoding.drafting.quant_draft import RecomputedVerification
 from selfspec.decoding.drafting.stop_rules import StopRule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
-from selfspec.executor.quant import DRAFT_WEIGHT_CHOICES
 from selfspec.heads.files import DEFAULT_PROBES
 from selfspec.methods.base import MethodContext
+from selfspec.methods.draft_copy import DraftWeightsOptions
 from selfspec.methods.options import option
 
 EXIT_LAYER_HELP = "layers the draft runs: layers [0, exit_layer)"
 HEADS_HELP = ("exit heads: 'default' (from `selfspec heads train`) or a head file/directory; "
               "drafts use the head at exit_layer (an error if there is none)")
-DRAFT_WEIGHTS_HELP = ("draft on int8 (W8A8), int4 or w4a8 (4-bit weights, 8-bit activations) "
-                      "copies of the layers (auto: the fastest here, measured); verification then recomputes every layer with the "
-                      "model's own weights (QSpec-style)")
 DRAFT_VOCAB_HELP = ("draft heads score only the K most frequent tokens (ranked by the heads' "
                     "token counts; needs heads), FR-Spec §3")
 
 
-def draft_weights_option() -> str | None:
-    """The ``draft_weights`` option field every drafter on quantized copies takes (default
-    ``None``: the model's own weights)."""
-    return option(None, DRAFT_WEIGHTS_HELP, choices=DRAFT_WEIGHT_CHOICES,
-                  default_text="none (the model's own weights)")
-
-
 @dataclass(frozen=True)
-class ExitOptions:
-    """Options of every early-exit drafter."""
+class ExitOptions(DraftWeightsOptions):
+    """Options of every early-exit drafter (``draft_weights`` from
+    :class:`~selfspec.methods.draft_copy.DraftWeightsOptions`)."""
 
     exit_layer: int | None = option(None, EXIT_LAYER_HELP, low=1, high="L-1",
                                     default_text="3/4 depth / nearest head")
     heads: str | None = option(None, HEADS_HELP, default_text="none (the model's lm_head)")
     draft_vocab: int | None = option(None, DRAFT_VOCAB_HELP, low=1, high="V",
                                      default_text="none (full vocabulary)")
-    draft_weights: str | None = draft_weights_option()
 
 
 def default_exit_layer(executor: LayerExecutor) -> int:
@@ -64,11 +53,25 @@ def heads_files(options: Any, probe: bool = False) -> list[str]:
 def build_exit_step(context: MethodContext, options: ExitOptions, stop_rule: StopRule,
                     probe: bool = False) -> Step:
     """The speculative Step of an early-exit method whose draft length ``stop_rule``
-    decides; with ``probe``, AdaSPEED's linear probes (§II.B) score each draft token.
+    decides: :func:`build_exit_drafter` in a :class:`SpeculativeStep`.
+
+    Raises:
+        see :func:`build_exit_drafter`.
+    """
+    return SpeculativeStep(build_exit_drafter(context, options, stop_rule, probe))
+
+
+def build_exit_drafter(context: MethodContext, options: ExitOptions, stop_rule: StopRule,
+                       probe: bool = False) -> EarlyExitDrafter:
+    """The early-exit drafter of ``options`` with ``stop_rule``; with ``probe``, AdaSPEED's
+    linear probes (§II.B) score each draft token. With ``draft_weights`` it drafts on that
+    copy and verification recomputes every layer with the model's own weights
+    (:class:`~selfspec.decoding.drafting.draft_copy.DraftCopy`).
 
     Raises:
         InvalidArgumentError: options the model's heads cannot serve (no probe at the layer,
-            a probe for another drafter, draft_vocab without token counts).
+            a probe for another drafter, draft_vocab without token counts), or a draft
+            weight format without a kernel here.
         HeadsNotFoundError: a missing head or probe file.
     """
     ex = context.executor
@@ -86,13 +89,9 @@ def build_exit_step(context: MethodContext, options: ExitOptions, stop_rule: Sto
     if options.draft_vocab is not None:
         vocab = context.draft_vocab(trained, options.draft_vocab)
         restricted = context.restricted(head, vocab)
-    draft_ex = ex if options.draft_weights is None else ex.draft_view(options.draft_weights)
-    drafter = EarlyExitDrafter(draft_ex, layer, stop_rule, head=head, scorer=greedy_probe,
-                               vocab=vocab, sampled_scorer=sampled_probe, restricted=restricted)
-    if options.draft_weights is not None:
-        # The draft's KV and hidden states are not the model's: verify from scratch.
-        return SpeculativeStep(RecomputedVerification(drafter, ex))
-    return SpeculativeStep(drafter)
+    return EarlyExitDrafter(context.draft_executor(options), layer, stop_rule, head=head,
+                            scorer=greedy_probe, vocab=vocab, sampled_scorer=sampled_probe,
+                            restricted=restricted, verifier=ex)
 
 
 def _exit_head(trained: Any, layer: int, path: str | None, probe: bool) -> Any:

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 from selfspec.decoding.core.loop import Step
 from selfspec.decoding.knapspec.step import KnapSpecConfig, KnapSpecStep
 from selfspec.methods.base import MethodContext, MethodSpec
-from selfspec.methods.exit_drafting import draft_weights_option
+from selfspec.methods.draft_copy import DraftWeightsOptions
 from selfspec.methods.options import option
 
 
 @dataclass(frozen=True)
-class Options:
-    """KnapSpec's options (paper values as defaults)."""
+class Options(DraftWeightsOptions):
+    """KnapSpec's options (paper values as defaults; ``draft_weights`` from
+    :class:`~selfspec.methods.draft_copy.DraftWeightsOptions`)."""
 
     reoptimize_every: int = option(64, "steps between re-optimisations of the plan (T)", low=1)
     history_steps: int = option(5, "steps whose tokens the DP scores (m)", low=1)
@@ -34,7 +35,6 @@ class Options:
     record_history: bool = option(True, "take the DP's history from the step's own decoding "
                                   "and verification forwards when they cover it (false: a "
                                   "read-only pass every time, the paper)")
-    draft_weights: str | None = draft_weights_option()
     tpt_stop: bool = option(False, "end each draft token by token where the predicted "
                             "tokens/s peak, from each token's calibrated confidence "
                             "(decoding/planning/tpt_stop.py), instead of the paper's rule "
@@ -56,11 +56,9 @@ def build(context: MethodContext, options: Options) -> Step:
                             record_history=options.record_history,
                             alpha_vocab=options.alpha_vocab,
                             draft_stop="tpt" if options.tpt_stop else "confidence")
-    ex = context.executor
-    if options.draft_weights is None:
-        return KnapSpecStep(ex, context.latency(), config)
-    draft = ex.draft_view(options.draft_weights)
-    return KnapSpecStep(ex, context.latency(), config, draft, context.latency(draft))
+    draft = context.draft_executor(options)
+    return KnapSpecStep(context.executor, context.latency(), config, draft,
+                        context.latency(draft))
 
 
 SPEC = MethodSpec(

@@ -6,9 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from selfspec.decoding.core.loop import Step
+from selfspec.decoding.core.speculative import SpeculativeStep
+from selfspec.decoding.drafting.exit_drafter import EarlyExitDrafter
 from selfspec.decoding.drafting.stop_rules import ConstantStopRule
-from selfspec.methods.base import MethodContext, MethodSpec
-from selfspec.methods.exit_drafting import ExitOptions, build_exit_step, heads_files
+from selfspec.methods.base import MethodContext, MethodSpec, WrapStopRule, wrapped
+from selfspec.methods.exit_drafting import ExitOptions, build_exit_drafter, heads_files
 from selfspec.methods.options import option
 
 
@@ -21,10 +23,16 @@ class Options(ExitOptions):
                                        default_text="draft_len")
 
 
+def drafter(context: MethodContext, options: Options,
+            wrap: WrapStopRule | None = None) -> EarlyExitDrafter:
+    """The early-exit drafter with the constant-D stop rule (``wrap``-ped if given)."""
+    rule = ConstantStopRule(options.draft_len, options.max_draft_len)
+    return build_exit_drafter(context, options, wrapped(rule, wrap))
+
+
 def build(context: MethodContext, options: Options) -> Step:
     """Early-exit drafter + constant-D stop rule + greedy/sampling verifier."""
-    return build_exit_step(context, options,
-                           ConstantStopRule(options.draft_len, options.max_draft_len))
+    return SpeculativeStep(drafter(context, options))
 
 
 SPEC = MethodSpec(
@@ -32,4 +40,4 @@ SPEC = MethodSpec(
     summary="early-exit drafting of a constant draft_len tokens with shared KV",
     lossless=True,
     paper="LayerSkip (Elhoushi et al. 2024) §4; AdaSPEED Fig. 1 Constant-D",
-    options=Options, build=build, heads_files=heads_files)
+    options=Options, build=build, heads_files=heads_files, drafter=drafter)

@@ -1,6 +1,11 @@
 """QSpec-style self-speculation: draft with the model's own layers on int8 (or int4) weight
 copies, verify with the model itself (Zhao et al. 2024, QSpec §3; here the draft is W8A8
-or W4A16 and the verifier the bf16/fp32 model, so the output is exactly the model's)."""
+or W4A16 and the verifier the bf16/fp32 model, so the output is exactly the model's).
+
+A configuration of the shared drafters: the skip-plan drafter with the plan of an early exit
+at ``exit_layer`` (default: every layer) on the ``draft_weights`` copy
+(:func:`~selfspec.decoding.drafting.skip_drafter.quantized_drafter`), verified in the
+recompute mode of :class:`~selfspec.decoding.drafting.draft_copy.DraftCopy`."""
 
 from __future__ import annotations
 
@@ -8,23 +13,23 @@ from dataclasses import dataclass
 
 from selfspec.decoding.core.loop import Step
 from selfspec.decoding.core.speculative import SpeculativeStep
-from selfspec.decoding.drafting.quant_draft import quantized_drafter
+from selfspec.decoding.drafting.skip_drafter import SkipPlanDrafter, quantized_drafter
 from selfspec.decoding.drafting.stop_rules import ConfidenceStopRule, ConstantStopRule
-from selfspec.executor.quant import DRAFT_WEIGHT_CHOICES
-from selfspec.methods.base import MethodContext, MethodSpec
+from selfspec.methods.base import MethodContext, MethodSpec, WrapStopRule, wrapped
+from selfspec.methods.draft_copy import DraftWeightsOptions, draft_weights_option
 from selfspec.methods.options import option
 
 
 @dataclass(frozen=True)
-class Options:
-    """QSpec's options."""
+class Options(DraftWeightsOptions):
+    """QSpec's options. ``draft_weights`` (the shared option group) defaults to ``auto``
+    here, not to the model's own weights: drafting on a copy is the method."""
 
-    draft_weights: str = option("auto", "format of the draft's weight copy: int8 (W8A8, "
-                                "FBGEMM), int4 (weight-only, groups of 32, torch's kernel), "
-                                "w4a8 (4-bit weights and 8-bit activations, groups of 32, "
-                                "selfspec's AVX2 kernel) or auto (the fastest of them on "
-                                "this machine, measured at load)",
-                                choices=DRAFT_WEIGHT_CHOICES)
+    draft_weights: str = draft_weights_option(
+        "auto", "format of the draft's weight copy: int8 (W8A8, FBGEMM), int4 (weight-only, "
+        "groups of 32, torch's kernel), w4a8 (4-bit weights and 8-bit activations, groups of "
+        "32, selfspec's AVX2 kernel) or auto (the fastest of them on this machine, measured "
+        "at load)")
     max_draft_len: int = option(12, "longest draft (D)", low=1, high="R-1")
     confidence: float = option(0.3, "stop drafting when the draft's top-1 probability falls "
                                "below this (0 = always draft max_draft_len)", low=0, high=1,
@@ -33,12 +38,19 @@ class Options:
                                     high="L", default_text="all")
 
 
-def build(context: MethodContext, options: Options) -> Step:
-    """Quantized-weights drafter + confidence stop rule + verification by the full model."""
+def drafter(context: MethodContext, options: Options,
+            wrap: WrapStopRule | None = None) -> SkipPlanDrafter:
+    """Layers ``[0, exit_layer)`` on the quantized copy with the confidence stop rule
+    (``wrap``-ped if given), verified by the full model."""
     rule = (ConfidenceStopRule(options.confidence, max_draft_len=options.max_draft_len)
             if options.confidence > 0 else ConstantStopRule(options.max_draft_len))
-    return SpeculativeStep(quantized_drafter(context.executor, options.draft_weights, rule,
-                                             options.exit_layer))
+    return quantized_drafter(context.executor, context.draft_executor(options),
+                             wrapped(rule, wrap), options.exit_layer)
+
+
+def build(context: MethodContext, options: Options) -> Step:
+    """Quantized-weights drafter + confidence stop rule + verification by the full model."""
+    return SpeculativeStep(drafter(context, options))
 
 
 SPEC = MethodSpec(
@@ -47,4 +59,4 @@ SPEC = MethodSpec(
             "model (no second model, no training)",
     lossless=True,
     paper="QSpec (Zhao et al. 2024) §3, self-speculation across quantization schemes",
-    options=Options, build=build)
+    options=Options, build=build, drafter=drafter)

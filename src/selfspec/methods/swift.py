@@ -29,20 +29,20 @@ from selfspec.heads.skip_set import (
     resolve_skip_set_path,
 )
 from selfspec.methods.base import MethodContext, MethodSpec
-from selfspec.methods.exit_drafting import draft_weights_option
+from selfspec.methods.draft_copy import DraftWeightsOptions
 from selfspec.methods.options import option
 
 
 @dataclass(frozen=True)
-class Options:
-    """SWIFT's options (its code's values as defaults, except ``max_draft_len``)."""
+class Options(DraftWeightsOptions):
+    """SWIFT's options (its code's values as defaults, except ``max_draft_len``;
+    ``draft_weights`` from :class:`~selfspec.methods.draft_copy.DraftWeightsOptions`)."""
 
     skip_set: str = option("default", "skip-set file from `selfspec heads search-skip` "
                            "('default' = the model's, next to its default heads)")
     max_draft_len: int = option(10, "longest draft", low=1, high="R-1")
     confidence: float = option(0.8, "stop drafting when the top-1 probability falls below this",
                                low=0, high=1, low_open=True, high_open=True)
-    draft_weights: str | None = draft_weights_option()
 
 
 def _skip_set(context: MethodContext, path: str) -> SkipSet:
@@ -63,9 +63,8 @@ def build(context: MethodContext, options: Options) -> Step:
     """
     skip_set = _skip_set(context, options.skip_set)
     rule = ConfidenceStopRule(options.confidence, max_draft_len=options.max_draft_len)
-    ex = context.executor
-    draft = ex if options.draft_weights is None else ex.draft_view(options.draft_weights)
-    return SpeculativeStep(SkipPlanDrafter(draft, skip_set.plan, rule, verifier=ex))
+    return SpeculativeStep(SkipPlanDrafter(context.draft_executor(options), skip_set.plan, rule,
+                                           verifier=context.executor))
 
 
 SPEC = MethodSpec(

@@ -306,9 +306,8 @@ class SoloRows:
     def leave(self, state: DecodeState) -> None:
         """Finish the row's Step (e.g. its text joins the n-gram history) and drop it."""
         step = self._steps.pop(id(state), None)
-        finish = getattr(step, "finish", None)
-        if finish is not None:
-            finish(state)
+        if step is not None:
+            step.finish(state)
 
     def __call__(self, states: list[DecodeState]) -> list[StepStats]:
         return [self._steps[id(s)](s) for s in states]

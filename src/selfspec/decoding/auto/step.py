@@ -34,7 +34,8 @@ import time
 from dataclasses import dataclass, field
 
 from selfspec.decoding.core.autoregressive import ArStep
-from selfspec.decoding.core.speculative import SpeculativeStep
+from selfspec.decoding.core.loop import Step
+from selfspec.decoding.core.speculative import Drafter, SpeculativeStep
 from selfspec.decoding.core.state import DecodeState
 from selfspec.decoding.core.stats import StepStats
 from selfspec.decoding.drafting.stop_rules import StopRule
@@ -51,17 +52,26 @@ from selfspec.decoding.planning.tpt import (
 from selfspec.decoding.planning.tpt_stop import TptStopRule
 
 
+def predicted_draft_token_ms(draft_ms: MovingAverage, draft_cost: float,
+                             costs: ForwardCosts) -> float:
+    """Predicted ms of one draft token of a model drafter: its measured average
+    ``draft_ms`` once it has run, else ``draft_cost`` times a one-token forward."""
+    return draft_ms.value if draft_ms.count else draft_cost * costs.forward_ms(1)
+
+
 @dataclass
 class ModelDrafter:
     """A drafter that runs model layers (qspec, layerskip, dssd, ...) as an ``auto``
-    candidate.
+    candidate: the method's drafter, composed (built by the method's
+    :attr:`~selfspec.methods.base.MethodSpec.drafter` with its stop rule given at
+    construction), run in a :class:`SpeculativeStep` of its own.
 
     Attributes:
         name: the method it comes from.
-        step: its speculative step.
-        stop_rule: its stop rule: a :class:`~selfspec.decoding.planning.tpt_stop.TptStopRule` ends
-            drafts itself (``auto`` gives it ``max_draft_len``); any other is capped at the
-            chosen ``γ`` each step.
+        drafter: its drafter; its ``stop_rule`` (required) decides where drafts end: a
+            :class:`~selfspec.decoding.planning.tpt_stop.TptStopRule` ends drafts itself
+            (``auto`` gives it ``max_draft_len``); any other is capped at the chosen ``γ``
+            each step.
         acceptance: its per-token acceptance estimate.
         draft_ms: moving average of its ms per draft token (no observation until it has run).
         last_run: the step index it last ran at (-1: never).
@@ -69,22 +79,34 @@ class ModelDrafter:
             it has run (e.g. the share of the model's weight bytes its draft reads).
         memory_key: the name its estimates are kept under in the engine's memory (``name``
             when empty).
+        step: the speculative step around ``drafter`` (built from it).
+
+    Raises:
+        ValueError: a drafter without a stop rule (``auto`` could not cap its drafts).
     """
 
     name: str
-    step: SpeculativeStep
-    stop_rule: StopRule
+    drafter: Drafter
     acceptance: AcceptanceEstimate
     draft_ms: MovingAverage = field(default_factory=lambda: MovingAverage(0.0))
     last_run: int = -1
     draft_cost: float = 0.5
     memory_key: str = ""
+    step: SpeculativeStep = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.drafter.stop_rule is None:
+            raise ValueError(f"auto's model drafter {self.name!r} has no stop rule")
+        self.step = SpeculativeStep(self.drafter)
+
+    @property
+    def stop_rule(self) -> StopRule:
+        """The drafter's stop rule."""
+        return self.drafter.stop_rule
 
     def draft_token_ms(self, costs: ForwardCosts) -> float:
-        """Predicted ms of one draft token: the measured average once it has run, else
-        ``draft_cost`` times a one-token forward."""
-        return (self.draft_ms.value if self.draft_ms.count
-                else self.draft_cost * costs.forward_ms(1))
+        """:func:`predicted_draft_token_ms` of this drafter."""
+        return predicted_draft_token_ms(self.draft_ms, self.draft_cost, costs)
 
 
 @dataclass(frozen=True)
@@ -96,7 +118,7 @@ class Candidate:
     drafter: ModelDrafter | None = None
 
 
-class AutoStep:
+class AutoStep(Step):
     """The Step of ``--method auto``.
 
     Args:
@@ -127,9 +149,6 @@ class AutoStep:
         self.memory = memory
         self._ar = ArStep()
         self._steps = 0
-
-    def start(self, state: DecodeState) -> None:
-        """Nothing to set up: estimates live for one generation."""
 
     def candidates(self, state: DecodeState) -> list[Candidate]:
         """Every drafter's predicted best draft length, tokens and time for this step."""

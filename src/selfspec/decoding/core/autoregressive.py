@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from selfspec.decoding.core.loop import Step
 from selfspec.decoding.core.sampling import choose_next
 from selfspec.decoding.core.state import DecodeState
 from selfspec.decoding.core.stats import StepStats
@@ -12,7 +13,7 @@ if TYPE_CHECKING:
     from selfspec.decoding.core.history import ResidualRecorder
 
 
-class ArStep:
+class ArStep(Step):
     """One full forward per token: feed the last committed token through every layer and
     commit the next one (argmax when greedy, else temperature / top-k / top-p sampling with
     the state's seeded generator).
@@ -24,9 +25,6 @@ class ArStep:
 
     def __init__(self, recorder: ResidualRecorder | None = None) -> None:
         self.recorder = recorder
-
-    def start(self, state: DecodeState) -> None:
-        """Nothing to set up."""
 
     def __call__(self, state: DecodeState) -> StepStats:
         ex = state.executor

@@ -7,10 +7,11 @@ Every method runs through :func:`run`::
     step.start(state)                        # 3. per-generation state of the method
     while not state.done:                    # 4. EOS, max_new_tokens, context, stop strings,
         state.stats.add(step(state))         #    cancellation: all decided by state.commit
-    step.finish(state)                       # 5. optional: e.g. remember the text
+    step.finish(state)                       # 5. e.g. remember the text (default: nothing)
     state.finish()                           # 6. timings
 
-A :class:`Step` commits at least one token per call and returns a :class:`StepStats`.
+A :class:`Step` (the base class every Step inherits; its hooks other than ``__call__``
+default to no-ops) commits at least one token per call and returns a :class:`StepStats`.
 Autoregressive decoding (:class:`~selfspec.decoding.core.autoregressive.ArStep`), the speculative
 step (:class:`~selfspec.decoding.core.speculative.SpeculativeStep`: drafter + stop rule +
 verifier) and lossy calibrated early exit
@@ -20,28 +21,50 @@ add a Step or a drafter, never a loop.
 
 from __future__ import annotations
 
-from typing import Protocol
+from abc import ABC, abstractmethod
 
+from selfspec.decoding.core.plan_log import PlanLog
 from selfspec.decoding.core.sampling import choose_next
 from selfspec.decoding.core.state import DecodeState
 from selfspec.decoding.core.stats import GenerationStats, StepStats
+from selfspec.executor.executor import Observer
 
 
-class Step(Protocol):
-    """One unit of decoding after the prefill.
+class Step(ABC):
+    """One unit of decoding after the prefill: the base class of every method's Step.
 
     A Step object is built per generation (its adaptive state, e.g. Draft & Verify's gamma,
-    lives for one generation) by a method's ``build``. A Step that re-chooses its draft during
-    generation (KnapSpec, CLaSp, DEL) also has a ``plan_log``
-    (:class:`~selfspec.decoding.core.plan_log.PlanLog`); :func:`run` copies its records into
-    ``GenerationStats.plans``. A Step that plans on the residual stream of recent positions
-    (KnapSpec, CLaSp) may have ``prefill_observer(state) -> Observer`` too: :func:`run`
-    passes it to the prefill, so the prompt's end is recorded without a second pass.
+    lives for one generation) by a method's ``build``. :func:`run` calls, in this order,
+    :meth:`prefill_observer`, :meth:`start`, the Step itself until the state is done, and
+    :meth:`finish`, then reads :attr:`plan_log`. Every hook but ``__call__`` has a no-op
+    default here; a Step overrides the ones it needs:
+
+    - ``prefill_observer(state) -> Observer``: Steps that plan on the residual stream of
+      recent positions (KnapSpec, CLaSp, SpecEE) record the prompt's end during the prefill,
+      without a second pass.
+    - ``finish(state)``: after the last commit (the n-gram Steps and ``auto`` add the
+      finished text to the engine's history there).
+    - ``plan_log``: Steps that re-choose their draft during generation (KnapSpec, CLaSp,
+      DEL) keep a :class:`~selfspec.decoding.core.plan_log.PlanLog`; :func:`run` copies its
+      records into ``GenerationStats.plans``.
+
+    Attributes:
+        plan_log: the Step's log of draft decisions, or ``None`` (the default: a Step that
+            does not re-plan).
     """
 
-    def start(self, state: DecodeState) -> None:
-        """Called once after the prefill committed the first token (cache holds the prompt)."""
+    plan_log: PlanLog | None = None
 
+    def prefill_observer(self, state: DecodeState) -> Observer | None:
+        """The observer :func:`run` passes to ``state.prefill`` (it sees every layer's
+        residual stream over the prompt), or ``None`` (the default: nothing to record)."""
+        return None
+
+    def start(self, state: DecodeState) -> None:
+        """Called once after the prefill committed the first token (cache holds the prompt);
+        the default sets nothing up."""
+
+    @abstractmethod
     def __call__(self, state: DecodeState) -> StepStats:
         """Commit ``>= 1`` token to ``state`` (fewer only when ``state`` became done).
 
@@ -50,13 +73,9 @@ class Step(Protocol):
         until it catches them up).
         """
 
-
-def _finish(step: Step, state: DecodeState) -> None:
-    """Call the Step's optional ``finish(state)`` (after the last commit; the n-gram drafters
-    add the finished text to the engine's history there)."""
-    finish = getattr(step, "finish", None)
-    if finish is not None:
-        finish(state)
+    def finish(self, state: DecodeState) -> None:
+        """Called once after the last commit, before the timings are closed; the default
+        does nothing."""
 
 
 def run(state: DecodeState, step: Step) -> GenerationStats:
@@ -73,8 +92,7 @@ def run(state: DecodeState, step: Step) -> GenerationStats:
         RuntimeError: a Step committed nothing while generation was not done (a method bug
             that would otherwise loop forever).
     """
-    prefill_observer = getattr(step, "prefill_observer", None)
-    logits = state.prefill(None if prefill_observer is None else prefill_observer(state))  # [1, V]
+    logits = state.prefill(step.prefill_observer(state))  # [1, V]
     state.commit([int(choose_next(logits, state.options.sampling, state.generator))])
     step.start(state)
     while not state.done:
@@ -82,9 +100,8 @@ def run(state: DecodeState, step: Step) -> GenerationStats:
         state.stats.add(step(state))
         if state.seq_len == before and not state.done:
             raise RuntimeError(f"{type(step).__name__} committed no token")
-    _finish(step, state)
+    step.finish(state)
     stats = state.finish()
-    plan_log = getattr(step, "plan_log", None)  # methods that re-choose their draft
-    if plan_log is not None:
-        stats.plans = plan_log.records()
+    if step.plan_log is not None:  # Steps that re-choose their draft
+        stats.plans = step.plan_log.records()
     return stats

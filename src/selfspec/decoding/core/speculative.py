@@ -24,9 +24,11 @@ from typing import Protocol
 import torch
 
 from selfspec.decoding.core.deferred import DeferredLayers
+from selfspec.decoding.core.loop import Step
 from selfspec.decoding.core.sampling import choose_next
 from selfspec.decoding.core.state import DecodeState
 from selfspec.decoding.core.stats import StepStats
+from selfspec.decoding.core.stop_rule import StopRule
 from selfspec.decoding.core.verification import (
     VerifyOutput,
     verify_greedy,
@@ -75,7 +77,18 @@ class TargetOutput:
 
 class Drafter(Protocol):
     """What a self-speculative method plugs into the step (cf. transformers'
-    ``CandidateGenerator``: ``get_candidates`` / ``update_candidate_strategy``)."""
+    ``CandidateGenerator``: ``get_candidates`` / ``update_candidate_strategy``).
+
+    Attributes:
+        stop_rule: the rule that ends each draft (:class:`StopRule`), given when the drafter
+            is built (``auto`` builds its model drafters with a
+            :class:`~selfspec.decoding.planning.tpt_stop.TptStopRule` wrapping the method's
+            own rule, and caps it per step through ``stop_rule.max_draft_len``); ``None`` for
+            a drafter whose draft length is not decided token by token (the n-gram drafter
+            picks it before drafting, from predicted tokens per second).
+    """
+
+    stop_rule: StopRule | None
 
     def draft(self, state: DecodeState) -> DraftOutput:
         """Propose draft tokens after ``state.tokens`` (at most ``state.remaining - 1``)."""
@@ -113,7 +126,7 @@ def accept_all(draft: DraftOutput, target: TargetOutput, state: DecodeState) -> 
 Verifier = Callable[[DraftOutput, TargetOutput, DecodeState], VerifyOutput]
 
 
-class SpeculativeStep:
+class SpeculativeStep(Step):
     """draft → verify → rollback → commit → update (the Step of every lossless
     self-speculative method).
 
@@ -126,9 +139,6 @@ class SpeculativeStep:
     def __init__(self, drafter: Drafter, verifier: Verifier | None = None) -> None:
         self.drafter = drafter
         self.verifier = verify if verifier is None else verifier
-
-    def start(self, state: DecodeState) -> None:
-        """Nothing to set up: the drafter's adaptive state was built with it."""
 
     def __call__(self, state: DecodeState) -> StepStats:
         start_len = state.seq_len

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 
 from selfspec.decoding.core.deferred import DeferredLayers
+from selfspec.decoding.core.loop import Step
 from selfspec.decoding.core.sampling import choose_next
 from selfspec.decoding.core.state import DecodeState
 from selfspec.decoding.core.stats import StepStats
@@ -25,7 +26,7 @@ from selfspec.decoding.drafting.exits import CalibratedExits, Exit
 from selfspec.errors import InvalidArgumentError
 
 
-class CalibratedExitStep:
+class CalibratedExitStep(Step):
     """One token per call from the first confident exit head (or the full model).
 
     Its :class:`StepStats` reports the token as one draft token (``exit_layers`` = the

@@ -25,6 +25,7 @@ from selfspec.decoding.core.sampling import SamplingConfig, logits_to_probs, sam
 from selfspec.decoding.core.speculative import DraftOutput, TargetOutput
 from selfspec.decoding.core.state import DecodeState
 from selfspec.decoding.core.stats import StepStats
+from selfspec.decoding.drafting.draft_copy import DraftCopy
 from selfspec.decoding.drafting.draft_vocab import DraftVocab
 from selfspec.decoding.drafting.exits import (
     CalibratedExits,
@@ -166,23 +167,38 @@ def complete_to_last_layer(executor: LayerExecutor, state: DecodeState,
 class ExitDrafter:
     """Drafts token by token, each from the exit its policy chooses, until the stop rule,
     the policy (no confident exit) or the token budget ends the draft; verification runs only
-    the layers each position skipped.
+    the layers each position skipped, or, for drafts on a copy of the weights, every layer
+    with the model's own (:class:`~selfspec.decoding.drafting.draft_copy.DraftCopy`).
 
     Args:
-        executor: the model's executor.
+        executor: the executor drafts run on: the model's, or a
+            :meth:`~selfspec.executor.LayerExecutor.draft_view` of it (quantized copies).
         policy: where each draft token exits (:class:`FixedExit`, :class:`CalibratedExits`).
         stop_rule: decides the draft length (:mod:`selfspec.decoding.drafting.stop_rules`).
+        verifier: the model that verifies (default ``executor``; the model's own executor
+            when ``executor`` is a draft view).
+
+    Attributes:
+        copy: the :class:`~selfspec.decoding.drafting.draft_copy.DraftCopy` (``executor``,
+            ``verifier``) that decides how drafts are verified.
 
     Raises:
         InvalidArgumentError: a stop rule whose longest draft exceeds
             :func:`check_draft_len_limit`.
     """
 
-    def __init__(self, executor: LayerExecutor, policy: ExitPolicy, stop_rule: StopRule) -> None:
+    def __init__(self, executor: LayerExecutor, policy: ExitPolicy, stop_rule: StopRule,
+                 verifier: LayerExecutor | None = None) -> None:
         check_draft_len_limit(executor, stop_rule.max_draft_len)
         self.executor = executor
+        self.copy = DraftCopy(executor, executor if verifier is None else verifier)
         self.policy = policy
         self.stop_rule = stop_rule
+
+    @property
+    def verifier(self) -> LayerExecutor:
+        """The model that verifies (``executor`` unless drafts run on a copy)."""
+        return self.copy.target
 
     def draft(self, state: DecodeState) -> DraftOutput:
         """Draft up to ``min(max_draft_len, remaining - 1)`` tokens.
@@ -214,7 +230,12 @@ class ExitDrafter:
         return draft.build(self.executor, sampling, deferred)
 
     def target_logits(self, state: DecodeState, draft: DraftOutput) -> TargetOutput:
-        """Target logits ``[D+1, V]``, running only the layers each position skipped."""
+        """Target logits ``[D+1, V]``: only the layers each position skipped
+        (:func:`complete_to_last_layer`), or every layer with the verifier's weights when
+        the draft ran on a copy (:meth:`DraftCopy.target_logits`)."""
+        return self.copy.target_logits(state, draft, self._completed)
+
+    def _completed(self, state: DecodeState, draft: DraftOutput) -> TargetOutput:
         return complete_to_last_layer(self.executor, state, draft)
 
     def update(self, stats: StepStats) -> None:
@@ -232,7 +253,8 @@ class EarlyExitDrafter(ExitDrafter):
 
     Args: see :class:`~selfspec.decoding.drafting.exits.FixedExit` (``executor``, ``exit_layer``,
         ``head``, ``scorer``, ``sampled_scorer``, ``vocab``, ``restricted``) and
-        ``stop_rule``.
+        :class:`ExitDrafter` (``stop_rule``, ``verifier``: on a draft copy, verification
+        recomputes every layer instead).
 
     Raises:
         InvalidArgumentError: ``exit_layer`` out of range, or a stop rule whose longest draft
@@ -242,9 +264,9 @@ class EarlyExitDrafter(ExitDrafter):
     def __init__(self, executor: LayerExecutor, exit_layer: int, stop_rule: StopRule,
                  head: Head | None = None, scorer: Scorer | None = None,
                  vocab: DraftVocab | None = None, sampled_scorer: Scorer | None = None,
-                 restricted=None) -> None:
+                 restricted=None, verifier: LayerExecutor | None = None) -> None:
         super().__init__(executor, FixedExit(executor, exit_layer, head, scorer, sampled_scorer,
-                                             vocab, restricted), stop_rule)
+                                             vocab, restricted), stop_rule, verifier)
 
     @property
     def exit_layer(self) -> int:
@@ -261,15 +283,21 @@ class DSSDDrafter(ExitDrafter):
     state: its acceptance mechanism is the adaptive draft length.
 
     Args:
-        executor: the model's executor.
+        executor: the executor drafts run on (the model's, or a draft copy of it).
         exits: calibrated heads at one ε.
         max_draft_len: the draft buffer limit (DSSD uses e.g. 32).
+        verifier: the model that verifies (default ``executor``).
+        stop_rule: the rule ending each draft (default ``BufferStopRule(max_draft_len)``;
+            ``auto`` gives one wrapping it).
 
     Raises:
         InvalidArgumentError: ``max_draft_len`` outside ``[1, row_attention_max - 1]``.
     """
 
     def __init__(self, executor: LayerExecutor, exits: CalibratedExits,
-                 max_draft_len: int = 32) -> None:
+                 max_draft_len: int = 32, verifier: LayerExecutor | None = None,
+                 stop_rule: StopRule | None = None) -> None:
         check_draft_len_limit(executor, max_draft_len)
-        super().__init__(executor, exits, BufferStopRule(max_draft_len))
+        super().__init__(executor, exits,
+                         BufferStopRule(max_draft_len) if stop_rule is None else stop_rule,
+                         verifier)

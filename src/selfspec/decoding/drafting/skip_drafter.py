@@ -9,7 +9,9 @@ reused: verification drops the KV the draft wrote and runs the full model over t
 committed token and the draft (``D + 1`` positions), filling every layer's KV. For the same
 reason the draft may run on other weights than the verifier (a
 :meth:`~selfspec.executor.LayerExecutor.draft_view` with int8/int4/w4a8 copies): the plan's
-sub-layers on quantized weights, verified by the model's own (QSpec-style, lossless).
+sub-layers on quantized weights, verified by the model's own (QSpec-style, lossless; the
+recompute mode of :class:`~selfspec.decoding.drafting.draft_copy.DraftCopy`). ``qspec`` is
+this drafter with an early-exit plan on a draft copy (:func:`quantized_drafter`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from selfspec.decoding.core.sampling import SamplingConfig
 from selfspec.decoding.core.speculative import DraftOutput, TargetOutput
 from selfspec.decoding.core.state import DecodeState
 from selfspec.decoding.drafting.exit_drafter import ExitDrafter
-from selfspec.decoding.drafting.exits import Exit
+from selfspec.decoding.drafting.exits import Exit, check_exit_layer
 from selfspec.decoding.drafting.stop_rules import StopRule
 from selfspec.executor import LayerExecutor
 from selfspec.executor.executor import SkipPlan
@@ -76,8 +78,7 @@ class SkipPlanDrafter(ExitDrafter):
     def __init__(self, executor: LayerExecutor, plan: SkipPlan, stop_rule: StopRule,
                  verifier: LayerExecutor | None = None,
                  recorder: ResidualRecorder | None = None) -> None:
-        super().__init__(executor, SkipPlanExit(executor, plan), stop_rule)
-        self.verifier = executor if verifier is None else verifier
+        super().__init__(executor, SkipPlanExit(executor, plan), stop_rule, verifier)
         self.recorder = recorder
 
     @property
@@ -96,20 +97,35 @@ class SkipPlanDrafter(ExitDrafter):
         return out
 
     def target_logits(self, state: DecodeState, draft: DraftOutput) -> TargetOutput:
-        """:func:`recompute_target_logits`: ``[D+1, V]`` from the full model (``verifier``)."""
-        return recompute_target_logits(self.verifier, state, draft, self.recorder)
+        """``[D+1, V]`` from the full model (``verifier``): a skip-plan draft has nothing to
+        reuse, so :meth:`DraftCopy.target_logits` recomputes every layer, on the model
+        itself or on a copy alike."""
+        return self.copy.target_logits(state, draft, recorder=self.recorder)
 
 
-def recompute_target_logits(executor: LayerExecutor, state: DecodeState, draft: DraftOutput,
-                            recorder: ResidualRecorder | None = None) -> TargetOutput:
-    """Drop the KV the draft wrote, then run ``executor`` (the full model) over the last
-    committed token and the draft: ``[D+1, V]`` target logits, every layer's KV filled
-    (``recorder``, if given, keeps the forward's residual stream)."""
-    start = state.seq_len - 1
-    state.cache.truncate(start)
-    fed = [state.tokens[-1], *draft.tokens]
-    ids = torch.tensor([fed], device=executor.device)
-    observe = None if recorder is None else recorder.observer(fed, start)
-    logits = executor.forward(ids, state.positions(start, ids.shape[1]), state.cache,
-                              observe=observe)[0]
-    return TargetOutput(logits=logits, sublayers=2 * executor.num_layers * ids.shape[1])
+def exit_plan(executor: LayerExecutor, exit_layer: int | None = None) -> SkipPlan:
+    """The skip plan of an early exit after layers ``[0, exit_layer)``: both sub-layers of
+    every later layer skipped (``None`` or ``L``: nothing skipped).
+
+    Raises:
+        InvalidArgumentError: ``exit_layer`` outside ``[1, L]``.
+    """
+    layers = (executor.num_layers if exit_layer in (None, executor.num_layers)
+              else check_exit_layer(executor, exit_layer))
+    rest = frozenset(range(layers, executor.num_layers))
+    return SkipPlan(rest, rest)
+
+
+def quantized_drafter(target: LayerExecutor, draft: LayerExecutor, stop_rule: StopRule,
+                      exit_layer: int | None = None) -> SkipPlanDrafter:
+    """``qspec``'s drafter (QSpec, Zhao et al. 2024, §3): layers ``[0, exit_layer)``
+    (default all) of the model, then its final norm and ``lm_head``, all on ``draft`` (a
+    :meth:`~selfspec.executor.LayerExecutor.draft_view` of ``target``), verified by
+    ``target`` with its own weights: the skip-plan drafter with :func:`exit_plan` on a draft
+    copy.
+
+    Raises:
+        InvalidArgumentError: a bad ``exit_layer``, or a stop rule whose longest draft
+            exceeds the bit-exact verification limit.
+    """
+    return SkipPlanDrafter(draft, exit_plan(target, exit_layer), stop_rule, verifier=target)

@@ -29,7 +29,8 @@ Rules (pick one by name with :func:`make_stop_rule`):
   exit head is confident).
 
 Every rule also stops after ``max_draft_len`` tokens and after an EOS token (drafting past
-EOS is wasted work).
+EOS is wasted work). The contract (:class:`StopRule`, :class:`DraftTokenInfo`) is declared in
+:mod:`selfspec.decoding.core.stop_rule`, where the ``Drafter`` protocol names it.
 """
 
 from __future__ import annotations
@@ -37,11 +38,10 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Protocol, runtime_checkable
 
 from selfspec.decoding.core.stats import StepStats
+from selfspec.decoding.core.stop_rule import DraftTokenInfo, StopRule
 from selfspec.errors import InvalidArgumentError
 
 __all__ = [
@@ -63,51 +63,6 @@ __all__ = [
 # drafts run to max_draft_len. The D&V update has no clamp and can leave (0, 1).
 GAMMA_MIN = 0.01
 GAMMA_MAX = 0.99
-
-
-@dataclass(frozen=True)
-class DraftTokenInfo:
-    """What a stop rule sees about one drafted token.
-
-    Attributes:
-        index: 0-based position of the token within the current draft.
-        token_id: the drafted token id.
-        prob: draft probability of the drafted token, in [0, 1]. Draft & Verify's code uses
-            the untempered softmax probability of the chosen token, also when sampling.
-        top1_prob: the largest draft probability at this position, in [0, 1].
-        is_eos: the token is an end-of-sequence token.
-        score: an acceptance-probability estimate in [0, 1] (e.g. AdaSPEED's linear probe,
-            §II.B) or ``None``; when set, the ``threshold`` and ``product`` rules use it
-            instead of ``prob``.
-    """
-
-    index: int
-    token_id: int
-    prob: float
-    top1_prob: float
-    is_eos: bool = False
-    score: float | None = None
-
-
-@runtime_checkable
-class StopRule(Protocol):
-    """When to stop drafting. One instance per generation (adaptive state persists across
-    drafts of that generation).
-
-    Attributes:
-        max_draft_len: upper bound on tokens per draft (for the drafter's buffers).
-    """
-
-    max_draft_len: int
-
-    def reset(self) -> None:
-        """Start a new draft."""
-
-    def should_stop(self, token: DraftTokenInfo) -> bool:
-        """Called after each drafted token; True = stop drafting after this token."""
-
-    def update(self, stats: StepStats) -> None:
-        """Called after each verification with its outcome."""
 
 
 class AdaptiveGamma:

@@ -37,6 +37,7 @@ from selfspec.decoding.core.history import (
     ResidualRecorder,
     read_history,
 )
+from selfspec.decoding.core.loop import Step
 from selfspec.decoding.core.plan_log import PlanLog, PlanRecord
 from selfspec.decoding.core.speculative import SpeculativeStep
 from selfspec.decoding.core.state import DecodeState
@@ -98,7 +99,7 @@ class CLaSpConfig:
     confidence: float = 0.7
 
 
-class CLaSpStep:
+class CLaSpStep(Step):
     """CLaSp (see the module docstring).
 
     Args:

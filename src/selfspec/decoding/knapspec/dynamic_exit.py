@@ -44,6 +44,7 @@ import torch
 
 from selfspec.decoding.core.autoregressive import ArStep
 from selfspec.decoding.core.history import CommittedWindow, read_history
+from selfspec.decoding.core.loop import Step
 from selfspec.decoding.core.plan_log import PlanLog, PlanRecord
 from selfspec.decoding.core.speculative import SpeculativeStep
 from selfspec.decoding.core.state import DecodeState
@@ -174,7 +175,7 @@ def candidate_layers(num_layers: int, num_candidates: int) -> list[int]:
     return sorted({max(1, round((k + 1) * last / num_candidates)) for k in range(num_candidates)})
 
 
-class DELStep:
+class DELStep(Step):
     """DEL as a Step (see the module docstring).
 
     Args:

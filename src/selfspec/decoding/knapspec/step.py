@@ -67,6 +67,7 @@ from selfspec.decoding.core.history import (
     ResidualRecorder,
     read_history,
 )
+from selfspec.decoding.core.loop import Step
 from selfspec.decoding.core.plan_log import PlanLog, PlanRecord
 from selfspec.decoding.core.speculative import SpeculativeStep
 from selfspec.decoding.core.state import DecodeState
@@ -178,7 +179,7 @@ class KnapSpecConfig:
     draft_stop: str = "confidence"
 
 
-class KnapSpecStep:
+class KnapSpecStep(Step):
     """KnapSpec as a Step (see the module docstring).
 
     Args:

@@ -28,7 +28,8 @@ from selfspec.decoding.core.speculative import (
 )
 from selfspec.decoding.core.state import DecodeState
 from selfspec.decoding.core.stats import StepStats
-from selfspec.decoding.drafting.skip_drafter import recompute_target_logits
+from selfspec.decoding.core.stop_rule import StopRule
+from selfspec.decoding.drafting.draft_copy import recompute_target_logits
 from selfspec.decoding.memory import EngineMemory
 from selfspec.decoding.ngram.lookup import (
     ContextIndex,
@@ -100,6 +101,8 @@ class NgramDrafter:
     """
 
     name = "ngram"
+    #: No stop rule: the draft length is chosen before drafting (:meth:`choose`).
+    stop_rule: StopRule | None = None
 
     def __init__(self, executor: LayerExecutor, costs: ForwardCosts, settings: NgramSettings,
                  history: SuffixAutomaton | None = None,

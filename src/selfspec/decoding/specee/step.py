@@ -46,6 +46,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from selfspec.decoding.core.deferred import DeferredLayers
+from selfspec.decoding.core.loop import Step
 from selfspec.decoding.core.sampling import SamplingConfig, choose_next
 from selfspec.decoding.core.speculative import (
     DraftOutput,
@@ -417,7 +418,7 @@ class PredictorScan:
         return ScanResult(None, None if cand is None else cand.ids, None, hidden, calls, seconds)
 
 
-class SpecEEStep:
+class SpecEEStep(Step):
     """One token per call, exiting at the first scheduled predictor above ``threshold``.
 
     Its :class:`StepStats` reports the token as one unverified draft token whose
