@@ -1,7 +1,7 @@
 """Where one KnapSpec re-optimisation's time goes (SmolLM2 bf16, recorded history)."""
 import time, torch
 import selfspec
-from selfspec.decoding.knapspec.step import step as knapspec as K
+from selfspec.decoding.knapspec import step as K
 from selfspec.decoding.planning import knapsack as KS
 from selfspec.decoding.knapspec.step import KnapSpecConfig, KnapSpecStep
 from selfspec.decoding.core.state import DecodeOptions, DecodeState

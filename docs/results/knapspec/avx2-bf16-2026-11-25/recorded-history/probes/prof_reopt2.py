@@ -2,7 +2,7 @@
 import sys, time, torch
 from pathlib import Path
 import selfspec
-from selfspec.decoding.knapspec.step import step as knapspec as K
+from selfspec.decoding.knapspec import step as K
 from selfspec.decoding.knapspec.step import KnapSpecConfig, KnapSpecStep
 from selfspec.decoding.core.state import DecodeOptions, DecodeState
 from selfspec.decoding.core import loop
