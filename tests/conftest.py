@@ -22,14 +22,33 @@ def _latency_cache(tmp_path_factory):
     """Latency models that methods measure during tests go to a temporary directory, not to
     the user's ``$SELFSPEC_HOME/latency``: a tiny random model's file from an earlier run would
     otherwise be read back (tests would depend on what ran before) and files named after
-    pytest's temporary model paths would pile up there."""
+    pytest's temporary model paths would pile up there.
+
+    They are measured lightly (two context lengths, three repeats): a latency model only
+    steers which drafts run, never the tokens (every method's output is checked against
+    ``ar``), and the full measurement of the real model costs minutes of the suite. Tests of
+    the measurement itself import ``measure_latency`` directly and get the full one."""
+    import functools
+
+    from selfspec.executor import cost_model
     from selfspec.executor.cost_model import cached_latency
     from selfspec.methods import base
 
     home = tmp_path_factory.mktemp("selfspec-home")
+    light = functools.partial(cost_model.measure_latency, lengths=(64, 256), repeats=3)
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cost_model, "measure_latency", light)
         patch.setattr(base, "cached_latency", lambda executor, _home: cached_latency(executor, home))
         yield
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32():
+    """The real default model in fp32, loaded once for the whole session (tests that change
+    the engine's settings load their own)."""
+    import selfspec
+
+    return selfspec.load("smollm2-135m-instruct", dtype="fp32", show_progress=False)
 
 
 @pytest.fixture(autouse=True)

@@ -10,18 +10,18 @@ from selfspec.errors import InvalidArgumentError, PromptError
 
 pytestmark = pytest.mark.real_model
 
-NEW_TOKENS = 32
+NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def engine():
-    return selfspec.load("smollm2-135m-instruct", dtype="fp32", show_progress=False)
+def engine(smollm2_fp32):
+    return smollm2_fp32
 
 
 @pytest.fixture(scope="module")
 def prompts():
     problems = read_problems()
-    return [problems[f"HumanEval/{i}"]["prompt"] for i in (0, 2, 12)]
+    return [problems[f"HumanEval/{i}"]["prompt"] for i in (0, 12)]
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +282,7 @@ def test_bf16_greedy_parity_with_bulk_fp32_prefill(prompts):
     engine = selfspec.load("smollm2-135m-instruct", dtype="bf16", show_progress=False)
     assert engine.executor.set_bulk("fp32").upcast
     drafted = 0
-    for prompt in prompts[:2]:
+    for prompt in prompts[:1]:
         reference = engine.generate(prompt, method="ar", max_new_tokens=NEW_TOKENS).token_ids
         for method, options in (("layerskip", {"exit_layer": 20, "draft_len": 4}),
                                 ("dv", {"exit_layer": 22}), ("adadecode", {"heads": "none"})):
@@ -311,7 +311,7 @@ def test_bf16_greedy_parity_on_row_kernels(prompts, kernel):
     block = list(range(1000, 1033))
     assert _block_is_bit_identical_to_one_token_decoding(ex, ids, block)
     drafted = 0
-    for prompt in prompts[:2]:
+    for prompt in prompts[:1]:
         reference = engine.generate(prompt, method="ar", max_new_tokens=NEW_TOKENS).token_ids
         for method, options in (("layerskip", {"exit_layer": 20, "draft_len": 4}),
                                 ("knapspec", {}), ("adadecode", {"heads": "none"})):
@@ -342,10 +342,10 @@ def test_drafts_on_quantized_weights_keep_the_greedy_tokens(engine, prompts, ar_
     drafter = DSSDDrafter(view, CalibratedExits(OwnHeads(), 0.9, "max_prob"), max_draft_len=8,
                           verifier=engine.executor)
     drafted = 0
-    for state, reference in zip(_drafted(engine, drafter, prompts[:2]), ar_outputs):
+    for state, reference in zip(_drafted(engine, drafter, prompts[:1]), ar_outputs):
         assert state.tokens[state.prompt_len:] == reference
         drafted += state.stats.drafted
-    for prompt, reference in zip(prompts[:2], ar_outputs):
+    for prompt, reference in zip(prompts[:1], ar_outputs):
         for fmt in ("int8", "int4"):
             result = engine.generate(prompt, method="qspec", draft_weights=fmt,
                                      max_new_tokens=NEW_TOKENS)
@@ -374,9 +374,10 @@ def test_ngram_and_auto_greedy_equal_autoregressive(prompts, dtype, monkeypatch)
     measured = base.cached_latency
     monkeypatch.setattr(base, "cached_latency", lambda executor, home: dataclasses.replace(
         measured(executor, home), verify_token_ms=0.0, verify_points=()))
+    # its own engine: the session's may hold a latency model measured without the patch
     engine = selfspec.load("smollm2-135m-instruct", dtype=dtype, show_progress=False)
     drafted = {"ngram": 0, "auto": 0}
-    for prompt in prompts[:2]:
+    for prompt in prompts[:1]:
         reference = engine.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids
         for method in ("ngram", "ngram", "auto"):
             result = engine.generate(prompt, method=method, max_new_tokens=NEW_TOKENS)
@@ -386,8 +387,8 @@ def test_ngram_and_auto_greedy_equal_autoregressive(prompts, dtype, monkeypatch)
 
 
 @pytest.mark.parametrize("method,options", [
-    ("ar", {}), ("ngram", {}), ("auto", {}), ("layerskip", {"exit_layer": 24, "draft_len": 4}),
-])
+    ("ar", {}), ("ngram", {}), ("auto", {}),
+])  # a method without a batched step runs its rows one after another (tests/test_batch.py)
 def test_batched_greedy_rows_equal_single_prompt_outputs(engine, prompts, ar_outputs, method,
                                                          options):
     """Real HumanEval prompts of different lengths as one ragged batch (plus a short chat
