@@ -90,7 +90,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     check_text("the prompt", args.prompt)
     if check_threads("--threads", args.threads):
         torch.set_num_threads(args.threads)
-    engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel)
+    engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel,
+                           device=args.device, cuda_graphs=args.cuda_graphs)
     if args.compare_ar and args.method != "ar":
         _warm_up(engine, args)
     streamer = TextStreamer(engine.tokenizer, skip_special_tokens=True)
@@ -283,7 +284,8 @@ def _cmd_models_latency(args: argparse.Namespace) -> int:
 
     if check_threads("--threads", args.threads):
         torch.set_num_threads(args.threads)
-    engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel)
+    engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel,
+                           device=args.device, cuda_graphs=args.cuda_graphs)
     executor = engine.executor
     if args.draft_weights is not None:
         executor = executor.draft_view(args.draft_weights)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from selfspec.decoding.core.sampling import choose_next
 from selfspec.decoding.core.state import DecodeState
 from selfspec.decoding.core.stats import StepStats
+from selfspec.executor.sync import to_host
 
 if TYPE_CHECKING:
     from selfspec.decoding.core.history import ResidualRecorder
@@ -35,5 +36,6 @@ class ArStep:
         observe = (None if self.recorder is None
                    else self.recorder.observer([state.tokens[-1]], pos))
         logits = ex.forward(token, state.positions(pos, 1), state.cache, observe=observe)[:, -1]
-        kept = state.commit([int(choose_next(logits, state.options.sampling, state.generator))])
+        # The step's one device -> host copy: the chosen token.
+        kept = state.commit(to_host(choose_next(logits, state.options.sampling, state.generator)))
         return StepStats(committed=len(kept), sublayers=2 * ex.num_layers)

@@ -26,6 +26,7 @@ from selfspec.decoding.drafting.exits import Exit
 from selfspec.decoding.drafting.stop_rules import StopRule
 from selfspec.executor import LayerExecutor
 from selfspec.executor.executor import SkipPlan
+from selfspec.executor.sync import device_tensor
 
 
 def sublayers_run(executor: LayerExecutor, plan: SkipPlan) -> int:
@@ -108,7 +109,7 @@ def recompute_target_logits(executor: LayerExecutor, state: DecodeState, draft: 
     start = state.seq_len - 1
     state.cache.truncate(start)
     fed = [state.tokens[-1], *draft.tokens]
-    ids = torch.tensor([fed], device=executor.device)
+    ids = device_tensor([fed], executor.device)  # no sync on CUDA
     observe = None if recorder is None else recorder.observer(fed, start)
     logits = executor.forward(ids, state.positions(start, ids.shape[1]), state.cache,
                               observe=observe)[0]
