@@ -223,12 +223,12 @@ class CudaGraphRunner:
         eagerly) when another generation still holds it (its owner alive and not ``done``)
         or ``capacity`` plus a draft's overshoot does not fit. Counted in
         ``stats.fallbacks``."""
+        if capacity + self.executor.row_attention_max > self.capacity:
+            self.stats.fallbacks["longer than the static cache"] += 1
+            return None
         current = None if self._owner is None else self._owner()
         if current is not None and current is not owner and not getattr(current, "done", True):
             self.stats.fallbacks["static cache in use"] += 1
-            return None
-        if capacity + self.executor.row_attention_max > self.capacity:
-            self.stats.fallbacks["longer than the static cache"] += 1
             return None
         try:
             self._owner = weakref.ref(owner)
