@@ -296,7 +296,10 @@ def time_hf(engine, name: str, prompt: list[int], new_tokens: int) -> dict[str, 
 def timings(engine, prompt, new_tokens: int, clock: Clock, per_row_s: float,
             methods=TIMED_METHODS, hf_rows=HF_ROWS) -> list[dict[str, Any]]:
     rows = []
-    for name in (*methods, *hf_rows):
+    names = list(methods)
+    if engine.executor.graphs is not None and "ar" in names:
+        names.insert(names.index("ar") + 1, "ar/eager")  # the same ar without CUDA graphs
+    for name in (*names, *hf_rows):
         row: dict[str, Any] = {"model": engine.name, "method": name}
         if not clock.allows(per_row_s):
             row.update(status="skipped", error=f"time budget ({clock.left:.0f} s left)")
@@ -304,8 +307,16 @@ def timings(engine, prompt, new_tokens: int, clock: Clock, per_row_s: float,
             continue
         try:
             ids = prompt if isinstance(prompt, list) else engine.encode(prompt)
-            got = (time_hf(engine, name, ids, new_tokens) if name.startswith("hf-")
-                   else time_selfspec(engine, name, prompt, new_tokens))
+            if name.startswith("hf-"):
+                got = time_hf(engine, name, ids, new_tokens)
+            elif name == "ar/eager":
+                graphs, engine.executor.graphs = engine.executor.graphs, None
+                try:
+                    got = time_selfspec(engine, "ar", prompt, new_tokens)
+                finally:
+                    engine.executor.graphs = graphs
+            else:
+                got = time_selfspec(engine, name, prompt, new_tokens)
             row.update(status="ok", **got)
         except Exception as err:  # noqa: BLE001 - a FAILED row, never a dropped one
             first = (str(err).splitlines() or [""])[0][:300]

@@ -58,7 +58,7 @@ from selfspec.executor.cache import CacheShape, KVCache
 from selfspec.executor.sync import first_position, position_block
 
 if TYPE_CHECKING:
-    from selfspec.executor.executor import LayerExecutor
+    from selfspec.executor.contract import Executor
 
 CUDA_GRAPHS_CHOICES = ("auto", "on", "off")
 #: Verification blocks up to this many tokens (a draft of K-1 and its bonus position) are
@@ -123,7 +123,7 @@ class GraphStats:
                 "fallbacks": dict(sorted(self.fallbacks.items()))}
 
 
-def static_forward(ex: LayerExecutor, input_ids: torch.Tensor, positions: torch.Tensor,
+def static_forward(ex: Executor, input_ids: torch.Tensor, positions: torch.Tensor,
                    keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                    columns: torch.Tensor, cos_table: torch.Tensor,
                    sin_table: torch.Tensor) -> torch.Tensor:
@@ -191,7 +191,7 @@ class CudaGraphRunner:
         InvalidArgumentError: ``replay="cuda"`` for an executor not on CUDA.
     """
 
-    def __init__(self, executor: LayerExecutor, capacity: int = DEFAULT_CAPACITY,
+    def __init__(self, executor: Executor, capacity: int = DEFAULT_CAPACITY,
                  max_tokens: int = DEFAULT_MAX_TOKENS, replay: str = "cuda") -> None:
         if replay not in ("cuda", "eager"):
             raise InvalidArgumentError(f"replay must be 'cuda' or 'eager'; got {replay!r}")
@@ -321,7 +321,7 @@ class CudaGraphRunner:
         return _Captured(input_ids, positions, logits, graph.replay, graph)
 
 
-def attach_graphs(executor: LayerExecutor, value: str = "auto", **settings: Any) -> None:
+def attach_graphs(executor: Executor, value: str = "auto", **settings: Any) -> None:
     """Give ``executor`` a :class:`CudaGraphRunner` (``executor.graphs``) when ``value``
     turns graphs on for its device, else ``None``; ``settings`` go to the runner.
 
