@@ -133,10 +133,12 @@ def prerequisites(args: argparse.Namespace) -> list[str]:
         model_dir = Path(args.model_dir)
         converted = (model_dir / "config.json").is_file()
         missing = [] if converted else missing_parts(Path(args.parts))
-        if missing:
-            problems.append(f"model parts missing in {args.parts}: {', '.join(missing)} (make "
-                            f"them with `selfspec models pack {REAL_MODEL} --part-mib 48 "
-                            f"--out {args.parts}` and carry them over)")
+        if missing:  # not fatal: everything else still runs
+            args.no_real = True
+            args.missing_parts = (f"real SmolLM2 skipped: model parts missing in {args.parts}: "
+                                  f"{', '.join(missing)} (make them with `selfspec models pack "
+                                  f"{REAL_MODEL} --part-mib 48 --out {args.parts}` and carry "
+                                  "them over)")
     return problems
 
 
@@ -443,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     report["problems"] = prerequisites(args)
     if report["problems"]:
         return finish(3)
+    if getattr(args, "missing_parts", None):
+        report["skipped"].append(args.missing_parts)
     import torch
     import transformers
 
@@ -470,7 +474,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # (b) + (c) + (d) the real model
     if args.dry_run or args.no_real:
-        report["skipped"].append("real SmolLM2: " + ("dry run" if args.dry_run else "--no-real"))
+        if not getattr(args, "missing_parts", None):
+            report["skipped"].append("real SmolLM2: " + ("dry run" if args.dry_run
+                                                         else "--no-real"))
     else:
         try:
             for dname in ("bf16", "fp32"):

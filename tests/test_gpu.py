@@ -69,7 +69,7 @@ def test_a_model_that_does_not_fit_the_gpu_is_refused_before_it_moves():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 def test_cuda_without_a_gpu_fails_before_anything_loads(monkeypatch):
-    import selfspec.models.loading as loading
+    from selfspec.models import loading
 
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded"))
     with pytest.raises(InvalidArgumentError, match="no CUDA device"):
