@@ -327,3 +327,18 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     assert compiled["status"] == "skipped" and "CUDA only" in compiled["error"]
     assert "| ngram |" in (tmp_path / "gpu_check.md").read_text()
     assert VOCAB == 256
+
+
+def test_bench_table_shows_peak_gpu_memory_only_when_measured():
+    from selfspec.bench.memory import PeakGpu
+    from selfspec.bench.metrics import MethodSummary
+    from selfspec.bench.report import markdown_table
+
+    assert PeakGpu.probe("cpu").read_mib() is None
+    cpu = MethodSummary(method="ar", lossless=True)
+    assert "peak GPU MiB" not in markdown_table([cpu])
+    gpu = MethodSummary(method="ar", lossless=True, peak_gpu_mib=1234.4)
+    table = markdown_table([gpu, MethodSummary(method="ngram", lossless=True, failed="boom")])
+    header, _, row, failed = table.splitlines()
+    assert "peak GPU MiB | status" in header and "| 1234 | ok" in row
+    assert header.count("|") == row.count("|") == failed.count("|")
