@@ -74,7 +74,7 @@ def test_sweeps_expand_to_the_grid():
 
 @pytest.mark.parametrize("text,message", [
     ("ar,beam", "known methods: ar, layerskip, dv, adaspeed"),
-    ("ar,beam", "hf-ar, hf-early-exit, hf-prompt-lookup, hf-assistant"),
+    ("ar,beam", "hf-ar, hf-ar-compiled, hf-early-exit, hf-prompt-lookup, hf-assistant"),
     ("layerskip:exit=3", "does not take option(s) exit; it accepts: exit_layer"),
     ("ar:exit_layer=3", "it accepts: none"),
     ("layerskip:exit_layer", "write key=value"),

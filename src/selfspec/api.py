@@ -22,6 +22,8 @@ from selfspec.methods.registry import MethodContext, get_method
 from selfspec.models.eos import eos_token_ids
 from selfspec.validation import (
     check_bool,
+    check_device,
+    check_device_memory,
     check_stop,
     check_text,
     check_token_ids,
@@ -58,12 +60,23 @@ class SelfSpec:
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str,
-                 decode_kernel: str = "auto") -> None:
+                 decode_kernel: str = "auto", device: str | torch.device | None = None,
+                 cuda_graphs: str = "off") -> None:
+        if device is not None:
+            model = move_model(model, check_device(device))
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
         self.executor = LayerExecutor(model, name=name, rows=decode_kernel)
+        from selfspec.executor.cuda_graphs import attach_graphs
+
+        attach_graphs(self.executor, cuda_graphs)
         self.methods = MethodContext(self.executor)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights, the KV cache and every method's tensors live."""
+        return self.executor.device
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -240,8 +253,30 @@ def _is_batch(prompt: Any) -> bool:
             and all(isinstance(p, (str, list, tuple)) or hasattr(p, "shape") for p in prompt))
 
 
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters and buffers (what moving it to a device copies)."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def move_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model`` on ``device`` (moved in place when it is elsewhere), after checking that it
+    fits there (:func:`selfspec.validation.check_device_memory`).
+
+    Raises:
+        InvalidArgumentError: it does not fit in the device's free memory.
+    """
+    param = next(model.parameters(), None)
+    here = param.device if param is not None else torch.device("cpu")
+    if here == device or (device.type == here.type == "cuda" and device.index in (None, here.index)):
+        return model
+    check_device_memory(device, model_bytes(model))
+    return model.to(device)
+
+
 def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
-         show_progress: bool = True, decode_kernel: str = "auto") -> SelfSpec:
+         show_progress: bool = True, decode_kernel: str = "auto",
+         device: str | torch.device = "auto", cuda_graphs: str = "auto") -> SelfSpec:
     """Load a model by registry name, local directory or hub id (fetching it on first use).
 
     Args:
@@ -258,10 +293,20 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
             (group-wise int4 copies: the model runs with 4-bit weights, lossy against bf16,
             prefill stays bf16), ``"w4a8"`` (the same with 8-bit activations on selfspec's
             AVX2 kernel). See :func:`selfspec.executor.cpu.choose_rows`.
+        device: ``"auto"`` (CUDA when ``torch.cuda.is_available()``, else the CPU),
+            ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``: the weights, KV
+            cache, heads and every method's tensors live there. The CPU-only kernels
+            (selfspec's AVX2 ones, FBGEMM, the quantized draft copies) are never chosen on a
+            GPU.
+        cuda_graphs: ``"auto"`` (on for CUDA), ``"on"`` or ``"off"``: replay one-token and
+            verification-sized forwards as captured CUDA graphs
+            (:mod:`selfspec.executor.cuda_graphs`); ignored on the CPU.
 
     Raises:
         InvalidArgumentError: ``model`` not a str / path, a bad ``dtype`` or
-            ``decode_kernel``.
+            ``decode_kernel``; a bad ``device`` (malformed, ``cuda`` without a GPU, a GPU
+            index that does not exist) — before anything loads — or a model that does not
+            fit in the GPU's free memory (before any weight moves there).
         ModelNotFoundError, ProvisioningError, UnsupportedArchitectureError: see
             :func:`selfspec.models.loading.load_model`.
     """
@@ -276,6 +321,10 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
         model = os.fspath(model)
     from selfspec.executor.cpu import QUANTIZED_ROWS, ROWS_FORMATS
 
+    target = check_device(device)  # before anything loads
+    from selfspec.executor.cuda_graphs import check_cuda_graphs
+
+    check_cuda_graphs(cuda_graphs)
     if decode_kernel not in ROWS_FORMATS:
         raise InvalidArgumentError(
             f"decode_kernel must be one of {', '.join(ROWS_FORMATS)}, got {decode_kernel!r}")
@@ -287,11 +336,29 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
                 f"{decode_kernel!r}")
         dtype, decode_kernel = "bf16", quantized
     loaded = load_model(model or DEFAULT_MODEL, dtype, show_progress=show_progress)
-    return SelfSpec(loaded.model, loaded.tokenizer, loaded.name, decode_kernel)
+    return SelfSpec(loaded.model, loaded.tokenizer, loaded.name, decode_kernel, device=target,
+                    cuda_graphs=cuda_graphs)
 
 
-def from_pretrained_model(model: torch.nn.Module, tokenizer: Any, name: str = "model") -> SelfSpec:
-    """Wrap an already loaded HF model and tokenizer (no provisioning)."""
+def from_pretrained_model(model: torch.nn.Module, tokenizer: Any, name: str = "model", *,
+                          device: str | torch.device = "auto",
+                          cuda_graphs: str = "auto") -> SelfSpec:
+    """Wrap an already loaded HF model and tokenizer (no provisioning).
+
+    Args:
+        device: as :func:`load`'s; ``"auto"`` is CUDA when available, else the CPU. A model
+            elsewhere is moved there in place (``model.to(device)``) after a check that it
+            fits.
+        cuda_graphs: as :func:`load`'s.
+
+    Raises:
+        InvalidArgumentError: no tokenizer; a bad ``device`` or ``cuda_graphs``; a model that
+            does not fit in the GPU's free memory.
+    """
     if tokenizer is None:
         raise InvalidArgumentError("a tokenizer is required")
-    return SelfSpec(model, tokenizer, name)
+    from selfspec.executor.cuda_graphs import check_cuda_graphs
+
+    target = check_device(device)
+    check_cuda_graphs(cuda_graphs)
+    return SelfSpec(model, tokenizer, name, device=target, cuda_graphs=cuda_graphs)

@@ -17,6 +17,7 @@ from selfspec.bench.cli import add_bench_cpu_parser, add_bench_parser
 from selfspec.cli_args import (
     add_model_argument,
     add_weight_format_arguments,
+    device_arg,
     float_arg,
     int_arg,
     threads_arg,
@@ -34,6 +35,7 @@ from selfspec.training.cli import add_heads_parser
 from selfspec.validation import (
     SEED_MAX,
     SEED_MIN,
+    check_device,
     check_stop,
     check_text,
     check_threads,
@@ -90,7 +92,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     check_text("the prompt", args.prompt)
     if check_threads("--threads", args.threads):
         torch.set_num_threads(args.threads)
-    engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel)
+    engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel,
+                           device=args.device, cuda_graphs=args.cuda_graphs)
     if args.compare_ar and args.method != "ar":
         _warm_up(engine, args)
     streamer = TextStreamer(engine.tokenizer, skip_special_tokens=True)
@@ -199,6 +202,17 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
     verify.add_argument("names", nargs="*", metavar="NAME", help="registry models to check (default: all cached)")
     verify.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="check only this dtype's entries")
     verify.set_defaults(func=_cmd_models_verify)
+    pack = msub.add_parser(
+        "pack", help="split a registry model's verified GGUF into parts with a sha256 "
+                     "manifest (to carry it to a machine without network in pieces)",
+        description="Writes OUT/<gguf>.partNN and OUT/manifest.json. On the other machine "
+                    "scripts/gpu_check.py --parts OUT joins, verifies and converts them "
+                    "(selfspec.models.parts.unpack_model).")
+    pack.add_argument("name")
+    pack.add_argument("--part-mib", type=int_arg(1, 4096), default=60,
+                      help="MiB per part (default 60)")
+    pack.add_argument("--out", required=True, help="directory for the parts and manifest")
+    pack.set_defaults(func=_cmd_models_pack)
     lat = msub.add_parser(
         "latency", help="show (or measure again) this machine's layer latencies for a model",
         description="The latency model auto and knapspec choose drafts by: measured once per "
@@ -246,6 +260,19 @@ def _cmd_models_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_models_pack(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from selfspec.models.parts import pack_model
+
+    manifest = pack_model(args.name, Path(args.out), args.part_mib)
+    for part in manifest.parts:
+        print(f"{Path(args.out) / part.file}\t{part.bytes}\t{part.sha256}")
+    print(f"{manifest.file}: {manifest.bytes} bytes in {len(manifest.parts)} parts, sha256 "
+          f"{manifest.sha256}")
+    return 0
+
+
 def _cmd_models_verify(args: argparse.Namespace) -> int:
     from selfspec.models.common import dtype_name, parse_dtype
     from selfspec.models.integrity import Depth, check_entry, fetch_command
@@ -283,7 +310,8 @@ def _cmd_models_latency(args: argparse.Namespace) -> int:
 
     if check_threads("--threads", args.threads):
         torch.set_num_threads(args.threads)
-    engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel)
+    engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel,
+                           device=args.device, cuda_graphs=args.cuda_graphs)
     executor = engine.executor
     if args.draft_weights is not None:
         executor = executor.draft_view(args.draft_weights)
@@ -323,9 +351,49 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print(f"{_version_line()} · python {platform.python_version()} · torch {torch.__version__} "
           f"· transformers {transformers.__version__} · torch threads {torch.get_num_threads()}")
     print(f"cpu: {detect_cpu().summary()}")
+    device = check_device(args.device)
+    for line in device_kernels(device):
+        print(line)
     for name in ("bf16", "fp32"):
-        print(f"--dtype {name}: {choose_formats(DTYPES[name]).describe()}")
+        print(f"--dtype {name}: {choose_formats(DTYPES[name], device).describe()}")
     return 0
+
+
+def device_kernels(device) -> list[str]:
+    """What runs where for ``device``: the device, its decoding kernels, the quantized
+    draft formats (``qspec``, ``auto``'s qspec candidate) and CUDA graphs."""
+    import torch
+
+    from selfspec.executor.argmax import argmax_available
+    from selfspec.executor.backends import BACKEND_DEVICES, runs_on
+    from selfspec.executor.cost_model import device_name
+    from selfspec.executor.quant import DRAFT_WEIGHT_FORMATS, draft_formats_on
+
+    lines = []
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        lines.append(f"device: {device} ({torch.cuda.get_device_name(device)}, "
+                     f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free)")
+    else:
+        lines.append(f"device: {device} ({device_name(device)})")
+    families = [f for f in BACKEND_DEVICES if runs_on(f, device)]
+    lines.append("decoding kernels: " + (
+        ", ".join(families) + " (selfspec's AVX2 bf16/w4a8, FBGEMM fp16, torch int4)"
+        if families else "the weights' own products (F.linear / cuBLAS): the CPU kernels "
+                         f"({', '.join(BACKEND_DEVICES)}) do not run on {device.type}"))
+    drafts = draft_formats_on(device)
+    lines.append("quantized draft formats (qspec, auto's qspec candidate): " + (
+        ", ".join(drafts) if drafts else
+        f"none on {device.type} ({', '.join(DRAFT_WEIGHT_FORMATS)} are CPU kernels): qspec "
+        "and draft_weights=... are refused, auto drafts with ngram and its other drafters"))
+    argmax = (device.type == "cpu" and argmax_available())
+    lines.append("greedy argmax: " + ("selfspec's AVX2 kernel" if argmax else "torch.argmax")
+                 + "; SpecEE predictor kernel: " + ("C++ (CPU)" if device.type == "cpu"
+                                                     else "torch (the C++ kernel is CPU-only)"))
+    lines.append("CUDA graphs (--cuda-graphs auto): " + (
+        "on: one-token and verification forwards of up to 16 tokens replayed"
+        if device.type == "cuda" else "off (CUDA only)"))
+    return lines
 
 
 class _Parser(argparse.ArgumentParser):
@@ -354,7 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_heads_parser(sub)
     add_serve_parser(sub)
     info = sub.add_parser("info", help="versions, the CPU's abilities and the number formats "
-                                       "selfspec will use on it")
+                                       "and kernels selfspec will use on a device")
+    info.add_argument("--device", type=device_arg, default="auto",
+                      help="the device to describe: auto, cpu, cuda or cuda:N (default auto)")
     info.set_defaults(func=_cmd_info)
     return parser
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from selfspec.errors import InvalidArgumentError
-from selfspec.validation import MAX_THREADS, check_float, check_int
+from selfspec.validation import MAX_THREADS, check_device, check_float, check_int
 
 
 def threads_arg():
@@ -49,9 +49,36 @@ def add_model_argument(parser) -> None:
                              "(default: smollm2-135m-instruct)")
 
 
+def device_arg(text: str) -> str:
+    """The argparse ``type=`` of ``--device``: checked at parse time
+    (:func:`selfspec.validation.check_device`: malformed, ``cuda`` without a GPU, a GPU index
+    that does not exist are usage errors before anything loads); the text is kept."""
+    try:
+        check_device(text)
+    except InvalidArgumentError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text.strip().lower()
+
+
+device_arg.__name__ = "device"
+
+
+def add_device_argument(parser) -> None:
+    """``--device`` and ``--cuda-graphs``, as every command that loads a model takes them."""
+    parser.add_argument("--device", type=device_arg, default="auto",
+                        help="auto (CUDA when available, else the CPU), cpu, cuda or cuda:N: "
+                             "where the weights, KV cache, heads and every method's tensors "
+                             "live (default auto)")
+    parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                        help="replay one-token and verification forwards as captured CUDA "
+                             "graphs: auto = on for CUDA (default auto; ignored on the CPU)")
+
+
 def add_weight_format_arguments(parser) -> None:
-    """``--dtype`` and ``--decode-kernel``, as every command that loads a model for decoding
-    (generate, bench, serve) takes them."""
+    """``--dtype`` and ``--decode-kernel`` (and ``--device``, ``--cuda-graphs``: see
+    :func:`add_device_argument`), as every command that loads a model for decoding
+    (generate, bench, serve, models latency) takes them."""
+    add_device_argument(parser)
     from selfspec.executor.cpu import QUANTIZED_ROWS, ROWS_FORMATS
 
     parser.add_argument("--dtype", default="bf16",

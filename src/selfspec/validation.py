@@ -233,3 +233,90 @@ def _num(x: float) -> str:
 
 def _hint(hint: str) -> str:
     return f" ({hint})" if hint else ""
+
+
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+# What a model needs on a GPU beyond its parameters: the KV cache, activations, the CUDA
+# context's own allocations. A fraction of the parameters' bytes plus a fixed floor.
+DEVICE_MEMORY_MARGIN = 0.2
+DEVICE_MEMORY_FLOOR = 512 << 20
+
+
+def check_device(text: Any, *, cuda_available: bool | None = None,
+                 device_count: int | None = None) -> Any:
+    """The ``torch.device`` that ``--device`` / ``device=`` names: ``"auto"`` (CUDA when
+    ``torch.cuda.is_available()``, else the CPU), ``"cpu"``, ``"cuda"`` (GPU 0) or
+    ``"cuda:N"``; a ``torch.device`` is checked the same way. Cheap: nothing is allocated on
+    the device.
+
+    Args:
+        text: the device as given.
+        cuda_available / device_count: what torch reports (default: ask torch); tests pass
+            them to stand for a machine with or without GPUs.
+
+    Raises:
+        InvalidArgumentError: a malformed string, another device type, ``cuda`` where no GPU
+            is available, or a GPU index that does not exist.
+    """
+    import torch
+
+    if isinstance(text, torch.device):
+        text = str(text)
+    if not isinstance(text, str):
+        raise InvalidArgumentError(
+            f"device must be one of {DEVICE_CHOICES} (a str or torch.device); got {text!r}")
+    name = text.strip().lower()
+    if cuda_available is None:
+        cuda_available = bool(torch.cuda.is_available())
+    if name == "auto":
+        return torch.device("cuda", 0) if cuda_available else torch.device("cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    kind, sep, index = name.partition(":")
+    if kind != "cuda" or (sep and not index.isdigit()):
+        raise InvalidArgumentError(f"device must be one of {DEVICE_CHOICES}; got {text!r}")
+    if not cuda_available:
+        raise InvalidArgumentError(
+            f"device {text!r}: no CUDA device: torch.cuda.is_available() is False; use "
+            "--device cpu (or device='cpu')")
+    number = int(index) if sep else 0
+    if device_count is None:
+        device_count = int(torch.cuda.device_count())
+    if number >= device_count:
+        raise InvalidArgumentError(
+            f"device {text!r}: there is no GPU {number}; this machine has {device_count} "
+            f"(cuda:0..cuda:{device_count - 1})" if device_count else
+            f"device {text!r}: this machine has no GPU")
+    return torch.device("cuda", number)
+
+
+def check_device_memory(device: Any, param_bytes: int, *, free_bytes: int | None = None,
+                        margin: float = DEVICE_MEMORY_MARGIN,
+                        floor: int = DEVICE_MEMORY_FLOOR) -> None:
+    """Refuse a model that would not fit in ``device``'s free memory (checked before any
+    weight moves there). CPUs are not checked here (the OS pages; loading checks RAM).
+
+    Args:
+        device: the target ``torch.device``.
+        param_bytes: bytes of the model's parameters (and buffers) in their dtype.
+        free_bytes: free bytes on the device (default: ``torch.cuda.mem_get_info``).
+        margin / floor: room kept for the KV cache and activations:
+            ``param_bytes * (1 + margin) + floor`` must fit.
+
+    Raises:
+        InvalidArgumentError: it does not fit.
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    if free_bytes is None:
+        free_bytes = int(torch.cuda.mem_get_info(device)[0])
+    need = int(param_bytes * (1 + margin)) + floor
+    if need > free_bytes:
+        raise InvalidArgumentError(
+            f"the model does not fit on {device}: its weights take "
+            f"{param_bytes / 2**30:.2f} GiB (+{margin:.0%} and {floor >> 20} MiB for the KV "
+            f"cache and activations = {need / 2**30:.2f} GiB) but {free_bytes / 2**30:.2f} GiB "
+            "are free; use a smaller model or dtype, free the GPU, or use --device cpu")

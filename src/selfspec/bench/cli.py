@@ -203,7 +203,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         identity = run_identity(model, args.dtype, methods, prompts, options)
         outdir.check_out_dir(out, output_mode(options), identity)
         ensure_writable(out)
-    engine = selfspec.load(model, dtype=args.dtype, decode_kernel=args.decode_kernel)
+    engine = selfspec.load(model, dtype=args.dtype, decode_kernel=args.decode_kernel,
+                           device=args.device, cuda_graphs=args.cuda_graphs)
     started = False
     with tqdm(total=None, desc="bench", unit="gen", file=sys.stderr,
               dynamic_ncols=True) as bar:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from selfspec.bench.memory import PeakRss
+from selfspec.bench.memory import PeakGpu, PeakRss
 from selfspec.bench.runners import EncodedPrompt, Runner, RunOutput, RunSettings
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ class PromptRecord:
         correct: task accuracy of the output (None when not scored).
         peak_rss_mib: the process's peak resident memory during this generation in MiB
             (:mod:`selfspec.bench.memory`; None where it cannot be measured).
+        peak_gpu_mib: peak GPU memory torch allocated during it in MiB (None off CUDA).
     """
 
     method: str
@@ -49,6 +50,7 @@ class PromptRecord:
     output: RunOutput
     correct: bool | None = None
     peak_rss_mib: float | None = None
+    peak_gpu_mib: float | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -145,6 +147,7 @@ def run_bench(runners: Sequence[Runner], prompts: Sequence[EncodedPrompt], setti
         left = sum((r.config.label, p.id) not in done for r in todo for p in prompts)
         progress(ProgressEvent("start", "", "", total=left + warm * len(todo)))
     memory = PeakRss.probe()
+    gpu = PeakGpu.probe()
     alive: list[Runner] = []
     for runner in todo:
         try:
@@ -178,15 +181,16 @@ def run_bench(runners: Sequence[Runner], prompts: Sequence[EncodedPrompt], setti
             if not group:
                 continue
             memory.reset()
+            gpu.reset()
             where = "prompt " + ", ".join(p.id for _, p in group)
             outputs = _try_run(result, sink, runner, [p for _, p in group], settings, where)
             if outputs is None:
                 alive.remove(runner)
             else:
-                peak = memory.read_mib()
+                peak, peak_gpu = memory.read_mib(), gpu.read_mib()
                 for (index, prompt), output in zip(group, outputs):
                     record = PromptRecord(label, prompt.id, index, len(prompt.ids), output,
-                                          peak_rss_mib=peak)
+                                          peak_rss_mib=peak, peak_gpu_mib=peak_gpu)
                     result.records.append(record)
                     if sink:
                         sink.record(record)

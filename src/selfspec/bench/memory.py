@@ -85,3 +85,44 @@ def _malloc_trim():
     if trim is not None:
         trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
+
+
+@dataclass
+class PeakGpu:
+    """Peak GPU memory allocated by torch during one generation (CUDA's allocator
+    statistics, reset before each generation), for the benchmark's "peak GPU MiB" column.
+
+    Attributes:
+        device: the CUDA device measured, or ``None`` (nothing measured: the CPU).
+    """
+
+    device: object = None
+
+    @classmethod
+    def probe(cls, device: object = None) -> PeakGpu:
+        """A probe of ``device`` (default: the current CUDA device, when torch has used
+        CUDA in this process), or one that reports ``None``."""
+        import torch
+
+        if device is None:
+            if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+                return cls()
+            device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device(device)
+        return cls(device if device.type == "cuda" else None)
+
+    def reset(self) -> None:
+        """Start a new peak at the memory allocated now."""
+        if self.device is not None:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def read_mib(self) -> float | None:
+        """The peak since :meth:`reset`, in MiB (``None`` off CUDA)."""
+        if self.device is None:
+            return None
+        import torch
+
+        return torch.cuda.max_memory_allocated(self.device) / 2**20

@@ -32,6 +32,8 @@ Definitions (docs/design.md "Glossary"):
 - ``peak_rss_mib``: the largest peak resident memory of the process during one of the
   method's generations (MiB; the weights every method shares are included, so differences
   between methods are what a method adds: heads, a draft copy, buffers).
+- ``peak_gpu_mib``: on CUDA, the largest peak of GPU memory torch allocated during one of the
+  method's generations (MiB, weights included); the report shows its column only then.
 - ``plans`` (methods that re-choose their draft: KnapSpec, CLaSp, DEL): decisions per
   prompt, the share that chose to speculate, the mean sub-layers skipped, the mean predicted
   tokens per second (KnapSpec's TPT) against the mean measured over the steps each decision
@@ -133,6 +135,7 @@ class MethodSummary:
     accuracy: float | None = None
     roofline_fraction: float | None = None
     peak_rss_mib: float | None = None
+    peak_gpu_mib: float | None = None
     plans: PlanSummary | None = None
     drafter_steps: dict[str, int] = field(default_factory=dict)
 
@@ -236,6 +239,8 @@ def _summarize_one(method: str, lossless: bool, records: list[PromptRecord],
         s.roofline_fraction = roofline.fraction(s.tokens_per_s, method)
     peaks = [r.peak_rss_mib for r in records if r.peak_rss_mib is not None]
     s.peak_rss_mib = max(peaks) if peaks else None
+    gpu_peaks = [r.peak_gpu_mib for r in records if getattr(r, "peak_gpu_mib", None) is not None]
+    s.peak_gpu_mib = max(gpu_peaks) if gpu_peaks else None
     s.plans = summarize_plans(records)
     return s
 

@@ -178,7 +178,7 @@ def record_json(record: PromptRecord, matches_ar: bool | None) -> dict[str, Any]
         "layer_forwards": o.layer_forwards, "finish_reason": o.finish_reason,
         "exit_tokens": o.exit_tokens, "exit_layer_total": o.exit_layer_total,
         "matches_ar": matches_ar, "correct": record.correct,
-        "peak_rss_mib": record.peak_rss_mib,
+        "peak_rss_mib": record.peak_rss_mib, "peak_gpu_mib": record.peak_gpu_mib,
         "plans": [dataclasses.asdict(p) for p in o.plans], "layer_batches": o.layer_batches,
         "exit_counts": o.exit_counts, "predictor_ms": o.predictor_ms, "kv_ms": o.kv_ms,
         "drafter_steps": o.drafter_steps, "token_ids": o.token_ids, "text": o.text,
@@ -207,7 +207,7 @@ def record_from_json(data: dict[str, Any]) -> PromptRecord:
         drafter_steps={str(k): int(v) for k, v in data.get("drafter_steps", {}).items()})
     return PromptRecord(data["method"], data["question_id"], data["prompt_index"],
                         data["prompt_tokens"], output, data.get("correct"),
-                        data.get("peak_rss_mib"))
+                        data.get("peak_rss_mib"), data.get("peak_gpu_mib"))
 
 
 def _safe_name(label: str) -> str:
@@ -268,9 +268,16 @@ def table_row(s: MethodSummary) -> list[str]:
 
 
 def markdown_table(summaries: list[MethodSummary]) -> str:
-    """The summary table in GitHub markdown."""
-    rows = [list(TABLE_COLUMNS), ["---"] + ["---:"] * (len(TABLE_COLUMNS) - 2) + ["---"]]
-    rows += [table_row(s) for s in summaries]
+    """The summary table in GitHub markdown (with a "peak GPU MiB" column before the status
+    when a method ran on CUDA)."""
+    columns = list(TABLE_COLUMNS)
+    cells = [table_row(s) for s in summaries]
+    if any(getattr(s, "peak_gpu_mib", None) is not None for s in summaries):
+        columns.insert(-1, "peak GPU MiB")
+        for s, row in zip(summaries, cells):
+            row.insert(-1, "–" if s.failed else _fmt(s.peak_gpu_mib, ".0f"))
+    rows = [columns, ["---"] + ["---:"] * (len(columns) - 2) + ["---"]]
+    rows += cells
     return "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n"
 
 

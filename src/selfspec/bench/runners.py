@@ -250,6 +250,9 @@ class HFRunner:
                 raise InvalidArgumentError("hf-assistant: no way to load an assistant model here")
             assistant = self.load_assistant(str(name))
         self.kwargs = _hf_generate_kwargs(self.config, self.engine, assistant)
+        if self.config.name == "hf-ar-compiled":
+            self._compiled = compiled_forward(self.engine)
+            self.kwargs["cache_implementation"] = "static"
 
     def _kwargs(self, settings: RunSettings) -> dict[str, Any]:
         engine = self.engine
@@ -308,12 +311,16 @@ class HFRunner:
         input_ids = torch.tensor([prompt.ids], device=engine.executor.device)
         start = self.clock()
         recorder = _CommitRecorder(self.clock, start, skip_first=True)
-        out = engine.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                    streamer=recorder, **kwargs)
+        with _forward_as(engine.model, getattr(self, "_compiled", None)):
+            out = engine.model.generate(input_ids=input_ids,
+                                        attention_mask=torch.ones_like(input_ids),
+                                        streamer=recorder, **kwargs)
+            if engine.executor.device.type == "cuda":
+                torch.cuda.synchronize(engine.executor.device)
         wall = self.clock() - start
         tokens, finish = self._cut(out[0, len(prompt.ids):].tolist(), settings)
         lengths = recorder.lengths
-        if self.config.name == "hf-ar":
+        if self.config.name in ("hf-ar", "hf-ar-compiled"):
             # Plain decoding runs every layer for each token after the first (which the
             # prefill gives), exactly as selfspec's ``ar`` counts them.
             counters = {"layer_forwards": engine.executor.num_layers * max(len(tokens) - 1, 0)}
@@ -326,6 +333,35 @@ class HFRunner:
             token_ids=tokens, text=engine.tokenizer.decode(tokens, skip_special_tokens=True),
             wall_time_s=wall, ttft_ms=recorder.ttft_ms, accept_lengths=lengths,
             finish_reason=finish, **counters)
+
+
+def compiled_forward(engine: SelfSpec) -> Callable[..., Any]:
+    """``torch.compile(model.forward, mode="reduce-overhead")`` for ``hf-ar-compiled``
+    (transformers' static cache + CUDA graphs).
+
+    Raises:
+        InvalidArgumentError: the model is not on CUDA (reduce-overhead is CUDA graphs; on a
+            CPU the row is marked failed with this reason rather than dropped).
+    """
+    device = engine.executor.device
+    if device.type != "cuda":
+        raise InvalidArgumentError(
+            f"hf-ar-compiled runs on CUDA only (torch.compile mode='reduce-overhead' captures "
+            f"CUDA graphs); the model is on {device}: skipped")
+    return torch.compile(engine.model.forward, mode="reduce-overhead")
+
+
+@contextmanager
+def _forward_as(model: torch.nn.Module, forward: Callable[..., Any] | None) -> Iterator[None]:
+    """``model.forward`` replaced by ``forward`` inside the block (``None``: unchanged)."""
+    if forward is None:
+        yield
+        return
+    model.forward = forward
+    try:
+        yield
+    finally:
+        del model.forward  # back to the class's method
 
 
 def make_runner(engine: SelfSpec, config: MethodConfig, clock: Clock = time.perf_counter,

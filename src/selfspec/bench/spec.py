@@ -35,6 +35,9 @@ HF_BASELINES: Mapping[str, BaselineSpec] = {
     spec.name: spec
     for spec in (
         BaselineSpec("hf-ar", "transformers generate, greedy / sampling"),
+        BaselineSpec("hf-ar-compiled", "transformers generate on a static cache with "
+                     "torch.compile(mode='reduce-overhead') (CUDA graphs; CUDA only, a failed "
+                     "row with the reason elsewhere)"),
         BaselineSpec("hf-early-exit", "transformers assisted decoding drafting with the model's "
                      "first exit_layer layers (assistant_early_exit)",
                      ("exit_layer", "draft_len", "confidence")),

@@ -5,6 +5,11 @@ later methods (DSSD, AdaDecode) fill deeper layers afterwards. Storage is preall
 layer as ``[B, H_kv, capacity, head_dim]`` and grows by doubling, so appending a token is one
 in-place copy and reading is a view (no ``torch.cat`` on the decode path).
 
+A *fixed* cache (``fixed=True``: CUDA graphs, :mod:`selfspec.executor.cuda_graphs`) never
+reallocates: a captured graph reads and writes its storage by address, so it is allocated
+once at its full capacity (zeroed: a graph's attention reads every slot, masked) and an
+append beyond it raises :class:`CacheFullError` instead of growing.
+
 Invariants (asserted): a layer's positions are ``0 .. length-1`` with no gaps, so an append
 must start exactly at the layer's current length; crops only shrink.
 
@@ -19,6 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+class CacheFullError(RuntimeError):
+    """An append beyond a fixed cache's capacity (a fixed cache never reallocates)."""
 
 
 @dataclass(frozen=True)
@@ -46,19 +55,23 @@ class KVCache:
         dtype: storage dtype (the model's dtype).
         device: storage device.
         capacity: positions preallocated per layer; grows (doubling) when exceeded.
+        fixed: never grow (storage allocated once, zeroed; :class:`CacheFullError` beyond
+            ``capacity``): the static cache CUDA graphs replay on.
     """
 
     def __init__(self, shape: CacheShape, dtype: torch.dtype, device: torch.device | str,
-                 capacity: int = 256) -> None:
+                 capacity: int = 256, fixed: bool = False) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.shape = shape
         self.dtype = dtype
         self.device = torch.device(device)
         self._capacity = capacity
+        self.fixed = fixed
         dims = (shape.batch_size, shape.num_kv_heads, capacity, shape.head_dim)
-        self._keys = [torch.empty(dims, dtype=dtype, device=self.device) for _ in range(shape.num_layers)]
-        self._values = [torch.empty(dims, dtype=dtype, device=self.device) for _ in range(shape.num_layers)]
+        alloc = torch.zeros if fixed else torch.empty
+        self._keys = [alloc(dims, dtype=dtype, device=self.device) for _ in range(shape.num_layers)]
+        self._values = [alloc(dims, dtype=dtype, device=self.device) for _ in range(shape.num_layers)]
         self._lengths = [0] * shape.num_layers
         # Per layer: None (every held position is visible) or [capacity] bool, False = masked.
         self._visible: list[torch.Tensor | None] = [None] * shape.num_layers
@@ -86,9 +99,16 @@ class KVCache:
         return max(self._lengths)
 
     def reserve(self, capacity: int) -> None:
-        """Make room for at least ``capacity`` positions per layer (keeps contents)."""
+        """Make room for at least ``capacity`` positions per layer (keeps contents).
+
+        Raises:
+            CacheFullError: a fixed cache asked for more than its capacity.
+        """
         if capacity <= self._capacity:
             return
+        if self.fixed:
+            raise CacheFullError(
+                f"a fixed KV cache holds {self._capacity} positions; {capacity} were asked")
         new_cap = max(capacity, 2 * self._capacity)
         for store in (self._keys, self._values):
             for i, old in enumerate(store):
@@ -145,6 +165,27 @@ class KVCache:
             self._visible[layer][length:end] = True
         self._lengths[layer] = end
         return self._keys[layer], self._values[layer]
+
+    def hold(self, start: int, count: int) -> None:
+        """Every layer, each holding exactly ``start`` positions, now holds ``start + count``
+        whose keys and values were already written into its storage (a CUDA graph's replay
+        writes them by address, :mod:`selfspec.executor.cuda_graphs`).
+
+        Raises:
+            AssertionError: a layer does not hold exactly ``start`` positions, or a layer
+                holds masked positions.
+            CacheFullError: a fixed cache would pass its capacity.
+        """
+        assert all(n == start for n in self._lengths), (
+            f"hold({start}, {count}) needs every layer at {start}; lengths {self._lengths}")
+        assert all(v is None for v in self._visible), "hold() on a cache with masked positions"
+        self.reserve(start + count)
+        self._lengths = [start + count] * self.shape.num_layers
+
+    def storage(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's whole key and value storage ``[B, H_kv, capacity, head_dim]`` (the
+        lists themselves: a fixed cache's never change)."""
+        return self._keys, self._values
 
     def any_masked(self, start: int, end: int) -> bool:
         """Whether a layer in ``[start, end)`` holds a masked position."""

@@ -58,6 +58,7 @@ class Executor(Protocol):
     output_weights: Any                  # lm_head as multiplied ([..., H] → [..., V])
     draft_weights: str | None            # a draft view's weight format, else None
     rope: RopeTable                      # cos/sin tables
+    graphs: Any                          # CudaGraphRunner serving forward(), or None
 
     # --- formats, kernels, views
     def set_bulk(self, bulk: str = "auto", rows: str | None = None) -> ComputeFormats:

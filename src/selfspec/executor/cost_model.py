@@ -37,9 +37,10 @@ from pathlib import Path
 import torch
 
 from selfspec.executor import bf16_rows, native, w4a8
-from selfspec.executor.cpu import detect_cpu
 from selfspec.executor.contract import Executor
+from selfspec.executor.cpu import detect_cpu
 from selfspec.executor.plan import SkipPlan
+from selfspec.executor.sync import first_position, position_block
 
 logger = logging.getLogger(__name__)
 
@@ -200,11 +201,37 @@ def machine_key(executor: Executor) -> str:
         kernel += f"-draft{draft}"
         if draft == "w4a8":
             kernel += f"-{native.source_digest(w4a8.SOURCE)}"
+    device = torch.device(getattr(executor, "device", "cpu"))
+    if device.type != "cpu":  # a GPU's timings: its name, never mixed with a CPU's
+        graphs = "-graphs" if getattr(executor, "graphs", None) is not None else ""
+        return (f"{name}-{str(executor.dtype).removeprefix('torch.')}{kernel}{graphs}-"
+                f"{device.type}-{device_name(device)}")
     cpu = detect_cpu()
     level = "-".join(filter(None, (cpu.aten_capability, "bf16" if cpu.native_bf16 else "",
                                    cpu.onednn_max_isa)))
     return (f"{name}-{str(executor.dtype).removeprefix('torch.')}{kernel}-t"
             f"{torch.get_num_threads()}-{platform.machine()}-{_cpu_name()}-{level}")
+
+
+def device_name(device: torch.device | str) -> str:
+    """A file-name-safe name of ``device``'s hardware: ``torch.cuda.get_device_name`` on
+    CUDA (``NVIDIA_H200``), the CPU's model name otherwise."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        raw = torch.cuda.get_device_name(device)
+    elif device.type == "cpu":
+        return _cpu_name()
+    else:
+        raw = device.type
+    return "".join(c if c.isalnum() else "_" for c in raw)
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for ``device``'s queued work (CUDA; nothing on the CPU), so a timer reads the
+    work's end, not its launch."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _cpu_name() -> str:
@@ -226,12 +253,16 @@ def _fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
     return slope, mean_y - slope * mean_x
 
 
-def _time_ms(fn, repeats: int) -> float:
+def _time_ms(fn, repeats: int, device: torch.device | str = "cpu") -> float:
+    """Median milliseconds of ``fn()`` (after a warm-up), the device synchronized around
+    each call (on CUDA the kernels run after the launch returns)."""
     fn()  # warm-up
     samples = []
     for _ in range(repeats):
+        synchronize(device)
         t0 = time.perf_counter()
         fn()
+        synchronize(device)
         samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
 
@@ -266,8 +297,9 @@ def measure_sublayers(executor: Executor, context_len: int,
     every = frozenset(range(ex.num_layers))
     hidden = torch.randn(1, 1, ex.config.hidden_size, dtype=ex.dtype, device=ex.device) * 0.1
     cache = _filled_cache(ex, context_len, range(ex.num_layers))
-    pos = torch.tensor([[context_len]], device=ex.device)
-    times = [_time_ms(functools.partial(_step, ex, hidden, pos, cache, plan), repeats) / ex.num_layers
+    pos = position_block(context_len, 1, ex.device)
+    times = [_time_ms(functools.partial(_step, ex, hidden, pos, cache, plan), repeats,
+                      ex.device) / ex.num_layers
              for plan in (SkipPlan(skip_mlp=every), SkipPlan(skip_attention=every))]
     return SublayerTimes(context_len, times[0], times[1])
 
@@ -277,7 +309,7 @@ def _step(ex: Executor, hidden: torch.Tensor, pos: torch.Tensor, cache,
     """One block as decoding and verification run it (appending to the cache: the path
     they take, e.g. the fused w4a8 sub-layers, which read-only blocks do not), then the cache
     cropped back to where it was."""
-    length = int(pos[0, 0])
+    length = first_position(pos)
     out = ex.run_layers(hidden, pos, 0, ex.num_layers, cache, plan)
     if head:
         ex.logits(out)
@@ -310,7 +342,7 @@ def measure_latency(executor: Executor, lengths: tuple[int, ...] = DEFAULT_LENGT
     hidden = torch.randn(1, 1, ex.config.hidden_size, dtype=ex.dtype, device=ex.device) * 0.1
     slope, base = _fit_line(attn_ms)
     slope, base = max(0.0, slope), max(1e-6, base)
-    head_ms = _time_ms(lambda: ex.logits(hidden), repeats)
+    head_ms = _time_ms(lambda: ex.logits(hidden), repeats, ex.device)
     verify_points = _verify_points(ex, min(256, ex.max_positions - VERIFY_TOKENS[-1]),
                                    max(3, repeats // 4))
     call_ms, row_ms = _batched_ms(ex, min(256, ex.max_positions - 32), max(3, repeats // 4))
@@ -328,8 +360,9 @@ def measure_token_ms(executor: Executor, context_len: int, repeats: int = 10) ->
     ex = executor
     cache = _filled_cache(ex, context_len, range(ex.num_layers))
     hidden = torch.randn(1, 1, ex.config.hidden_size, dtype=ex.dtype, device=ex.device) * 0.1
-    pos = torch.tensor([[context_len]], device=ex.device)
-    return _time_ms(functools.partial(_step, ex, hidden, pos, cache, head=True), repeats)
+    pos = position_block(context_len, 1, ex.device)
+    return _time_ms(functools.partial(_step, ex, hidden, pos, cache, head=True), repeats,
+                    ex.device)
 
 
 def _filled_cache(ex: Executor, n: int, layers: range):
@@ -353,8 +386,9 @@ def _verify_points(ex: Executor, n: int, repeats: int) -> tuple[tuple[int, float
             break
         hidden = torch.randn(1, tokens, ex.config.hidden_size, dtype=ex.dtype,
                              device=ex.device) * 0.1
-        pos = torch.arange(n, n + tokens, device=ex.device).unsqueeze(0)
-        ms = _time_ms(functools.partial(_step, ex, hidden, pos, cache, head=True), repeats)
+        pos = position_block(n, tokens, ex.device)
+        ms = _time_ms(functools.partial(_step, ex, hidden, pos, cache, head=True), repeats,
+                      ex.device)
         if tokens == 1:
             base = ms
         floor = max(floor, ms - base)
@@ -373,11 +407,12 @@ def _batched_ms(ex: Executor, n: int, repeats: int) -> tuple[float, float]:
         rows = 16
         hidden = torch.randn(batch, rows, ex.config.hidden_size, dtype=ex.dtype,
                              device=ex.device) * 0.1
-        pos = torch.arange(n - rows, n, device=ex.device).unsqueeze(0).expand(batch, rows)
+        pos = position_block(n - rows, rows, ex.device, batch)
         total = 0.0
         for skip_attention in (False, True):
             total += _time_ms(functools.partial(_sublayer_call, ex, hidden, pos, cache,
-                                                itertools.count(), skip_attention), repeats)
+                                                itertools.count(), skip_attention), repeats,
+                              ex.device)
         points.append((batch * rows, total / 2))
     (r0, t0), (r1, t1) = points
     row_ms = max(1e-6, (t1 - t0) / (r1 - r0))

@@ -41,11 +41,13 @@ from selfspec.executor.fp16_rows import Fp16Rows
 from selfspec.executor.linear import Linear, PackedRowLimits
 from selfspec.executor.plan import BULK_MIN_ROWS, Head, Observer, SkipPlan
 from selfspec.executor.rope import RopeTable
+from selfspec.executor.sync import first_position, position_block
 from selfspec.executor.weights import LayerWeights, layer_weights
 from selfspec.models.common import SUPPORTED_MODEL_TYPES
 
 if TYPE_CHECKING:
     from selfspec.executor.backends import MatrixBackend
+    from selfspec.executor.cuda_graphs import CudaGraphRunner
     from selfspec.executor.fused_layers import FusedLayers
     from selfspec.executor.quant import FormatTiming
 
@@ -145,6 +147,8 @@ class LayerExecutor:
         self._fused_scratch: dict[int, torch.Tensor] = {}  # rows -> [1, rows, H] buffer
         self.max_positions = int(config.max_position_embeddings)
         self._fused: list[FusedLayers | None] = []  # built at first use: [] = not yet
+        # Captured CUDA graphs of forward() (selfspec.executor.cuda_graphs.attach_graphs).
+        self.graphs: CudaGraphRunner | None = None
 
     # ---------------------------------------------------------------- formats and kernels
     def set_bulk(self, bulk: str = "auto", rows: str | None = None) -> ComputeFormats:
@@ -216,7 +220,7 @@ class LayerExecutor:
 
         if fmt == "auto":
             fmt = self.fastest_draft_format().fastest
-        fmt = check_draft_weights(fmt)
+        fmt = check_draft_weights(fmt, self.device)
         view = self._draft_views.get(fmt)
         if view is None:
             copies = draft_copies(self.layer_weights, self.output_weights, fmt)
@@ -226,6 +230,7 @@ class LayerExecutor:
             view.draft_weights = fmt
             view._draft_views = {}
             view._fused = []
+            view.graphs = None  # graphs capture the full weights
             self._draft_views[fmt] = view
         return view
 
@@ -243,7 +248,7 @@ class LayerExecutor:
             sample = {0, self.num_layers // 2}
             weights = [(lin.weight, lin.bias) for i in sorted(sample)
                        for lin in self.layer_weights[i].matrices]
-            self._fastest_draft = fastest_format(weights, self.dtype)
+            self._fastest_draft = fastest_format(weights, self.dtype, device=self.device)
             logger.info("draft weights: %s fastest here (%s)", self._fastest_draft.fastest,
                         ", ".join(f"{k} {v:.2f} ms" for k, v in self._fastest_draft.ms.items()))
         return self._fastest_draft
@@ -375,7 +380,7 @@ class LayerExecutor:
         if start == end:
             return hidden
         bsz, num_new, _ = hidden.shape
-        pos0 = int(positions[0, 0])
+        pos0 = first_position(positions)  # no sync for positions made by position_block
         skip_attn = skip.skip_attention if skip is not None else ()
         skip_mlp = skip.skip_mlp if skip is not None else ()
         bulk = (free and bsz * num_new >= BULK_MIN_ROWS) or self.is_free_block(pos0, num_new, bsz)
@@ -433,7 +438,7 @@ class LayerExecutor:
         if (fused is None or hidden.shape[0] != 1 or self.is_free_block(pos0, num_new)
                 or not hidden.dtype == cache.dtype == fused.dtype
                 or cache.shape.batch_size != 1 or cache.any_masked(start, end)):
-            positions = torch.arange(pos0, pos0 + num_new, device=hidden.device).unsqueeze(0)
+            positions = position_block(pos0, num_new, hidden.device)
             return self.run_layers(hidden, positions, start, end, cache)
         return self._run_fused(fused, hidden, pos0, start, end, cache, (), (), None)
 
@@ -640,6 +645,10 @@ class LayerExecutor:
         Returns:
             ``[B, T, V]`` logits (``[B, 1, V]`` with ``last_only``).
         """
+        if self.graphs is not None:  # a captured CUDA graph serves this block, or None
+            logits = self.graphs.forward(input_ids, positions, cache, last_only, observe)
+            if logits is not None:
+                return logits
         hidden = self.run_layers(self.embed(input_ids), positions, 0, self.num_layers, cache,
                                  observe=observe)
         if last_only:

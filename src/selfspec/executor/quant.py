@@ -45,10 +45,27 @@ DRAFT_WEIGHT_FORMATS = ("int8", "int4", "w4a8")
 # are fastest on this machine (:func:`fastest_format`).
 DRAFT_WEIGHT_CHOICES = ("auto", *DRAFT_WEIGHT_FORMATS)
 INT4_GROUP = 32  # group 64 already changed SmolLM2's first greedy token (int4_probe.py)
+#: The device types each draft format's kernel runs on: all CPU kernels (FBGEMM, torch's CPU
+#: int4 kernel, selfspec's AVX2 w4a8). On CUDA no quantized drafter is built (``auto`` drops
+#: its qspec candidate, ``draft_weights=auto`` is refused with the reason): on CUDA
+#: ``quantize_per_channel`` failed with ``RuntimeError: Unsupported qscheme:
+#: per_channel_affine``.
+DRAFT_FORMAT_DEVICES: dict[str, tuple[str, ...]] = {"int8": ("cpu",), "int4": ("cpu",),
+                                                    "w4a8": ("cpu",)}
 
 
-def quantized_kernels_available(fmt: str) -> bool:
-    """Whether this torch build has the kernel of ``fmt`` (``int8`` needs FBGEMM)."""
+def draft_formats_on(device: torch.device | str) -> list[str]:
+    """The draft formats whose kernel runs on ``device`` in this build."""
+    kind = torch.device(device).type
+    return [f for f in DRAFT_WEIGHT_FORMATS
+            if kind in DRAFT_FORMAT_DEVICES.get(f, ()) and quantized_kernels_available(f)]
+
+
+def quantized_kernels_available(fmt: str, device: torch.device | str = "cpu") -> bool:
+    """Whether this torch build has the kernel of ``fmt`` (``int8`` needs FBGEMM) and it
+    runs on ``device`` (:data:`DRAFT_FORMAT_DEVICES`)."""
+    if torch.device(device).type not in DRAFT_FORMAT_DEVICES.get(fmt, ()):
+        return False
     if fmt == "int8":
         return ("fbgemm" in torch.backends.quantized.supported_engines
                 and hasattr(torch.ops.quantized, "linear_dynamic"))
@@ -76,7 +93,8 @@ class FormatTiming:
 
 
 def fastest_format(weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
-                   dtype: torch.dtype, passes: int = 5) -> FormatTiming:
+                   dtype: torch.dtype, passes: int = 5,
+                   device: torch.device | str = "cpu") -> FormatTiming:
     """The draft weight format whose one-row products over ``weights`` run fastest here.
 
     Which kernel wins depends on the CPU: on AVX2 without native bf16, FBGEMM's W8A8 int8
@@ -89,11 +107,17 @@ def fastest_format(weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
         weights: ``(weight [N, K], bias [N] or None)`` pairs of the linears to time.
         dtype: the activations' dtype (the model's).
         passes: timed passes per format (the best counts), after one warm-up pass.
+        device: where the model runs: only formats whose kernel runs there compete.
 
     Raises:
-        InvalidArgumentError: no format has a kernel in this torch build.
+        InvalidArgumentError: no format has a kernel in this torch build or on ``device``.
     """
-    formats = [f for f in DRAFT_WEIGHT_FORMATS if quantized_kernels_available(f)]
+    formats = draft_formats_on(device)
+    if not formats and torch.device(device).type != "cpu":
+        raise InvalidArgumentError(
+            f"no quantized draft format runs on {torch.device(device).type} (int8, int4 and "
+            "w4a8 are CPU kernels); draft on the model's own weights (drop draft_weights, or "
+            "use ngram / layerskip / auto)")
     if not formats:
         raise InvalidArgumentError(
             "this torch build has neither an int8 (FBGEMM) nor an int4 CPU kernel for "
@@ -115,16 +139,20 @@ def fastest_format(weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
     return FormatTiming(min(ms, key=ms.__getitem__), ms)
 
 
-def check_draft_weights(fmt: object) -> str:
-    """Validate a draft weight format.
+def check_draft_weights(fmt: object, device: torch.device | str = "cpu") -> str:
+    """Validate a draft weight format for a model on ``device``.
 
     Raises:
-        InvalidArgumentError: not one of :data:`DRAFT_WEIGHT_FORMATS`, or its kernel is not in
-            this torch build.
+        InvalidArgumentError: not one of :data:`DRAFT_WEIGHT_FORMATS`, its kernel is not in
+            this torch build, or it does not run on ``device`` (every format is CPU-only).
     """
     if fmt not in DRAFT_WEIGHT_FORMATS:
         raise InvalidArgumentError(
             f"draft weights must be one of {', '.join(DRAFT_WEIGHT_FORMATS)}, got {fmt!r}")
+    if torch.device(device).type not in DRAFT_FORMAT_DEVICES.get(str(fmt), ()):
+        raise InvalidArgumentError(
+            f"{fmt} draft weights run on the CPU only; the model is on {torch.device(device)}: "
+            "draft on the model's own weights (drop draft_weights)")
     if not quantized_kernels_available(str(fmt)):
         raise InvalidArgumentError(
             f"this torch build has no {fmt} kernel (int8 needs FBGEMM, in x86 CPU wheels); "

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from selfspec.executor.sync import last_position, position_block
+
 
 @dataclass(frozen=True)
 class _Fp32Table:
@@ -55,7 +57,7 @@ class RopeTable:
         if self.dynamic:
             cos, sin = self.rotary_emb(hidden, positions)
             return cos.unsqueeze(2), sin.unsqueeze(2)
-        needed = int(positions.max()) + 1
+        needed = last_position(positions) + 1  # no sync for tagged position blocks
         if needed > self.cos.shape[0]:
             size = max(needed, 2 * self.cos.shape[0], 256)
             table = torch.arange(size, device=hidden.device).unsqueeze(0)
@@ -78,7 +80,8 @@ class RopeTable:
         call against ~2 µs for a slice (a 0.5B layer is ~1.6 ms)."""
         made = self._fp32
         if made is None or made.source is not self.cos or pos0 + num > made.cos.shape[0]:
-            self.lookup(hidden, torch.tensor([[pos0 + num - 1]]))  # grows the table if short
+            # grows the table if short
+            self.lookup(hidden, position_block(pos0 + num - 1, 1, hidden.device))
             made = _Fp32Table(self.cos, self.cos.float().contiguous(),
                               self.sin.float().contiguous())
             self._fp32 = made

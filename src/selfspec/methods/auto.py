@@ -24,7 +24,11 @@ from selfspec.decoding.planning.tpt_stop import ConfidenceCalibration, TptStopRu
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.executor.cpu import QUANTIZED_ROWS
-from selfspec.executor.quant import DRAFT_WEIGHT_FORMATS, quantized_kernels_available
+from selfspec.executor.quant import (
+    DRAFT_WEIGHT_FORMATS,
+    draft_formats_on,
+    quantized_kernels_available,
+)
 from selfspec.methods import adaspeed, dssd, dv, layerskip, qspec
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.draft_copy import DraftWeightsOptions, draft_weights_option
@@ -121,6 +125,9 @@ def build(context: MethodContext, options: Options) -> Step:
     if options.drafters is None and context.executor.formats.rows in QUANTIZED_ROWS:
         # The model already decodes on 4-bit weights: its quantized self-draft would be the
         # model again (another copy in memory, no step saved).
+        names = [n for n in names if n != "qspec"]
+    if options.drafters is None and not draft_formats_on(context.executor.device):
+        # Quantized draft copies are CPU kernels: on a GPU auto has no qspec candidate.
         names = [n for n in names if n != "qspec"]
     costs = ForwardCosts(context.latency())
     history = context.history() if options.history else None

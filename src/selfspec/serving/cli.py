@@ -65,7 +65,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     get_method(args.method).parse(options)  # bad options fail before the model loads
     if check_threads("--threads", args.threads):
         torch.set_num_threads(args.threads)
-    engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel)
+    engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel,
+                           device=args.device, cuda_graphs=args.cuda_graphs)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens,
                     default_max_tokens=min(args.default_max_tokens, args.max_tokens))

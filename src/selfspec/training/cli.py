@@ -9,7 +9,7 @@ import math
 import sys
 from pathlib import Path
 
-from selfspec.cli_args import float_arg, int_arg, threads_arg
+from selfspec.cli_args import add_device_argument, float_arg, int_arg, threads_arg
 from selfspec.errors import InvalidArgumentError
 from selfspec.validation import SEED_MAX, SEED_MIN
 
@@ -74,6 +74,7 @@ def _add_model_args(p: argparse.ArgumentParser, required: bool) -> None:
                    help="backbone dtype (default bf16, the default decoding dtype; calibrate: "
                         "the dtype the heads were trained with)")
     p.add_argument("--threads", type=threads_arg(), default=None, help="torch intra-op threads")
+    add_device_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -297,7 +298,9 @@ def _load_engine(args: argparse.Namespace, model: str | None, dtype: str | None)
 
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
-    return selfspec.load(model, dtype=dtype or "bf16", show_progress=not args.quiet)
+    return selfspec.load(model, dtype=dtype or "bf16", show_progress=not args.quiet,
+                         device=getattr(args, "device", "auto"),
+                         cuda_graphs=getattr(args, "cuda_graphs", "auto"))
 
 
 def _data_request(args: argparse.Namespace, default_tokens: int | None):

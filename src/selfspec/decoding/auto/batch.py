@@ -256,7 +256,7 @@ class BatchNgramStep:
                 result = verify_greedy(draft_ids, target)
             else:  # q = δ(x_i), [D_b, V]
                 probs = torch.zeros(len(draft), ex.vocab_size, device=ex.device)
-                probs[torch.arange(len(draft)), draft_ids] = 1.0
+                probs[torch.arange(len(draft), device=probs.device), draft_ids] = 1.0
                 result = verify_sampling(draft_ids, probs, target, sampling, state.generator)
             kept = state.commit(result.committed_tokens)
             state.cache.truncate(state.seq_len - 1)  # rejected positions go

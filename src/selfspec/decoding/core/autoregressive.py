@@ -8,6 +8,7 @@ from selfspec.decoding.core.loop import Step
 from selfspec.decoding.core.sampling import choose_next
 from selfspec.decoding.core.state import DecodeState
 from selfspec.decoding.core.stats import StepStats
+from selfspec.executor.sync import to_host
 
 if TYPE_CHECKING:
     from selfspec.decoding.core.history import ResidualRecorder
@@ -33,5 +34,6 @@ class ArStep(Step):
         observe = (None if self.recorder is None
                    else self.recorder.observer([state.tokens[-1]], pos))
         logits = ex.forward(token, state.positions(pos, 1), state.cache, observe=observe)[:, -1]
-        kept = state.commit([int(choose_next(logits, state.options.sampling, state.generator))])
+        # The step's one device -> host copy: the chosen token.
+        kept = state.commit(to_host(choose_next(logits, state.options.sampling, state.generator)))
         return StepStats(committed=len(kept), sublayers=2 * ex.num_layers)

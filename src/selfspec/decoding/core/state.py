@@ -18,6 +18,7 @@ from selfspec.decoding.core.stats import GenerationStats
 from selfspec.errors import InvalidArgumentError, PromptError
 from selfspec.executor import KVCache, LayerExecutor
 from selfspec.executor.executor import Observer
+from selfspec.executor.sync import device_tensor, position_block
 from selfspec.validation import check_int
 
 # Called with each batch of newly committed token ids; returns True to stop generating
@@ -79,7 +80,9 @@ class DecodeState:
         self.prompt_len = len(prompt_ids)
         self.context_limit = executor.max_positions
         capacity = min(self.prompt_len + options.max_new_tokens, self.context_limit) + cache_margin
-        self.cache: KVCache = executor.new_cache(capacity=capacity)
+        graphs = getattr(executor, "graphs", None)  # CUDA graphs replay on a static cache
+        static = None if graphs is None else graphs.decode_cache(capacity, self)
+        self.cache: KVCache = static or executor.new_cache(capacity=capacity)
         self.generator = options.sampling.make_generator(executor.device)
         self.stats = GenerationStats(prompt_tokens=self.prompt_len)
         self.finish_reason: str | None = None
@@ -107,12 +110,13 @@ class DecodeState:
         return self.finish_reason is not None
 
     def positions(self, start: int, count: int) -> torch.Tensor:
-        """``[1, count]`` int64 positions ``start .. start+count-1`` on the model's device."""
-        return torch.arange(start, start + count, device=self.executor.device).unsqueeze(0)
+        """``[1, count]`` int64 positions ``start .. start+count-1`` on the model's device
+        (tagged with ``start``: the executor reads it without a sync)."""
+        return position_block(start, count, self.executor.device)
 
     def last_token(self) -> torch.Tensor:
         """``[1, 1]`` int64 tensor of the last committed token on the model's device."""
-        return torch.tensor([[self.tokens[-1]]], device=self.executor.device)
+        return device_tensor([[self.tokens[-1]]], self.executor.device)
 
     def commit(self, new_tokens: list[int]) -> list[int]:
         """Append accepted tokens to the sequence, stopping at EOS or a limit.
@@ -159,6 +163,6 @@ class DecodeState:
         Returns:
             ``[1, V]`` logits for the token after the prompt.
         """
-        ids = torch.tensor([self.tokens], device=self.executor.device)
+        ids = device_tensor([self.tokens], self.executor.device)
         return self.executor.forward(ids, self.positions(0, self.prompt_len), self.cache,
                                      last_only=True, observe=observe)[:, -1]

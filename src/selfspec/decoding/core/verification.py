@@ -38,6 +38,7 @@ import torch
 from selfspec.decoding.core.sampling import SamplingConfig, logits_to_probs
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor.argmax import argmax_last
+from selfspec.executor.sync import to_host
 
 __all__ = ["VerifyOutput", "verify_greedy", "verify_sampling"]
 
@@ -103,7 +104,7 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Ve
     num_accepted = agree_prefix.sum(dim=0, keepdim=True)
     # Accepted draft tokens equal the target argmax at their positions, so the committed tokens
     # are target_argmax[:num_accepted + 1]: one copy of [D+2] ints brings everything to host.
-    host = torch.cat([num_accepted, target_argmax]).tolist()
+    host = to_host(torch.cat([num_accepted, target_argmax]))
     n = host[0]
     committed = host[1 : n + 2]
     return VerifyOutput(
@@ -213,7 +214,7 @@ def verify_sampling(
     # [1]
     next_token = (weights / exponential).argmax(dim=0, keepdim=True)
 
-    host = torch.cat([num_accepted.long(), next_token, draft_tokens.long()]).tolist()
+    host = to_host(torch.cat([num_accepted.long(), next_token, draft_tokens.long()]))
     n = host[0]
     committed = host[2 : 2 + n] + [host[1]]
     return VerifyOutput(

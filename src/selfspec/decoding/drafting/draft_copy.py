@@ -30,12 +30,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 
 from selfspec.decoding.core.history import ResidualRecorder
 from selfspec.decoding.core.speculative import DraftOutput, TargetOutput
 from selfspec.decoding.core.state import DecodeState
 from selfspec.executor import LayerExecutor
+from selfspec.executor.sync import device_tensor
 
 #: ``reuse(state, draft) -> TargetOutput``: a drafter's verification from its own drafted
 #: layers (valid only when the draft ran on the model itself).
@@ -79,7 +79,7 @@ def recompute_target_logits(executor: LayerExecutor, state: DecodeState, draft: 
     start = state.seq_len - 1
     state.cache.truncate(start)
     fed = [state.tokens[-1], *draft.tokens]
-    ids = torch.tensor([fed], device=executor.device)
+    ids = device_tensor([fed], executor.device)  # no sync on CUDA
     observe = None if recorder is None else recorder.observer(fed, start)
     logits = executor.forward(ids, state.positions(start, ids.shape[1]), state.cache,
                               observe=observe)[0]

@@ -44,6 +44,7 @@ from selfspec.decoding.planning.tpt import (
     best_draft_len,
 )
 from selfspec.executor import LayerExecutor
+from selfspec.executor.sync import device_tensor
 
 
 @dataclass(frozen=True)
@@ -160,11 +161,11 @@ class NgramDrafter:
         gamma = choice.plan.draft_len
         tokens = [] if choice.proposal is None else choice.proposal.tokens[:gamma]
         self._last_key = choice.key if tokens else None
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.executor.device)
+        ids = device_tensor(tokens, self.executor.device)  # no sync on CUDA
         probs = None
         if not state.options.sampling.greedy:  # q = δ(x_i), [D, V]
             probs = torch.zeros(len(tokens), self.executor.vocab_size, device=self.executor.device)
-            probs[torch.arange(len(tokens)), ids] = 1.0
+            probs[torch.arange(len(tokens), device=probs.device), ids] = 1.0
         return DraftOutput(tokens=tokens, token_ids=ids, probs=probs,
                            exit_layers=[0] * len(tokens))
 
