@@ -7,8 +7,8 @@ to draft on, and its drafter verifies through
 :class:`~selfspec.decoding.drafting.draft_copy.DraftCopy` (recomputing every layer with the
 model's own weights when the draft ran on a copy).
 
-Being a dataclass base, the option comes first in a method's option list (``selfspec
-methods``, the CLI's help); names, types, choices, help and defaults are unchanged.
+An option group (``__option_group__``): :func:`~selfspec.methods.options.option_fields` lists
+it after the method's own options (``selfspec methods``, the CLI's help, error messages).
 """
 
 from __future__ import annotations
@@ -42,5 +42,7 @@ class DraftWeightsOptions:
         draft_weights: the copy's format (``int8``, ``int4``, ``w4a8`` or ``auto``), or
             ``None``: draft on the model itself.
     """
+
+    __option_group__ = True
 
     draft_weights: str | None = draft_weights_option()

@@ -205,7 +205,9 @@ def _base_type(annotation: Any) -> type:
 
 
 def option_fields(options_cls: type) -> list[OptionField]:
-    """The :class:`OptionField` of every field of an ``Options`` dataclass, in order.
+    """The :class:`OptionField` of every field of an ``Options`` dataclass: the method's own
+    in declaration order, then those of shared option groups (a base class with
+    ``__option_group__ = True``, e.g. ``draft_weights``), which a dataclass would put first.
 
     Raises:
         TypeError: a field not declared with :func:`option` or of an unsupported type.
@@ -217,7 +219,12 @@ def option_fields(options_cls: type) -> list[OptionField]:
         if info is None:
             raise TypeError(f"{options_cls.__name__}.{f.name} is not declared with option()")
         fields.append(OptionField(f.name, _base_type(hints[f.name]), f.default, info))
-    return fields
+    return sorted(fields, key=lambda field: _in_option_group(options_cls, field.name))
+
+
+def _in_option_group(options_cls: type, name: str) -> bool:
+    return any(c.__dict__.get("__option_group__", False)
+               and name in c.__dict__.get("__annotations__", {}) for c in options_cls.__mro__)
 
 
 def changed_options(options: Any, names: Sequence[str]) -> list[str]:
