@@ -10,7 +10,7 @@ from selfspec.errors import InvalidArgumentError, PromptError
 
 pytestmark = pytest.mark.real_model
 
-NEW_TOKENS = 24
+NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")

@@ -84,15 +84,15 @@ def test_completions_equal_generate_streamed_or_not(client, engine):
     model = client.models.list().data[0].id
     assert model == MODEL
     for prompt in PROMPTS[:2]:
-        want = engine.generate(prompt, max_new_tokens=24)
-        reply = client.completions.create(model=model, prompt=prompt, max_tokens=24,
+        want = engine.generate(prompt, max_new_tokens=16)
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=16,
                                           temperature=0)
         assert reply.choices[0].text == want.text
         assert reply.choices[0].finish_reason == "length"
         assert reply.usage.completion_tokens == len(want.token_ids)
         assert reply.usage.prompt_tokens == len(want.prompt_ids)
         chunks = list(client.completions.create(
-            model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+            model=model, prompt=prompt, max_tokens=16, temperature=0, stream=True,
             stream_options={"include_usage": True}))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -100,10 +100,10 @@ def test_completions_equal_generate_streamed_or_not(client, engine):
     # per-request method override (methods that need no latency model: the server process
     # would measure one for minutes before answering; n-gram batches are tested in test_batch)
     for method in ("dv", "layerskip"):
-        reply = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=24,
+        reply = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=16,
                                           temperature=0,
                                           extra_body={"selfspec": {"method": method}})
-        assert reply.choices[0].text == engine.generate(PROMPTS[0], max_new_tokens=24).text
+        assert reply.choices[0].text == engine.generate(PROMPTS[0], max_new_tokens=16).text
 
 
 def test_chat_and_stop_strings_equal_generate(client, engine):
