@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from selfspec.executor import CacheShape, KVCache
+from selfspec.executor.cache import CacheFullError
 
 SHAPE = CacheShape(num_layers=3, batch_size=1, num_kv_heads=2, head_dim=4)
 
@@ -68,3 +69,54 @@ def test_random_operations_keep_positions_contiguous(ops):
             keys, values = cache.get(i)
             assert keys.shape[2] == values.shape[2] == cache.length(i)
             assert keys[0, 0, :, 0].tolist() == list(range(cache.length(i)))
+
+
+def _filled(n: int, capacity: int = 4) -> KVCache:
+    """A cache holding positions ``0 .. n-1`` in every layer (keys = position + layer,
+    values = their negation)."""
+    cache = KVCache(SHAPE, torch.float32, "cpu", capacity=capacity)
+    for layer in range(SHAPE.num_layers):
+        cache.append(layer, _kv(0, n) + layer, -_kv(0, n) - layer, start=0)
+    return cache
+
+
+def test_copy_out_and_in_move_a_span_between_caches():
+    """The prefix cache's two operations: a span copied out is a copy (later writes to the
+    source do not reach it), and copied into a fresh cache it reads back exactly, every layer
+    at the span's length, ready for the rest of the prompt to append."""
+    source = _filled(6)
+    keys, values = source.copy_out(0, 5)
+    assert keys.shape == values.shape == (3, 1, 2, 5, 4)
+    source.truncate(2)
+    source.append(0, _kv(0, 1) + 99, _kv(0, 1), start=2)  # overwrite a copied slot
+    target = KVCache(SHAPE, torch.float32, "cpu", capacity=2)  # grows on copy_in
+    target.copy_in(keys, values, start=0)
+    assert target.lengths() == [5, 5, 5]
+    for layer in range(3):
+        k, v = target.get(layer)
+        assert k[0, 1, :, 0].tolist() == [p + layer for p in range(5)]
+        assert torch.equal(v, -k)
+    target.append(1, _kv(5, 1), _kv(5, 1), start=5)  # the suffix continues from there
+    middle, _ = _filled(6).copy_out(2, 4)
+    assert middle[2, 0, 0, :, 0].tolist() == [4.0, 5.0]
+
+
+def test_copy_out_and_in_refuse_what_would_be_wrong():
+    cache = _filled(3)
+    with pytest.raises(AssertionError):
+        cache.copy_out(0, 4)  # beyond what the layers hold
+    cache.append_masked(1, start=3)
+    cache.append(0, _kv(3, 1), _kv(3, 1), start=3)
+    cache.append(2, _kv(3, 1), _kv(3, 1), start=3)
+    with pytest.raises(AssertionError):
+        cache.copy_out(2, 4)  # position 3 is masked in layer 1: no keys to copy
+    keys, values = cache.copy_out(0, 3)
+    with pytest.raises(AssertionError):
+        _filled(1).copy_in(keys, values, start=0)  # layers already hold a position
+    with pytest.raises(ValueError):
+        KVCache(SHAPE, torch.float64, "cpu").copy_in(keys, values, start=0)  # dtype
+    with pytest.raises(ValueError):
+        KVCache(SHAPE, torch.float32, "cpu").copy_in(keys[:2], values[:2], start=0)  # layers
+    fixed = KVCache(SHAPE, torch.float32, "cpu", capacity=2, fixed=True)
+    with pytest.raises(CacheFullError):
+        fixed.copy_in(keys, values, start=0)

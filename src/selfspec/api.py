@@ -12,6 +12,7 @@ import torch
 
 from selfspec.decoding.auto.batch import run_batch
 from selfspec.decoding.core import loop
+from selfspec.decoding.core.prefix_cache import PrefixCache
 from selfspec.decoding.core.sampling import SamplingConfig
 from selfspec.decoding.core.state import DecodeOptions, DecodeState
 from selfspec.decoding.core.stats import GenerationStats
@@ -56,12 +57,14 @@ class SelfSpec:
 
     Build it with :func:`load`. Attributes: ``model`` (the HF model), ``tokenizer``,
     ``executor`` (:class:`LayerExecutor`), ``methods`` (the :class:`MethodContext` methods
-    are built in: it keeps the head files they load), ``name``.
+    are built in: it keeps the head files they load), ``name``, ``prefix_cache`` (the
+    :class:`~selfspec.decoding.core.prefix_cache.PrefixCache` every generation's prefill reads
+    and fills, or ``None``: :meth:`use_prefix_cache`).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str,
                  decode_kernel: str = "auto", device: str | torch.device | None = None,
-                 cuda_graphs: str = "off") -> None:
+                 cuda_graphs: str = "off", prefix_cache_mib: float = 0) -> None:
         if device is not None:
             model = move_model(model, check_device(device))
         self.model = model
@@ -72,6 +75,26 @@ class SelfSpec:
 
         attach_graphs(self.executor, cuda_graphs)
         self.methods = MethodContext(self.executor)
+        self.prefix_cache: PrefixCache | None = None
+        self.use_prefix_cache(prefix_cache_mib)
+
+    def use_prefix_cache(self, mib: float) -> PrefixCache | None:
+        """Keep up to ``mib`` MiB of earlier prompts' KV and reuse it for later prompts that
+        start with the same tokens (:mod:`selfspec.decoding.core.prefix_cache`: greedy
+        outputs stay ``ar``'s; the time to first token of a prompt whose first 1,024 tokens
+        are kept falls several-fold); ``0`` turns it off and frees what was kept. Off by
+        default in the library, so that timings of repeated prompts (the benchmark's) stay
+        those of a full prefill; ``selfspec serve`` keeps 256 MiB.
+
+        Returns:
+            The new cache, or ``None`` for ``0``.
+
+        Raises:
+            InvalidArgumentError: ``mib`` negative or not a number.
+        """
+        cache = PrefixCache.from_mib(mib)
+        self.prefix_cache = cache if cache.budget_bytes > 0 else None
+        return self.prefix_cache
 
     @property
     def device(self) -> torch.device:
@@ -180,7 +203,8 @@ class SelfSpec:
         prompt_ids = self.encode(prompt, chat=chat)  # cheap checks before heads load
         step = get_method(method).make_step(self.methods, method_options)
         sink = StopStringSink(self.tokenizer, stop, streamer)
-        state = DecodeState(self.executor, prompt_ids, options, sink)
+        state = DecodeState(self.executor, prompt_ids, options, sink,
+                            prefix_cache=self.prefix_cache)
         try:
             stats = loop.run(state, step)
         finally:
@@ -223,7 +247,7 @@ class SelfSpec:
         all_ids = [self.encode(p, chat=chat) for p in prompts]
         step = get_method(method).make_batch_step(self.methods, method_options)
         sinks = [StopStringSink(self.tokenizer, stop, None) for _ in all_ids]
-        states = [DecodeState(self.executor, ids, options, sink)
+        states = [DecodeState(self.executor, ids, options, sink, prefix_cache=self.prefix_cache)
                   for ids, sink in zip(all_ids, sinks)]
         run_batch(states, step)
         return [self.result(state, sink) for state, sink in zip(states, sinks)]
@@ -276,7 +300,8 @@ def move_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 
 def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
          show_progress: bool = True, decode_kernel: str = "auto",
-         device: str | torch.device = "auto", cuda_graphs: str = "auto") -> SelfSpec:
+         device: str | torch.device = "auto", cuda_graphs: str = "auto",
+         prefix_cache_mib: float = 0) -> SelfSpec:
     """Load a model by registry name, local directory or hub id (fetching it on first use).
 
     Args:
@@ -301,6 +326,8 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
         cuda_graphs: ``"auto"`` (on for CUDA), ``"on"`` or ``"off"``: replay one-token and
             verification-sized forwards as captured CUDA graphs
             (:mod:`selfspec.executor.cuda_graphs`); ignored on the CPU.
+        prefix_cache_mib: keep up to this many MiB of earlier prompts' KV for later prompts
+            sharing their prefix (:meth:`SelfSpec.use_prefix_cache`; 0 = off, the default).
 
     Raises:
         InvalidArgumentError: ``model`` not a str / path, a bad ``dtype`` or
@@ -322,6 +349,7 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
     from selfspec.executor.cpu import QUANTIZED_ROWS, ROWS_FORMATS
 
     target = check_device(device)  # before anything loads
+    PrefixCache.from_mib(prefix_cache_mib)  # a bad size fails before anything loads
     from selfspec.executor.cuda_graphs import check_cuda_graphs
 
     check_cuda_graphs(cuda_graphs)
@@ -337,7 +365,7 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
         dtype, decode_kernel = "bf16", quantized
     loaded = load_model(model or DEFAULT_MODEL, dtype, show_progress=show_progress)
     return SelfSpec(loaded.model, loaded.tokenizer, loaded.name, decode_kernel, device=target,
-                    cuda_graphs=cuda_graphs)
+                    cuda_graphs=cuda_graphs, prefix_cache_mib=prefix_cache_mib)
 
 
 def from_pretrained_model(model: torch.nn.Module, tokenizer: Any, name: str = "model", *,

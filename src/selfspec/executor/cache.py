@@ -212,6 +212,58 @@ class KVCache:
         self._visible[layer][length:end] = False
         self._lengths[layer] = end
 
+    def copy_out(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of positions ``[start, end)`` of every layer: what a prefix cache keeps of a
+        prompt (:mod:`selfspec.decoding.core.prefix_cache`).
+
+        Returns:
+            Keys and values, ``[L, B, H_kv, end - start, head_dim]`` each, in new storage
+            (later writes to this cache never reach them).
+
+        Raises:
+            AssertionError: ``0 <= start <= end`` does not hold, a layer holds fewer than
+                ``end`` positions, or holds a masked position in the range (its slot has no
+                keys or values to copy).
+        """
+        assert 0 <= start <= end, f"cannot copy positions [{start}, {end}) out of a KV cache"
+        for i, n in enumerate(self._lengths):
+            assert n >= end, (
+                f"KV cache layer {i} holds {n} positions; cannot copy positions up to {end}")
+            mask = self._visible[i]
+            assert mask is None or bool(mask[start:end].all()), (
+                f"KV cache layer {i} holds masked positions in [{start}, {end})")
+        # One stack per kind: a single allocation and one pass over the span.
+        keys = torch.stack([k[:, :, start:end] for k in self._keys])
+        values = torch.stack([v[:, :, start:end] for v in self._values])
+        return keys, values
+
+    def copy_in(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+        """Append ``T`` positions from ``start`` to every layer, copied from ``keys`` and
+        ``values`` ``[L, B, H_kv, T, head_dim]`` (as :meth:`copy_out` returns them): a prefix
+        cache's hit written into a row's own cache before the rest of its prompt runs.
+
+        Raises:
+            ValueError: ``keys`` or ``values`` not of this cache's geometry and dtype (a copy
+                would silently round to the cache's dtype).
+            AssertionError: a layer does not hold exactly ``start`` positions.
+            CacheFullError: a fixed cache would pass its capacity.
+        """
+        shape = self.shape
+        want = (shape.num_layers, shape.batch_size, shape.num_kv_heads)
+        for name, t in (("keys", keys), ("values", values)):
+            if (t.dim() != 5 or tuple(t.shape[:3]) != want or t.shape[4] != shape.head_dim
+                    or t.dtype != self.dtype):
+                raise ValueError(
+                    f"{name} must be [L, B, H_kv, T, head_dim] = [{', '.join(map(str, want))}, "
+                    f"T, {shape.head_dim}] in {self.dtype}; got {list(t.shape)} in {t.dtype}")
+        if keys.shape != values.shape:
+            raise ValueError(f"keys {list(keys.shape)} and values {list(values.shape)} differ")
+        count = keys.shape[3]
+        for i in range(shape.num_layers):
+            stored_k, stored_v = self.claim(i, start, count)
+            stored_k[:, :, start:start + count].copy_(keys[i])
+            stored_v[:, :, start:start + count].copy_(values[i])
+
     def visible(self, layer: int) -> torch.Tensor | None:
         """``[length(layer)]`` bool, False at masked positions; ``None`` when the layer holds
         no masked position (the common case: attend to everything)."""

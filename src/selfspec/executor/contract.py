@@ -135,7 +135,7 @@ class Executor(Protocol):
     def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, start: int, end: int,
                    cache: KVCache, skip: SkipPlan | None = None, *,
                    observe: Observer | None = None, write_cache: bool = True,
-                   free: bool = False) -> torch.Tensor:
+                   free: bool = False, resume_prefill: bool = False) -> torch.Tensor:
         """Layers ``[start, end)`` on ``[B, T, H]`` at ``positions`` ``[B, T]``."""
         ...
 
@@ -170,7 +170,8 @@ class Executor(Protocol):
         ...
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                last_only: bool = False, observe: Observer | None = None) -> torch.Tensor:
+                last_only: bool = False, observe: Observer | None = None,
+                resume_prefill: bool = False) -> torch.Tensor:
         """The full model: ``[B, T]`` ids → ``[B, T, V]`` logits."""
         ...
 

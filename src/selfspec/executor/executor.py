@@ -338,7 +338,7 @@ class LayerExecutor:
     def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, start: int, end: int,
                    cache: KVCache, skip: SkipPlan | None = None, *,
                    observe: Observer | None = None, write_cache: bool = True,
-                   free: bool = False) -> torch.Tensor:
+                   free: bool = False, resume_prefill: bool = False) -> torch.Tensor:
         """Run layers ``[start, end)`` on ``T`` consecutive tokens.
 
         Each attention sub-layer appends the tokens' keys and values to its layer of
@@ -369,6 +369,14 @@ class LayerExecutor:
                 hundreds of rows (SmolLM2-135M bf16, AVX2: 0.254 → 0.040 ms), while for a
                 few rows the per-call cast of the weights costs more than it saves (a free
                 4-token history pass: 100 ms against ~69 ms). Never for verification.
+            resume_prefill: the block is the rest of a prompt whose first ``positions[:, 0]``
+                positions a prefix cache copied into ``cache``
+                (:mod:`selfspec.decoding.core.prefix_cache`). It runs the way one prefill of
+                the whole prompt runs these tokens: matrix products in the bulk format when
+                the whole prompt (``positions[:, 0] + T`` tokens) would take it, attention in
+                one call (the causal mask over the cache), never the fused or per-token paths
+                of decoding and verification. The logits then differ from one full prefill's
+                only by the kernels' choice of blocking by row count (that module measures it).
 
         Returns:
             ``[B, T, H]`` hidden states leaving layer ``end - 1``.
@@ -383,7 +391,11 @@ class LayerExecutor:
         pos0 = first_position(positions)  # no sync for positions made by position_block
         skip_attn = skip.skip_attention if skip is not None else ()
         skip_mlp = skip.skip_mlp if skip is not None else ()
-        bulk = (free and bsz * num_new >= BULK_MIN_ROWS) or self.is_free_block(pos0, num_new, bsz)
+        if resume_prefill:  # as one prefill of the whole prompt would run these tokens
+            bulk, free = self.is_free_block(0, pos0 + num_new, bsz), True
+        else:
+            bulk = ((free and bsz * num_new >= BULK_MIN_ROWS)
+                    or self.is_free_block(pos0, num_new, bsz))
         fused = None if bulk or free or not write_cache or bsz != 1 else self.fused_layers()
         if (fused is not None and hidden.dtype == cache.dtype == fused.dtype
                 and cache.shape.batch_size == 1 and not cache.any_masked(start, end)):
@@ -638,19 +650,21 @@ class LayerExecutor:
 
     # ------------------------------------------------------------- whole-model entries
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                last_only: bool = False, observe: Observer | None = None) -> torch.Tensor:
-        """Full model on ``input_ids`` ``[B, T]`` at ``positions`` ``[B, T]`` (``observe``: as
-        :meth:`run_layers`'s).
+                last_only: bool = False, observe: Observer | None = None,
+                resume_prefill: bool = False) -> torch.Tensor:
+        """Full model on ``input_ids`` ``[B, T]`` at ``positions`` ``[B, T]`` (``observe``,
+        ``resume_prefill``: as :meth:`run_layers`'s; a resumed prefill never replays a CUDA
+        graph, which runs decoding's path).
 
         Returns:
             ``[B, T, V]`` logits (``[B, 1, V]`` with ``last_only``).
         """
-        if self.graphs is not None:  # a captured CUDA graph serves this block, or None
+        if self.graphs is not None and not resume_prefill:  # a captured graph serves it, or None
             logits = self.graphs.forward(input_ids, positions, cache, last_only, observe)
             if logits is not None:
                 return logits
         hidden = self.run_layers(self.embed(input_ids), positions, 0, self.num_layers, cache,
-                                 observe=observe)
+                                 observe=observe, resume_prefill=resume_prefill)
         if last_only:
             hidden = hidden[:, -1:]
         return self.logits(hidden)

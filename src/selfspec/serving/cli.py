@@ -44,6 +44,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="largest max_tokens a request may ask for")
     p.add_argument("--default-max-tokens", type=int_arg(1), default=256)
     p.add_argument("--max-body-bytes", type=int_arg(64), default=1 << 20)
+    p.add_argument("--prefix-cache-mib", type=int_arg(0), default=256,
+                   help="MiB of earlier prompts' KV kept for later prompts that start with the "
+                        "same tokens (a chat's system prompt and history): only the rest is "
+                        "prefilled; 0 turns it off (default 256)")
     p.add_argument("--threads", type=threads_arg(), default=None, help="torch intra-op threads")
     add_method_arguments(p)
     p.set_defaults(func=_cmd_serve)
@@ -66,7 +70,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if check_threads("--threads", args.threads):
         torch.set_num_threads(args.threads)
     engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel,
-                           device=args.device, cuda_graphs=args.cuda_graphs)
+                           device=args.device, cuda_graphs=args.cuda_graphs,
+                           prefix_cache_mib=args.prefix_cache_mib)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens,
                     default_max_tokens=min(args.default_max_tokens, args.max_tokens))

@@ -206,7 +206,7 @@ class Scheduler:
                 return stop or request.cancelled.is_set()
 
             state = DecodeState(self.engine.executor, request.prompt_ids, request.options,
-                                on_commit)
+                                on_commit, prefix_cache=getattr(self.engine, "prefix_cache", None))
             begin(state)
         except Exception as error:  # noqa: BLE001 - bad options, prompt too long, ...
             self._fail(request, error)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from selfspec.decoding.core.prefix_cache import PrefixCache
 from selfspec.decoding.core.sampling import SamplingConfig
 from selfspec.decoding.core.stats import GenerationStats
 from selfspec.errors import InvalidArgumentError, PromptError
@@ -60,13 +61,17 @@ class DecodeState:
         options: limits and sampling.
         sink: optional callback for committed tokens (see :data:`TokenSink`).
         cache_margin: extra cache positions beyond prompt + max_new_tokens (draft overshoot).
+        prefix_cache: KV of earlier prompts: :meth:`prefill` copies the longest kept prefix
+            of this prompt and runs only the rest, then keeps this prompt's blocks
+            (:mod:`selfspec.decoding.core.prefix_cache`); ``None``: prefill it all.
 
     Raises:
         PromptError: the prompt is empty or fills the model's context.
     """
 
     def __init__(self, executor: LayerExecutor, prompt_ids: list[int], options: DecodeOptions,
-                 sink: TokenSink | None = None, cache_margin: int = 16) -> None:
+                 sink: TokenSink | None = None, cache_margin: int = 16,
+                 prefix_cache: PrefixCache | None = None) -> None:
         if not prompt_ids:
             raise PromptError("the prompt is empty; give at least one token of text")
         if len(prompt_ids) >= executor.max_positions:
@@ -76,6 +81,7 @@ class DecodeState:
         self.executor = executor
         self.options = options
         self.sink = sink
+        self.prefix_cache = prefix_cache
         self.tokens: list[int] = list(prompt_ids)
         self.prompt_len = len(prompt_ids)
         self.context_limit = executor.max_positions
@@ -160,9 +166,25 @@ class DecodeState:
         """Run the prompt through all layers, filling the cache (``observe``: as
         :meth:`~selfspec.executor.LayerExecutor.run_layers`'s).
 
+        With a :attr:`prefix_cache`, the KV of the longest kept prefix of the prompt is
+        copied in first and only the rest runs (``stats.cached_tokens`` positions are
+        reused; not with ``observe``, which must see the whole prompt), and the prompt's
+        blocks are kept for later prompts.
+
         Returns:
             ``[1, V]`` logits for the token after the prompt.
         """
-        ids = device_tensor([self.tokens], self.executor.device)
-        return self.executor.forward(ids, self.positions(0, self.prompt_len), self.cache,
-                                     last_only=True, observe=observe)[:, -1]
+        ex = self.executor
+        prompt = self.tokens[: self.prompt_len]
+        start = 0
+        if self.prefix_cache is not None:
+            namespace = (ex.name, ex.dtype, ex.formats)  # KV of other formats rounds apart
+            if observe is None:
+                start = self.prefix_cache.load(prompt, self.cache, namespace)
+        ids = device_tensor([prompt[start:]], ex.device)
+        logits = ex.forward(ids, self.positions(start, self.prompt_len - start), self.cache,
+                            last_only=True, observe=observe, resume_prefill=start > 0)[:, -1]
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(prompt, self.cache, namespace)
+        self.stats.cached_tokens = start
+        return logits

@@ -146,6 +146,7 @@ class GenerationStats:
 
     Attributes:
         prompt_tokens: prompt length in tokens.
+        cached_tokens: prompt positions whose KV a prefix cache supplied (not prefilled).
         new_tokens: tokens generated.
         total_ms: wall time from the start of the prefill to the last commit, in ms.
         ttft_ms: time to first token (prefill + first token), in ms.
@@ -169,6 +170,7 @@ class GenerationStats:
     """
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     new_tokens: int = 0
     total_ms: float = 0.0
     ttft_ms: float = 0.0

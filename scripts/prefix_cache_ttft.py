@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""Time to first token of chat turns that share a long system prompt, with and without the
+prefix cache (:mod:`selfspec.decoding.core.prefix_cache`), and the outputs' identity.
+
+Usage::
+
+    PYTHONPATH=src python scripts/prefix_cache_ttft.py                       # bf16, 1,024 tokens
+    PYTHONPATH=src python scripts/prefix_cache_ttft.py --configs bf16,fp32,bf16:fp32 --turns 3
+
+Each configuration (``DTYPE`` or ``DTYPE:BULK``, the bulk format forced with
+``executor.set_bulk``: ``bf16:fp32`` is what a CPU that emulates bf16 runs) loads
+SmolLM2-135M-Instruct and builds one system prompt of ``--prefix-tokens`` tokens of real
+text (docs/design.md) followed by MT-Bench questions as user turns. Then:
+
+1. every turn without the cache: its greedy tokens (the reference) and TTFT (a full prefill);
+2. the same turns with a fresh cache: the first keeps the system prompt (cold), the later
+   ones reuse it; their tokens must equal the references (the script exits 1 otherwise);
+3. the prefill logits of one warm turn with and without the cache: the largest absolute
+   difference, and whether they are bit-identical (the module doc explains why they need
+   not be).
+
+Timings are wall clock on a shared machine: run it where nothing else runs, and read the
+medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import selfspec
+from selfspec.data.prompts import load_prompts
+from selfspec.decoding.core.state import DecodeOptions, DecodeState
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def system_prompt(engine: selfspec.SelfSpec, tokens: int) -> str:
+    """The first ``tokens`` tokens of docs/design.md, as text, behind one instruction line."""
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
+    return "Answer questions with this document in mind.\n\n" + engine.tokenizer.decode(ids)
+
+
+def chat_ids(engine: selfspec.SelfSpec, system: str, question: str) -> list[int]:
+    ids = engine.tokenizer.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        add_generation_prompt=True, return_dict=False)
+    return list(ids)
+
+
+def prefill_logits(engine: selfspec.SelfSpec, ids: list[int]) -> torch.Tensor:
+    state = DecodeState(engine.executor, ids, DecodeOptions(max_new_tokens=1),
+                        prefix_cache=engine.prefix_cache)
+    with torch.inference_mode():
+        return state.prefill().float()
+
+
+def run_config(config: str, args: argparse.Namespace, questions: list[str]) -> bool:
+    dtype, _, bulk = config.partition(":")
+    engine = selfspec.load("smollm2-135m-instruct", dtype=dtype, show_progress=False)
+    if bulk:
+        engine.executor.set_bulk(bulk)
+    formats = engine.executor.formats
+    system = system_prompt(engine, args.prefix_tokens)
+    prompts = [chat_ids(engine, system, q) for q in questions]
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts[:2])) if a != b)
+    engine.generate("Hello", max_new_tokens=2)  # one-time costs out of the timings
+
+    full = [engine.generate(p, max_new_tokens=args.new_tokens) for p in prompts]
+    engine.use_prefix_cache(args.mib)
+    cached = [engine.generate(p, max_new_tokens=args.new_tokens) for p in prompts]
+    same = [c.token_ids == f.token_ids for c, f in zip(cached, full)]
+
+    warm = prompts[1]
+    with_cache = prefill_logits(engine, warm)  # the system prompt's blocks are kept
+    engine.use_prefix_cache(0)
+    without = prefill_logits(engine, warm)
+    diff = float((with_cache - without).abs().max())
+
+    ttft_full = statistics.median(r.stats.ttft_ms for r in full)
+    ttft_warm = statistics.median(r.stats.ttft_ms for r in cached[1:])
+    print(f"\n## {config}: weights {dtype}, bulk {formats.bulk}, rows {formats.rows}, "
+          f"{torch.get_num_threads()} threads")
+    print(f"prompts {[len(p) for p in prompts]} tokens, shared prefix {shared}, "
+          f"{args.new_tokens} new tokens, method ar\n")
+    print("| turn | cached tokens | TTFT without cache (ms) | TTFT with cache (ms) | tokens equal |")
+    print("|---|---|---|---|---|")
+    for i, (f, c, ok) in enumerate(zip(full, cached, same)):
+        role = "cold" if i == 0 else "warm"
+        print(f"| {i} ({role}) | {c.stats.cached_tokens} | {f.stats.ttft_ms:.0f} | "
+              f"{c.stats.ttft_ms:.0f} | {ok} |")
+    print(f"\nmedian TTFT: full prefill {ttft_full:.0f} ms, cold turn "
+          f"{cached[0].stats.ttft_ms:.0f} ms, warm turns {ttft_warm:.0f} ms: "
+          f"{cached[0].stats.ttft_ms / ttft_warm:.1f}x lower than the cold turn, "
+          f"{ttft_full / ttft_warm:.1f}x lower than a full prefill")
+    print(f"prefill logits of turn 1, cached vs full: max |diff| {diff:.3g}, "
+          f"bit-identical {diff == 0.0}, argmax equal "
+          f"{int(with_cache.argmax()) == int(without.argmax())}")
+    return all(same)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", default="bf16",
+                        help="comma-separated DTYPE or DTYPE:BULK (default bf16)")
+    parser.add_argument("--prefix-tokens", type=int, default=1024,
+                        help="tokens of document text in the system prompt (default 1024)")
+    parser.add_argument("--turns", type=int, default=4, help="user turns (default 4)")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--mib", type=int, default=256, help="prefix cache size (default 256)")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    questions = [p.text for p in load_prompts("mtbench", args.turns)]
+    ok = True
+    for config in args.configs.split(","):
+        t0 = time.perf_counter()
+        ok &= run_config(config.strip(), args, questions)
+        print(f"({time.perf_counter() - t0:.0f} s)")
+    print("\nall outputs identical" if ok else "\nOUTPUTS DIFFER")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
