@@ -17,7 +17,8 @@ text (docs/design.md) followed by MT-Bench questions as user turns. Then:
    ones reuse it; their tokens must equal the references (the script exits 1 otherwise);
 3. the prefill logits of one warm turn with and without the cache: the largest absolute
    difference, and whether they are bit-identical (the module doc explains why they need
-   not be).
+   not be);
+4. for every other method of ``--methods``, greedy parity with and without the cache.
 
 Timings are wall clock on a shared machine: run it where nothing else runs, and read the
 medians.
@@ -72,9 +73,9 @@ def run_config(config: str, args: argparse.Namespace, questions: list[str]) -> b
     shared = next(i for i, (a, b) in enumerate(zip(*prompts[:2])) if a != b)
     engine.generate("Hello", max_new_tokens=2)  # one-time costs out of the timings
 
-    full = [engine.generate(p, max_new_tokens=args.new_tokens) for p in prompts]
+    full = [engine.generate(p, "ar", max_new_tokens=args.new_tokens) for p in prompts]
     engine.use_prefix_cache(args.mib)
-    cached = [engine.generate(p, max_new_tokens=args.new_tokens) for p in prompts]
+    cached = [engine.generate(p, "ar", max_new_tokens=args.new_tokens) for p in prompts]
     same = [c.token_ids == f.token_ids for c, f in zip(cached, full)]
 
     warm = prompts[1]
@@ -102,6 +103,15 @@ def run_config(config: str, args: argparse.Namespace, questions: list[str]) -> b
     print(f"prefill logits of turn 1, cached vs full: max |diff| {diff:.3g}, "
           f"bit-identical {diff == 0.0}, argmax equal "
           f"{int(with_cache.argmax()) == int(without.argmax())}")
+    for method in args.methods.split(",")[1:]:  # greedy parity only
+        full = [engine.generate(p, method, max_new_tokens=args.new_tokens) for p in prompts]
+        engine.use_prefix_cache(args.mib)
+        got = [engine.generate(p, method, max_new_tokens=args.new_tokens) for p in prompts]
+        engine.use_prefix_cache(0)
+        equal = [g.token_ids == f.token_ids for g, f in zip(got, full)]
+        print(f"{method}: cached tokens {[g.stats.cached_tokens for g in got]}, "
+              f"tokens equal {equal}")
+        same += equal
     return all(same)
 
 
@@ -114,6 +124,9 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=4, help="user turns (default 4)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--mib", type=int, default=256, help="prefix cache size (default 256)")
+    parser.add_argument("--methods", default="ar",
+                        help="ar first (timed), then methods whose greedy parity is checked "
+                             "(e.g. ar,auto,ngram)")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:

@@ -80,11 +80,12 @@ class SelfSpec:
 
     def use_prefix_cache(self, mib: float) -> PrefixCache | None:
         """Keep up to ``mib`` MiB of earlier prompts' KV and reuse it for later prompts that
-        start with the same tokens (:mod:`selfspec.decoding.core.prefix_cache`: greedy
-        outputs stay ``ar``'s; the time to first token of a prompt whose first 1,024 tokens
-        are kept falls several-fold); ``0`` turns it off and frees what was kept. Off by
-        default in the library, so that timings of repeated prompts (the benchmark's) stay
-        those of a full prefill; ``selfspec serve`` keeps 256 MiB.
+        start with the same tokens, in whole prefill chunks
+        (:mod:`selfspec.decoding.core.prefix_cache`: the logits are bit for bit those of a
+        full prefill; the time to first token of a prompt whose first 1,024 tokens are kept
+        falls several-fold); ``0`` turns it off and frees what was kept. Off by default in
+        the library, so that timings of repeated prompts (the benchmark's) stay those of a
+        full prefill; ``selfspec serve`` keeps 256 MiB.
 
         Returns:
             The new cache, or ``None`` for ``0``.
@@ -92,7 +93,7 @@ class SelfSpec:
         Raises:
             InvalidArgumentError: ``mib`` negative or not a number.
         """
-        cache = PrefixCache.from_mib(mib)
+        cache = PrefixCache.from_mib(mib, block_size=self.executor.prefill_chunk)
         self.prefix_cache = cache if cache.budget_bytes > 0 else None
         return self.prefix_cache
 

@@ -52,6 +52,7 @@ class Executor(Protocol):
     device: torch.device                 # of the weights: backends are chosen for it
     dtype: torch.dtype                   # weights, KV cache and hidden states
     row_attention_max: int               # longest block attended one token per call
+    prefill_chunk: int                   # prefill() runs fixed chunks of this many positions
     row_limits: PackedRowLimits          # the oneDNN packed kernel's row-consistency table
     formats: ComputeFormats              # bulk format and decoding kernel
     layer_weights: list[LayerWeights]    # per layer: norms + qkv, o, gate_up, down
@@ -173,6 +174,11 @@ class Executor(Protocol):
                 last_only: bool = False, observe: Observer | None = None,
                 resume_prefill: bool = False) -> torch.Tensor:
         """The full model: ``[B, T]`` ids → ``[B, T, V]`` logits."""
+        ...
+
+    def prefill(self, input_ids: torch.Tensor, cache: KVCache, start: int = 0,
+                observe: Observer | None = None) -> torch.Tensor:
+        """A prompt ``[1, N]`` from ``start`` in fixed chunks of positions → ``[1, V]``."""
         ...
 
     def forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -39,11 +39,12 @@ from selfspec.executor.cache import CacheShape, KVCache
 from selfspec.executor.cpu import ComputeFormats, choose_formats
 from selfspec.executor.fp16_rows import Fp16Rows
 from selfspec.executor.linear import Linear, PackedRowLimits
-from selfspec.executor.plan import BULK_MIN_ROWS, Head, Observer, SkipPlan
+from selfspec.executor.plan import BULK_MIN_ROWS, PREFILL_CHUNK, Head, Observer, SkipPlan
 from selfspec.executor.rope import RopeTable
 from selfspec.executor.sync import first_position, position_block
 from selfspec.executor.weights import LayerWeights, layer_weights
 from selfspec.models.common import SUPPORTED_MODEL_TYPES
+from selfspec.validation import check_int
 
 if TYPE_CHECKING:
     from selfspec.executor.backends import MatrixBackend
@@ -51,8 +52,8 @@ if TYPE_CHECKING:
     from selfspec.executor.fused_layers import FusedLayers
     from selfspec.executor.quant import FormatTiming
 
-__all__ = ["BULK_MIN_ROWS", "SUPPORTED_MODEL_TYPES", "Head", "LayerExecutor", "Observer",
-           "SkipPlan"]
+__all__ = ["BULK_MIN_ROWS", "PREFILL_CHUNK", "SUPPORTED_MODEL_TYPES", "Head", "LayerExecutor",
+           "Observer", "SkipPlan"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,10 @@ class LayerExecutor:
             (:func:`selfspec.executor.cpu.choose_rows`: ``"auto"`` = FBGEMM's fp16-weight
             kernel for the larger bf16 matrices on a CPU that emulates bf16, which keeps fp16
             copies of them; ``"fp16"`` = every matrix; ``"weights"`` = the weights' own).
+        prefill_chunk: :meth:`prefill` runs a prompt in calls over the absolute positions
+            ``[k·C, (k+1)·C)`` of this many tokens ``C``, so that every position's keys and
+            values come from the same calls whatever the prompt's length, and a prefix
+            cache's copy of them is exactly what a full prefill computes.
 
     Attributes:
         device: the device of the model's weights; backends are chosen for it
@@ -100,7 +105,8 @@ class LayerExecutor:
 
     def __init__(self, model: torch.nn.Module, pack_weights: bool = True,
                  row_attention_max: int = 64, name: str | None = None,
-                 bulk: str = "auto", rows: str = "auto") -> None:
+                 bulk: str = "auto", rows: str = "auto",
+                 prefill_chunk: int = PREFILL_CHUNK) -> None:
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedArchitectureError(
@@ -126,6 +132,7 @@ class LayerExecutor:
         self.lm_head = model.lm_head
         self.vocab_size = model.lm_head.out_features
         self.row_attention_max = row_attention_max
+        self.prefill_chunk = check_int("prefill_chunk", prefill_chunk, low=1)
         self._attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.scaling,
                                row_attention_max)
         param = next(model.parameters())
@@ -406,6 +413,11 @@ class LayerExecutor:
         # Blocks from position 0 use SDPA's is_causal and need no explicit mask.
         mask = (grouped_causal_mask(num_new, pos0 + num_new, attn.groups, hidden.device)
                 if pos0 > 0 else None)
+        if resume_prefill and mask is not None:
+            # The additive form SDPA would convert the boolean mask to in every layer, made
+            # once (the same values: the same results, without a `where` per layer).
+            mask = torch.zeros(mask.shape, dtype=hidden.dtype,
+                               device=hidden.device).masked_fill_(~mask, float("-inf"))
         for i in range(start, end):
             w = self.layer_weights[i]
             if i not in skip_attn:
@@ -668,6 +680,52 @@ class LayerExecutor:
         if last_only:
             hidden = hidden[:, -1:]
         return self.logits(hidden)
+
+    def prefill(self, input_ids: torch.Tensor, cache: KVCache, start: int = 0,
+                observe: Observer | None = None) -> torch.Tensor:
+        """A prompt through all layers, filling ``cache``, in calls over fixed chunks of
+        absolute positions ``[k·C, (k+1)·C)`` (``C`` = :attr:`prefill_chunk`; the last one
+        shorter): the first from position 0, the others as :meth:`run_layers`'
+        ``resume_prefill`` blocks.
+
+        Why fixed chunks: a matrix kernel picks its blocking by the call's row count and
+        SDPA by the query count, so a position computed in a call of another size rounds
+        differently (measured: module doc of :mod:`selfspec.decoding.core.prefix_cache`).
+        With the boundaries fixed, a position's keys and values come from the same calls, on
+        the same earlier keys and values, however long the prompt is: a prefix cache that
+        copies whole chunks of an earlier prompt and runs the rest from ``start`` gives bit
+        for bit the logits and cache of a prefill from 0. The price over one call: smaller
+        matrix products and an explicit mask in the later chunks.
+
+        Args:
+            input_ids: ``[1, N]`` the prompt's token ids.
+            cache: a batch-1 cache holding exactly ``start`` positions in every layer.
+            start: positions already in ``cache`` (0, or a multiple of ``C`` below ``N``).
+            observe: as :meth:`run_layers`'s, called once per chunk and sub-layer with that
+                chunk's positions, chunk after chunk.
+
+        Returns:
+            ``[1, V]`` logits for the token after the prompt.
+
+        Raises:
+            InvalidArgumentError: ``start`` not a multiple of ``C`` in ``[0, N)``.
+        """
+        total = input_ids.shape[1]
+        size = self.prefill_chunk
+        if not (0 <= start < total and start % size == 0):
+            raise InvalidArgumentError(
+                f"a prefill resumes at a multiple of prefill_chunk ({size}) below the prompt's "
+                f"{total} tokens; got {start}")
+        if self.graphs is not None:  # a prefill never replays a graph: counted as forward's
+            self.graphs.stats.fallbacks["prefill"] += 1
+        hidden = input_ids  # replaced by the first chunk's output
+        for pos0 in range(start, total, size):
+            end = min(pos0 + size, total)
+            hidden = self.run_layers(self.embed(input_ids[:, pos0:end]),
+                                     position_block(pos0, end - pos0, input_ids.device), 0,
+                                     self.num_layers, cache, observe=observe,
+                                     resume_prefill=pos0 > 0)
+        return self.logits(hidden[:, -1:])[:, -1]
 
     def forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      lengths: Sequence[int], caches: Sequence[KVCache]) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The small types every layer-running entry point of the executor shares (docs/design.md
 "Executor contract"): which sub-layers a run skips, the per-sub-layer observer, the head
-signature, and the row count from which a block may run in the bulk format.
+signature, the row count from which a block may run in the bulk format, and the prefill's
+chunk.
 
 They live apart from :mod:`selfspec.executor.executor` so that the modules the executor
 delegates to (and :mod:`selfspec.executor.cost_model`, which measures it) can name them
@@ -25,6 +26,11 @@ Head = Callable[..., torch.Tensor]
 # Bulk calls of fewer rows stay in the weights' format: at 4 rows the cast of a bf16 weight to
 # fp32 already pays on an AVX2 CPU (0.49 vs 0.55 ms for [4×576]·[576×1536], 2 threads).
 BULK_MIN_ROWS = 4
+
+# A prompt's prefill runs in calls over fixed chunks of absolute positions [k·C, (k+1)·C)
+# (LayerExecutor.prefill): a position's keys and values then come from the same calls however
+# long the prompt is, so a prefix cache's copy is bit for bit what a full prefill computes.
+PREFILL_CHUNK = 256
 
 
 @dataclass(frozen=True)

@@ -191,9 +191,24 @@ class ResidualRecorder:
 
     def prefill_observer(self, state: DecodeState) -> Observer:
         """Attach to ``state`` and record its prompt as the prefill computes it (a Step's
-        ``prefill_observer``: the prompt's end is the first re-optimisation's history)."""
+        ``prefill_observer``: the prompt's end is the first re-optimisation's history).
+
+        The prefill runs in chunks of positions
+        (:meth:`~selfspec.executor.LayerExecutor.prefill`), each a forward of its own: a
+        chunk's first sub-layer call (layer 0's attention) starts its :meth:`observer`."""
         self.attach(state)
-        return self.observer(state.tokens, 0)
+        tokens = state.tokens
+        seen = 0  # prompt positions of the chunks begun so far
+        chunk: Observer | None = None
+
+        def record(layer_idx: int, sublayer: str, hidden: torch.Tensor) -> None:
+            nonlocal seen, chunk
+            if chunk is None or (layer_idx == 0 and sublayer == "attention"):
+                count = hidden.shape[1]
+                chunk = self.observer(tokens[seen:seen + count], seen)
+                seen += count
+            chunk(layer_idx, sublayer, hidden)
+        return record
 
     def observer(self, tokens: list[int], pos0: int) -> Observer:
         """The ``observe`` callback for one full forward of ``tokens`` from ``pos0``

@@ -5,58 +5,59 @@ resends its system prompt and history every turn; ``selfspec serve --prefix-cach
 
 **Design: hashed blocks chained by their prefix** (vLLM's automatic prefix caching), not a
 radix tree (SGLang's RadixAttention). A prompt is cut into blocks of ``block_size`` tokens;
-a block is known by its parent block and its own tokens, so a block's key stands for the
-whole prefix up to it, and a lookup is one dictionary probe per block from the first. Why
-blocks here:
+a block is known by its parent block and its own tokens, so its key stands for the whole
+prefix up to it, and a lookup is one dictionary probe per block from the first. Why blocks:
 
+* a block is the executor's **prefill chunk** (:data:`~selfspec.executor.plan.PREFILL_CHUNK`,
+  256 positions; :meth:`~selfspec.executor.LayerExecutor.prefill`), the only places where a
+  prefill can resume bit for bit (below); reuse is in whole chunks whatever the index, so a
+  radix tree's token-exact matches would buy nothing;
 * selfspec's :class:`~selfspec.executor.cache.KVCache` is one contiguous buffer per layer
   and row, not pages that attention reads through a table, so a hit is *copied* into the
-  row's own cache whatever the index is; a radix tree's strength (token-exact matches whose
-  nodes are the running requests' own pages) would buy only the last partial block: at most
-  ``block_size - 1`` tokens recomputed, ~1.5% of a 1,000-token system prompt at 16.
+  row's own cache (sharing pages, a radix tree's other strength, has no pages to share);
 * every block is one tensor of one size, so the byte count is exact (the sum of the kept
-  tensors' bytes) and eviction is a constant-time pop; a radix tree's node split either
-  copies the node's KV or leaves two nodes aliasing one storage, whose bytes are freed only
-  when both go.
+  tensors' ``numel() * element_size()``) and eviction a constant-time pop; a radix tree's
+  node split copies a node's KV or leaves two nodes aliasing one storage;
 * keys are exact: ``(parent block's id, the block's token ids)`` in a ``dict``, which
   compares the tuple itself on a hash match, so a collision can never hand one prompt
-  another's KV (ids are never reused, so a key naming an evicted parent matches nothing).
+  another's KV (ids are never reused: a key naming an evicted parent matches nothing).
 
-The blocks form a forest (one root per ``namespace``: the model and its number formats, as
-KV computed in another bulk format would round differently). **Eviction** is least recently
+The blocks form a forest, one root per ``namespace`` (the model, its number formats and its
+prefill chunk: KV computed otherwise rounds differently). **Eviction** is least recently
 used, leaves first: a lookup or a store touches the blocks of its path from the deepest to
-the root, so a parent is always more recent than each of its children, and the least
+the root, so a parent is always more recent than each of its children and the least
 recently used block is always a leaf (evicting an inner block would strand its descendants,
-whose keys name it). Only full blocks of a prompt are kept, copied out right after its
-prefill (every layer holds exactly the prompt then, with no masked position), before any
-decoding touches the cache: generated tokens are not kept (their KV comes from the decoding
-and verification paths, and a speculative method's layers hold different lengths).
+whose keys name it). Only a prompt's full blocks are kept, copied out right after its prefill
+(every layer then holds exactly the prompt, no masked position) before decoding touches the
+cache; generated tokens are not kept (their KV comes from the decoding and verification
+paths, and a speculative method's layers hold different lengths).
 
-A hit copies at most ``len(prompt) - 1`` positions: the last prompt token always runs, since
-its logits give the first new token (a prompt that is wholly cached reuses all of its last
-block but one position).
+A hit copies whole chunks, at most ``len(prompt) - 1`` positions: the last prompt token always
+runs (its logits give the first new token), so a prompt that is wholly kept reruns its last
+chunk.
 
-**Numerics.** The rest of the prompt runs as one prefill of the whole prompt runs those
-tokens (:meth:`~selfspec.executor.LayerExecutor.run_layers` with ``resume_prefill``: bulk
-format when the whole prompt would take it, attention in one call under the causal mask,
-never decoding's fused or per-token paths). Attention over the cache with the explicit mask
-gives the same rows as the prefill's ``is_causal`` call (checked on SmolLM2's shapes, 1-64
-queries after 1,024 keys, bf16 and fp32). The matrix products cannot always match bit for
-bit: the kernels choose their blocking by the call's row count, and the suffix's call has
-fewer rows than the whole prompt's. Measured on a Xeon with AMX (SmolLM2-135M, 1,024 cached
-positions): in fp32 (MKL) calls of 16+ rows give every row as the 1,044-row call does and
-calls of up to 8 rows do not; in native bf16 (oneDNN) ``down_proj`` (``K = 1,536``) rounds
-rows differently in calls of 16-128 rows at one thread and 200-256 at two, the other
-matrices never. A 20-token suffix was therefore bit-identical to the full prefill in fp32
-and first differed at layer 11's MLP in bf16 (largest logit difference 0.25). The same
-dependence exists without a prefix cache: a prompt's shared prefix already gets different
-bits in prefills of different lengths. What is guaranteed and tested is greedy token
-identity with ``ar`` without the cache on real prompts (tests/test_prefix_cache.py;
-``scripts/prefix_cache_ttft.py`` checks bf16 and fp32 on longer prompts).
+**Numerics: bit for bit a full prefill.** A matrix kernel chooses its blocking by the call's
+row count, SDPA by the query count, so a position computed in a call of another size rounds
+differently. Measured on a Xeon with AMX (SmolLM2-135M, suffix after 1,024 positions): in
+fp32 (MKL) calls of up to 8 rows round rows differently from the prompt's 1,044-row call; in
+native bf16 (oneDNN) ``down_proj`` (``K = 1,536``) does in calls of 16-128 rows at one thread
+and 200-256 at two; and with every product padded to the prompt's row count, attention with
+the explicit mask over the cache still rounded differently from the prefill's ``is_causal``
+call for some prompt lengths. Running the rest of a prompt in one call on top
+of 1,040 cached positions gave logits 0.25 off in bf16 (2.5e-5 in fp32), and greedy bf16
+text then differed from ``ar``'s on 5 of 8 MT-Bench turns within 32 tokens (changing only
+the prefill's thread count flipped 3 of 8: bf16 greedy decoding of this model meets exact
+ties). So the executor prefills every prompt in calls over fixed chunks of absolute positions
+``[k·C, (k+1)·C)``, cache or not: a position's KV comes from the same calls on the same
+inputs however long the prompt is, and a hit that copies whole chunks and resumes at a chunk
+boundary computes exactly what a prefill from 0 computes. Logits and KV are bit-identical
+(tests/test_prefix_cache.py on tiny fp32/bf16 models and real fp32 SmolLM2;
+``scripts/prefix_cache_ttft.py`` in bf16 and fp32). The chunks cost a cold prefill 4-15% at
+1-2k tokens and ~25% at 4k (bf16, one thread: smaller products, an explicit mask).
 
-**Not used** (the prompt is prefilled whole, and still stored): when the prefill has an
-observer (KnapSpec, CLaSp and SpecEE with its drafter record the prompt's residual stream
-during the prefill; a cached prefix would hide it from them).
+**Not used** (the prompt is prefilled whole, and still kept) when the prefill has an
+observer: KnapSpec, CLaSp and SpecEE with its drafter record the prompt's residual stream
+during the prefill, which a cached prefix would hide from them.
 
 **n-gram history.** The n-gram drafters already see every prompt this cache keeps: a row's
 own prompt is its prompt-lookup source, shared prefix included, and a finished (or cancelled)
@@ -76,13 +77,14 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.executor import KVCache
+from selfspec.executor.plan import PREFILL_CHUNK
 from selfspec.validation import check_float, check_int
 
 logger = logging.getLogger(__name__)
 
-#: Tokens per block (vLLM's default): a hit recomputes at most ``DEFAULT_BLOCK_SIZE - 1``
-#: positions of its prefix, and a block of SmolLM2-135M in bf16 is 360 KiB.
-DEFAULT_BLOCK_SIZE = 16
+#: Tokens per block: the executor's prefill chunk (a hit is reused only in whole chunks, see
+#: the module doc); a block of SmolLM2-135M in bf16 is 5.6 MiB.
+DEFAULT_BLOCK_SIZE = PREFILL_CHUNK
 MIB = 1 << 20
 
 
@@ -193,21 +195,29 @@ class PrefixCache:
         for block in reversed(path):
             self._lru.move_to_end(block.uid)
 
-    def match(self, tokens: Sequence[int], namespace: Hashable) -> int:
-        """Positions of ``tokens`` a :meth:`load` would copy now (at most ``len - 1``);
-        changes nothing."""
-        with self._lock:
-            return min(len(self._path(tokens, namespace)) * self.block_size,
-                       max(len(tokens) - 1, 0))
+    def _reusable(self, path: list[_Block], tokens: Sequence[int], align: int | None) -> int:
+        """Positions of ``path`` a prompt of ``tokens`` may reuse: at most ``len - 1``, a
+        multiple of ``align`` (default: the block size)."""
+        align = self.block_size if align is None else align
+        count = min(len(path) * self.block_size, len(tokens) - 1)
+        return max(count, 0) // align * align
 
-    def load(self, tokens: Sequence[int], cache: KVCache, namespace: Hashable) -> int:
+    def match(self, tokens: Sequence[int], namespace: Hashable, align: int | None = None) -> int:
+        """Positions of ``tokens`` a :meth:`load` would copy now; changes nothing."""
+        with self._lock:
+            return self._reusable(self._path(tokens, namespace), tokens, align)
+
+    def load(self, tokens: Sequence[int], cache: KVCache, namespace: Hashable,
+             align: int | None = None) -> int:
         """Copy the KV of the longest kept prefix of ``tokens`` into ``cache``, leaving at
         least the last token to prefill.
 
         Args:
             tokens: the prompt's token ids.
             cache: the prompt's cache, empty in every layer.
-            namespace: what else the KV depends on (the model and its formats).
+            namespace: what else the KV depends on (the model, its formats, its chunks).
+            align: the positions copied are a multiple of it (the executor's prefill chunk,
+                where a prefill may resume bit for bit); default the block size.
 
         Returns:
             Positions copied (``0``: nothing kept matches); the prefill starts there.
@@ -219,7 +229,7 @@ class PrefixCache:
         with self._lock:
             self.stats.lookups += 1
             path = self._path(tokens, namespace)
-            count = min(len(path) * self.block_size, len(tokens) - 1)
+            count = self._reusable(path, tokens, align)
             if count <= 0:
                 return 0
             needed = -(-count // self.block_size)  # blocks holding the first `count` positions

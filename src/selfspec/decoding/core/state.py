@@ -67,6 +67,8 @@ class DecodeState:
 
     Raises:
         PromptError: the prompt is empty or fills the model's context.
+        InvalidArgumentError: a prefix cache whose blocks are not whole prefill chunks of
+            ``executor`` (``executor.prefill_chunk``).
     """
 
     def __init__(self, executor: LayerExecutor, prompt_ids: list[int], options: DecodeOptions,
@@ -81,6 +83,10 @@ class DecodeState:
         self.executor = executor
         self.options = options
         self.sink = sink
+        if prefix_cache is not None and prefix_cache.block_size % executor.prefill_chunk:
+            raise InvalidArgumentError(
+                f"the prefix cache's blocks ({prefix_cache.block_size} tokens) must be whole "
+                f"prefill chunks ({executor.prefill_chunk} tokens) of this model's executor")
         self.prefix_cache = prefix_cache
         self.tokens: list[int] = list(prompt_ids)
         self.prompt_len = len(prompt_ids)
@@ -163,13 +169,15 @@ class DecodeState:
         return stats
 
     def prefill(self, observe: Observer | None = None) -> torch.Tensor:
-        """Run the prompt through all layers, filling the cache (``observe``: as
-        :meth:`~selfspec.executor.LayerExecutor.run_layers`'s).
+        """Run the prompt through all layers, filling the cache
+        (:meth:`~selfspec.executor.LayerExecutor.prefill`: fixed chunks of positions;
+        ``observe``: as its).
 
-        With a :attr:`prefix_cache`, the KV of the longest kept prefix of the prompt is
-        copied in first and only the rest runs (``stats.cached_tokens`` positions are
-        reused; not with ``observe``, which must see the whole prompt), and the prompt's
-        blocks are kept for later prompts.
+        With a :attr:`prefix_cache`, the KV of the longest kept prefix of the prompt (whole
+        chunks, at least the last token left to run) is copied in first and only the rest
+        runs, bit for bit as in a prefill from 0 (``stats.cached_tokens`` positions reused;
+        not with ``observe``, which must see the whole prompt); then the prompt's blocks are
+        kept for later prompts.
 
         Returns:
             ``[1, V]`` logits for the token after the prompt.
@@ -178,12 +186,12 @@ class DecodeState:
         prompt = self.tokens[: self.prompt_len]
         start = 0
         if self.prefix_cache is not None:
-            namespace = (ex.name, ex.dtype, ex.formats)  # KV of other formats rounds apart
+            # KV computed in other formats or chunks rounds differently: never mixed.
+            namespace = (ex.name, ex.dtype, ex.formats, ex.prefill_chunk)
             if observe is None:
-                start = self.prefix_cache.load(prompt, self.cache, namespace)
-        ids = device_tensor([prompt[start:]], ex.device)
-        logits = ex.forward(ids, self.positions(start, self.prompt_len - start), self.cache,
-                            last_only=True, observe=observe, resume_prefill=start > 0)[:, -1]
+                start = self.prefix_cache.load(prompt, self.cache, namespace,
+                                               align=ex.prefill_chunk)
+        logits = ex.prefill(device_tensor([prompt], ex.device), self.cache, start, observe)
         if self.prefix_cache is not None:
             self.prefix_cache.store(prompt, self.cache, namespace)
         self.stats.cached_tokens = start
