@@ -52,8 +52,9 @@ ties). So the executor prefills every prompt in calls over fixed chunks of absol
 inputs however long the prompt is, and a hit that copies whole chunks and resumes at a chunk
 boundary computes exactly what a prefill from 0 computes. Logits and KV are bit-identical
 (tests/test_prefix_cache.py on tiny fp32/bf16 models and real fp32 SmolLM2;
-``scripts/prefix_cache_ttft.py`` in bf16 and fp32). The chunks cost a cold prefill 4-15% at
-1-2k tokens and ~25% at 4k (bf16, one thread: smaller products, an explicit mask).
+``scripts/prefix_cache_ttft.py`` in bf16 and fp32). The chunks cost a cold prefill 8-15% at
+300-2,000 tokens and 27% at 4,000 (bf16, one thread: smaller products, and the explicit
+mask each later chunk's attention reads over the whole cache).
 
 **Not used** (the prompt is prefilled whole, and still kept) when the prefill has an
 observer: KnapSpec, CLaSp and SpecEE with its drafter record the prompt's residual stream
