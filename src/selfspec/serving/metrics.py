@@ -26,7 +26,8 @@ Requests, by ``method`` (measured on the worker thread; a request's clock starts
 queued):
 
 - ``selfspec_requests_finished_total{method, finish_reason}``: requests that left the
-  scheduler.
+  scheduler after it took them up (a request whose client left while it still waited for a
+  row is dropped uncounted).
 - ``selfspec_prompt_tokens_total{method}``: prompt tokens of the requests that got a first
   token (prefilled).
 - ``selfspec_generation_tokens_total{method}``: tokens generated (the sum of the
@@ -191,6 +192,7 @@ class ServerMetrics:
             "steps by the drafter that ran (methods that choose one per step)",
             ["method", "drafter"], registry=r)
         self._positions = [str(k) for k in range(max_position)] + [f"{max_position}+"]
+        self._children: dict[tuple, Any] = {}
 
     # ------------------------------------------------------------------ scrape
     def watch(self, scheduler: Scheduler) -> None:
@@ -253,25 +255,35 @@ class ServerMetrics:
 
     def on_step(self, method: str, stats: StepStats) -> None:
         """Count one row's step."""
+        child = self._child
         method = method_label(method)
-        self.steps.labels(method).inc()
+        child(self.steps, method).inc()
         if stats.num_drafted:
-            self.num_drafts.labels(method).inc()
-            self.draft_tokens.labels(method).inc(stats.num_drafted)
-            self.accepted_tokens.labels(method).inc(stats.num_accepted)
+            child(self.num_drafts, method).inc()
+            child(self.draft_tokens, method).inc(stats.num_drafted)
+            child(self.accepted_tokens, method).inc(stats.num_accepted)
             self._per_position(self.draft_per_pos, method, stats.num_drafted)
             self._per_position(self.accepted_per_pos, method, stats.num_accepted)
         if stats.verified:
-            self.verifications.labels(method).inc()
+            child(self.verifications, method).inc()
         if stats.drafter:
-            self.drafter_steps.labels(method, stats.drafter).inc()
+            child(self.drafter_steps, method, stats.drafter).inc()
 
     def _per_position(self, counter: Any, method: str, count: int) -> None:
         # positions 0 .. count-1 each once; those past max_position fold into the last label
         for k in range(min(count, self.max_position)):
-            counter.labels(method, self._positions[k]).inc()
+            self._child(counter, method, self._positions[k]).inc()
         if count > self.max_position:
-            counter.labels(method, self._positions[-1]).inc(count - self.max_position)
+            self._child(counter, method, self._positions[-1]).inc(count - self.max_position)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        # metric.labels() takes a lock and checks the values at every call, and on_step runs
+        # for every row at every step (~20 calls): look each labelled child up once
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
 
 class HttpMetrics:
