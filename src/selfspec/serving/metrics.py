@@ -221,9 +221,10 @@ class ServerMetrics:
     # ------------------------------------------------------------------ scheduler
     def on_submit(self, request: Request) -> None:
         """Start ``request``'s clock and wrap its ``on_tokens`` / ``on_done`` to count its
-        tokens and time it (worker thread; before the wrapped callbacks run, so a client
-        never sees a response the metrics have not counted yet)."""
+        tokens and time it. The wrappers run on the worker thread and count before they call
+        the request's own callbacks, so no client sees a response the metrics miss."""
         method = method_label(request.method)
+        generation_tokens = self.generation_tokens.labels(method)  # once, not per commit
         queued = time.perf_counter()
         first: float | None = None
         last = queued
@@ -238,7 +239,7 @@ class ServerMetrics:
                 self.prompt_tokens.labels(method).inc(len(request.prompt_ids))
                 self.ttft.labels(method).observe(first - queued)
             generated += len(ids)
-            self.generation_tokens.labels(method).inc(len(ids))
+            generation_tokens.inc(len(ids))
             on_tokens(ids)
 
         def done(state: DecodeState | None, text: str, error: BaseException | None) -> None:
