@@ -3,7 +3,9 @@ continuous-batching :class:`~selfspec.serving.scheduler.Scheduler`.
 
 Routes: ``GET /health`` (no key needed), ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (the tokenizer's chat template), with ``stream`` as server-sent
-events ending in ``data: [DONE]``. Every error is an OpenAI-style body
+events ending in ``data: [DONE]``, and ``GET /metrics`` (the Prometheus text format,
+:mod:`~selfspec.serving.metrics`; it needs the API key too when one is set); a response's
+``usage.selfspec`` tells how its draft tokens fared. Every error is an OpenAI-style body
 (:class:`~selfspec.serving.protocol.ApiError`): 400 for malformed JSON or parameters, 401 for a
 missing or wrong ``--api-key``, 404 for an unknown model or route, 413 for a body over the
 limit, 429 when the queue is full; an unexpected failure is a 500 with a generic message
@@ -25,6 +27,7 @@ from typing import Any
 
 from selfspec.errors import InvalidArgumentError, MissingDependencyError, PromptError
 from selfspec.methods.registry import METHODS, get_method
+from selfspec.serving.metrics import HttpMetrics, ServerMetrics, acceptance_usage
 from selfspec.serving.protocol import (
     FINISH_REASONS,
     ApiError,
@@ -73,21 +76,25 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
     """The ASGI application serving ``engine``.
 
     Raises:
-        MissingDependencyError: FastAPI is not installed (``pip install 'selfspec[serve]'``).
+        MissingDependencyError: FastAPI or prometheus-client is not installed
+            (``pip install 'selfspec[serve]'``).
         InvalidArgumentError: the default method or its options are invalid for the model.
     """
     try:
         from fastapi import FastAPI
         from fastapi import Request as HttpRequest
         from fastapi.exceptions import RequestValidationError
-        from fastapi.responses import JSONResponse, StreamingResponse
+        from fastapi.responses import JSONResponse, Response, StreamingResponse
         from starlette.exceptions import HTTPException
     except ImportError as error:
         raise MissingDependencyError(
             "selfspec serve needs FastAPI and uvicorn: pip install 'selfspec[serve]'") from error
 
     get_method(config.method).make_batch_step(engine.methods, config.method_options)
-    scheduler = Scheduler(engine, max_batch=config.max_batch, max_queue=config.max_queue)
+    metrics = ServerMetrics()
+    scheduler = Scheduler(engine, max_batch=config.max_batch, max_queue=config.max_queue,
+                          observer=metrics)
+    metrics.watch(scheduler)
     # The event loop's own tokenizer: a fast tokenizer's encode reconfigures its Rust backend
     # (truncation, padding) and must not run while the worker thread decodes with it.
     tokenizer = copy.deepcopy(engine.tokenizer)
@@ -104,6 +111,8 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
     app = FastAPI(title="selfspec", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.scheduler = scheduler
+    app.state.metrics = metrics
+    app.add_middleware(HttpMetrics, metrics=metrics, routes=app.routes)
 
     def error_response(error: ApiError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
@@ -242,7 +251,8 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
         if error is not None:
             raise failure(error)
         return response_body(ids_of, text, FINISH_REASONS.get(state.finish_reason, "stop"),
-                             usage(len(ids), state.num_generated))
+                             usage(len(ids), state.num_generated)
+                             | {"selfspec": acceptance_usage(method, state.stats)})
 
     def failure(error: BaseException) -> ApiError:
         if isinstance(error, InvalidArgumentError):
@@ -278,7 +288,9 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
                 finish = FINISH_REASONS.get(state.finish_reason, "stop")
                 yield event(chunk_body(ids_of, rest, finish, role=first))
                 if api.include_usage:
-                    yield event(usage_chunk(ids_of, usage(prompt_tokens, state.num_generated)))
+                    use = usage(prompt_tokens, state.num_generated) | {
+                        "selfspec": acceptance_usage(job.method, state.stats)}
+                    yield event(usage_chunk(ids_of, use))
                 break
             yield b"data: [DONE]\n\n"
         finally:
@@ -288,6 +300,13 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
     async def health() -> dict:
         return {"status": "ok", "model": config.model_name, "running": scheduler.running,
                 "waiting": scheduler.waiting}
+
+    @app.get("/metrics")
+    async def metrics_text(request: HttpRequest) -> Response:
+        # the key too: the metrics show the load and which methods clients use, and
+        # Prometheus sends a bearer token (`authorization: {credentials_file: ...}`)
+        authorize(request)
+        return Response(metrics.render(), media_type=metrics.content_type)
 
     @app.get("/v1/models")
     async def models(request: HttpRequest) -> dict:

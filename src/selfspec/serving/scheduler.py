@@ -18,12 +18,13 @@ import threading
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from selfspec.decoding.auto.batch import BatchStep, begin
 from selfspec.decoding.core.state import DecodeOptions, DecodeState
+from selfspec.decoding.core.stats import StepStats
 from selfspec.decoding.core.stop_strings import StopStringSink
 from selfspec.errors import InvalidArgumentError, SelfSpecError
 from selfspec.methods.registry import get_method
@@ -72,6 +73,17 @@ class _Row:
     key: tuple
 
 
+class SchedulerObserver(Protocol):
+    """What the scheduler reports as it works (the server's metrics,
+    :class:`~selfspec.serving.metrics.ServerMetrics`); called from the thread named."""
+
+    def on_submit(self, request: Request) -> None:
+        """``request`` was queued (caller's thread); it may wrap the request's callbacks."""
+
+    def on_step(self, method: str, stats: StepStats) -> None:
+        """One row of ``method`` made one step (worker thread)."""
+
+
 class Scheduler:
     """A worker thread running continuous batching over one engine.
 
@@ -79,18 +91,21 @@ class Scheduler:
         engine: a loaded :class:`selfspec.SelfSpec`.
         max_batch: rows decoded together at most (>= 1).
         max_queue: requests waiting for a row at most (>= 0); more are refused.
+        observer: told of each queued request and each row's step (``None``: nobody).
 
     Raises:
         InvalidArgumentError: bounds below their minimum.
     """
 
-    def __init__(self, engine: Any, max_batch: int = 8, max_queue: int = 64) -> None:
+    def __init__(self, engine: Any, max_batch: int = 8, max_queue: int = 64,
+                 observer: SchedulerObserver | None = None) -> None:
         if max_batch < 1 or max_queue < 0:
             raise InvalidArgumentError(
                 f"max_batch must be >= 1 and max_queue >= 0; got {max_batch}, {max_queue}")
         self.engine = engine
         self.max_batch = max_batch
         self.max_queue = max_queue
+        self.observer = observer
         self._queue: deque[Request] = deque()
         self._rows: list[_Row] = []
         self._steps: dict[tuple, BatchStep] = {}
@@ -136,6 +151,8 @@ class Scheduler:
                 raise QueueFullError(
                     f"{len(self._queue)} requests are waiting already (max_queue "
                     f"{self.max_queue}); retry later")
+            if self.observer is not None:
+                self.observer.on_submit(request)
             self._queue.append(request)
             self._wake.notify()
 
@@ -178,6 +195,8 @@ class Scheduler:
             try:
                 for state, stats in zip(states, step(states)):
                     state.stats.add(stats)
+                    if self.observer is not None:  # the same stats as the response's usage
+                        self.observer.on_step(key[0], stats)
             except Exception as error:
                 logger.exception("a %s step failed", key[0])
                 for row in rows:
