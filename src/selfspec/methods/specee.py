@@ -302,5 +302,6 @@ SPEC = MethodSpec(
           "decoding/specee/skipped_kv.py",
     options=Options, build=build, heads_files=lambda options: [str(options.heads)],
     lossy_when=lambda options: not options.verify,
+    processes_logits_when=lambda options: options.verify,
     unused_when=lambda options: ({"kv"} if options.verify else {"max_early"})
     | (set(TUNED_OPTIONS) if options.tuned else set()))

@@ -32,11 +32,13 @@ from selfspec.serving.protocol import (
     FINISH_REASONS,
     ApiError,
     ApiRequest,
+    Choice,
     Limits,
     ResponseIds,
     TextDeltas,
     check_prompt_length,
     chunk_body,
+    logprobs_body,
     parse_request,
     response_body,
     sampling_seed,
@@ -205,11 +207,12 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
                            code="model_not_found")
         ids = prompt_ids(api)
         method, method_options = method_of(api)
-        try:
-            options = engine.decode_options(api.max_tokens, api.temperature, api.top_k,
-                                            api.top_p, sampling_seed(api.seed))
-        except InvalidArgumentError as error:
-            raise ApiError(400, str(error)) from error
+        processing = processing_of(api)
+        if processing.active and not get_method(method).processes_logits_for(method_options):
+            raise ApiError(400, f"method {method!r} with these options picks tokens without "
+                                "verification, so response_format, penalties and logprobs "
+                                "cannot apply; use a lossless method (auto, ar, ngram, ...)",
+                           param="selfspec")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -219,40 +222,82 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
             except RuntimeError:  # the event loop is gone (server shutting down)
                 pass
 
-        job = Request(prompt_ids=ids, options=options, method=method,
-                      method_options=method_options, stop=api.stop,
-                      on_tokens=lambda tokens: post(("tokens", tokens)),
-                      on_done=lambda state, text, error: post(("done", state, text, error)))
+        jobs = []
+        for index in range(api.n):
+            # Choice i samples with seed + i: n choices of one seeded request differ from
+            # each other, and each is reproducible.
+            seed = None if api.seed is None else api.seed + index
+            try:
+                options = engine.decode_options(api.max_tokens, api.temperature, api.top_k,
+                                                api.top_p, sampling_seed(seed), processing)
+            except InvalidArgumentError as error:
+                raise ApiError(400, str(error)) from error
+            jobs.append(Request(prompt_ids=ids, options=options, method=method,
+                                method_options=method_options, stop=api.stop))
+        for index, job in enumerate(jobs):
+            job.on_tokens = _token_poster(job, index, post)
+            job.on_done = (lambda state, text, error, index=index:
+                           post(("done", index, state, text, error)))
         try:
-            scheduler.submit(job)
+            for job in jobs:
+                scheduler.submit(job)
         except QueueFullError as error:
+            for job in jobs:
+                job.cancelled.set()
             raise ApiError(429, f"the server is busy: {error}", type="rate_limit_error",
                            code="queue_full") from error
         ids_of = ResponseIds(config.model_name, chat)
         if api.stream:
-            return StreamingResponse(stream(api, job, events, ids_of, len(ids)),
+            return StreamingResponse(stream(api, jobs, events, ids_of, len(ids)),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            while True:
-                try:
-                    item = await asyncio.wait_for(events.get(), timeout=0.5)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        job.cancelled.set()
-                        return None
-                    continue
+            finished: dict[int, tuple] = {}
+            while len(finished) < len(jobs):
+                item = await next_event(request, events, jobs)
+                if item is None:
+                    return None
                 if item[0] == "done":
-                    break
-        except asyncio.CancelledError:
-            job.cancelled.set()
+                    finished[item[1]] = item
+                    if item[4] is not None:
+                        raise failure(item[4])
+        except BaseException:
+            for job in jobs:
+                job.cancelled.set()
             raise
-        _, state, text, error = item
-        if error is not None:
-            raise failure(error)
-        return response_body(ids_of, text, FINISH_REASONS.get(state.finish_reason, "stop"),
-                             usage(len(ids), state.num_generated)
-                             | {"selfspec": acceptance_usage(method, state.stats)})
+        choices, generated, stats = [], 0, []
+        for index, (_, _, state, text, _) in sorted(finished.items()):
+            entries = logprob_entries(state)
+            choices.append(Choice(index, text, FINISH_REASONS.get(state.finish_reason, "stop"),
+                                  None if entries is None else
+                                  logprobs_body(tokenizer, entries, chat)))
+            generated += state.num_generated
+            stats.append(state.stats)
+        return response_body(ids_of, choices, usage(len(ids), generated)
+                             | {"selfspec": acceptance_usage(method, *stats)})
+
+    def processing_of(api: ApiRequest) -> Any:
+        try:
+            return engine.processing(api.response_format, api.presence_penalty,
+                                     api.frequency_penalty, api.logprobs)
+        except InvalidArgumentError as error:
+            raise ApiError(400, str(error), param="response_format"
+                           if api.response_format is not None else None) from error
+        except MissingDependencyError as error:
+            raise ApiError(400, f"response_format is not available on this server: {error}",
+                           param="response_format") from error
+
+    async def next_event(request: HttpRequest, events: asyncio.Queue,
+                         jobs: list[Request]) -> tuple | None:
+        """The next event of the request's jobs, or ``None`` when the client left."""
+        while True:
+            try:
+                return await asyncio.wait_for(events.get(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    for job in jobs:
+                        job.cancelled.set()
+                    return None
 
     def failure(error: BaseException) -> ApiError:
         if isinstance(error, InvalidArgumentError):
@@ -260,42 +305,60 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
         logger.error("generation failed: %r", error)
         return ApiError(500, "generation failed; see the server log", type="server_error")
 
-    async def stream(api: ApiRequest, job: Request, events: asyncio.Queue, ids_of: ResponseIds,
-                     prompt_tokens: int) -> AsyncIterator[bytes]:
-        deltas = TextDeltas(tokenizer, api.stop)
-        first = True
+    async def stream(api: ApiRequest, jobs: list[Request], events: asyncio.Queue,
+                     ids_of: ResponseIds, prompt_tokens: int) -> AsyncIterator[bytes]:
+        deltas = [TextDeltas(tokenizer, api.stop) for _ in jobs]
+        offsets = [0] * len(jobs)  # completions' text_offset of each choice's next token
+        opened = [False] * len(jobs)
+        generated, stats, left = 0, [], len(jobs)
 
         def event(body: dict) -> bytes:
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
 
+        def chunk_logprobs(index: int, entries: list | None) -> dict | None:
+            if entries is None:
+                return None
+            body = logprobs_body(tokenizer, entries, ids_of.chat, offsets[index])
+            offsets[index] += sum(len(t) for t in body.get("tokens", ()))
+            return body
+
         try:
             if ids_of.chat:
-                yield event(chunk_body(ids_of, "", None, role=True))
-                first = False
+                for index in range(len(jobs)):
+                    yield event(chunk_body(ids_of, "", None, role=True, index=index))
+                    opened[index] = True
             while True:
                 item = await events.get()
                 if item[0] == "tokens":
-                    text = deltas.push(item[1])
-                    if text:
-                        yield event(chunk_body(ids_of, text, None, role=first))
-                        first = False
-                    continue
-                _, state, text, error = item
-                if error is not None:
-                    yield event(failure(error).body())
-                    break
-                rest = deltas.finish(text)
-                finish = FINISH_REASONS.get(state.finish_reason, "stop")
-                yield event(chunk_body(ids_of, rest, finish, role=first))
-                if api.include_usage:
-                    use = usage(prompt_tokens, state.num_generated) | {
-                        "selfspec": acceptance_usage(job.method, state.stats)}
-                    yield event(usage_chunk(ids_of, use))
-                break
+                    _, index, tokens, entries = item
+                    text = deltas[index].push(tokens)
+                    logprobs = chunk_logprobs(index, entries)
+                    if text or logprobs is not None:
+                        yield event(chunk_body(ids_of, text, None, role=not opened[index],
+                                               index=index, logprobs=logprobs))
+                        opened[index] = True
+                else:
+                    _, index, state, text, error = item
+                    if error is not None:
+                        yield event(failure(error).body())
+                        break
+                    rest = deltas[index].finish(text)
+                    finish = FINISH_REASONS.get(state.finish_reason, "stop")
+                    yield event(chunk_body(ids_of, rest, finish, role=not opened[index],
+                                           index=index))
+                    generated += state.num_generated
+                    stats.append(state.stats)
+                    left -= 1
+                    if not left:
+                        if api.include_usage:
+                            use = usage(prompt_tokens, generated) | {
+                                "selfspec": acceptance_usage(jobs[0].method, *stats)}
+                            yield event(usage_chunk(ids_of, use))
+                        break
             yield b"data: [DONE]\n\n"
         finally:
-            job.cancelled.set()  # a disconnect ends here too; a finished job ignores it
-
+            for job in jobs:
+                job.cancelled.set()  # a disconnect ends here too; a finished job ignores it
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "model": config.model_name, "running": scheduler.running,
@@ -327,6 +390,27 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
         return await complete(request, chat=True)
 
     return app
+
+
+def logprob_entries(state: Any) -> list | None:
+    """The finished ``state``'s per-token log probabilities, or ``None`` when not asked."""
+    processor = state.processor
+    if state.options.processing.logprobs is None or processor is None:
+        return None
+    return list(processor.logprobs)
+
+
+def _token_poster(job: Request, index: int, post: Any) -> Any:
+    """``job.on_tokens``: posts ``("tokens", index, tokens, logprob entries or None)``
+    (called on the worker thread, where the row's state is current)."""
+    def on_tokens(tokens: list[int]) -> None:
+        state = job.state
+        entries = None
+        if state is not None and state.processor is not None \
+                and state.options.processing.logprobs is not None:
+            entries = state.processor.logprobs[-len(tokens):]
+        post(("tokens", index, tokens, entries))
+    return on_tokens
 
 
 def warm_up(engine: Any, method: str, options: dict[str, Any]) -> None:

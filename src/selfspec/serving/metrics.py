@@ -91,12 +91,12 @@ def method_label(method: str) -> str:
     return method if method in METHODS else OTHER
 
 
-def acceptance_usage(method: str, stats: GenerationStats) -> dict[str, Any]:
+def acceptance_usage(method: str, *stats: GenerationStats) -> dict[str, Any]:
     """The ``usage.selfspec`` object of one response: how its draft tokens fared.
 
     Args:
         method: the method that generated it.
-        stats: the finished generation's statistics.
+        stats: the finished statistics of its generations (one per choice), summed.
 
     Returns:
         ``{"method", "steps", "draft_tokens", "accepted_tokens", "verifications",
@@ -104,13 +104,22 @@ def acceptance_usage(method: str, stats: GenerationStats) -> dict[str, Any]:
         (tokens per verification, bonus token included; 0.0 without verification)}``, plus
         ``"drafters": {name: steps}`` for a method that chooses a drafter per step.
     """
+    steps = sum(s.steps for s in stats)
+    drafted = sum(s.drafted for s in stats)
+    accepted = sum(s.accepted for s in stats)
+    verifications = sum(s.verifications for s in stats)
     out: dict[str, Any] = {
-        "method": method, "steps": stats.steps, "draft_tokens": stats.drafted,
-        "accepted_tokens": stats.accepted, "verifications": stats.verifications,
-        "acceptance_rate": round(stats.acceptance_rate, 4),
-        "mean_accepted_tokens": round(stats.mean_accepted, 4)}
-    if stats.drafters:
-        out["drafters"] = {name: use.steps for name, use in sorted(stats.drafters.items())}
+        "method": method, "steps": steps, "draft_tokens": drafted,
+        "accepted_tokens": accepted, "verifications": verifications,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+        "mean_accepted_tokens": (round((accepted + verifications) / verifications, 4)
+                                 if verifications else 0.0)}
+    drafters: dict[str, int] = {}
+    for s in stats:
+        for name, use in s.drafters.items():
+            drafters[name] = drafters.get(name, 0) + use.steps
+    if drafters:
+        out["drafters"] = dict(sorted(drafters.items()))
     return out
 
 

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from selfspec.decoding.auto.batch import BatchStep, begin
+from selfspec.decoding.core.loop import check_processing
 from selfspec.decoding.core.state import DecodeOptions, DecodeState
 from selfspec.decoding.core.stats import StepStats
 from selfspec.decoding.core.stop_strings import StopStringSink
@@ -52,6 +53,8 @@ class Request:
             ``None``).
         cancelled: set it (e.g. the client disconnected) to end the request at the next
             step; ``on_done`` then reports finish reason ``"cancelled"``.
+        state: the row's :class:`DecodeState` once admitted (read it from the callbacks,
+            which run on the worker thread), else ``None``.
     """
 
     prompt_ids: list[int]
@@ -63,6 +66,7 @@ class Request:
     on_done: Callable[[DecodeState | None, str, BaseException | None], None] = (
         lambda state, text, error: None)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    state: DecodeState | None = None
 
 
 @dataclass
@@ -226,6 +230,8 @@ class Scheduler:
 
             state = DecodeState(self.engine.executor, request.prompt_ids, request.options,
                                 on_commit)
+            check_processing(self._steps[key].processes_logits, state)
+            request.state = state
             begin(state)
         except Exception as error:  # noqa: BLE001 - bad options, prompt too long, ...
             self._fail(request, error)

@@ -85,8 +85,9 @@ def run_batch(states: list[DecodeState], step: BatchStep) -> list[GenerationStat
         RuntimeError: a step committed nothing to a row that is not done (a method bug).
         InvalidArgumentError: output processing on a method without it (before any prefill).
     """
-    for state in states:
-        check_processing(step.processes_logits, state)
+    if any(state.processor is not None for state in states):
+        for state in states:
+            check_processing(step.processes_logits, state)
     for state in states:
         begin(state)
         if not state.done:
