@@ -17,6 +17,7 @@ cancels its request: its row leaves the batch at the next step and its KV cache 
 
 import asyncio
 import copy
+import dataclasses
 import hmac
 import json
 import logging
@@ -46,6 +47,14 @@ from selfspec.serving.protocol import (
     usage_chunk,
 )
 from selfspec.serving.scheduler import QueueFullError, Request, Scheduler
+from selfspec.serving.tools import (
+    call_format,
+    hermes_messages,
+    parse_answer,
+    parse_tools,
+    template_messages,
+    template_takes_tools,
+)
 from selfspec.validation import check_text, check_token_ids
 
 logger = logging.getLogger(__name__)
@@ -170,9 +179,16 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
                 if not getattr(tokenizer, "chat_template", None):
                     raise ApiError(400, f"model {config.model_name!r} has no chat template; "
                                         "use /v1/completions", param="messages")
+                tools = api.tools
+                if template_takes_tools(tokenizer):
+                    extra = ({"tools": list(tools.tools)} if tools is not None and tools.active
+                             else {})
+                    messages = template_messages(api.messages)
+                else:
+                    extra, messages = {}, hermes_messages(api.messages, tools)
                 ids = tokenizer.apply_chat_template(
-                    api.messages, add_generation_prompt=True, tokenize=True,
-                    return_dict=False)
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                    **extra)
                 if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                     ids = ids["input_ids"]
                 ids = list(ids)
@@ -201,6 +217,13 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
         authorize(request)
         body = await read_json(request)
         api = parse_request(body, chat, config.limits)
+        if chat:
+            tools = parse_tools(body)
+            if tools is not None and tools.forced and api.response_format is not None:
+                raise ApiError(400, "'response_format' cannot be combined with a tool_choice "
+                                    "that forces a call (the call's schema is the format)",
+                               param="response_format")
+            api = dataclasses.replace(api, tools=tools)
         if body["model"] != config.model_name:
             raise ApiError(404, f"the model {body['model']!r} is not served here; this server "
                                 f"serves {config.model_name!r}", param="model",
@@ -268,17 +291,27 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
         choices, generated, stats = [], 0, []
         for index, (_, _, state, text, _) in sorted(finished.items()):
             entries = logprob_entries(state)
-            choices.append(Choice(index, text, FINISH_REASONS.get(state.finish_reason, "stop"),
+            finish = FINISH_REASONS.get(state.finish_reason, "stop")
+            calls = None
+            if api.tools is not None and api.tools.active:
+                answer = parse_answer(text, api.tools)
+                text, calls = answer.content, answer.calls or None
+                if calls:
+                    finish = "tool_calls"
+            choices.append(Choice(index, text, finish,
                                   None if entries is None else
-                                  logprobs_body(tokenizer, entries, chat)))
+                                  logprobs_body(tokenizer, entries, chat), calls))
             generated += state.num_generated
             stats.append(state.stats)
         return response_body(ids_of, choices, usage(len(ids), generated)
                              | {"selfspec": acceptance_usage(method, *stats)})
 
     def processing_of(api: ApiRequest) -> Any:
+        response_format = api.response_format
+        if api.tools is not None and api.tools.forced:
+            response_format = call_format(api.tools)
         try:
-            return engine.processing(api.response_format, api.presence_penalty,
+            return engine.processing(response_format, api.presence_penalty,
                                      api.frequency_penalty, api.logprobs)
         except InvalidArgumentError as error:
             raise ApiError(400, str(error), param="response_format"
@@ -308,6 +341,7 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
     async def stream(api: ApiRequest, jobs: list[Request], events: asyncio.Queue,
                      ids_of: ResponseIds, prompt_tokens: int) -> AsyncIterator[bytes]:
         deltas = [TextDeltas(tokenizer, api.stop) for _ in jobs]
+        tools_active = api.tools is not None and api.tools.active
         offsets = [0] * len(jobs)  # completions' text_offset of each choice's next token
         opened = [False] * len(jobs)
         generated, stats, left = 0, [], len(jobs)
@@ -331,6 +365,8 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
                 item = await events.get()
                 if item[0] == "tokens":
                     _, index, tokens, entries = item
+                    if tools_active:  # the answer may be calls: sent whole when done
+                        continue
                     text = deltas[index].push(tokens)
                     logprobs = chunk_logprobs(index, entries)
                     if text or logprobs is not None:
@@ -342,8 +378,21 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
                     if error is not None:
                         yield event(failure(error).body())
                         break
-                    rest = deltas[index].finish(text)
                     finish = FINISH_REASONS.get(state.finish_reason, "stop")
+                    if tools_active:
+                        answer = parse_answer(text, api.tools)
+                        entries = logprob_entries(state)
+                        logprobs = chunk_logprobs(index, entries)
+                        if answer.calls:
+                            yield event(chunk_body(ids_of, answer.content, None, index=index,
+                                                   logprobs=logprobs, calls=answer.calls))
+                            finish = "tool_calls"
+                        elif answer.content or logprobs is not None:
+                            yield event(chunk_body(ids_of, answer.content, None, index=index,
+                                                   logprobs=logprobs))
+                        rest = None
+                    else:
+                        rest = deltas[index].finish(text)
                     yield event(chunk_body(ids_of, rest, finish, role=not opened[index],
                                            index=index))
                     generated += state.num_generated

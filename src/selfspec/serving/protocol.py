@@ -39,9 +39,9 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 _COMPLETION_FIELDS |= {"response_format"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs",
-                          "response_format", "parallel_tool_calls"}
+                          "response_format", "parallel_tool_calls", "tools", "tool_choice"}
 _FORMATS = ("text", "json_object", "json_schema", "regex", "lark")
-_ROLES = ("system", "developer", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ApiError(Exception):
@@ -107,12 +107,14 @@ class ApiRequest:
         logprobs: ``None`` (none), or the number of alternatives per token (0-20).
         presence_penalty / frequency_penalty: OpenAI's penalties.
         response_format: the structured-output constraint, or ``None``.
+        tools: the request's tools (:class:`~selfspec.serving.tools.ToolRequest`), or
+            ``None``.
     """
 
     chat: bool
     prompt: str | None = None
     prompt_ids: list[int] | None = None
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -128,6 +130,7 @@ class ApiRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     response_format: Mapping[str, Any] | None = None
+    tools: Any = None
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -196,7 +199,7 @@ def _prompt(body: Mapping) -> tuple[str | None, list[int] | None]:
     raise _bad("'prompt' must be a non-empty string or a list of token ids", "prompt")
 
 
-def _messages(body: Mapping) -> list[dict[str, str]]:
+def _messages(body: Mapping) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list of {role, content} objects",
@@ -209,6 +212,15 @@ def _messages(body: Mapping) -> list[dict[str, str]]:
         if role not in _ROLES:
             raise _bad(f"messages[{i}].role must be one of {', '.join(_ROLES)}; got {role!r}",
                        "messages")
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str) for c in calls):
+                raise _bad(f"messages[{i}].tool_calls must be a list of {{\"function\": "
+                           "{\"name\", \"arguments\"}} on an assistant message", "messages")
+            if content is None:
+                content = ""
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text"
                        and isinstance(p.get("text"), str) for p in content):
@@ -217,7 +229,16 @@ def _messages(body: Mapping) -> list[dict[str, str]]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise _bad(f"messages[{i}].content must be a string", "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        entry: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                                 "content": content}
+        if calls is not None:
+            entry["tool_calls"] = calls
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise _bad(f"messages[{i}].tool_call_id must be a string", "messages")
+            entry["tool_call_id"] = call_id
+        out.append(entry)
     return out
 
 
@@ -284,7 +305,7 @@ def parse_request(body: Any, chat: bool, limits: Limits) -> ApiRequest:
         "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         "response_format": response_format}
-    if chat:
+    if chat:  # tools: parsed by selfspec.serving.tools.parse_tools (the app sets them)
         return ApiRequest(chat=True, messages=_messages(body), **common)
     prompt, ids = _prompt(body)
     return ApiRequest(chat=False, prompt=prompt, prompt_ids=ids, **common)
@@ -363,12 +384,14 @@ class Choice:
         text: the generated text (cut at a stop string).
         finish: the OpenAI finish reason.
         logprobs: the OpenAI ``logprobs`` object (:func:`logprobs_body`), or ``None``.
+        tool_calls: OpenAI ``tool_calls`` entries (chat), or ``None``.
     """
 
     index: int
-    text: str
+    text: str | None
     finish: str
     logprobs: dict | None = None
+    tool_calls: list[dict] | None = None
 
 
 def response_body(ids: ResponseIds, choices: Sequence[Choice], use: dict) -> dict:
@@ -376,8 +399,11 @@ def response_body(ids: ResponseIds, choices: Sequence[Choice], use: dict) -> dic
     out = []
     for c in sorted(choices, key=lambda c: c.index):
         if ids.chat:
-            out.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": c.logprobs, "finish_reason": c.finish})
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            if c.tool_calls:
+                message["tool_calls"] = c.tool_calls
+            out.append({"index": c.index, "message": message, "logprobs": c.logprobs,
+                        "finish_reason": c.finish})
         else:
             out.append({"index": c.index, "text": c.text, "logprobs": c.logprobs,
                         "finish_reason": c.finish})
@@ -387,13 +413,16 @@ def response_body(ids: ResponseIds, choices: Sequence[Choice], use: dict) -> dic
 
 
 def chunk_body(ids: ResponseIds, text: str | None, finish: str | None,
-               role: bool = False, index: int = 0, logprobs: dict | None = None) -> dict:
-    """One streamed chunk of choice ``index``: a text delta, its tokens' ``logprobs`` and/or
-    the finish reason."""
+               role: bool = False, index: int = 0, logprobs: dict | None = None,
+               calls: list[dict] | None = None) -> dict:
+    """One streamed chunk of choice ``index``: a text delta, its tokens' ``logprobs``, tool
+    calls (chat; each whole, with its ``index``) and/or the finish reason."""
     if ids.chat:
-        delta: dict[str, str] = {"role": "assistant"} if role else {}
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        if calls:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         kind = "chat.completion.chunk"
     else:
