@@ -136,6 +136,8 @@ class Scheduler:
             self._wake.notify()
         if self._thread.is_alive():
             self._thread.join(timeout=60)
+        elif self._thread.ident is None:  # never started: no worker will answer them
+            self._end_all(ShutdownError("the server is shutting down"))
 
     def abort(self, error: BaseException) -> None:
         """End every request running or waiting now with ``error`` (their ``on_done``),
