@@ -3,9 +3,11 @@ continuous-batching :class:`~selfspec.serving.scheduler.Scheduler`.
 
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (the tokenizer's chat template), with ``stream`` as server-sent
-events ending in ``data: [DONE]``. ``/health`` needs no key unless ``health_auth``: load
-balancers and orchestrators probe it without credentials, and it tells only the model's
-name and the queue's length. Every error is an OpenAI-style body
+events ending in ``data: [DONE]``, and ``GET /metrics`` (the Prometheus text format,
+:mod:`~selfspec.serving.metrics`; it needs the API key too when one is set); a response's
+``usage.selfspec`` tells how its draft tokens fared. ``/health`` needs no key unless
+``health_auth``: load balancers and orchestrators probe it without credentials, and it tells
+only the model's name and the queue's length. Every error is an OpenAI-style body
 (:class:`~selfspec.serving.protocol.ApiError`): 400 for malformed JSON (also nested too deep,
 ``NaN``, lone surrogates: :mod:`selfspec.serving.body`) or parameters, a method option
 naming a file (:mod:`selfspec.serving.assets`), a method whose trained assets this server
@@ -38,6 +40,7 @@ from selfspec.models.provision import selfspec_home
 from selfspec.serving import assets
 from selfspec.serving.body import decode_json
 from selfspec.serving.drain import Drain, Unavailable
+from selfspec.serving.metrics import HttpMetrics, ServerMetrics, acceptance_usage
 from selfspec.serving.protocol import (
     FINISH_REASONS,
     ApiError,
@@ -98,14 +101,15 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
     """The ASGI application serving ``engine``.
 
     Raises:
-        MissingDependencyError: FastAPI is not installed (``pip install 'selfspec[serve]'``).
+        MissingDependencyError: FastAPI or prometheus-client is not installed
+            (``pip install 'selfspec[serve]'``).
         InvalidArgumentError: the default method or its options are invalid for the model.
     """
     try:
         from fastapi import FastAPI
         from fastapi import Request as HttpRequest
         from fastapi.exceptions import RequestValidationError
-        from fastapi.responses import JSONResponse, StreamingResponse
+        from fastapi.responses import JSONResponse, Response, StreamingResponse
         from jinja2 import TemplateError
         from starlette.exceptions import HTTPException
     except ImportError as error:
@@ -113,8 +117,10 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
             "selfspec serve needs FastAPI and uvicorn: pip install 'selfspec[serve]'") from error
 
     get_method(config.method).make_batch_step(engine.methods, config.method_options)
+    metrics = ServerMetrics()
     scheduler = Scheduler(engine, max_batch=config.max_batch, max_queue=config.max_queue,
-                          max_batch_tokens=config.max_batch_tokens)
+                          max_batch_tokens=config.max_batch_tokens, observer=metrics)
+    metrics.watch(scheduler)
     drain = Drain(scheduler, config.drain_seconds)
     assets_dir = None if config.assets_dir is None else Path(config.assets_dir).resolve()
     # The event loop's own tokenizer: a fast tokenizer's encode reconfigures its Rust backend
@@ -134,6 +140,8 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
                   openapi_url=None)
     app.state.scheduler = scheduler
     app.state.drain = drain
+    app.state.metrics = metrics
+    app.add_middleware(HttpMetrics, metrics=metrics, routes=app.routes)
 
     def error_response(error: ApiError) -> JSONResponse:
         headers = dict(getattr(error, "headers", {}))  # Unavailable's Retry-After
@@ -261,7 +269,8 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
         if error is not None:
             raise failure(error)
         return response_body(ids_of, text, FINISH_REASONS.get(state.finish_reason, "stop"),
-                             usage(len(ids), state.num_generated))
+                             usage(len(ids), state.num_generated)
+                             | {"selfspec": acceptance_usage(job.method, state.stats)})
 
     async def accept(request: HttpRequest, chat: bool
                      ) -> tuple[ApiRequest, list[int], Request, asyncio.Queue]:
@@ -344,7 +353,9 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
                 finish = FINISH_REASONS.get(state.finish_reason, "stop")
                 yield event(chunk_body(ids_of, rest, finish, role=first))
                 if api.include_usage:
-                    yield event(usage_chunk(ids_of, usage(prompt_tokens, state.num_generated)))
+                    use = usage(prompt_tokens, state.num_generated) | {
+                        "selfspec": acceptance_usage(job.method, state.stats)}
+                    yield event(usage_chunk(ids_of, use))
                 break
             yield b"data: [DONE]\n\n"
         finally:
@@ -358,6 +369,13 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
                 "running": scheduler.running, "waiting": scheduler.waiting}
         # 503 while draining: a load balancer's probe takes the replica out of rotation.
         return JSONResponse(body, status_code=503 if drain.draining else 200)
+
+    @app.get("/metrics")
+    async def metrics_text(request: HttpRequest) -> Response:
+        # the key too: the metrics show the load and which methods clients use, and
+        # Prometheus sends a bearer token (`authorization: {credentials_file: ...}`)
+        authorize(request)
+        return Response(metrics.render(), media_type=metrics.content_type)
 
     @app.get("/v1/models")
     async def models(request: HttpRequest) -> dict:

@@ -26,8 +26,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API",
         description="Serve /v1/completions, /v1/chat/completions (streaming or not), "
-                    "/v1/models and /health with continuous batching. Binds 127.0.0.1 unless "
-                    "--host says otherwise; set --api-key before exposing it.")
+                    "/v1/models, /health and Prometheus /metrics with continuous batching. "
+                    "Binds 127.0.0.1 unless --host says otherwise; set --api-key (it guards "
+                    "/metrics too) before exposing it.")
     add_model_argument(p)
     p.add_argument("--served-name", default=None,
                    help="the name clients pass as `model` (default: the model's name)")

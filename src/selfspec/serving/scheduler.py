@@ -27,12 +27,13 @@ import threading
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from selfspec.decoding.auto.batch import BatchStep, begin
 from selfspec.decoding.core.state import DecodeOptions, DecodeState
+from selfspec.decoding.core.stats import StepStats
 from selfspec.decoding.core.stop_strings import StopStringSink
 from selfspec.errors import InvalidArgumentError, SelfSpecError
 from selfspec.methods.registry import get_method
@@ -86,6 +87,17 @@ class _Row:
     failures: list[BaseException] = field(default_factory=list)  # this row's own errors
 
 
+class SchedulerObserver(Protocol):
+    """What the scheduler reports as it works (the server's metrics,
+    :class:`~selfspec.serving.metrics.ServerMetrics`); called from the thread named."""
+
+    def on_submit(self, request: Request) -> None:
+        """``request`` was queued (caller's thread); it may wrap the request's callbacks."""
+
+    def on_step(self, method: str, stats: StepStats) -> None:
+        """One row of ``method`` made one step (worker thread)."""
+
+
 class Scheduler:
     """A worker thread running continuous batching over one engine.
 
@@ -96,13 +108,15 @@ class Scheduler:
         max_batch_tokens: KV positions the running rows may reach together at most (each
             row: its prompt + ``max_new_tokens``, capped by the model's context), or
             ``None``: no bound but ``max_batch``.
+        observer: told of each queued request and each row's step (``None``: nobody).
 
     Raises:
         InvalidArgumentError: bounds below their minimum.
     """
 
     def __init__(self, engine: Any, max_batch: int = 8, max_queue: int = 64,
-                 max_batch_tokens: int | None = None) -> None:
+                 max_batch_tokens: int | None = None,
+                 observer: SchedulerObserver | None = None) -> None:
         if max_batch < 1 or max_queue < 0 or (max_batch_tokens is not None
                                                and max_batch_tokens < 1):
             raise InvalidArgumentError(
@@ -112,6 +126,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.max_batch_tokens = max_batch_tokens
+        self.observer = observer
         self._queue: deque[Request] = deque()  # waiting for a row
         self._ready: deque[Request] = deque()  # holding a row, not admitted yet
         self._held: dict[int, int] = {}  # id(request) -> KV positions, for each row held
@@ -184,15 +199,18 @@ class Scheduler:
         with self._wake:
             if self._stop:
                 raise RuntimeError("the scheduler is closed")
-            if not self._queue and self._fits(need):
+            run_now = not self._queue and self._fits(need)
+            if not run_now and len(self._queue) >= self.max_queue:
+                # Waiting requests whose clients left hold no place in the queue.
+                self._queue = deque(r for r in self._queue if not r.cancelled.is_set())
+                if len(self._queue) >= self.max_queue:
+                    raise QueueFullError(self._busy())
+            if self.observer is not None:  # before the worker can see the request
+                self.observer.on_submit(request)
+            if run_now:
                 self._hold(request, need)
                 self._ready.append(request)
             else:
-                if len(self._queue) >= self.max_queue:
-                    # Waiting requests whose clients left hold no place in the queue.
-                    self._queue = deque(r for r in self._queue if not r.cancelled.is_set())
-                if len(self._queue) >= self.max_queue:
-                    raise QueueFullError(self._busy())
                 self._queue.append(request)
             self._wake.notify()
 
@@ -290,7 +308,7 @@ class Scheduler:
         if step.batched and len(rows) > 1:
             try:
                 for row, stats in zip(rows, step([r.state for r in rows])):
-                    row.state.stats.add(stats)
+                    self._add_stats(key, row, stats)
                 self._settle(rows)
                 return
             except Exception:
@@ -304,11 +322,16 @@ class Scheduler:
                 continue
             try:
                 for stats in step([row.state]):
-                    row.state.stats.add(stats)
+                    self._add_stats(key, row, stats)
             except Exception as error:
                 logger.exception("a %s step failed for one request", key[0])
                 row.failures.append(error)
         self._settle(rows)
+
+    def _add_stats(self, key: tuple, row: _Row, stats: StepStats) -> None:
+        row.state.stats.add(stats)
+        if self.observer is not None:  # the same stats as the response's usage
+            self.observer.on_step(key[0], stats)
 
     def _settle(self, rows: list[_Row]) -> None:
         for row in rows:
