@@ -242,7 +242,7 @@ def test_queue_holds_max_batch_running_plus_max_queue_waiting(engine, monkeypatc
     no more (the worker's request in prefill counted), and the 429 says so truly."""
     original = scheduler_module.begin
     monkeypatch.setattr(scheduler_module, "begin",
-                        lambda state: (time.sleep(0.3), original(state))[1])
+                        lambda state: (time.sleep(0.15), original(state))[1])
     scheduler = Scheduler(engine, max_batch=4, max_queue=4)
     scheduler.start()
     accepted, refused = 0, []
@@ -253,7 +253,7 @@ def test_queue_holds_max_batch_running_plus_max_queue_waiting(engine, monkeypatc
                 accepted += 1
             except QueueFullError as error:
                 refused.append(str(error))
-            time.sleep(0.01)
+            time.sleep(0.005)
     finally:
         scheduler.close()
     assert (accepted, len(refused)) == (8, 8)
