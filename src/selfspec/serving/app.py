@@ -1,16 +1,24 @@
 """``selfspec serve``: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over the
 continuous-batching :class:`~selfspec.serving.scheduler.Scheduler`.
 
-Routes: ``GET /health`` (no key needed), ``GET /v1/models``, ``POST /v1/completions``,
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (the tokenizer's chat template), with ``stream`` as server-sent
 events ending in ``data: [DONE]``, and ``GET /metrics`` (the Prometheus text format,
 :mod:`~selfspec.serving.metrics`; it needs the API key too when one is set); a response's
-``usage.selfspec`` tells how its draft tokens fared. Every error is an OpenAI-style body
-(:class:`~selfspec.serving.protocol.ApiError`): 400 for malformed JSON or parameters, 401 for a
-missing or wrong ``--api-key``, 404 for an unknown model or route, 413 for a body over the
-limit, 429 when the queue is full; an unexpected failure is a 500 with a generic message
-(the traceback goes to the server's log, never to the client). A client that disconnects
-cancels its request: its row leaves the batch at the next step and its KV cache is freed.
+``usage.selfspec`` tells how its draft tokens fared. ``/health`` needs no key unless
+``health_auth``: load balancers and orchestrators probe it without credentials, and it tells
+only the model's name and the queue's length. Every error is an OpenAI-style body
+(:class:`~selfspec.serving.protocol.ApiError`): 400 for malformed JSON (also nested too deep,
+``NaN``, lone surrogates: :mod:`selfspec.serving.body`) or parameters, a method option
+naming a file (:mod:`selfspec.serving.assets`), a method whose trained assets this server
+lacks, or a request over ``max_batch_tokens`` alone; 401 for a missing or wrong
+``--api-key``, 404 for an unknown model or route, 413 for a body over the limit, 429 when
+``max_batch`` rows run and ``max_queue`` requests wait, 503 (``Retry-After``) while the
+server drains on shutdown (:mod:`selfspec.serving.drain`); an unexpected failure is a 500
+with a generic message (the traceback goes to the server's log, never to the client). A
+request whose decoding fails fails alone (a 500 body, or a stream's error event and
+``[DONE]``); the other rows of its batch go on. A client that disconnects cancels its
+request: its row leaves the batch at the next step and its KV cache is freed.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations as objects.
@@ -24,10 +32,15 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from selfspec.errors import InvalidArgumentError, MissingDependencyError, PromptError
 from selfspec.methods.registry import METHODS, get_method
+from selfspec.models.provision import selfspec_home
+from selfspec.serving import assets
+from selfspec.serving.body import decode_json
+from selfspec.serving.drain import Drain, Unavailable
 from selfspec.serving.metrics import HttpMetrics, ServerMetrics, acceptance_usage
 from selfspec.serving.protocol import (
     FINISH_REASONS,
@@ -46,7 +59,7 @@ from selfspec.serving.protocol import (
     usage,
     usage_chunk,
 )
-from selfspec.serving.scheduler import QueueFullError, Request, Scheduler
+from selfspec.serving.scheduler import QueueFullError, Request, Scheduler, ShutdownError
 from selfspec.serving.tools import (
     call_format,
     hermes_messages,
@@ -72,6 +85,13 @@ class ServeConfig:
         limits: body, prompt and ``max_tokens`` limits.
         max_batch: rows decoded together.
         max_queue: requests waiting for a row before 429.
+        max_batch_tokens: KV positions (prompt + ``max_tokens`` per row) the running rows
+            may reach together; ``None``: no bound but ``max_batch``.
+        assets_dir: where a request's asset options (heads, skip sets) are looked up by
+            bare name; ``None``: requests may name none (:mod:`selfspec.serving.assets`).
+        health_auth: ``/health`` needs the API key too.
+        drain_seconds: on shutdown, how long accepted requests may still run.
+        header_timeout: seconds a client has to send a request's headers.
     """
 
     model_name: str
@@ -81,6 +101,11 @@ class ServeConfig:
     limits: Limits = field(default_factory=Limits)
     max_batch: int = 8
     max_queue: int = 64
+    max_batch_tokens: int | None = None
+    assets_dir: Path | None = None
+    health_auth: bool = False
+    drain_seconds: float = 30.0
+    header_timeout: float = 10.0
 
 
 def create_app(engine: Any, config: ServeConfig) -> Any:
@@ -96,6 +121,7 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
         from fastapi import Request as HttpRequest
         from fastapi.exceptions import RequestValidationError
         from fastapi.responses import JSONResponse, Response, StreamingResponse
+        from jinja2 import TemplateError
         from starlette.exceptions import HTTPException
     except ImportError as error:
         raise MissingDependencyError(
@@ -104,8 +130,10 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
     get_method(config.method).make_batch_step(engine.methods, config.method_options)
     metrics = ServerMetrics()
     scheduler = Scheduler(engine, max_batch=config.max_batch, max_queue=config.max_queue,
-                          observer=metrics)
+                          max_batch_tokens=config.max_batch_tokens, observer=metrics)
     metrics.watch(scheduler)
+    drain = Drain(scheduler, config.drain_seconds)
+    assets_dir = None if config.assets_dir is None else Path(config.assets_dir).resolve()
     # The event loop's own tokenizer: a fast tokenizer's encode reconfigures its Rust backend
     # (truncation, padding) and must not run while the worker thread decodes with it.
     tokenizer = copy.deepcopy(engine.tokenizer)
@@ -122,12 +150,15 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
     app = FastAPI(title="selfspec", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.scheduler = scheduler
+    app.state.drain = drain
     app.state.metrics = metrics
     app.add_middleware(HttpMetrics, metrics=metrics, routes=app.routes)
 
     def error_response(error: ApiError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+        headers = dict(getattr(error, "headers", {}))  # Unavailable's Retry-After
+        if error.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(error.body(), status_code=error.status, headers=headers or None)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: HttpRequest, error: ApiError) -> JSONResponse:
@@ -168,10 +199,7 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
             if size > limit:
                 raise ApiError(413, f"the request body is over {limit} bytes")
             chunks.append(chunk)
-        try:
-            return json.loads(b"".join(chunks))
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ApiError(400, f"the request body is not valid JSON: {error}") from error
+        return decode_json(b"".join(chunks))
 
     def prompt_ids(api: ApiRequest) -> list[int]:
         try:
@@ -186,9 +214,13 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
                     messages = template_messages(api.messages)
                 else:
                     extra, messages = {}, hermes_messages(api.messages, tools)
-                ids = tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=False,
-                    **extra)
+                try:
+                    ids = tokenizer.apply_chat_template(
+                        messages, add_generation_prompt=True, tokenize=True,
+                        return_dict=False, **extra)
+                except TemplateError as error:  # the template refuses these messages
+                    raise ApiError(400, f"the model's chat template refuses these messages: "
+                                        f"{error}", param="messages") from error
                 if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                     ids = ids["input_ids"]
                 ids = list(ids)
@@ -204,17 +236,75 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
         return ids
 
     def method_of(api: ApiRequest) -> tuple[str, dict[str, Any]]:
+        """The request's method and options; its asset options checked and resolved, and
+        the assets it reads present, before the request is queued."""
         if api.method is None:
-            return config.method, dict(config.method_options)
+            return config.method, dict(config.method_options)  # checked at start
         try:
             spec = get_method(api.method)
-            spec.parse(api.method_options, engine.executor)
+            values = assets.client_options(spec, api.method_options, assets_dir)
+            options = spec.parse(values, engine.executor)
         except InvalidArgumentError as error:
             raise ApiError(400, str(error), param="selfspec") from error
-        return api.method, dict(api.method_options)
+        missing = assets.missing_asset(spec, options, engine.executor.name, assets_dir)
+        if missing is not None:
+            raise missing
+        return api.method, values
+
+    def check_batch_tokens(job: Request, prompt_tokens: int, max_tokens: int) -> None:
+        need = scheduler.positions(job)
+        if config.max_batch_tokens is not None and need > config.max_batch_tokens:
+            raise ApiError(400, f"the prompt ({prompt_tokens} tokens) and max_tokens "
+                                f"({max_tokens}) may reach {need} KV positions; this server "
+                                f"decodes at most {config.max_batch_tokens} at once "
+                                "(--max-batch-tokens). Lower max_tokens or shorten the prompt.",
+                           param="max_tokens", code="batch_tokens_exceeded")
 
     async def complete(request: HttpRequest, chat: bool) -> Any:
         authorize(request)
+        with drain.entering():  # 503 while draining; the drain waits for it meanwhile
+            api, ids, jobs, events = await accept(request, chat)
+        ids_of = ResponseIds(config.model_name, chat)
+        if api.stream:
+            return StreamingResponse(stream(api, jobs, events, ids_of, len(ids)),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            finished: dict[int, tuple] = {}
+            while len(finished) < len(jobs):
+                item = await next_event(request, events, jobs)
+                if item is None:
+                    return None
+                if item[0] == "done":
+                    finished[item[1]] = item
+                    if item[4] is not None:
+                        raise failure(item[4])
+        except BaseException:
+            for job in jobs:
+                job.cancelled.set()
+            raise
+        choices, generated, stats = [], 0, []
+        for index, (_, _, state, text, _) in sorted(finished.items()):
+            entries = logprob_entries(state)
+            finish = FINISH_REASONS.get(state.finish_reason, "stop")
+            calls = None
+            if api.tools is not None and api.tools.active:
+                answer = parse_answer(text, api.tools)
+                text, calls = answer.content, answer.calls or None
+                if calls:
+                    finish = "tool_calls"
+            choices.append(Choice(index, text, finish,
+                                  None if entries is None else
+                                  logprobs_body(tokenizer, entries, chat), calls))
+            generated += state.num_generated
+            stats.append(state.stats)
+        return response_body(ids_of, choices, usage(len(ids), generated)
+                             | {"selfspec": acceptance_usage(jobs[0].method, *stats)})
+
+    async def accept(request: HttpRequest, chat: bool
+                     ) -> tuple[ApiRequest, list[int], list[Request], asyncio.Queue]:
+        """Read and check a generation request and submit its ``n`` choices (one row each)
+        to the scheduler."""
         body = await read_json(request)
         api = parse_request(body, chat, config.limits)
         if chat:
@@ -255,56 +345,25 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
                                                 api.top_p, sampling_seed(seed), processing)
             except InvalidArgumentError as error:
                 raise ApiError(400, str(error)) from error
-            jobs.append(Request(prompt_ids=ids, options=options, method=method,
-                                method_options=method_options, stop=api.stop))
-        for index, job in enumerate(jobs):
+            job = Request(prompt_ids=ids, options=options, method=method,
+                          method_options=method_options, stop=api.stop)
             job.on_tokens = _token_poster(job, index, post)
             job.on_done = (lambda state, text, error, index=index:
                            post(("done", index, state, text, error)))
+            check_batch_tokens(job, len(ids), api.max_tokens)
+            jobs.append(job)
+        drain.check_submit()
         try:
             for job in jobs:
                 scheduler.submit(job)
-        except QueueFullError as error:
+        except (QueueFullError, InvalidArgumentError) as error:
             for job in jobs:
                 job.cancelled.set()
-            raise ApiError(429, f"the server is busy: {error}", type="rate_limit_error",
-                           code="queue_full") from error
-        ids_of = ResponseIds(config.model_name, chat)
-        if api.stream:
-            return StreamingResponse(stream(api, jobs, events, ids_of, len(ids)),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        try:
-            finished: dict[int, tuple] = {}
-            while len(finished) < len(jobs):
-                item = await next_event(request, events, jobs)
-                if item is None:
-                    return None
-                if item[0] == "done":
-                    finished[item[1]] = item
-                    if item[4] is not None:
-                        raise failure(item[4])
-        except BaseException:
-            for job in jobs:
-                job.cancelled.set()
-            raise
-        choices, generated, stats = [], 0, []
-        for index, (_, _, state, text, _) in sorted(finished.items()):
-            entries = logprob_entries(state)
-            finish = FINISH_REASONS.get(state.finish_reason, "stop")
-            calls = None
-            if api.tools is not None and api.tools.active:
-                answer = parse_answer(text, api.tools)
-                text, calls = answer.content, answer.calls or None
-                if calls:
-                    finish = "tool_calls"
-            choices.append(Choice(index, text, finish,
-                                  None if entries is None else
-                                  logprobs_body(tokenizer, entries, chat), calls))
-            generated += state.num_generated
-            stats.append(state.stats)
-        return response_body(ids_of, choices, usage(len(ids), generated)
-                             | {"selfspec": acceptance_usage(method, *stats)})
+            if isinstance(error, QueueFullError):
+                raise ApiError(429, f"the server is busy: {error}", type="rate_limit_error",
+                               code="queue_full") from error
+            raise ApiError(400, str(error)) from error
+        return api, ids, jobs, events
 
     def processing_of(api: ApiRequest) -> Any:
         response_format = api.response_format
@@ -333,6 +392,13 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
                     return None
 
     def failure(error: BaseException) -> ApiError:
+        """What a client is told of ``error``, its request's failure in the scheduler."""
+        if isinstance(error, ShutdownError):
+            return Unavailable(f"{error}; retry", retry_after=1)
+        unusable = assets.asset_error(error, selfspec_home(), assets_dir)
+        if unusable is not None:
+            logger.warning("a request's method cannot use its asset: %s", error)
+            return unusable
         if isinstance(error, InvalidArgumentError):
             return ApiError(400, str(error))
         logger.error("generation failed: %r", error)
@@ -409,9 +475,13 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
             for job in jobs:
                 job.cancelled.set()  # a disconnect ends here too; a finished job ignores it
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": config.model_name, "running": scheduler.running,
-                "waiting": scheduler.waiting}
+    async def health(request: HttpRequest) -> Any:
+        if config.health_auth:
+            authorize(request)
+        body = {"status": "draining" if drain.draining else "ok", "model": config.model_name,
+                "running": scheduler.running, "waiting": scheduler.waiting}
+        # 503 while draining: a load balancer's probe takes the replica out of rotation.
+        return JSONResponse(body, status_code=503 if drain.draining else 200)
 
     @app.get("/metrics")
     async def metrics_text(request: HttpRequest) -> Response:
@@ -477,15 +547,17 @@ def warm_up(engine: Any, method: str, options: dict[str, Any]) -> None:
 
 def serve(engine: Any, config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info") -> None:
-    """Run the server until interrupted.
+    """Run the server until SIGTERM or SIGINT, then drain (:mod:`selfspec.serving.drain`)
+    and return.
 
     Raises:
         MissingDependencyError: FastAPI or uvicorn is not installed.
+        InvalidArgumentError: see :func:`create_app`.
     """
     try:
-        import uvicorn
+        from selfspec.serving import server
     except ImportError as error:
         raise MissingDependencyError(
             "selfspec serve needs FastAPI and uvicorn: pip install 'selfspec[serve]'") from error
     app = create_app(engine, config)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server.run(app, app.state.drain, host, port, log_level, config.header_timeout)
