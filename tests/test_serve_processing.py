@@ -30,8 +30,9 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "t
 
 @pytest.fixture(scope="module")
 def engine():
-    return selfspec.from_pretrained_model(tiny_model("llama", seed=3), tiny_tokenizer(),
-                                          name=MODEL)
+    # 2048 positions: the character-level tokenizer spells the tools' system block out
+    return selfspec.from_pretrained_model(
+        tiny_model("llama", seed=3, max_position_embeddings=2048), tiny_tokenizer(), name=MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -159,4 +160,74 @@ def test_penalties_equal_generate(client, engine):
 def test_bad_processing_parameters_are_400(client, body, param):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt="ab", max_tokens=4, extra_body=body)
+    assert caught.value.body["param"] == param
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"enum": ["Paris", "Rome"]}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+
+
+def test_forced_tool_calls_are_well_formed_streamed_or_not(client):
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    for choice, names in (({"type": "function", "function": {"name": "get_weather"}},
+                           {"get_weather"}), ("required", {"get_weather", "get_time"})):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=60, temperature=0,
+            tools=[WEATHER, TIME], tool_choice=choice, parallel_tool_calls=False)
+        message = reply.choices[0].message
+        assert reply.choices[0].finish_reason == "tool_calls", message
+        assert len(message.tool_calls) == 1
+        call = message.tool_calls[0]
+        assert call.function.name in names and call.id.startswith("call_")
+        arguments = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            assert arguments["city"] in ("Paris", "Rome")
+        streamed = list(client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=60, temperature=0,
+            tools=[WEATHER, TIME], tool_choice=choice, parallel_tool_calls=False, stream=True))
+        calls = [c for chunk in streamed for ch in chunk.choices
+                 for c in (ch.delta.tool_calls or [])]
+        assert [(c.function.name, c.function.arguments) for c in calls] == [
+            (call.function.name, call.function.arguments)]
+        assert streamed[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_results_and_earlier_calls_reach_the_template(client, engine):
+    from selfspec.serving.tools import ToolRequest, hermes_messages, parse_answer
+
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [{
+                   "id": "call_1", "type": "function",
+                   "function": {"name": "get_weather", "arguments": "{\"city\": \"Rome\"}"}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    reply = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4,
+                                           tools=[WEATHER])
+    assert reply.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    rendered = hermes_messages(history, ToolRequest((WEATHER,)))
+    assert rendered[0]["role"] == "system" and "get_weather" in rendered[0]["content"]
+    assert "<tool_call>" in rendered[2]["content"] and "Rome" in rendered[2]["content"]
+    assert rendered[3] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}
+    answer = parse_answer('Sure. <tool_call>\n{"name": "get_weather", "arguments": '
+                          '{"city": "Paris"}}\n</tool_call>', ToolRequest((WEATHER,)))
+    assert answer.content == "Sure." and json.loads(
+        answer.calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert parse_answer("no call", ToolRequest((WEATHER,))).calls == []
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_tool_requests_are_400(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=4, extra_body=extra)
     assert caught.value.body["param"] == param
