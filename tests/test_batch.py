@@ -63,6 +63,7 @@ class Logged:
 
     def __init__(self, step):
         self.step, self.batched, self.log = step, step.batched, []
+        self.processes_logits = step.processes_logits
 
     def join(self, state):
         self.step.join(state)

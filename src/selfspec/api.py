@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +12,9 @@ import torch
 
 from selfspec.decoding.auto.batch import run_batch
 from selfspec.decoding.core import loop
+from selfspec.decoding.core.grammar import Grammar, GrammarCompiler, response_format_grammar
 from selfspec.decoding.core.prefix_cache import PrefixCache
+from selfspec.decoding.core.processors import LogitsProcessing, Penalties, TokenLogprob
 from selfspec.decoding.core.sampling import SamplingConfig
 from selfspec.decoding.core.state import DecodeOptions, DecodeState
 from selfspec.decoding.core.stats import GenerationStats
@@ -44,12 +46,16 @@ class GenerationResult:
         token_ids: the generated token ids (prompt excluded).
         prompt_ids: the prompt's token ids as the model saw them (chat template applied).
         stats: timings and counters.
+        logprobs: each generated token's log probability and top alternatives when
+            ``logprobs=`` was given (:class:`~selfspec.decoding.core.processors.TokenLogprob`),
+            else ``None``.
     """
 
     text: str
     token_ids: list[int]
     prompt_ids: list[int]
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None
 
 
 class SelfSpec:
@@ -75,6 +81,7 @@ class SelfSpec:
 
         attach_graphs(self.executor, cuda_graphs)
         self.methods = MethodContext(self.executor)
+        self._grammars: GrammarCompiler | None = None
         self.prefix_cache: PrefixCache | None = None
         self.use_prefix_cache(prefix_cache_mib)
 
@@ -149,6 +156,45 @@ class SelfSpec:
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         return check_token_ids(list(ids), self.vocab_size)
 
+    def grammar(self, response_format: Mapping[str, Any] | Grammar | None) -> Grammar | None:
+        """Compile a structured-output constraint for this model
+        (:mod:`selfspec.decoding.core.grammar`).
+
+        Args:
+            response_format: OpenAI's ``response_format`` (``{"type": "json_schema",
+                "json_schema": {"schema": {...}}}``, ``{"type": "json_object"}``,
+                ``{"type": "text"}``) or selfspec's ``{"type": "regex", "regex": ...}`` /
+                ``{"type": "lark", "lark": ...}``; a compiled :class:`Grammar` passes
+                through; ``None``: no constraint.
+
+        Returns:
+            The :class:`Grammar`, or ``None`` for no constraint.
+
+        Raises:
+            InvalidArgumentError: a malformed or unsupported schema, regex or grammar (the
+                message names the problem).
+            MissingDependencyError: llguidance is not installed.
+        """
+        if response_format is None or isinstance(response_format, Grammar):
+            return response_format
+        if self._grammars is None:
+            eos = self.eos_token_ids or {self.tokenizer.eos_token_id}
+            self._grammars = GrammarCompiler(self.tokenizer, self.executor.vocab_size,
+                                             sorted(t for t in eos if t is not None))
+        return response_format_grammar(self._grammars, response_format)
+
+    def processing(self, response_format: Mapping[str, Any] | Grammar | None = None,
+                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                   logprobs: int | None = None) -> LogitsProcessing:
+        """Output processing of one generation (:mod:`selfspec.decoding.core.processors`).
+
+        Raises:
+            InvalidArgumentError: a bad constraint, a penalty outside [-2, 2], ``logprobs``
+                outside [0, 20].
+        """
+        return LogitsProcessing(Penalties(presence_penalty, frequency_penalty),
+                                self.grammar(response_format), logprobs)
+
     @property
     def vocab_size(self) -> int:
         """Token ids the model can embed: ``[0, vocab_size)``."""
@@ -159,6 +205,9 @@ class SelfSpec:
                  max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, chat: bool = False,
                  stop: Sequence[str] = (), streamer: Streamer | None = None,
+                 response_format: Mapping[str, Any] | Grammar | None = None,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 logprobs: int | None = None,
                  **method_options: Any) -> GenerationResult | list[GenerationResult]:
         """Generate a continuation of ``prompt`` with ``method``.
 
@@ -174,6 +223,13 @@ class SelfSpec:
             chat: wrap a text prompt in the tokenizer's chat template as a user turn.
             stop: stop strings; generation ends once the text contains one (text is cut there).
             streamer: receives committed token ids as they come (``put``/``end``).
+            response_format: a structured-output constraint (:meth:`grammar`): every token is
+                chosen (and every draft token verified) under it, so lossless methods give
+                exactly constrained ``ar``'s tokens.
+            presence_penalty / frequency_penalty: OpenAI's penalties in [-2, 2], applied to
+                the target at every verified position (lossless against ``ar`` with them).
+            logprobs: record each token's log probability and this many alternatives
+                (0-20) in :attr:`GenerationResult.logprobs`.
             **method_options: options of the method (e.g. ``exit_layer``; ``selfspec
                 methods`` lists them).
 
@@ -193,14 +249,18 @@ class SelfSpec:
                     "or generate the prompts one at a time")
             return self.generate_batch(
                 prompt, method, max_new_tokens=max_new_tokens, temperature=temperature,
-                top_k=top_k, top_p=top_p, seed=seed, chat=chat, stop=stop, **method_options)
+                top_k=top_k, top_p=top_p, seed=seed, chat=chat, stop=stop,
+                response_format=response_format, presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty, logprobs=logprobs, **method_options)
         stop = check_stop(stop)
         if streamer is not None and not (callable(getattr(streamer, "put", None))
                                          and callable(getattr(streamer, "end", None))):
             raise InvalidArgumentError(
                 f"streamer must have put(token_ids) and end() methods (like transformers' "
                 f"TextStreamer); got {type(streamer).__name__}")
-        options = self.decode_options(max_new_tokens, temperature, top_k, top_p, seed)
+        options = self.decode_options(max_new_tokens, temperature, top_k, top_p, seed,
+                                      self.processing(response_format, presence_penalty,
+                                                      frequency_penalty, logprobs))
         prompt_ids = self.encode(prompt, chat=chat)  # cheap checks before heads load
         step = get_method(method).make_step(self.methods, method_options)
         sink = StopStringSink(self.tokenizer, stop, streamer)
@@ -219,6 +279,9 @@ class SelfSpec:
                        method: str = "ar", *, max_new_tokens: int = 128,
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                        seed: int | None = None, chat: bool = False, stop: Sequence[str] = (),
+                       response_format: Mapping[str, Any] | Grammar | None = None,
+                       presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                       logprobs: int | None = None,
                        **method_options: Any) -> list[GenerationResult]:
         """Generate a continuation of every prompt together, as one ragged batch
         (:mod:`selfspec.decoding.auto.batch`): rows of any lengths, each accepting its own number
@@ -244,7 +307,9 @@ class SelfSpec:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise InvalidArgumentError("prompts must be a non-empty list of prompts")
         stop = check_stop(stop)
-        options = self.decode_options(max_new_tokens, temperature, top_k, top_p, seed)
+        options = self.decode_options(max_new_tokens, temperature, top_k, top_p, seed,
+                                      self.processing(response_format, presence_penalty,
+                                                      frequency_penalty, logprobs))
         all_ids = [self.encode(p, chat=chat) for p in prompts]
         step = get_method(method).make_batch_step(self.methods, method_options)
         sinks = [StopStringSink(self.tokenizer, stop, None) for _ in all_ids]
@@ -254,22 +319,28 @@ class SelfSpec:
         return [self.result(state, sink) for state, sink in zip(states, sinks)]
 
     def decode_options(self, max_new_tokens: int, temperature: float, top_k: int,
-                       top_p: float, seed: int | None) -> DecodeOptions:
-        """Limits and sampling of one generation, with this model's EOS ids.
+                       top_p: float, seed: int | None,
+                       processing: LogitsProcessing | None = None) -> DecodeOptions:
+        """Limits, sampling and output processing of one generation, with this model's EOS
+        ids.
 
         Raises:
             InvalidArgumentError: a value of the wrong type or out of range.
         """
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         return DecodeOptions(max_new_tokens=max_new_tokens, sampling=sampling,
-                             eos_token_ids=self.eos_token_ids)
+                             eos_token_ids=self.eos_token_ids,
+                             processing=processing or LogitsProcessing())
 
     def result(self, state: DecodeState, sink: StopStringSink) -> GenerationResult:
         """The :class:`GenerationResult` of a finished ``state`` (text cut at a stop string)."""
         generated = state.tokens[state.prompt_len:]
         text = sink.cut(self.tokenizer.decode(generated, skip_special_tokens=True))
+        logprobs = (None if state.options.processing.logprobs is None or state.processor is None
+                    else list(state.processor.logprobs))
         return GenerationResult(text=text, token_ids=generated,
-                                prompt_ids=state.tokens[: state.prompt_len], stats=state.stats)
+                                prompt_ids=state.tokens[: state.prompt_len], stats=state.stats,
+                                logprobs=logprobs)
 
 
 def _is_batch(prompt: Any) -> bool:

@@ -24,7 +24,7 @@ from selfspec.executor import LayerExecutor
 from selfspec.heads.files import DEFAULT as DEFAULT_HEADS
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.exit_drafting import DRAFT_VOCAB_HELP
-from selfspec.methods.options import changed_options, option
+from selfspec.methods.options import HEAD_FILE, Asset, changed_options, option
 
 NO_HEADS = "none"
 ALL_LAYERS = "all"
@@ -37,7 +37,8 @@ class Options:
 
     heads: str = option(DEFAULT_HEADS, "lightweight heads: 'default' (from `selfspec heads "
                         "train`), a head file/directory, or 'none' = the model's own final "
-                        "norm + lm_head at every L/4 layers (Table 3's 'original LM head')")
+                        "norm + lm_head at every L/4 layers (Table 3's 'original LM head')",
+                        asset=Asset(HEAD_FILE.kind, (*HEAD_FILE.keywords, NO_HEADS)))
     layers: str = option(ALL_LAYERS, "head layers to predict early at: 'all' of the heads', "
                          "or a comma list such as 14 (Table 3's fixed-layer early prediction)")
     gamma: float = option(0.75, "a head predicts early when its token's probability exceeds "

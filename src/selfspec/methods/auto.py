@@ -32,7 +32,7 @@ from selfspec.executor.quant import (
 from selfspec.methods import adaspeed, dssd, dv, layerskip, qspec
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.draft_copy import DraftWeightsOptions, draft_weights_option
-from selfspec.methods.options import option
+from selfspec.methods.options import HEAD_FILE, option
 
 #: Model drafters ``auto`` can choose among: methods with a drafter builder
 #: (:attr:`MethodSpec.drafter`), their drafters composed with default options.
@@ -68,7 +68,7 @@ class Options(DraftWeightsOptions):
         + ", ".join(MODEL_DRAFTERS), default_text="ngram,qspec (+dssd with heads)")
     heads: str | None = option(None, "exit heads for the head drafters (dssd, layerskip, dv, "
                                "adaspeed): 'default' or a head file/directory",
-                               default_text="none")
+                               default_text="none", asset=HEAD_FILE)
     max_draft_len: int = option(16, "longest draft of any drafter", low=1, high="R-1")
     carry_estimates: bool = option(True, "each model drafter starts from the acceptance and "
                                    "draft time it ended this engine's last generation with, "

@@ -189,6 +189,10 @@ class MethodSpec:
             benchmark checks its prompts against).
         lossy_when: ``lossy_when(options) -> bool``: options that make a lossless method
             lossy (an ablation such as AdaDecode without verification).
+        processes_logits_when: ``processes_logits_when(options) -> bool``: whether the
+            method with these options supports output processing (grammars, penalties,
+            logprobs; ``Step.processes_logits``); True unless a lossy Step picks tokens
+            without the full distribution (SpecEE without verification).
         unused_when: ``unused_when(options) -> {names}``: options these options make
             irrelevant (AdaDecode's ``tuned`` sets ``gamma``; a sweep plot then does not
             place the row at ``gamma``'s default).
@@ -211,6 +215,7 @@ class MethodSpec:
     heads_files: Callable[[Any], list[str]] = field(default=lambda options: [])
     lossy_when: Callable[[Any], bool] = field(default=lambda options: False)
     unused_when: Callable[[Any], set[str]] = field(default=lambda options: set())
+    processes_logits_when: Callable[[Any], bool] = field(default=lambda options: True)
     build_batch: Callable[[MethodContext, Any], BatchStep] | None = None
     drafter: Callable[[MethodContext, Any, WrapStopRule | None], Drafter] | None = None
 
@@ -222,6 +227,16 @@ class MethodSpec:
         """
         options = values if isinstance(values, self.options) else self.parse(values)
         return self.lossless and not self.lossy_when(options)
+
+    def processes_logits_for(self, values: Mapping[str, Any] | Any) -> bool:
+        """Whether the method with these options supports output processing (a grammar,
+        penalties, logprobs), known before anything is built.
+
+        Raises:
+            InvalidArgumentError: see :meth:`parse`.
+        """
+        options = values if isinstance(values, self.options) else self.parse(values)
+        return self.processes_logits_when(options)
 
     @property
     def fields(self) -> list[OptionField]:

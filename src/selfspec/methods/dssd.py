@@ -15,7 +15,7 @@ from selfspec.heads.files import DEFAULT as DEFAULT_HEADS
 from selfspec.methods.base import MethodContext, MethodSpec, WrapStopRule, wrapped
 from selfspec.methods.draft_copy import DraftWeightsOptions
 from selfspec.methods.exit_drafting import DRAFT_VOCAB_HELP
-from selfspec.methods.options import option
+from selfspec.methods.options import HEAD_FILE, option
 
 HEADS_HELP = ("calibrated exit heads: 'default' (from `selfspec heads train`) or a head "
               "file/directory")
@@ -27,7 +27,7 @@ METRIC_HELP = "confidence metric of the calibrated heads"
 class CalibratedOptions:
     """The calibrated heads at one accuracy level (shared with lossy early exit)."""
 
-    heads: str = option(DEFAULT_HEADS, HEADS_HELP)
+    heads: str = option(DEFAULT_HEADS, HEADS_HELP, asset=HEAD_FILE)
     epsilon: float = option(0.9, EPSILON_HELP, low=0, high=1)
     metric: str = option(DEFAULT_METRIC, METRIC_HELP, choices=tuple(CONFIDENCE_METRICS))
 

@@ -15,7 +15,7 @@ from selfspec.executor import LayerExecutor
 from selfspec.heads.files import DEFAULT_PROBES
 from selfspec.methods.base import MethodContext
 from selfspec.methods.draft_copy import DraftWeightsOptions
-from selfspec.methods.options import option
+from selfspec.methods.options import HEAD_FILE, option
 
 EXIT_LAYER_HELP = "layers the draft runs: layers [0, exit_layer)"
 HEADS_HELP = ("exit heads: 'default' (from `selfspec heads train`) or a head file/directory; "
@@ -31,7 +31,8 @@ class ExitOptions(DraftWeightsOptions):
 
     exit_layer: int | None = option(None, EXIT_LAYER_HELP, low=1, high="L-1",
                                     default_text="3/4 depth / nearest head")
-    heads: str | None = option(None, HEADS_HELP, default_text="none (the model's lm_head)")
+    heads: str | None = option(None, HEADS_HELP, default_text="none (the model's lm_head)",
+                               asset=HEAD_FILE)
     draft_vocab: int | None = option(None, DRAFT_VOCAB_HELP, low=1, high="V",
                                      default_text="none (full vocabulary)")
 

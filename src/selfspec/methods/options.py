@@ -12,6 +12,11 @@ its help text, valid range or choices, and how to show a default that depends on
 Bounds are numbers or one of the model-dependent symbols of :data:`MODEL_BOUNDS`
 (``"L"``: layers, ``"L-1"``: layers − 1, ``"R-1"``: the longest bit-exact draft, ``"V"``: vocabulary size),
 checked once the model is known (:func:`check_model_bounds`).
+
+An option whose value names a file the method reads (trained heads, a skip set) declares it
+with ``asset=`` (:data:`HEAD_FILE`, :data:`SKIP_SET_FILE`): the server refuses such paths from
+clients and resolves their bare names in its own assets directory
+(:mod:`selfspec.serving.assets`), so every such option must say so.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
+from selfspec.heads.files import DEFAULT, DEFAULT_PROBES
 
 # Model-dependent bounds: symbol -> (value for an executor, meaning).
 MODEL_BOUNDS: Mapping[str, tuple[Callable[[LayerExecutor], int], str]] = {
@@ -39,6 +45,27 @@ Bound = float | int | str | None
 
 
 @dataclass(frozen=True)
+class Asset:
+    """What an option naming a file reads: a trained asset on the machine that decodes.
+
+    Attributes:
+        kind: ``"heads"`` (a head file, or a folder holding ``heads.safetensors``) or
+            ``"skip_set"`` (a skip-set file, or a folder holding ``swift-skip.json``).
+        keywords: values that name no path: the model's own assets in ``$SELFSPEC_HOME``
+            (``default``), or none at all (AdaDecode's ``none``).
+    """
+
+    kind: str
+    keywords: tuple[str, ...] = ()
+
+
+#: A head file option: ``default`` / ``default-probes`` or a path.
+HEAD_FILE = Asset("heads", (DEFAULT, DEFAULT_PROBES))
+#: A skip-set file option: ``default`` or a path.
+SKIP_SET_FILE = Asset("skip_set", (DEFAULT,))
+
+
+@dataclass(frozen=True)
 class OptionInfo:
     """What :func:`option` records about one field.
 
@@ -48,6 +75,8 @@ class OptionInfo:
         low_open / high_open: the bound itself is excluded.
         choices: the allowed values of a string option, or ``()``.
         default_text: how to show a default the method works out (e.g. from the model).
+        asset: the file a string option names (:class:`Asset`), or ``None`` for a value
+            that opens nothing.
     """
 
     help: str
@@ -57,13 +86,15 @@ class OptionInfo:
     high_open: bool = False
     choices: tuple[str, ...] = ()
     default_text: str | None = None
+    asset: Asset | None = None
 
 
 def option(default: Any, help: str, *, low: Bound = None, high: Bound = None,
            low_open: bool = False, high_open: bool = False, choices: tuple[str, ...] = (),
-           default_text: str | None = None) -> Any:
+           default_text: str | None = None, asset: Asset | None = None) -> Any:
     """A dataclass field that is a method option (see the module docstring)."""
-    info = OptionInfo(help, low, high, low_open, high_open, tuple(choices), default_text)
+    info = OptionInfo(help, low, high, low_open, high_open, tuple(choices), default_text,
+                      asset)
     return dataclasses.field(default=default, metadata={"option": info})
 
 

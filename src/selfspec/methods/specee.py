@@ -41,7 +41,7 @@ from selfspec.heads.files import DEFAULT as DEFAULT_HEADS
 from selfspec.heads.files import ExitHeads
 from selfspec.heads.modules import LightweightHead
 from selfspec.methods.base import MethodContext, MethodSpec
-from selfspec.methods.options import changed_options, option
+from selfspec.methods.options import HEAD_FILE, changed_options, option
 
 SCHEDULES = ("two-level", "all")
 DEFAULT_THRESHOLD = 0.9
@@ -56,7 +56,8 @@ class Options:
     """SpecEE's options (defaults: the paper's, §4-5, except ``threshold`` and ``kv``: measured)."""
 
     heads: str = option(DEFAULT_HEADS, "head file holding the candidate head or drafter and "
-                        "the SpecEE predictors ('default' or a path; `selfspec heads train-predictors`)")
+                        "the SpecEE predictors ('default' or a path; `selfspec heads train-predictors`)",
+                        asset=HEAD_FILE)
     threshold: float | None = option(
         None, "exit when a layer's predictor output exceeds this (the paper: 0.5; with "
         "exit-head candidates 0.5 lost every HumanEval problem on Qwen2.5-Coder-0.5B, "
@@ -302,5 +303,6 @@ SPEC = MethodSpec(
           "decoding/specee/skipped_kv.py",
     options=Options, build=build, heads_files=lambda options: [str(options.heads)],
     lossy_when=lambda options: not options.verify,
+    processes_logits_when=lambda options: options.verify,
     unused_when=lambda options: ({"kv"} if options.verify else {"max_early"})
     | (set(TUNED_OPTIONS) if options.tuned else set()))

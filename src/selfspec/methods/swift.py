@@ -30,7 +30,7 @@ from selfspec.heads.skip_set import (
 )
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.draft_copy import DraftWeightsOptions
-from selfspec.methods.options import option
+from selfspec.methods.options import SKIP_SET_FILE, option
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,8 @@ class Options(DraftWeightsOptions):
     ``draft_weights`` from :class:`~selfspec.methods.draft_copy.DraftWeightsOptions`)."""
 
     skip_set: str = option("default", "skip-set file from `selfspec heads search-skip` "
-                           "('default' = the model's, next to its default heads)")
+                           "('default' = the model's, next to its default heads)",
+                           asset=SKIP_SET_FILE)
     max_draft_len: int = option(10, "longest draft", low=1, high="R-1")
     confidence: float = option(0.8, "stop drafting when the top-1 probability falls below this",
                                low=0, high=1, low_open=True, high_open=True)

@@ -1,46 +1,73 @@
 """``selfspec serve``: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over the
 continuous-batching :class:`~selfspec.serving.scheduler.Scheduler`.
 
-Routes: ``GET /health`` (no key needed), ``GET /v1/models``, ``POST /v1/completions``,
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (the tokenizer's chat template), with ``stream`` as server-sent
-events ending in ``data: [DONE]``. Every error is an OpenAI-style body
-(:class:`~selfspec.serving.protocol.ApiError`): 400 for malformed JSON or parameters, 401 for a
-missing or wrong ``--api-key``, 404 for an unknown model or route, 413 for a body over the
-limit, 429 when the queue is full; an unexpected failure is a 500 with a generic message
-(the traceback goes to the server's log, never to the client). A client that disconnects
-cancels its request: its row leaves the batch at the next step and its KV cache is freed.
+events ending in ``data: [DONE]``, and ``GET /metrics`` (the Prometheus text format,
+:mod:`~selfspec.serving.metrics`; it needs the API key too when one is set); a response's
+``usage.selfspec`` tells how its draft tokens fared. ``/health`` needs no key unless
+``health_auth``: load balancers and orchestrators probe it without credentials, and it tells
+only the model's name and the queue's length. Every error is an OpenAI-style body
+(:class:`~selfspec.serving.protocol.ApiError`): 400 for malformed JSON (also nested too deep,
+``NaN``, lone surrogates: :mod:`selfspec.serving.body`) or parameters, a method option
+naming a file (:mod:`selfspec.serving.assets`), a method whose trained assets this server
+lacks, or a request over ``max_batch_tokens`` alone; 401 for a missing or wrong
+``--api-key``, 404 for an unknown model or route, 413 for a body over the limit, 429 when
+``max_batch`` rows run and ``max_queue`` requests wait, 503 (``Retry-After``) while the
+server drains on shutdown (:mod:`selfspec.serving.drain`); an unexpected failure is a 500
+with a generic message (the traceback goes to the server's log, never to the client). A
+request whose decoding fails fails alone (a 500 body, or a stream's error event and
+``[DONE]``); the other rows of its batch go on. A client that disconnects cancels its
+request: its row leaves the batch at the next step and its KV cache is freed.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations as objects.
 
 import asyncio
 import copy
+import dataclasses
 import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from selfspec.errors import InvalidArgumentError, MissingDependencyError, PromptError
 from selfspec.methods.registry import METHODS, get_method
+from selfspec.models.provision import selfspec_home
+from selfspec.serving import assets
+from selfspec.serving.body import decode_json
+from selfspec.serving.drain import Drain, Unavailable
+from selfspec.serving.metrics import HttpMetrics, ServerMetrics, acceptance_usage
 from selfspec.serving.protocol import (
     FINISH_REASONS,
     ApiError,
     ApiRequest,
+    Choice,
     Limits,
     ResponseIds,
     TextDeltas,
     check_prompt_length,
     chunk_body,
+    logprobs_body,
     parse_request,
     response_body,
     sampling_seed,
     usage,
     usage_chunk,
 )
-from selfspec.serving.scheduler import QueueFullError, Request, Scheduler
+from selfspec.serving.scheduler import QueueFullError, Request, Scheduler, ShutdownError
+from selfspec.serving.tools import (
+    call_format,
+    hermes_messages,
+    parse_answer,
+    parse_tools,
+    template_messages,
+    template_takes_tools,
+)
 from selfspec.validation import check_text, check_token_ids
 
 logger = logging.getLogger(__name__)
@@ -58,6 +85,13 @@ class ServeConfig:
         limits: body, prompt and ``max_tokens`` limits.
         max_batch: rows decoded together.
         max_queue: requests waiting for a row before 429.
+        max_batch_tokens: KV positions (prompt + ``max_tokens`` per row) the running rows
+            may reach together; ``None``: no bound but ``max_batch``.
+        assets_dir: where a request's asset options (heads, skip sets) are looked up by
+            bare name; ``None``: requests may name none (:mod:`selfspec.serving.assets`).
+        health_auth: ``/health`` needs the API key too.
+        drain_seconds: on shutdown, how long accepted requests may still run.
+        header_timeout: seconds a client has to send a request's headers.
     """
 
     model_name: str
@@ -67,27 +101,39 @@ class ServeConfig:
     limits: Limits = field(default_factory=Limits)
     max_batch: int = 8
     max_queue: int = 64
+    max_batch_tokens: int | None = None
+    assets_dir: Path | None = None
+    health_auth: bool = False
+    drain_seconds: float = 30.0
+    header_timeout: float = 10.0
 
 
 def create_app(engine: Any, config: ServeConfig) -> Any:
     """The ASGI application serving ``engine``.
 
     Raises:
-        MissingDependencyError: FastAPI is not installed (``pip install 'selfspec[serve]'``).
+        MissingDependencyError: FastAPI or prometheus-client is not installed
+            (``pip install 'selfspec[serve]'``).
         InvalidArgumentError: the default method or its options are invalid for the model.
     """
     try:
         from fastapi import FastAPI
         from fastapi import Request as HttpRequest
         from fastapi.exceptions import RequestValidationError
-        from fastapi.responses import JSONResponse, StreamingResponse
+        from fastapi.responses import JSONResponse, Response, StreamingResponse
+        from jinja2 import TemplateError
         from starlette.exceptions import HTTPException
     except ImportError as error:
         raise MissingDependencyError(
             "selfspec serve needs FastAPI and uvicorn: pip install 'selfspec[serve]'") from error
 
     get_method(config.method).make_batch_step(engine.methods, config.method_options)
-    scheduler = Scheduler(engine, max_batch=config.max_batch, max_queue=config.max_queue)
+    metrics = ServerMetrics()
+    scheduler = Scheduler(engine, max_batch=config.max_batch, max_queue=config.max_queue,
+                          max_batch_tokens=config.max_batch_tokens, observer=metrics)
+    metrics.watch(scheduler)
+    drain = Drain(scheduler, config.drain_seconds)
+    assets_dir = None if config.assets_dir is None else Path(config.assets_dir).resolve()
     # The event loop's own tokenizer: a fast tokenizer's encode reconfigures its Rust backend
     # (truncation, padding) and must not run while the worker thread decodes with it.
     tokenizer = copy.deepcopy(engine.tokenizer)
@@ -104,10 +150,15 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
     app = FastAPI(title="selfspec", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.scheduler = scheduler
+    app.state.drain = drain
+    app.state.metrics = metrics
+    app.add_middleware(HttpMetrics, metrics=metrics, routes=app.routes)
 
     def error_response(error: ApiError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+        headers = dict(getattr(error, "headers", {}))  # Unavailable's Retry-After
+        if error.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(error.body(), status_code=error.status, headers=headers or None)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: HttpRequest, error: ApiError) -> JSONResponse:
@@ -148,10 +199,7 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
             if size > limit:
                 raise ApiError(413, f"the request body is over {limit} bytes")
             chunks.append(chunk)
-        try:
-            return json.loads(b"".join(chunks))
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ApiError(400, f"the request body is not valid JSON: {error}") from error
+        return decode_json(b"".join(chunks))
 
     def prompt_ids(api: ApiRequest) -> list[int]:
         try:
@@ -159,9 +207,20 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
                 if not getattr(tokenizer, "chat_template", None):
                     raise ApiError(400, f"model {config.model_name!r} has no chat template; "
                                         "use /v1/completions", param="messages")
-                ids = tokenizer.apply_chat_template(
-                    api.messages, add_generation_prompt=True, tokenize=True,
-                    return_dict=False)
+                tools = api.tools
+                if template_takes_tools(tokenizer):
+                    extra = ({"tools": list(tools.tools)} if tools is not None and tools.active
+                             else {})
+                    messages = template_messages(api.messages)
+                else:
+                    extra, messages = {}, hermes_messages(api.messages, tools)
+                try:
+                    ids = tokenizer.apply_chat_template(
+                        messages, add_generation_prompt=True, tokenize=True,
+                        return_dict=False, **extra)
+                except TemplateError as error:  # the template refuses these messages
+                    raise ApiError(400, f"the model's chat template refuses these messages: "
+                                        f"{error}", param="messages") from error
                 if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                     ids = ids["input_ids"]
                 ids = list(ids)
@@ -177,30 +236,96 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
         return ids
 
     def method_of(api: ApiRequest) -> tuple[str, dict[str, Any]]:
+        """The request's method and options; its asset options checked and resolved, and
+        the assets it reads present, before the request is queued."""
         if api.method is None:
-            return config.method, dict(config.method_options)
+            return config.method, dict(config.method_options)  # checked at start
         try:
             spec = get_method(api.method)
-            spec.parse(api.method_options, engine.executor)
+            values = assets.client_options(spec, api.method_options, assets_dir)
+            options = spec.parse(values, engine.executor)
         except InvalidArgumentError as error:
             raise ApiError(400, str(error), param="selfspec") from error
-        return api.method, dict(api.method_options)
+        missing = assets.missing_asset(spec, options, engine.executor.name, assets_dir)
+        if missing is not None:
+            raise missing
+        return api.method, values
+
+    def check_batch_tokens(job: Request, prompt_tokens: int, max_tokens: int) -> None:
+        need = scheduler.positions(job)
+        if config.max_batch_tokens is not None and need > config.max_batch_tokens:
+            raise ApiError(400, f"the prompt ({prompt_tokens} tokens) and max_tokens "
+                                f"({max_tokens}) may reach {need} KV positions; this server "
+                                f"decodes at most {config.max_batch_tokens} at once "
+                                "(--max-batch-tokens). Lower max_tokens or shorten the prompt.",
+                           param="max_tokens", code="batch_tokens_exceeded")
 
     async def complete(request: HttpRequest, chat: bool) -> Any:
         authorize(request)
+        with drain.entering():  # 503 while draining; the drain waits for it meanwhile
+            api, ids, jobs, events = await accept(request, chat)
+        ids_of = ResponseIds(config.model_name, chat)
+        if api.stream:
+            return StreamingResponse(stream(api, jobs, events, ids_of, len(ids)),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            finished: dict[int, tuple] = {}
+            while len(finished) < len(jobs):
+                item = await next_event(request, events, jobs)
+                if item is None:
+                    return None
+                if item[0] == "done":
+                    finished[item[1]] = item
+                    if item[4] is not None:
+                        raise failure(item[4])
+        except BaseException:
+            for job in jobs:
+                job.cancelled.set()
+            raise
+        choices, generated, stats = [], 0, []
+        for index, (_, _, state, text, _) in sorted(finished.items()):
+            entries = logprob_entries(state)
+            finish = FINISH_REASONS.get(state.finish_reason, "stop")
+            calls = None
+            if api.tools is not None and api.tools.active:
+                answer = parse_answer(text, api.tools)
+                text, calls = answer.content, answer.calls or None
+                if calls:
+                    finish = "tool_calls"
+            choices.append(Choice(index, text, finish,
+                                  None if entries is None else
+                                  logprobs_body(tokenizer, entries, chat), calls))
+            generated += state.num_generated
+            stats.append(state.stats)
+        return response_body(ids_of, choices, usage(len(ids), generated)
+                             | {"selfspec": acceptance_usage(jobs[0].method, *stats)})
+
+    async def accept(request: HttpRequest, chat: bool
+                     ) -> tuple[ApiRequest, list[int], list[Request], asyncio.Queue]:
+        """Read and check a generation request and submit its ``n`` choices (one row each)
+        to the scheduler."""
         body = await read_json(request)
         api = parse_request(body, chat, config.limits)
+        if chat:
+            tools = parse_tools(body)
+            if tools is not None and tools.forced and api.response_format is not None:
+                raise ApiError(400, "'response_format' cannot be combined with a tool_choice "
+                                    "that forces a call (the call's schema is the format)",
+                               param="response_format")
+            api = dataclasses.replace(api, tools=tools)
         if body["model"] != config.model_name:
             raise ApiError(404, f"the model {body['model']!r} is not served here; this server "
                                 f"serves {config.model_name!r}", param="model",
                            code="model_not_found")
         ids = prompt_ids(api)
         method, method_options = method_of(api)
-        try:
-            options = engine.decode_options(api.max_tokens, api.temperature, api.top_k,
-                                            api.top_p, sampling_seed(api.seed))
-        except InvalidArgumentError as error:
-            raise ApiError(400, str(error)) from error
+        processing = processing_of(api)
+        if processing.active and not get_method(method).processes_logits_for(method_options):
+            raise ApiError(400, f"method {method!r} with these options picks tokens without "
+                                "verification, so response_format, penalties and logprobs "
+                                "cannot apply; use a lossless method (auto, ar, ngram, ...)",
+                           param="selfspec")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -210,84 +335,160 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
             except RuntimeError:  # the event loop is gone (server shutting down)
                 pass
 
-        job = Request(prompt_ids=ids, options=options, method=method,
-                      method_options=method_options, stop=api.stop,
-                      on_tokens=lambda tokens: post(("tokens", tokens)),
-                      on_done=lambda state, text, error: post(("done", state, text, error)))
+        jobs = []
+        for index in range(api.n):
+            # Choice i samples with seed + i: n choices of one seeded request differ from
+            # each other, and each is reproducible.
+            seed = None if api.seed is None else api.seed + index
+            try:
+                options = engine.decode_options(api.max_tokens, api.temperature, api.top_k,
+                                                api.top_p, sampling_seed(seed), processing)
+            except InvalidArgumentError as error:
+                raise ApiError(400, str(error)) from error
+            job = Request(prompt_ids=ids, options=options, method=method,
+                          method_options=method_options, stop=api.stop)
+            job.on_tokens = _token_poster(job, index, post)
+            job.on_done = (lambda state, text, error, index=index:
+                           post(("done", index, state, text, error)))
+            check_batch_tokens(job, len(ids), api.max_tokens)
+            jobs.append(job)
+        drain.check_submit()
         try:
-            scheduler.submit(job)
-        except QueueFullError as error:
-            raise ApiError(429, f"the server is busy: {error}", type="rate_limit_error",
-                           code="queue_full") from error
-        ids_of = ResponseIds(config.model_name, chat)
-        if api.stream:
-            return StreamingResponse(stream(api, job, events, ids_of, len(ids)),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            for job in jobs:
+                scheduler.submit(job)
+        except (QueueFullError, InvalidArgumentError) as error:
+            for job in jobs:
+                job.cancelled.set()
+            if isinstance(error, QueueFullError):
+                raise ApiError(429, f"the server is busy: {error}", type="rate_limit_error",
+                               code="queue_full") from error
+            raise ApiError(400, str(error)) from error
+        return api, ids, jobs, events
+
+    def processing_of(api: ApiRequest) -> Any:
+        response_format = api.response_format
+        if api.tools is not None and api.tools.forced:
+            response_format = call_format(api.tools)
         try:
-            while True:
-                try:
-                    item = await asyncio.wait_for(events.get(), timeout=0.5)
-                except TimeoutError:
-                    if await request.is_disconnected():
+            return engine.processing(response_format, api.presence_penalty,
+                                     api.frequency_penalty, api.logprobs)
+        except InvalidArgumentError as error:
+            raise ApiError(400, str(error), param="response_format"
+                           if api.response_format is not None else None) from error
+        except MissingDependencyError as error:
+            raise ApiError(400, f"response_format is not available on this server: {error}",
+                           param="response_format") from error
+
+    async def next_event(request: HttpRequest, events: asyncio.Queue,
+                         jobs: list[Request]) -> tuple | None:
+        """The next event of the request's jobs, or ``None`` when the client left."""
+        while True:
+            try:
+                return await asyncio.wait_for(events.get(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    for job in jobs:
                         job.cancelled.set()
-                        return None
-                    continue
-                if item[0] == "done":
-                    break
-        except asyncio.CancelledError:
-            job.cancelled.set()
-            raise
-        _, state, text, error = item
-        if error is not None:
-            raise failure(error)
-        return response_body(ids_of, text, FINISH_REASONS.get(state.finish_reason, "stop"),
-                             usage(len(ids), state.num_generated))
+                    return None
 
     def failure(error: BaseException) -> ApiError:
+        """What a client is told of ``error``, its request's failure in the scheduler."""
+        if isinstance(error, ShutdownError):
+            return Unavailable(f"{error}; retry", retry_after=1)
+        unusable = assets.asset_error(error, selfspec_home(), assets_dir)
+        if unusable is not None:
+            logger.warning("a request's method cannot use its asset: %s", error)
+            return unusable
         if isinstance(error, InvalidArgumentError):
             return ApiError(400, str(error))
         logger.error("generation failed: %r", error)
         return ApiError(500, "generation failed; see the server log", type="server_error")
 
-    async def stream(api: ApiRequest, job: Request, events: asyncio.Queue, ids_of: ResponseIds,
-                     prompt_tokens: int) -> AsyncIterator[bytes]:
-        deltas = TextDeltas(tokenizer, api.stop)
-        first = True
+    async def stream(api: ApiRequest, jobs: list[Request], events: asyncio.Queue,
+                     ids_of: ResponseIds, prompt_tokens: int) -> AsyncIterator[bytes]:
+        deltas = [TextDeltas(tokenizer, api.stop) for _ in jobs]
+        tools_active = api.tools is not None and api.tools.active
+        offsets = [0] * len(jobs)  # completions' text_offset of each choice's next token
+        opened = [False] * len(jobs)
+        generated, stats, left = 0, [], len(jobs)
 
         def event(body: dict) -> bytes:
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
 
+        def chunk_logprobs(index: int, entries: list | None) -> dict | None:
+            if entries is None:
+                return None
+            body = logprobs_body(tokenizer, entries, ids_of.chat, offsets[index])
+            offsets[index] += sum(len(t) for t in body.get("tokens", ()))
+            return body
+
         try:
             if ids_of.chat:
-                yield event(chunk_body(ids_of, "", None, role=True))
-                first = False
+                for index in range(len(jobs)):
+                    yield event(chunk_body(ids_of, "", None, role=True, index=index))
+                    opened[index] = True
             while True:
                 item = await events.get()
                 if item[0] == "tokens":
-                    text = deltas.push(item[1])
-                    if text:
-                        yield event(chunk_body(ids_of, text, None, role=first))
-                        first = False
-                    continue
-                _, state, text, error = item
-                if error is not None:
-                    yield event(failure(error).body())
-                    break
-                rest = deltas.finish(text)
-                finish = FINISH_REASONS.get(state.finish_reason, "stop")
-                yield event(chunk_body(ids_of, rest, finish, role=first))
-                if api.include_usage:
-                    yield event(usage_chunk(ids_of, usage(prompt_tokens, state.num_generated)))
-                break
+                    _, index, tokens, entries = item
+                    if tools_active:  # the answer may be calls: sent whole when done
+                        continue
+                    text = deltas[index].push(tokens)
+                    logprobs = chunk_logprobs(index, entries)
+                    if text or logprobs is not None:
+                        yield event(chunk_body(ids_of, text, None, role=not opened[index],
+                                               index=index, logprobs=logprobs))
+                        opened[index] = True
+                else:
+                    _, index, state, text, error = item
+                    if error is not None:
+                        yield event(failure(error).body())
+                        break
+                    finish = FINISH_REASONS.get(state.finish_reason, "stop")
+                    if tools_active:
+                        answer = parse_answer(text, api.tools)
+                        entries = logprob_entries(state)
+                        logprobs = chunk_logprobs(index, entries)
+                        if answer.calls:
+                            yield event(chunk_body(ids_of, answer.content, None, index=index,
+                                                   logprobs=logprobs, calls=answer.calls))
+                            finish = "tool_calls"
+                        elif answer.content or logprobs is not None:
+                            yield event(chunk_body(ids_of, answer.content, None, index=index,
+                                                   logprobs=logprobs))
+                        rest = None
+                    else:
+                        rest = deltas[index].finish(text)
+                    yield event(chunk_body(ids_of, rest, finish, role=not opened[index],
+                                           index=index))
+                    generated += state.num_generated
+                    stats.append(state.stats)
+                    left -= 1
+                    if not left:
+                        if api.include_usage:
+                            use = usage(prompt_tokens, generated) | {
+                                "selfspec": acceptance_usage(jobs[0].method, *stats)}
+                            yield event(usage_chunk(ids_of, use))
+                        break
             yield b"data: [DONE]\n\n"
         finally:
-            job.cancelled.set()  # a disconnect ends here too; a finished job ignores it
-
+            for job in jobs:
+                job.cancelled.set()  # a disconnect ends here too; a finished job ignores it
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": config.model_name, "running": scheduler.running,
-                "waiting": scheduler.waiting}
+    async def health(request: HttpRequest) -> Any:
+        if config.health_auth:
+            authorize(request)
+        body = {"status": "draining" if drain.draining else "ok", "model": config.model_name,
+                "running": scheduler.running, "waiting": scheduler.waiting}
+        # 503 while draining: a load balancer's probe takes the replica out of rotation.
+        return JSONResponse(body, status_code=503 if drain.draining else 200)
+
+    @app.get("/metrics")
+    async def metrics_text(request: HttpRequest) -> Response:
+        # the key too: the metrics show the load and which methods clients use, and
+        # Prometheus sends a bearer token (`authorization: {credentials_file: ...}`)
+        authorize(request)
+        return Response(metrics.render(), media_type=metrics.content_type)
 
     @app.get("/v1/models")
     async def models(request: HttpRequest) -> dict:
@@ -310,6 +511,27 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
     return app
 
 
+def logprob_entries(state: Any) -> list | None:
+    """The finished ``state``'s per-token log probabilities, or ``None`` when not asked."""
+    processor = state.processor
+    if state.options.processing.logprobs is None or processor is None:
+        return None
+    return list(processor.logprobs)
+
+
+def _token_poster(job: Request, index: int, post: Any) -> Any:
+    """``job.on_tokens``: posts ``("tokens", index, tokens, logprob entries or None)``
+    (called on the worker thread, where the row's state is current)."""
+    def on_tokens(tokens: list[int]) -> None:
+        state = job.state
+        entries = None
+        if state is not None and state.processor is not None \
+                and state.options.processing.logprobs is not None:
+            entries = state.processor.logprobs[-len(tokens):]
+        post(("tokens", index, tokens, entries))
+    return on_tokens
+
+
 def warm_up(engine: Any, method: str, options: dict[str, Any]) -> None:
     """A few tokens with ``method`` before the first request: one-time costs (the latency
     model measured on first use on a machine, kernel probes, first calls of each shape)
@@ -325,15 +547,17 @@ def warm_up(engine: Any, method: str, options: dict[str, Any]) -> None:
 
 def serve(engine: Any, config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info") -> None:
-    """Run the server until interrupted.
+    """Run the server until SIGTERM or SIGINT, then drain (:mod:`selfspec.serving.drain`)
+    and return.
 
     Raises:
         MissingDependencyError: FastAPI or uvicorn is not installed.
+        InvalidArgumentError: see :func:`create_app`.
     """
     try:
-        import uvicorn
+        from selfspec.serving import server
     except ImportError as error:
         raise MissingDependencyError(
             "selfspec serve needs FastAPI and uvicorn: pip install 'selfspec[serve]'") from error
     app = create_app(engine, config)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server.run(app, app.state.drain, host, port, log_level, config.header_timeout)

@@ -1,4 +1,8 @@
-"""``selfspec serve``: the command line of the OpenAI-compatible server."""
+"""``selfspec serve``: the command line of the OpenAI-compatible server.
+
+The operator's own ``--method`` options may name files (``--heads PATH``); a request's may
+not: they name assets in ``--assets-dir`` (:mod:`selfspec.serving.assets`).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import sys
 from selfspec.cli_args import (
     add_model_argument,
     add_weight_format_arguments,
+    float_arg,
     int_arg,
     threads_arg,
 )
@@ -21,8 +26,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API",
         description="Serve /v1/completions, /v1/chat/completions (streaming or not), "
-                    "/v1/models and /health with continuous batching. Binds 127.0.0.1 unless "
-                    "--host says otherwise; set --api-key before exposing it.")
+                    "/v1/models, /health and Prometheus /metrics with continuous batching. "
+                    "Binds 127.0.0.1 unless --host says otherwise; set --api-key (it guards "
+                    "/metrics too) before exposing it.")
     add_model_argument(p)
     p.add_argument("--served-name", default=None,
                    help="the name clients pass as `model` (default: the model's name)")
@@ -39,6 +45,22 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="requests decoded together (default 8)")
     p.add_argument("--max-queue", type=int_arg(0), default=64,
                    help="requests waiting for a batch row before 429 (default 64)")
+    p.add_argument("--max-batch-tokens", type=int_arg(1), default=None, metavar="N",
+                   help="KV positions the running rows may reach together (each: prompt + "
+                        "max_tokens); a request that would pass it waits, one larger alone is "
+                        "a 400 (default: no bound but --max-batch)")
+    p.add_argument("--assets-dir", default=None, metavar="DIR",
+                   help="trained assets (head files, skip sets) requests may name in their "
+                        "`selfspec` options, by bare name inside DIR (default: none; a request "
+                        "naming a file is a 400)")
+    p.add_argument("--health-auth", action="store_true",
+                   help="/health needs the API key too (default: open, for load balancers)")
+    p.add_argument("--drain-seconds", type=float_arg(0), default=30.0,
+                   help="on SIGTERM/SIGINT: new requests get 503 while accepted ones finish, "
+                        "for at most this long; the rest end with an error (default 30)")
+    p.add_argument("--header-timeout", type=float_arg(0, low_open=True), default=10.0,
+                   metavar="SECONDS",
+                   help="close a connection whose request headers take longer (default 10)")
     p.add_argument("--max-prompt-tokens", type=int_arg(1), default=4096)
     p.add_argument("--max-tokens", type=int_arg(1), default=1024,
                    help="largest max_tokens a request may ask for")
@@ -55,6 +77,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
+    from pathlib import Path
 
     import torch
 
@@ -65,6 +88,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from selfspec.serving.protocol import Limits
 
     apply_method_spec(args)
+    if args.assets_dir is not None and not Path(args.assets_dir).is_dir():
+        from selfspec.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"--assets-dir {args.assets_dir!r} is not a directory")
     options = method_options(args)
     get_method(args.method).parse(options)  # bad options fail before the model loads
     if check_threads("--threads", args.threads):
@@ -78,7 +105,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = ServeConfig(model_name=args.served_name or engine.name, method=args.method,
                          method_options=options,
                          api_key=args.api_key or os.environ.get("SELFSPEC_API_KEY") or None,
-                         limits=limits, max_batch=args.max_batch, max_queue=args.max_queue)
+                         limits=limits, max_batch=args.max_batch, max_queue=args.max_queue,
+                         max_batch_tokens=args.max_batch_tokens,
+                         assets_dir=None if args.assets_dir is None else Path(args.assets_dir),
+                         health_auth=args.health_auth, drain_seconds=args.drain_seconds,
+                         header_timeout=args.header_timeout)
     print(f"[selfspec] serving {config.model_name} ({args.method}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     serve(engine, config, host=args.host, port=args.port,

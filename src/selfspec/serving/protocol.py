@@ -4,15 +4,20 @@ stream-chunk bodies, error bodies. Pure functions of JSON values (no HTTP here).
 Field meanings follow the OpenAI API reference (``/v1/completions``,
 ``/v1/chat/completions``): ``max_tokens`` (chat also ``max_completion_tokens``),
 ``temperature`` in [0, 2] (default 1), ``top_p`` in (0, 1], ``seed``, ``stop`` (a string or up
-to 4), ``n = 1``, ``stream`` (+ ``stream_options.include_usage``), ``finish_reason``
-``"stop"`` (EOS or a stop string) or ``"length"`` (``max_tokens`` or the model's context),
-``usage``. selfspec's own choice of method rides in an extra field::
+to 4), ``n`` (choices, each a row of the running batch), ``stream`` (+
+``stream_options.include_usage``), ``presence_penalty`` / ``frequency_penalty`` in [-2, 2],
+``logprobs`` (completions: the number of alternatives, 0-20; chat: a bool, with
+``top_logprobs`` 0-20), ``response_format`` (``text``, ``json_object``, ``json_schema``;
+selfspec adds ``{"type": "regex", "regex": ...}`` and ``{"type": "lark", "lark": ...}``; on
+completions too), ``finish_reason`` ``"stop"`` (EOS or a stop string) or ``"length"``
+(``max_tokens`` or the model's context), ``usage``. selfspec's own choice of method rides in
+an extra field::
 
     {"selfspec": {"method": "ngram", "options": {"max_draft_len": 8}}}
 
-(``extra_body=`` in the ``openai`` client). Parameters a greedy / sampling decoder cannot
-honour (``logprobs``, ``echo``, ``best_of > 1``, penalties, ``logit_bias``) are refused with a
-400 instead of being silently ignored.
+(``extra_body=`` in the ``openai`` client). Parameters selfspec cannot honour (``echo``,
+``best_of`` other than ``n``, ``suffix``, ``logit_bias``) are refused with a 400 instead of
+being silently ignored.
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream
            "stop", "seed", "user", "logprobs", "presence_penalty", "frequency_penalty",
            "logit_bias", "selfspec", "top_k"}
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+_COMPLETION_FIELDS |= {"response_format"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs",
-                          "response_format", "parallel_tool_calls"}
-_ROLES = ("system", "developer", "user", "assistant")
+                          "response_format", "parallel_tool_calls", "tools", "tool_choice"}
+_FORMATS = ("text", "json_object", "json_schema", "regex", "lark")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ApiError(Exception):
@@ -73,12 +80,14 @@ class Limits:
         max_tokens: largest ``max_tokens``.
         default_max_tokens: ``max_tokens`` when a request gives none (completions: OpenAI's
             16 unless this is smaller; chat: this).
+        max_n: most choices (``n``) one request may ask for.
     """
 
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int = 4096
     max_tokens: int = 1024
     default_max_tokens: int = 256
+    max_n: int = 8
 
 
 @dataclass(frozen=True)
@@ -94,12 +103,18 @@ class ApiRequest:
             in the OpenAI API.
         method / method_options: selfspec's method for this request (``None``: the
             server's).
+        n: choices to generate (each a row of the batch).
+        logprobs: ``None`` (none), or the number of alternatives per token (0-20).
+        presence_penalty / frequency_penalty: OpenAI's penalties.
+        response_format: the structured-output constraint, or ``None``.
+        tools: the request's tools (:class:`~selfspec.serving.tools.ToolRequest`), or
+            ``None``.
     """
 
     chat: bool
     prompt: str | None = None
     prompt_ids: list[int] | None = None
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -110,6 +125,12 @@ class ApiRequest:
     include_usage: bool = False
     method: str | None = None
     method_options: Mapping[str, Any] = field(default_factory=dict)
+    n: int = 1
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    response_format: Mapping[str, Any] | None = None
+    tools: Any = None
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -178,7 +199,7 @@ def _prompt(body: Mapping) -> tuple[str | None, list[int] | None]:
     raise _bad("'prompt' must be a non-empty string or a list of token ids", "prompt")
 
 
-def _messages(body: Mapping) -> list[dict[str, str]]:
+def _messages(body: Mapping) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list of {role, content} objects",
@@ -191,6 +212,15 @@ def _messages(body: Mapping) -> list[dict[str, str]]:
         if role not in _ROLES:
             raise _bad(f"messages[{i}].role must be one of {', '.join(_ROLES)}; got {role!r}",
                        "messages")
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str) for c in calls):
+                raise _bad(f"messages[{i}].tool_calls must be a list of {{\"function\": "
+                           "{\"name\", \"arguments\"}} on an assistant message", "messages")
+            if content is None:
+                content = ""
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text"
                        and isinstance(p.get("text"), str) for p in content):
@@ -199,7 +229,16 @@ def _messages(body: Mapping) -> list[dict[str, str]]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise _bad(f"messages[{i}].content must be a string", "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        entry: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                                 "content": content}
+        if calls is not None:
+            entry["tool_calls"] = calls
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise _bad(f"messages[{i}].tool_call_id must be a string", "messages")
+            entry["tool_call_id"] = call_id
+        out.append(entry)
     return out
 
 
@@ -225,17 +264,14 @@ def parse_request(body: Any, chat: bool, limits: Limits) -> ApiRequest:
         raise _bad(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
     if not isinstance(body.get("model"), str):
         raise _bad("'model' must be given as a string (see /v1/models)", "model")
-    if body.get("n") not in (None, 1):
-        raise _bad("only n=1 is supported; send separate requests for more choices", "n")
-    _unsupported(body, "logprobs", (None, False, 0))
+    n = _integer(body, "n", 1, 1, limits.max_n)
     _unsupported(body, "echo", (None, False))
-    _unsupported(body, "best_of", (None, 1))
+    if body.get("best_of") not in (None, n):
+        raise _bad(f"'best_of' is not supported apart from best_of = n ({n})", "best_of")
     _unsupported(body, "suffix", (None,))
-    _unsupported(body, "presence_penalty", (None, 0, 0.0))
-    _unsupported(body, "frequency_penalty", (None, 0, 0.0))
     _unsupported(body, "logit_bias", (None, {}))
-    _unsupported(body, "top_logprobs", (None, 0))
-    _unsupported(body, "response_format", (None, {"type": "text"}))
+    logprobs = _logprobs(body, chat)
+    response_format = _response_format(body)
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -265,11 +301,40 @@ def parse_request(body: Any, chat: bool, limits: Limits) -> ApiRequest:
         "top_k": _integer(body, "top_k", 0, 0),
         "seed": _integer(body, "seed", None, -(2 ** 63), 2 ** 63 - 1),
         "stop": _stop(body), "stream": stream, "include_usage": bool(options.get("include_usage")),
-        "method": method, "method_options": method_options}
-    if chat:
+        "method": method, "method_options": method_options, "n": n, "logprobs": logprobs,
+        "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "response_format": response_format}
+    if chat:  # tools: parsed by selfspec.serving.tools.parse_tools (the app sets them)
         return ApiRequest(chat=True, messages=_messages(body), **common)
     prompt, ids = _prompt(body)
     return ApiRequest(chat=False, prompt=prompt, prompt_ids=ids, **common)
+
+
+def _logprobs(body: Mapping, chat: bool) -> int | None:
+    """Alternatives per token, or ``None``: completions take ``logprobs: int``, chat takes
+    ``logprobs: bool`` and ``top_logprobs: int`` (which needs ``logprobs: true``)."""
+    if not chat:
+        return _integer(body, "logprobs", None, 0, 20)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise _bad("'logprobs' must be a boolean on chat completions (top_logprobs gives the "
+                   "number of alternatives)", "logprobs")
+    top = _integer(body, "top_logprobs", None, 0, 20)
+    if top is not None and not wanted:
+        raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _response_format(body: Mapping) -> Mapping[str, Any] | None:
+    """The ``response_format`` object (its schema is checked when compiled), or ``None``."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in _FORMATS:
+        raise _bad(f"'response_format' must be an object with 'type' one of "
+                   f"{', '.join(_FORMATS)}", "response_format")
+    return None if value["type"] == "text" else value
 
 
 def check_prompt_length(num_tokens: int, limits: Limits, context: int) -> None:
@@ -310,33 +375,94 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def response_body(ids: ResponseIds, text: str, finish: str, use: dict) -> dict:
-    """A non-streamed response."""
-    if ids.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": finish}
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        kind = "text_completion"
+@dataclass(frozen=True)
+class Choice:
+    """One finished choice of a response.
+
+    Attributes:
+        index: its place among the request's ``n`` choices.
+        text: the generated text (cut at a stop string).
+        finish: the OpenAI finish reason.
+        logprobs: the OpenAI ``logprobs`` object (:func:`logprobs_body`), or ``None``.
+        tool_calls: OpenAI ``tool_calls`` entries (chat), or ``None``.
+    """
+
+    index: int
+    text: str | None
+    finish: str
+    logprobs: dict | None = None
+    tool_calls: list[dict] | None = None
+
+
+def response_body(ids: ResponseIds, choices: Sequence[Choice], use: dict) -> dict:
+    """A non-streamed response with ``choices`` in index order."""
+    out = []
+    for c in sorted(choices, key=lambda c: c.index):
+        if ids.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            if c.tool_calls:
+                message["tool_calls"] = c.tool_calls
+            out.append({"index": c.index, "message": message, "logprobs": c.logprobs,
+                        "finish_reason": c.finish})
+        else:
+            out.append({"index": c.index, "text": c.text, "logprobs": c.logprobs,
+                        "finish_reason": c.finish})
+    kind = "chat.completion" if ids.chat else "text_completion"
     return {"id": ids.id, "object": kind, "created": ids.created, "model": ids.model,
-            "choices": [choice], "usage": use}
+            "choices": out, "usage": use}
 
 
 def chunk_body(ids: ResponseIds, text: str | None, finish: str | None,
-               role: bool = False) -> dict:
-    """One streamed chunk: a text delta and/or the finish reason."""
+               role: bool = False, index: int = 0, logprobs: dict | None = None,
+               calls: list[dict] | None = None) -> dict:
+    """One streamed chunk of choice ``index``: a text delta, its tokens' ``logprobs``, tool
+    calls (chat; each whole, with its ``index``) and/or the finish reason."""
     if ids.chat:
-        delta: dict[str, str] = {"role": "assistant"} if role else {}
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if calls:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs,
+                  "finish_reason": finish}
         kind = "text_completion"
     return {"id": ids.id, "object": kind, "created": ids.created, "model": ids.model,
             "choices": [choice]}
+
+
+def logprobs_body(tokenizer: Any, entries: Sequence[Any], chat: bool,
+                  text_offset: int = 0) -> dict:
+    """The OpenAI ``logprobs`` object of generated tokens.
+
+    Args:
+        tokenizer: the model's tokenizer (a token's text is its decoding alone).
+        entries: :class:`~selfspec.decoding.core.processors.TokenLogprob` of the tokens.
+        chat: chat shape (``{"content": [{token, logprob, bytes, top_logprobs}]}``) or
+            completions shape (``tokens``, ``token_logprobs``, ``top_logprobs``,
+            ``text_offset``).
+        text_offset: completions: the character offset of the first token's text.
+    """
+    def text(token: int) -> str:
+        return tokenizer.decode([token])
+
+    if chat:
+        return {"content": [{
+            "token": text(e.token), "logprob": e.logprob,
+            "bytes": list(text(e.token).encode("utf-8")),
+            "top_logprobs": [{"token": text(t), "logprob": lp,
+                              "bytes": list(text(t).encode("utf-8"))} for t, lp in e.top]}
+            for e in entries]}
+    tokens = [text(e.token) for e in entries]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets}
 
 
 def usage_chunk(ids: ResponseIds, use: dict) -> dict:

@@ -1,14 +1,23 @@
 """Continuous batching: requests join the running batch between steps and leave when done.
 
 One worker thread owns the model. Each iteration it (1) drops cancelled rows, (2) admits
-queued requests while fewer than ``max_batch`` rows run (prefill alone, first token), and
-(3) advances every running row by one step: rows of the same method and options share one
+the requests that hold a row (prefill alone, first token), and (3) advances every running
+row by one step: rows of the same method and options share one
 :class:`~selfspec.decoding.auto.batch.BatchStep` (one batched forward for ar / ngram / auto; the
 other methods run their rows in turn). Committed tokens reach each request's callback as
 they come; a finished row calls its ``on_done`` and frees its KV cache.
 
-The queue is bounded: :meth:`Scheduler.submit` raises :class:`QueueFullError` rather than
-let waiting requests pile up (the server answers 429).
+Rows are held from submission: :meth:`Scheduler.submit` gives a request a row at once when
+one of the ``max_batch`` is free (and, with ``max_batch_tokens``, the KV positions it may
+reach fit beside the other rows'), else queues it, first come first served; a row that
+finishes hands itself to the head of the queue. So at most ``max_batch`` requests run and
+``max_queue`` wait, exactly; beyond that :class:`QueueFullError` (the server answers 429)
+rather than let waiting requests pile up.
+
+A failure stays with its request where the request can be told: a token callback that
+raises ends its own row only, and when a batched step raises the scheduler runs that
+step's rows one at a time, so only the rows that fail alone fail (each with its own
+``on_done`` error); the others continue with exactly their own tokens.
 """
 
 from __future__ import annotations
@@ -18,12 +27,14 @@ import threading
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from selfspec.decoding.auto.batch import BatchStep, begin
+from selfspec.decoding.core.loop import check_processing
 from selfspec.decoding.core.state import DecodeOptions, DecodeState
+from selfspec.decoding.core.stats import StepStats
 from selfspec.decoding.core.stop_strings import StopStringSink
 from selfspec.errors import InvalidArgumentError, SelfSpecError
 from selfspec.methods.registry import get_method
@@ -33,6 +44,10 @@ logger = logging.getLogger(__name__)
 
 class QueueFullError(SelfSpecError):
     """The scheduler's queue holds ``max_queue`` requests already; retry later."""
+
+
+class ShutdownError(SelfSpecError):
+    """The request was ended because the server is shutting down."""
 
 
 @dataclass
@@ -51,6 +66,8 @@ class Request:
             ``None``).
         cancelled: set it (e.g. the client disconnected) to end the request at the next
             step; ``on_done`` then reports finish reason ``"cancelled"``.
+        state: the row's :class:`DecodeState` once admitted (read it from the callbacks,
+            which run on the worker thread), else ``None``.
     """
 
     prompt_ids: list[int]
@@ -62,6 +79,7 @@ class Request:
     on_done: Callable[[DecodeState | None, str, BaseException | None], None] = (
         lambda state, text, error: None)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    state: DecodeState | None = None
 
 
 @dataclass
@@ -70,6 +88,18 @@ class _Row:
     state: DecodeState
     sink: StopStringSink
     key: tuple
+    failures: list[BaseException] = field(default_factory=list)  # this row's own errors
+
+
+class SchedulerObserver(Protocol):
+    """What the scheduler reports as it works (the server's metrics,
+    :class:`~selfspec.serving.metrics.ServerMetrics`); called from the thread named."""
+
+    def on_submit(self, request: Request) -> None:
+        """``request`` was queued (caller's thread); it may wrap the request's callbacks."""
+
+    def on_step(self, method: str, stats: StepStats) -> None:
+        """One row of ``method`` made one step (worker thread)."""
 
 
 class Scheduler:
@@ -79,19 +109,33 @@ class Scheduler:
         engine: a loaded :class:`selfspec.SelfSpec`.
         max_batch: rows decoded together at most (>= 1).
         max_queue: requests waiting for a row at most (>= 0); more are refused.
+        max_batch_tokens: KV positions the running rows may reach together at most (each
+            row: its prompt + ``max_new_tokens``, capped by the model's context), or
+            ``None``: no bound but ``max_batch``.
+        observer: told of each queued request and each row's step (``None``: nobody).
 
     Raises:
         InvalidArgumentError: bounds below their minimum.
     """
 
-    def __init__(self, engine: Any, max_batch: int = 8, max_queue: int = 64) -> None:
-        if max_batch < 1 or max_queue < 0:
+    def __init__(self, engine: Any, max_batch: int = 8, max_queue: int = 64,
+                 max_batch_tokens: int | None = None,
+                 observer: SchedulerObserver | None = None) -> None:
+        if max_batch < 1 or max_queue < 0 or (max_batch_tokens is not None
+                                               and max_batch_tokens < 1):
             raise InvalidArgumentError(
-                f"max_batch must be >= 1 and max_queue >= 0; got {max_batch}, {max_queue}")
+                f"max_batch and max_batch_tokens must be >= 1 and max_queue >= 0; got "
+                f"{max_batch}, {max_batch_tokens}, {max_queue}")
         self.engine = engine
         self.max_batch = max_batch
         self.max_queue = max_queue
-        self._queue: deque[Request] = deque()
+        self.max_batch_tokens = max_batch_tokens
+        self.observer = observer
+        self._queue: deque[Request] = deque()  # waiting for a row
+        self._ready: deque[Request] = deque()  # holding a row, not admitted yet
+        self._held: dict[int, int] = {}  # id(request) -> KV positions, for each row held
+        self._held_tokens = 0
+        self._abort: BaseException | None = None
         self._rows: list[_Row] = []
         self._steps: dict[tuple, BatchStep] = {}
         self._wake = threading.Condition()
@@ -104,39 +148,106 @@ class Scheduler:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop the worker after its current step; waiting requests are failed."""
+        """Stop the worker after its current step; running and waiting requests are failed
+        with :class:`ShutdownError`."""
         with self._wake:
             self._stop = True
             self._wake.notify()
         if self._thread.is_alive():
             self._thread.join(timeout=60)
+        elif self._thread.ident is None:  # never started: no worker will answer them
+            self._end_all(ShutdownError("the server is shutting down"))
+
+    def abort(self, error: BaseException) -> None:
+        """End every request running or waiting now with ``error`` (their ``on_done``),
+        after the worker's current step; the scheduler keeps serving later requests."""
+        with self._wake:
+            self._abort = error
+            self._wake.notify()
 
     @property
     def running(self) -> int:
-        """Rows being decoded."""
-        return len(self._rows)
+        """Rows held: being decoded, or about to be admitted."""
+        return len(self._held)
 
     @property
     def waiting(self) -> int:
         """Requests queued for a row."""
         return len(self._queue)
 
+    @property
+    def held_tokens(self) -> int:
+        """KV positions the rows held may reach together (see ``max_batch_tokens``)."""
+        return self._held_tokens
+
+    def positions(self, request: Request) -> int:
+        """The KV positions ``request``'s row may reach: prompt + ``max_new_tokens``,
+        capped by the model's context."""
+        need = len(request.prompt_ids) + request.options.max_new_tokens
+        return min(need, self.engine.executor.max_positions)
+
     def submit(self, request: Request) -> None:
-        """Queue ``request``.
+        """Give ``request`` a row now if one is free (and its KV positions fit), else queue it.
 
         Raises:
-            QueueFullError: ``max_queue`` requests are waiting already.
+            InvalidArgumentError: the request alone needs more than ``max_batch_tokens``.
+            QueueFullError: ``max_queue`` requests are waiting already (the message gives
+                the numbers running and waiting, and the bounds).
             RuntimeError: the scheduler was closed.
         """
+        need = self.positions(request)
+        if self.max_batch_tokens is not None and need > self.max_batch_tokens:
+            raise InvalidArgumentError(
+                f"the request may reach {need} KV positions (prompt + max_tokens), over "
+                f"max_batch_tokens {self.max_batch_tokens}")
         with self._wake:
             if self._stop:
                 raise RuntimeError("the scheduler is closed")
-            free_rows = max(self.max_batch - len(self._rows), 0)
-            if len(self._queue) >= self.max_queue + free_rows:
-                raise QueueFullError(
-                    f"{len(self._queue)} requests are waiting already (max_queue "
-                    f"{self.max_queue}); retry later")
-            self._queue.append(request)
+            run_now = not self._queue and self._fits(need)
+            if not run_now and len(self._queue) >= self.max_queue:
+                # Waiting requests whose clients left hold no place in the queue.
+                self._queue = deque(r for r in self._queue if not r.cancelled.is_set())
+                if len(self._queue) >= self.max_queue:
+                    raise QueueFullError(self._busy())
+            if self.observer is not None:  # before the worker can see the request
+                self.observer.on_submit(request)
+            if run_now:
+                self._hold(request, need)
+                self._ready.append(request)
+            else:
+                self._queue.append(request)
+            self._wake.notify()
+
+    def _busy(self) -> str:
+        tokens = ("" if self.max_batch_tokens is None else
+                  f", {self._held_tokens} of max_batch_tokens {self.max_batch_tokens} held")
+        return (f"{len(self._held)} requests are running (max_batch {self.max_batch}{tokens}) "
+                f"and {len(self._queue)} waiting (max_queue {self.max_queue}); retry later")
+
+    # --------------------------------------------------------- rows held (under _wake)
+    def _fits(self, need: int) -> bool:
+        return len(self._held) < self.max_batch and (
+            self.max_batch_tokens is None or self._held_tokens + need <= self.max_batch_tokens)
+
+    def _hold(self, request: Request, need: int) -> None:
+        self._held[id(request)] = need
+        self._held_tokens += need
+
+    def _release(self, request: Request) -> None:
+        """Free ``request``'s row (if it holds one) and give rows to the head of the queue
+        while they fit (first come, first served: a large request is not overtaken)."""
+        with self._wake:
+            self._held_tokens -= self._held.pop(id(request), 0)
+            while self._queue:
+                head = self._queue[0]
+                if head.cancelled.is_set():
+                    self._queue.popleft()
+                    continue
+                need = self.positions(head)
+                if not self._fits(need):
+                    break
+                self._hold(self._queue.popleft(), need)
+                self._ready.append(head)
             self._wake.notify()
 
     # ------------------------------------------------------------------ worker
@@ -145,7 +256,8 @@ class Scheduler:
         with torch.inference_mode():
             while True:
                 with self._wake:
-                    while not self._stop and not self._queue and not self._rows:
+                    while (not self._stop and self._abort is None and not self._ready
+                           and not self._rows):
                         self._wake.wait()
                     if self._stop:
                         break
@@ -153,42 +265,84 @@ class Scheduler:
                     self._iteration()
                 except Exception:  # a method bug must not take the server down
                     logger.exception("scheduler iteration failed")
-        for row in self._rows:
-            self._finish(row, RuntimeError("the server is shutting down"))
-        while self._queue:
-            self._fail(self._queue.popleft(), RuntimeError("the server is shutting down"))
+        self._end_all(ShutdownError("the server is shutting down"))
+
+    def _end_all(self, error: BaseException) -> None:
+        """Fail every row and every request holding or waiting for one with ``error``."""
+        for row in list(self._rows):
+            self._finish(row, error)
+        with self._wake:
+            pending = [*self._ready, *self._queue]
+            self._ready.clear()
+            self._queue.clear()
+        for request in pending:
+            self._fail(request, error)
 
     def _iteration(self) -> None:
+        with self._wake:
+            error, self._abort = self._abort, None
+        if error is not None:
+            self._end_all(error)
+            return
         for row in [r for r in self._rows if r.request.cancelled.is_set()]:
             row.state.finish_reason = row.state.finish_reason or "cancelled"
             self._finish(row)
-        while len(self._rows) < self.max_batch:
+        while True:
             with self._wake:
-                if not self._queue:
+                if not self._ready:
                     break
-                request = self._queue.popleft()
-            if not request.cancelled.is_set():
+                request = self._ready.popleft()
+            if request.cancelled.is_set():
+                self._release(request)
+            else:
                 self._admit(request)
         groups: dict[tuple, list[_Row]] = {}
         for row in self._rows:
             groups.setdefault(row.key, []).append(row)
         for key, rows in groups.items():
-            step = self._steps[key]
-            states = [r.state for r in rows]
-            try:
-                for state, stats in zip(states, step(states)):
-                    state.stats.add(stats)
-            except Exception as error:
-                logger.exception("a %s step failed", key[0])
-                for row in rows:
-                    self._finish(row, error)
-                continue
-            for row in rows:
-                if row.state.done:
-                    self._finish(row)
+            self._advance(key, rows)
         self.steps_run += 1
         for key in [k for k in self._steps if not any(r.key == k for r in self._rows)]:
             del self._steps[key]
+
+    def _advance(self, key: tuple, rows: list[_Row]) -> None:
+        """One step of ``rows`` (one method and options); a row whose processing fails is
+        finished with its error, the others go on."""
+        step = self._steps[key]
+        if step.batched and len(rows) > 1:
+            try:
+                for row, stats in zip(rows, step([r.state for r in rows])):
+                    self._add_stats(key, row, stats)
+                self._settle(rows)
+                return
+            except Exception:
+                # Which row made a shared forward fail is unknown: run each row alone (a row
+                # the failed step advanced already just takes one more step; its tokens are
+                # still its own), so only the rows that fail alone fail.
+                logger.exception("a batched %s step failed; running its rows one at a time",
+                                 key[0])
+        for row in rows:
+            if row.state.done or row.failures:
+                continue
+            try:
+                for stats in step([row.state]):
+                    self._add_stats(key, row, stats)
+            except Exception as error:
+                logger.exception("a %s step failed for one request", key[0])
+                row.failures.append(error)
+        self._settle(rows)
+
+    def _add_stats(self, key: tuple, row: _Row, stats: StepStats) -> None:
+        row.state.stats.add(stats)
+        if self.observer is not None:  # the same stats as the response's usage
+            self.observer.on_step(key[0], stats)
+
+    def _settle(self, rows: list[_Row]) -> None:
+        for row in rows:
+            if row.failures:
+                self._finish(row, row.failures[0])
+            elif row.state.done:
+                self._finish(row)
 
     def _admit(self, request: Request) -> None:
         try:
@@ -199,23 +353,33 @@ class Scheduler:
                 self._steps[key] = spec.make_batch_step(self.engine.methods,
                                                         dict(request.method_options))
             sink = StopStringSink(self.engine.tokenizer, request.stop, None)
+            failures: list[BaseException] = []
 
             def on_commit(tokens: list[int], sink: StopStringSink = sink) -> bool:
-                stop = sink(tokens)
-                request.on_tokens(tokens)
+                # Inside a batched step: an error here must end this row, not the step.
+                try:
+                    stop = sink(tokens)
+                    request.on_tokens(tokens)
+                except Exception as error:
+                    logger.exception("a request's token callback failed")
+                    failures.append(error)
+                    return True
                 return stop or request.cancelled.is_set()
 
             state = DecodeState(self.engine.executor, request.prompt_ids, request.options,
                                 on_commit, prefix_cache=getattr(self.engine, "prefix_cache", None))
+            check_processing(self._steps[key].processes_logits, state)
+            request.state = state
             begin(state)
+            row = _Row(request, state, sink, key, failures)
+            if not state.done and not failures:
+                self._steps[key].join(state)
         except Exception as error:  # noqa: BLE001 - bad options, prompt too long, ...
             self._fail(request, error)
             return
-        row = _Row(request, state, sink, key)
-        if state.done:
-            self._finish(row, joined=False)
+        if state.done or failures:
+            self._finish(row, failures[0] if failures else None, joined=False)
             return
-        self._steps[key].join(state)
         self._rows.append(row)
 
     def _finish(self, row: _Row, error: BaseException | None = None,
@@ -230,16 +394,25 @@ class Scheduler:
                 logger.exception("leaving a row failed")
         state = row.state
         stats = state.finish()
-        generated = state.tokens[state.prompt_len:]
-        text = row.sink.cut(self.engine.tokenizer.decode(generated, skip_special_tokens=True))
+        text = ""
+        if error is None:
+            try:
+                generated = state.tokens[state.prompt_len:]
+                text = row.sink.cut(self.engine.tokenizer.decode(generated,
+                                                                 skip_special_tokens=True))
+            except Exception as failure:
+                logger.exception("decoding a finished request's text failed")
+                error = failure
         state.cache = None  # free the row's KV cache now, not when the client lets go
         logger.debug("request done: %d tokens, %s", stats.new_tokens, stats.finish_reason)
+        self._release(row.request)  # before on_done: its caller may submit again at once
         try:
             row.request.on_done(state if error is None else None, text, error)
         except Exception:
             logger.exception("on_done failed")
 
     def _fail(self, request: Request, error: BaseException) -> None:
+        self._release(request)
         try:
             request.on_done(None, "", error)
         except Exception:

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from selfspec.decoding.core.loop import Step
+from selfspec.decoding.core.loop import Step, check_processing
 from selfspec.decoding.core.sampling import choose_next
 from selfspec.decoding.core.state import DecodeState
 from selfspec.decoding.core.stats import GenerationStats, StepStats
@@ -48,9 +48,11 @@ class BatchStep(Protocol):
 
     Attributes:
         batched: True when rows really share forwards (False: :class:`SoloRows`).
+        processes_logits: rows may use output processing (``Step.processes_logits``).
     """
 
     batched: bool
+    processes_logits: bool
 
     def join(self, state: DecodeState) -> None:
         """A row whose prefill committed its first token enters the batch."""
@@ -65,8 +67,8 @@ class BatchStep(Protocol):
 
 def begin(state: DecodeState) -> None:
     """Prefill ``state``'s prompt alone (its own cache) and commit the first token."""
-    logits = state.prefill()  # [1, V]
-    state.commit([int(choose_next(logits, state.options.sampling, state.generator))])
+    logits = state.process(state.prefill())  # [1, V]
+    state.commit([int(choose_next(logits, state.options.sampling, state.generator))], logits)
 
 
 def run_batch(states: list[DecodeState], step: BatchStep) -> list[GenerationStats]:
@@ -81,7 +83,11 @@ def run_batch(states: list[DecodeState], step: BatchStep) -> list[GenerationStat
 
     Raises:
         RuntimeError: a step committed nothing to a row that is not done (a method bug).
+        InvalidArgumentError: output processing on a method without it (before any prefill).
     """
+    if any(state.processor is not None for state in states):
+        for state in states:
+            check_processing(step.processes_logits, state)
     for state in states:
         begin(state)
         if not state.done:
@@ -118,6 +124,7 @@ class BatchArStep:
     seeded generator, so each row's output is the one it would have alone."""
 
     batched = True
+    processes_logits = True
 
     def __init__(self, executor: LayerExecutor) -> None:
         self.executor = executor
@@ -136,8 +143,9 @@ class BatchArStep:
         ms = (time.perf_counter() - t0) * 1e3 / len(states)  # each row's share of the step
         out = []
         for b, state in enumerate(states):
-            token = int(choose_next(logits[b:b + 1], state.options.sampling, state.generator))
-            kept = state.commit([token])
+            row = state.process(logits[b:b + 1])
+            token = int(choose_next(row, state.options.sampling, state.generator))
+            kept = state.commit([token], row)
             out.append(StepStats(committed=len(kept), sublayers=2 * ex.num_layers,
                                  step_ms=ms))
         return out
@@ -177,6 +185,7 @@ class BatchNgramStep:
     """
 
     batched = True
+    processes_logits = True
 
     def __init__(self, executor: LayerExecutor, latency: LatencyModel, settings: NgramSettings,
                  history: SuffixAutomaton | None = None, max_step_draft: int = 64) -> None:
@@ -249,7 +258,7 @@ class BatchNgramStep:
         offset = 0
         for b, (state, draft) in enumerate(zip(states, drafts)):
             draft_ids = torch.tensor(draft, dtype=torch.long, device=ex.device)  # [D_b]
-            target = logits[offset: offset + len(draft) + 1]                     # [D_b+1, V]
+            target = state.process(logits[offset: offset + len(draft) + 1], draft)  # [D_b+1, V]
             offset += len(draft) + 1
             sampling = state.options.sampling
             if sampling.greedy:
@@ -258,7 +267,7 @@ class BatchNgramStep:
                 probs = torch.zeros(len(draft), ex.vocab_size, device=ex.device)
                 probs[torch.arange(len(draft), device=probs.device), draft_ids] = 1.0
                 result = verify_sampling(draft_ids, probs, target, sampling, state.generator)
-            kept = state.commit(result.committed_tokens)
+            kept = state.commit(result.committed_tokens, target[: result.num_accepted + 1])
             state.cache.truncate(state.seq_len - 1)  # rejected positions go
             if draft and keys[b] is not None:
                 self._drafters[id(state)].acceptance.update(keys[b], len(draft),
@@ -296,6 +305,15 @@ class SoloRows:
     def __init__(self, make_step: Callable[[], Step]) -> None:
         self.make_step = make_step
         self._steps: dict[int, Step] = {}
+        self._supports: bool | None = None
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the method's Step supports output processing (a Step is built once to
+        ask)."""
+        if self._supports is None:
+            self._supports = self.make_step().processes_logits
+        return self._supports
 
     def join(self, state: DecodeState) -> None:
         """Build and start the row's Step."""

@@ -34,6 +34,8 @@ class ArStep(Step):
         observe = (None if self.recorder is None
                    else self.recorder.observer([state.tokens[-1]], pos))
         logits = ex.forward(token, state.positions(pos, 1), state.cache, observe=observe)[:, -1]
+        logits = state.process(logits)
         # The step's one device -> host copy: the chosen token.
-        kept = state.commit(to_host(choose_next(logits, state.options.sampling, state.generator)))
+        kept = state.commit(to_host(choose_next(logits, state.options.sampling, state.generator)),
+                            logits)
         return StepStats(committed=len(kept), sublayers=2 * ex.num_layers)

@@ -27,6 +27,7 @@ from selfspec.decoding.core.plan_log import PlanLog
 from selfspec.decoding.core.sampling import choose_next
 from selfspec.decoding.core.state import DecodeState
 from selfspec.decoding.core.stats import GenerationStats, StepStats
+from selfspec.errors import InvalidArgumentError
 from selfspec.executor.executor import Observer
 
 
@@ -51,9 +52,14 @@ class Step(ABC):
     Attributes:
         plan_log: the Step's log of draft decisions, or ``None`` (the default: a Step that
             does not re-plan).
+        processes_logits: the Step chooses every token from :meth:`DecodeState.process`'d
+            logits and commits them with those logits, so penalties, grammars and log
+            probabilities work with it (True for every Step but lossy SpecEE, whose
+            predictors pick tokens from a reduced candidate set).
     """
 
     plan_log: PlanLog | None = None
+    processes_logits: bool = True
 
     def prefill_observer(self, state: DecodeState) -> Observer | None:
         """The observer :func:`run` passes to ``state.prefill`` (it sees every layer's
@@ -78,6 +84,20 @@ class Step(ABC):
         does nothing."""
 
 
+def check_processing(supported: bool, state: DecodeState) -> None:
+    """Refuse output processing (penalties, grammar, logprobs) for a Step without it, before
+    anything runs.
+
+    Raises:
+        InvalidArgumentError: processing is on and ``supported`` is False.
+    """
+    if state.processor is not None and not supported:
+        raise InvalidArgumentError(
+            "this method picks tokens from early-exit predictions without verification, so "
+            "response_format, penalties and logprobs cannot apply to it; use a lossless "
+            "method (auto, ar, ngram, layerskip, ...) or its verified form")
+
+
 def run(state: DecodeState, step: Step) -> GenerationStats:
     """Generate with ``step`` until ``state`` is done.
 
@@ -91,9 +111,11 @@ def run(state: DecodeState, step: Step) -> GenerationStats:
     Raises:
         RuntimeError: a Step committed nothing while generation was not done (a method bug
             that would otherwise loop forever).
+        InvalidArgumentError: output processing is on and ``step`` does not support it.
     """
-    logits = state.prefill(step.prefill_observer(state))  # [1, V]
-    state.commit([int(choose_next(logits, state.options.sampling, state.generator))])
+    check_processing(step.processes_logits, state)
+    logits = state.process(state.prefill(step.prefill_observer(state)))  # [1, V]
+    state.commit([int(choose_next(logits, state.options.sampling, state.generator))], logits)
     step.start(state)
     while not state.done:
         before = state.seq_len

@@ -148,11 +148,13 @@ class SpeculativeStep(Step):
         t1 = time.perf_counter()
         # 2. verify: the target's logits at the D+1 positions, then the acceptance rule
         target = self.drafter.target_logits(state, draft)
+        if state.processor is not None:  # penalties / grammar: row i follows draft[:i]
+            target = TargetOutput(state.process(target.logits, draft.tokens), target.sublayers)
         result = self.verifier(draft, target, state)
         t2 = time.perf_counter()
         # 3. rollback the rejected positions in every layer, 4. commit
         state.cache.truncate(start_len + result.num_accepted)
-        kept = state.commit(result.committed_tokens)
+        kept = state.commit(result.committed_tokens, target.logits[: result.num_accepted + 1])
         stats = StepStats(num_drafted=len(draft.tokens), num_accepted=result.num_accepted,
                           committed=len(kept), verified=True,
                           exit_layers=tuple(draft.exit_layers),

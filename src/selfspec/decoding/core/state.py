@@ -8,12 +8,13 @@ context, a caller's stop check) and the :class:`GenerationStats` the loop accumu
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from selfspec.decoding.core.prefix_cache import PrefixCache
+from selfspec.decoding.core.processors import LogitsProcessing, LogitsProcessor
 from selfspec.decoding.core.sampling import SamplingConfig
 from selfspec.decoding.core.stats import GenerationStats
 from selfspec.errors import InvalidArgumentError, PromptError
@@ -35,21 +36,27 @@ class DecodeOptions:
         max_new_tokens: at most this many tokens are generated (>= 1).
         sampling: greedy or sampling configuration.
         eos_token_ids: generation ends after committing any of these ids.
+        processing: penalties, a grammar and log probabilities
+            (:mod:`selfspec.decoding.core.processors`); the default does nothing.
 
     Raises:
         InvalidArgumentError: ``max_new_tokens`` not an integer >= 1 (bools and floats are
-            refused).
+            refused); ``sampling`` or ``processing`` of the wrong type.
     """
 
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     eos_token_ids: frozenset[int] = frozenset()
+    processing: LogitsProcessing = field(default_factory=LogitsProcessing)
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, low=1)
         if not isinstance(self.sampling, SamplingConfig):
             raise InvalidArgumentError(
                 f"sampling must be a SamplingConfig; got {type(self.sampling).__name__}")
+        if not isinstance(self.processing, LogitsProcessing):
+            raise InvalidArgumentError(
+                f"processing must be a LogitsProcessing; got {type(self.processing).__name__}")
 
 
 class DecodeState:
@@ -96,6 +103,10 @@ class DecodeState:
         static = None if graphs is None else graphs.decode_cache(capacity, self)
         self.cache: KVCache = static or executor.new_cache(capacity=capacity)
         self.generator = options.sampling.make_generator(executor.device)
+        # None when nothing is processed: the hot path then passes logits through untouched.
+        self.processor: LogitsProcessor | None = (
+            LogitsProcessor(options.processing, executor.vocab_size)
+            if options.processing.active else None)
         self.stats = GenerationStats(prompt_tokens=self.prompt_len)
         self.finish_reason: str | None = None
         self._start = time.perf_counter()
@@ -130,14 +141,36 @@ class DecodeState:
         """``[1, 1]`` int64 tensor of the last committed token on the model's device."""
         return device_tensor([[self.tokens[-1]]], self.executor.device)
 
-    def commit(self, new_tokens: list[int]) -> list[int]:
+    def process(self, logits: torch.Tensor, draft: Sequence[int] = ()) -> torch.Tensor:
+        """The target's logits after this generation's output processing (penalties, grammar;
+        :mod:`selfspec.decoding.core.processors`): every Step chooses or verifies tokens on
+        these.
+
+        Args:
+            logits: ``[N, V]``; row ``i`` predicts the token after the committed sequence and
+                ``draft[:i]``.
+            draft: the draft tokens the rows follow (at least ``N - 1``).
+
+        Returns:
+            ``[N, V]`` logits: ``logits`` itself when nothing is processed.
+        """
+        return logits if self.processor is None else self.processor.apply(logits, draft)
+
+    def commit(self, new_tokens: list[int], logits: torch.Tensor | None = None) -> list[int]:
         """Append accepted tokens to the sequence, stopping at EOS or a limit.
 
         Args:
             new_tokens: token ids in order (e.g. accepted draft tokens + the next token).
+            logits: ``[len(new_tokens), V]`` the processed logits (:meth:`process`) each token
+                was chosen from; required when output processing is on (log probabilities
+                are read from them; penalties and grammar advance with the tokens).
 
         Returns:
             The tokens actually committed (a prefix of ``new_tokens``).
+
+        Raises:
+            RuntimeError: output processing is on and a Step committed without its logits
+                (a method that does not support it; see ``Step.processes_logits``).
         """
         if self.done:
             return []
@@ -148,6 +181,11 @@ class DecodeState:
                 kept = kept[: i + 1]
                 self.finish_reason = "eos"
                 break
+        if self.processor is not None and kept:
+            if logits is None:
+                raise RuntimeError("output processing is on but a Step committed tokens "
+                                   "without the logits they were chosen from")
+            self.processor.commit(kept, logits)
         first = self.num_generated == 0
         self.tokens.extend(kept)
         if first and kept:

@@ -63,9 +63,9 @@ class CalibratedExitStep(Step):
         if exit is None:  # no head confident: the full model predicts this token
             deferred.advance(ex.num_layers)
             exit = Exit(ex.num_layers, ex.logits(deferred.hidden())[0, -1])
-        token = int(choose_next(exit.logits.unsqueeze(0), state.options.sampling,
-                                state.generator))
-        kept = state.commit([token])
+        logits = state.process(exit.logits.unsqueeze(0))  # [1, V]
+        token = int(choose_next(logits, state.options.sampling, state.generator))
+        kept = state.commit([token], logits)
         deferred.drop_completed()
         return StepStats(num_drafted=1, committed=len(kept), exit_layers=(exit.layer,),
                          sublayers=2 * (deferred.layer_forwards - before),

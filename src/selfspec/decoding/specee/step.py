@@ -435,6 +435,10 @@ class SpecEEStep(Step):
         InvalidArgumentError: see :class:`PredictorScan`.
     """
 
+    # Tokens come from a reduced candidate set the predictors chose, unverified: output
+    # processing (grammar, penalties, logprobs) would need the full distribution.
+    processes_logits = False
+
     def __init__(self, candidates: HeadCandidates | DrafterCandidates, predictors: ExitPredictors,
                  schedule: PredictorSchedule, threshold: float | Mapping[int, float],
                  kv: Callable[[LayerExecutor, object], SkippedKV],
