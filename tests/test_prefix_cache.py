@@ -303,10 +303,10 @@ def test_real_model_chat_turns_reuse_the_system_prompt(smollm2_fp32):
     assert engine.prefix_cache is None
     default, ex.prefill_chunk = ex.prefill_chunk, 64
     try:
-        want = engine.generate(prompts[1], max_new_tokens=NEW).token_ids
+        want = engine.generate(prompts[1], max_new_tokens=8).token_ids
         cache = engine.use_prefix_cache(64)
         engine.generate(prompts[0], max_new_tokens=1)  # keeps the first turn's prompt
-        got = engine.generate(prompts[1], max_new_tokens=NEW)
+        got = engine.generate(prompts[1], max_new_tokens=8)
         with torch.inference_mode():
             logits = [DecodeState(ex, prompts[1], DecodeOptions(), prefix_cache=c).prefill()
                       for c in (cache, None)]
