@@ -63,7 +63,9 @@ class Step(ABC):
 
     def prefill_observer(self, state: DecodeState) -> Observer | None:
         """The observer :func:`run` passes to ``state.prefill`` (it sees every layer's
-        residual stream over the prompt), or ``None`` (the default: nothing to record)."""
+        residual stream over the prompt, one call per prefill chunk:
+        :meth:`~selfspec.executor.LayerExecutor.prefill`), or ``None`` (the default: nothing
+        to record)."""
         return None
 
     def start(self, state: DecodeState) -> None:
