@@ -90,7 +90,8 @@ def run_config(config: str, args: argparse.Namespace, questions: list[str]) -> b
           f"{torch.get_num_threads()} threads")
     print(f"prompts {[len(p) for p in prompts]} tokens, shared prefix {shared}, "
           f"{args.new_tokens} new tokens, method ar\n")
-    print("| turn | cached tokens | TTFT without cache (ms) | TTFT with cache (ms) | tokens equal |")
+    print("| turn | cached tokens | TTFT without cache (ms) | TTFT with cache (ms) "
+          "| tokens equal |")
     print("|---|---|---|---|---|")
     for i, (f, c, ok) in enumerate(zip(full, cached, same)):
         role = "cold" if i == 0 else "warm"

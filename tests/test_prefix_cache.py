@@ -77,7 +77,7 @@ def test_prompts_sharing_a_prefix_reuse_it_and_keep_their_outputs(engine, refere
         (prompts[0], 0),                                         # cold
         (prompts[1], shared),                                    # the shared blocks
         (prompts[0], len(engine.encode(prompts[0])) // size * size),  # its own blocks
-        (SYSTEM[:2 * size], size),                               # wholly kept: its last chunk reruns
+        (SYSTEM[:2 * size], size),                               # wholly kept: last chunk reruns
         (SYSTEM[:20] + "#" + SYSTEM[21:], size),                 # diverges inside block 2
         (SYSTEM[:2 * size] + "#", 2 * size),                     # right after block 2
     ]

@@ -41,13 +41,13 @@ row count, SDPA by the query count, so a position computed in a call of another 
 differently. Measured on a Xeon with AMX (SmolLM2-135M, suffix after 1,024 positions): in
 fp32 (MKL) calls of up to 8 rows round rows differently from the prompt's 1,044-row call; in
 native bf16 (oneDNN) ``down_proj`` (``K = 1,536``) does in calls of 16-128 rows at one thread
-and 200-256 at two; and with every product padded to the prompt's row count, attention with
-the explicit mask over the cache still rounded differently from the prefill's ``is_causal``
-call for some prompt lengths. Running the rest of a prompt in one call on top
-of 1,040 cached positions gave logits 0.25 off in bf16 (2.5e-5 in fp32), and greedy bf16
-text then differed from ``ar``'s on 5 of 8 MT-Bench turns within 32 tokens (changing only
-the prefill's thread count flipped 3 of 8: bf16 greedy decoding of this model meets exact
-ties). So the executor prefills every prompt in calls over fixed chunks of absolute positions
+and 200-256 at two; and with every product padded to the prompt's row count, 3 of 12
+prompt/prefix lengths still came out differently (what is left is attention under an
+explicit mask over the cache, not the prefill's ``is_causal`` call). Running the rest of a
+prompt in one call on top of 1,040 cached positions gave logits 0.25 off in bf16 (2.5e-5 in
+fp32), and greedy bf16 text then differed from ``ar``'s on 5 of 8 MT-Bench turns within 32
+tokens (changing only the prefill's thread count flipped 3 of 8: bf16 greedy decoding of
+this model meets exact ties). So the executor prefills every prompt in calls over fixed chunks of absolute positions
 ``[k·C, (k+1)·C)``, cache or not: a position's KV comes from the same calls on the same
 inputs however long the prompt is, and a hit that copies whole chunks and resumes at a chunk
 boundary computes exactly what a prefill from 0 computes. Logits and KV are bit-identical
