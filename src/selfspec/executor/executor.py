@@ -376,14 +376,13 @@ class LayerExecutor:
                 hundreds of rows (SmolLM2-135M bf16, AVX2: 0.254 → 0.040 ms), while for a
                 few rows the per-call cast of the weights costs more than it saves (a free
                 4-token history pass: 100 ms against ~69 ms). Never for verification.
-            resume_prefill: the block is the rest of a prompt whose first ``positions[:, 0]``
-                positions a prefix cache copied into ``cache``
-                (:mod:`selfspec.decoding.core.prefix_cache`). It runs the way one prefill of
-                the whole prompt runs these tokens: matrix products in the bulk format when
-                the whole prompt (``positions[:, 0] + T`` tokens) would take it, attention in
-                one call (the causal mask over the cache), never the fused or per-token paths
-                of decoding and verification. The logits then differ from one full prefill's
-                only by the kernels' choice of blocking by row count (that module measures it).
+            resume_prefill: the block continues a prompt's prefill after the
+                ``positions[:, 0]`` positions ``cache`` holds (a later chunk of
+                :meth:`prefill`, whose earlier chunks may be a prefix cache's copy): matrix
+                products in the bulk format when the prompt so far (``positions[:, 0] + T``
+                tokens) would take it, attention in one call (the causal mask over the cache,
+                in its additive form), never the fused or per-token paths of decoding and
+                verification.
 
         Returns:
             ``[B, T, H]`` hidden states leaving layer ``end - 1``.
