@@ -31,8 +31,11 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "t
 @pytest.fixture(scope="module")
 def engine():
     # 2048 positions: the character-level tokenizer spells the tools' system block out
-    return selfspec.from_pretrained_model(
+    engine = selfspec.from_pretrained_model(
         tiny_model("llama", seed=3, max_position_embeddings=2048), tiny_tokenizer(), name=MODEL)
+    engine.executor.prefill_chunk = 16  # prefix-cache blocks a short prompt fills
+    engine.use_prefix_cache(8)
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -231,3 +234,20 @@ def test_bad_tool_requests_are_400(client, extra, param):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                        max_tokens=4, extra_body=extra)
     assert caught.value.body["param"] == param
+
+
+def test_a_shared_prefix_is_reported_cached_in_usage_and_metrics(client):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    prefix = "the cat sat on the mat; " * 3  # 72 characters: 4 blocks of 16
+    first = client.completions.create(model=MODEL, prompt=prefix + "a", max_tokens=2)
+    second = client.completions.create(model=MODEL, prompt=prefix + "b", max_tokens=2)
+    assert second.usage.prompt_tokens_details.cached_tokens >= 64
+    assert first.usage.prompt_tokens_details.cached_tokens <= second.usage.prompt_tokens_details.cached_tokens
+    with urllib.request.urlopen(str(client.base_url).replace("/v1/", "/metrics")) as reply:
+        text = reply.read().decode()
+    cached = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == "selfspec_prompt_cached_tokens_total")
+    assert cached >= second.usage.prompt_tokens_details.cached_tokens

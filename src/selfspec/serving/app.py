@@ -298,7 +298,8 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
                                   logprobs_body(tokenizer, entries, chat), calls))
             generated += state.num_generated
             stats.append(state.stats)
-        return response_body(ids_of, choices, usage(len(ids), generated)
+        cached = max(s.cached_tokens for s in stats)  # the choices share one prompt
+        return response_body(ids_of, choices, usage(len(ids), generated, cached)
                              | {"selfspec": acceptance_usage(jobs[0].method, *stats)})
 
     async def accept(request: HttpRequest, chat: bool
@@ -466,7 +467,8 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
                     left -= 1
                     if not left:
                         if api.include_usage:
-                            use = usage(prompt_tokens, generated) | {
+                            cached = max(s.cached_tokens for s in stats)
+                            use = usage(prompt_tokens, generated, cached) | {
                                 "selfspec": acceptance_usage(jobs[0].method, *stats)}
                             yield event(usage_chunk(ids_of, use))
                         break

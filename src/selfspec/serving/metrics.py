@@ -32,6 +32,8 @@ queued):
   token (prefilled).
 - ``selfspec_generation_tokens_total{method}``: tokens generated (the sum of the
   responses' ``usage.completion_tokens``, plus what cancelled or failed requests generated).
+- ``selfspec_prompt_cached_tokens_total{method}``: of those, the tokens whose KV came from
+  the prefix cache (``--prefix-cache-mib``) instead of a prefill.
 - ``selfspec_time_to_first_token_seconds{method}``: queued → first token committed.
 - ``selfspec_time_per_output_token_seconds{method}``: per request of >= 2 tokens, (last
   token − first token) / (tokens − 1); speculative steps commit several tokens at once, so
@@ -165,6 +167,9 @@ class ServerMetrics:
         self.finished = Counter(
             "selfspec_requests_finished", "requests that left the scheduler, by finish reason",
             ["method", "finish_reason"], registry=r)
+        self.cached_tokens = Counter(
+            "selfspec_prompt_cached_tokens", "prompt tokens whose KV came from the prefix cache",
+            ["method"], registry=self.registry)
         self.prompt_tokens = Counter("selfspec_prompt_tokens", "prompt tokens prefilled",
                                      ["method"], registry=r)
         self.generation_tokens = Counter("selfspec_generation_tokens", "tokens generated",
@@ -246,6 +251,8 @@ class ServerMetrics:
             if first is None:
                 first = last
                 self.prompt_tokens.labels(method).inc(len(request.prompt_ids))
+                if request.state is not None and request.state.stats.cached_tokens:
+                    self.cached_tokens.labels(method).inc(request.state.stats.cached_tokens)
                 self.ttft.labels(method).observe(first - queued)
             generated += len(ids)
             generation_tokens.inc(len(ids))

@@ -369,10 +369,12 @@ class ResponseIds:
         self.created = int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    """The ``usage`` object."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """The ``usage`` object (``prompt_tokens_details.cached_tokens``: prompt tokens whose KV
+    came from the prefix cache, as OpenAI reports its prompt caching)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 @dataclass(frozen=True)
