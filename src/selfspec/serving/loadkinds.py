@@ -167,13 +167,22 @@ class Prompts:
                 for i in range(self.count(source))]
 
 
-def rotation(seed: int, repeats: int = 2) -> list[RequestKind]:
-    """The fixed order in which clients pick kinds: every kind ``repeats`` times, shuffled by
-    ``seed``. Client ``c`` walks it from position ``c``, so at any moment the clients ask
-    for different kinds, and a run is the same sequence of requests every time."""
-    order = [kind for kind in KINDS for _ in range(repeats)]
+def rotation(seed: int) -> list[RequestKind]:
+    """The fixed order in which clients pick kinds: a permutation of the kinds shuffled by
+    ``seed``, then the same permutation reversed (every kind twice). Client ``c`` of ``C``
+    walks it from position ``c * len / C`` (:func:`start`), so the clients ask different
+    kinds at any moment and every kind early: 16 clients all of them with their first
+    requests, 2 clients with their first four each (a prefix of the permutation and the
+    same-length prefix of its reverse make it whole); a run sends the same sequence every
+    time."""
+    order = list(KINDS)
     random.Random(seed).shuffle(order)
-    return order
+    return order + order[::-1]
+
+
+def start(client: int, clients: int, length: int) -> int:
+    """Where client ``client`` of ``clients`` starts in a rotation of ``length``."""
+    return client * length // clients
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ from selfspec.serving.loadkinds import (
     read_body,
     request_params,
     rotation,
+    start,
 )
 from selfspec.serving.loadreport import (
     CountCheck,
@@ -242,14 +243,14 @@ async def load_phase(session: Session, clients: int, duration: float, seed: int,
     stats = {kind.name: KindStats(kind.name) for kind in KINDS}
     result = LoadResult(clients, rss_mib_start=rss_mib(pid))
     rss = [result.rss_mib_start]
-    start = time.perf_counter()
-    end_at = start + duration
+    began = time.perf_counter()
+    end_at = began + duration
 
     async def one_client(c: int) -> None:
         pick = random.Random(f"{seed}:{c}")  # this client's prompts, the same every run
-        k = 0
+        k = start(c, clients, len(order))
         while time.perf_counter() < end_at:
-            kind = order[(c + k) % len(order)]
+            kind = order[k % len(order)]
             k += 1
             index = pick.randrange(session.prompts.count(kind.source))
             answer = await session.send(kind, index)
@@ -270,7 +271,7 @@ async def load_phase(session: Session, clients: int, duration: float, seed: int,
             await asyncio.sleep(1.0)
 
     await asyncio.gather(sample_memory(), *(one_client(c) for c in range(clients)))
-    result.seconds = time.perf_counter() - start
+    result.seconds = time.perf_counter() - began
     result.kinds = [s.finish() for s in stats.values()]
     for k in result.kinds:
         result.requests += k.requests
@@ -339,7 +340,7 @@ async def drain_phase(session: Session, server: subprocess.Popen, port: int, cli
     ends: list[float] = []
 
     def next_request(c: int, k: int) -> tuple[RequestKind, int]:
-        kind = order[(c + k) % len(order)]
+        kind = order[(start(c, clients, len(order)) + k) % len(order)]
         return kind, picks[c].randrange(session.prompts.count(kind.source))
 
     async def one_client(c: int) -> None:
@@ -617,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
             if why is not None:
                 print(f"error: {why}", file=sys.stderr)
                 return 2
+            _say(f"server ready on port {port}")
             asyncio.run(run(args, port, server, tally, result))
         finally:
             if server.poll() is None:  # the drain phase did not end it
