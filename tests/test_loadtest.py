@@ -155,7 +155,8 @@ def test_json_answers_must_follow_their_schema():
 
 
 def test_metrics_are_compared_per_endpoint_status_and_reason():
-    from selfspec.serving.loadmix import Tally, compare_metrics
+    from selfspec.serving.loadclient import Tally
+    from selfspec.serving.loadmix import compare_metrics
 
     text = "\n".join([
         "# TYPE selfspec_generation_tokens counter",

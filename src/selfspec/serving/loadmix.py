@@ -31,156 +31,55 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
-import platform
 import random
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from selfspec.cli_args import threads_arg
+from selfspec.serving.loadclient import Session, Tally
+from selfspec.serving.loaddrain import EXAMPLES, drain_phase
 from selfspec.serving.loadkinds import (
     CATEGORIES,
     KINDS,
     Answer,
     Limits,
     Prompts,
-    RequestKind,
-    StreamReader,
     check,
     count_problems,
     max_logprob_gap,
-    read_body,
-    request_params,
     rotation,
     start,
 )
 from selfspec.serving.loadreport import (
     CountCheck,
-    DrainResult,
     KindResult,
     LoadResult,
     MetricsResult,
     MixedResult,
     write_report,
 )
-from selfspec.serving.loadtest import free_port, method_body, rss_mib
+from selfspec.serving.loadserver import (
+    free_port,
+    http_get,
+    load_average,
+    machine,
+    method_body,
+    model_problem,
+    rss_mib,
+)
 
 #: Packages the run needs (module: why), checked before anything starts.
 NEEDS = {"openai": "the clients", "fastapi": "the server", "uvicorn": "the server",
          "prometheus_client": "/metrics and its parser", "llguidance": "json_schema",
          "jsonschema": "validating JSON answers"}
-#: Problems quoted in the report (the counts cover them all).
-EXAMPLES = 20
-#: uvicorn looks at a received signal at its next tick (every 0.1 s): requests sent later
-#: than this after the signal must be refused.
-SIGNAL_SETTLE_S = 0.2
-#: How often a client sends a request after the signal, seconds.
-LATE_INTERVAL_S = 0.25
-#: Before the signal: how long to wait for the scheduler to hold every last request, seconds.
-IN_FLIGHT_WAIT_S = 10.0
-#: A request ended at the drain bound must end no earlier than this before it, seconds.
-BOUND_SLACK_S = 0.5
-
-
-# --------------------------------------------------------------------------- clients
-@dataclass
-class Tally:
-    """What the clients counted themselves, to compare with ``/metrics``.
-
-    Attributes:
-        http: responses received, by ``(endpoint, status)``.
-        generation_tokens: ``usage.completion_tokens`` of every answer, summed.
-        finished: choices received with a ``finish_reason``, by reason.
-    """
-
-    http: Counter = field(default_factory=Counter)
-    generation_tokens: int = 0
-    finished: Counter = field(default_factory=Counter)
-
-    def response(self, endpoint: str, status: int) -> None:
-        """Count one HTTP response."""
-        self.http[(endpoint, status)] += 1
-
-    def answered(self, answer: Answer) -> None:
-        """Count an answer's tokens and finished choices."""
-        if answer.status == 200:
-            self.generation_tokens += answer.completion_tokens or 0
-            for choice in answer.choices.values():
-                if choice.finish_reason is not None:
-                    self.finished[choice.finish_reason] += 1
-
-
-class Session:
-    """The clients' connection to the server and what they share.
-
-    Args:
-        client: an ``openai.AsyncOpenAI`` client (no retries).
-        model: the served model's name.
-        prompts / limits: what the kinds ask.
-        selfspec: each request's ``selfspec`` field (method and options).
-        tally: where every response is counted.
-    """
-
-    def __init__(self, client: Any, model: str, prompts: Prompts, limits: Limits,
-                 selfspec: dict, tally: Tally) -> None:
-        self.client = client
-        self.model = model
-        self.prompts = prompts
-        self.limits = limits
-        self.selfspec = selfspec
-        self.tally = tally
-        self.references: dict[tuple[str, int], Answer] = {}
-
-    def schema(self, kind: RequestKind, index: int) -> dict | None:
-        """The JSON schema of a json kind's prompt, else ``None``."""
-        return self.prompts.json[index].schema if kind.source == "json" else None
-
-    async def send(self, kind: RequestKind, index: int, logprobs: bool | None = None) -> Answer:
-        """Send ``kind`` on prompt ``index`` and read its whole answer (raw: a stream's
-        lines as sent, so that a missing ``[DONE]`` shows), counting it in the tally."""
-        import openai
-
-        params = request_params(kind, self.prompts, index, self.model, self.limits,
-                                self.selfspec, logprobs)
-        resource = self.client.chat.completions if kind.chat else self.client.completions
-        started = time.perf_counter()
-        reader = StreamReader(kind.chat, started, time.perf_counter)
-        answer = reader.answer
-        try:
-            async with resource.with_streaming_response.create(**params) as response:
-                self.tally.response(kind.endpoint, response.status_code)
-                answer.status = response.status_code
-                if kind.stream:
-                    async for line in response.iter_lines():
-                        reader.feed(line)
-                else:
-                    answer = read_body(await response.json(), kind.chat, response.status_code)
-        except openai.APIStatusError as error:
-            self.tally.response(kind.endpoint, error.status_code)
-            answer = Answer(status=error.status_code)
-            body = error.body
-            answer.set_error(body if isinstance(body, dict) and "error" in body
-                             else {"error": body} if isinstance(body, dict) else str(error))
-        except openai.APIConnectionError as error:  # refused, or cut before a response
-            answer.error = f"{type(error).__name__}: {error.__cause__ or error}"[:300]
-        except Exception as error:  # noqa: BLE001 - a stream cut midway: reported
-            answer.done = False
-            answer.error = f"{type(error).__name__}: {error}"[:300]
-        answer.seconds = time.perf_counter() - started
-        self.tally.answered(answer)
-        return answer
 
 
 # --------------------------------------------------------------------------- phases
@@ -285,17 +184,6 @@ async def load_phase(session: Session, clients: int, duration: float, seed: int,
     return result
 
 
-def http_get(port: int, path: str, timeout: float = 10.0) -> tuple[int | None, str]:
-    """``GET path``: the status and the body's text; ``None`` when no answer came."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as reply:
-            return reply.status, reply.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode(errors="replace")
-    except (OSError, urllib.error.URLError):
-        return None, ""
-
-
 def compare_metrics(text: str, tally: Tally) -> MetricsResult:
     """``/metrics``' text against the clients' counts (see
     :class:`~selfspec.serving.loadreport.MetricsResult`)."""
@@ -325,113 +213,6 @@ def compare_metrics(text: str, tally: Tally) -> MetricsResult:
             f'selfspec_requests_finished_total as finish_reason "{reason}" (choices)',
             finished[reason], tally.finished[reason]))
     return result
-
-
-async def drain_phase(session: Session, server: subprocess.Popen, port: int, clients: int,
-                      seed: int, bound: float, margin: float) -> DrainResult:
-    """One request per client, SIGTERM once the scheduler holds them, then requests until
-    the server is gone (see the module docstring)."""
-    result = DrainResult(bound_s=bound, margin_s=margin)
-    order = rotation(seed + 1)
-    picks = [random.Random(f"{seed}:drain:{c}") for c in range(clients)]
-    signalled = asyncio.Event()
-    signal_at = 0.0
-    answered = [False] * clients  # each client's request sent before the signal
-    ends: list[float] = []
-
-    def next_request(c: int, k: int) -> tuple[RequestKind, int]:
-        kind = order[(start(c, clients, len(order)) + k) % len(order)]
-        return kind, picks[c].randrange(session.prompts.count(kind.source))
-
-    async def one_client(c: int) -> None:
-        kind, index = next_request(c, 0)
-        answer = await session.send(kind, index)
-        answered[c] = True
-        done_at = time.perf_counter()
-        after = None
-        if signalled.is_set():
-            ends.append(done_at)
-            after = done_at - signal_at
-        _judge_in_flight(result, kind, index, answer, session, after)
-        await signalled.wait()
-        await asyncio.sleep(max(0.0, signal_at + SIGNAL_SETTLE_S - time.perf_counter()))
-        k = 1
-        while server.poll() is None and time.perf_counter() < signal_at + bound + margin:
-            kind, index = next_request(c, k)
-            k += 1
-            answer = await session.send(kind, index)
-            result.late_sent += 1
-            if answer.status == 503 and answer.error_code == "shutting_down":
-                result.late_503 += 1
-            elif answer.status is None:
-                result.late_refused += 1
-                break  # the socket is closed: the server is leaving
-            elif answer.status == 200:
-                result.late_accepted += 1
-                _example(result, f"late {kind.name}: served after the signal")
-            else:
-                result.late_other += 1
-                _example(result, f"late {kind.name}: status {answer.status}, {answer.error}")
-            await asyncio.sleep(LATE_INTERVAL_S)
-
-    tasks = [asyncio.create_task(one_client(c)) for c in range(clients)]
-    result.sent = clients
-    rows = sum(next_request(c, 0)[0].n for c in range(clients))
-    wait_until = time.perf_counter() + IN_FLIGHT_WAIT_S
-    while time.perf_counter() < wait_until and not all(answered):
-        if await asyncio.to_thread(_scheduler_rows, port) >= rows:
-            break
-        await asyncio.sleep(0.05)
-    signal_at = time.perf_counter()
-    server.send_signal(signal.SIGTERM)
-    signalled.set()
-    result.in_flight = answered.count(False)
-    try:
-        result.exit_code = await asyncio.to_thread(server.wait, bound + margin)
-        result.exit_s = time.perf_counter() - signal_at
-    except subprocess.TimeoutExpired:
-        result.exit_code = None
-    await asyncio.gather(*tasks)
-    result.drain_s = max(ends, default=signal_at) - signal_at
-    return result
-
-
-def _scheduler_rows(port: int) -> int:
-    """Rows the server's scheduler holds (running and waiting), from ``/health``; -1 when
-    it does not say."""
-    status, body = http_get(port, "/health")
-    if status != 200:
-        return -1
-    health = json.loads(body)
-    return health["running"] + health["waiting"]
-
-
-def _judge_in_flight(result: DrainResult, kind: RequestKind, index: int, answer: Answer,
-                     session: Session, after_signal: float | None) -> None:
-    """Count a request that was sent before the signal."""
-    if answer.finished_normally:
-        problems = check(kind, answer, session.references[(kind.source, index)],
-                         session.schema(kind, index))
-        if not problems:
-            result.completed += 1
-            return
-        detail = "; ".join(f"{p.category}: {p.detail}" for p in problems)
-    elif answer.error_code == "shutting_down" and after_signal is not None \
-            and after_signal >= result.bound_s - BOUND_SLACK_S \
-            and (answer.status == 503 or (answer.status == 200 and answer.done)):
-        result.ended_at_bound += 1  # past the bound: an error event and [DONE], or a 503
-        return
-    else:
-        detail = (f"status {answer.status}, error {answer.error!r}, [DONE] {answer.done}, "
-                  f"finish reasons {[c.finish_reason for c in answer.choices.values()]}, "
-                  f"ended {after_signal} s after the signal")
-    result.failed += 1
-    _example(result, f"in flight {kind.name} prompt {index}: {detail}")
-
-
-def _example(result: DrainResult, text: str) -> None:
-    if len(result.examples) < EXAMPLES:
-        result.examples.append(text)
 
 
 async def run(args: argparse.Namespace, port: int, server: subprocess.Popen, tally: Tally,
@@ -469,7 +250,8 @@ async def run(args: argparse.Namespace, port: int, server: subprocess.Popen, tal
                                      args.drain_seconds, args.exit_margin)
     d = result.drain
     _say(f"drain: {d.in_flight} in flight, {d.completed} completed, {d.failed} failed, last "
-         f"done {d.drain_s:.2f} s after SIGTERM; exit {d.exit_code} after {d.exit_s} s")
+         f"done {d.drain_s:.2f} s after SIGTERM; exit {d.exit_code} after "
+         f"{'-' if d.exit_s is None else f'{d.exit_s:.2f}'} s")
 
 
 def _say(text: str) -> None:
@@ -489,8 +271,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--duration", type=float, default=600.0,
                         help="seconds of load before the signal (default 600)")
     parser.add_argument("--seed", type=int, default=0, help="the kinds' rotation and prompts")
-    parser.add_argument("--prompts", type=int, default=4,
-                        help="prompts per source (chat, completion, JSON), at most 8, 8, 4")
+    parser.add_argument("--prompts", type=int, default=8,
+                        help="prompts per source (chat, completion, JSON; there are 8, 8 and 4): "
+                             "more make a row that got another's tokens likelier to show, "
+                             "each costs a lone reference request first (default 8)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json-max-tokens", type=int, default=160)
     parser.add_argument("--max-batch", type=int, default=16)
@@ -534,27 +318,6 @@ def preflight(args: argparse.Namespace) -> list[str]:
     return found
 
 
-def model_problem(model: str, dtype: str) -> str | None:
-    """Why ``model`` cannot be served without a download, or ``None``. A registry model
-    needs its cache entry (in ``dtype``, or float32 to cast); a directory its
-    ``config.json``; a hub id is left to the server."""
-    from selfspec.errors import SelfSpecError
-    from selfspec.models.provision import is_cached
-    from selfspec.models.resolve import resolve
-
-    try:
-        source = resolve(model)
-        if source.kind == "registry" and not (is_cached(model, dtype)
-                                              or is_cached(model, "fp32")):
-            return (f"{model} is not in the model cache ($SELFSPEC_HOME): run "
-                    f"`selfspec models fetch {model}` first")
-    except SelfSpecError as error:
-        return str(error)
-    if source.kind == "directory" and not (Path(model) / "config.json").is_file():
-        return f"{model} has no config.json"
-    return None
-
-
 def start_server(args: argparse.Namespace, port: int, log: Any) -> subprocess.Popen:
     """``selfspec serve`` as the run needs it, its output into ``log``."""
     command = [sys.executable, "-m", "selfspec.cli", "serve", "--model", args.model,
@@ -579,21 +342,6 @@ def wait_ready(server: subprocess.Popen, port: int, tally: Tally, timeout: float
         if time.monotonic() > deadline:
             return f"the server did not start in {timeout:g} s"
         time.sleep(0.2)
-
-
-def machine(load: str = "load_start") -> dict[str, Any]:
-    """What the figures depend on: CPUs, the load average, versions."""
-    import torch
-
-    return {"cpus": os.cpu_count(), load: _load_average(), "torch": torch.__version__,
-            "python": platform.python_version(), "platform": platform.platform()}
-
-
-def _load_average() -> str:
-    try:
-        return " ".join(f"{v:.2f}" for v in os.getloadavg())
-    except OSError:
-        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -624,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             if server.poll() is None:  # the drain phase did not end it
                 server.kill()
                 server.wait()
-    result.machine["load_end"] = _load_average()
+    result.machine["load_end"] = load_average()
     result.server_tracebacks = (out / "server.log").read_text(errors="replace").count(
         "Traceback")
     result.judge()

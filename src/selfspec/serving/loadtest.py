@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from selfspec.cli_args import threads_arg
+from selfspec.serving.loadserver import free_port, method_body, rss_mib
 
 
 @dataclass
@@ -63,34 +63,6 @@ class LevelResult:
     rss_mib_max: float = 0.0
     errors: list[str] = field(default_factory=list)
     rss_trace: list[tuple[float, float]] = field(default_factory=list)
-
-
-def method_body(method: str) -> dict:
-    """The request's ``selfspec`` field. The n-gram drafters run without the server's history
-    of earlier texts: the test sends the same prompts again and again, and drafting them from
-    their own earlier outputs would report a speedup no real traffic gives."""
-    from selfspec.methods.registry import get_method
-
-    names = get_method(method).option_names
-    return {"method": method, "options": {"history": False} if "history" in names else {}}
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the server binds it next)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rss_mib(pid: int) -> float:
-    """Process ``pid``'s resident memory in MiB (0.0 once it is gone or where /proc is not)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
 
 
 def _prompts(count: int) -> list[str]:
