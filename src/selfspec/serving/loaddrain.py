@@ -1,7 +1,8 @@
 """The last phase of the mixed load test (:mod:`selfspec.serving.loadmix`): SIGTERM while
 requests are in flight.
 
-One request per client; once the server's scheduler holds them (``/health``'s running and
+One request per client (free text, logprobs or ``n = 2``: a JSON answer is a few tokens
+and might end before the signal); once the server's scheduler holds them (``/health``'s running and
 waiting rows) the server gets SIGTERM, and each client goes on sending until the server is
 gone. A request sent before the signal must finish normally and equal its reference, or,
 only if it outlives ``--drain-seconds``, end with a ``shutting_down`` error event and
@@ -41,18 +42,19 @@ async def drain_phase(session: Session, server: subprocess.Popen, port: int, cli
     the server is gone (see the module docstring)."""
     result = DrainResult(bound_s=bound, margin_s=margin)
     order = rotation(seed + 1)
+    long_order = [kind for kind in order if kind.source != "json"]  # the in-flight requests
     picks = [random.Random(f"{seed}:drain:{c}") for c in range(clients)]
     signalled = asyncio.Event()
     signal_at = 0.0
     answered = [False] * clients  # each client's request sent before the signal
     ends: list[float] = []
 
-    def next_request(c: int, k: int) -> tuple[RequestKind, int]:
-        kind = order[(start(c, clients, len(order)) + k) % len(order)]
+    def next_request(c: int, k: int, kinds: list[RequestKind]) -> tuple[RequestKind, int]:
+        kind = kinds[(start(c, clients, len(kinds)) + k) % len(kinds)]
         return kind, picks[c].randrange(session.prompts.count(kind.source))
 
     async def one_client(c: int) -> None:
-        kind, index = next_request(c, 0)
+        kind, index = next_request(c, 0, long_order)
         answer = await session.send(kind, index)
         answered[c] = True
         done_at = time.perf_counter()
@@ -65,7 +67,7 @@ async def drain_phase(session: Session, server: subprocess.Popen, port: int, cli
         await asyncio.sleep(max(0.0, signal_at + SIGNAL_SETTLE_S - time.perf_counter()))
         k = 1
         while server.poll() is None and time.perf_counter() < signal_at + bound + margin:
-            kind, index = next_request(c, k)
+            kind, index = next_request(c, k, order)
             k += 1
             answer = await session.send(kind, index)
             result.late_sent += 1
@@ -84,7 +86,7 @@ async def drain_phase(session: Session, server: subprocess.Popen, port: int, cli
 
     tasks = [asyncio.create_task(one_client(c)) for c in range(clients)]
     result.sent = clients
-    rows = sum(next_request(c, 0)[0].n for c in range(clients))
+    rows = sum(long_order[start(c, clients, len(long_order))].n for c in range(clients))
     wait_until = time.perf_counter() + IN_FLIGHT_WAIT_S
     while time.perf_counter() < wait_until and not all(answered):
         if await asyncio.to_thread(scheduler_rows, port) >= rows:

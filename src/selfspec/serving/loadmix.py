@@ -12,10 +12,11 @@ Starts a server process and, in order:
 3. scrapes ``/metrics`` (``prometheus_client.parser``) and compares generated tokens, HTTP
    responses per endpoint and status, and finished choices per reason with the clients'
    own counts: they must be equal;
-4. sends one more request per client, SIGTERMs the server while they are in flight, and
-   keeps sending: the in-flight ones must finish normally (or, past ``--drain-seconds``,
-   end with a ``shutting_down`` error), the later ones get a 503 or no connection, and the
-   process exits 0 within the bound plus ``--exit-margin``.
+4. sends one more request per client (free text, logprobs or ``n = 2``), SIGTERMs the
+   server while they are in flight, and keeps sending: the in-flight ones must finish
+   normally (or, past ``--drain-seconds``, end with a ``shutting_down`` error), the later
+   ones get a 503 or no connection, and the process exits 0 within the bound plus
+   ``--exit-margin`` (:mod:`selfspec.serving.loaddrain`).
 
 Writes ``mixed.json``, ``README.md`` and ``server.log`` into ``--out``; exit status 0 when
 everything held, 1 when something did not, 2 when the run could not start::
