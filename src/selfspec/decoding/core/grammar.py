@@ -106,39 +106,81 @@ class GrammarCompiler:
                 unsupported or malformed schema, a bad regex or grammar); the message names
                 the problem. Nothing is generated before this check.
         """
-        ll = _llguidance()
-        matcher = ll.LLMatcher
-        if kind not in _KINDS:
-            raise InvalidArgumentError(
-                f"unknown grammar kind {kind!r}; use one of {', '.join(_KINDS)}")
-        try:
-            if kind == "json_schema":
-                if isinstance(spec, str):
-                    spec = json.loads(spec)
-                if not isinstance(spec, Mapping):
-                    raise InvalidArgumentError(
-                        f"a JSON schema must be a JSON object; got {type(spec).__name__}")
-                # Compact JSON (no free whitespace): what a model writes most often and fewer
-                # tokens to generate; llguidance's default allows any whitespace.
-                source = matcher.grammar_from_json_schema(
-                    dict(spec), defaults={"whitespace_flexible": False})
-            elif kind == "json_object":
-                source = matcher.grammar_from_json_schema(
-                    {"type": "object"}, defaults={"whitespace_flexible": False})
-            elif kind == "regex":
-                if not isinstance(spec, str) or not spec:
-                    raise InvalidArgumentError("a regex constraint must be a non-empty string")
-                source = matcher.grammar_from_regex(spec)
-            else:
-                if not isinstance(spec, str) or not spec.strip():
-                    raise InvalidArgumentError("a Lark grammar must be a non-empty string")
-                source = matcher.grammar_from_lark(spec)
-        except (ValueError, TypeError, RecursionError) as error:
-            raise InvalidArgumentError(f"invalid {kind}: {error}") from error
-        is_error, messages = matcher.validate_grammar_with_warnings(source, self.tokenizer)
-        if is_error:
-            raise InvalidArgumentError(f"invalid {kind}: {'; '.join(messages)}")
+        source = grammar_source(kind, spec)
+        _validate(kind, source, self.tokenizer)
         return Grammar(kind, source, self.tokenizer, self.vocab_size)
+
+
+def grammar_source(kind: str, spec: Any = None) -> str:
+    """llguidance's grammar text of a constraint (see :meth:`GrammarCompiler.compile` for
+    ``kind`` and ``spec``), not yet validated.
+
+    Raises:
+        InvalidArgumentError: an unknown kind, a spec of the wrong type, a JSON schema whose
+            text is not JSON.
+        MissingDependencyError: llguidance is not installed.
+    """
+    matcher = _llguidance().LLMatcher
+    if kind not in _KINDS:
+        raise InvalidArgumentError(
+            f"unknown grammar kind {kind!r}; use one of {', '.join(_KINDS)}")
+    try:
+        if kind == "json_schema":
+            if isinstance(spec, str):
+                spec = json.loads(spec)
+            if not isinstance(spec, Mapping):
+                raise InvalidArgumentError(
+                    f"a JSON schema must be a JSON object; got {type(spec).__name__}")
+            # Compact JSON (no free whitespace): what a model writes most often and fewer
+            # tokens to generate; llguidance's default allows any whitespace.
+            return matcher.grammar_from_json_schema(
+                dict(spec), defaults={"whitespace_flexible": False})
+        if kind == "json_object":
+            return matcher.grammar_from_json_schema(
+                {"type": "object"}, defaults={"whitespace_flexible": False})
+        if kind == "regex":
+            if not isinstance(spec, str) or not spec:
+                raise InvalidArgumentError("a regex constraint must be a non-empty string")
+            return matcher.grammar_from_regex(spec)
+        if not isinstance(spec, str) or not spec.strip():
+            raise InvalidArgumentError("a Lark grammar must be a non-empty string")
+        return matcher.grammar_from_lark(spec)
+    except (ValueError, TypeError, RecursionError) as error:
+        if isinstance(error, InvalidArgumentError):
+            raise
+        raise InvalidArgumentError(f"invalid {kind}: {_one_line(str(error))}") from error
+
+
+def check_grammar(kind: str, spec: Any = None) -> None:
+    """Validate a constraint without a tokenizer (schema keywords, regex syntax, Lark
+    syntax), so a command can refuse it before loading a model; what depends on the
+    vocabulary is checked again by :meth:`GrammarCompiler.compile`.
+
+    Raises:
+        InvalidArgumentError: as :meth:`GrammarCompiler.compile`.
+        MissingDependencyError: llguidance is not installed.
+    """
+    _validate(kind, grammar_source(kind, spec), None)
+
+
+def _validate(kind: str, source: str, tokenizer: Any) -> None:
+    """Raise :class:`InvalidArgumentError` (one line) unless llguidance accepts ``source``
+    (with ``tokenizer``: for that vocabulary; ``None``: the grammar alone)."""
+    is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(
+        source, tokenizer)
+    if is_error:
+        raise InvalidArgumentError(
+            f"invalid {kind}: {'; '.join(_one_line(m) for m in messages)}")
+
+
+def _one_line(message: str) -> str:
+    """llguidance's multi-line error (message, the source excerpt with a caret, the regex
+    parser's ``error:`` line) as one line: the CLI prints an error as one line."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return message
+    kept = [lines[0]] + [line for line in lines[1:] if line.startswith("error:")]
+    return " ".join(kept)
 
 
 class _VocabularyTokenizer:
@@ -248,17 +290,18 @@ class GrammarMatcher:
         return self._matcher.is_stopped()
 
 
-def response_format_grammar(compiler: GrammarCompiler,
-                            response_format: Mapping[str, Any] | None) -> Grammar | None:
-    """The grammar of an OpenAI ``response_format`` (plus selfspec's ``regex`` / ``lark``).
+def response_format_constraint(response_format: Mapping[str, Any] | None
+                               ) -> tuple[str, Any] | None:
+    """The ``(kind, spec)`` of an OpenAI ``response_format`` (plus selfspec's ``regex`` /
+    ``lark``), not yet validated; ``None`` for no constraint.
 
     Accepted shapes: ``{"type": "text"}`` (no grammar), ``{"type": "json_object"}``,
     ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``,
     ``{"type": "regex", "regex": "..."}``, ``{"type": "lark", "lark": "..."}``.
 
     Raises:
-        InvalidArgumentError: an unknown type or a malformed or unsupported schema, regex or
-            grammar; the message names the field at fault.
+        InvalidArgumentError: not an object, an unknown type, a ``json_schema`` without its
+            ``schema``.
     """
     if response_format is None:
         return None
@@ -268,16 +311,42 @@ def response_format_grammar(compiler: GrammarCompiler,
     if kind == "text":
         return None
     if kind == "json_object":
-        return compiler.compile("json_object")
+        return kind, None
     if kind == "json_schema":
         wrapper = response_format.get("json_schema")
         if not isinstance(wrapper, Mapping) or "schema" not in wrapper:
             raise InvalidArgumentError(
                 "response_format json_schema must be {\"type\": \"json_schema\", "
                 "\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
-        return compiler.compile("json_schema", wrapper["schema"])
+        return kind, wrapper["schema"]
     if kind in ("regex", "lark"):
-        return compiler.compile(kind, response_format.get(kind))
+        return kind, response_format.get(kind)
     raise InvalidArgumentError(
         f"response_format type must be one of text, json_object, json_schema, regex, lark; "
         f"got {kind!r}")
+
+
+def check_response_format(response_format: Mapping[str, Any] | None) -> None:
+    """Validate a ``response_format`` without a model (:func:`check_grammar`): what a
+    command checks before loading one.
+
+    Raises:
+        InvalidArgumentError: as :func:`response_format_grammar`.
+        MissingDependencyError: a constraint is given and llguidance is not installed.
+    """
+    constraint = response_format_constraint(response_format)
+    if constraint is not None:
+        check_grammar(*constraint)
+
+
+def response_format_grammar(compiler: GrammarCompiler,
+                            response_format: Mapping[str, Any] | None) -> Grammar | None:
+    """The grammar of an OpenAI ``response_format`` (shapes: see
+    :func:`response_format_constraint`).
+
+    Raises:
+        InvalidArgumentError: an unknown type or a malformed or unsupported schema, regex or
+            grammar; the message names the field at fault.
+    """
+    constraint = response_format_constraint(response_format)
+    return None if constraint is None else compiler.compile(*constraint)
