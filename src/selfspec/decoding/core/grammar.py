@@ -41,8 +41,8 @@ def _llguidance() -> Any:
         import llguidance.torch  # noqa: F401  (bitmask helpers)
     except ImportError as error:
         raise MissingDependencyError(
-            "structured output needs llguidance: pip install 'selfspec[serve]' "
-            "(or pip install llguidance)") from error
+            "structured output needs llguidance: pip install llguidance (the [bench] "
+            "extra has it: pip install 'selfspec[bench]')") from error
     return llguidance
 
 
