@@ -22,6 +22,7 @@ masked target).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -262,13 +263,46 @@ class GrammarMatcher:
                 self._executor, [(self._matcher, 0, list(draft[: rows - 1]))], bitmask)
         if self._matcher.is_error():
             raise RuntimeError(f"grammar matcher failed: {self._matcher.get_error()}")
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little",
-                             count=self.grammar.vocab_size)
-        return torch.from_numpy(bits.view(np.bool_))
+        return _unpack(bitmask, self.grammar.vocab_size)
+
+    def guide(self) -> DraftGuide:
+        """A :class:`DraftGuide`: a copy of this matcher that a drafter advances through its
+        draft (this one stays on the committed tokens)."""
+        return DraftGuide(self)
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` (after the committed ones) the grammar allows in a row."""
         return self._matcher.validate_tokens(list(tokens))
+
+    def forced_tokens(self, after: Sequence[int] = (), limit: int = 64) -> list[int]:
+        """The tokens of the bytes the grammar forces next (e.g. ``","email":"`` between two
+        required fields of a schema), after the committed tokens and ``after``: the forced
+        bytes in the tokenizer's own tokenization, cut to what the grammar allows.
+
+        The matcher is not changed (a copy follows ``after``, ~0.1 ms). A drafter may
+        propose these: under the grammar's mask the forced bytes are the only continuation,
+        so the target accepts them unless it prefers another tokenization of them. The last
+        token may join the forced bytes with bytes that follow (the tokenizer never saw
+        those), which is why llguidance's own fast-forward tokens stop before it; drafting it
+        anyway covered 681 rather than 614 of the 1,498 tokens of json-extract's reference
+        answers (SmolLM2's tokenizer), 26 of those last tokens being another tokenization.
+
+        Args:
+            after: tokens after the committed ones (e.g. a draft's valid prefix).
+            limit: at most this many tokens.
+
+        Returns:
+            Up to ``limit`` token ids; empty when nothing is forced, when ``after`` breaks the
+            grammar, or once the grammar is complete.
+        """
+        if limit <= 0 or self._matcher.is_stopped():
+            return []
+        matcher = self._matcher
+        if after:
+            matcher = matcher.deep_copy()
+            if matcher.try_consume_tokens(list(after)) != len(after):
+                return []
+        return _forced(matcher, self.grammar.tokenizer, limit)
 
     def commit(self, tokens: Sequence[int]) -> None:
         """Advance past committed tokens.
@@ -288,6 +322,94 @@ class GrammarMatcher:
     def done(self) -> bool:
         """The grammar is complete and allows nothing but end-of-sequence."""
         return self._matcher.is_stopped()
+
+
+def _forced(matcher: Any, tokenizer: Any, limit: int) -> list[int]:
+    """Up to ``limit`` tokens of the bytes ``matcher`` forces next, as the tokenizer splits
+    them, cut to what the grammar allows (see :meth:`GrammarMatcher.forced_tokens`)."""
+    if limit <= 0 or matcher.is_stopped():
+        return []
+    forced = matcher.compute_ff_bytes()
+    if not forced:
+        return []
+    tokens = tokenizer.tokenize_bytes(forced)[:limit]
+    return list(tokens[: matcher.validate_tokens(tokens)])
+
+
+def _unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """llguidance's ``[N, ceil(V / 32)]`` int32 bitmask as ``[N, V]`` bool (True = allowed)."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little",
+                         count=vocab_size)
+    return torch.from_numpy(bits.view(np.bool_))
+
+
+class DraftGuide:
+    """The grammar's state along one draft: lets a model drafter (qspec, layerskip, ...)
+    choose each draft token among the tokens the grammar allows after the committed ones and
+    the draft so far (docs/design.md "Output processing").
+
+    A draft token the grammar forbids could never be accepted (the target is masked), and
+    neither could anything drafted after it; masked, the draft model proposes the
+    continuation it prefers among the valid ones, e.g. the forced ``"`` that opens a JSON
+    string value rather than an unconstrained guess. The draft stays a function of the
+    context (and, sampling, of the recorded draft distribution ``q``), so verification and
+    losslessness are unchanged.
+
+    Args:
+        matcher: the generation's matcher (copied, ~0.1 ms; it is not changed).
+    """
+
+    def __init__(self, matcher: GrammarMatcher) -> None:
+        self._torch = matcher._torch
+        self._matcher = matcher._matcher.deep_copy()
+        self._tokenizer = matcher.grammar.tokenizer
+        self._words = matcher._words
+        self.vocab_size = matcher.grammar.vocab_size
+        self.broken = False  # a token it does not allow was drafted (e.g. from a proposal)
+
+    def allowed(self) -> torch.Tensor | None:
+        """``[V]`` bool: the tokens allowed next (on the CPU), or ``None`` after a token the
+        grammar forbids."""
+        if self.broken:
+            return None
+        bitmask = torch.full((1, self._words), -1, dtype=torch.int32)
+        self._torch.fill_next_token_bitmask(self._matcher, bitmask, 0)
+        if self._matcher.is_error():
+            self.broken = True
+            return None
+        return _unpack(bitmask, self.vocab_size)[0]
+
+    def mask(self, logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Draft logits with the forbidden tokens at ``-inf``.
+
+        Args:
+            logits: ``[V]`` draft logits, or ``[R]`` over a reduced draft vocabulary.
+            rows: ``[R]`` the vocabulary ids of a reduced draft vocabulary's logits.
+
+        Returns:
+            ``[V]`` / ``[R]`` float32 logits (a new tensor), or ``None`` when the grammar
+            allows none of these tokens (the draft should end).
+        """
+        allowed = self.allowed()
+        if allowed is None:
+            return None
+        allowed = allowed.to(logits.device)
+        if rows is not None:
+            allowed = allowed[rows]
+        if not bool(allowed.any()):
+            return None
+        return logits.float().masked_fill(~allowed, -math.inf)
+
+    def advance(self, token: int) -> None:
+        """Follow a drafted token (a forbidden one marks the guide broken: nothing after it
+        can be accepted)."""
+        if not self.broken and not self._matcher.consume_token(token):
+            self.broken = True
+
+    def forced_tokens(self, limit: int) -> list[int]:
+        """The tokens the grammar forces after the draft so far
+        (:meth:`GrammarMatcher.forced_tokens`); none once broken."""
+        return [] if self.broken else _forced(self._matcher, self._tokenizer, limit)
 
 
 def response_format_constraint(response_format: Mapping[str, Any] | None
