@@ -23,7 +23,7 @@ from selfspec.cli_args import (
     int_arg,
     threads_arg,
 )
-from selfspec.errors import SelfSpecError
+from selfspec.errors import InvalidArgumentError, SelfSpecError
 from selfspec.executor.quant import DRAFT_WEIGHT_FORMATS
 from selfspec.methods.cli_options import (  # noqa: F401 (re-exported for callers)
     add_method_arguments,
@@ -89,12 +89,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     # Refuse bad options before spending seconds on loading the model.
     apply_method_spec(args)
-    get_method(args.method).parse(method_options(args))
+    spec = get_method(args.method)
+    options = spec.parse(method_options(args))
     DecodeOptions(max_new_tokens=args.max_new_tokens,
                   sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed))
     check_stop(args.stop)
     check_text("the prompt", args.prompt)
     response_format = response_format_of(args)  # files read, schema / regex / grammar checked
+    processed = (response_format is not None or args.presence_penalty or args.frequency_penalty
+                 or args.logprobs is not None)
+    if processed and not spec.processes_logits_for(options):
+        raise InvalidArgumentError(
+            f"--method {args.method} picks tokens from early-exit predictions without "
+            "verification, so --json-schema/--json-object/--regex/--grammar, penalties and "
+            "--logprobs cannot apply to it; use a lossless method (auto, ar, ngram, ...)")
     if check_threads("--threads", args.threads):
         torch.set_num_threads(args.threads)
     engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel,

@@ -42,8 +42,8 @@ def _llguidance() -> Any:
         import llguidance.torch  # noqa: F401  (bitmask helpers)
     except ImportError as error:
         raise MissingDependencyError(
-            "structured output needs llguidance: pip install llguidance (the [bench] "
-            "extra has it: pip install 'selfspec[bench]')") from error
+            "structured output needs llguidance: pip install 'selfspec[structured]' (or "
+            "pip install llguidance; the serve and bench extras have it too)") from error
     return llguidance
 
 
