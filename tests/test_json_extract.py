@@ -170,7 +170,8 @@ def test_generate_with_a_json_schema_prints_valid_json_and_logprobs(model_dir, t
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--json-schema", "{schema}"], "--json-schema {schema}: invalid json_schema: Invalid type: strin"),
+    (["--json-schema", "{schema}"],
+     "--json-schema {schema}: invalid json_schema: Invalid type: strin"),
     (["--json-schema", "{notjson}"], "not JSON (Expecting property name"),
     (["--json-schema", "{array}"], "a JSON schema is a JSON object, got an array"),
     (["--json-schema", "{missing}"], "cannot read the file (No such file or directory)"),

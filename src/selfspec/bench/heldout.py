@@ -53,7 +53,8 @@ class HeldOutCheck:
     @property
     def sources(self) -> list[str]:
         """What saw prompts: the head files, then the dataset's calibration split."""
-        return list(self.files) + ([f"tuning on {self.split}'s calibration split"] if self.split else [])
+        split = [f"tuning on {self.split}'s calibration split"] if self.split else []
+        return list(self.files) + split
 
     @property
     def is_in_sample(self) -> bool:

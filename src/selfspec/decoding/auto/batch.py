@@ -178,8 +178,8 @@ class BatchNgramStep:
     match's; under a grammar, forced tokens have their own) and ``t_forward(n)`` the
     latency model's time of a forward over ``n`` tokens, corrected online by the measured
     step times. For a given ``N`` the best ``d`` takes the ``N - B`` draft tokens of largest
-    marginal gain ``Π_{j ≤ k} α_{b,j}`` (gains fall along a row), so one pass over the tokens sorted by
-    gain finds ``d*``. At high batch a forward stops being bound by reading the weights,
+    marginal gain ``Π_{j ≤ k} α_{b,j}`` (gains fall along a row), so one pass over the tokens
+    sorted by gain finds ``d*``. At high batch a forward stops being bound by reading the weights,
     ``t_forward`` grows with every token and the step falls back to plain decoding
     (``d = 0``). A step drafts at most ``max_step_draft`` tokens over all rows: the logits of
     a verification are ``[N, V]`` floats (``N = 272`` rows of Qwen2.5's 151,936-token
