@@ -181,7 +181,8 @@ _flag_values = st.one_of(st.integers(-3, 70).map(str), st.sampled_from(
     ["0", "-1", "1e-45", "inf", "-inf", "nan", "2.5", str(2**70), "", "x", "true", "1e400"]))
 _flags = ["--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--threads",
           "--exit-layer", "--draft-len", "--gamma", "--max-draft-len", "--epsilon",
-          "--draft-vocab", "--stop"]
+          "--draft-vocab", "--stop", "--presence-penalty", "--frequency-penalty", "--logprobs",
+          "--regex"]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[

@@ -225,7 +225,8 @@ class SelfSpec:
             streamer: receives committed token ids as they come (``put``/``end``).
             response_format: a structured-output constraint (:meth:`grammar`): every token is
                 chosen (and every draft token verified) under it, so lossless methods give
-                exactly constrained ``ar``'s tokens.
+                exactly constrained ``ar``'s tokens. With a list of prompts, also a list of
+                one constraint per prompt (:meth:`generate_batch`).
             presence_penalty / frequency_penalty: OpenAI's penalties in [-2, 2], applied to
                 the target at every verified position (lossless against ``ar`` with them).
             logprobs: record each token's log probability and this many alternatives
@@ -279,7 +280,8 @@ class SelfSpec:
                        method: str = "ar", *, max_new_tokens: int = 128,
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                        seed: int | None = None, chat: bool = False, stop: Sequence[str] = (),
-                       response_format: Mapping[str, Any] | Grammar | None = None,
+                       response_format: (Mapping[str, Any] | Grammar | None
+                                         | Sequence[Mapping[str, Any] | Grammar | None]) = None,
                        presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                        logprobs: int | None = None,
                        **method_options: Any) -> list[GenerationResult]:
@@ -294,6 +296,8 @@ class SelfSpec:
 
         Args:
             prompts: ``B >= 1`` prompts, each as :meth:`generate` takes it.
+            response_format: as :meth:`generate`, for every row; or a list or tuple of ``B``
+                of them, one per row (e.g. each prompt with its own JSON schema).
             method / max_new_tokens / ... / **method_options: as :meth:`generate`, for every
                 row.
 
@@ -302,19 +306,32 @@ class SelfSpec:
 
         Raises:
             PromptError, InvalidArgumentError: as :meth:`generate`, for any prompt (nothing
-                runs then); an empty list of prompts.
+                runs then); an empty list of prompts; a list of response formats whose
+                length is not the number of prompts.
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise InvalidArgumentError("prompts must be a non-empty list of prompts")
         stop = check_stop(stop)
-        options = self.decode_options(max_new_tokens, temperature, top_k, top_p, seed,
-                                      self.processing(response_format, presence_penalty,
-                                                      frequency_penalty, logprobs))
+        if isinstance(response_format, (list, tuple)):  # one per row
+            if len(response_format) != len(prompts):
+                raise InvalidArgumentError(
+                    f"response_format: got {len(response_format)} for {len(prompts)} prompts; "
+                    "give one per prompt, or one (not in a list) for all of them")
+            formats = list(response_format)
+        else:
+            formats = [response_format]
+        options = [self.decode_options(max_new_tokens, temperature, top_k, top_p, seed,
+                                       self.processing(f, presence_penalty, frequency_penalty,
+                                                       logprobs))
+                   for f in formats]
+        if len(options) == 1:  # one constraint, compiled once, for every row
+            options = options * len(prompts)
         all_ids = [self.encode(p, chat=chat) for p in prompts]
         step = get_method(method).make_batch_step(self.methods, method_options)
         sinks = [StopStringSink(self.tokenizer, stop, None) for _ in all_ids]
-        states = [DecodeState(self.executor, ids, options, sink, prefix_cache=self.prefix_cache)
-                  for ids, sink in zip(all_ids, sinks)]
+        states = [DecodeState(self.executor, ids, row_options, sink,
+                              prefix_cache=self.prefix_cache)
+                  for ids, row_options, sink in zip(all_ids, options, sinks)]
         run_batch(states, step)
         return [self.result(state, sink) for state, sink in zip(states, sinks)]
 

@@ -16,13 +16,14 @@ from collections.abc import Sequence
 from selfspec.bench.cli import add_bench_cpu_parser, add_bench_parser
 from selfspec.cli_args import (
     add_model_argument,
+    add_output_processing_arguments,
     add_weight_format_arguments,
     device_arg,
     float_arg,
     int_arg,
     threads_arg,
 )
-from selfspec.errors import SelfSpecError
+from selfspec.errors import InvalidArgumentError, SelfSpecError
 from selfspec.executor.quant import DRAFT_WEIGHT_FORMATS
 from selfspec.methods.cli_options import (  # noqa: F401 (re-exported for callers)
     add_method_arguments,
@@ -61,12 +62,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int_arg(SEED_MIN, SEED_MAX), default=None, help="seed for reproducible sampling")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_output_processing_arguments(p)
     add_weight_format_arguments(p)
     p.add_argument("--threads", type=threads_arg(), default=None, help="torch intra-op threads")
     p.add_argument("--compare-ar", action="store_true",
                    help="also generate with plain autoregressive decoding (ar) on the same "
-                        "prompt afterwards and print the speedup measured in this run and "
-                        "whether the outputs are identical")
+                        "prompt afterwards (with the same constraint and penalties) and print "
+                        "the speedup measured in this run and whether the outputs are "
+                        "identical")
     p.add_argument("--explain", action="store_true",
                    help="auto: print what each drafter did (steps, acceptance, predicted vs "
                         "measured tokens/s)")
@@ -79,28 +82,42 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     import selfspec
+    from selfspec.cli_args import response_format_of
     from selfspec.decoding.core.sampling import SamplingConfig
     from selfspec.decoding.core.state import DecodeOptions
     from selfspec.methods.registry import get_method
 
     # Refuse bad options before spending seconds on loading the model.
     apply_method_spec(args)
-    get_method(args.method).parse(method_options(args))
+    spec = get_method(args.method)
+    options = spec.parse(method_options(args))
     DecodeOptions(max_new_tokens=args.max_new_tokens,
                   sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed))
     check_stop(args.stop)
     check_text("the prompt", args.prompt)
+    response_format = response_format_of(args)  # files read, schema / regex / grammar checked
+    processed = (response_format is not None or args.presence_penalty or args.frequency_penalty
+                 or args.logprobs is not None)
+    if processed and not spec.processes_logits_for(options):
+        raise InvalidArgumentError(
+            f"--method {args.method} picks tokens from early-exit predictions without "
+            "verification, so --json-schema/--json-object/--regex/--grammar, penalties and "
+            "--logprobs cannot apply to it; use a lossless method (auto, ar, ngram, ...)")
     if check_threads("--threads", args.threads):
         torch.set_num_threads(args.threads)
     engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel,
                            device=args.device, cuda_graphs=args.cuda_graphs)
+    # Compiled against the tokenizer before any token (and before --compare-ar's warm-up).
+    processing = {"response_format": engine.grammar(response_format),
+                  "presence_penalty": args.presence_penalty,
+                  "frequency_penalty": args.frequency_penalty}
     if args.compare_ar and args.method != "ar":
         _warm_up(engine, args)
     streamer = TextStreamer(engine.tokenizer, skip_special_tokens=True)
     result = engine.generate(args.prompt, method=args.method, max_new_tokens=args.max_new_tokens,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                              seed=args.seed, chat=args.chat, stop=args.stop, streamer=streamer,
-                             **method_options(args))
+                             logprobs=args.logprobs, **processing, **method_options(args))
     s = result.stats
     line = (f"[selfspec] {engine.name} · {args.method} · {s.new_tokens} new tokens · "
             f"{s.tokens_per_s:.1f} tok/s · TTFT {s.ttft_ms:.0f} ms · finish: {s.finish_reason}")
@@ -110,14 +127,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         line += f" · mean exit layer {s.mean_exit_layer:.1f}"
     if s.drafters:
         line += " · steps: " + ", ".join(f"{name} {u.steps}" for name, u in s.drafters.items())
+    if result.logprobs:
+        mean = sum(lp.logprob for lp in result.logprobs) / len(result.logprobs)
+        line += f" · mean logprob {mean:.3f}"
     print(line, file=sys.stderr)
+    if result.logprobs is not None:
+        print(format_logprobs(engine.tokenizer, result.logprobs, args.logprobs),
+              file=sys.stderr)
     if args.explain and s.drafters:
         print(explain_drafters(s), file=sys.stderr)
     if args.compare_ar and args.method != "ar":
         base = engine.generate(args.prompt, method="ar", max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, top_k=args.top_k,
                                top_p=args.top_p, seed=args.seed, chat=args.chat,
-                               stop=args.stop)
+                               stop=args.stop, **processing)
         same = "identical" if base.token_ids == result.token_ids else (
             "differ" + ("" if args.temperature > 0 else " (greedy: a lossy method)"))
         speedup = s.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else 0.0
@@ -125,6 +148,25 @@ def _cmd_generate(args: argparse.Namespace) -> int:
               f"{args.method} is {speedup:.2f}x ar (measured in this run); outputs {same}",
               file=sys.stderr)
     return 0
+
+
+def format_logprobs(tokenizer, logprobs, k: int) -> str:
+    """``--logprobs K``: one line per generated token: its position, text, natural-log
+    probability and its ``k`` most likely alternatives (under the processed distribution:
+    penalties and constraint applied, temperature not; alternatives the constraint forbids,
+    at -inf, are left out)."""
+    def text(token: int) -> str:
+        return repr(tokenizer.decode([token]))
+
+    lines = [f"[selfspec] logprobs (natural log; token, logprob"
+             + (f", top {k})" if k else ")")]
+    for i, lp in enumerate(logprobs):
+        row = f"  {i:>4}  {text(lp.token):<20} {lp.logprob:9.4f}"
+        top = [(t, v) for t, v in lp.top if v != float("-inf")]
+        if top:
+            row += "   " + "  ".join(f"{text(t)} {v:.4f}" for t, v in top)
+        lines.append(row)
+    return "\n".join(lines)
 
 
 def _warm_up(engine, args: argparse.Namespace) -> None:

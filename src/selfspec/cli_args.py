@@ -1,7 +1,8 @@
 """Argparse helpers shared by every command (generate, bench, serve, heads, models): argument
 types that check values at parse time with :mod:`selfspec.validation`'s checks, so a bad value
-is a usage error (exit status 2) before anything loads, and the arguments every command that
-loads a model takes."""
+is a usage error (exit status 2) before anything loads, the arguments every command that
+loads a model takes, and the output-processing flags of ``selfspec generate`` (read and
+checked before a model loads)."""
 
 from __future__ import annotations
 
@@ -94,3 +95,99 @@ def add_weight_format_arguments(parser) -> None:
              "kernel for matrices >= 4 MiB, selfspec's for the rest), fp16 "
              "(FBGEMM for every matrix), weights (the weights' own format), int4 (4-bit "
              "copies: lossy), w4a8 (4-bit copies, 8-bit activations: lossy)")
+
+
+def add_output_processing_arguments(parser) -> None:
+    """Structured output (``--json-schema FILE | --json-object | --regex PATTERN | --grammar
+    FILE``, one at most), ``--presence-penalty``, ``--frequency-penalty`` and ``--logprobs``
+    (:mod:`selfspec.decoding.core.processors`): ``selfspec generate`` takes them."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--json-schema", metavar="FILE", default=None,
+                       help="constrain the output to JSON valid against the JSON schema in "
+                            "FILE (every token, draft tokens included, is checked, so "
+                            "lossless methods give constrained ar's output)")
+    group.add_argument("--json-object", action="store_true",
+                       help="constrain the output to one JSON object")
+    group.add_argument("--regex", metavar="PATTERN", default=None,
+                       help="constrain the whole output to match PATTERN (no look-around)")
+    group.add_argument("--grammar", metavar="FILE", default=None,
+                       help="constrain the output to the Lark grammar in FILE "
+                            "(llguidance's dialect)")
+    parser.add_argument("--presence-penalty", type=float_arg(-2.0, 2.0), default=0.0,
+                        help="subtracted once from the logit of every token generated so far, "
+                             "in [-2, 2] (OpenAI's; default 0)")
+    parser.add_argument("--frequency-penalty", type=float_arg(-2.0, 2.0), default=0.0,
+                        help="subtracted per occurrence of a token generated so far, in "
+                             "[-2, 2] (OpenAI's; default 0)")
+    parser.add_argument("--logprobs", type=int_arg(0, 20), default=None, metavar="K",
+                        help="after the stats line, print each generated token's log "
+                             "probability and its K most likely alternatives (0-20)")
+
+
+def response_format_of(args: argparse.Namespace) -> dict | None:
+    """The ``response_format`` of :func:`add_output_processing_arguments`' flags, read and
+    validated without a model (files readable, the schema JSON, the schema, regex or
+    grammar accepted by llguidance), so a mistake is one error line before anything loads.
+
+    Returns:
+        OpenAI's ``{"type": "json_schema", ...}`` / ``{"type": "json_object"}`` or selfspec's
+        ``{"type": "regex" | "lark", ...}``; ``None`` without a constraint.
+
+    Raises:
+        InvalidArgumentError: an unreadable file, a schema file that is not UTF-8 JSON or not
+            a JSON object, an invalid or unsupported schema, regex or grammar (the message
+            names the flag).
+        MissingDependencyError: a constraint is given and llguidance is not installed.
+    """
+    import json
+
+    from selfspec.decoding.core.grammar import check_response_format
+
+    if args.json_schema is not None:
+        text = _read_text("--json-schema", args.json_schema)
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise InvalidArgumentError(
+                f"--json-schema {args.json_schema}: not JSON ({err.msg} at line {err.lineno}, "
+                f"column {err.colno}); give a file holding one JSON schema object") from None
+        if not isinstance(schema, dict):
+            kind = {list: "an array", str: "a string", bool: "a boolean", int: "a number",
+                    float: "a number", type(None): "null"}[type(schema)]
+            raise InvalidArgumentError(
+                f"--json-schema {args.json_schema}: a JSON schema is a JSON object, got "
+                f"{kind}; e.g. {{\"type\": \"object\", \"properties\": ...}}")
+        response_format = {"type": "json_schema",
+                           "json_schema": {"name": "output", "schema": schema}}
+        flag = f"--json-schema {args.json_schema}"
+    elif args.json_object:
+        response_format, flag = {"type": "json_object"}, "--json-object"
+    elif args.regex is not None:
+        response_format, flag = {"type": "regex", "regex": args.regex}, "--regex"
+    elif args.grammar is not None:
+        response_format = {"type": "lark", "lark": _read_text("--grammar", args.grammar)}
+        flag = f"--grammar {args.grammar}"
+    else:
+        return None
+    try:
+        check_response_format(response_format)
+    except InvalidArgumentError as err:
+        raise InvalidArgumentError(f"{flag}: {err}") from None
+    return response_format
+
+
+def _read_text(flag: str, path: str) -> str:
+    """The UTF-8 text of ``path``.
+
+    Raises:
+        InvalidArgumentError: the file cannot be read or is not UTF-8 (names ``flag``).
+    """
+    from pathlib import Path
+
+    try:
+        return Path(path).read_text(encoding="utf-8-sig")
+    except OSError as err:
+        raise InvalidArgumentError(
+            f"{flag} {path}: cannot read the file ({err.strerror or err})") from None
+    except UnicodeDecodeError as err:
+        raise InvalidArgumentError(f"{flag} {path}: not UTF-8 text ({err.reason})") from None

@@ -1,5 +1,6 @@
-"""Task accuracy of generated text: HumanEval pass@1, GSM-Symbolic exact match, and a prompt
-file's reference answers (:func:`check_reference`).
+"""Task accuracy of generated text: HumanEval pass@1, GSM-Symbolic exact match, json-extract
+schema validity (:func:`check_json`), and a prompt file's reference answers
+(:func:`check_reference`).
 
 Used for lossy methods (their outputs may differ from autoregressive decoding) and, for
 comparison, for every method of a run. MT-Bench and ShareGPT need a judge model and are
@@ -13,11 +14,13 @@ running them unsandboxed.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from selfspec import extras
 from selfspec.bench.sandbox import Sandbox, find_sandbox
 from selfspec.data import Prompt
 from selfspec.data.promptfile import FILE_LABEL_PREFIX
@@ -147,9 +150,53 @@ def check_reference(prompt: Prompt, text: str) -> Score | None:
     return Score(matched, "starts with the reference" if matched else "differs from the reference")
 
 
+def check_json(prompt: Prompt, text: str) -> Score:
+    """``text`` parses as JSON and validates against ``prompt.meta["schema"]`` (json-extract;
+    the ``jsonschema`` package, in the ``[bench]`` extra, validates: the schema's own
+    ``$schema`` draft, else 2020-12).
+
+    Raises:
+        KeyError: ``prompt`` has no schema.
+        MissingDependencyError: ``jsonschema`` is not installed.
+    """
+    require_scorer("json-extract")
+    import jsonschema
+
+    schema = prompt.meta["schema"]
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        return Score(False, f"not JSON ({err.msg} at column {err.colno})")
+    validator = jsonschema.validators.validator_for(
+        schema, default=jsonschema.Draft202012Validator)(schema)
+    error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+    if error is not None:
+        return Score(False, f"not valid at {error.json_path}: {error.message}")
+    return Score(True, "valid JSON for the schema")
+
+
+#: Modules a dataset's scorer imports: checked before generating (:func:`require_scorer`).
+SCORER_MODULES = {"json-extract": ("jsonschema", "json-extract's schema validation")}
+
+
+def require_scorer(dataset: str) -> None:
+    """Raise before any generation if scoring ``dataset`` needs a missing package.
+
+    Raises:
+        MissingDependencyError: e.g. ``jsonschema`` for json-extract; the message names the
+            ``[bench]`` extra.
+    """
+    if dataset in SCORER_MODULES:
+        module, purpose = SCORER_MODULES[dataset]
+        extras.require_module(module, purpose,
+                              f"{extras.BENCH_INSTALL} (or only: pip install {module}); or "
+                              "pass --no-accuracy")
+
+
 SCORERS: dict[str, Callable[[Prompt, str], Score | None]] = {
     "humaneval": check_humaneval,
     "gsm": check_gsm,
+    "json-extract": check_json,
     "file": check_reference,
 }
 

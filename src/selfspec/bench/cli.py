@@ -59,8 +59,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                              '"prompt": ..., "chat": true|false (default false), '
                              '"reference": ... (optional, scored for accuracy)}')
     p.add_argument("--n", type=int, default=None,
-                   help="prompts per method (default: 10 of a --dataset, all of --prompts); a prompt "
-                        "that trained a method's heads is replaced by the next held-out one")
+                   help="prompts per method (default: 10 of a --dataset, the 20 held-out tasks of "
+                        "json-extract, all of --prompts); a prompt that trained a method's "
+                        "heads (or is in json-extract's calibration split) is replaced by the "
+                        "next held-out one")
     p.add_argument("--max-new-tokens", type=int_arg(1), default=128)
     p.add_argument("--batch-size", type=int_arg(1, 256), default=1,
                    help="prompts each method generates together as one ragged batch (ar, ngram "
@@ -142,9 +144,29 @@ def _prompts(args: argparse.Namespace, dataset: str) -> list:
     return with_reserve(load_prompt_file(args.prompts), args.n, args.seed, dataset)
 
 
+def _check_constraints(prompts: list) -> None:
+    """Validate the prompts' output constraints (json-extract's schemas) without a model.
+
+    Raises:
+        InvalidArgumentError: a schema llguidance refuses (names the prompt).
+        MissingDependencyError: llguidance is not installed.
+    """
+    from selfspec.decoding.core.grammar import check_response_format
+    from selfspec.errors import InvalidArgumentError
+
+    for prompt in prompts:
+        try:
+            check_response_format(prompt.meta.get("response_format"))
+        except InvalidArgumentError as err:
+            raise InvalidArgumentError(f"prompt {prompt.id}: {err}") from None
+
+
 def _n(args: argparse.Namespace) -> int:
-    """Prompts to run: ``--n``, 10 for a dataset by default."""
-    return 10 if args.n is None else args.n
+    """Prompts to run: ``--n``, else :func:`selfspec.data.bench_size` of the dataset (10;
+    json-extract: its held-out split)."""
+    from selfspec.data import bench_size
+
+    return bench_size(args.dataset) if args.n is None else args.n
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -181,6 +203,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         require_matplotlib()
     dataset = args.dataset if args.prompts is None else file_label(args.prompts)
     prompts = _prompts(args, dataset)
+    _check_constraints(prompts)
+    if args.score:
+        from selfspec.bench.accuracy import require_scorer
+
+        require_scorer(dataset)
     model = args.model or DEFAULT_MODEL
     if args.threads:
         torch.set_num_threads(args.threads)

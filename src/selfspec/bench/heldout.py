@@ -8,6 +8,10 @@ head files its methods read: by default prompts seen there are dropped (a benchm
 would overstate acceptance and speed); with ``allow_in_sample`` they stay and the run is
 labelled in-sample in the table, ``report.md`` and ``summary.json`` (docs/design.md,
 "Held-out evaluation").
+
+A dataset may also keep a calibration split of its own for anything tuned on it
+(:func:`selfspec.data.calibration_ids`; ``json-extract``): those prompts count as seen in the
+same way, so a reported run holds only the dataset's held-out prompts.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from selfspec.bench.spec import MethodConfig
-from selfspec.data import Prompt
+from selfspec.data import Prompt, calibration_ids
 from selfspec.errors import SelfSpecError
 
 logger = logging.getLogger(__name__)
@@ -35,6 +39,7 @@ class HeldOutCheck:
         considered: how many of the given prompts were looked at (all of them, or up to the
             last one needed to fill ``limit``).
         replaced: dropped prompts were replaced by later ones (a ``limit`` was given).
+        split: the dataset whose calibration split counts as seen (``""``: none has one).
     """
 
     prompts: list[Prompt]
@@ -43,6 +48,13 @@ class HeldOutCheck:
     files: dict[str, list[str]] = field(default_factory=dict)
     considered: int = 0
     replaced: bool = False
+    split: str = ""
+
+    @property
+    def sources(self) -> list[str]:
+        """What saw prompts: the head files, then the dataset's calibration split."""
+        split = [f"tuning on {self.split}'s calibration split"] if self.split else []
+        return list(self.files) + split
 
     @property
     def is_in_sample(self) -> bool:
@@ -51,9 +63,9 @@ class HeldOutCheck:
 
     def describe(self, total: int) -> str:
         """One line for the report header (``total`` = prompts before the check)."""
-        if not self.files:
+        if not self.sources:
             return "held out: no method reads trained heads, thresholds or probes"
-        names = ", ".join(f"`{f}`" for f in self.files)
+        names = ", ".join(f"`{f}`" if f in self.files else f for f in self.sources)
         if self.is_in_sample:
             return (f"**IN-SAMPLE RUN**: {len(self.in_sample)} of {total} prompts were seen in "
                     f"training, calibration or probe fitting by {names} (--allow-in-sample)")
@@ -74,7 +86,8 @@ def seen_prompts(card, dataset: str, prompts: Sequence[Prompt]) -> set[str]:
 def check_held_out(prompts: Sequence[Prompt], dataset: str, methods: Sequence[MethodConfig],
                    model: str, allow_in_sample: bool = False,
                    limit: int | None = None) -> HeldOutCheck:
-    """Compare ``prompts`` with the cards of every head file ``methods`` read.
+    """Compare ``prompts`` with the cards of every head file ``methods`` read and with
+    ``dataset``'s own calibration split (:func:`selfspec.data.calibration_ids`).
 
     Args:
         prompts: the benchmark prompts, of ``dataset`` (a ``selfspec.data`` name, or the label
@@ -109,7 +122,7 @@ def check_held_out(prompts: Sequence[Prompt], dataset: str, methods: Sequence[Me
             else:
                 path = str(find_head_file(name, model))
             files.setdefault(path, []).append(method.label)
-    seen: set[str] = set()
+    seen = calibration_ids(dataset) & {p.id for p in prompts}
     for path in list(files):
         try:
             card = read_skip_set(path).card if path in skip_sets else read_head_file(path).card
@@ -131,4 +144,5 @@ def check_held_out(prompts: Sequence[Prompt], dataset: str, methods: Sequence[Me
     if limit is not None and len(kept) < limit:
         logger.warning("only %d of the %d prompts asked for are held out", len(kept), limit)
     return HeldOutCheck(kept, in_sample, dropped, files, considered,
-                        replaced=limit is not None and considered > limit)
+                        replaced=limit is not None and considered > limit,
+                        split=dataset if calibration_ids(dataset) else "")

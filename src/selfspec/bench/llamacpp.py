@@ -37,6 +37,7 @@ from selfspec.bench.run_types import (
     EncodedPrompt,
     RunOutput,
     RunSettings,
+    refuse_constraints,
     run_one_by_one,
 )
 from selfspec.bench.spec import MethodConfig
@@ -235,7 +236,15 @@ class LlamaCppRunner:
         return run_one_by_one(self, prompts, settings, self.clock)
 
     def run(self, prompt: EncodedPrompt, settings: RunSettings) -> RunOutput:
-        """Generate for one prompt, timing the whole call (prompt evaluation included)."""
+        """Generate for one prompt, timing the whole call (prompt evaluation included).
+
+        Raises:
+            InvalidArgumentError: the prompt has a ``response_format`` (``json-extract``):
+                these runners pass no grammar to llama.cpp, so their output would be
+                unconstrained and not comparable.
+        """
+        refuse_constraints(self.config.name, [prompt],
+                           "these runners pass no grammar to llama.cpp")
         need = len(prompt.ids) + settings.max_new_tokens + 8
         if need > self.n_ctx:
             self._load(n_ctx=max(need, 2 * self.n_ctx))

@@ -27,7 +27,8 @@ Definitions (docs/design.md "Glossary"):
 - ``predictor_share`` / ``kv_share`` (SpecEE): candidates + features + predictors, and
   writing the skipped layers' KV, as fractions of wall time; ``exit_histogram[l]``: tokens
   predicted after ``l`` layers (every exit-layer method).
-- ``accuracy``: share of scored outputs that solve the task (HumanEval pass@1, GSM match).
+- ``accuracy``: share of scored outputs that solve the task (HumanEval pass@1, GSM match,
+  json-extract: the output parses as JSON and validates against its schema).
 - ``roofline_fraction``: ``tokens_per_s`` / (measured bandwidth / weight bytes per token).
 - ``peak_rss_mib``: the largest peak resident memory of the process during one of the
   method's generations (MiB; the weights every method shares are included, so differences

@@ -76,7 +76,7 @@ class BenchOptions:
         top_p: nucleus mass when sampling (1 = off).
         warmup_prompts: prompts each method generates for, untimed, before the run.
         warmup_tokens: ``max_new_tokens`` of the warm-up generations.
-        score: run the task-accuracy scorer on the outputs (HumanEval, GSM).
+        score: run the task-accuracy scorer on the outputs (HumanEval, GSM, json-extract).
         unsafe_run_code: with no sandbox on this machine, run HumanEval completions
             unsandboxed instead of refusing (:mod:`selfspec.bench.sandbox`).
         bandwidth_mib: buffer of the bandwidth measurement in MiB (0 = do not measure).
@@ -140,12 +140,18 @@ def dtype_label(dtype: torch.dtype) -> str:
 
 
 def encode_prompts(engine: SelfSpec, prompts: Sequence[Prompt]) -> list[EncodedPrompt]:
-    """Tokenize every prompt once (chat template for chat prompts), before any timing.
+    """Tokenize every prompt once (chat template for chat prompts) and compile its output
+    constraint (``meta["response_format"]``, e.g. ``json-extract``'s schemas) for the model,
+    before any timing.
 
     Raises:
         PromptError: a chat dataset on a model without a chat template, an empty prompt.
+        InvalidArgumentError: a constraint llguidance refuses for this model's vocabulary.
+        MissingDependencyError: a constrained dataset without llguidance installed.
     """
-    return [EncodedPrompt(p.id, engine.encode(p.text, chat=p.chat)) for p in prompts]
+    return [EncodedPrompt(p.id, engine.encode(p.text, chat=p.chat),
+                          engine.grammar(p.meta.get("response_format")))
+            for p in prompts]
 
 
 def output_mode(options: BenchOptions) -> OutputMode:
@@ -243,7 +249,9 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
             holds foreign files (``overwrite``), holds no unfinished run or one with other
             settings (``resume``), or another process is writing it.
         PromptError: a prompt the model cannot take (e.g. chat prompts without a chat template).
-        MissingDependencyError: ``options.plots`` and matplotlib is not installed (checked first).
+        MissingDependencyError: ``options.plots`` and matplotlib is not installed (checked first);
+            a scorer's package (json-extract: ``jsonschema``) or llguidance for a constrained
+            dataset is missing (before generating).
         SandboxUnavailableError: HumanEval scoring with no sandbox for its code and no
             ``unsafe_run_code`` (checked before generating).
     """
@@ -257,17 +265,19 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
     # Scoring HumanEval runs the model's code: find the sandbox before generating anything.
     sandbox = (find_sandbox(options.unsafe_run_code)
                if options.score and accuracy.runs_code(options.dataset) else None)
+    if options.score:
+        accuracy.require_scorer(options.dataset)
     held = check_held_out(prompts, options.dataset, methods, engine.name, options.allow_in_sample,
                           limit=options.n)
     if held.dropped:
         logger.warning("%s %d of %d prompts seen by %s in training/calibration (pass "
                        "--allow-in-sample to keep them and label the run in-sample)",
                        "replaced" if held.replaced else "dropped", len(held.dropped),
-                       held.considered, ", ".join(held.files))
+                       held.considered, ", ".join(held.sources))
     if not held.prompts:
         raise InvalidArgumentError(
             f"all {held.considered} prompts were seen in training or calibration by "
-            f"{', '.join(held.files)}; pick other prompts (--seed, --dataset, --prompts), "
+            f"{', '.join(held.sources)}; pick other prompts (--seed, --dataset, --prompts), "
             "heads trained on other data, or pass --allow-in-sample for an in-sample run")
     out_dir = Path(options.out_dir)
     dtype = dtype_label(engine.model.dtype)

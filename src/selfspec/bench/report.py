@@ -405,7 +405,8 @@ decoder-layer call of drafters that batch deferred layers; draft / verify = shar
 wall time; predictor / KV = SpecEE's candidates + predictors and its skipped-layer KV
 writes, as shares of wall time; parity = share of prompts whose greedy output equals `ar`'s; prefix = ar = mean
 share of `ar`'s output repeated before the first differing token; accuracy = HumanEval pass@1,
-GSM exact match or a prompt file's reference match; roofline = tok/s over bandwidth / weight
+GSM exact match, json-extract's share of outputs that parse as JSON and validate against their
+schema (every method, `ar` included, decodes under it), or a prompt file's reference match; roofline = tok/s over bandwidth / weight
 bytes per token. – = not applicable or not known (transformers does not expose its
 drafted-token counts).
 """

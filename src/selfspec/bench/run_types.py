@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from selfspec.bench.spec import MethodConfig
 from selfspec.decoding.core.plan_log import PlanRecord
@@ -22,10 +22,15 @@ class EncodedPrompt:
     Attributes:
         id: the dataset prompt id.
         ids: prompt token ids (chat template applied where the dataset is a chat).
+        response_format: the prompt's output constraint (``json-extract``: its JSON schema),
+            compiled for the model before any timing
+            (:class:`~selfspec.decoding.core.grammar.Grammar`); every method decodes under
+            it, ``ar`` included. ``None``: unconstrained.
     """
 
     id: str
     ids: list[int]
+    response_format: Any = None
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,9 @@ class RunOutput:
 class Runner(Protocol):
     """Generates for one method. ``setup`` runs once before the warm-up and may raise;
     ``run_batch`` generates for several prompts together (one output per prompt, each with
-    ``wall_time_s`` = the batch's wall time / its rows)."""
+    ``wall_time_s`` = the batch's wall time / its rows). A runner that cannot decode under a
+    prompt's ``response_format`` raises :class:`~selfspec.errors.InvalidArgumentError`
+    (:func:`refuse_constraints`): the method is marked failed with that message."""
 
     config: MethodConfig
     lossless: bool
@@ -122,3 +129,19 @@ def run_one_by_one(runner: Runner, prompts: list[EncodedPrompt], settings: RunSe
     for output in outputs:
         output.wall_time_s = share
     return outputs
+
+
+def refuse_constraints(runner: str, prompts: list[EncodedPrompt], why: str) -> None:
+    """Raise if any of ``prompts`` has an output constraint ``runner`` cannot apply.
+
+    Raises:
+        InvalidArgumentError: a prompt with a ``response_format``; the message names the
+            runner, ``why`` and what to run instead.
+    """
+    from selfspec.errors import InvalidArgumentError
+
+    if any(p.response_format is not None for p in prompts):
+        raise InvalidArgumentError(
+            f"{runner} cannot decode under this dataset's JSON schemas ({why}); benchmark "
+            "structured output with selfspec methods (ar, auto, ngram, ...), which all "
+            "decode under the schema")

@@ -24,6 +24,7 @@ from selfspec.bench.run_types import (
     Runner,
     RunOutput,
     RunSettings,
+    refuse_constraints,
     run_one_by_one,
 )
 from selfspec.bench.spec import DECODE_KERNEL, MethodConfig
@@ -142,7 +143,8 @@ class SelfSpecRunner:
             results = self.engine.generate_batch(
                 [p.ids for p in prompts], method=self.config.name,
                 max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                top_p=settings.top_p, seed=settings.seed, **self.options)
+                top_p=settings.top_p, seed=settings.seed,
+                response_format=[p.response_format for p in prompts], **self.options)
             wall = self.clock() - start
         return [_output(r, wall / len(prompts), r.stats.ttft_ms, []) for r in results]
 
@@ -153,7 +155,7 @@ class SelfSpecRunner:
             result = self.engine.generate(
                 prompt.ids, method=self.config.name, max_new_tokens=settings.max_new_tokens,
                 temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed,
-                streamer=recorder,
+                streamer=recorder, response_format=prompt.response_format,
                 **self.options)
             wall = self.clock() - start
         return _output(result, wall, recorder.ttft_ms, recorder.lengths)
@@ -206,6 +208,9 @@ def _hf_generate_kwargs(config: MethodConfig, engine: SelfSpec,
         if "confidence" in o:
             kwargs["assistant_confidence_threshold"] = o["confidence"]
     return kwargs
+
+
+_HF_NO_GRAMMAR = "transformers' generate has no grammar constraint"
 
 
 class HFRunner:
@@ -281,7 +286,13 @@ class HFRunner:
     def run_batch(self, prompts: list[EncodedPrompt],
                   settings: RunSettings) -> list[RunOutput]:
         """``hf-ar``: one left-padded batch through ``generate``; the assisted baselines
-        (batch size 1 only in transformers): one prompt after another."""
+        (batch size 1 only in transformers): one prompt after another.
+
+        Raises:
+            InvalidArgumentError: a prompt with a ``response_format`` (transformers'
+                ``generate`` has no grammar constraint).
+        """
+        refuse_constraints(self.config.name, prompts, _HF_NO_GRAMMAR)
         if self.config.name != "hf-ar" or len(prompts) == 1:
             return run_one_by_one(self, prompts, settings, self.clock)
         engine = self.engine
@@ -306,6 +317,7 @@ class HFRunner:
 
     @torch.inference_mode()
     def run(self, prompt: EncodedPrompt, settings: RunSettings) -> RunOutput:
+        refuse_constraints(self.config.name, [prompt], _HF_NO_GRAMMAR)
         engine = self.engine
         kwargs = self._kwargs(settings)
         input_ids = torch.tensor([prompt.ids], device=engine.executor.device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from selfspec.data import gsm, humaneval, mtbench, sharegpt, stdlib
+from selfspec.data import gsm, humaneval, jsonextract, mtbench, sharegpt, stdlib
 from selfspec.data.prompt import Prompt
 from selfspec.errors import InvalidArgumentError
 
@@ -16,8 +16,28 @@ _LOADERS: dict[str, Callable[[int | None, int], list[Prompt]]] = {
     "sharegpt-summarize": sharegpt.load,
     "stdlib": stdlib.load,
     "sharegpt-chat": sharegpt.load_chat,
+    "json-extract": jsonextract.load,
 }
 DATASETS = tuple(_LOADERS)
+# Prompts a dataset keeps for tuning: the benchmark's held-out check treats them as seen
+# (selfspec.bench.heldout), so reported runs leave them out.
+_CALIBRATION: dict[str, frozenset[str]] = {"json-extract": jsonextract.CALIBRATION_IDS}
+# How many prompts a benchmark runs by default: the whole held-out split of a dataset that
+# has one, 10 of the others.
+_BENCH_N: dict[str, int] = {"json-extract": jsonextract.HELD_OUT_SIZE}
+DEFAULT_BENCH_N = 10
+
+
+def calibration_ids(dataset: str) -> frozenset[str]:
+    """Ids of ``dataset``'s calibration split (prompts kept for tuning; empty for a dataset
+    without one, or an unknown name such as a prompt file's label)."""
+    return _CALIBRATION.get(dataset, frozenset())
+
+
+def bench_size(dataset: str) -> int:
+    """Prompts ``selfspec bench --dataset`` runs without ``--n``: the held-out split of a
+    dataset with a calibration split, else :data:`DEFAULT_BENCH_N`."""
+    return _BENCH_N.get(dataset, DEFAULT_BENCH_N)
 
 
 def load_prompts(dataset: str, n: int | None = None, seed: int = 0) -> list[Prompt]:

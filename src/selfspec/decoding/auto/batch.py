@@ -33,7 +33,8 @@ from selfspec.decoding.core.sampling import choose_next
 from selfspec.decoding.core.state import DecodeState
 from selfspec.decoding.core.stats import GenerationStats, StepStats
 from selfspec.decoding.core.verification import verify_greedy, verify_sampling
-from selfspec.decoding.ngram.drafter import NgramDrafter, NgramSettings, _match_bucket
+from selfspec.decoding.ngram.drafter import NgramDrafter, NgramSettings
+from selfspec.decoding.ngram.lookup import NgramProposal
 from selfspec.decoding.ngram.lookup import SuffixAutomaton
 from selfspec.decoding.planning.tpt import ForwardCosts, TptChoice
 from selfspec.executor import LayerExecutor
@@ -63,6 +64,16 @@ class BatchStep(Protocol):
     def __call__(self, states: list[DecodeState]) -> list[StepStats]:
         """Commit ``>= 1`` token to each of ``states`` (fewer only for a row that became
         done); one :class:`StepStats` per row, in order."""
+
+
+def _survival(alphas: list[float]) -> list[float]:
+    """``[α_1, α_1 α_2, ...]``: the probability that each draft token is accepted (all
+    before it accepted), its expected gain."""
+    out, survive = [], 1.0
+    for alpha in alphas:
+        survive *= alpha
+        out.append(survive)
+    return out
 
 
 def begin(state: DecodeState) -> None:
@@ -160,14 +171,15 @@ class BatchNgramStep:
     row drafts its own number of tokens ``d_b``, chosen for the whole batch by KnapSpec eq. 4
     summed over rows::
 
-        E(d) = Σ_b (1 + Σ_{k ≤ d_b} α_b^k),    N(d) = Σ_b (1 + d_b)
+        E(d) = Σ_b (1 + Σ_{k ≤ d_b} Π_{j ≤ k} α_{b,j}),    N(d) = Σ_b (1 + d_b)
         d*   = argmax_d E(d) / t_forward(N(d))
 
-    where ``α_b`` is row ``b``'s acceptance estimate for its match and ``t_forward(n)`` the
+    where ``α_{b,j}`` is row ``b``'s acceptance estimate for its ``j``-th proposed token (its
+    match's; under a grammar, forced tokens have their own) and ``t_forward(n)`` the
     latency model's time of a forward over ``n`` tokens, corrected online by the measured
     step times. For a given ``N`` the best ``d`` takes the ``N - B`` draft tokens of largest
-    marginal gain ``α_b^k`` (gains fall along a row), so one pass over the tokens sorted by
-    gain finds ``d*``. At high batch a forward stops being bound by reading the weights,
+    marginal gain ``Π_{j ≤ k} α_{b,j}`` (gains fall along a row), so one pass over the tokens
+    sorted by gain finds ``d*``. At high batch a forward stops being bound by reading the weights,
     ``t_forward`` grows with every token and the step falls back to plain decoding
     (``d = 0``). A step drafts at most ``max_step_draft`` tokens over all rows: the logits of
     a verification are ``[N, V]`` floats (``N = 272`` rows of Qwen2.5's 151,936-token
@@ -209,7 +221,7 @@ class BatchNgramStep:
             self.history.add(state.tokens)
 
     def _plan(self, states: list[DecodeState], proposals: list[list[int]],
-              alphas: list[float]) -> tuple[list[int], TptChoice]:
+              alphas: list[list[float]]) -> tuple[list[int], TptChoice]:
         """Each row's draft length ``d_b`` maximising the batch's predicted tokens per second
         (see the class docstring), and the plan's total draft tokens, expected committed
         tokens (all rows) and predicted time."""
@@ -218,8 +230,8 @@ class BatchNgramStep:
         best = TptChoice(0, float(rows), self.costs.forward_ms(rows))
         counts = [0] * rows
         best_counts = list(counts)
-        gains = sorted(((alpha ** k, b) for b, (prop, alpha) in enumerate(zip(proposals, alphas))
-                        for k in range(1, len(prop) + 1)), key=lambda g: -g[0])
+        gains = sorted(((gain, b) for b, (prop, alpha) in enumerate(zip(proposals, alphas))
+                        for gain in _survival(alpha[:len(prop)])), key=lambda g: -g[0])
         gains = gains[: self.max_step_draft]
         tokens = float(rows)
         for drafted, (gain, b) in enumerate(gains, 1):
@@ -233,20 +245,15 @@ class BatchNgramStep:
     def __call__(self, states: list[DecodeState]) -> list[StepStats]:
         ex = self.executor
         t0 = time.perf_counter()
-        proposals, alphas, keys = [], [], []
+        proposals, alphas = [], []
+        found: list[NgramProposal | None] = []
         for state in states:
             drafter = self._drafters[id(state)]
             limit = min(self.settings.max_draft_len, state.remaining - 1)
             prop = drafter.proposal(state, limit) if limit > 0 else None
-            if prop is None:
-                proposals.append([])
-                alphas.append(0.0)
-                keys.append(None)
-            else:
-                key = (prop.source, _match_bucket(prop.match_len))
-                proposals.append(list(prop.tokens[:limit]))
-                alphas.append(drafter.acceptance.rate(key))
-                keys.append(key)
+            found.append(prop)
+            proposals.append([] if prop is None else list(prop.tokens[:limit]))
+            alphas.append([] if prop is None else drafter.alphas(prop))
         counts, plan = self._plan(states, proposals, alphas)
         drafts = [p[:n] for p, n in zip(proposals, counts)]
         draft_ms = (time.perf_counter() - t0) * 1e3
@@ -269,9 +276,8 @@ class BatchNgramStep:
                 result = verify_sampling(draft_ids, probs, target, sampling, state.generator)
             kept = state.commit(result.committed_tokens, target[: result.num_accepted + 1])
             state.cache.truncate(state.seq_len - 1)  # rejected positions go
-            if draft and keys[b] is not None:
-                self._drafters[id(state)].acceptance.update(keys[b], len(draft),
-                                                            result.num_accepted)
+            if draft and found[b] is not None:
+                self._drafters[id(state)].record(found[b], len(draft), result.num_accepted)
             results.append((len(draft), result.num_accepted, len(kept)))
         verify_ms = (time.perf_counter() - t1) * 1e3
         self.costs.observe(len(ids), verify_ms)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from selfspec.decoding.core.grammar import Grammar, GrammarMatcher
+from selfspec.decoding.core.grammar import DraftGuide, Grammar, GrammarMatcher
 from selfspec.errors import InvalidArgumentError
 from selfspec.validation import check_float
 
@@ -195,9 +195,21 @@ class LogitsProcessor:
             top = torch.topk(logp, k, dim=-1)
             top_ids, top_vals = top.indices.tolist(), top.values.tolist()
         for i, token in enumerate(tokens):
-            alternatives = (tuple(zip(top_ids[i], top_vals[i])) if k else ())
+            # Tokens a grammar forbids (-inf) are no alternatives (and JSON has no -inf).
+            alternatives = (tuple((t, v) for t, v in zip(top_ids[i], top_vals[i])
+                                  if v != -math.inf) if k else ())
             self.logprobs.append(TokenLogprob(int(token), float(chosen[i, 0]), alternatives))
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` the grammar allows in a row (all without a grammar)."""
         return len(tokens) if self.matcher is None else self.matcher.valid_prefix(tokens)
+
+    def draft_guide(self) -> DraftGuide | None:
+        """A guide for a model drafter under the grammar (``None`` without one;
+        :class:`~selfspec.decoding.core.grammar.DraftGuide`)."""
+        return None if self.matcher is None else self.matcher.guide()
+
+    def forced_tokens(self, after: Sequence[int] = (), limit: int = 64) -> list[int]:
+        """The tokens the grammar forces after the committed ones and ``after`` (none
+        without a grammar; :meth:`GrammarMatcher.forced_tokens`)."""
+        return [] if self.matcher is None else self.matcher.forced_tokens(after, limit)

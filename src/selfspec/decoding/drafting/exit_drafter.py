@@ -95,6 +95,18 @@ def pick_draft_token(logits: torch.Tensor, sampling: SamplingConfig,
                        score=values[3] if score is not None else None, q=q)
 
 
+def forced_pick(token: int, executor: LayerExecutor, sampling: SamplingConfig) -> PickedToken:
+    """A draft token the grammar forces: probability 1, and when sampling the one-hot ``q``
+    it was "drawn" from (it is a function of the context, so the acceptance rule with this
+    ``q`` keeps the target's distribution, as for n-gram drafts)."""
+    q = None
+    if not sampling.greedy:
+        q = torch.zeros(executor.vocab_size, device=executor.device)
+        q[token] = 1.0
+    return PickedToken(token=torch.tensor(token, device=executor.device), token_id=token,
+                       prob=1.0, top1_prob=1.0, score=None, q=q)
+
+
 @dataclass
 class DraftBuilder:
     """Collects draft tokens one by one and assembles the :class:`DraftOutput`.
@@ -213,19 +225,54 @@ class ExitDrafter:
         deferred = DeferredLayers(self.executor, state.cache)
         draft = DraftBuilder()
         token = state.tokens[-1]
-        for index in range(min(rule.max_draft_len, state.remaining - 1)):
+        # Under a grammar (structured output), each draft token is chosen among the tokens
+        # the grammar allows after the draft so far: a forbidden one could not be accepted.
+        guide = None if state.processor is None else state.processor.draft_guide()
+        # A policy that can run several pending positions in one call (SkipPlanExit: qspec,
+        # KnapSpec, ...) drafts the tokens the grammar forces without a draft forward each;
+        # they are run together with the next draft position.
+        choose_fed = getattr(policy, "choose_fed", None) if guide is not None else None
+        limit = min(rule.max_draft_len, state.remaining - 1)
+        index, fed = 0, 1
+        while index < limit:
             deferred.add(token, state.seq_len - 1 + index)
-            exit = policy.choose(deferred, sampling, state.generator)
+            exit = (policy.choose(deferred, sampling, state.generator) if choose_fed is None
+                    else choose_fed(deferred, fed, sampling, state.generator))
             if exit is None:  # no confident exit: verification produces this token
                 break
-            pick = pick_draft_token(exit.logits, sampling, state.generator, exit.score,
-                                    policy.vocab if exit.vocab is None else exit.vocab,
+            vocab = policy.vocab if exit.vocab is None else exit.vocab
+            logits = exit.logits
+            if guide is not None and exit.proposal is None:
+                logits = guide.mask(logits, None if vocab is None else vocab.rows)
+                if logits is None:  # nothing this exit can propose is allowed
+                    break
+            pick = pick_draft_token(logits, sampling, state.generator, exit.score, vocab,
                                     exit.proposal)
             token = pick.token_id
             draft.append(pick, exit.layer)
+            if guide is not None:
+                guide.advance(token)
             if rule.should_stop(DraftTokenInfo(index=index, token_id=token, prob=pick.prob,
                                                top1_prob=pick.top1_prob, is_eos=token in eos,
                                                score=pick.score)):
+                break
+            index, fed = index + 1, 1
+            if choose_fed is None:
+                continue
+            stop = False
+            for forced in guide.forced_tokens(limit - index):
+                deferred.add(token, state.seq_len - 1 + index)  # run with the next position
+                token, fed = forced, fed + 1
+                draft.append(forced_pick(forced, self.executor, sampling), 0)
+                guide.advance(forced)
+                # Certain under the grammar: probability 1 for the stop rule (which keeps
+                # its per-token accounting aligned with the draft).
+                stop = rule.should_stop(DraftTokenInfo(index=index, token_id=forced, prob=1.0,
+                                                       top1_prob=1.0, is_eos=forced in eos))
+                index += 1
+                if stop:
+                    break
+            if stop:
                 break
         return draft.build(self.executor, sampling, deferred)
 

@@ -47,14 +47,23 @@ class SkipPlanExit:
 
     def choose(self, deferred: DeferredLayers, sampling: SamplingConfig,
                generator: torch.Generator | None = None) -> Exit:
+        return self.choose_fed(deferred, 1, sampling, generator)
+
+    def choose_fed(self, deferred: DeferredLayers, fed: int, sampling: SamplingConfig,
+                   generator: torch.Generator | None = None) -> Exit:
+        """The exit after running the last ``fed`` pending positions (their embeddings)
+        under the plan in one call: draft tokens a grammar forced were fed without a draft
+        forward of their own (:meth:`ExitDrafter.draft`); the exit is the last one's."""
         ex = self.executor
-        position = torch.tensor([[deferred.position()]], device=ex.device)
-        hidden = ex.run_layers(deferred.hidden(), position, 0, ex.num_layers, deferred.cache,
-                               self.plan)
+        first = deferred.position(-fed)
+        positions = torch.arange(first, first + fed, device=ex.device).unsqueeze(0)
+        hidden = (deferred.hidden() if fed == 1
+                  else torch.cat([deferred.hidden(i) for i in range(-fed, 0)], 1))
+        hidden = ex.run_layers(hidden, positions, 0, ex.num_layers, deferred.cache, self.plan)
         # The layers it ran: a layer whose both sub-layers are skipped does not count (an
         # early exit at layer l is the plan that skips all of [l, L)).
         ran = ex.num_layers - len(self.plan.skip_attention & self.plan.skip_mlp)
-        return Exit(ran, ex.logits(hidden)[0, -1])
+        return Exit(ran, ex.logits(hidden[:, -1:])[0, -1])
 
 
 class SkipPlanDrafter(ExitDrafter):

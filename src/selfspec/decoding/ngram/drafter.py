@@ -8,6 +8,9 @@ Per step::
     γ        = argmax_γ E(γ) / t_forward(γ + 1)            # KnapSpec eq. 4, t_draft = 0
     draft    = proposal.tokens[:γ]                          # γ = 0: a plain decoding step
 
+Under a grammar (structured output) the proposal is cut to what the grammar allows and
+extended with the tokens it forces (:mod:`selfspec.decoding.ngram.constrained`).
+
 The draft costs no layer; verification runs the full model over the last committed token
 and the draft (``γ + 1`` positions), so the output is exactly the model's: greedy, its argmax
 tokens; sampling, the draft is a point mass ``q = δ(x_i)`` (the proposal is a deterministic
@@ -31,6 +34,7 @@ from selfspec.decoding.core.stats import StepStats
 from selfspec.decoding.core.stop_rule import StopRule
 from selfspec.decoding.drafting.draft_copy import recompute_target_logits
 from selfspec.decoding.memory import EngineMemory
+from selfspec.decoding.ngram.constrained import FORCED_KEY, FORCED_PRIOR, constrain
 from selfspec.decoding.ngram.lookup import (
     ContextIndex,
     HistoryMatcher,
@@ -70,6 +74,11 @@ class NgramSettings:
 def _match_bucket(match_len: int) -> int:
     """Match lengths 1, 2, 3, 4-7 → themselves / 4; 8+ → 8 (acceptance grows with them)."""
     return match_len if match_len < 4 else (4 if match_len < 8 else 8)
+
+
+def proposal_key(proposal: NgramProposal) -> tuple[str, int]:
+    """The acceptance-estimate key of a proposal's copied tokens: (source, match bucket)."""
+    return (proposal.source, _match_bucket(proposal.match_len))
 
 
 @dataclass
@@ -117,22 +126,41 @@ class NgramDrafter:
         self.memory = memory
         self.acceptance = acceptance or AcceptanceEstimate(
             prior=settings.prior, priors=None if memory is None else memory.ngram)
+        self.acceptance.priors.setdefault(FORCED_KEY, FORCED_PRIOR)
         self._pending: NgramChoice | None = None
-        self._last_key: tuple[str, int] | None = None
+        self._last: NgramProposal | None = None  # the proposal of the last draft
 
     def proposal(self, state: DecodeState, max_len: int) -> NgramProposal | None:
         """The better of the prompt-lookup and history matches after ``state.tokens``
-        (longer match first, then the higher estimated acceptance), or ``None``."""
+        (longer match first, then the longer proposal), or ``None``; under a grammar, cut to
+        its valid prefix and extended with forced tokens, or the forced tokens alone
+        (:func:`~selfspec.decoding.ngram.constrained.constrain`)."""
         self.index.extend(state.tokens[len(self.index):])
         s = self.settings
         found = [self.index.propose(max_len, s.min_share)]
         if self.matcher is not None and len(self.matcher.automaton):
             self.matcher.sync(state.tokens)
             found.append(self.matcher.propose(max_len, s.min_ngram, s.min_share))
-        found = [p for p in found if p is not None]
-        if not found:
-            return None
-        return max(found, key=lambda p: (p.match_len, len(p.tokens)))
+        found = sorted((p for p in found if p is not None),
+                       key=lambda p: (p.match_len, len(p.tokens)), reverse=True)
+        return constrain(found, state.processor, max_len)
+
+    def alphas(self, proposal: NgramProposal) -> list[float]:
+        """Each proposed token's estimated acceptance (given the ones before it): the copied
+        tokens' by their key, forced tokens' by :data:`FORCED_KEY`."""
+        copied = [self.acceptance.rate(proposal_key(proposal))] * proposal.copied
+        return copied + [self.acceptance.rate(FORCED_KEY)] * proposal.forced
+
+    def record(self, proposal: NgramProposal, drafted: int, accepted: int) -> None:
+        """Update the estimates with a verified draft of ``proposal``'s first ``drafted``
+        tokens, ``accepted`` of them accepted: the copied part under its key, the forced
+        part under :data:`FORCED_KEY` (only when every copied token was accepted: a forced
+        token after a rejected one was never judged)."""
+        copied = min(drafted, proposal.copied)
+        if copied:
+            self.acceptance.update(proposal_key(proposal), copied, min(accepted, copied))
+        if drafted > copied and accepted >= copied:
+            self.acceptance.update(FORCED_KEY, drafted - copied, accepted - copied)
 
     def choose(self, state: DecodeState) -> NgramChoice:
         """The proposal and the draft length maximising predicted tokens per second
@@ -143,10 +171,8 @@ class NgramDrafter:
         if proposal is None:
             choice = NgramChoice(None, TptChoice(0, 1.0, self.costs.forward_ms(1)), None)
         else:
-            key = (proposal.source, _match_bucket(proposal.match_len))
-            alpha = self.acceptance.rate(key)
-            plan = best_draft_len([alpha] * len(proposal.tokens), 0.0, self.costs.forward_ms)
-            choice = NgramChoice(proposal, plan, key)
+            plan = best_draft_len(self.alphas(proposal), 0.0, self.costs.forward_ms)
+            choice = NgramChoice(proposal, plan, proposal_key(proposal))
         self._pending = choice
         return choice
 
@@ -160,7 +186,7 @@ class NgramDrafter:
         self._pending = None
         gamma = choice.plan.draft_len
         tokens = [] if choice.proposal is None else choice.proposal.tokens[:gamma]
-        self._last_key = choice.key if tokens else None
+        self._last = choice.proposal if tokens else None
         ids = device_tensor(tokens, self.executor.device)  # no sync on CUDA
         probs = None
         if not state.options.sampling.greedy:  # q = δ(x_i), [D, V]
@@ -174,9 +200,9 @@ class NgramDrafter:
         return recompute_target_logits(self.executor, state, draft)
 
     def update(self, stats: StepStats) -> None:
-        """Update the acceptance estimate of the drafted match and the forward costs."""
-        if self._last_key is not None:
-            self.acceptance.update(self._last_key, stats.num_drafted, stats.num_accepted)
+        """Update the acceptance estimates of the drafted match and the forward costs."""
+        if self._last is not None:
+            self.record(self._last, stats.num_drafted, stats.num_accepted)
         self.costs.observe(stats.num_drafted + 1, stats.verify_ms)
 
     def remember(self) -> None:

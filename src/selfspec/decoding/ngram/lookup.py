@@ -36,13 +36,23 @@ class NgramProposal:
         shares: ``[D]`` each token's frequency share among the continuations of the text
             matched before it, in ``(0, 1]``.
         match_len: tokens of the context's suffix that matched before the first draft token.
-        source: ``"context"`` (prompt lookup) or ``"history"`` (the suffix automaton).
+        source: ``"context"`` (prompt lookup), ``"history"`` (the suffix automaton) or
+            ``"grammar"`` (only tokens a grammar forces,
+            :func:`selfspec.decoding.ngram.constrained.constrain`).
+        forced: the last ``forced`` tokens are not copied but forced by the generation's
+            grammar (0 without one).
     """
 
     tokens: list[int]
     shares: list[float]
     match_len: int
     source: str
+    forced: int = 0
+
+    @property
+    def copied(self) -> int:
+        """Tokens copied from earlier text (the rest are forced by a grammar)."""
+        return len(self.tokens) - self.forced
 
 
 class ContextIndex:
