@@ -35,13 +35,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from selfspec.decoding.core.grammar import GrammarViolation
 from selfspec.errors import InvalidArgumentError, MissingDependencyError, PromptError
+from selfspec.methods.options import model_symbols
 from selfspec.methods.registry import METHODS, get_method
 from selfspec.models.provision import selfspec_home
 from selfspec.serving import assets
 from selfspec.serving.body import decode_json
 from selfspec.serving.drain import Drain, Unavailable
 from selfspec.serving.metrics import HttpMetrics, ServerMetrics, acceptance_usage
+from selfspec.serving.openapi import openapi_document
 from selfspec.serving.protocol import (
     FINISH_REASONS,
     ApiError,
@@ -69,6 +72,7 @@ from selfspec.serving.tools import (
     template_takes_tools,
 )
 from selfspec.validation import check_text, check_token_ids
+from selfspec.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +151,14 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
         finally:
             scheduler.close()
 
+    # FastAPI's own document would describe handlers that read raw JSON: none of the bodies.
     app = FastAPI(title="selfspec", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
+    document = openapi_document(
+        config.model_name, config.limits, engine.vocab_size, METHODS,
+        model_symbols(engine.executor), api_key=config.api_key is not None,
+        health_auth=config.health_auth, asset_names=assets_dir is not None,
+        version=__version__)
     app.state.scheduler = scheduler
     app.state.drain = drain
     app.state.metrics = metrics
@@ -399,6 +409,8 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
         if unusable is not None:
             logger.warning("a request's method cannot use its asset: %s", error)
             return unusable
+        if isinstance(error, GrammarViolation):  # llguidance's doing; the operator may care
+            logger.warning("a request's output constraint failed while decoding: %s", error)
         if isinstance(error, InvalidArgumentError):
             return ApiError(400, str(error))
         logger.error("generation failed: %r", error)
@@ -499,6 +511,11 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
                          "methods": sorted(METHODS),
                          "batched_methods": sorted(n for n, s in METHODS.items() if s.batched)},
         }]}
+
+    @app.get("/openapi.json")
+    async def openapi(request: HttpRequest) -> JSONResponse:
+        authorize(request)  # like /v1/models: it names the model and the methods
+        return JSONResponse(document)
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest) -> Any:

@@ -144,7 +144,19 @@ class Scheduler:
         self.steps_run = 0
 
     def start(self) -> None:
-        """Start the worker thread."""
+        """Start the worker thread, again after :meth:`close` too: an ASGI app's lifespan
+        may start more than once (a test client per test, schemathesis).
+
+        Raises:
+            RuntimeError: the worker runs already.
+        """
+        if self._thread.is_alive():
+            raise RuntimeError("the scheduler's worker runs already")
+        if self._thread.ident is not None:  # a thread runs only once: a new worker
+            with self._wake:
+                self._stop = False
+            self._thread = threading.Thread(target=self._run, name="selfspec-scheduler",
+                                            daemon=True)
         self._thread.start()
 
     def close(self) -> None:
