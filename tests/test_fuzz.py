@@ -208,6 +208,17 @@ def test_a_constraint_the_tokenizer_cannot_follow_is_a_400(api_schema):
 
 
 @pytest.mark.skipif(URL is not None, reason="in-process regressions")
+@pytest.mark.parametrize("options", [{"max_draft_len": "4"}, {"history": "yes"},
+                                     {"min_share": "0.5"}])
+def test_method_options_are_json_values_not_text(api_schema, options):
+    # The options' parser reads command-line text ("4", "yes"): over HTTP that was accepted
+    # although /openapi.json documents the JSON types.
+    response = _post(api_schema, "/v1/completions", {
+        "prompt": "ab", "max_tokens": 2, "selfspec": {"method": "ngram", "options": options}})
+    assert response.status_code == 400 and "not text" in response.json()["error"]["message"]
+
+
+@pytest.mark.skipif(URL is not None, reason="in-process regressions")
 def test_tiny_temperature_and_top_p_sample(api_schema):
     # 5e-324 is 0 in float32: a division by 0 and an empty nucleus (NaN), each a 500.
     for extra in ({"temperature": 5e-324}, {"top_p": 5e-324}):
@@ -263,3 +274,42 @@ def test_a_hung_stream_fails_the_fuzz():
     response = loaded["/stream"]["GET"].Case().call(timeout=0.5)
     with pytest.raises(AssertionError, match="did not end"):
         stream_ends(None, response, None)
+
+
+def test_a_row_failing_in_a_batched_step_fails_alone(app):
+    # Found by the fuzz against a server process (n = 6 and a regex the tokenizer cannot
+    # follow): the batched step ran the forward of every row, then failed committing one;
+    # the rows after it kept KV past their tokens, and their solo reruns failed too (500s).
+    import threading
+
+    from selfspec.decoding.core.grammar import GrammarViolation
+    from selfspec.serving.scheduler import Request, Scheduler
+
+    engine = app.state.scheduler.engine
+    alone = engine.generate("xyz", max_new_tokens=8).token_ids
+    scheduler = Scheduler(engine, max_batch=3, max_queue=0)
+    done, errors, tokens = threading.Event(), {}, {}
+
+    def request(name, prompt, response_format=None):
+        def on_done(state, text, error):  # on the worker thread, one request after another
+            errors[name] = error
+            tokens[name] = None if state is None else state.tokens[state.prompt_len:]
+            if len(errors) == 3:
+                done.set()
+        processing = engine.processing(response_format)
+        return Request(prompt_ids=engine.tokenizer(prompt)["input_ids"],
+                       options=engine.decode_options(8, 0.0, 0, 1.0, None, processing),
+                       on_done=on_done)
+
+    # Submitted before the worker starts: one batch, the failing row first.
+    scheduler.submit(request("broken", "ab", {"type": "regex", "regex": "abé"}))
+    scheduler.submit(request("first", "xyz"))
+    scheduler.submit(request("second", "xyz"))
+    scheduler.start()
+    try:
+        assert done.wait(60)
+    finally:
+        scheduler.close()
+    assert isinstance(errors["broken"], GrammarViolation)
+    assert errors["first"] is None and errors["second"] is None
+    assert tokens["first"] == tokens["second"] == alone

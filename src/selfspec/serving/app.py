@@ -5,7 +5,9 @@ Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (the tokenizer's chat template), with ``stream`` as server-sent
 events ending in ``data: [DONE]``, and ``GET /metrics`` (the Prometheus text format,
 :mod:`~selfspec.serving.metrics`; it needs the API key too when one is set); a response's
-``usage.selfspec`` tells how its draft tokens fared. ``/health`` needs no key unless
+``usage.selfspec`` tells how its draft tokens fared; ``GET /openapi.json`` is the
+server's OpenAPI 3.1 document (:mod:`~selfspec.serving.openapi`; the key too, like
+``/v1/models``). ``/health`` needs no key unless
 ``health_auth``: load balancers and orchestrators probe it without credentials, and it tells
 only the model's name and the queue's length. Every error is an OpenAI-style body
 (:class:`~selfspec.serving.protocol.ApiError`): 400 for malformed JSON (also nested too deep,
@@ -53,6 +55,7 @@ from selfspec.serving.protocol import (
     Limits,
     ResponseIds,
     TextDeltas,
+    check_option_types,
     check_prompt_length,
     chunk_body,
     logprobs_body,
@@ -252,6 +255,7 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
             return config.method, dict(config.method_options)  # checked at start
         try:
             spec = get_method(api.method)
+            check_option_types(spec.name, spec.fields, api.method_options)
             values = assets.client_options(spec, api.method_options, assets_dir)
             options = spec.parse(values, engine.executor)
         except InvalidArgumentError as error:

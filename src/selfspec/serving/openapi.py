@@ -279,7 +279,11 @@ def _response_schemas() -> dict[str, Any]:
             required=["method", "steps", "draft_tokens", "accepted_tokens", "verifications",
                       "acceptance_rate", "mean_accepted_tokens"]),
         "Usage": _object({"prompt_tokens": count, "completion_tokens": count,
-                          "total_tokens": count, "selfspec": _ref("SelfspecUsage")}),
+                          "total_tokens": count, "selfspec": _ref("SelfspecUsage"),
+                          # prompt tokens whose KV came from the prefix cache (OpenAI's name)
+                          "prompt_tokens_details": _object({"cached_tokens": count})},
+                         required=["prompt_tokens", "completion_tokens", "total_tokens",
+                                   "selfspec"]),
         "CompletionLogprobs": _object({
             "tokens": {"type": "array", "items": string},
             "token_logprobs": {"type": "array", "items": number},

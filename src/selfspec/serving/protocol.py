@@ -573,6 +573,29 @@ class TextDeltas:
         return delta
 
 
+def check_option_types(method: str, fields: Sequence[Any], values: Mapping[str, Any]) -> None:
+    """Refuse a request's method option given as text where the option is a number or a
+    boolean: the options' parser reads text the way command lines and benchmark specs write
+    it (``"8"``, ``"yes"``), but over HTTP an option is a JSON value of its type (what
+    ``/openapi.json`` documents).
+
+    Args:
+        method: the method's name (for the message).
+        fields: its :class:`~selfspec.methods.options.OptionField` list.
+        values: the options the request gave.
+
+    Raises:
+        ApiError: 400 (param ``selfspec``) naming the option.
+    """
+    kinds = {int: "an integer", float: "a number", bool: "true or false"}
+    for field in fields:
+        value = values.get(field.name)
+        if isinstance(value, str) and field.type in kinds:
+            raise _bad(f"method {method!r}: option {field.name!r} must be "
+                       f"{kinds[field.type]} (a JSON value, not text); got {value!r}",
+                       "selfspec")
+
+
 def method_error(error: InvalidArgumentError) -> ApiError:
     """A bad ``selfspec`` method or option as a 400."""
     return ApiError(400, str(error), param="selfspec")
