@@ -62,6 +62,21 @@ def test_a_tiny_temperature_is_greedy_not_nan():
     assert torch.isfinite(probs).all() and probs[0, 1] == 1.0
 
 
+def test_a_temperature_below_float32_is_greedy_not_nan():
+    # Found by tests/test_fuzz.py: 5e-324 is 0 in float32 (0 / 0 at the top token).
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0 - 1e-3]])
+    probs = logits_to_probs(logits, SamplingConfig(temperature=5e-324))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+
+
+def test_a_tiny_top_p_keeps_the_top_token():
+    # Found by tests/test_fuzz.py: top_p = 5e-324 is 0 in float32 and dropped every token.
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    for top_p in (5e-324, 1e-45, 1e-30):
+        probs = logits_to_probs(logits, SamplingConfig(temperature=1.0, top_p=top_p))
+        assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0]])), top_p
+
+
 # ------------------------------------------------------------------------- API prompts
 BAD_PROMPTS = {
     "float tensor": torch.tensor([1.5, 2.0]),

@@ -5,7 +5,9 @@ Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (the tokenizer's chat template), with ``stream`` as server-sent
 events ending in ``data: [DONE]``, and ``GET /metrics`` (the Prometheus text format,
 :mod:`~selfspec.serving.metrics`; it needs the API key too when one is set); a response's
-``usage.selfspec`` tells how its draft tokens fared. ``/health`` needs no key unless
+``usage.selfspec`` tells how its draft tokens fared; ``GET /openapi.json`` is the
+server's OpenAPI 3.1 document (:mod:`~selfspec.serving.openapi`; the key too, like
+``/v1/models``). ``/health`` needs no key unless
 ``health_auth``: load balancers and orchestrators probe it without credentials, and it tells
 only the model's name and the queue's length. Every error is an OpenAI-style body
 (:class:`~selfspec.serving.protocol.ApiError`): 400 for malformed JSON (also nested too deep,
@@ -35,13 +37,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from selfspec.decoding.core.grammar import GrammarViolation
 from selfspec.errors import InvalidArgumentError, MissingDependencyError, PromptError
+from selfspec.methods.options import model_symbols
 from selfspec.methods.registry import METHODS, get_method
 from selfspec.models.provision import selfspec_home
 from selfspec.serving import assets
 from selfspec.serving.body import decode_json
 from selfspec.serving.drain import Drain, Unavailable
 from selfspec.serving.metrics import HttpMetrics, ServerMetrics, acceptance_usage
+from selfspec.serving.openapi import openapi_document
 from selfspec.serving.protocol import (
     FINISH_REASONS,
     ApiError,
@@ -50,6 +55,7 @@ from selfspec.serving.protocol import (
     Limits,
     ResponseIds,
     TextDeltas,
+    check_option_types,
     check_prompt_length,
     chunk_body,
     logprobs_body,
@@ -69,6 +75,7 @@ from selfspec.serving.tools import (
     template_takes_tools,
 )
 from selfspec.validation import check_text, check_token_ids
+from selfspec.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +154,14 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
         finally:
             scheduler.close()
 
+    # FastAPI's own document would describe handlers that read raw JSON: none of the bodies.
     app = FastAPI(title="selfspec", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
+    document = openapi_document(
+        config.model_name, config.limits, engine.vocab_size, METHODS,
+        model_symbols(engine.executor), api_key=config.api_key is not None,
+        health_auth=config.health_auth, asset_names=assets_dir is not None,
+        version=__version__)
     app.state.scheduler = scheduler
     app.state.drain = drain
     app.state.metrics = metrics
@@ -242,6 +255,7 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
             return config.method, dict(config.method_options)  # checked at start
         try:
             spec = get_method(api.method)
+            check_option_types(spec.name, spec.fields, api.method_options)
             values = assets.client_options(spec, api.method_options, assets_dir)
             options = spec.parse(values, engine.executor)
         except InvalidArgumentError as error:
@@ -400,6 +414,8 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
         if unusable is not None:
             logger.warning("a request's method cannot use its asset: %s", error)
             return unusable
+        if isinstance(error, GrammarViolation):  # llguidance's doing; the operator may care
+            logger.warning("a request's output constraint failed while decoding: %s", error)
         if isinstance(error, InvalidArgumentError):
             return ApiError(400, str(error))
         logger.error("generation failed: %r", error)
@@ -501,6 +517,11 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
                          "methods": sorted(METHODS),
                          "batched_methods": sorted(n for n, s in METHODS.items() if s.batched)},
         }]}
+
+    @app.get("/openapi.json")
+    async def openapi(request: HttpRequest) -> JSONResponse:
+        authorize(request)  # like /v1/models: it names the model and the methods
+        return JSONResponse(document)
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest) -> Any:

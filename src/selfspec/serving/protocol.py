@@ -22,6 +22,7 @@ being silently ignored.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -29,6 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from selfspec.errors import InvalidArgumentError
+
+#: The log probability answered for a token that cannot be generated (OpenAI's value).
+IMPOSSIBLE_LOGPROB = -9999.0
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length",
                   "cancelled": "stop"}
@@ -155,6 +159,8 @@ def _integer(body: Mapping, name: str, default: int | None, low: int,
     value = body.get(name)
     if value is None:
         return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # JSON has numbers: 2.0 is the integer 2 (as in JSON Schema)
     if isinstance(value, bool) or not isinstance(value, int):
         raise _bad(f"'{name}' must be an integer; got {value!r}", name)
     if value < low or (high is not None and value > high):
@@ -163,10 +169,40 @@ def _integer(body: Mapping, name: str, default: int | None, low: int,
     return value
 
 
+def _same(value: Any, allowed: Sequence[Any]) -> bool:
+    """``value`` is one of ``allowed`` with its JSON type too (``0 == False`` in Python, and
+    ``1.0 == 1``)."""
+    return any(type(value) is type(a) and value == a for a in allowed)
+
+
 def _unsupported(body: Mapping, name: str, allowed: Sequence[Any]) -> None:
-    if name in body and body[name] not in allowed:
+    if name in body and not _same(body[name], allowed):
         raise _bad(f"'{name}'={body[name]!r} is not supported by selfspec serve "
                    f"(supported: {', '.join(map(repr, allowed))})", name)
+
+
+_KINDS = {str: "a string", bool: "a boolean", dict: "an object"}
+
+
+def check_types(value: Mapping[str, Any], fields: Mapping[str, tuple[type, ...]], where: str,
+                param: str) -> None:
+    """Check the optional fields of ``value`` the server does not use (a message's ``name``,
+    a tool's ``description``, ...) against their OpenAI types (``null`` passes): a client's
+    mistake is a 400, not silently accepted.
+
+    Raises:
+        ApiError: 400 naming ``where.field``.
+    """
+    for name, types in fields.items():
+        item = value.get(name)
+        if item is not None and not (type(item) in types):
+            kinds = " or ".join(_KINDS[t] for t in types)
+            raise _bad(f"{where}.{name} must be {kinds}; got {item!r}", param)
+
+
+def _absent_as(value: Any, default: Any) -> Any:
+    """``default`` when ``value`` is ``None`` (JSON ``null`` or missing), else ``value``."""
+    return default if value is None else value
 
 
 def _stop(body: Mapping) -> tuple[str, ...]:
@@ -216,9 +252,14 @@ def _messages(body: Mapping) -> list[dict[str, Any]]:
         if calls is not None:
             if role != "assistant" or not isinstance(calls, list) or not all(
                     isinstance(c, dict) and isinstance(c.get("function"), dict)
-                    and isinstance(c["function"].get("name"), str) for c in calls):
+                    and isinstance(c["function"].get("name"), str)
+                    and c.get("type") in (None, "function") for c in calls):
                 raise _bad(f"messages[{i}].tool_calls must be a list of {{\"function\": "
                            "{\"name\", \"arguments\"}} on an assistant message", "messages")
+            for j, call in enumerate(calls):
+                check_types(call, {"id": (str,)}, f"messages[{i}].tool_calls[{j}]", "messages")
+                check_types(call["function"], {"arguments": (str, dict)},
+                            f"messages[{i}].tool_calls[{j}].function", "messages")
             if content is None:
                 content = ""
         if isinstance(content, list):  # content parts: text only
@@ -229,6 +270,7 @@ def _messages(body: Mapping) -> list[dict[str, Any]]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise _bad(f"messages[{i}].content must be a string", "messages")
+        check_types(message, {"name": (str,)}, f"messages[{i}]", "messages")
         entry: dict[str, Any] = {"role": "system" if role == "developer" else role,
                                  "content": content}
         if calls is not None:
@@ -266,7 +308,7 @@ def parse_request(body: Any, chat: bool, limits: Limits) -> ApiRequest:
         raise _bad("'model' must be given as a string (see /v1/models)", "model")
     n = _integer(body, "n", 1, 1, limits.max_n)
     _unsupported(body, "echo", (None, False))
-    if body.get("best_of") not in (None, n):
+    if _integer(body, "best_of", n, 1, limits.max_n) != n:
         raise _bad(f"'best_of' is not supported apart from best_of = n ({n})", "best_of")
     _unsupported(body, "suffix", (None,))
     _unsupported(body, "logit_bias", (None, {}))
@@ -277,23 +319,31 @@ def parse_request(body: Any, chat: bool, limits: Limits) -> ApiRequest:
         stream = False
     if not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean", "stream")
-    options = body.get("stream_options") or {}
+    # `null` is "not given" (as everywhere); other falsy values (0, "", false) are errors.
+    options = _absent_as(body.get("stream_options"), {})
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise _bad("'stream_options' must be {\"include_usage\": bool}", "stream_options")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise _bad("'user' must be a string", "user")
     default = limits.default_max_tokens if chat else min(16, limits.default_max_tokens)
-    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    max_tokens = _integer(body, name, default, 1, limits.max_tokens)
-    extra = body.get("selfspec") or {}
+    max_tokens = _integer(body, "max_tokens", default, 1, limits.max_tokens)
+    if chat:  # the newer name wins; both are checked
+        max_tokens = _integer(body, "max_completion_tokens", max_tokens, 1, limits.max_tokens)
+    extra = _absent_as(body.get("selfspec"), {})
     if not isinstance(extra, dict) or set(extra) - {"method", "options"}:
         raise _bad("'selfspec' must be {\"method\": name, \"options\": {...}}", "selfspec")
     method = extra.get("method")
-    method_options = extra.get("options") or {}
+    method_options = _absent_as(extra.get("options"), {})
     if method is not None and not isinstance(method, str):
         raise _bad("'selfspec.method' must be a method name (GET /v1/models lists them)",
                    "selfspec")
     if not isinstance(method_options, dict):
         raise _bad("'selfspec.options' must be an object of option values", "selfspec")
+    if method is None and method_options:
+        # The server's method and options are the operator's: options alone would be
+        # silently dropped.
+        raise _bad("'selfspec.options' needs 'selfspec.method' (the method they are for)",
+                   "selfspec")
     common = {
         "max_tokens": max_tokens,
         "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
@@ -334,6 +384,10 @@ def _response_format(body: Mapping) -> Mapping[str, Any] | None:
     if not isinstance(value, dict) or value.get("type") not in _FORMATS:
         raise _bad(f"'response_format' must be an object with 'type' one of "
                    f"{', '.join(_FORMATS)}", "response_format")
+    wrapper = value.get("json_schema") if value["type"] == "json_schema" else None
+    if isinstance(wrapper, dict):  # its schema is checked when compiled
+        check_types(wrapper, {"name": (str,), "description": (str,), "strict": (bool,)},
+                    "response_format.json_schema", "response_format")
     return None if value["type"] == "text" else value
 
 
@@ -450,20 +504,25 @@ def logprobs_body(tokenizer: Any, entries: Sequence[Any], chat: bool,
     def text(token: int) -> str:
         return tokenizer.decode([token])
 
+    def lp(value: float) -> float:
+        # A token a grammar forbids has log probability -inf, which JSON cannot carry
+        # (a 500, or -Infinity in a stream): OpenAI's "as good as impossible" -9999.0.
+        return value if math.isfinite(value) else IMPOSSIBLE_LOGPROB
+
     if chat:
         return {"content": [{
-            "token": text(e.token), "logprob": e.logprob,
+            "token": text(e.token), "logprob": lp(e.logprob),
             "bytes": list(text(e.token).encode("utf-8")),
-            "top_logprobs": [{"token": text(t), "logprob": lp,
-                              "bytes": list(text(t).encode("utf-8"))} for t, lp in e.top]}
+            "top_logprobs": [{"token": text(t), "logprob": lp(value),
+                              "bytes": list(text(t).encode("utf-8"))} for t, value in e.top]}
             for e in entries]}
     tokens = [text(e.token) for e in entries]
     offsets = []
     for token in tokens:
         offsets.append(text_offset)
         text_offset += len(token)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
+    return {"tokens": tokens, "token_logprobs": [lp(e.logprob) for e in entries],
+            "top_logprobs": [{text(t): lp(value) for t, value in e.top} for e in entries],
             "text_offset": offsets}
 
 
@@ -514,6 +573,29 @@ class TextDeltas:
         delta = final_text[self.sent:]
         self.sent = len(final_text)
         return delta
+
+
+def check_option_types(method: str, fields: Sequence[Any], values: Mapping[str, Any]) -> None:
+    """Refuse a request's method option given as text where the option is a number or a
+    boolean: the options' parser reads text the way command lines and benchmark specs write
+    it (``"8"``, ``"yes"``), but over HTTP an option is a JSON value of its type (what
+    ``/openapi.json`` documents).
+
+    Args:
+        method: the method's name (for the message).
+        fields: its :class:`~selfspec.methods.options.OptionField` list.
+        values: the options the request gave.
+
+    Raises:
+        ApiError: 400 (param ``selfspec``) naming the option.
+    """
+    kinds = {int: "an integer", float: "a number", bool: "true or false"}
+    for field in fields:
+        value = values.get(field.name)
+        if isinstance(value, str) and field.type in kinds:
+            raise _bad(f"method {method!r}: option {field.name!r} must be "
+                       f"{kinds[field.type]} (a JSON value, not text); got {value!r}",
+                       "selfspec")
 
 
 def method_error(error: InvalidArgumentError) -> ApiError:

@@ -42,6 +42,16 @@ from selfspec.methods.registry import get_method
 logger = logging.getLogger(__name__)
 
 
+def _log_failure(error: Exception, message: str, *args: Any) -> None:
+    """Log a step's failure: a request's own arguments refused while decoding (an
+    :class:`InvalidArgumentError`, e.g. a constraint its tokenizer cannot follow) as a
+    warning, anything else (a bug) as an error with its traceback."""
+    if isinstance(error, InvalidArgumentError):
+        logger.warning(message + ": %s", *args, error)
+    else:
+        logger.exception(message, *args)
+
+
 class QueueFullError(SelfSpecError):
     """The scheduler's queue holds ``max_queue`` requests already; retry later."""
 
@@ -144,7 +154,19 @@ class Scheduler:
         self.steps_run = 0
 
     def start(self) -> None:
-        """Start the worker thread."""
+        """Start the worker thread, again after :meth:`close` too: an ASGI app's lifespan
+        may start more than once (a test client per test, schemathesis).
+
+        Raises:
+            RuntimeError: the worker runs already.
+        """
+        if self._thread.is_alive():
+            raise RuntimeError("the scheduler's worker runs already")
+        if self._thread.ident is not None:  # a thread runs only once: a new worker
+            with self._wake:
+                self._stop = False
+            self._thread = threading.Thread(target=self._run, name="selfspec-scheduler",
+                                            daemon=True)
         self._thread.start()
 
     def close(self) -> None:
@@ -315,12 +337,18 @@ class Scheduler:
                     self._add_stats(key, row, stats)
                 self._settle(rows)
                 return
-            except Exception:
+            except Exception as error:
                 # Which row made a shared forward fail is unknown: run each row alone (a row
                 # the failed step advanced already just takes one more step; its tokens are
                 # still its own), so only the rows that fail alone fail.
-                logger.exception("a batched %s step failed; running its rows one at a time",
-                                 key[0])
+                _log_failure(error, "a batched %s step failed; running its rows one at a "
+                                    "time", key[0])
+                for row in rows:
+                    # The step may have run the forward of rows it did not commit (a row's
+                    # grammar refusing its token fails the step after the forward): their KV
+                    # holds positions past their tokens. Batched steps run whole-model
+                    # forwards, so a row's KV at a step's start is its tokens but the last.
+                    row.state.cache.truncate(row.state.seq_len - 1)
         for row in rows:
             if row.state.done or row.failures:
                 continue
@@ -328,7 +356,7 @@ class Scheduler:
                 for stats in step([row.state]):
                     self._add_stats(key, row, stats)
             except Exception as error:
-                logger.exception("a %s step failed for one request", key[0])
+                _log_failure(error, "a %s step failed for one request", key[0])
                 row.failures.append(error)
         self._settle(rows)
 

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from selfspec.serving.protocol import ApiError
+from selfspec.serving.protocol import ApiError, check_types
 
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _OPEN = "<tool_call>"
@@ -95,6 +95,8 @@ def parse_tools(body: Mapping[str, Any]) -> ToolRequest | None:
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
             raise ApiError(400, f"tools[{i}].function.name must be 1-64 letters, digits, "
                                 "'_', '.' or '-'", param="tools")
+        check_types(function, {"description": (str,), "strict": (bool,)},
+                    f"tools[{i}].function", "tools")
         parameters = function.get("parameters", {"type": "object"})
         if not isinstance(parameters, dict):
             raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object",

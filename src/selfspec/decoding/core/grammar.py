@@ -223,6 +223,12 @@ def _from_vocabulary(ll: Any, tokenizer: Any, vocab_size: int, eos: list[int]) -
         ) from error
 
 
+class GrammarViolation(InvalidArgumentError):
+    """A generation's output constraint cannot be followed: llguidance refused a token that
+    its mask allowed (see :meth:`GrammarMatcher.commit`). The request's constraint is at
+    stake, not the decoder: the server answers a 400 naming it."""
+
+
 class GrammarMatcher:
     """One generation's position in a :class:`Grammar`.
 
@@ -242,6 +248,7 @@ class GrammarMatcher:
             raise InvalidArgumentError(f"invalid {grammar.kind}: {self._matcher.get_error()}")
         self._executor = ll.LLExecutor()
         self._words = (grammar.vocab_size + 31) // 32
+        self._violation: GrammarViolation | None = None
 
     def masks(self, draft: Sequence[int], rows: int) -> torch.Tensor:
         """Allowed tokens at ``rows`` consecutive positions.
@@ -261,8 +268,9 @@ class GrammarMatcher:
         else:
             self._torch.fill_next_token_bitmask_par_with_draft_tokens(
                 self._executor, [(self._matcher, 0, list(draft[: rows - 1]))], bitmask)
-        if self._matcher.is_error():
-            raise RuntimeError(f"grammar matcher failed: {self._matcher.get_error()}")
+        if self._matcher.is_error():  # a row run again after its failed (batched) step
+            raise self._violation or RuntimeError(
+                f"grammar matcher failed: {self._matcher.get_error()}")
         return _unpack(bitmask, self.grammar.vocab_size)
 
     def guide(self) -> DraftGuide:
@@ -308,15 +316,21 @@ class GrammarMatcher:
         """Advance past committed tokens.
 
         Raises:
-            RuntimeError: a committed token the grammar does not allow (a decoding bug: every
-                committed token is chosen from masked logits).
+            GrammarViolation: llguidance refuses a committed token. Every committed token is
+                chosen from masked logits, so llguidance refuses a token its own mask
+                allowed: it happens with some constraints on some vocabularies (llguidance
+                1.9.1: a regex of U+5F06A on SmolLM2's byte-level vocabulary; any character
+                a vocabulary cannot spell), and the request cannot go on.
         """
         # One by one: llguidance's consume_tokens refuses the end-of-sequence token once the
         # grammar is complete, consume_token takes it (llguidance 1.9).
         for token in tokens:
             if not self._matcher.consume_token(token):
-                raise RuntimeError(
-                    f"a committed token broke the grammar: {self._matcher.get_error()}")
+                self._violation = GrammarViolation(
+                    f"the {self.grammar.kind} constraint cannot be followed with this model's "
+                    f"tokenizer: llguidance refused token {token} it had allowed "
+                    f"({self._matcher.get_error().splitlines()[0]})")
+                raise self._violation
 
     @property
     def done(self) -> bool:

@@ -82,7 +82,10 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
     logits = logits.float()
     # Shift so the largest logit is 0 before dividing: softmax is unchanged, and a tiny
     # temperature (1e-45) sends the others to -inf instead of overflowing to inf - inf = NaN.
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / config.temperature
+    # A temperature below float32's smallest value (5e-324) would divide by 0 (0 / 0 = NaN
+    # at the top token): the smallest normal float32 gives the same greedy-like distribution.
+    temperature = max(config.temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     vocab = logits.shape[-1]
     if 0 < config.top_k < vocab:
         kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
@@ -93,6 +96,9 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
         # Drop a token when the mass before it already reaches top_p; the top token always stays.
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop_sorted = mass_before >= config.top_p
+        # Said, not left to arithmetic: a top_p below float32's smallest value (5e-324, an
+        # OpenAI client may send it) compares as 0, and would drop every token (NaN).
+        drop_sorted[..., 0] = False
         drop = drop_sorted.scatter(-1, sorted_idx, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(dim=-1)
