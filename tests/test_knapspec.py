@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from tiny import run_step, tiny_model
+from tiny import PrefillOnce, run_step, tiny_model
 
 from selfspec.decoding.core.autoregressive import ArStep
 from selfspec.decoding.core.speculative import SpeculativeStep
@@ -474,8 +474,9 @@ def test_knapspec_sampling_reproduces_the_target_distribution(draft_stop):
                                                           plan_budget=1e9, max_draft_len=3,
                                                           draft_stop=draft_stop))
     n, counts, drafted = 1000, Counter(), 0
+    runs = PrefillOnce(ex, PROMPT)  # each run exactly run_step's, one prefill shared
     for seed in range(n):
-        state = run_step(ex, step, PROMPT, max_new_tokens=3,
+        state = runs.run(step, max_new_tokens=3,
                          sampling=SamplingConfig(temperature=1.0, top_k=3, seed=seed))
         counts[tuple(state.tokens[len(PROMPT):])] += 1
         drafted += state.stats.drafted
