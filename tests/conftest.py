@@ -51,6 +51,16 @@ def smollm2_fp32():
     return selfspec.load("smollm2-135m-instruct", dtype="fp32", show_progress=False)
 
 
+@pytest.fixture(scope="session")
+def smollm2_bf16():
+    """The real default model in bf16 (the float32 entry cast, as ``selfspec.load`` does),
+    loaded once for the whole session. Tests that switch its kernels take it through
+    test_real_model's ``bf16_engine``, which puts the load's settings back."""
+    import selfspec
+
+    return selfspec.load("smollm2-135m-instruct", dtype="bf16", show_progress=False)
+
+
 @pytest.fixture(autouse=True)
 def _threads(request):
     """Tests on the real model run with the default thread count."""
