@@ -24,10 +24,13 @@ def _latency_cache(tmp_path_factory):
     otherwise be read back (tests would depend on what ran before) and files named after
     pytest's temporary model paths would pile up there.
 
-    They are measured lightly (two context lengths, three repeats): a latency model only
-    steers which drafts run, never the tokens (every method's output is checked against
-    ``ar``), and the full measurement of the real model costs minutes of the suite. Tests of
-    the measurement itself import ``measure_latency`` directly and get the full one."""
+    They are measured lightly (two context lengths, three repeats, verification sizes up to
+    the 16/17-row step only, which covers the default draft lengths of ``auto`` and KnapSpec;
+    beyond, the fitted per-token cost): a latency model only steers which drafts run, never
+    the tokens (every method's output is checked against ``ar``), and the full measurement
+    of the real model costs minutes of the suite (the verification table alone ~6 s of CPU
+    for each kernel of it measured). Tests of the measurement itself import
+    ``measure_latency`` directly and get the full one."""
     import functools
 
     from selfspec.executor import cost_model
@@ -35,7 +38,8 @@ def _latency_cache(tmp_path_factory):
     from selfspec.methods import base
 
     home = tmp_path_factory.mktemp("selfspec-home")
-    light = functools.partial(cost_model.measure_latency, lengths=(64, 256), repeats=3)
+    light = functools.partial(cost_model.measure_latency, lengths=(64, 256), repeats=3,
+                              verify_tokens=(1, 2, 4, 8, 16, 17))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cost_model, "measure_latency", light)
         patch.setattr(base, "cached_latency", lambda executor, _home: cached_latency(executor, home))
