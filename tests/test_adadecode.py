@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from tiny import VOCAB, exact_prefix_distribution, run_step, tiny_model
+from tiny import VOCAB, PrefillOnce, exact_prefix_distribution, run_step, tiny_model
 
 from selfspec.decoding.adadecode.threshold_exits import ThresholdExits, early_proposal
 from selfspec.decoding.core.sampling import SamplingConfig
@@ -170,8 +170,9 @@ def _sampled_tv(executor, step, exact, n, length):
     (Bretagnolle–Huber–Carol, as in test_speculative): failure probability 1e-6."""
     counts = Counter()
     drafted = 0
+    runs = PrefillOnce(executor, PROMPT)  # each run exactly run_step's, one prefill shared
     for seed in range(n):
-        state = run_step(executor, step, PROMPT, max_new_tokens=3,
+        state = runs.run(step, max_new_tokens=3,
                          sampling=SamplingConfig(temperature=1.0, top_k=3, seed=seed))
         counts[tuple(state.tokens[len(PROMPT):len(PROMPT) + length])] += 1
         drafted += state.stats.drafted

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from tiny import exact_prefix_distribution, run_step, tiny_model, tiny_tokenizer
+from tiny import PrefillOnce, exact_prefix_distribution, run_step, tiny_model, tiny_tokenizer
 
 import selfspec
 from selfspec.decoding.auto.step import AutoStep, ModelDrafter
@@ -122,6 +122,7 @@ def test_auto_sampling_reproduces_the_target_distribution(draft_stop):
     exact = exact_prefix_distribution(executor, prompt, config, 3)
     n, steps = 1200, Counter()
     counts = Counter()
+    runs = PrefillOnce(executor, prompt)  # each run exactly run_step's, one prefill shared
     for seed in range(n):
         costs = FixedCosts(LATENCY)
         models = []
@@ -136,7 +137,7 @@ def test_auto_sampling_reproduces_the_target_distribution(draft_stop):
                 last_run=0))  # no forced exploration: the choice follows the prediction
         ngram = NgramDrafter(executor, costs, NgramSettings(min_ngram=1, min_share=0.0,
                                                             prior=0.9))
-        state = run_step(executor, AutoStep(costs, ngram, models, explore_every=0), prompt,
+        state = runs.run(AutoStep(costs, ngram, models, explore_every=0),
                          max_new_tokens=3 if draft_stop == "plan" else 4,
                          sampling=SamplingConfig(temperature=1.0, top_k=3, seed=seed))
         counts[tuple(state.tokens[len(prompt):len(prompt) + 3])] += 1  # exact marginal

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
-from tiny import VOCAB, exact_prefix_distribution, run_step, tiny_model, tiny_tokenizer
+from tiny import VOCAB, PrefillOnce, exact_prefix_distribution, run_step, tiny_model, tiny_tokenizer
 
 import selfspec
 from selfspec.decoding.auto.batch import BatchArStep, BatchNgramStep, run_batch
@@ -142,12 +142,13 @@ def test_batched_ngram_sampling_reproduces_the_target_distribution():
     exact = exact_prefix_distribution(executor, prompt, config, 3)
     n, rows, drafted = 1200, 8, 0
     counts = Counter()
+    prefill = PrefillOnce(executor, prompt)  # rows are DecodeStates sharing one prefill
     for batch in range(n // rows):
         step = BatchNgramStep(executor, LATENCY, NgramSettings(min_ngram=1, min_share=0.0,
                                                                prior=0.9))
-        states = [DecodeState(executor, prompt, DecodeOptions(
-            max_new_tokens=3, sampling=SamplingConfig(temperature=1.0, top_k=3,
-                                                      seed=batch * rows + r)))
+        states = [prefill.state(max_new_tokens=3,
+                                sampling=SamplingConfig(temperature=1.0, top_k=3,
+                                                        seed=batch * rows + r))
                   for r in range(rows)]
         with torch.inference_mode():
             run_batch(states, step)

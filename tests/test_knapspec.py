@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from tiny import run_step, tiny_model
+from tiny import PrefillOnce, run_step, tiny_model
 
 from selfspec.decoding.core.autoregressive import ArStep
 from selfspec.decoding.core.speculative import SpeculativeStep
@@ -14,7 +14,12 @@ from selfspec.decoding.drafting.skip_drafter import SkipPlanDrafter
 from selfspec.decoding.drafting.stop_rules import ConstantStopRule
 from selfspec.decoding.knapspec.step import KnapSpecConfig, KnapSpecStep
 from selfspec.executor import LayerExecutor
-from selfspec.executor.cost_model import LatencyModel, cached_latency, measure_latency
+from selfspec.executor.cost_model import (
+    VERIFY_TOKENS,
+    LatencyModel,
+    cached_latency,
+    measure_latency,
+)
 from selfspec.executor.executor import SkipPlan
 from selfspec.executor.quant import quantized_kernels_available
 
@@ -104,6 +109,12 @@ def test_latency_model_is_measured_and_cached(executor, tmp_path):
     sizes = [t for t, _ in model.verify_points]
     extra = [ms for _, ms in model.verify_points]
     assert sizes[0] == 1 and extra[0] == 0 and extra == sorted(extra) and len(sizes) > 4
+    assert sizes == list(VERIFY_TOKENS)  # the full table by default
+    short = measure_latency(executor, lengths=(8, 32), repeats=3, verify_tokens=(1, 4, 16))
+    assert [t for t, _ in short.verify_points] == [1, 4, 16]  # the suite's lighter ones
+    for bad in ((), (2, 4), (1, 4, 4), (1, 8, 4)):
+        with pytest.raises(ValueError, match="verify_tokens"):
+            measure_latency(executor, lengths=(8, 32), verify_tokens=bad)
     assert model.verify_token_ms >= 0 and model.batched_row_ms > 0
     assert model.batched_call_ms >= 0 and model.batched_ms(256) > model.batched_ms(16)
     first = cached_latency(executor, tmp_path)
@@ -474,8 +485,9 @@ def test_knapspec_sampling_reproduces_the_target_distribution(draft_stop):
                                                           plan_budget=1e9, max_draft_len=3,
                                                           draft_stop=draft_stop))
     n, counts, drafted = 1000, Counter(), 0
+    runs = PrefillOnce(ex, PROMPT)  # each run exactly run_step's, one prefill shared
     for seed in range(n):
-        state = run_step(ex, step, PROMPT, max_new_tokens=3,
+        state = runs.run(step, max_new_tokens=3,
                          sampling=SamplingConfig(temperature=1.0, top_k=3, seed=seed))
         counts[tuple(state.tokens[len(PROMPT):])] += 1
         drafted += state.stats.drafted

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny import VOCAB, exact_prefix_distribution, run_step, tiny_model, tiny_tokenizer
+from tiny import VOCAB, PrefillOnce, exact_prefix_distribution, run_step, tiny_model, tiny_tokenizer
 
 import selfspec
 from selfspec.decoding.core.autoregressive import ArStep
@@ -218,10 +218,11 @@ def test_ngram_sampling_reproduces_the_target_distribution():
     exact = exact_prefix_distribution(executor, prompt, config, 3)
     n, drafted = 1200, 0
     counts = Counter()
+    runs = PrefillOnce(executor, prompt)  # each run exactly run_step's, one prefill shared
     for seed in range(n):
         drafter = NgramDrafter(executor, ForwardCosts(LATENCY),
                                NgramSettings(min_ngram=1, min_share=0.0, prior=0.9))
-        state = run_step(executor, NgramStep(drafter, None), prompt, max_new_tokens=3,
+        state = runs.run(NgramStep(drafter, None), max_new_tokens=3,
                          sampling=SamplingConfig(temperature=1.0, top_k=3, seed=seed))
         counts[tuple(state.tokens[len(prompt):])] += 1
         drafted += state.stats.drafted

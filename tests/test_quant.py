@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import VOCAB, exact_prefix_distribution, run_step, tiny_model, tiny_tokenizer
+from tiny import VOCAB, PrefillOnce, exact_prefix_distribution, run_step, tiny_model, tiny_tokenizer
 
 import selfspec
 from selfspec.decoding.core.sampling import SamplingConfig
@@ -181,8 +181,9 @@ def test_qspec_sampling_reproduces_the_target_distribution():
                                                 make_stop_rule("constant", draft_len=2)))
     n = 1200
     counts = Counter()
+    runs = PrefillOnce(executor, PROMPT)  # each run exactly run_step's, one prefill shared
     for seed in range(n):
-        state = run_step(executor, decoder, PROMPT, max_new_tokens=3,
+        state = runs.run(decoder, max_new_tokens=3,
                          sampling=SamplingConfig(temperature=1.0, top_k=3, seed=seed))
         counts[tuple(state.tokens[len(PROMPT):])] += 1
     eps = math.sqrt((len(exact) * math.log(2) + math.log(1e6)) / (2 * n))

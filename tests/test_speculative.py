@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from tiny import exact_prefix_distribution, run_step, tiny_model
+from tiny import PrefillOnce, exact_prefix_distribution, run_step, tiny_model
 
 from selfspec.decoding.core.sampling import SamplingConfig
 from selfspec.decoding.core.speculative import SpeculativeStep
@@ -159,9 +159,10 @@ def test_speculative_sampling_reproduces_the_target_distribution():
     decoder = build_step("layerskip", executor, {"exit_layer": 1, "draft_len": 2})
     n = 1500
     counts = Counter()
+    runs = PrefillOnce(executor, PROMPT)  # each run exactly _generate's, one prefill shared
     for seed in range(n):
         sampling = SamplingConfig(temperature=1.0, top_k=3, seed=seed)
-        state = _generate(executor, decoder, max_new_tokens=3, sampling=sampling)
+        state = runs.run(decoder, max_new_tokens=3, sampling=sampling)
         counts[tuple(state.tokens[len(PROMPT):])] += 1
     cells = len(exact)
     eps = math.sqrt((cells * math.log(2) + math.log(1e6)) / (2 * n))

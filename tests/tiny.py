@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -70,6 +72,83 @@ def run_step(executor, step, prompt, **options):
     with torch.inference_mode():
         loop.run(state, step)
     return state
+
+
+class PrefillOnce:
+    """Many generations of one prompt (the statistical sampling tests: one per seed) from
+    one prefill: :meth:`run` is :func:`run_step` on ``prompt``, except that the prefill of
+    every generation after the first is a copy of the first's (bit for bit: its KV cache,
+    its logits, and the residual streams it showed the Step's prefill observer, replayed in
+    order). Each generation is therefore exactly what :func:`run_step` would produce; only
+    the cost of recomputing the same prompt is saved. The prefill is deterministic and
+    consumes no randomness, so seeds drive the same draws.
+
+    A generation whose Step asks for a prefill observer when the recorded one did not (or
+    the reverse) gets a real prefill, recorded for the next ones of its kind."""
+
+    def __init__(self, executor, prompt):
+        self.executor = executor
+        self.prompt = list(prompt)
+        self._recorded = {}  # observed? -> (keys, values, logits, observer calls)
+        self.replayed = 0
+
+    def state(self, **options):
+        """A fresh ``DecodeState`` of the prompt with ``DecodeOptions(**options)`` whose
+        ``prefill`` is the shared one (for loops other than :meth:`run`'s: ragged batches)."""
+        from selfspec.decoding.core.state import DecodeOptions
+
+        return _replayed_prefill_state()(self, self.executor, self.prompt,
+                                         DecodeOptions(**options))
+
+    def run(self, step, **options):
+        """:func:`run_step` ``(executor, step, prompt, **options)`` on the shared prefill."""
+        from selfspec.decoding.core import loop
+
+        state = self.state(**options)
+        with torch.inference_mode():
+            loop.run(state, step)
+        return state
+
+
+@functools.cache
+def _replayed_prefill_state():
+    """The :class:`DecodeState` of :meth:`PrefillOnce.run` (built on first use: tiny.py
+    imports selfspec only inside its helpers)."""
+    from selfspec.decoding.core.state import DecodeState
+
+    class ReplayedPrefill(DecodeState):
+        def __init__(self, once, *args):
+            super().__init__(*args)
+            self._once = once
+
+        def prefill(self, observe=None):
+            once = self._once
+            record = once._recorded.get(observe is not None)
+            if record is None:
+                calls = []
+
+                def recording(layer, sublayer, hidden):
+                    calls.append((layer, sublayer, hidden.clone()))
+                    observe(layer, sublayer, hidden)
+
+                logits = super().prefill(None if observe is None else recording)
+                cache = self.cache
+                keys = [cache.get(i)[0].clone() for i in range(cache.num_layers)]
+                values = [cache.get(i)[1].clone() for i in range(cache.num_layers)]
+                once._recorded[observe is not None] = (keys, values, logits.clone(), calls)
+                return logits
+            keys, values, logits, calls = record
+            for i in range(self.cache.num_layers):
+                n = keys[i].shape[2]
+                k, v = self.cache.claim(i, 0, n)
+                k[:, :, :n].copy_(keys[i])
+                v[:, :, :n].copy_(values[i])
+            for layer, sublayer, hidden in calls:
+                observe(layer, sublayer, hidden.clone())
+            once.replayed += 1
+            return logits.clone()
+
+    return ReplayedPrefill
 
 
 def exact_prefix_distribution(executor, prompt, config, length):

@@ -318,7 +318,8 @@ def _step(ex: Executor, hidden: torch.Tensor, pos: torch.Tensor, cache,
 
 @torch.inference_mode()
 def measure_latency(executor: Executor, lengths: tuple[int, ...] = DEFAULT_LENGTHS,
-                    repeats: int = 20) -> LatencyModel:
+                    repeats: int = 20,
+                    verify_tokens: tuple[int, ...] = VERIFY_TOKENS) -> LatencyModel:
     """Measure the sub-layer latencies of ``executor``'s model on this machine.
 
     Every layer's attention alone, then every layer's MLP alone, runs on one token over a
@@ -326,11 +327,20 @@ def measure_latency(executor: Executor, lengths: tuple[int, ...] = DEFAULT_LENGT
     :func:`measure_sublayers`); ``t_attn(n)`` is fitted by least squares; then the output head, the extra tokens of a verification and the DP's batched
     sub-layer calls (:func:`_batched_ms`).
 
+    Args:
+        verify_tokens: the forward sizes ``T`` of the verification table (increasing, from
+            1; default :data:`VERIFY_TOKENS`). Its forwards are most of the measurement's
+            time (SmolLM2-135M fp32, one thread: ~6 of ~6.6 s); a shorter table is a
+            coarser (linear between its points) but cheaper model.
+
     Raises:
-        ValueError: fewer than two lengths.
+        ValueError: fewer than two lengths, or ``verify_tokens`` not increasing from 1.
     """
     if len(lengths) < 2:
         raise ValueError("the attention fit needs at least two context lengths")
+    if not verify_tokens or verify_tokens[0] != 1 or list(verify_tokens) != sorted(
+            set(verify_tokens)):
+        raise ValueError(f"verify_tokens must increase from 1, got {verify_tokens!r}")
     ex = executor
     attn_ms = []
     mlp_samples = []
@@ -343,8 +353,8 @@ def measure_latency(executor: Executor, lengths: tuple[int, ...] = DEFAULT_LENGT
     slope, base = _fit_line(attn_ms)
     slope, base = max(0.0, slope), max(1e-6, base)
     head_ms = _time_ms(lambda: ex.logits(hidden), repeats, ex.device)
-    verify_points = _verify_points(ex, min(256, ex.max_positions - VERIFY_TOKENS[-1]),
-                                   max(3, repeats // 4))
+    verify_points = _verify_points(ex, min(256, ex.max_positions - verify_tokens[-1]),
+                                   max(3, repeats // 4), verify_tokens)
     call_ms, row_ms = _batched_ms(ex, min(256, ex.max_positions - 32), max(3, repeats // 4))
     return LatencyModel(ex.num_layers, slope, base, statistics.median(mlp_samples), head_ms,
                         verify_token_ms=(max(0.0, _fit_line(list(verify_points))[0])
@@ -374,14 +384,15 @@ def _filled_cache(ex: Executor, n: int, layers: range):
     return cache
 
 
-def _verify_points(ex: Executor, n: int, repeats: int) -> tuple[tuple[int, float], ...]:
-    """``((T, ms), ...)`` for ``T`` in :data:`VERIFY_TOKENS` (those the model's positions
+def _verify_points(ex: Executor, n: int, repeats: int,
+                   verify_tokens: tuple[int, ...] = VERIFY_TOKENS) -> tuple[tuple[int, float], ...]:
+    """``((T, ms), ...)`` for ``T`` in ``verify_tokens`` (those the model's positions
     allow): the extra median time of a full forward of ``T`` tokens over ``n`` cached
     positions over one token, made non-decreasing (a forward of more tokens never costs less;
     what is left is noise)."""
     cache = _filled_cache(ex, n, range(ex.num_layers))
     points, base, floor = [], 0.0, 0.0
-    for tokens in VERIFY_TOKENS:
+    for tokens in verify_tokens:
         if n + tokens > ex.max_positions:
             break
         hidden = torch.randn(1, tokens, ex.config.hidden_size, dtype=ex.dtype,
