@@ -195,9 +195,8 @@ class LogitsProcessor:
             top = torch.topk(logp, k, dim=-1)
             top_ids, top_vals = top.indices.tolist(), top.values.tolist()
         for i, token in enumerate(tokens):
-            # Tokens a grammar forbids (-inf) are no alternatives (and JSON has no -inf).
-            alternatives = (tuple((t, v) for t, v in zip(top_ids[i], top_vals[i])
-                                  if v != -math.inf) if k else ())
+            # A token the grammar forbids stays with -inf (the server answers OpenAI's -9999).
+            alternatives = (tuple(zip(top_ids[i], top_vals[i])) if k else ())
             self.logprobs.append(TokenLogprob(int(token), float(chosen[i, 0]), alternatives))
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
