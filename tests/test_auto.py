@@ -47,7 +47,9 @@ def test_auto_keeps_the_greedy_tokens_with_every_drafter(arch, dtype):
             assert result.token_ids == reference, options
             used.update({k: v.steps for k, v in result.stats.drafters.items()})
             assert sum(u.steps for u in result.stats.drafters.values()) == result.stats.steps
-    assert {"ngram", "layerskip", "dv"} <= set(used)
+    # Model drafters are explored whatever they cost; the n-gram drafter runs only when the
+    # latency model (measured on this machine, under whatever load) predicts it pays.
+    assert {"layerskip", "dv"} <= set(used)
 
 
 LATENCY = LatencyModel(6, 0.0, 1.0, 1.0, 1.0, verify_token_ms=0.05)
