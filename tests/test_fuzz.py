@@ -40,7 +40,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 #: Small limits: every generation the fuzzer asks for takes milliseconds.
 LIMITS = Limits(max_tokens=6, default_max_tokens=6, max_prompt_tokens=2047, max_n=2)
 #: Examples per operation; the suite's default keeps the test to seconds.
-EXAMPLES = int(os.environ.get("SELFSPEC_FUZZ_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("SELFSPEC_FUZZ_EXAMPLES", "20"))
 #: Seconds a response (a whole stream too) may take before the connection counts as hung.
 TIMEOUT = float(os.environ.get("SELFSPEC_FUZZ_TIMEOUT", "30"))
 #: A running server to fuzz instead of the in-process app (the longer run).
