@@ -89,6 +89,29 @@ def _latency_cache(tmp_path_factory):
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _stdlib_prompts_parsed_once():
+    """The ``stdlib`` prompt set (every documented function of this interpreter's standard
+    library: ~2.5 s of parsing) is built once per session and handed out as a new list each
+    time: the heads, skip-search and training-data tests that train or calibrate on it
+    would otherwise each parse the standard library again. Its selection rules are tested on
+    ``prompts_of_file`` directly (test_training_data)."""
+    from selfspec.data import stdlib
+
+    built = {}
+    parse = stdlib.all_prompts
+
+    def all_prompts(root=None):
+        key = None if root is None else str(root)
+        if key not in built:
+            built[key] = parse(root)
+        return list(built[key])
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stdlib, "all_prompts", all_prompts)
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm2_fp32():
     """The real default model in fp32, loaded once for the whole session (tests that change
