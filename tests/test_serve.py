@@ -27,7 +27,22 @@ PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\
 
 
 @pytest.fixture(scope="module")
-def server():
+def refused_start():
+    """`selfspec serve` with a bad method option (test_server_refuses_bad_start_options),
+    started with the module: it runs beside the server's start (`server` asks for it first)
+    instead of after it, each process importing torch on its own core."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "selfspec.cli", "serve", "--method", "layerskip",
+         "--exit-layer", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "SELFSPEC_API_KEY": ""})
+    yield proc
+    if proc.poll() is None:  # the test failed before it ended
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def server(refused_start):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -47,7 +62,7 @@ def server():
             break
         except OSError:
             assert time.time() < deadline, "selfspec serve did not start"
-            time.sleep(0.5)
+            time.sleep(0.1)
     yield url
     proc.terminate()
     try:
@@ -210,10 +225,7 @@ def test_auth_json_size_route_and_queue_errors(server, client):
     assert reply.choices[0].finish_reason in ("length", "stop")
 
 
-def test_server_refuses_bad_start_options(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "selfspec.cli", "serve", "--method", "layerskip",
-         "--exit-layer", "0"], capture_output=True, text=True, timeout=120,
-        env={**os.environ, "SELFSPEC_API_KEY": ""})
-    assert result.returncode == 2 and "error:" in result.stderr
-    assert "Traceback" not in result.stderr
+def test_server_refuses_bad_start_options(refused_start):
+    _, stderr = refused_start.communicate(timeout=120)
+    assert refused_start.returncode == 2 and "error:" in stderr
+    assert "Traceback" not in stderr
