@@ -1,4 +1,6 @@
+import gc
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +26,21 @@ _prefetch: subprocess.Popen | None = None
 
 
 def pytest_collection_finish(session):
+    """The tests are collected: freeze what exists, fetch the real model if it is needed."""
+    _freeze_collected()
+    _prefetch_real_model(session)
+
+
+def _freeze_collected():
+    """What exists once the tests are collected (torch, transformers, selfspec, the test
+    modules: ~0.4 M objects) lives for the whole session. Frozen, it is out of the cyclic
+    collector's reach: its full passes (each ~0.2 s over all of that) then scan only what
+    the tests create."""
+    gc.collect()
+    gc.freeze()
+
+
+def _prefetch_real_model(session):
     """On a machine without the real model's cache entry (a fresh CI machine), fetch it in a
     background process as soon as the selected tests are known to need it: the download
     waits on the network and the conversion takes a core that the single-threaded
@@ -45,11 +62,12 @@ def pytest_collection_finish(session):
     src = str(Path(selfspec.__file__).resolve().parents[1])
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    nice = shutil.which("nice")
     _prefetch = subprocess.Popen(
-        [sys.executable, "-c", "from selfspec.models import fetch; "
-         f"fetch({REAL_MODEL!r}, 'fp32', show_progress=False)"],
+        [*([nice, "-n", "10"] if nice else []), sys.executable, "-c",
+         f"from selfspec.models import fetch; fetch({REAL_MODEL!r}, 'fp32', show_progress=False)"],
         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, preexec_fn=(lambda: os.nice(10)) if os.name == "posix" else None)
+        stderr=subprocess.DEVNULL)
 
 
 def pytest_unconfigure(config):
@@ -86,6 +104,29 @@ def _latency_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cost_model, "measure_latency", light)
         patch.setattr(base, "cached_latency", lambda executor, _home: cached_latency(executor, home))
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _stdlib_prompts_parsed_once():
+    """The ``stdlib`` prompt set (every documented function of this interpreter's standard
+    library: ~2.5 s of parsing) is built once per session and handed out as a new list each
+    time: the heads, skip-search and training-data tests that train or calibrate on it
+    would otherwise each parse the standard library again. Its selection rules are tested on
+    ``prompts_of_file`` directly (test_training_data)."""
+    from selfspec.data import stdlib
+
+    built = {}
+    parse = stdlib.all_prompts
+
+    def all_prompts(root=None):
+        key = None if root is None else str(root)
+        if key not in built:
+            built[key] = parse(root)
+        return list(built[key])
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stdlib, "all_prompts", all_prompts)
         yield
 
 

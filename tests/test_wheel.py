@@ -72,6 +72,29 @@ def _run(args: list[str | Path], cwd: Path, env: dict[str, str] | None = None
     return done
 
 
+def _start(args: list[str | Path], cwd: Path) -> tuple[list[str], subprocess.Popen[str]]:
+    """:func:`_run`'s command started in the background (:func:`_finish` waits for it)."""
+    argv = [str(a) for a in args]
+    return argv, subprocess.Popen(argv, cwd=cwd, env=_clean_env(), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+
+
+def _finish(started: tuple[list[str], subprocess.Popen[str]]) -> subprocess.CompletedProcess[str]:
+    """Wait for a :func:`_start`-ed command: its result, as :func:`_run` checks it."""
+    argv, proc = started
+    try:
+        stdout, stderr = proc.communicate(timeout=_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    done = subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+    assert done.returncode == 0, (
+        f"{' '.join(argv)} exited {done.returncode}\n"
+        f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}")
+    return done
+
+
 def _host_site_dirs() -> list[str]:
     """The host interpreter's site-packages directories (where torch and the rest live)."""
     dirs = list(site.getsitepackages())
@@ -245,10 +268,18 @@ def test_venv_imports_selfspec_from_the_wheel(installed: Installed, tmp_path: Pa
 
 @pytest.mark.real_model
 def test_installed_command_generates(installed: Installed) -> None:
-    """``selfspec generate`` from the venv on the default model (its cache is the user's)."""
-    assert _run([installed.script, "--version"], cwd=installed.work).stdout.strip() \
-        == f"selfspec {_source_version()}"
-    done = _run([installed.script, "generate", "--method", "ar", "--max-new-tokens", "4",
-                 "def f(x):"], cwd=installed.work)
+    """``selfspec generate`` from the venv on the default model (its cache is the user's),
+    and ``selfspec --version``: two processes, run side by side (each start imports torch)."""
+    version = _start([installed.script, "--version"], cwd=installed.work)
+    generate = _start([installed.script, "generate", "--method", "ar", "--max-new-tokens", "4",
+                       "def f(x):"], cwd=installed.work)
+    try:
+        assert _finish(version).stdout.strip() == f"selfspec {_source_version()}"
+        done = _finish(generate)
+    finally:
+        for _, proc in (version, generate):
+            if proc.poll() is None:  # a failed check above: leave no process behind
+                proc.kill()
+                proc.communicate()
     assert done.stdout.strip(), done.stderr
     assert "· ar ·" in done.stderr and "new tokens" in done.stderr, done.stderr
