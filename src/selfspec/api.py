@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,13 +72,14 @@ class SelfSpec:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str,
                  decode_kernel: str = "auto", device: str | torch.device | None = None,
-                 cuda_graphs: str = "off", prefix_cache_mib: float = 0) -> None:
+                 cuda_graphs: str = "off", prefix_cache_mib: float = 0,
+                 gguf: str | os.PathLike | Callable[[], Path] | None = None) -> None:
         if device is not None:
             model = move_model(model, check_device(device))
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
-        self.executor = LayerExecutor(model, name=name, rows=decode_kernel)
+        self.executor = LayerExecutor(model, name=name, rows=decode_kernel, gguf=gguf)
         from selfspec.executor.cuda_graphs import attach_graphs
 
         attach_graphs(self.executor, cuda_graphs)
@@ -394,11 +397,15 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
     """Load a model by registry name, local directory or hub id (fetching it on first use).
 
     Args:
-        model: registry name (default ``smollm2-135m-instruct``), local directory or hub id.
+        model: registry name (default ``smollm2-135m-instruct``), local directory, local
+            ``.gguf`` file (converted once into the cache) or hub id.
         dtype: ``"bf16"`` / ``"fp32"`` / ``"fp16"`` or a ``torch.dtype``; ``"int4"`` loads
             bf16 weights and decodes on int4 copies of them (``decode_kernel="int4"``),
             ``"w4a8"`` on 4-bit copies with 8-bit activations (``decode_kernel="w4a8"``,
-            llama.cpp's Q4_1 × Q8_0 scheme).
+            llama.cpp's Q4_1 × Q8_0 scheme); ``"gguf"`` on the blocks of the GGUF file itself
+            (a registry model's, fetched and kept beside its safetensors copy, or the
+            ``.gguf`` passed as ``model``): the weights as published, bf16 activations
+            between the products (``decode_kernel="gguf"``).
         show_progress: show download/conversion progress bars.
         decode_kernel: the kernel of decoding and verification products: ``"auto"`` (on a
             CPU that emulates bf16, FBGEMM's fp16-weight kernel for matrices of 4 MiB and
@@ -406,7 +413,8 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
             ``ar`` on small models), ``"weights"`` (the weights' own format), ``"int4"``
             (group-wise int4 copies: the model runs with 4-bit weights, lossy against bf16,
             prefill stays bf16), ``"w4a8"`` (the same with 8-bit activations on selfspec's
-            AVX2 kernel). See :func:`selfspec.executor.cpu.choose_rows`.
+            AVX2 kernel), ``"gguf"`` (the GGUF file's own blocks). See
+            :func:`selfspec.executor.cpu.choose_rows`.
         device: ``"auto"`` (CUDA when ``torch.cuda.is_available()``, else the CPU),
             ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``: the weights, KV
             cache, heads and every method's tensors live there. The CPU-only kernels
@@ -454,7 +462,23 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
         dtype, decode_kernel = "bf16", quantized
     loaded = load_model(model or DEFAULT_MODEL, dtype, show_progress=show_progress)
     return SelfSpec(loaded.model, loaded.tokenizer, loaded.name, decode_kernel, device=target,
-                    cuda_graphs=cuda_graphs, prefix_cache_mib=prefix_cache_mib)
+                    cuda_graphs=cuda_graphs, prefix_cache_mib=prefix_cache_mib,
+                    gguf=gguf_source(loaded, show_progress))
+
+
+def gguf_source(loaded: Any, show_progress: bool = True) -> Path | Callable[[], Path] | None:
+    """Where the GGUF file ``loaded`` came from: the local ``.gguf`` it was converted from, or
+    for a registry model a function that fetches (once) and returns the registry's GGUF
+    (:func:`selfspec.models.gguf_cache.fetch_gguf`); ``None`` for other models."""
+    from selfspec.models.registry import REGISTRY
+
+    if loaded.gguf is not None:
+        return loaded.gguf
+    if loaded.name in REGISTRY:
+        from selfspec.models.gguf_cache import fetch_gguf
+
+        return functools.partial(fetch_gguf, loaded.name, show_progress=show_progress)
+    return None
 
 
 def from_pretrained_model(model: torch.nn.Module, tokenizer: Any, name: str = "model", *,

@@ -8,6 +8,7 @@ products (and its bulk ones where it ``serves_bulk``) on its own copy of the wei
   conform: :class:`~selfspec.executor.bf16_rows.Bf16Rows` (selfspec's AVX2 bf16 kernel),
   :class:`~selfspec.executor.fp16_rows.Fp16Rows` (FBGEMM fp16),
   :class:`~selfspec.executor.int4_rows.Int4Rows`, :class:`~selfspec.executor.w4a8.W4A8Rows`,
+  :class:`~selfspec.executor.gguf_backend.GgufRows` (the GGUF file's own blocks),
   and :class:`~selfspec.executor.linear.ChainRows` (each weight on the first of several that
   takes it).
 * :func:`select_backend` is the one place a family is chosen, as a function of the device
@@ -81,6 +82,7 @@ BACKEND_DEVICES: dict[str, tuple[str, ...]] = {
     "fp16": ("cpu",),
     "int4": ("cpu",),
     "w4a8": ("cpu",),
+    "gguf": ("cpu",),
 }
 
 
@@ -108,9 +110,17 @@ def select_backend(device: torch.device | str, rows: str, min_bytes: int = 0,
 
     Raises:
         RuntimeError: the family's kernel is missing in this build (a backend's constructor).
+        InvalidArgumentError: ``"gguf"``: its backend is built from a GGUF file
+            (:meth:`BackendCache.provide`), not here.
     """
     if not runs_on(rows, device):
         return None
+    if rows == "gguf":
+        from selfspec.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(
+            "decoding on GGUF blocks needs the GGUF file the model came from: load a registry "
+            "model or a local .gguf with dtype 'gguf' (--dtype gguf)")
     if rows == "fp16":
         return Fp16Rows(max_rows, min_bytes)
     if rows == "bf16":
@@ -143,10 +153,19 @@ class BackendCache:
         self.max_rows = max_rows
         self._backends: dict[tuple[str, int], MatrixBackend] = {}
 
+    def provide(self, rows: str, backend: MatrixBackend) -> None:
+        """Keep ``backend`` as the one of ``rows`` (any size threshold): for backends built
+        from more than a format's name (``"gguf"``: from the file's blocks)."""
+        self._backends[(rows, 0)] = backend
+
+    def has(self, rows: str) -> bool:
+        """Whether a backend of ``rows`` is kept (provided or built)."""
+        return any(key[0] == rows for key in self._backends)
+
     def get(self, rows: str, min_bytes: int) -> MatrixBackend | None:
         """The backend of ``rows`` / ``min_bytes`` (:func:`select_backend`), built at its
         first request."""
-        key = (rows, min_bytes)
+        key = (rows, 0 if rows == "gguf" else min_bytes)
         backend = self._backends.get(key)
         if backend is None:
             backend = select_backend(self.device, rows, min_bytes, self.max_rows)

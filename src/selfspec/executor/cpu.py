@@ -223,14 +223,17 @@ class ComputeFormats:
                 "int4": ", decoding and verification on int4 copies (group 32, lossy vs the "
                         "weights; prefill keeps the weights)",
                 "w4a8": ", every product on selfspec's w4a8 kernel (4-bit weights per block "
-                        "of 32, 8-bit activations; lossy vs the weights)"}.get(self.rows, "")
+                        "of 32, 8-bit activations; lossy vs the weights)",
+                "gguf": ", every product on the GGUF file's own blocks (activations quantized "
+                        "per block as llama.cpp does; the weights as published)"}.get(self.rows, "")
         return (f"weights {DTYPE_NAMES.get(self.weights, self.weights)}, bulk matrix products "
                 f"{DTYPE_NAMES.get(self.bulk, self.bulk)} ({self.reason}){rows}")
 
 
-ROWS_FORMATS = ("auto", "weights", "bf16", "bf16+fp16", "fp16", "int4", "w4a8")
-# The kernels that make the model itself 4-bit (lossy against its weights): --dtype takes them.
-QUANTIZED_ROWS = ("int4", "w4a8")
+ROWS_FORMATS = ("auto", "weights", "bf16", "bf16+fp16", "fp16", "int4", "w4a8", "gguf")
+# The kernels that make the model itself quantized: --dtype takes them. int4 and w4a8
+# re-quantize the dense weights (lossy against them); gguf multiplies the GGUF's own blocks.
+QUANTIZED_ROWS = ("int4", "w4a8", "gguf")
 # FBGEMM's fp16 kernel takes matrices from this size: under "bf16" (what "auto" picks where
 # bf16 is emulated) for bulk work (prefill) only, under "bf16+fp16" and auto's "fp16" for
 # decoding and verification too. Below it FBGEMM's per-call overhead (~0.1 ms) outweighs its
@@ -257,7 +260,9 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
             ``"fp16"`` (every matrix on FBGEMM) to force, or ``"int4"``: int4 copies of every matrix
             whose input size is a multiple of 32 (:mod:`selfspec.executor.int4_rows`; lossy;
             16-bit weights), or ``"w4a8"``: selfspec's 4-bit-weight, 8-bit-activation kernel
-            on copies of those matrices (:class:`selfspec.executor.w4a8.W4A8Rows`; lossy).
+            on copies of those matrices (:class:`selfspec.executor.w4a8.W4A8Rows`; lossy), or
+            ``"gguf"``: every matrix on the blocks of the GGUF file the model came from
+            (:mod:`selfspec.executor.gguf_backend`; the executor attaches the file).
 
     Raises:
         InvalidArgumentError: ``rows`` is none of :data:`ROWS_FORMATS`, or a forced kernel
@@ -269,6 +274,7 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
         bf16_rows_unavailable_reason,
     )
     from selfspec.executor.fp16_rows import fbgemm_fp16_available
+    from selfspec.executor.gguf_rows import gguf_rows_available, gguf_rows_unavailable_reason
     from selfspec.executor.int4_rows import int4_available
     from selfspec.executor.w4a8 import w4a8_available, w4a8_unavailable_reason
 
@@ -284,17 +290,25 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
               "fp16": (fbgemm_fp16_available, "FBGEMM (x86 torch builds)"),
               "int4": (int4_available, "torch's CPU int4 kernel"),
               "w4a8": (w4a8_available,
-                       "selfspec's w4a8 kernel (x86 with AVX2/FMA/F16C and a C++ compiler)")}
+                       "selfspec's w4a8 kernel (x86 with AVX2/FMA/F16C and a C++ compiler)"),
+              "gguf": (gguf_rows_available,
+                       "selfspec's GGUF block kernels (x86 with AVX2/FMA/F16C and a C++ "
+                       "compiler)")}
     if rows in forced:
         available, kernel = forced[rows]
-        fits = sixteen and (not rows.startswith("bf16") or weights == torch.bfloat16)
+        on_cpu = torch.device(device).type == "cpu"
+        fits = (on_cpu if rows == "gguf"
+                else sixteen and (not rows.startswith("bf16") or weights == torch.bfloat16))
         if not (fits and available()):
             why = ""
             if fits and rows.startswith("bf16") and not bf16_rows_available():
                 why = f" ({bf16_rows_unavailable_reason()})"
             elif fits and rows == "w4a8":
                 why = f" ({w4a8_unavailable_reason()})"
-            need = "bf16" if rows.startswith("bf16") else "bf16/fp16"
+            elif fits and rows == "gguf":
+                why = f" ({gguf_rows_unavailable_reason()})"
+            need = ("bf16" if rows.startswith("bf16") else "float" if rows == "gguf"
+                    else "bf16/fp16")
             raise InvalidArgumentError(
                 f"{rows} decoding products need {need} weights on a CPU and {kernel}{why}; "
                 "load the model with --dtype bf16, or use 'auto' or 'weights'")

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from selfspec.executor.backends import MatrixBackend
     from selfspec.executor.cuda_graphs import CudaGraphRunner
     from selfspec.executor.fused_layers import FusedLayers
+    from selfspec.models.gguf_weights import GgufWeights
     from selfspec.executor.quant import FormatTiming
 
 __all__ = ["BULK_MIN_ROWS", "PREFILL_CHUNK", "SUPPORTED_MODEL_TYPES", "Head", "LayerExecutor",
@@ -84,6 +86,9 @@ class LayerExecutor:
             (:func:`selfspec.executor.cpu.choose_rows`: ``"auto"`` = FBGEMM's fp16-weight
             kernel for the larger bf16 matrices on a CPU that emulates bf16, which keeps fp16
             copies of them; ``"fp16"`` = every matrix; ``"weights"`` = the weights' own).
+        gguf: where the GGUF file the model was converted from is (a path, or a function
+            returning it, called at the first request of the ``"gguf"`` kernel: a registry
+            model's file is fetched then), or ``None``. Needed by ``rows="gguf"``.
         prefill_chunk: :meth:`prefill` runs a prompt in calls over the absolute positions
             ``[k·C, (k+1)·C)`` of this many tokens ``C``, so that every position's keys and
             values come from the same calls whatever the prompt's length, and a prefix
@@ -106,7 +111,8 @@ class LayerExecutor:
     def __init__(self, model: torch.nn.Module, pack_weights: bool = True,
                  row_attention_max: int = 64, name: str | None = None,
                  bulk: str = "auto", rows: str = "auto",
-                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 prefill_chunk: int = PREFILL_CHUNK,
+                 gguf: str | Path | Callable[[], Path] | None = None) -> None:
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedArchitectureError(
@@ -146,6 +152,8 @@ class LayerExecutor:
                                      row_limits=self.row_limits)
         self._backend: MatrixBackend | None = None
         self._backends = BackendCache(self.device, max(64, row_attention_max))
+        self._gguf_source = gguf
+        self.gguf_weights: GgufWeights | None = None  # read at the first "gguf" request
         self.formats: ComputeFormats = self.set_bulk(bulk, rows)
         self.draft_weights: str | None = None  # set on the views of draft_view()
         self._fastest_draft: FormatTiming | None = None
@@ -171,6 +179,8 @@ class LayerExecutor:
         if rows is None:
             rows = self._rows_request if hasattr(self, "formats") else "auto"
         formats = choose_formats(self.dtype, self.device, bulk, rows)
+        if formats.rows == "gguf" and not self._backends.has("gguf"):
+            self._attach_gguf()
         self._bulk_request, self._rows_request = bulk, rows
         changed = not hasattr(self, "formats") or (
             (formats.rows, formats.rows_min_bytes)
@@ -183,6 +193,32 @@ class LayerExecutor:
         assign(matrices, formats.bulk if formats.upcast else None, self._backend, changed)
         self.formats = formats
         return formats
+
+    def _attach_gguf(self) -> None:
+        """Read the GGUF file's blocks, check them against the model's weights and keep the
+        ``"gguf"`` backend (:mod:`selfspec.executor.gguf_backend`).
+
+        Raises:
+            InvalidArgumentError: no GGUF file is known for this model.
+            CorruptModelFileError, UnsupportedArchitectureError: see
+                :func:`selfspec.models.gguf_weights.read_gguf_weights` and
+                :func:`~selfspec.models.gguf_weights.check_against_model`.
+        """
+        from selfspec.executor.gguf_backend import GgufRows, gguf_copies
+        from selfspec.models.gguf_weights import check_against_model, read_gguf_weights
+
+        source = self._gguf_source
+        if source is None:
+            raise InvalidArgumentError(
+                f"{self.name}: decoding on GGUF blocks needs the GGUF file the model was "
+                "converted from; load a registry model or a local .gguf file (--model "
+                "FILE.gguf) with --dtype gguf")
+        path = Path(source() if callable(source) else source)
+        weights = read_gguf_weights(path, self.config)
+        check_against_model(weights, self.model)
+        copies = gguf_copies(self.layer_weights, self.output_weights, weights)
+        self._backends.provide("gguf", GgufRows(copies))
+        self.gguf_weights = weights
 
     def set_decode_kernel(self, rows: str) -> str:
         """Switch the kernel of decoding and verification products (one of

@@ -34,6 +34,9 @@ class LoadedModel:
         name: what the user asked for (registry name, directory or hub id).
         path: directory the weights were read from (cache entry version, local dir, hub snapshot).
         dtype: dtype of the floating-point weights.
+        gguf: the local ``.gguf`` file the model was converted from (``--model FILE.gguf``),
+            else ``None`` (a registry model's GGUF is fetched on request:
+            :func:`selfspec.models.gguf_cache.fetch_gguf`).
     """
 
     model: PreTrainedModel
@@ -41,6 +44,7 @@ class LoadedModel:
     name: str
     path: Path | None
     dtype: torch.dtype
+    gguf: Path | None = None
 
 
 def instantiate(local: LocalModel, dtype: torch.dtype) -> LoadedModel:
@@ -79,7 +83,8 @@ def instantiate(local: LocalModel, dtype: torch.dtype) -> LoadedModel:
         raise CorruptModelFileError(f"{source}: cannot read the weights in {model_dir} ({err}); {hint}") from err
     model.eval()
     model.requires_grad_(False)
-    return LoadedModel(model=model, tokenizer=tokenizer, name=source, path=model_dir, dtype=dtype)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=source, path=model_dir, dtype=dtype,
+                       gguf=local.gguf)
 
 
 def _load_tokenizer(model_dir: Path, source: str, repair_hint: str | None) -> PreTrainedTokenizerBase:

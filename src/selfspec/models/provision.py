@@ -125,12 +125,15 @@ class LocalModel:
         repair_hint: what to tell the user when a file turns out missing or unreadable;
             ``None`` for a user's own directory or a hub snapshot (the loader's default advice).
         entry: for a registry model, the entry symlink ``path`` was pinned from; else ``None``.
+        gguf: for a local ``.gguf`` file, that file (``--dtype gguf`` decodes on its blocks);
+            else ``None``.
     """
 
     name: str
     path: Path
     repair_hint: str | None = None
     entry: Path | None = None
+    gguf: Path | None = None
 
     def replaced(self) -> bool:
         """Whether the registry entry now points at another version than :attr:`path` (never for other sources)."""
@@ -162,6 +165,8 @@ def ensure_local(source: ModelSource, dtype: torch.dtype, *, show_progress: bool
     """
     if source.spec is not None:
         return _local_registry(source.spec, dtype, show_progress)
+    if source.kind == "gguf" and source.path is not None:
+        return _local_gguf(source.name, source.path, dtype, show_progress)
     if source.path is not None:
         return LocalModel(name=source.name, path=source.path)
     return _local_hub(source.name, show_progress)
@@ -193,6 +198,37 @@ def _local_registry(spec: ModelSpec, dtype: torch.dtype, show_progress: bool) ->
         integrity.require_intact(version, spec.name, entry_dtype)
     hint = f"run `{integrity.fetch_command(spec.name, entry_dtype)}` to fetch it again"
     return LocalModel(name=spec.name, path=version, repair_hint=hint, entry=entry)
+
+
+def _local_gguf(name: str, path: Path, dtype: torch.dtype, show_progress: bool) -> LocalModel:
+    """A local ``.gguf`` file converted once (:func:`convert_gguf`) into
+    ``$SELFSPEC_HOME/models/gguf-local/<stem>-<sha256[:16]>/<dtype>``, keyed by the file's
+    content, so a changed file is converted anew and the same file is not.
+
+    Raises:
+        CorruptModelFileError: the file is truncated or not a GGUF.
+        UnsupportedArchitectureError, ProvisioningError: see :func:`convert_gguf`.
+    """
+    hint = f"{path} is damaged: copy or download it again"
+    check_gguf(path, hint)
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    entry = (selfspec_home() / "models" / "gguf-local" / f"{path.stem}-{digest.hexdigest()[:16]}"
+             / dtype_name(dtype))
+    done = entry / "config.json"
+    if not done.is_file():
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(entry.parent / f"{entry.name}.lock")):
+            if not done.is_file():
+                with tempfile.TemporaryDirectory(prefix=f".tmp-{entry.name}-", dir=entry.parent) as tmp:
+                    stage = Path(tmp) / "entry"
+                    convert_gguf(path, stage, dtype, source=name, show_progress=show_progress,
+                                 corrupt_hint=hint)
+                    os.replace(stage, entry)  # config.json appears with every other file
+    return LocalModel(name=name, path=entry, gguf=path.resolve(),
+                      repair_hint=f"delete {entry} and load {path} again (it is converted anew)")
 
 
 def _local_hub(repo_id: str, show_progress: bool) -> LocalModel:

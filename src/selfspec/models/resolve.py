@@ -19,7 +19,7 @@ from selfspec.models.registry import REGISTRY, ModelSpec
 # Hub repo ids are "owner/name" with letters, digits, '-', '_' and '.'.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
-SourceKind = Literal["registry", "directory", "hub"]
+SourceKind = Literal["registry", "directory", "gguf", "hub"]
 
 
 @dataclass(frozen=True)
@@ -29,9 +29,10 @@ class ModelSource:
     Attributes:
         name: what the user asked for (registry name, directory as given, or hub id); the
             loaded model carries it and messages name it.
-        kind: ``"registry"``, ``"directory"`` or ``"hub"``.
+        kind: ``"registry"``, ``"directory"``, ``"gguf"`` (a local ``.gguf`` file) or ``"hub"``.
         spec: the registry entry (``kind == "registry"``), else ``None``.
-        path: the local directory, ``~`` expanded (``kind == "directory"``), else ``None``.
+        path: the local directory or ``.gguf`` file, ``~`` expanded (``kind`` ``"directory"`` /
+            ``"gguf"``), else ``None``.
     """
 
     name: str
@@ -41,13 +42,14 @@ class ModelSource:
 
 
 def resolve(model: str) -> ModelSource:
-    """Say what ``model`` names, trying in order a registry name, a local directory and a hub id.
+    """Say what ``model`` names, trying in order a registry name, a local directory, a local
+    ``.gguf`` file and a hub id.
 
     A hub id is ``owner/name``; a path that exists but is not a directory is never one.
 
     Args:
         model: registry name (see ``selfspec models list``), directory written by
-            ``save_pretrained``, or Hugging Face hub id.
+            ``save_pretrained``, a ``.gguf`` file, or Hugging Face hub id.
 
     Returns:
         The :class:`ModelSource`.
@@ -60,9 +62,11 @@ def resolve(model: str) -> ModelSource:
     path = Path(model).expanduser()
     if path.is_dir():
         return ModelSource(name=model, kind="directory", path=path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return ModelSource(name=model, kind="gguf", path=path)
     if _HUB_ID.match(model) and not path.exists():
         return ModelSource(name=model, kind="hub")
     raise ModelNotFoundError(
         f"{model!r} is not a registry model ({', '.join(REGISTRY)}), an existing local model directory, "
-        "or a Hugging Face hub id 'owner/name'. Run `selfspec models list` to see the registry."
+        "a .gguf file, or a Hugging Face hub id 'owner/name'. Run `selfspec models list` to see the registry."
     )
