@@ -258,14 +258,8 @@ class GgufMatrix:
         out = torch.empty((m, n), dtype=x.dtype)
         if m:
             is_bf16 = int(x.dtype == torch.bfloat16)
-            acts = {}
-            for fmt in self._formats:
-                if fmt == _T.F32:
-                    acts[fmt] = x if x.dtype == torch.float32 else x.float()
-                else:
-                    buf = torch.empty((m, self._act_bytes[fmt]), dtype=torch.uint8)
-                    self._lib.quantize(int(fmt), x.data_ptr(), is_bf16, m, k, buf.data_ptr())
-                    acts[fmt] = buf
+            acts = {fmt: x.float() if fmt == _T.F32 else _quantize(self._lib, x, fmt)
+                    for fmt in self._formats}
             col, size = 0, out.element_size()
             bias_ptr = None if self.bias is None else self.bias.data_ptr()
             for seg in self.segments:
@@ -276,6 +270,56 @@ class GgufMatrix:
                 col += seg.rows
         out = out.reshape(*lead, n)
         return out if out.dtype == dtype else out.to(dtype)
+
+
+ACTIVATION_FORMATS = (_T.Q8_0, _T.Q8_1, _T.Q8_K)
+
+
+def activation_format(qtype: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:
+    """The activation format ``qtype``'s products take (Q8_0, Q8_1 or Q8_K; F32 for the float
+    types).
+
+    Raises:
+        UnsupportedGgufTypeError: ``qtype`` is not in :data:`GGUF_ROW_TYPES`.
+    """
+    return _ACTIVATION[_check_type(qtype)]
+
+
+def _quantize(lib: _Lib, x: torch.Tensor, fmt: gguf.GGMLQuantizationType) -> torch.Tensor:
+    """``x`` ``[..., K]`` contiguous fp32/bf16 → ``[M, row_bytes]`` blocks of ``fmt``."""
+    k = x.shape[-1]
+    m = x.numel() // k
+    buf = torch.empty((m, lib.act_row_bytes(int(fmt), k)), dtype=torch.uint8)
+    if m:
+        lib.quantize(int(fmt), x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, buf.data_ptr())
+    return buf
+
+
+def quantize_activations(x: torch.Tensor, fmt: gguf.GGMLQuantizationType,
+                         isa: str = "auto") -> torch.Tensor:
+    """The kernel's quantization of ``x`` ``[M, K]`` (fp32 or bf16; others via fp32) to
+    ``fmt`` (Q8_0, Q8_1 or Q8_K, ggml's block structs), rounded as llama.cpp's
+    ``quantize_row_q8_0_ref`` / ``q8_1_ref`` / ``q8_K_ref``: ``[M, row_bytes]`` uint8.
+
+    Raises:
+        InvalidArgumentError: another format, ``x`` not 2-D, or ``K`` not a multiple of the
+            format's block.
+        RuntimeError: the kernel is not available here.
+    """
+    fmt = _T(fmt)
+    if fmt not in ACTIVATION_FORMATS:
+        raise InvalidArgumentError(
+            f"activation format must be Q8_0, Q8_1 or Q8_K, not {fmt.name}")
+    block = gguf.GGML_QUANT_SIZES[fmt][0]
+    if x.dim() != 2 or x.shape[1] % block:
+        raise InvalidArgumentError(
+            f"{fmt.name} needs inputs [M, K] with K a multiple of {block}, not {list(x.shape)}")
+    lib = _library(_resolve(isa))
+    if lib.rows is None:
+        raise RuntimeError(f"the GGUF rows kernel ({lib.isa}) is not available: {lib.reason}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        x = x.float()
+    return _quantize(lib, x.contiguous(), fmt)
 
 
 def _probe(isa: str, version) -> str:
