@@ -47,3 +47,8 @@ class MissingDependencyError(SelfSpecError):
 
 class DatasetUnavailableError(MissingDependencyError):
     """The package that ships a dataset is not installed (the message gives the pip command)."""
+
+
+class UnsupportedGgufTypeError(InvalidArgumentError):
+    """A GGUF tensor is stored in a block type selfspec's GGUF kernels do not multiply (the
+    message names the type and lists the supported ones)."""

@@ -1,0 +1,153 @@
+"""A simple reference quantizer into GGUF's block formats, for tests, benchmarks and tiny test
+models (:func:`quantize_blocks`).
+
+gguf-py's :func:`gguf.quants.quantize` covers the 32-input formats (Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0) and the float ones, and raises ``NotImplementedError`` for the K-quants; those are
+written here in numpy. They are not llama.cpp's quantizers (no search for the best scales, no
+importance weights): plain min/max (Q4_K, Q5_K) or absmax (Q6_K) scales per sub-block, the
+sub-block scales quantized to 6 (8) bits against the block's fp16 super-scales, then the codes
+rounded against those stored scales. The blocks are valid, and
+:func:`gguf.quants.dequantize` gives back the input to about half a code step, which is all
+that checks of :mod:`selfspec.executor.gguf_rows` need.
+
+Layouts (ggml-common.h), per 256 inputs:
+
+* Q4_K (144 bytes): fp16 ``d``, fp16 ``dmin``, 12 bytes of 6-bit scales and minima of the 8
+  sub-blocks of 32, 128 bytes of codes (per 64 inputs: 32 bytes, low nibbles the first 32
+  inputs, high nibbles the next 32); ``w = d * sc * q - dmin * m``.
+* Q5_K (176 bytes): as Q4_K, with ``qh[32]`` before the codes: bit ``2c`` (``2c + 1``) of
+  ``qh[l]`` is the fifth bit of input ``64c + l`` (``64c + 32 + l``).
+* Q6_K (210 bytes): ``ql[128]``, ``qh[64]``, int8 ``scales[16]`` (per 16 inputs), fp16 ``d``;
+  ``w = d * sc * (u - 32)`` with 6-bit ``u``.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import torch
+
+from selfspec.errors import UnsupportedGgufTypeError
+
+_T = gguf.GGMLQuantizationType
+QK_K = 256
+
+
+def quantize_blocks(weight: torch.Tensor | np.ndarray, qtype: gguf.GGMLQuantizationType
+                    ) -> torch.Tensor:
+    """``weight`` ``[N, K]`` as rows of ``qtype``'s blocks.
+
+    Args:
+        weight: ``[N, K]`` float; ``K`` a multiple of ``qtype``'s block size.
+        qtype: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (gguf-py's quantizer), Q4_K, Q5_K
+            or Q6_K (this module's).
+
+    Returns:
+        ``[N, K / block_size * type_size]`` uint8: each row the blocks of one weight row.
+
+    Raises:
+        UnsupportedGgufTypeError: another type.
+        InvalidArgumentError: ``weight`` is not 2-D or ``K`` is not a multiple of the block.
+    """
+    from selfspec.errors import InvalidArgumentError
+
+    w = weight.detach().float().numpy() if isinstance(weight, torch.Tensor) else np.asarray(
+        weight, dtype=np.float32)
+    if w.ndim != 2:
+        raise InvalidArgumentError(f"quantize_blocks needs a 2-D weight, not shape {w.shape}")
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    n, k = w.shape
+    if k % block:
+        raise InvalidArgumentError(
+            f"{qtype.name} needs the input size ({k}) to be a multiple of {block}")
+    if qtype in _OWN:
+        blocks = _OWN[qtype](w.reshape(-1, QK_K))
+    elif qtype in _GGUF_PY:
+        blocks = np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8)
+    else:
+        supported = ", ".join(t.name for t in (*_GGUF_PY, *_OWN))
+        raise UnsupportedGgufTypeError(
+            f"no reference quantizer for {qtype.name} (there are: {supported})")
+    return torch.from_numpy(np.ascontiguousarray(blocks).reshape(n, k // block * size))
+
+
+def _fp16(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float16)
+
+
+def _round(a: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    return np.clip(np.rint(a), lo, hi).astype(np.int32)
+
+
+def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a / b`` with 0 where ``b`` is 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(b != 0, a / np.where(b != 0, b, 1), 0)
+
+
+def _pack_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """6-bit scales and minima ``[B, 8]`` → ggml's 12 bytes ``[B, 12]`` (get_scale_min_k4's
+    inverse)."""
+    out = np.zeros((sc.shape[0], 12), dtype=np.uint8)
+    out[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
+    return out
+
+
+def _k_scales(x: np.ndarray, levels: int):
+    """Min/max sub-block scales for Q4_K/Q5_K: ``(d16, dmin16, sc, m, q)`` for ``x`` ``[B, 256]``;
+    ``q`` in ``[0, levels]``, rounded against the stored (fp16, 6-bit) scales."""
+    sub = x.reshape(-1, 8, 32)
+    low = np.minimum(sub.min(axis=-1), 0)            # minima stored as -dmin * m, m >= 0
+    scale = (sub.max(axis=-1) - low) / levels
+    d16 = _fp16(scale.max(axis=-1) / 63)
+    dmin16 = _fp16(-low.min(axis=-1) / 63)
+    d, dmin = d16.astype(np.float32), dmin16.astype(np.float32)
+    sc = _round(_div(scale, d[:, None]), 0, 63)
+    m = _round(_div(-low, dmin[:, None]), 0, 63)
+    step = d[:, None] * sc
+    q = _round(_div(sub + (dmin[:, None] * m)[..., None], step[..., None]), 0, levels)
+    return d16, dmin16, sc, m, q.reshape(-1, QK_K)
+
+
+def _nibbles(q: np.ndarray) -> np.ndarray:
+    """Codes ``[B, 256]`` (low 4 bits) → 128 bytes: per 64 inputs, input ``l`` low, ``32 + l``
+    high."""
+    c = (q & 0xF).reshape(-1, 4, 2, 32)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).astype(np.uint8).reshape(-1, 128)
+
+
+def _q4_k(x: np.ndarray) -> np.ndarray:
+    d, dmin, sc, m, q = _k_scales(x, 15)
+    return np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8),
+                           _pack_scales(sc, m), _nibbles(q)], axis=1)
+
+
+def _q5_k(x: np.ndarray) -> np.ndarray:
+    d, dmin, sc, m, q = _k_scales(x, 31)
+    high = (q >> 4).reshape(-1, 4, 2, 32)              # [B, chunk c, half, l]
+    shifts = (2 * np.arange(4)[:, None] + np.arange(2)[None, :])[None, :, :, None]
+    qh = (high << shifts).sum(axis=(1, 2)).astype(np.uint8)
+    return np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8),
+                           _pack_scales(sc, m), qh, _nibbles(q)], axis=1)
+
+
+def _q6_k(x: np.ndarray) -> np.ndarray:
+    sub = x.reshape(-1, 16, 16)
+    scale = np.abs(sub).max(axis=-1) / 31
+    d16 = _fp16(np.abs(scale).max(axis=-1) / 127)
+    d = d16.astype(np.float32)
+    sc = _round(_div(scale, d[:, None]), -128, 127)
+    step = d[:, None] * sc
+    u = (_round(_div(sub, step[..., None]), -32, 31) + 32).reshape(-1, 2, 4, 32)  # [B, h, k, l]
+    ql = np.concatenate([(u[:, :, 0] & 0xF) | ((u[:, :, 2] & 0xF) << 4),
+                         (u[:, :, 1] & 0xF) | ((u[:, :, 3] & 0xF) << 4)], axis=2)
+    hi = u >> 4
+    qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
+    return np.concatenate([ql.astype(np.uint8).reshape(-1, 128), qh.astype(np.uint8).reshape(-1, 64),
+                           sc.astype(np.int8).view(np.uint8), d16[:, None].view(np.uint8)], axis=1)
+
+
+_GGUF_PY = (_T.F32, _T.F16, _T.BF16, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0)
+_OWN = {_T.Q4_K: _q4_k, _T.Q5_K: _q5_k, _T.Q6_K: _q6_k}

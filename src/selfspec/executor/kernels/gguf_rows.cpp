@@ -1,0 +1,646 @@
+// Row-consistent products on a GGUF file's own quantized blocks (llama.cpp's formats), for x86
+// CPUs with AVX2 + FMA + F16C or with AVX-512 (F/BW/VL) + VNNI.
+//
+// Scheme (llama.cpp's vec_dot pairs): each weight type is multiplied with activations quantized
+// per call to the format llama.cpp pairs it with, Q8_0 (blocks of 32: fp16 d, int8[32]) for
+// Q4_0/Q5_0/Q8_0, Q8_1 (fp16 d, fp16 s = d * sum, int8[32]) for Q4_1/Q5_1, and Q8_K (blocks of
+// 256: fp32 d, int8[256], int16 bsums[16]) for Q4_K/Q5_K/Q6_K; quantization rounds exactly as
+// llama.cpp's quantize_row_q8_0_ref / q8_1_ref / q8_K_ref (the references, not its SIMD
+// quantizers, which round differently). F32/F16/BF16 weight rows take fp32 activations (FMA).
+// Within a block the dot product is an integer one (vpmaddubsw + vpmaddwd on AVX2, vpdpbusd /
+// vpdpwssd on AVX-512 VNNI; every partial sum fits its lanes, so both give the same integers);
+// each block's integer sum is scaled in fp32 into 8 fp32 lanes per (row, output), summed once
+// at the end.
+//
+// Why: a model stored as GGUF can then decode on the bytes of its file (no re-quantization into
+// selfspec's own w4a8 blocks, no bf16 copy), at the cost of reading them.
+//
+// Row consistency (the point of this kernel against llama.cpp's): out[t, n] is computed by the
+// same instruction sequence whatever the number of rows M of the call and whatever the other
+// rows are: rows are processed in tiles of up to kTile rows, each decoded weight block being
+// used for every row of the tile, but each (t, n) has its own accumulators and the same
+// per-block order; the tile size only changes how many accumulators are live. Built with
+// -ffp-contract=off so that the compiler cannot fuse scalar multiply-adds differently in
+// differently unrolled tiles. The two builds (AVX2, AVX-512) may differ from each other in the
+// last bits; each is row-consistent.
+//
+// Layouts: weights [N, row_bytes] as stored in the GGUF (row n = K / block_size blocks of the
+// type's struct, ggml-common.h); activations [M, K / 32 or K / 256 blocks] of the structs below;
+// outputs written at out + t * ldo + n (fp32 or bf16), so a caller fills column slices of one
+// wider output.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <type_traits>
+#include <vector>
+
+#include "common.h"
+
+namespace {
+
+// ggml's type ids (ggml.h enum ggml_type), used for weight types and activation formats.
+enum : int64_t {
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ8_1 = 9,
+  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kQ8_K = 15, kBF16 = 30,
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define SELFSPEC_GGUF_VNNI 1
+constexpr int kTile = 8;  // 32 vector registers: 8 rows' accumulators stay in registers
+#else
+constexpr int kTile = 4;
+#endif
+
+struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };
+struct BlockQ8_1 { uint16_t d, s; int8_t qs[32]; };
+struct BlockQ8_K { float d; int8_t qs[256]; int16_t bsums[16]; };
+static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ8_1) == 36 && sizeof(BlockQ8_K) == 292,
+              "activation blocks must match ggml's");
+
+inline float fp16(uint16_t h) { return _cvtsh_ss(h); }
+inline uint16_t to_fp16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+inline uint16_t u16(const uint8_t* p) { uint16_t v; memcpy(&v, p, 2); return v; }
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+// Sum of u8 x s8 products over each 4 bytes into 8 int32 lanes. No saturation: every use has
+// |u| <= 128 and |s| <= 127, so vpmaddubsw's pair sums stay within int16.
+inline __m256i dot_us(__m256i u, __m256i s) {
+#ifdef SELFSPEC_GGUF_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// acc + the int16 pair products of a and b summed per int32 lane.
+inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
+#ifdef SELFSPEC_GGUF_VNNI
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+// Byte j = 0x10 where bit j of bits is set (Q5_0/Q5_1's fifth bits), else 0.
+inline __m256i fifth_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int32_t>(bits)),
+      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202,
+                         0x0303030303030303));
+  // byte j of a lane: all ones but bit j % 8, so the OR is all ones iff that bit is set
+  const __m256i set = _mm256_cmpeq_epi8(
+      _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi8(-1));
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+// 16 bytes of nibbles -> 32 bytes: byte j's low nibble at j, its high one at j + 16 (the
+// order of Q4_0/Q4_1/Q5_0/Q5_1's 32 inputs).
+inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0f));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Weight types. Each has Act (its activation block), kBlock (inputs), kBytes (bytes a block),
+// Decoded, decode(block, Decoded&) once per weight block and dot(Decoded, Act, acc, extra) per
+// activation row: acc (8 fp32 lanes) and extra (a scalar, for Q4_1/Q5_1's minimum term)
+// accumulate the block's contribution.
+
+// Blocks of 32 with signed codes (Q4_0, Q5_0, Q8_0): codes as int8, |code| as u8, one scale.
+struct Signed32 {
+  __m256i q, aq;
+  float d;
+};
+
+inline void dot_signed32(const Signed32& w, const BlockQ8_0& x, __m256& acc, float&) {
+  // vpmaddubsw multiplies unsigned by signed: |w| by x carrying w's sign.
+  const __m256i p = dot_us(w.aq, _mm256_sign_epi8(load32(x.qs), w.q));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(w.d * fp16(x.d)), acc);
+}
+
+struct TypeQ4_0 {
+  using Act = BlockQ8_0;
+  using Decoded = Signed32;
+  static constexpr int64_t kBlock = 32, kBytes = 18;
+  static void decode(const uint8_t* b, Decoded& w) {
+    w.d = fp16(u16(b));
+    w.q = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
+    w.aq = _mm256_abs_epi8(w.q);
+  }
+  static void dot(const Decoded& w, const Act& x, __m256& acc, float& e) { dot_signed32(w, x, acc, e); }
+};
+
+struct TypeQ5_0 {
+  using Act = BlockQ8_0;
+  using Decoded = Signed32;
+  static constexpr int64_t kBlock = 32, kBytes = 22;
+  static void decode(const uint8_t* b, Decoded& w) {
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    w.d = fp16(u16(b));
+    w.q = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(qh)), _mm256_set1_epi8(16));
+    w.aq = _mm256_abs_epi8(w.q);
+  }
+  static void dot(const Decoded& w, const Act& x, __m256& acc, float& e) { dot_signed32(w, x, acc, e); }
+};
+
+struct TypeQ8_0 {
+  using Act = BlockQ8_0;
+  using Decoded = Signed32;
+  static constexpr int64_t kBlock = 32, kBytes = 34;
+  static void decode(const uint8_t* b, Decoded& w) {
+    w.d = fp16(u16(b));
+    w.q = load32(b + 2);
+    w.aq = _mm256_abs_epi8(w.q);  // -128 becomes 0x80, read as 128 by the unsigned side
+  }
+  static void dot(const Decoded& w, const Act& x, __m256& acc, float& e) { dot_signed32(w, x, acc, e); }
+};
+
+// Blocks of 32 with unsigned codes and a minimum (Q4_1, Q5_1): w = q d + m, so
+// w . x = d dx sum q a + m (dx sum a), the last factor being Q8_1's s.
+struct Unsigned32 {
+  __m256i q;
+  float d, m;
+};
+
+inline void dot_unsigned32(const Unsigned32& w, const BlockQ8_1& x, __m256& acc, float& extra) {
+  const __m256i p = dot_us(w.q, load32(x.qs));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(w.d * fp16(x.d)), acc);
+  extra += w.m * fp16(x.s);
+}
+
+struct TypeQ4_1 {
+  using Act = BlockQ8_1;
+  using Decoded = Unsigned32;
+  static constexpr int64_t kBlock = 32, kBytes = 20;
+  static void decode(const uint8_t* b, Decoded& w) {
+    w.d = fp16(u16(b));
+    w.m = fp16(u16(b + 2));
+    w.q = nibbles32(b + 4);
+  }
+  static void dot(const Decoded& w, const Act& x, __m256& acc, float& e) { dot_unsigned32(w, x, acc, e); }
+};
+
+struct TypeQ5_1 {
+  using Act = BlockQ8_1;
+  using Decoded = Unsigned32;
+  static constexpr int64_t kBlock = 32, kBytes = 24;
+  static void decode(const uint8_t* b, Decoded& w) {
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+    w.d = fp16(u16(b));
+    w.m = fp16(u16(b + 2));
+    w.q = _mm256_or_si256(nibbles32(b + 8), fifth_bits(qh));
+  }
+  static void dot(const Decoded& w, const Act& x, __m256& acc, float& e) { dot_unsigned32(w, x, acc, e); }
+};
+
+// Q4_K / Q5_K: 256 inputs in 8 sub-blocks of 32, each a 6-bit scale and minimum (packed in 12
+// bytes), fp16 d and dmin: w = d sc q - dmin m. Codes: 32 bytes per 64 inputs, low nibbles for
+// the first 32, high for the next (Q5_K: bit 2j / 2j+1 of qh[l] is input 64j + l's / 64j + 32 +
+// l's fifth bit). Per block, integer sums sum_j sc_j (q_j . a_j) and sum_j m_j (bsum_2j +
+// bsum_2j+1) (Q8_K's bsums are per 16), each scaled once.
+struct KQuant32 {
+  __m256i q[8];       // sub-block j's 32 codes (u8)
+  int16_t sc[8];
+  __m256i mins;       // int16 [m0, m0, m1, m1, ..., m7, m7] against the 16 bsums
+  float d, dmin;
+};
+
+inline void unpack_scales(const uint8_t* s, KQuant32& w) {
+  uint8_t m[8];
+  for (int j = 0; j < 4; ++j) {
+    w.sc[j] = s[j] & 63;
+    m[j] = s[j + 4] & 63;
+    w.sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
+    m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+  int64_t m8;
+  memcpy(&m8, m, 8);
+  const __m128i dup = _mm_shuffle_epi8(_mm_cvtsi64_si128(m8),
+                                       _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+  w.mins = _mm256_cvtepu8_epi16(dup);
+}
+
+inline void dot_kquant32(const KQuant32& w, const BlockQ8_K& x, __m256& acc) {
+  __m256i isum = _mm256_setzero_si256();
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j)  // |pair sums| <= 2 * 31 * 127: int16
+    isum = madd_acc(isum, _mm256_maddubs_epi16(w.q[j], load32(x.qs + 32 * j)),
+                    _mm256_set1_epi16(w.sc[j]));
+  const __m256i msum = _mm256_madd_epi16(w.mins, _mm256_loadu_si256(
+                                                     reinterpret_cast<const __m256i*>(x.bsums)));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(w.d * x.d), acc);
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(-(w.dmin * x.d)), acc);
+}
+
+struct TypeQ4_K {
+  using Act = BlockQ8_K;
+  using Decoded = KQuant32;
+  static constexpr int64_t kBlock = 256, kBytes = 144;
+  static void decode(const uint8_t* b, Decoded& w) {
+    w.d = fp16(u16(b));
+    w.dmin = fp16(u16(b + 2));
+    unpack_scales(b + 4, w);
+    const __m256i low = _mm256_set1_epi8(0x0f);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = load32(b + 16 + 32 * j);
+      w.q[2 * j] = _mm256_and_si256(v, low);
+      w.q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+  }
+  static void dot(const Decoded& w, const Act& x, __m256& acc, float&) { dot_kquant32(w, x, acc); }
+};
+
+struct TypeQ5_K {
+  using Act = BlockQ8_K;
+  using Decoded = KQuant32;
+  static constexpr int64_t kBlock = 256, kBytes = 176;
+  static void decode(const uint8_t* b, Decoded& w) {
+    w.d = fp16(u16(b));
+    w.dmin = fp16(u16(b + 2));
+    unpack_scales(b + 4, w);
+    const __m256i low = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
+    __m256i qh = load32(b + 16);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      // bits 0 and 1 of each byte of qh (shifted right 2j so far: bits 2j, 2j + 1) to bit 4
+      const __m256i v = load32(b + 48 + 32 * j);
+      w.q[2 * j] = _mm256_or_si256(_mm256_and_si256(v, low),
+                                   _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4));
+      w.q[2 * j + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                       _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
+      qh = _mm256_srli_epi16(qh, 2);  // a byte's bits 0-7 stay its own while 2j + 1 <= 7
+    }
+  }
+  static void dot(const Decoded& w, const Act& x, __m256& acc, float&) { dot_kquant32(w, x, acc); }
+};
+
+// Q6_K: 256 inputs in 16 sub-blocks of 16, int8 scales, fp16 d; 6-bit codes u = q + 32 (4 low
+// bits in ql, 2 high in qh). Per 128 inputs (ql 64 bytes, qh 32): input l + 32 k (l < 32) has
+// ql[l + 32 (k & 1)]'s low (k < 2) or high nibble and qh[l]'s bits 2k, 2k + 1. Sub-block i of
+// 16 inputs has scale sc[i]. w . a = d dx (sum_i sc_i (u_i . a_i) - 32 sum_i sc_i bsum_i).
+struct TypeQ6_K {
+  using Act = BlockQ8_K;
+  static constexpr int64_t kBlock = 256, kBytes = 210;
+  struct Decoded {
+    __m256i u[8];      // inputs 32p .. 32p + 31 (u8, 0..63)
+    __m256i sc[8];     // int16: sc[2p] in the low 128 bits, sc[2p + 1] in the high ones
+    __m256i sc_all;    // int16 sc[0..15]
+    float d;
+  };
+  static void decode(const uint8_t* b, Decoded& w) {
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    w.d = fp16(u16(b + 208));
+    w.sc_all = _mm256_cvtepi8_epi16(sc8);
+    const __m256i low = _mm256_set1_epi8(0x0f);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = load32(ql + 64 * h), l1 = load32(ql + 64 * h + 32);
+      const __m256i hb = load32(qh + 32 * h);
+      w.u[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(
+          _mm256_and_si256(hb, _mm256_set1_epi8(0x03)), 4));
+      w.u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_slli_epi16(
+          _mm256_and_si256(hb, _mm256_set1_epi8(0x0c)), 2));
+      w.u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                                       _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
+      w.u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                                       _mm256_srli_epi16(_mm256_and_si256(
+                                           hb, _mm256_set1_epi8(static_cast<char>(0xc0))), 2));
+    }
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p) {
+      const __m128i pick = _mm_setr_epi8(2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p,
+                                         2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1,
+                                         2 * p + 1, 2 * p + 1, 2 * p + 1);
+      w.sc[p] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pick));
+    }
+  }
+  static void dot(const Decoded& w, const Act& x, __m256& acc, float&) {
+    __m256i isum = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p)  // |pair sums| <= 2 * 63 * 127: int16
+      isum = madd_acc(isum, _mm256_maddubs_epi16(w.u[p], load32(x.qs + 32 * p)), w.sc[p]);
+    const __m256i off = _mm256_madd_epi16(
+        w.sc_all, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums)));
+    isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(off, 5));  // the codes' +32
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(w.d * x.d), acc);
+  }
+};
+
+// TB activation rows (act, rows act_bytes apart) against weight row w of nb blocks: res[t].
+template <class T, int TB>
+void quant_tile(const uint8_t* w, const uint8_t* act, int64_t act_bytes, int64_t nb, float* res) {
+  using Act = typename T::Act;
+  __m256 acc[TB];
+  float extra[TB];
+#pragma GCC unroll 8
+  for (int t = 0; t < TB; ++t) {
+    acc[t] = _mm256_setzero_ps();
+    extra[t] = 0.f;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    typename T::Decoded dw;
+    T::decode(w + b * T::kBytes, dw);
+#pragma GCC unroll 8
+    for (int t = 0; t < TB; ++t)
+      T::dot(dw, reinterpret_cast<const Act*>(act + t * act_bytes)[b], acc[t], extra[t]);
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < TB; ++t) res[t] = hsum(acc[t]) + extra[t];
+}
+
+// Unquantized rows against fp32 activations: two 8-lane FMA chains per (row, output), then the
+// scalar tail of K % 16 inputs in order.
+inline __m256 wload8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 wload8(const uint16_t* p, bool is_f16) {
+  if (is_f16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return load8(p);  // bf16
+}
+inline float wscalar(const float* p) { return *p; }
+inline float wscalar(const uint16_t* p, bool is_f16) { return is_f16 ? fp16(*p) : bf16_to_float(*p); }
+
+template <int64_t Type>
+struct FloatRow {
+  using Elem = typename std::conditional<Type == kF32, float, uint16_t>::type;
+  static __m256 load(const Elem* p) {
+    if constexpr (Type == kF32) return wload8(p); else return wload8(p, Type == kF16);
+  }
+  static float scalar(const Elem* p) {
+    if constexpr (Type == kF32) return wscalar(p); else return wscalar(p, Type == kF16);
+  }
+};
+
+template <int64_t Type, int TB>
+void float_tile(const uint8_t* wbytes, const float* x, int64_t K, float* res) {
+  using R = FloatRow<Type>;
+  const auto* w = reinterpret_cast<const typename R::Elem*>(wbytes);
+  __m256 a0[TB], a1[TB];
+#pragma GCC unroll 8
+  for (int t = 0; t < TB; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m256 w0 = R::load(w + k), w1 = R::load(w + k + 8);
+#pragma GCC unroll 8
+    for (int t = 0; t < TB; ++t) {
+      a0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * K + k), a0[t]);
+      a1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * K + k + 8), a1[t]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < TB; ++t) {
+    float s = hsum(_mm256_add_ps(a0[t], a1[t]));
+    for (int64_t j = k; j < K; ++j) s = fmaf(R::scalar(w + j), x[t * K + j], s);
+    res[t] = s;
+  }
+}
+
+// out[t * ldo + n] = row n . activation row t (+ bias[n]) for all t, n; tiles of up to kTile
+// activation rows per pass over a weight row; threads split the weight rows.
+template <class Tile>
+void product(int64_t N, int64_t M, const float* bias, void* out, int64_t ldo, bool out_bf16,
+             Tile tile) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    float res[kTile];
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t t0 = 0; t0 < M; t0 += kTile) {
+        const int64_t tb = M - t0 < kTile ? M - t0 : kTile;
+        tile(n, t0, tb, res);
+        for (int64_t t = 0; t < tb; ++t) {
+          const float v = bias ? res[t] + bias[n] : res[t];
+          if (out_bf16)
+            static_cast<uint16_t*>(out)[(t0 + t) * ldo + n] = float_to_bf16(v);
+          else
+            static_cast<float*>(out)[(t0 + t) * ldo + n] = v;
+        }
+      }
+    }
+  });
+}
+
+template <class T>
+void quant_product(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act, int64_t M,
+                   const float* bias, void* out, int64_t ldo, bool out_bf16) {
+  const int64_t nb = K / T::kBlock, row_bytes = nb * T::kBytes;
+  const int64_t act_bytes = nb * static_cast<int64_t>(sizeof(typename T::Act));
+  product(N, M, bias, out, ldo, out_bf16, [&](int64_t n, int64_t t0, int64_t tb, float* res) {
+    const uint8_t* row = w + n * row_bytes;
+    const uint8_t* a = act + t0 * act_bytes;
+    switch (tb) {
+#ifdef SELFSPEC_GGUF_VNNI
+      case 8: quant_tile<T, 8>(row, a, act_bytes, nb, res); break;
+      case 7: quant_tile<T, 7>(row, a, act_bytes, nb, res); break;
+      case 6: quant_tile<T, 6>(row, a, act_bytes, nb, res); break;
+      case 5: quant_tile<T, 5>(row, a, act_bytes, nb, res); break;
+#endif
+      case 4: quant_tile<T, 4>(row, a, act_bytes, nb, res); break;
+      case 3: quant_tile<T, 3>(row, a, act_bytes, nb, res); break;
+      case 2: quant_tile<T, 2>(row, a, act_bytes, nb, res); break;
+      default: quant_tile<T, 1>(row, a, act_bytes, nb, res); break;
+    }
+  });
+}
+
+template <int64_t Type>
+void float_product(const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M,
+                   const float* bias, void* out, int64_t ldo, bool out_bf16) {
+  const int64_t row_bytes = K * static_cast<int64_t>(sizeof(typename FloatRow<Type>::Elem));
+  product(N, M, bias, out, ldo, out_bf16, [&](int64_t n, int64_t t0, int64_t tb, float* res) {
+    const uint8_t* row = w + n * row_bytes;
+    const float* a = x + t0 * K;
+    switch (tb) {
+#ifdef SELFSPEC_GGUF_VNNI
+      case 8: float_tile<Type, 8>(row, a, K, res); break;
+      case 7: float_tile<Type, 7>(row, a, K, res); break;
+      case 6: float_tile<Type, 6>(row, a, K, res); break;
+      case 5: float_tile<Type, 5>(row, a, K, res); break;
+#endif
+      case 4: float_tile<Type, 4>(row, a, K, res); break;
+      case 3: float_tile<Type, 3>(row, a, K, res); break;
+      case 2: float_tile<Type, 2>(row, a, K, res); break;
+      default: float_tile<Type, 1>(row, a, K, res); break;
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Activation quantization (llama.cpp's reference rounding).
+
+inline float amax32(const float* x, int64_t n) {  // max |x| (order-free)
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + j), abs_mask));
+  __m128 q = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_max_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+
+// 8 int32 of roundf(v) (halves away from zero, as C's roundf): trunc, then one more step
+// away from zero where the dropped fraction is at least a half (v - trunc(v) is exact).
+inline __m256i roundf8(__m256 v) {
+  const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 frac = _mm256_and_ps(_mm256_sub_ps(v, t), abs_mask);
+  const __m256 step = _mm256_or_ps(_mm256_set1_ps(1.f),
+                                   _mm256_andnot_ps(abs_mask, v));  // +-1 with v's sign
+  const __m256 up = _mm256_cmp_ps(frac, _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+  return _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_and_ps(up, step)));
+}
+
+// 32 int32 (4 x 8) -> 32 int8 in order (values within int8: packs does not saturate them).
+inline void pack32(const __m256i i[4], int8_t* dst) {
+  const __m256i packed = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);
+}
+
+// quantize_row_q8_0_ref / q8_1_ref: d = amax / 127, q = roundf(x * (1 / d)), d (and s =
+// fp16(sum q * d)) stored as fp16.
+template <bool WithSum>
+void quantize_q8_32(const float* x, int64_t K, uint8_t* out) {
+  const int64_t bytes = WithSum ? 36 : 34, qs_at = WithSum ? 4 : 2;
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* v = x + 32 * b;
+    uint8_t* blk = out + b * bytes;
+    const float d = amax32(v, 32) / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    __m256i i[4];
+    for (int j = 0; j < 4; ++j) i[j] = roundf8(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), _mm256_set1_ps(id)));
+    int8_t* qs = reinterpret_cast<int8_t*>(blk + qs_at);
+    pack32(i, qs);
+    const uint16_t dh = to_fp16(d);
+    memcpy(blk, &dh, 2);
+    if (WithSum) {
+      int sum = 0;
+      for (int j = 0; j < 32; ++j) sum += qs[j];
+      const uint16_t sh = to_fp16(static_cast<float>(sum) * d);
+      memcpy(blk + 2, &sh, 2);
+    }
+  }
+}
+
+// quantize_row_q8_K_ref: max = the first input of largest magnitude, iscale = -127 / max,
+// q = nearest_int(iscale x) (halves to even, as vcvtps2dq in the default rounding mode), capped
+// at 127; d = 1 / iscale; bsums per 16. An all-zero block has d = 0 and zero codes and sums.
+void quantize_q8_k(const float* x, int64_t K, uint8_t* out) {
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const float* v = x + 256 * b;
+    BlockQ8_K blk;
+    const float amax = amax32(v, 256);
+    if (!(amax > 0.f)) {
+      memset(&blk, 0, sizeof(blk));
+    } else {
+      float max = 0.f;
+      for (int j = 0; j < 256; ++j)
+        if (fabsf(v[j]) == amax) { max = v[j]; break; }
+      const float iscale = -127.f / max;
+      const __m256 s = _mm256_set1_ps(iscale);
+      for (int c = 0; c < 8; ++c) {
+        __m256i i[4];
+        for (int j = 0; j < 4; ++j)
+          i[j] = _mm256_min_epi32(
+              _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 32 * c + 8 * j), s)),
+              _mm256_set1_epi32(127));
+        pack32(i, blk.qs + 32 * c);
+      }
+      for (int g = 0; g < 16; ++g) {
+        int sum = 0;
+        for (int j = 0; j < 16; ++j) sum += blk.qs[16 * g + j];
+        blk.bsums[g] = static_cast<int16_t>(sum);
+      }
+      blk.d = 1.f / iscale;
+    }
+    memcpy(out + b * static_cast<int64_t>(sizeof(BlockQ8_K)), &blk, sizeof(blk));
+  }
+}
+
+int64_t act_row_bytes(int64_t fmt, int64_t K) {
+  switch (fmt) {
+    case kQ8_0: return K % 32 ? -1 : K / 32 * 34;
+    case kQ8_1: return K % 32 ? -1 : K / 32 * 36;
+    case kQ8_K: return K % 256 ? -1 : K / 256 * 292;
+    default: return -1;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Version of this kernel's numerics and layouts; a change must change it.
+int64_t selfspec_gguf_rows_version() { return 1; }
+
+// 1 for the AVX-512 VNNI build, 0 for the AVX2 one.
+int64_t selfspec_gguf_rows_vnni() {
+#ifdef SELFSPEC_GGUF_VNNI
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// Bytes of one activation row of K inputs in format fmt (ggml type id: 8 Q8_0, 9 Q8_1, 15
+// Q8_K), or -1 for another format or a K that is not a multiple of its block.
+int64_t selfspec_gguf_act_row_bytes(int64_t fmt, int64_t K) { return act_row_bytes(fmt, K); }
+
+// x: [M, K] fp32 (x_bf16 = 0) or bf16 -> out: [M, act_row_bytes(fmt, K)] blocks of fmt.
+// Returns 0, or -1 (nothing written) for an unknown fmt or a K that does not fit it.
+int64_t selfspec_gguf_quantize(int64_t fmt, const void* x, int64_t x_bf16, int64_t M, int64_t K,
+                               uint8_t* out) {
+  const int64_t row_bytes = act_row_bytes(fmt, K);
+  if (row_bytes < 0) return -1;
+  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(x_bf16 ? static_cast<size_t>(K) : 0);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* v;
+      if (x_bf16) {
+        const uint16_t* src = static_cast<const uint16_t*>(x) + t * K;
+        for (int64_t k = 0; k < K; ++k) row[k] = bf16_to_float(src[k]);
+        v = row.data();
+      } else {
+        v = static_cast<const float*>(x) + t * K;
+      }
+      uint8_t* dst = out + t * row_bytes;
+      if (fmt == kQ8_0) quantize_q8_32<false>(v, K, dst);
+      else if (fmt == kQ8_1) quantize_q8_32<true>(v, K, dst);
+      else quantize_q8_k(v, K, dst);
+    }
+  });
+  return 0;
+}
+
+// out[t * ldo + n] (fp32, or bf16 where out_bf16) = weight row n . activation row t (+ bias[n])
+// for t < M, n < N. w: [N, row bytes] blocks of type (ggml type id); act: for a quantized type,
+// [M, act_row_bytes] in its activation format (selfspec_gguf_quantize), for F32/F16/BF16 the
+// [M, K] fp32 input. K a multiple of the type's block. Returns 0, or -1 (nothing written) for
+// an unsupported type or such a K.
+int64_t selfspec_gguf_rows(int64_t type, const uint8_t* w, int64_t N, int64_t K, const void* act,
+                           int64_t M, const float* bias, void* out, int64_t ldo, int64_t out_bf16) {
+  const auto* a = static_cast<const uint8_t*>(act);
+  const bool ob = out_bf16 != 0;
+  switch (type) {
+    case kQ4_0: if (K % 32) return -1; quant_product<TypeQ4_0>(w, N, K, a, M, bias, out, ldo, ob); return 0;
+    case kQ4_1: if (K % 32) return -1; quant_product<TypeQ4_1>(w, N, K, a, M, bias, out, ldo, ob); return 0;
+    case kQ5_0: if (K % 32) return -1; quant_product<TypeQ5_0>(w, N, K, a, M, bias, out, ldo, ob); return 0;
+    case kQ5_1: if (K % 32) return -1; quant_product<TypeQ5_1>(w, N, K, a, M, bias, out, ldo, ob); return 0;
+    case kQ8_0: if (K % 32) return -1; quant_product<TypeQ8_0>(w, N, K, a, M, bias, out, ldo, ob); return 0;
+    case kQ4_K: if (K % 256) return -1; quant_product<TypeQ4_K>(w, N, K, a, M, bias, out, ldo, ob); return 0;
+    case kQ5_K: if (K % 256) return -1; quant_product<TypeQ5_K>(w, N, K, a, M, bias, out, ldo, ob); return 0;
+    case kQ6_K: if (K % 256) return -1; quant_product<TypeQ6_K>(w, N, K, a, M, bias, out, ldo, ob); return 0;
+    case kF32: float_product<kF32>(w, N, K, static_cast<const float*>(act), M, bias, out, ldo, ob); return 0;
+    case kF16: float_product<kF16>(w, N, K, static_cast<const float*>(act), M, bias, out, ldo, ob); return 0;
+    case kBF16: float_product<kBF16>(w, N, K, static_cast<const float*>(act), M, bias, out, ldo, ob); return 0;
+    default: return -1;
+  }
+}
+
+}  // extern "C"
