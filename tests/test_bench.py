@@ -551,6 +551,10 @@ def test_a_sweeps_default_row_lands_on_its_curve(tmp_path):
     # a row whose options make gamma unused (tuned=true) does not land at gamma's default
     tuned = parse_methods("adadecode:tuned=true")[0]
     assert plots._with_default_sweep_values(tuned, configs + [tuned]).options == {"tuned": True}
+    # a row's decode_kernel is not the method's option: the plots take it as the run did
+    # (the plots once re-parsed it as one and failed after every generation had run)
+    kernels = parse_methods("ar,ar:decode_kernel=w4a8,ar:decode_kernel=gguf")
+    assert [plots._with_default_sweep_values(c, kernels) for c in kernels] == kernels
     run = BenchRun(methods=[c.label for c in configs], lossless={c.label: True for c in configs})
     for i, c in enumerate(configs):
         run.records.append(PromptRecord(c.label, "p", 0, 3, _out([1] * (i + 2), 1.0, drafted=4,

@@ -232,3 +232,59 @@ def last_position_states(executor, tokens: list[int]) -> dict[int, torch.Tensor]
             h = executor.run_layers(h, pos, layer, layer + 1, cache)
             states[layer + 1] = h[0, -1:].clone()
     return states
+
+
+def write_tiny_gguf(model, path, types=None, arch=None, qk_permuted=None):
+    """Write ``model``'s matrices as a GGUF file of quantized blocks (selfspec's reference
+    quantizer) and set the model's weights to what those blocks stand for, as if the model had
+    been converted from the file (what a registry model is). ``types``: block type per
+    matrix kind (``q k v o gate up down output``), Q4_K-family defaults mixed as Q4_K_M
+    mixes them. A ``llama`` file stores q/k rows permuted as llama.cpp's converter does.
+
+    Returns the path."""
+    import gguf
+    import numpy as np
+
+    from selfspec.executor.gguf_quantize import quantize_blocks
+
+    T = gguf.GGMLQuantizationType
+    kinds = {"q": T.Q4_K, "k": T.Q4_K, "v": T.Q6_K, "o": T.Q4_1, "gate": T.Q4_K,
+             "up": T.Q5_K, "down": T.Q6_K, "output": T.Q8_0}
+    kinds.update(types or {})
+    arch = arch or model.config.model_type
+    permute = arch == "llama" if qk_permuted is None else qk_permuted
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+
+    def put(name, lin, kind, heads=0):
+        w = lin.weight.detach().float()
+        raw = np.asarray(quantize_blocks(w, kinds[kind]))
+        deq = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, kinds[kind]),
+                                          dtype=np.float32).reshape(w.shape))
+        with torch.no_grad():
+            lin.weight.copy_(deq.to(lin.weight.dtype))
+        bias = None if getattr(lin, "bias", None) is None else lin.bias.detach().float().numpy()
+        if heads and permute:  # llama.cpp's LlamaModel.permute on rows
+            order = np.arange(w.shape[0]).reshape(heads, 2, -1).swapaxes(1, 2).reshape(-1)
+            raw = raw[order]
+            bias = None if bias is None else bias[order]
+        writer.add_tensor(f"{name}.weight", np.ascontiguousarray(raw), raw_dtype=kinds[kind])
+        if bias is not None:
+            writer.add_tensor(f"{name}.bias", np.ascontiguousarray(bias))
+
+    for i, layer in enumerate(model.model.layers):
+        a, m = layer.self_attn, layer.mlp
+        put(f"blk.{i}.attn_q", a.q_proj, "q", cfg.num_attention_heads)
+        put(f"blk.{i}.attn_k", a.k_proj, "k", cfg.num_key_value_heads)
+        put(f"blk.{i}.attn_v", a.v_proj, "v")
+        put(f"blk.{i}.attn_output", a.o_proj, "o")
+        put(f"blk.{i}.ffn_gate", m.gate_proj, "gate")
+        put(f"blk.{i}.ffn_up", m.up_proj, "up")
+        put(f"blk.{i}.ffn_down", m.down_proj, "down")
+    put("output", model.lm_head, "output")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -86,7 +86,8 @@ def add_weight_format_arguments(parser) -> None:
                         choices=["bf16", "fp32", "fp16", *QUANTIZED_ROWS],
                         help="weights' format (int4: bf16 weights, decoding on int4 copies; "
                              "w4a8: on 4-bit copies with 8-bit activations, as llama.cpp's "
-                             "Q4_1)")
+                             "Q4_1; gguf: on the GGUF file's own blocks, the weights as "
+                             "published: a registry model's GGUF or --model FILE.gguf)")
     parser.add_argument(
         "--decode-kernel", default="auto", choices=list(ROWS_FORMATS),
         help="kernel of decoding and verification products: auto (on CPUs that emulate "
@@ -94,7 +95,8 @@ def add_weight_format_arguments(parser) -> None:
              "FBGEMM fp16 copies of matrices >= 4 MiB), bf16+fp16 (FBGEMM's fp16-weight "
              "kernel for matrices >= 4 MiB, selfspec's for the rest), fp16 "
              "(FBGEMM for every matrix), weights (the weights' own format), int4 (4-bit "
-             "copies: lossy), w4a8 (4-bit copies, 8-bit activations: lossy)")
+             "copies: lossy), w4a8 (4-bit copies, 8-bit activations: lossy), gguf (the "
+             "GGUF file's own blocks)")
 
 
 def add_output_processing_arguments(parser) -> None:

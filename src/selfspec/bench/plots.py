@@ -208,7 +208,7 @@ def _with_default_sweep_values(config: MethodConfig, configs: Sequence[MethodCon
         return config
     swept = {k for c in configs if c.name == config.name for k, v in c.options.items()
              if _numeric(v)}
-    swept -= spec.unused_when(spec.parse(config.options))  # e.g. AdaDecode's tuned=true
+    swept -= spec.unused_when(spec.parse(config.method_options))  # e.g. AdaDecode's tuned=true
     defaults = {f.name: f.default for f in fields(spec.options)}
     extra = {k: defaults[k] for k in swept - set(config.options)
              if _numeric(defaults.get(k))}

@@ -196,6 +196,11 @@ def machine_key(executor: Executor) -> str:
         kernel = f"-{formats.rows}rows{formats.rows_min_bytes >> 20}M"
         if "bf16" in formats.rows.split("+"):  # selfspec's own kernel: its version counts
             kernel += f"-{native.source_digest(bf16_rows.SOURCE)}"
+        if formats.rows == "gguf":  # the kernels' version and which blocks (the file's types)
+            weights = getattr(executor, "gguf_weights", None)
+            types = "" if weights is None else "".join(
+                f"{t}{n}" for t, n in sorted(weights.types().items()))
+            kernel += f"-{native.source_digest('gguf_rows.cpp')}-{types}"
     draft = getattr(executor, "draft_weights", None)
     if draft is not None:  # a draft view: every linear on quantized copies
         kernel += f"-draft{draft}"

@@ -127,6 +127,31 @@ class GgufWeights:
         return sum(t.data.numel() for t in self.tensors())
 
 
+class _TruncatedError(ValueError):
+    """A tensor runs past the end of the file (raised before gguf-py maps it)."""
+
+
+class _CheckedReader(gguf.GGUFReader):
+    """gguf-py's reader, which first checks that every tensor lies inside the file, so a
+    truncated file names the tensor cut off (gguf-py fails on a reshape of the short map)."""
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        size = len(self.data)
+        for field in fields:
+            _, name, _, dims, raw_type, offset = field.parts
+            try:
+                qtype = gguf.GGMLQuantizationType(int(raw_type[0]))
+                block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
+                continue  # gguf-py names an unknown type itself
+            end = int(start_offs + offset[0]) + int(np.prod(dims)) * type_size // block
+            if end > size:
+                raise _TruncatedError(
+                    f"tensor {bytes(name).decode('utf-8', 'replace')} ({qtype.name}) needs bytes "
+                    f"up to {end}, the file has {size}")
+        super()._build_tensors(start_offs, fields)
+
+
 def open_reader(path: Path) -> gguf.GGUFReader:
     """``path`` parsed, every tensor checked to lie inside the file.
 
@@ -136,16 +161,11 @@ def open_reader(path: Path) -> gguf.GGUFReader:
     """
     hint = "download the file again, or pass an intact .gguf"
     try:
-        reader = gguf.GGUFReader(path)
+        return _CheckedReader(path)
+    except _TruncatedError as err:
+        raise CorruptModelFileError(f"{path} is truncated: {err}: {hint}") from err
     except Exception as err:  # gguf-py raises ValueError/IndexError/struct errors alike
         raise CorruptModelFileError(f"{path} is not a readable GGUF file ({err}): {hint}") from err
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise CorruptModelFileError(
-                f"{path} is truncated: tensor {t.name} ({t.tensor_type.name}) needs bytes up to "
-                f"{t.data_offset + t.n_bytes}, the file has {size}: {hint}")
-    return reader
 
 
 def _field(reader: gguf.GGUFReader, key: str) -> Any:
