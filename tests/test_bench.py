@@ -588,3 +588,23 @@ def test_batched_runs_keep_every_lossless_output_and_report_aggregate_throughput
         walls.setdefault((r.method, r.prompt_index // 2), set()).add(r.output.wall_time_s)
     assert all(len(w) == 1 for w in walls.values())  # a batch's rows share its wall time
     assert "batches of 2 prompts" in (tmp_path / "two" / "report.md").read_text()
+
+
+def test_rows_on_another_kernel_are_compared_with_ar_on_that_kernel():
+    """``ngram:decode_kernel=gguf`` is lossless against ``ar:decode_kernel=gguf`` (the same
+    weights), and that row's own parity is its greedy agreement with the dense ``ar``."""
+    from selfspec.bench.metrics import parity_flags
+
+    labels = ["ar", "ar:decode_kernel=gguf", "ngram:decode_kernel=gguf", "ngram:decode_kernel=w4a8"]
+    tokens = {"ar": [1, 2, 3], "ar:decode_kernel=gguf": [1, 2, 4],
+              "ngram:decode_kernel=gguf": [1, 2, 4], "ngram:decode_kernel=w4a8": [1, 2, 5]}
+    run = BenchRun(methods=labels)
+    for label in labels:
+        run.records.append(PromptRecord(label, "p", 0, 3, _out(tokens[label], 1.0)))
+    assert parity_flags(run, greedy=True) == {
+        ("ar", "p"): True, ("ar:decode_kernel=gguf", "p"): False,
+        ("ngram:decode_kernel=gguf", "p"): True, ("ngram:decode_kernel=w4a8", "p"): False}
+    runners = [make_runner(_engine(), c) for c in parse_methods(",".join(labels))]
+    lossless = run_bench(runners, [], RunSettings(max_new_tokens=4)).lossless
+    assert lossless == {"ar": True, "ar:decode_kernel=gguf": False,
+                        "ngram:decode_kernel=gguf": True, "ngram:decode_kernel=w4a8": False}

@@ -23,6 +23,7 @@ from typing import Protocol
 
 from selfspec.bench.memory import PeakGpu, PeakRss
 from selfspec.bench.runners import EncodedPrompt, Runner, RunOutput, RunSettings
+from selfspec.bench.spec import DECODE_KERNEL, reference_label
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +139,10 @@ def run_bench(runners: Sequence[Runner], prompts: Sequence[EncodedPrompt], setti
     labels = [r.config.label for r in runners]
     result = run if run is not None else BenchRun(methods=labels)
     result.methods = labels
-    result.lossless = {r.config.label: r.lossless for r in runners}
+    # A row on another kernel is lossless only against ar on that kernel, if the run has it.
+    result.lossless = {r.config.label: r.lossless and (
+        DECODE_KERNEL not in r.config.options or reference_label(r.config.label, labels) != "ar")
+        for r in runners}
     done = {(r.method, r.prompt_id) for r in result.records}
     todo = [r for r in runners if r.config.label not in result.failures
             and any((r.config.label, p.id) not in done for p in prompts)]

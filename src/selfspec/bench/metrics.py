@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 from selfspec.bench.harness import BenchRun, PromptRecord
 from selfspec.bench.roofline import Roofline
+from selfspec.bench.spec import reference_label
 from selfspec.decoding.core.stats import add_batch_counts, mean_batch
 
 AR = "ar"
@@ -141,29 +142,39 @@ class MethodSummary:
     drafter_steps: dict[str, int] = field(default_factory=dict)
 
 
-def _ar_references(run: BenchRun, greedy: bool) -> dict[str, list[int]]:
-    """``prompt_id → ar's token ids``; empty for sampling runs (outputs differ by design)
-    or when ``ar`` failed."""
-    if not greedy or AR in run.failures:
+def _references(run: BenchRun, greedy: bool) -> dict[tuple[str, str], list[int]]:
+    """``(method, prompt_id) →`` the token ids of its reference row
+    (:func:`reference_label`) for that prompt; empty for sampling runs (outputs differ by
+    design). A failed reference row leaves its methods without one."""
+    if not greedy:
         return {}
-    return {r.prompt_id: r.output.token_ids for r in run.records if r.method == AR}
+    outputs = {(r.method, r.prompt_id): r.output.token_ids for r in run.records}
+    labels = {r.method for r in run.records}
+    refs: dict[tuple[str, str], list[int]] = {}
+    for r in run.records:
+        ref = reference_label(r.method, labels)
+        if ref not in run.failures and (ref, r.prompt_id) in outputs:
+            refs[(r.method, r.prompt_id)] = outputs[(ref, r.prompt_id)]
+    return refs
 
 
 def parity_flags(run: BenchRun, greedy: bool) -> dict[tuple[str, str], bool]:
-    """``(method, prompt_id) → output == ar's output`` for every record that has an ``ar``
-    record of the same prompt; empty for sampling runs."""
-    reference = _ar_references(run, greedy)
-    return {(r.method, r.prompt_id): r.output.token_ids == reference[r.prompt_id]
-            for r in run.records if r.prompt_id in reference}
+    """``(method, prompt_id) → output == its reference's`` (``ar``, or ``ar`` on the row's
+    decoding kernel: :func:`reference_label`) for every record whose reference has that
+    prompt; empty for sampling runs."""
+    reference = _references(run, greedy)
+    return {(r.method, r.prompt_id): r.output.token_ids == reference[(r.method, r.prompt_id)]
+            for r in run.records if (r.method, r.prompt_id) in reference}
 
 
 def prefix_shares(run: BenchRun, greedy: bool) -> dict[tuple[str, str], float]:
-    """``(method, prompt_id) →`` share of ``ar``'s output that the method's output repeats
-    before their first differing token; empty for sampling runs."""
-    reference = _ar_references(run, greedy)
+    """``(method, prompt_id) →`` share of the reference's output (:func:`parity_flags`') that
+    the method's output repeats before their first differing token; empty for sampling
+    runs."""
+    reference = _references(run, greedy)
     shares = {}
     for r in run.records:
-        ref = reference.get(r.prompt_id)
+        ref = reference.get((r.method, r.prompt_id))
         if ref:
             same = next((i for i, (a, b) in enumerate(zip(r.output.token_ids, ref)) if a != b),
                         min(len(ref), len(r.output.token_ids)))

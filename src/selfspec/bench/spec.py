@@ -3,7 +3,7 @@ benchmark's baselines outside selfspec (``hf-*``: transformers; ``llamacpp-*``: 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from selfspec.methods import labels
@@ -81,3 +81,19 @@ def parse_methods(text: str) -> list[MethodConfig]:
 def parse_sweep(spec: str) -> list[MethodConfig]:
     """:func:`selfspec.methods.labels.parse_sweep` with the benchmark's baselines."""
     return labels.parse_sweep(spec, _BASELINE_OPTIONS)
+
+
+def reference_label(label: str, run_labels: Iterable[str]) -> str:
+    """The row whose greedy output ``label``'s is compared with: ``ar`` on the same decoding
+    kernel (``m:...,decode_kernel=K`` → ``ar:decode_kernel=K``) when the run has that row,
+    else ``ar`` (the run's own weights; so ``ar:decode_kernel=K`` itself is compared with
+    ``ar``: its greedy agreement with the dense model)."""
+    try:
+        config = labels.parse_method(label)
+    except ValueError:  # a baseline's label the methods' grammar does not take
+        return "ar"
+    kernel = config.options.get(DECODE_KERNEL)
+    if kernel is None or config.name == "ar":
+        return "ar"
+    same = f"ar:{DECODE_KERNEL}={kernel}"
+    return same if same in set(run_labels) else "ar"
