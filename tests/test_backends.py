@@ -46,7 +46,7 @@ def test_cpu_only_backends_are_never_chosen_for_another_device(fmt):
         assert BackendCache(torch.device(device), 64).get(fmt, 0) is None
 
 
-@pytest.mark.parametrize("fmt", sorted(BACKEND_DEVICES))
+@pytest.mark.parametrize("fmt", sorted(set(BACKEND_DEVICES) - {"gguf"}))
 def test_the_backend_is_a_function_of_device_and_format(fmt):
     if not _available(fmt):
         pytest.skip(f"{fmt} kernel not available here")
@@ -57,6 +57,21 @@ def test_the_backend_is_a_function_of_device_and_format(fmt):
     assert select_backend("cpu", "weights") is None
     cache = BackendCache(torch.device("cpu"), 64)
     assert cache.get(fmt, 0) is cache.get(fmt, 0)  # one object per (format, threshold)
+
+
+def test_the_gguf_backend_is_provided_from_a_file_not_built_from_its_name():
+    """``gguf`` is the one family built from more than its name (a file's blocks): asked
+    for without one it is an error that says how to load, never a silent fallback; once
+    provided, every threshold finds it."""
+    from selfspec.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="dtype 'gguf'"):
+        select_backend(torch.device("cpu"), "gguf", 0, 64)
+    cache = BackendCache(torch.device("cpu"), 64)
+    assert not cache.has("gguf")
+    backend = object()
+    cache.provide("gguf", backend)
+    assert cache.has("gguf") and cache.get("gguf", 4 << 20) is backend
 
 
 def test_a_cpu_only_format_on_another_device_leaves_every_matrix_on_its_weights(monkeypatch):
@@ -160,6 +175,6 @@ def test_the_design_doc_names_every_public_entry_point():
 
 
 def test_backends_module_keeps_cpu_kernels_behind_the_device_table():
-    assert set(BACKEND_DEVICES) == {"bf16", "bf16+fp16", "fp16", "int4", "w4a8"}
+    assert set(BACKEND_DEVICES) == {"bf16", "bf16+fp16", "fp16", "int4", "w4a8", "gguf"}
     assert all(devices == ("cpu",) for devices in BACKEND_DEVICES.values())
     assert backends.select_backend("cpu", "weights") is None

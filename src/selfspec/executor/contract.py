@@ -58,6 +58,7 @@ class Executor(Protocol):
     layer_weights: list[LayerWeights]    # per layer: norms + qkv, o, gate_up, down
     output_weights: Any                  # lm_head as multiplied ([..., H] → [..., V])
     draft_weights: str | None            # a draft view's weight format, else None
+    gguf_weights: Any                    # the GGUF blocks of decode kernel "gguf", else None
     rope: RopeTable                      # cos/sin tables
     graphs: Any                          # CudaGraphRunner serving forward(), or None
 
