@@ -64,7 +64,7 @@ def prefill_logits(engine: selfspec.SelfSpec, ids: list[int]) -> torch.Tensor:
 
 def run_config(config: str, args: argparse.Namespace, questions: list[str]) -> bool:
     dtype, _, bulk = config.partition(":")
-    engine = selfspec.load("smollm2-135m-instruct", dtype=dtype, show_progress=False)
+    engine = selfspec.load(args.model, dtype=dtype, show_progress=False)
     if bulk:
         engine.executor.set_bulk(bulk)
     formats = engine.executor.formats
@@ -118,6 +118,8 @@ def run_config(config: str, args: argparse.Namespace, questions: list[str]) -> b
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="registry name, directory or .gguf (default smollm2-135m-instruct)")
     parser.add_argument("--configs", default="bf16",
                         help="comma-separated DTYPE or DTYPE:BULK (default bf16)")
     parser.add_argument("--prefix-tokens", type=int, default=1024,
