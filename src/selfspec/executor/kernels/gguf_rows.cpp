@@ -124,6 +124,7 @@ inline void dot_signed32(const Signed32& w, const BlockQ8_0& x, __m256& acc, flo
 
 struct TypeQ4_0 {
   using Act = BlockQ8_0;
+  using Acc = __m256;
   using Decoded = Signed32;
   static constexpr int64_t kBlock = 32, kBytes = 18;
   static void decode(const uint8_t* b, Decoded& w) {
@@ -136,6 +137,7 @@ struct TypeQ4_0 {
 
 struct TypeQ5_0 {
   using Act = BlockQ8_0;
+  using Acc = __m256;
   using Decoded = Signed32;
   static constexpr int64_t kBlock = 32, kBytes = 22;
   static void decode(const uint8_t* b, Decoded& w) {
@@ -150,6 +152,7 @@ struct TypeQ5_0 {
 
 struct TypeQ8_0 {
   using Act = BlockQ8_0;
+  using Acc = __m256;
   using Decoded = Signed32;
   static constexpr int64_t kBlock = 32, kBytes = 34;
   static void decode(const uint8_t* b, Decoded& w) {
@@ -175,6 +178,7 @@ inline void dot_unsigned32(const Unsigned32& w, const BlockQ8_1& x, __m256& acc,
 
 struct TypeQ4_1 {
   using Act = BlockQ8_1;
+  using Acc = __m256;
   using Decoded = Unsigned32;
   static constexpr int64_t kBlock = 32, kBytes = 20;
   static void decode(const uint8_t* b, Decoded& w) {
@@ -187,6 +191,7 @@ struct TypeQ4_1 {
 
 struct TypeQ5_1 {
   using Act = BlockQ8_1;
+  using Acc = __m256;
   using Decoded = Unsigned32;
   static constexpr int64_t kBlock = 32, kBytes = 24;
   static void decode(const uint8_t* b, Decoded& w) {
@@ -203,35 +208,188 @@ struct TypeQ5_1 {
 // bytes), fp16 d and dmin: w = d sc q - dmin m. Codes: 32 bytes per 64 inputs, low nibbles for
 // the first 32, high for the next (Q5_K: bit 2j / 2j+1 of qh[l] is input 64j + l's / 64j + 32 +
 // l's fifth bit). Per block, integer sums sum_j sc_j (q_j . a_j) and sum_j m_j (bsum_2j +
-// bsum_2j+1) (Q8_K's bsums are per 16), each scaled once.
+// bsum_2j+1) (Q8_K's bsums are per 16), each scaled once. The AVX-512 build takes 64 inputs
+// (two sub-blocks) a vector, halving the instructions per activation row.
+
+// The 12 bytes of scales and minima as 16 bytes sc[0..7], m[0..7]: for j < 4, sc_j and m_j
+// are the low 6 bits of bytes j and j + 4; sc_j+4 and m_j+4 take their low 4 bits from byte
+// j + 8's nibbles and their top 2 from bits 6-7 of bytes j and j + 4 (ggml's
+// get_scale_min_k4), done on 4 bytes at a time.
+inline __m128i k_scales(const uint8_t* s) {
+  uint32_t a[3];
+  memcpy(a, s, 12);
+  const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+  return _mm_setr_epi32(static_cast<int32_t>(a[0] & six),
+                        static_cast<int32_t>((a[2] & four) | (((a[0] >> 6) & two) << 4)),
+                        static_cast<int32_t>(a[1] & six),
+                        static_cast<int32_t>(((a[2] >> 4) & four) | (((a[1] >> 6) & two) << 4)));
+}
+
+// int16 [m0, m0, m1, m1, ..., m7, m7]: against the 16 bsums, vpmaddwd gives m_j (bsum_2j +
+// bsum_2j+1) in int32 lane j.
+inline __m256i k_mins(__m128i scales) {
+  return _mm256_cvtepu8_epi16(_mm_shuffle_epi8(
+      scales, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
+}
+
+#ifdef SELFSPEC_GGUF_VNNI
 struct KQuant32 {
-  __m256i q[8];       // sub-block j's 32 codes (u8)
-  int16_t sc[8];
-  __m256i mins;       // int16 [m0, m0, m1, m1, ..., m7, m7] against the 16 bsums
+  __m512i q[4];       // inputs 64j .. 64j + 63 (u8)
+  __m512i sc[4];      // int16: sc_2j in the low 256 bits, sc_2j+1 in the high ones
+  __m256i mins;
   float d, dmin;
 };
 
-inline void unpack_scales(const uint8_t* s, KQuant32& w) {
-  uint8_t m[8];
-  for (int j = 0; j < 4; ++j) {
-    w.sc[j] = s[j] & 63;
-    m[j] = s[j + 4] & 63;
-    w.sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
-    m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+inline void k_decode_scales(const uint8_t* s, KQuant32& w) {
+  const __m128i scales = k_scales(s);
+  const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(scales));
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j)
+    w.sc[j] = _mm512_permutexvar_epi16(
+        _mm512_inserti64x4(_mm512_set1_epi16(2 * j), _mm256_set1_epi16(2 * j + 1), 1), sc16);
+  w.mins = k_mins(scales);
+}
+
+// 32 bytes of nibbles -> 64 u8: the low nibbles (inputs 0-31), then the high ones (32-63).
+inline __m512i k_nibbles(const uint8_t* p) {
+  const __m512i both = _mm512_broadcast_i64x4(load32(p));
+  const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  return _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi8(0x0f));
+}
+
+inline void dot_kquant32(const KQuant32& w, const BlockQ8_K& x, __m512& acc) {
+  __m512i isum = _mm512_setzero_si512();
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j)  // |pair sums| <= 2 * 31 * 127: int16
+    isum = _mm512_dpwssd_epi32(
+        isum, _mm512_maddubs_epi16(w.q[j], _mm512_loadu_si512(x.qs + 64 * j)), w.sc[j]);
+  const __m256i msum = _mm256_madd_epi16(w.mins, _mm256_loadu_si256(
+                                                     reinterpret_cast<const __m256i*>(x.bsums)));
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(w.d * x.d), acc);
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(msum)),
+                        _mm512_set1_ps(-(w.dmin * x.d)), acc);
+}
+
+struct TypeQ4_K {
+  using Act = BlockQ8_K;
+  using Acc = __m512;
+  using Decoded = KQuant32;
+  static constexpr int64_t kBlock = 256, kBytes = 144;
+  static void decode(const uint8_t* b, Decoded& w) {
+    w.d = fp16(u16(b));
+    w.dmin = fp16(u16(b + 2));
+    k_decode_scales(b + 4, w);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) w.q[j] = k_nibbles(b + 16 + 32 * j);
   }
-  int64_t m8;
-  memcpy(&m8, m, 8);
-  const __m128i dup = _mm_shuffle_epi8(_mm_cvtsi64_si128(m8),
-                                       _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
-  w.mins = _mm256_cvtepu8_epi16(dup);
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) { dot_kquant32(w, x, acc); }
+};
+
+struct TypeQ5_K {
+  using Act = BlockQ8_K;
+  using Acc = __m512;
+  using Decoded = KQuant32;
+  static constexpr int64_t kBlock = 256, kBytes = 176;
+  static void decode(const uint8_t* b, Decoded& w) {
+    w.d = fp16(u16(b));
+    w.dmin = fp16(u16(b + 2));
+    k_decode_scales(b + 4, w);
+    // qh in both halves, shifted so that bit 2j (low half) or 2j + 1 (high half) of each byte
+    // lands on bit 4; 16-bit shifts keep a byte's own bits there while 2j + 1 <= 7.
+    const __m512i qh = _mm512_broadcast_i64x4(load32(b + 16));
+    const __m512i bit4 = _mm512_set1_epi8(0x10);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(4 - 2 * j),
+                                               _mm256_set1_epi16(3 - 2 * j), 1);
+      const __m512i high = j < 2 ? _mm512_sllv_epi16(qh, shift)
+                                 : _mm512_srlv_epi16(qh, _mm512_sub_epi16(_mm512_setzero_si512(), shift));
+      w.q[j] = _mm512_or_si512(k_nibbles(b + 48 + 32 * j), _mm512_and_si512(high, bit4));
+    }
+  }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) { dot_kquant32(w, x, acc); }
+};
+
+// Q6_K: 256 inputs in 16 sub-blocks of 16, int8 scales, fp16 d; 6-bit codes u = q + 32 (4 low
+// bits in ql, 2 high in qh). Per 128 inputs (ql 64 bytes, qh 32): input l + 32 k (l < 32) has
+// ql[l + 32 (k & 1)]'s low (k < 2) or high nibble and qh[l]'s bits 2k, 2k + 1. Sub-block i of
+// 16 inputs has scale sc[i]. w . a = d dx (sum_i sc_i (u_i . a_i) - 32 sum_i sc_i bsum_i).
+struct TypeQ6_K {
+  using Act = BlockQ8_K;
+  using Acc = __m512;
+  static constexpr int64_t kBlock = 256, kBytes = 210;
+  struct Decoded {
+    __m512i u[4];      // inputs 64p .. 64p + 63 (u8, 0..63)
+    __m512i sc[4];     // int16: lanes 8i .. 8i + 7 hold sc[4p + i]
+    __m256i sc_all;    // int16 sc[0..15]
+    float d;
+  };
+  static void decode(const uint8_t* b, Decoded& w) {
+    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    w.d = fp16(u16(b + 208));
+    w.sc_all = _mm256_cvtepi8_epi16(sc8);
+    const __m512i low = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m512i ql = _mm512_loadu_si512(b + 64 * h);            // inputs 0-31 | 32-63
+      const __m512i qh = _mm512_broadcast_i64x4(load32(b + 128 + 32 * h));
+      const __m512i s01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+      const __m512i s23 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+      w.u[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low), _mm512_slli_epi16(
+          _mm512_and_si512(_mm512_srlv_epi16(qh, s01), two), 4));
+      w.u[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low),
+                                       _mm512_slli_epi16(_mm512_and_si512(
+                                           _mm512_srlv_epi16(qh, s23), two), 4));
+    }
+    const __m512i all = _mm512_castsi256_si512(w.sc_all);
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p)
+      w.sc[p] = _mm512_permutexvar_epi16(
+          _mm512_add_epi16(_mm512_set1_epi16(4 * p),
+                           _mm512_srli_epi16(_mm512_setr_epi32(
+                               0x00010000, 0x00030002, 0x00050004, 0x00070006, 0x00090008,
+                               0x000b000a, 0x000d000c, 0x000f000e, 0x00110010, 0x00130012,
+                               0x00150014, 0x00170016, 0x00190018, 0x001b001a, 0x001d001c,
+                               0x001f001e), 3)),
+          all);
+  }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) {
+    __m512i isum = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p)  // |pair sums| <= 2 * 63 * 127: int16
+      isum = _mm512_dpwssd_epi32(
+          isum, _mm512_maddubs_epi16(w.u[p], _mm512_loadu_si512(x.qs + 64 * p)), w.sc[p]);
+    const __m256i off = _mm256_madd_epi16(
+        w.sc_all, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums)));
+    isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(_mm256_slli_epi32(off, 5)));  // +32
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(w.d * x.d), acc);
+  }
+};
+
+#else  // AVX2: 32 inputs a vector
+
+struct KQuant32 {
+  __m256i q[8];       // sub-block j's 32 codes (u8)
+  __m256i sc[8];      // int16 sc_j in every lane
+  __m256i mins;
+  float d, dmin;
+};
+
+inline void k_decode_scales(const uint8_t* s, KQuant32& w) {
+  const __m128i scales = k_scales(s);
+  const __m256i sc16 = _mm256_cvtepu8_epi16(scales);  // sc0..7 | m0..7, one per 16-bit lane
+  const __m256i lo = _mm256_permute2x128_si256(sc16, sc16, 0x00);
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j)
+    w.sc[j] = _mm256_shuffle_epi8(lo, _mm256_set1_epi16(static_cast<int16_t>(0x0100 * (2 * j + 1) + 2 * j)));
+  w.mins = k_mins(scales);
 }
 
 inline void dot_kquant32(const KQuant32& w, const BlockQ8_K& x, __m256& acc) {
   __m256i isum = _mm256_setzero_si256();
 #pragma GCC unroll 8
   for (int j = 0; j < 8; ++j)  // |pair sums| <= 2 * 31 * 127: int16
-    isum = madd_acc(isum, _mm256_maddubs_epi16(w.q[j], load32(x.qs + 32 * j)),
-                    _mm256_set1_epi16(w.sc[j]));
+    isum = madd_acc(isum, _mm256_maddubs_epi16(w.q[j], load32(x.qs + 32 * j)), w.sc[j]);
   const __m256i msum = _mm256_madd_epi16(w.mins, _mm256_loadu_si256(
                                                      reinterpret_cast<const __m256i*>(x.bsums)));
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(w.d * x.d), acc);
@@ -240,12 +398,13 @@ inline void dot_kquant32(const KQuant32& w, const BlockQ8_K& x, __m256& acc) {
 
 struct TypeQ4_K {
   using Act = BlockQ8_K;
+  using Acc = __m256;
   using Decoded = KQuant32;
   static constexpr int64_t kBlock = 256, kBytes = 144;
   static void decode(const uint8_t* b, Decoded& w) {
     w.d = fp16(u16(b));
     w.dmin = fp16(u16(b + 2));
-    unpack_scales(b + 4, w);
+    k_decode_scales(b + 4, w);
     const __m256i low = _mm256_set1_epi8(0x0f);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
@@ -254,17 +413,18 @@ struct TypeQ4_K {
       w.q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
     }
   }
-  static void dot(const Decoded& w, const Act& x, __m256& acc, float&) { dot_kquant32(w, x, acc); }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) { dot_kquant32(w, x, acc); }
 };
 
 struct TypeQ5_K {
   using Act = BlockQ8_K;
+  using Acc = __m256;
   using Decoded = KQuant32;
   static constexpr int64_t kBlock = 256, kBytes = 176;
   static void decode(const uint8_t* b, Decoded& w) {
     w.d = fp16(u16(b));
     w.dmin = fp16(u16(b + 2));
-    unpack_scales(b + 4, w);
+    k_decode_scales(b + 4, w);
     const __m256i low = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
     __m256i qh = load32(b + 16);
 #pragma GCC unroll 4
@@ -278,7 +438,7 @@ struct TypeQ5_K {
       qh = _mm256_srli_epi16(qh, 2);  // a byte's bits 0-7 stay its own while 2j + 1 <= 7
     }
   }
-  static void dot(const Decoded& w, const Act& x, __m256& acc, float&) { dot_kquant32(w, x, acc); }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) { dot_kquant32(w, x, acc); }
 };
 
 // Q6_K: 256 inputs in 16 sub-blocks of 16, int8 scales, fp16 d; 6-bit codes u = q + 32 (4 low
@@ -287,6 +447,7 @@ struct TypeQ5_K {
 // 16 inputs has scale sc[i]. w . a = d dx (sum_i sc_i (u_i . a_i) - 32 sum_i sc_i bsum_i).
 struct TypeQ6_K {
   using Act = BlockQ8_K;
+  using Acc = __m256;
   static constexpr int64_t kBlock = 256, kBytes = 210;
   struct Decoded {
     __m256i u[8];      // inputs 32p .. 32p + 31 (u8, 0..63)
@@ -334,16 +495,24 @@ struct TypeQ6_K {
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(w.d * x.d), acc);
   }
 };
+#endif
+
+inline __m256 zero_acc(__m256) { return _mm256_setzero_ps(); }
+inline float sum_acc(__m256 a) { return hsum(a); }
+#ifdef SELFSPEC_GGUF_VNNI
+inline __m512 zero_acc(__m512) { return _mm512_setzero_ps(); }
+inline float sum_acc(__m512 a) { return _mm512_reduce_add_ps(a); }  // a fixed order
+#endif
 
 // TB activation rows (act, rows act_bytes apart) against weight row w of nb blocks: res[t].
 template <class T, int TB>
 void quant_tile(const uint8_t* w, const uint8_t* act, int64_t act_bytes, int64_t nb, float* res) {
   using Act = typename T::Act;
-  __m256 acc[TB];
+  typename T::Acc acc[TB];
   float extra[TB];
 #pragma GCC unroll 8
   for (int t = 0; t < TB; ++t) {
-    acc[t] = _mm256_setzero_ps();
+    acc[t] = zero_acc(acc[t]);
     extra[t] = 0.f;
   }
   for (int64_t b = 0; b < nb; ++b) {
@@ -354,7 +523,7 @@ void quant_tile(const uint8_t* w, const uint8_t* act, int64_t act_bytes, int64_t
       T::dot(dw, reinterpret_cast<const Act*>(act + t * act_bytes)[b], acc[t], extra[t]);
   }
 #pragma GCC unroll 8
-  for (int t = 0; t < TB; ++t) res[t] = hsum(acc[t]) + extra[t];
+  for (int t = 0; t < TB; ++t) res[t] = sum_acc(acc[t]) + extra[t];
 }
 
 // Unquantized rows against fp32 activations: two 8-lane FMA chains per (row, output), then the
