@@ -233,9 +233,41 @@ inline __m256i k_mins(__m128i scales) {
 }
 
 #ifdef SELFSPEC_GGUF_VNNI
+// 64 inputs a zmm. Port 0 runs every 512-bit integer multiply, so the count of those per
+// activation row sets the cost of a tile: vpdpbusd gives the sums of 4 code x input products
+// (|sum| <= 4 * 63 * 127 < 2^15 for 6-bit codes), two such vectors pack to int16 (vpackssdw,
+// port 5, exact) and one vpdpwssd applies the sub-blocks' scales: 3 multiplies per 128 inputs
+// where vpmaddubsw + vpdpwssd take 4. vpackssdw interleaves its sources per 128-bit lane L:
+// int16 8L .. 8L + 3 from the first, 8L + 4 .. 8L + 7 from the second; the scale vectors
+// follow that order.
+
+// The mins term in a 256-bit accumulator beside the 512-bit one (256-bit conversions and FMAs
+// run on two ports, leaving port 0 to the multiplies).
+struct AccK {
+  __m512 a;
+  __m256 m;
+};
+inline float sum_acc(AccK a) { return _mm512_reduce_add_ps(a.a) + hsum(a.m); }  // fixed order
+
+// Scale vectors for packed pairs: int16 lane 8L + i (L < 4, i < 8) takes scale
+// index[L][i < 4 ? 0 : 1] from the int16 source vector.
+inline __m512i pair_scales(__m512i src, int a0, int a1, int a2, int a3, int b0, int b1, int b2,
+                           int b3) {
+  const int16_t idx[32] = {
+      (int16_t)a0, (int16_t)a0, (int16_t)a0, (int16_t)a0, (int16_t)b0, (int16_t)b0, (int16_t)b0, (int16_t)b0,
+      (int16_t)a1, (int16_t)a1, (int16_t)a1, (int16_t)a1, (int16_t)b1, (int16_t)b1, (int16_t)b1, (int16_t)b1,
+      (int16_t)a2, (int16_t)a2, (int16_t)a2, (int16_t)a2, (int16_t)b2, (int16_t)b2, (int16_t)b2, (int16_t)b2,
+      (int16_t)a3, (int16_t)a3, (int16_t)a3, (int16_t)a3, (int16_t)b3, (int16_t)b3, (int16_t)b3, (int16_t)b3};
+  return _mm512_permutexvar_epi16(_mm512_loadu_si512(idx), src);
+}
+
+inline __m512i dpbusd0(__m512i u, __m512i s) {
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+}
+
 struct KQuant32 {
-  __m512i q[4];       // inputs 64j .. 64j + 63 (u8)
-  __m512i sc[4];      // int16: sc_2j in the low 256 bits, sc_2j+1 in the high ones
+  __m512i q[4];       // inputs 64j .. 64j + 63 (u8): sub-block 2j in 128-bit lanes 0-1, 2j + 1 in 2-3
+  __m512i sc[2];      // pack(P_2k, P_2k+1)'s scales: lanes 0-1 [sc_4k, sc_4k+2], 2-3 [sc_4k+1, sc_4k+3]
   __m256i mins;
   float d, dmin;
 };
@@ -243,10 +275,8 @@ struct KQuant32 {
 inline void k_decode_scales(const uint8_t* s, KQuant32& w) {
   const __m128i scales = k_scales(s);
   const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(scales));
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j)
-    w.sc[j] = _mm512_permutexvar_epi16(
-        _mm512_inserti64x4(_mm512_set1_epi16(2 * j), _mm256_set1_epi16(2 * j + 1), 1), sc16);
+  w.sc[0] = pair_scales(sc16, 0, 0, 1, 1, 2, 2, 3, 3);
+  w.sc[1] = pair_scales(sc16, 4, 4, 5, 5, 6, 6, 7, 7);
   w.mins = k_mins(scales);
 }
 
@@ -257,22 +287,23 @@ inline __m512i k_nibbles(const uint8_t* p) {
   return _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi8(0x0f));
 }
 
-inline void dot_kquant32(const KQuant32& w, const BlockQ8_K& x, __m512& acc) {
+inline void dot_kquant32(const KQuant32& w, const BlockQ8_K& x, AccK& acc) {
   __m512i isum = _mm512_setzero_si512();
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j)  // |pair sums| <= 2 * 31 * 127: int16
-    isum = _mm512_dpwssd_epi32(
-        isum, _mm512_maddubs_epi16(w.q[j], _mm512_loadu_si512(x.qs + 64 * j)), w.sc[j]);
+#pragma GCC unroll 2
+  for (int k = 0; k < 2; ++k) {
+    const __m512i p0 = dpbusd0(w.q[2 * k], _mm512_loadu_si512(x.qs + 128 * k));
+    const __m512i p1 = dpbusd0(w.q[2 * k + 1], _mm512_loadu_si512(x.qs + 128 * k + 64));
+    isum = _mm512_dpwssd_epi32(isum, _mm512_packs_epi32(p0, p1), w.sc[k]);
+  }
   const __m256i msum = _mm256_madd_epi16(w.mins, _mm256_loadu_si256(
                                                      reinterpret_cast<const __m256i*>(x.bsums)));
-  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(w.d * x.d), acc);
-  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(msum)),
-                        _mm512_set1_ps(-(w.dmin * x.d)), acc);
+  acc.a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(w.d * x.d), acc.a);
+  acc.m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(-(w.dmin * x.d)), acc.m);
 }
 
 struct TypeQ4_K {
   using Act = BlockQ8_K;
-  using Acc = __m512;
+  using Acc = AccK;
   using Decoded = KQuant32;
   static constexpr int64_t kBlock = 256, kBytes = 144;
   static void decode(const uint8_t* b, Decoded& w) {
@@ -287,7 +318,7 @@ struct TypeQ4_K {
 
 struct TypeQ5_K {
   using Act = BlockQ8_K;
-  using Acc = __m512;
+  using Acc = AccK;
   using Decoded = KQuant32;
   static constexpr int64_t kBlock = 256, kBytes = 176;
   static void decode(const uint8_t* b, Decoded& w) {
@@ -295,15 +326,16 @@ struct TypeQ5_K {
     w.dmin = fp16(u16(b + 2));
     k_decode_scales(b + 4, w);
     // qh in both halves, shifted so that bit 2j (low half) or 2j + 1 (high half) of each byte
-    // lands on bit 4; 16-bit shifts keep a byte's own bits there while 2j + 1 <= 7.
+    // lands on bit 4; 16-bit shifts keep a byte's own bits there (shifts of at most 4).
     const __m512i qh = _mm512_broadcast_i64x4(load32(b + 16));
     const __m512i bit4 = _mm512_set1_epi8(0x10);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(4 - 2 * j),
-                                               _mm256_set1_epi16(3 - 2 * j), 1);
-      const __m512i high = j < 2 ? _mm512_sllv_epi16(qh, shift)
-                                 : _mm512_srlv_epi16(qh, _mm512_sub_epi16(_mm512_setzero_si512(), shift));
+      const __m512i high =
+          j < 2 ? _mm512_sllv_epi16(qh, _mm512_inserti64x4(_mm512_set1_epi16(4 - 2 * j),
+                                                           _mm256_set1_epi16(3 - 2 * j), 1))
+                : _mm512_srlv_epi16(qh, _mm512_inserti64x4(_mm512_set1_epi16(2 * j - 4),
+                                                           _mm256_set1_epi16(2 * j - 3), 1));
       w.q[j] = _mm512_or_si512(k_nibbles(b + 48 + 32 * j), _mm512_and_si512(high, bit4));
     }
   }
@@ -319,8 +351,8 @@ struct TypeQ6_K {
   using Acc = __m512;
   static constexpr int64_t kBlock = 256, kBytes = 210;
   struct Decoded {
-    __m512i u[4];      // inputs 64p .. 64p + 63 (u8, 0..63)
-    __m512i sc[4];     // int16: lanes 8i .. 8i + 7 hold sc[4p + i]
+    __m512i u[4];      // inputs 64p .. 64p + 63 (u8, 0..63): sub-block 4p + L in 128-bit lane L
+    __m512i sc[2];     // pack(P_2k, P_2k+1)'s scales: lane L [sc_8k+L, sc_8k+4+L]
     __m256i sc_all;    // int16 sc[0..15]
     float d;
   };
@@ -342,23 +374,17 @@ struct TypeQ6_K {
                                            _mm512_srlv_epi16(qh, s23), two), 4));
     }
     const __m512i all = _mm512_castsi256_si512(w.sc_all);
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p)
-      w.sc[p] = _mm512_permutexvar_epi16(
-          _mm512_add_epi16(_mm512_set1_epi16(4 * p),
-                           _mm512_srli_epi16(_mm512_setr_epi32(
-                               0x00010000, 0x00030002, 0x00050004, 0x00070006, 0x00090008,
-                               0x000b000a, 0x000d000c, 0x000f000e, 0x00110010, 0x00130012,
-                               0x00150014, 0x00170016, 0x00190018, 0x001b001a, 0x001d001c,
-                               0x001f001e), 3)),
-          all);
+    w.sc[0] = pair_scales(all, 0, 1, 2, 3, 4, 5, 6, 7);
+    w.sc[1] = pair_scales(all, 8, 9, 10, 11, 12, 13, 14, 15);
   }
   static void dot(const Decoded& w, const Act& x, Acc& acc, float&) {
     __m512i isum = _mm512_setzero_si512();
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p)  // |pair sums| <= 2 * 63 * 127: int16
-      isum = _mm512_dpwssd_epi32(
-          isum, _mm512_maddubs_epi16(w.u[p], _mm512_loadu_si512(x.qs + 64 * p)), w.sc[p]);
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; ++k) {  // |sums of 4| <= 4 * 63 * 127: int16
+      const __m512i p0 = dpbusd0(w.u[2 * k], _mm512_loadu_si512(x.qs + 128 * k));
+      const __m512i p1 = dpbusd0(w.u[2 * k + 1], _mm512_loadu_si512(x.qs + 128 * k + 64));
+      isum = _mm512_dpwssd_epi32(isum, _mm512_packs_epi32(p0, p1), w.sc[k]);
+    }
     const __m256i off = _mm256_madd_epi16(
         w.sc_all, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums)));
     isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(_mm256_slli_epi32(off, 5)));  // +32
@@ -497,10 +523,8 @@ struct TypeQ6_K {
 };
 #endif
 
-inline __m256 zero_acc(__m256) { return _mm256_setzero_ps(); }
 inline float sum_acc(__m256 a) { return hsum(a); }
 #ifdef SELFSPEC_GGUF_VNNI
-inline __m512 zero_acc(__m512) { return _mm512_setzero_ps(); }
 inline float sum_acc(__m512 a) { return _mm512_reduce_add_ps(a); }  // a fixed order
 #endif
 
@@ -512,7 +536,7 @@ void quant_tile(const uint8_t* w, const uint8_t* act, int64_t act_bytes, int64_t
   float extra[TB];
 #pragma GCC unroll 8
   for (int t = 0; t < TB; ++t) {
-    acc[t] = zero_acc(acc[t]);
+    acc[t] = typename T::Acc{};  // zeros
     extra[t] = 0.f;
   }
   for (int64_t b = 0; b < nb; ++b) {
