@@ -146,7 +146,7 @@ def test_each_type_is_the_dequantized_product(isa, qtype):
 @pytest.mark.parametrize("qtype", GGUF_ROW_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_each_row_is_the_same_in_any_call(isa, qtype, dtype):
-    """Rows of a 13-row call (tiles of 8 + 5 or 4 x 3 + 1) equal one-row calls and a 6-row call
+    """Rows of a 13-row call (tiles of 8 and 5 rows) equal one-row calls and a 6-row call
     mixing them with other rows, bit for bit; the output is in the input's dtype."""
     mat = _matrix(qtype, n=21, isa=isa)
     x = _inputs(13).to(dtype)

@@ -12,7 +12,7 @@ own w4a8 blocks (:mod:`selfspec.executor.w4a8`), no bf16 copy; a token costs rea
 
 Row consistency: a row's result is bit-identical whatever the number of rows in the call and
 whatever the others are, so a verification block equals one-token decoding bit for bit; yet
-each decoded weight block serves a tile of up to 4 (AVX2) or 8 (AVX-512) rows, so a block of
+each decoded weight block serves a tile of up to 8 rows, so a block of
 8–16 rows costs far less than as many one-row calls.
 
 Two builds of the same source, chosen at run time: AVX-512 (F/BW/VL + VNNI: ``vpdpbusd``,
