@@ -216,16 +216,18 @@ struct TypeQ5_1 {
 
 // The 12 bytes of scales and minima as 16 bytes sc[0..7], m[0..7]: for j < 4, sc_j and m_j
 // are the low 6 bits of bytes j and j + 4; sc_j+4 and m_j+4 take their low 4 bits from byte
-// j + 8's nibbles and their top 2 from bits 6-7 of bytes j and j + 4 (ggml's
-// get_scale_min_k4), done on 4 bytes at a time.
+// j + 8's low and high nibbles and their top 2 from bits 6-7 of bytes j and j + 4 (ggml's
+// get_scale_min_k4), in a few byte shuffles (16 bytes read: the block's codes follow).
 inline __m128i k_scales(const uint8_t* s) {
-  uint32_t a[3];
-  memcpy(a, s, 12);
-  const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
-  return _mm_setr_epi32(static_cast<int32_t>(a[0] & six),
-                        static_cast<int32_t>((a[2] & four) | (((a[0] >> 6) & two) << 4)),
-                        static_cast<int32_t>(a[1] & six),
-                        static_cast<int32_t>(((a[2] >> 4) & four) | (((a[1] >> 6) & two) << 4)));
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+  // a: bytes [0..3, 8..11, 4..7, 8..11]; b: [-, 0..3, -, 4..7] (-: zero)
+  const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i low = _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+  const __m128i high_nibbles = _mm_and_si128(  // 16-bit shifts of masked bytes stay in their byte
+      _mm_srli_epi16(a, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+  const __m128i top = _mm_srli_epi16(_mm_and_si128(b, _mm_set1_epi8(static_cast<char>(0xc0))), 2);
+  return _mm_or_si128(_mm_or_si128(low, high_nibbles), top);
 }
 
 // int16 [m0, m0, m1, m1, ..., m7, m7]: against the 16 bsums, vpmaddwd gives m_j (bsum_2j +
