@@ -218,10 +218,18 @@ class GgufMatrix:
         if lib.rows is None:
             raise RuntimeError(f"the GGUF rows kernel ({self.isa}) is not available: {lib.reason}")
         self._lib = lib
-        # Activation formats in first-use order, and their bytes a row.
-        self._formats = tuple(dict.fromkeys(_ACTIVATION[s.type] for s in self.segments))
-        self._act_bytes = {f: lib.act_row_bytes(int(f), k) for f in self._formats
-                           if f != _T.F32}
+        # Activation formats in first-use order with their bytes a row (None: the fp32 input),
+        # and per segment the kernel's arguments that do not change between calls.
+        formats = list(dict.fromkeys(_ACTIVATION[s.type] for s in self.segments))
+        self._formats = tuple((int(f), None if f == _T.F32 else lib.act_row_bytes(int(f), k))
+                              for f in formats)
+        calls, col = [], 0
+        for seg in self.segments:
+            bias_ptr = None if bias is None else bias.data_ptr() + 4 * col
+            calls.append((int(seg.type), seg.data.data_ptr(), seg.rows,
+                          formats.index(_ACTIVATION[seg.type]), bias_ptr, col))
+            col += seg.rows
+        self._calls = tuple(calls)
 
     @property
     def types(self) -> tuple[gguf.GGMLQuantizationType, ...]:
@@ -247,28 +255,29 @@ class GgufMatrix:
             InvalidArgumentError: ``x``'s last dimension is not ``K``.
         """
         k, n = self.in_features, self.out_features
-        if x.shape[-1:] != (k,):
+        if x.dim() == 0 or x.shape[-1] != k:
             raise InvalidArgumentError(f"expected inputs [..., {k}], not {list(x.shape)}")
         dtype = x.dtype
-        if dtype not in (torch.bfloat16, torch.float32):
+        if dtype is not torch.bfloat16 and dtype is not torch.float32:
             x = x.float()
-        x = x.contiguous()
-        lead = x.shape[:-1]
+        if not x.is_contiguous():
+            x = x.contiguous()
         m = x.numel() // k
-        out = torch.empty((m, n), dtype=x.dtype)
+        is_bf16 = int(x.dtype is torch.bfloat16)
+        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
         if m:
-            is_bf16 = int(x.dtype == torch.bfloat16)
-            acts = {fmt: x.float() if fmt == _T.F32 else _quantize(self._lib, x, fmt)
-                    for fmt in self._formats}
-            col, size = 0, out.element_size()
-            bias_ptr = None if self.bias is None else self.bias.data_ptr()
-            for seg in self.segments:
-                act = acts[_ACTIVATION[seg.type]]
-                self._lib.rows(int(seg.type), seg.data.data_ptr(), seg.rows, k, act.data_ptr(), m,
-                               None if bias_ptr is None else bias_ptr + 4 * col,
-                               out.data_ptr() + size * col, n, is_bf16)
-                col += seg.rows
-        out = out.reshape(*lead, n)
+            lib, xp = self._lib, x.data_ptr()
+            acts = []  # per activation format, in self._formats' order (kept alive to the end)
+            for fmt, row_bytes in self._formats:
+                if row_bytes is None:
+                    acts.append(x.float())
+                else:
+                    acts.append(torch.empty((m, row_bytes), dtype=torch.uint8))
+                    lib.quantize(fmt, xp, is_bf16, m, k, acts[-1].data_ptr())
+            op, size = out.data_ptr(), out.element_size()
+            for qtype, data, rows, which, bias, col in self._calls:
+                lib.rows(qtype, data, rows, k, acts[which].data_ptr(), m, bias, op + size * col, n,
+                         is_bf16)
         return out if out.dtype == dtype else out.to(dtype)
 
 
