@@ -131,9 +131,9 @@ def gguf_rows_unavailable_reason(isa: str = "auto") -> str:
     return _library(_resolve(isa)).reason
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class GgufSegment:
-    """Rows of one GGUF block type.
+    """Rows of one GGUF block type (compared by identity: tensors have no truth value).
 
     Attributes:
         type: the rows' :class:`gguf.GGMLQuantizationType`.

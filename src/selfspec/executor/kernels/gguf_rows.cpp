@@ -135,7 +135,9 @@ struct TypeQ4_0 {
     w.q = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
     w.aq = _mm256_abs_epi8(w.q);
   }
-  static void dot(const Decoded& w, const Act& x, __m256& acc, float& e) { dot_signed32(w, x, acc, e); }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float& e) {
+    dot_signed32(w, x, acc, e);
+  }
 };
 
 struct TypeQ5_0 {
@@ -147,10 +149,13 @@ struct TypeQ5_0 {
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
     w.d = fp16(u16(b));
-    w.q = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(qh)), _mm256_set1_epi8(16));
+    w.q = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(qh)),
+                          _mm256_set1_epi8(16));
     w.aq = _mm256_abs_epi8(w.q);
   }
-  static void dot(const Decoded& w, const Act& x, __m256& acc, float& e) { dot_signed32(w, x, acc, e); }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float& e) {
+    dot_signed32(w, x, acc, e);
+  }
 };
 
 struct TypeQ8_0 {
@@ -163,7 +168,9 @@ struct TypeQ8_0 {
     w.q = load32(b + 2);
     w.aq = _mm256_abs_epi8(w.q);  // -128 becomes 0x80, read as 128 by the unsigned side
   }
-  static void dot(const Decoded& w, const Act& x, __m256& acc, float& e) { dot_signed32(w, x, acc, e); }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float& e) {
+    dot_signed32(w, x, acc, e);
+  }
 };
 
 // Blocks of 32 with unsigned codes and a minimum (Q4_1, Q5_1): w = q d + m, so
@@ -189,7 +196,9 @@ struct TypeQ4_1 {
     w.m = fp16(u16(b + 2));
     w.q = nibbles32(b + 4);
   }
-  static void dot(const Decoded& w, const Act& x, __m256& acc, float& e) { dot_unsigned32(w, x, acc, e); }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float& e) {
+    dot_unsigned32(w, x, acc, e);
+  }
 };
 
 struct TypeQ5_1 {
@@ -204,7 +213,9 @@ struct TypeQ5_1 {
     w.m = fp16(u16(b + 2));
     w.q = _mm256_or_si256(nibbles32(b + 8), fifth_bits(qh));
   }
-  static void dot(const Decoded& w, const Act& x, __m256& acc, float& e) { dot_unsigned32(w, x, acc, e); }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float& e) {
+    dot_unsigned32(w, x, acc, e);
+  }
 };
 
 // Q4_K / Q5_K: 256 inputs in 8 sub-blocks of 32, each a 6-bit scale and minimum (packed in 12
@@ -221,12 +232,17 @@ struct TypeQ5_1 {
 inline __m128i k_scales(const uint8_t* s) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
   // a: bytes [0..3, 8..11, 4..7, 8..11]; b: [-, 0..3, -, 4..7] (-: zero)
-  const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
-  const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
-  const __m128i low = _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
-  const __m128i high_nibbles = _mm_and_si128(  // 16-bit shifts of masked bytes stay in their byte
+  const __m128i a =
+      _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i b =
+      _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i low = _mm_and_si128(
+      a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+  // 16-bit shifts: the masks keep each byte's own bits
+  const __m128i high_nibbles = _mm_and_si128(
       _mm_srli_epi16(a, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
-  const __m128i top = _mm_srli_epi16(_mm_and_si128(b, _mm_set1_epi8(static_cast<char>(0xc0))), 2);
+  const __m128i top =
+      _mm_srli_epi16(_mm_and_si128(b, _mm_set1_epi8(static_cast<char>(0xc0))), 2);
   return _mm_or_si128(_mm_or_si128(low, high_nibbles), top);
 }
 
@@ -238,31 +254,28 @@ inline __m256i k_mins(__m128i scales) {
 }
 
 #ifdef SELFSPEC_GGUF_VNNI
-// 64 inputs a zmm. Port 0 runs every 512-bit integer multiply, so the count of those per
-// activation row sets the cost of a tile: vpdpbusd gives the sums of 4 code x input products
-// (|sum| <= 4 * 63 * 127 < 2^15 for 6-bit codes), two such vectors pack to int16 (vpackssdw,
-// port 5, exact) and one vpdpwssd applies the sub-blocks' scales: 3 multiplies per 128 inputs
-// where vpmaddubsw + vpdpwssd take 4. vpackssdw interleaves its sources per 128-bit lane L:
-// int16 8L .. 8L + 3 from the first, 8L + 4 .. 8L + 7 from the second; the scale vectors
-// follow that order.
+// 64 inputs a zmm. Per activation row the 512-bit integer multiplies (port 0 only on Intel)
+// set a tile's cost: vpdpbusd gives the sums of 4 code x input products (|sum| <= 4 * 63 * 127
+// < 2^15 for 6-bit codes), two such vectors pack to int16 (vpackssdw, port 5, exact) and one
+// vpdpwssd applies the sub-blocks' scales: 3 multiplies per 128 inputs where vpmaddubsw +
+// vpdpwssd take 4 (measured as fast, not faster, on a Sapphire Rapids-class Xeon: the zeroed
+// accumulators cost moves). vpackssdw interleaves its sources per 128-bit lane L: int16
+// 8L .. 8L + 3 from the first, 8L + 4 .. 8L + 7 from the second; the scale vectors follow.
 
-// The mins term in a 256-bit accumulator beside the 512-bit one (256-bit conversions and FMAs
-// run on two ports, leaving port 0 to the multiplies).
+// The mins term (8 int32 sums) in a 256-bit accumulator beside the 512-bit one.
 struct AccK {
   __m512 a;
   __m256 m;
 };
 inline float sum_acc(AccK a) { return _mm512_reduce_add_ps(a.a) + hsum(a.m); }  // fixed order
 
-// Scale vectors for packed pairs: int16 lane 8L + i (L < 4, i < 8) takes scale
-// index[L][i < 4 ? 0 : 1] from the int16 source vector.
-inline __m512i pair_scales(__m512i src, int a0, int a1, int a2, int a3, int b0, int b1, int b2,
-                           int b3) {
-  const int16_t idx[32] = {
-      (int16_t)a0, (int16_t)a0, (int16_t)a0, (int16_t)a0, (int16_t)b0, (int16_t)b0, (int16_t)b0, (int16_t)b0,
-      (int16_t)a1, (int16_t)a1, (int16_t)a1, (int16_t)a1, (int16_t)b1, (int16_t)b1, (int16_t)b1, (int16_t)b1,
-      (int16_t)a2, (int16_t)a2, (int16_t)a2, (int16_t)a2, (int16_t)b2, (int16_t)b2, (int16_t)b2, (int16_t)b2,
-      (int16_t)a3, (int16_t)a3, (int16_t)a3, (int16_t)a3, (int16_t)b3, (int16_t)b3, (int16_t)b3, (int16_t)b3};
+// Scale vector for a packed pair: int16 lane 8L + i (L < 4, i < 8) takes src's int16 lane
+// first[L] (i < 4) or second[L] (i >= 4).
+inline __m512i pair_scales(__m512i src, const int (&first)[4], const int (&second)[4]) {
+  int16_t idx[32];
+  for (int lane = 0; lane < 4; ++lane)
+    for (int i = 0; i < 8; ++i)
+      idx[8 * lane + i] = static_cast<int16_t>(i < 4 ? first[lane] : second[lane]);
   return _mm512_permutexvar_epi16(_mm512_loadu_si512(idx), src);
 }
 
@@ -271,8 +284,8 @@ inline __m512i dpbusd0(__m512i u, __m512i s) {
 }
 
 struct KQuant32 {
-  __m512i q[4];       // inputs 64j .. 64j + 63 (u8): sub-block 2j in 128-bit lanes 0-1, 2j + 1 in 2-3
-  __m512i sc[2];      // pack(P_2k, P_2k+1)'s scales: lanes 0-1 [sc_4k, sc_4k+2], 2-3 [sc_4k+1, sc_4k+3]
+  __m512i q[4];   // inputs 64j .. 64j + 63 (u8): sub-block 2j in 128-bit lanes 0-1, 2j + 1 in 2-3
+  __m512i sc[2];  // pack(P_2k, P_2k+1)'s: lanes 0-1 [sc_4k, sc_4k+2], 2-3 [sc_4k+1, sc_4k+3]
   __m256i mins;
   float d, dmin;
 };
@@ -280,8 +293,8 @@ struct KQuant32 {
 inline void k_decode_scales(const uint8_t* s, KQuant32& w) {
   const __m128i scales = k_scales(s);
   const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(scales));
-  w.sc[0] = pair_scales(sc16, 0, 0, 1, 1, 2, 2, 3, 3);
-  w.sc[1] = pair_scales(sc16, 4, 4, 5, 5, 6, 6, 7, 7);
+  w.sc[0] = pair_scales(sc16, {0, 0, 1, 1}, {2, 2, 3, 3});
+  w.sc[1] = pair_scales(sc16, {4, 4, 5, 5}, {6, 6, 7, 7});
   w.mins = k_mins(scales);
 }
 
@@ -379,8 +392,8 @@ struct TypeQ6_K {
                                            _mm512_srlv_epi16(qh, s23), two), 4));
     }
     const __m512i all = _mm512_castsi256_si512(w.sc_all);
-    w.sc[0] = pair_scales(all, 0, 1, 2, 3, 4, 5, 6, 7);
-    w.sc[1] = pair_scales(all, 8, 9, 10, 11, 12, 13, 14, 15);
+    w.sc[0] = pair_scales(all, {0, 1, 2, 3}, {4, 5, 6, 7});
+    w.sc[1] = pair_scales(all, {8, 9, 10, 11}, {12, 13, 14, 15});
   }
   static void dot(const Decoded& w, const Act& x, Acc& acc, float&) {
     __m512i isum = _mm512_setzero_si512();
@@ -412,7 +425,8 @@ inline void k_decode_scales(const uint8_t* s, KQuant32& w) {
   const __m256i lo = _mm256_permute2x128_si256(sc16, sc16, 0x00);
 #pragma GCC unroll 8
   for (int j = 0; j < 8; ++j)
-    w.sc[j] = _mm256_shuffle_epi8(lo, _mm256_set1_epi16(static_cast<int16_t>(0x0100 * (2 * j + 1) + 2 * j)));
+    w.sc[j] = _mm256_shuffle_epi8(  // bytes 2j, 2j + 1 (int16 lane j) into every lane
+        lo, _mm256_set1_epi16(static_cast<int16_t>(0x0100 * (2 * j + 1) + 2 * j)));
   w.mins = k_mins(scales);
 }
 
@@ -557,22 +571,19 @@ void quant_tile(const uint8_t* w, const uint8_t* act, int64_t act_bytes, int64_t
 
 // Unquantized rows against fp32 activations: two 8-lane FMA chains per (row, output), then the
 // scalar tail of K % 16 inputs in order.
-inline __m256 wload8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 wload8(const uint16_t* p, bool is_f16) {
-  if (is_f16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return load8(p);  // bf16
-}
-inline float wscalar(const float* p) { return *p; }
-inline float wscalar(const uint16_t* p, bool is_f16) { return is_f16 ? fp16(*p) : bf16_to_float(*p); }
-
 template <int64_t Type>
 struct FloatRow {
   using Elem = typename std::conditional<Type == kF32, float, uint16_t>::type;
-  static __m256 load(const Elem* p) {
-    if constexpr (Type == kF32) return wload8(p); else return wload8(p, Type == kF16);
+  static __m256 load(const Elem* p) {  // 8 weights as fp32
+    if constexpr (Type == kF32) return _mm256_loadu_ps(p);
+    else if constexpr (Type == kF16)
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    else return load8(p);  // bf16
   }
   static float scalar(const Elem* p) {
-    if constexpr (Type == kF32) return wscalar(p); else return wscalar(p, Type == kF16);
+    if constexpr (Type == kF32) return *p;
+    else if constexpr (Type == kF16) return fp16(*p);
+    else return bf16_to_float(*p);
   }
 };
 
@@ -624,8 +635,9 @@ void product(int64_t N, int64_t M, const float* bias, void* out, int64_t ldo, bo
 }
 
 template <class T>
-void quant_product(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act, int64_t M,
-                   const float* bias, void* out, int64_t ldo, bool out_bf16) {
+int64_t quant_product(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act, int64_t M,
+                      const float* bias, void* out, int64_t ldo, bool out_bf16) {
+  if (K % T::kBlock) return -1;
   const int64_t nb = K / T::kBlock, row_bytes = nb * T::kBytes;
   const int64_t act_bytes = nb * static_cast<int64_t>(sizeof(typename T::Act));
   product(N, M, bias, out, ldo, out_bf16, [&](int64_t n, int64_t t0, int64_t tb, float* res) {
@@ -642,11 +654,13 @@ void quant_product(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act, i
       default: quant_tile<T, 1>(row, a, act_bytes, nb, res); break;
     }
   });
+  return 0;
 }
 
 template <int64_t Type>
-void float_product(const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M,
-                   const float* bias, void* out, int64_t ldo, bool out_bf16) {
+int64_t float_product(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act, int64_t M,
+                      const float* bias, void* out, int64_t ldo, bool out_bf16) {
+  const float* x = reinterpret_cast<const float*>(act);
   const int64_t row_bytes = K * static_cast<int64_t>(sizeof(typename FloatRow<Type>::Elem));
   product(N, M, bias, out, ldo, out_bf16, [&](int64_t n, int64_t t0, int64_t tb, float* res) {
     const uint8_t* row = w + n * row_bytes;
@@ -662,6 +676,7 @@ void float_product(const uint8_t* w, int64_t N, int64_t K, const float* x, int64
       default: float_tile<Type, 1>(row, a, K, res); break;
     }
   });
+  return 0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -670,7 +685,8 @@ void float_product(const uint8_t* w, int64_t N, int64_t K, const float* x, int64
 inline float amax32(const float* x, int64_t n) {  // max |x| (order-free)
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 m = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + j), abs_mask));
+  for (int64_t j = 0; j < n; j += 8)
+    m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + j), abs_mask));
   __m128 q = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   q = _mm_max_ps(q, _mm_movehl_ps(q, q));
   q = _mm_max_ss(q, _mm_movehdup_ps(q));
@@ -708,7 +724,8 @@ void quantize_q8_32(const float* x, int64_t K, uint8_t* out) {
     const float d = amax32(v, 32) / 127.f;
     const float id = d != 0.f ? 1.f / d : 0.f;
     __m256i i[4];
-    for (int j = 0; j < 4; ++j) i[j] = roundf8(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), _mm256_set1_ps(id)));
+    for (int j = 0; j < 4; ++j)
+      i[j] = roundf8(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), _mm256_set1_ps(id)));
     int8_t* qs = reinterpret_cast<int8_t*>(blk + qs_at);
     pack32(i, qs);
     const uint16_t dh = to_fp16(d);
@@ -822,17 +839,17 @@ int64_t selfspec_gguf_rows(int64_t type, const uint8_t* w, int64_t N, int64_t K,
   const auto* a = static_cast<const uint8_t*>(act);
   const bool ob = out_bf16 != 0;
   switch (type) {
-    case kQ4_0: if (K % 32) return -1; quant_product<TypeQ4_0>(w, N, K, a, M, bias, out, ldo, ob); return 0;
-    case kQ4_1: if (K % 32) return -1; quant_product<TypeQ4_1>(w, N, K, a, M, bias, out, ldo, ob); return 0;
-    case kQ5_0: if (K % 32) return -1; quant_product<TypeQ5_0>(w, N, K, a, M, bias, out, ldo, ob); return 0;
-    case kQ5_1: if (K % 32) return -1; quant_product<TypeQ5_1>(w, N, K, a, M, bias, out, ldo, ob); return 0;
-    case kQ8_0: if (K % 32) return -1; quant_product<TypeQ8_0>(w, N, K, a, M, bias, out, ldo, ob); return 0;
-    case kQ4_K: if (K % 256) return -1; quant_product<TypeQ4_K>(w, N, K, a, M, bias, out, ldo, ob); return 0;
-    case kQ5_K: if (K % 256) return -1; quant_product<TypeQ5_K>(w, N, K, a, M, bias, out, ldo, ob); return 0;
-    case kQ6_K: if (K % 256) return -1; quant_product<TypeQ6_K>(w, N, K, a, M, bias, out, ldo, ob); return 0;
-    case kF32: float_product<kF32>(w, N, K, static_cast<const float*>(act), M, bias, out, ldo, ob); return 0;
-    case kF16: float_product<kF16>(w, N, K, static_cast<const float*>(act), M, bias, out, ldo, ob); return 0;
-    case kBF16: float_product<kBF16>(w, N, K, static_cast<const float*>(act), M, bias, out, ldo, ob); return 0;
+    case kQ4_0: return quant_product<TypeQ4_0>(w, N, K, a, M, bias, out, ldo, ob);
+    case kQ4_1: return quant_product<TypeQ4_1>(w, N, K, a, M, bias, out, ldo, ob);
+    case kQ5_0: return quant_product<TypeQ5_0>(w, N, K, a, M, bias, out, ldo, ob);
+    case kQ5_1: return quant_product<TypeQ5_1>(w, N, K, a, M, bias, out, ldo, ob);
+    case kQ8_0: return quant_product<TypeQ8_0>(w, N, K, a, M, bias, out, ldo, ob);
+    case kQ4_K: return quant_product<TypeQ4_K>(w, N, K, a, M, bias, out, ldo, ob);
+    case kQ5_K: return quant_product<TypeQ5_K>(w, N, K, a, M, bias, out, ldo, ob);
+    case kQ6_K: return quant_product<TypeQ6_K>(w, N, K, a, M, bias, out, ldo, ob);
+    case kF32: return float_product<kF32>(w, N, K, a, M, bias, out, ldo, ob);
+    case kF16: return float_product<kF16>(w, N, K, a, M, bias, out, ldo, ob);
+    case kBF16: return float_product<kBF16>(w, N, K, a, M, bias, out, ldo, ob);
     default: return -1;
   }
 }
