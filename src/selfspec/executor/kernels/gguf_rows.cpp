@@ -69,23 +69,15 @@ inline uint16_t to_fp16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT
 inline uint16_t u16(const uint8_t* p) { uint16_t v; memcpy(&v, p, 2); return v; }
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
-// Sum of u8 x s8 products over each 4 bytes into 8 int32 lanes. No saturation: every use has
-// |u| <= 128 and |s| <= 127, so vpmaddubsw's pair sums stay within int16.
+// Sum of u8 x s8 products over each 4 bytes into 8 int32 lanes (AVX2). No saturation: every
+// use has |u| <= 128 and |s| <= 127, so vpmaddubsw's pair sums stay within int16.
 inline __m256i dot_us(__m256i u, __m256i s) {
-#ifdef SELFSPEC_GGUF_VNNI
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
 }
 
-// acc + the int16 pair products of a and b summed per int32 lane.
+// acc + the int16 pair products of a and b summed per int32 lane (AVX2).
 inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
-#ifdef SELFSPEC_GGUF_VNNI
-  return _mm256_dpwssd_epi32(acc, a, b);
-#else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
 }
 
 // Byte j = 0x10 where bit j of bits is set (Q5_0/Q5_1's fifth bits), else 0.
@@ -113,6 +105,8 @@ inline __m256i nibbles32(const uint8_t* p) {
 // activation row: acc (8 fp32 lanes) and extra (a scalar, for Q4_1/Q5_1's minimum term)
 // accumulate the block's contribution.
 
+#ifndef SELFSPEC_GGUF_VNNI  // AVX2: a block of 32 a step
+
 // Blocks of 32 with signed codes (Q4_0, Q5_0, Q8_0): codes as int8, |code| as u8, one scale.
 struct Signed32 {
   __m256i q, aq;
@@ -129,8 +123,8 @@ struct TypeQ4_0 {
   using Act = BlockQ8_0;
   using Acc = __m256;
   using Decoded = Signed32;
-  static constexpr int64_t kBlock = 32, kBytes = 18;
-  static void decode(const uint8_t* b, Decoded& w) {
+  static constexpr int64_t kUnit = 1, kBlock = 32, kBytes = 18;
+  static void decode(const uint8_t* b, Decoded& w, bool) {
     w.d = fp16(u16(b));
     w.q = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
     w.aq = _mm256_abs_epi8(w.q);
@@ -144,8 +138,8 @@ struct TypeQ5_0 {
   using Act = BlockQ8_0;
   using Acc = __m256;
   using Decoded = Signed32;
-  static constexpr int64_t kBlock = 32, kBytes = 22;
-  static void decode(const uint8_t* b, Decoded& w) {
+  static constexpr int64_t kUnit = 1, kBlock = 32, kBytes = 22;
+  static void decode(const uint8_t* b, Decoded& w, bool) {
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
     w.d = fp16(u16(b));
@@ -162,8 +156,8 @@ struct TypeQ8_0 {
   using Act = BlockQ8_0;
   using Acc = __m256;
   using Decoded = Signed32;
-  static constexpr int64_t kBlock = 32, kBytes = 34;
-  static void decode(const uint8_t* b, Decoded& w) {
+  static constexpr int64_t kUnit = 1, kBlock = 32, kBytes = 34;
+  static void decode(const uint8_t* b, Decoded& w, bool) {
     w.d = fp16(u16(b));
     w.q = load32(b + 2);
     w.aq = _mm256_abs_epi8(w.q);  // -128 becomes 0x80, read as 128 by the unsigned side
@@ -190,8 +184,8 @@ struct TypeQ4_1 {
   using Act = BlockQ8_1;
   using Acc = __m256;
   using Decoded = Unsigned32;
-  static constexpr int64_t kBlock = 32, kBytes = 20;
-  static void decode(const uint8_t* b, Decoded& w) {
+  static constexpr int64_t kUnit = 1, kBlock = 32, kBytes = 20;
+  static void decode(const uint8_t* b, Decoded& w, bool) {
     w.d = fp16(u16(b));
     w.m = fp16(u16(b + 2));
     w.q = nibbles32(b + 4);
@@ -205,8 +199,8 @@ struct TypeQ5_1 {
   using Act = BlockQ8_1;
   using Acc = __m256;
   using Decoded = Unsigned32;
-  static constexpr int64_t kBlock = 32, kBytes = 24;
-  static void decode(const uint8_t* b, Decoded& w) {
+  static constexpr int64_t kUnit = 1, kBlock = 32, kBytes = 24;
+  static void decode(const uint8_t* b, Decoded& w, bool) {
     uint32_t qh;
     memcpy(&qh, b + 4, 4);
     w.d = fp16(u16(b));
@@ -217,6 +211,154 @@ struct TypeQ5_1 {
     dot_unsigned32(w, x, acc, e);
   }
 };
+
+#else  // SELFSPEC_GGUF_VNNI: blocks of 32 in pairs, 64 inputs a zmm
+
+// Two blocks a step. The activations are repacked once per call (repack_pairs): the pair's
+// 64 codes as u8 a + 128 (vpdpbusd multiplies unsigned by signed), their 4-byte chunks
+// interleaved (chunk g of block c at bytes 8g + 4c, so int32 lane i of a product belongs to
+// block i & 1 and a pair of floats broadcast as one 64-bit value scales all lanes), and the
+// pair's two fp32 scales dx and, for Q8_1, the two s. The weights' codes, as signed w, are
+// interleaved alike when decoded, with -128 sum w per lane as the accumulator's start:
+// vpdpbusd then gives sum (a + 128) w - 128 sum w = sum a w exactly, one instruction per 64
+// inputs where the AVX2 path takes about six per 32. A lone last block is a pair whose second
+// block is zero (codes, scales and sums).
+struct PairAct {
+  uint8_t qs[64];
+  float d[2];
+  float s[2];
+};
+
+inline __m512i interleave_pair(__m256i first, __m256i second) {
+  // int32 lane i <- lane i / 2 of first (i even) or of second (i odd)
+  const __m512i idx = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  return _mm512_permutexvar_epi32(idx, _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1));
+}
+
+inline __m512 pair_of(float a, float b) {  // [a, b] in every 64-bit lane
+  const float two[2] = {a, b};
+  double both;
+  memcpy(&both, two, 8);
+  return _mm512_castpd_ps(_mm512_set1_pd(both));
+}
+
+template <class Src>
+void repack_pairs(const uint8_t* act, int64_t M, int64_t nblocks, PairAct* out) {
+  const int64_t units = (nblocks + 1) / 2;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t t = 0; t < M; ++t) {
+    const Src* x = reinterpret_cast<const Src*>(act) + t * nblocks;
+    for (int64_t u = 0; u < units; ++u) {
+      const Src& a = x[2 * u];
+      const bool lone = 2 * u + 1 == nblocks;
+      PairAct& p = out[t * units + u];
+      const __m256i second = lone ? _mm256_setzero_si256() : load32(x[2 * u + 1].qs);
+      _mm512_storeu_si512(p.qs, _mm512_xor_si512(interleave_pair(load32(a.qs), second), flip));
+      p.d[0] = fp16(a.d);
+      p.d[1] = lone ? 0.f : fp16(x[2 * u + 1].d);
+      if constexpr (std::is_same<Src, BlockQ8_1>::value) {
+        p.s[0] = fp16(a.s);
+        p.s[1] = lone ? 0.f : fp16(x[2 * u + 1].s);
+      } else {
+        p.s[0] = p.s[1] = 0.f;
+      }
+    }
+  }
+}
+
+// Base: kBytes, codes(block) (32 signed weights in input order), scale(block), and for the
+// types with a minimum (kMin) minimum(block).
+template <class Base>
+struct Pair32 {
+  using Src = typename Base::Src;  // the activation format's block
+  using Act = PairAct;
+  using Acc = __m512;
+  static constexpr int64_t kBlock = 32, kBytes = Base::kBytes, kUnit = 2;
+  struct Decoded {
+    __m512i w, start;
+    __m512 d, m;
+  };
+  static void decode(const uint8_t* b, Decoded& w, bool lone) {
+    const uint8_t* b1 = b + kBytes;
+    w.w = interleave_pair(Base::codes(b), lone ? _mm256_setzero_si256() : Base::codes(b1));
+    w.start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(
+        _mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w.w));
+    w.d = pair_of(Base::scale(b), lone ? 0.f : Base::scale(b1));
+    if constexpr (Base::kMin)  // lanes 0 and 1 only: m_c s_c once per block
+      w.m = _mm512_maskz_mov_ps(0x3, pair_of(Base::minimum(b), lone ? 0.f : Base::minimum(b1)));
+  }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) {
+    const __m512i p = _mm512_dpbusd_epi32(w.start, _mm512_loadu_si512(x.qs), w.w);
+    double d, s;
+    memcpy(&d, x.d, 8);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
+                          _mm512_mul_ps(w.d, _mm512_castpd_ps(_mm512_set1_pd(d))), acc);
+    if constexpr (Base::kMin) {
+      memcpy(&s, x.s, 8);
+      acc = _mm512_fmadd_ps(w.m, _mm512_castpd_ps(_mm512_set1_pd(s)), acc);
+    }
+  }
+};
+
+struct BaseQ4_0 {
+  using Src = BlockQ8_0;
+  static constexpr int64_t kBytes = 18;
+  static constexpr bool kMin = false;
+  static __m256i codes(const uint8_t* b) {
+    return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
+  }
+  static float scale(const uint8_t* b) { return fp16(u16(b)); }
+};
+
+struct BaseQ5_0 {
+  using Src = BlockQ8_0;
+  static constexpr int64_t kBytes = 22;
+  static constexpr bool kMin = false;
+  static __m256i codes(const uint8_t* b) {
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(qh)),
+                           _mm256_set1_epi8(16));
+  }
+  static float scale(const uint8_t* b) { return fp16(u16(b)); }
+};
+
+struct BaseQ8_0 {
+  using Src = BlockQ8_0;
+  static constexpr int64_t kBytes = 34;
+  static constexpr bool kMin = false;
+  static __m256i codes(const uint8_t* b) { return load32(b + 2); }
+  static float scale(const uint8_t* b) { return fp16(u16(b)); }
+};
+
+struct BaseQ4_1 {
+  using Src = BlockQ8_1;
+  static constexpr int64_t kBytes = 20;
+  static constexpr bool kMin = true;
+  static __m256i codes(const uint8_t* b) { return nibbles32(b + 4); }  // 0..15: signed too
+  static float scale(const uint8_t* b) { return fp16(u16(b)); }
+  static float minimum(const uint8_t* b) { return fp16(u16(b + 2)); }
+};
+
+struct BaseQ5_1 {
+  using Src = BlockQ8_1;
+  static constexpr int64_t kBytes = 24;
+  static constexpr bool kMin = true;
+  static __m256i codes(const uint8_t* b) {
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+    return _mm256_or_si256(nibbles32(b + 8), fifth_bits(qh));  // 0..31
+  }
+  static float scale(const uint8_t* b) { return fp16(u16(b)); }
+  static float minimum(const uint8_t* b) { return fp16(u16(b + 2)); }
+};
+
+using TypeQ4_0 = Pair32<BaseQ4_0>;
+using TypeQ5_0 = Pair32<BaseQ5_0>;
+using TypeQ8_0 = Pair32<BaseQ8_0>;
+using TypeQ4_1 = Pair32<BaseQ4_1>;
+using TypeQ5_1 = Pair32<BaseQ5_1>;
+#endif
 
 // Q4_K / Q5_K: 256 inputs in 8 sub-blocks of 32, each a 6-bit scale and minimum (packed in 12
 // bytes), fp16 d and dmin: w = d sc q - dmin m. Codes: 32 bytes per 64 inputs, low nibbles for
@@ -323,8 +465,8 @@ struct TypeQ4_K {
   using Act = BlockQ8_K;
   using Acc = AccK;
   using Decoded = KQuant32;
-  static constexpr int64_t kBlock = 256, kBytes = 144;
-  static void decode(const uint8_t* b, Decoded& w) {
+  static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 144;
+  static void decode(const uint8_t* b, Decoded& w, bool) {
     w.d = fp16(u16(b));
     w.dmin = fp16(u16(b + 2));
     k_decode_scales(b + 4, w);
@@ -338,8 +480,8 @@ struct TypeQ5_K {
   using Act = BlockQ8_K;
   using Acc = AccK;
   using Decoded = KQuant32;
-  static constexpr int64_t kBlock = 256, kBytes = 176;
-  static void decode(const uint8_t* b, Decoded& w) {
+  static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 176;
+  static void decode(const uint8_t* b, Decoded& w, bool) {
     w.d = fp16(u16(b));
     w.dmin = fp16(u16(b + 2));
     k_decode_scales(b + 4, w);
@@ -367,14 +509,14 @@ struct TypeQ5_K {
 struct TypeQ6_K {
   using Act = BlockQ8_K;
   using Acc = __m512;
-  static constexpr int64_t kBlock = 256, kBytes = 210;
+  static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 210;
   struct Decoded {
     __m512i u[4];      // inputs 64p .. 64p + 63 (u8, 0..63): sub-block 4p + L in 128-bit lane L
     __m512i sc[2];     // pack(P_2k, P_2k+1)'s scales: lane L [sc_8k+L, sc_8k+4+L]
     __m256i sc_all;    // int16 sc[0..15]
     float d;
   };
-  static void decode(const uint8_t* b, Decoded& w) {
+  static void decode(const uint8_t* b, Decoded& w, bool) {
     const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
     w.d = fp16(u16(b + 208));
     w.sc_all = _mm256_cvtepi8_epi16(sc8);
@@ -445,8 +587,8 @@ struct TypeQ4_K {
   using Act = BlockQ8_K;
   using Acc = __m256;
   using Decoded = KQuant32;
-  static constexpr int64_t kBlock = 256, kBytes = 144;
-  static void decode(const uint8_t* b, Decoded& w) {
+  static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 144;
+  static void decode(const uint8_t* b, Decoded& w, bool) {
     w.d = fp16(u16(b));
     w.dmin = fp16(u16(b + 2));
     k_decode_scales(b + 4, w);
@@ -465,8 +607,8 @@ struct TypeQ5_K {
   using Act = BlockQ8_K;
   using Acc = __m256;
   using Decoded = KQuant32;
-  static constexpr int64_t kBlock = 256, kBytes = 176;
-  static void decode(const uint8_t* b, Decoded& w) {
+  static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 176;
+  static void decode(const uint8_t* b, Decoded& w, bool) {
     w.d = fp16(u16(b));
     w.dmin = fp16(u16(b + 2));
     k_decode_scales(b + 4, w);
@@ -493,14 +635,14 @@ struct TypeQ5_K {
 struct TypeQ6_K {
   using Act = BlockQ8_K;
   using Acc = __m256;
-  static constexpr int64_t kBlock = 256, kBytes = 210;
+  static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 210;
   struct Decoded {
     __m256i u[8];      // inputs 32p .. 32p + 31 (u8, 0..63)
     __m256i sc[8];     // int16: sc[2p] in the low 128 bits, sc[2p + 1] in the high ones
     __m256i sc_all;    // int16 sc[0..15]
     float d;
   };
-  static void decode(const uint8_t* b, Decoded& w) {
+  static void decode(const uint8_t* b, Decoded& w, bool) {
     const uint8_t* ql = b;
     const uint8_t* qh = b + 128;
     const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
@@ -547,9 +689,11 @@ inline float sum_acc(__m256 a) { return hsum(a); }
 inline float sum_acc(__m512 a) { return _mm512_reduce_add_ps(a); }  // a fixed order
 #endif
 
-// TB activation rows (act, rows act_bytes apart) against weight row w of nb blocks: res[t].
+// TB activation rows (act, rows act_bytes apart, T::Act a step) against weight row w of
+// nblocks blocks, T::kUnit blocks a step: res[t].
 template <class T, int TB>
-void quant_tile(const uint8_t* w, const uint8_t* act, int64_t act_bytes, int64_t nb, float* res) {
+void quant_tile(const uint8_t* w, const uint8_t* act, int64_t act_bytes, int64_t nblocks,
+                float* res) {
   using Act = typename T::Act;
   typename T::Acc acc[TB];
   float extra[TB];
@@ -558,12 +702,13 @@ void quant_tile(const uint8_t* w, const uint8_t* act, int64_t act_bytes, int64_t
     acc[t] = typename T::Acc{};  // zeros
     extra[t] = 0.f;
   }
-  for (int64_t b = 0; b < nb; ++b) {
+  const int64_t steps = (nblocks + T::kUnit - 1) / T::kUnit;
+  for (int64_t u = 0; u < steps; ++u) {
     typename T::Decoded dw;
-    T::decode(w + b * T::kBytes, dw);
+    T::decode(w + u * T::kUnit * T::kBytes, dw, (u + 1) * T::kUnit > nblocks);
 #pragma GCC unroll 8
     for (int t = 0; t < TB; ++t)
-      T::dot(dw, reinterpret_cast<const Act*>(act + t * act_bytes)[b], acc[t], extra[t]);
+      T::dot(dw, reinterpret_cast<const Act*>(act + t * act_bytes)[u], acc[t], extra[t]);
   }
 #pragma GCC unroll 8
   for (int t = 0; t < TB; ++t) res[t] = sum_acc(acc[t]) + extra[t];
@@ -639,7 +784,17 @@ int64_t quant_product(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act
                       const float* bias, void* out, int64_t ldo, bool out_bf16) {
   if (K % T::kBlock) return -1;
   const int64_t nb = K / T::kBlock, row_bytes = nb * T::kBytes;
-  const int64_t act_bytes = nb * static_cast<int64_t>(sizeof(typename T::Act));
+  int64_t act_bytes = nb * static_cast<int64_t>(sizeof(typename T::Act));
+#ifdef SELFSPEC_GGUF_VNNI
+  std::vector<PairAct> pairs;
+  if constexpr (T::kUnit == 2) {  // blocks of 32 in pairs: activations repacked once
+    const int64_t units = (nb + 1) / 2;
+    pairs.resize(static_cast<size_t>(M * units));
+    repack_pairs<typename T::Src>(act, M, nb, pairs.data());
+    act = reinterpret_cast<const uint8_t*>(pairs.data());
+    act_bytes = units * static_cast<int64_t>(sizeof(PairAct));
+  }
+#endif
   product(N, M, bias, out, ldo, out_bf16, [&](int64_t n, int64_t t0, int64_t tb, float* res) {
     const uint8_t* row = w + n * row_bytes;
     const uint8_t* a = act + t0 * act_bytes;
