@@ -244,8 +244,11 @@ inline __m512 pair_of(float a, float b) {  // [a, b] in every 64-bit lane
 
 template <class Src>
 void repack_pairs(const uint8_t* act, int64_t M, int64_t nblocks, PairAct* out) {
+  constexpr bool kQ8_1 = std::is_same<Src, BlockQ8_1>::value;
   const int64_t units = (nblocks + 1) / 2;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  // Q8_0's codes multiply signed weights: stored as a + 128 (see above); Q8_1's multiply
+  // unsigned codes (Q4_1, Q5_1) and stay as they are.
+  const __m512i flip = _mm512_set1_epi8(kQ8_1 ? 0 : static_cast<char>(0x80));
   for (int64_t t = 0; t < M; ++t) {
     const Src* x = reinterpret_cast<const Src*>(act) + t * nblocks;
     for (int64_t u = 0; u < units; ++u) {
@@ -256,7 +259,7 @@ void repack_pairs(const uint8_t* act, int64_t M, int64_t nblocks, PairAct* out) 
       _mm512_storeu_si512(p.qs, _mm512_xor_si512(interleave_pair(load32(a.qs), second), flip));
       p.d[0] = fp16(a.d);
       p.d[1] = lone ? 0.f : fp16(x[2 * u + 1].d);
-      if constexpr (std::is_same<Src, BlockQ8_1>::value) {
+      if constexpr (kQ8_1) {
         p.s[0] = fp16(a.s);
         p.s[1] = lone ? 0.f : fp16(x[2 * u + 1].s);
       } else {
@@ -266,11 +269,42 @@ void repack_pairs(const uint8_t* act, int64_t M, int64_t nblocks, PairAct* out) 
   }
 }
 
-// Base: kBytes, codes(block) (32 signed weights in input order), scale(block), and for the
-// types with a minimum (kMin) minimum(block).
+// The 4-bit codes of a pair of blocks (16 bytes each, at p and p + stride; none for a lone
+// block), interleaved: [low nibbles of both | high nibbles of both] in 128-bit quarters, then
+// int32 lanes permuted so that lane i holds chunk i / 2 of block i & 1.
+inline __m512i nibbles_pair(const uint8_t* p, int64_t stride, bool lone) {
+  const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i q1 = lone ? _mm_setzero_si128()
+                          : _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + stride));
+  const __m256i both = _mm256_set_m128i(q1, q0);
+  const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  const __m512i codes = _mm512_and_si512(
+      _mm512_srlv_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(both), both, 1), shift),
+      _mm512_set1_epi8(0x0f));
+  const __m512i idx = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  return _mm512_permutexvar_epi32(idx, codes);
+}
+
+// The fifth bits of a pair (32 bits each, at p and p + stride) as 0x10 in nibbles_pair's order.
+inline __m512i fifth_bits_pair(const uint8_t* p, int64_t stride, bool lone) {
+  uint32_t h0, h1 = 0;
+  memcpy(&h0, p, 4);
+  if (!lone) memcpy(&h1, p + stride, 4);
+  // byte j of the 64 before the permute: codes 0-15 of block 0, of block 1, then 16-31 of each
+  const uint64_t bits = (h0 & 0xffffull) | (uint64_t(h1 & 0xffff) << 16) |
+                        (uint64_t(h0 >> 16) << 32) | (uint64_t(h1 >> 16) << 48);
+  const __m512i spread = _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(0x10));
+  const __m512i idx = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  return _mm512_permutexvar_epi32(idx, spread);
+}
+
+// Base: Src (activation block), kBytes, kOffset (w = code - kOffset; Q8_0: codes are w), kMin
+// (w = d q + m: unsigned codes against signed activations), codes(block, stride, lone) (the
+// pair's 64 codes interleaved), scales(block, stride, lone) ([d0, m0, d1, m1] in fp32; a lone
+// block's second ones 0).
 template <class Base>
 struct Pair32 {
-  using Src = typename Base::Src;  // the activation format's block
+  using Src = typename Base::Src;
   using Act = PairAct;
   using Acc = __m512;
   static constexpr int64_t kBlock = 32, kBytes = Base::kBytes, kUnit = 2;
@@ -279,78 +313,92 @@ struct Pair32 {
     __m512 d, m;
   };
   static void decode(const uint8_t* b, Decoded& w, bool lone) {
-    const uint8_t* b1 = b + kBytes;
-    w.w = interleave_pair(Base::codes(b), lone ? _mm256_setzero_si256() : Base::codes(b1));
-    w.start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(
-        _mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w.w));
-    w.d = pair_of(Base::scale(b), lone ? 0.f : Base::scale(b1));
-    if constexpr (Base::kMin)  // lanes 0 and 1 only: m_c s_c once per block
-      w.m = _mm512_maskz_mov_ps(0x3, pair_of(Base::minimum(b), lone ? 0.f : Base::minimum(b1)));
+    const __m512 dm = _mm512_castps128_ps512(Base::scales(b, kBytes, lone));
+    w.d = _mm512_permutexvar_ps(_mm512_set1_epi64(0x0000000200000000ll), dm);  // [d0, d1]...
+    const __m512i codes = Base::codes(b, kBytes, lone);
+    if constexpr (Base::kMin) {
+      w.w = codes;
+      w.start = _mm512_setzero_si512();
+      // m_c s_c once per block: lanes 0 and 1 only
+      w.m = _mm512_maskz_permutexvar_ps(0x3, _mm512_set1_epi64(0x0000000300000001ll), dm);
+    } else {
+      w.w = Base::kOffset ? _mm512_sub_epi8(codes, _mm512_set1_epi8(Base::kOffset)) : codes;
+      w.start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(
+          _mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w.w));
+    }
   }
   static void dot(const Decoded& w, const Act& x, Acc& acc, float&) {
-    const __m512i p = _mm512_dpbusd_epi32(w.start, _mm512_loadu_si512(x.qs), w.w);
-    double d, s;
+    // Q8_1 (kMin): unsigned codes x signed a; else signed w x (a + 128) from -128 sum w
+    const __m512i p = Base::kMin ? _mm512_dpbusd_epi32(w.start, w.w, _mm512_loadu_si512(x.qs))
+                                 : _mm512_dpbusd_epi32(w.start, _mm512_loadu_si512(x.qs), w.w);
+    double d;
     memcpy(&d, x.d, 8);
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
                           _mm512_mul_ps(w.d, _mm512_castpd_ps(_mm512_set1_pd(d))), acc);
     if constexpr (Base::kMin) {
+      double s;
       memcpy(&s, x.s, 8);
       acc = _mm512_fmadd_ps(w.m, _mm512_castpd_ps(_mm512_set1_pd(s)), acc);
     }
   }
 };
 
+// [d0, m0, d1, m1] from fp16 d (and m) at p and p + stride (m after d where with_min).
+inline __m128 scales_pair(const uint8_t* p, int64_t stride, bool lone, bool with_min) {
+  uint32_t a, c = 0;
+  memcpy(&a, p, 4);
+  if (!lone) memcpy(&c, p + stride, 4);
+  if (!with_min) {
+    a &= 0xffff;
+    c &= 0xffff;
+  }
+  return _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(a | (uint64_t(c) << 32))));
+}
+
 struct BaseQ4_0 {
   using Src = BlockQ8_0;
-  static constexpr int64_t kBytes = 18;
+  static constexpr int64_t kBytes = 18, kOffset = 8;
   static constexpr bool kMin = false;
-  static __m256i codes(const uint8_t* b) {
-    return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
-  }
-  static float scale(const uint8_t* b) { return fp16(u16(b)); }
+  static __m512i codes(const uint8_t* b, int64_t s, bool lone) { return nibbles_pair(b + 2, s, lone); }
+  static __m128 scales(const uint8_t* b, int64_t s, bool lone) { return scales_pair(b, s, lone, false); }
 };
 
 struct BaseQ5_0 {
   using Src = BlockQ8_0;
-  static constexpr int64_t kBytes = 22;
+  static constexpr int64_t kBytes = 22, kOffset = 16;
   static constexpr bool kMin = false;
-  static __m256i codes(const uint8_t* b) {
-    uint32_t qh;
-    memcpy(&qh, b + 2, 4);
-    return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(qh)),
-                           _mm256_set1_epi8(16));
+  static __m512i codes(const uint8_t* b, int64_t s, bool lone) {
+    return _mm512_or_si512(nibbles_pair(b + 6, s, lone), fifth_bits_pair(b + 2, s, lone));
   }
-  static float scale(const uint8_t* b) { return fp16(u16(b)); }
+  static __m128 scales(const uint8_t* b, int64_t s, bool lone) { return scales_pair(b, s, lone, false); }
 };
 
 struct BaseQ8_0 {
   using Src = BlockQ8_0;
-  static constexpr int64_t kBytes = 34;
+  static constexpr int64_t kBytes = 34, kOffset = 0;
   static constexpr bool kMin = false;
-  static __m256i codes(const uint8_t* b) { return load32(b + 2); }
-  static float scale(const uint8_t* b) { return fp16(u16(b)); }
+  static __m512i codes(const uint8_t* b, int64_t s, bool lone) {
+    return interleave_pair(load32(b + 2), lone ? _mm256_setzero_si256() : load32(b + s + 2));
+  }
+  static __m128 scales(const uint8_t* b, int64_t s, bool lone) { return scales_pair(b, s, lone, false); }
 };
 
 struct BaseQ4_1 {
   using Src = BlockQ8_1;
-  static constexpr int64_t kBytes = 20;
+  static constexpr int64_t kBytes = 20, kOffset = 0;
   static constexpr bool kMin = true;
-  static __m256i codes(const uint8_t* b) { return nibbles32(b + 4); }  // 0..15: signed too
-  static float scale(const uint8_t* b) { return fp16(u16(b)); }
-  static float minimum(const uint8_t* b) { return fp16(u16(b + 2)); }
+  static __m512i codes(const uint8_t* b, int64_t s, bool lone) { return nibbles_pair(b + 4, s, lone); }
+  static __m128 scales(const uint8_t* b, int64_t s, bool lone) { return scales_pair(b, s, lone, true); }
 };
 
 struct BaseQ5_1 {
   using Src = BlockQ8_1;
-  static constexpr int64_t kBytes = 24;
+  static constexpr int64_t kBytes = 24, kOffset = 0;
   static constexpr bool kMin = true;
-  static __m256i codes(const uint8_t* b) {
-    uint32_t qh;
-    memcpy(&qh, b + 4, 4);
-    return _mm256_or_si256(nibbles32(b + 8), fifth_bits(qh));  // 0..31
+  static __m512i codes(const uint8_t* b, int64_t s, bool lone) {
+    return _mm512_or_si512(nibbles_pair(b + 8, s, lone), fifth_bits_pair(b + 4, s, lone));
   }
-  static float scale(const uint8_t* b) { return fp16(u16(b)); }
-  static float minimum(const uint8_t* b) { return fp16(u16(b + 2)); }
+  static __m128 scales(const uint8_t* b, int64_t s, bool lone) { return scales_pair(b, s, lone, true); }
 };
 
 using TypeQ4_0 = Pair32<BaseQ4_0>;
