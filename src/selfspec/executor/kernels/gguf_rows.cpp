@@ -1,5 +1,5 @@
 // Row-consistent products on a GGUF file's own quantized blocks (llama.cpp's formats), for x86
-// CPUs with AVX2 + FMA + F16C or with AVX-512 (F/BW/VL) + VNNI.
+// CPUs with AVX2 + FMA + F16C or with AVX-512 (F/BW/VL) + VNNI: the same source built twice.
 //
 // Scheme (llama.cpp's vec_dot pairs): each weight type is multiplied with activations quantized
 // per call to the format llama.cpp pairs it with, Q8_0 (blocks of 32: fp16 d, int8[32]) for
@@ -7,10 +7,10 @@
 // 256: fp32 d, int8[256], int16 bsums[16]) for Q4_K/Q5_K/Q6_K; quantization rounds exactly as
 // llama.cpp's quantize_row_q8_0_ref / q8_1_ref / q8_K_ref (the references, not its SIMD
 // quantizers, which round differently). F32/F16/BF16 weight rows take fp32 activations (FMA).
-// Within a block the dot product is an integer one (vpmaddubsw + vpmaddwd on AVX2, vpdpbusd /
-// vpdpwssd on AVX-512 VNNI; every partial sum fits its lanes, so both give the same integers);
-// each block's integer sum is scaled in fp32 into 8 fp32 lanes per (row, output), summed once
-// at the end.
+// Within a block (or K-quant sub-block) the dot product is an integer one, exact: vpmaddubsw +
+// vpmaddwd on AVX2 (32 inputs a ymm), vpdpbusd / vpdpwssd on AVX-512 VNNI (64 inputs a zmm;
+// blocks of 32 in pairs). Each block's integer sum is scaled in fp32 into 8 (AVX2) or 16
+// (AVX-512) fp32 lanes per (row, output), summed once at the end.
 //
 // Why: a model stored as GGUF can then decode on the bytes of its file (no re-quantization into
 // selfspec's own w4a8 blocks, no bf16 copy), at the cost of reading them.
@@ -21,11 +21,12 @@
 // used for every row of the tile, but each (t, n) has its own accumulators and the same
 // per-block order; the tile size only changes how many accumulators are live. Built with
 // -ffp-contract=off so that the compiler cannot fuse scalar multiply-adds differently in
-// differently unrolled tiles. The two builds (AVX2, AVX-512) may differ from each other in the
-// last bits; each is row-consistent.
+// differently unrolled tiles. The two builds may differ from each other in the last bits; each
+// is row-consistent. Threads split the weight rows, which leaves every (t, n) unchanged.
 //
 // Layouts: weights [N, row_bytes] as stored in the GGUF (row n = K / block_size blocks of the
-// type's struct, ggml-common.h); activations [M, K / 32 or K / 256 blocks] of the structs below;
+// type's struct, ggml-common.h); activations [M, K / 32 or K / 256 blocks] of ggml's structs
+// (BlockQ8_0/Q8_1/Q8_K below; the AVX-512 build repacks blocks of 32 per call, see PairAct);
 // outputs written at out + t * ldo + n (fp32 or bf16), so a caller fills column slices of one
 // wider output.
 #include <ATen/Parallel.h>
@@ -100,10 +101,11 @@ inline __m256i nibbles32(const uint8_t* p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Weight types. Each has Act (its activation block), kBlock (inputs), kBytes (bytes a block),
-// Decoded, decode(block, Decoded&) once per weight block and dot(Decoded, Act, acc, extra) per
-// activation row: acc (8 fp32 lanes) and extra (a scalar, for Q4_1/Q5_1's minimum term)
-// accumulate the block's contribution.
+// Weight types. Each has Act (the activation step), Acc (its accumulator), kBlock (inputs of a
+// GGUF block), kBytes (its bytes), kUnit (blocks a step), Decoded, decode(blocks, Decoded&,
+// lone) once per step of a weight row (lone: the row's last block has no partner) and
+// dot(Decoded, Act, acc, extra) per activation row: acc and extra (a scalar, for the AVX2
+// Q4_1/Q5_1's minimum term) accumulate the step's contribution.
 
 #ifndef SELFSPEC_GGUF_VNNI  // AVX2: a block of 32 a step
 
@@ -214,13 +216,14 @@ struct TypeQ5_1 {
 
 #else  // SELFSPEC_GGUF_VNNI: blocks of 32 in pairs, 64 inputs a zmm
 
-// Two blocks a step. The activations are repacked once per call (repack_pairs): the pair's
-// 64 codes as u8 a + 128 (vpdpbusd multiplies unsigned by signed), their 4-byte chunks
-// interleaved (chunk g of block c at bytes 8g + 4c, so int32 lane i of a product belongs to
-// block i & 1 and a pair of floats broadcast as one 64-bit value scales all lanes), and the
-// pair's two fp32 scales dx and, for Q8_1, the two s. The weights' codes, as signed w, are
-// interleaved alike when decoded, with -128 sum w per lane as the accumulator's start:
-// vpdpbusd then gives sum (a + 128) w - 128 sum w = sum a w exactly, one instruction per 64
+// Two blocks a step. The activations are repacked once per call (repack_pairs): the pair's 64
+// codes with their 4-byte chunks interleaved (chunk g of block c at bytes 8g + 4c, so int32
+// lane i of a product belongs to block i & 1 and a pair of floats broadcast as one 64-bit value
+// scales all lanes), and the pair's two fp32 scales dx and, for Q8_1, the two s. vpdpbusd
+// multiplies unsigned by signed bytes: Q4_1/Q5_1's codes are unsigned and meet the signed
+// activations as they are; Q4_0/Q5_0/Q8_0's weights w are signed, so their activations are
+// stored as u8 a + 128 and the accumulator starts at -128 sum w per lane (computed when the
+// weights are decoded): sum (a + 128) w - 128 sum w = sum a w exactly. One instruction per 64
 // inputs where the AVX2 path takes about six per 32. A lone last block is a pair whose second
 // block is zero (codes, scales and sums).
 struct PairAct {
@@ -232,14 +235,8 @@ struct PairAct {
 inline __m512i interleave_pair(__m256i first, __m256i second) {
   // int32 lane i <- lane i / 2 of first (i even) or of second (i odd)
   const __m512i idx = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-  return _mm512_permutexvar_epi32(idx, _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1));
-}
-
-inline __m512 pair_of(float a, float b) {  // [a, b] in every 64-bit lane
-  const float two[2] = {a, b};
-  double both;
-  memcpy(&both, two, 8);
-  return _mm512_castpd_ps(_mm512_set1_pd(both));
+  return _mm512_permutexvar_epi32(
+      idx, _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1));
 }
 
 template <class Src>
@@ -359,8 +356,12 @@ struct BaseQ4_0 {
   using Src = BlockQ8_0;
   static constexpr int64_t kBytes = 18, kOffset = 8;
   static constexpr bool kMin = false;
-  static __m512i codes(const uint8_t* b, int64_t s, bool lone) { return nibbles_pair(b + 2, s, lone); }
-  static __m128 scales(const uint8_t* b, int64_t s, bool lone) { return scales_pair(b, s, lone, false); }
+  static __m512i codes(const uint8_t* b, int64_t s, bool lone) {
+    return nibbles_pair(b + 2, s, lone);
+  }
+  static __m128 scales(const uint8_t* b, int64_t s, bool lone) {
+    return scales_pair(b, s, lone, false);
+  }
 };
 
 struct BaseQ5_0 {
@@ -370,7 +371,9 @@ struct BaseQ5_0 {
   static __m512i codes(const uint8_t* b, int64_t s, bool lone) {
     return _mm512_or_si512(nibbles_pair(b + 6, s, lone), fifth_bits_pair(b + 2, s, lone));
   }
-  static __m128 scales(const uint8_t* b, int64_t s, bool lone) { return scales_pair(b, s, lone, false); }
+  static __m128 scales(const uint8_t* b, int64_t s, bool lone) {
+    return scales_pair(b, s, lone, false);
+  }
 };
 
 struct BaseQ8_0 {
@@ -380,15 +383,21 @@ struct BaseQ8_0 {
   static __m512i codes(const uint8_t* b, int64_t s, bool lone) {
     return interleave_pair(load32(b + 2), lone ? _mm256_setzero_si256() : load32(b + s + 2));
   }
-  static __m128 scales(const uint8_t* b, int64_t s, bool lone) { return scales_pair(b, s, lone, false); }
+  static __m128 scales(const uint8_t* b, int64_t s, bool lone) {
+    return scales_pair(b, s, lone, false);
+  }
 };
 
 struct BaseQ4_1 {
   using Src = BlockQ8_1;
   static constexpr int64_t kBytes = 20, kOffset = 0;
   static constexpr bool kMin = true;
-  static __m512i codes(const uint8_t* b, int64_t s, bool lone) { return nibbles_pair(b + 4, s, lone); }
-  static __m128 scales(const uint8_t* b, int64_t s, bool lone) { return scales_pair(b, s, lone, true); }
+  static __m512i codes(const uint8_t* b, int64_t s, bool lone) {
+    return nibbles_pair(b + 4, s, lone);
+  }
+  static __m128 scales(const uint8_t* b, int64_t s, bool lone) {
+    return scales_pair(b, s, lone, true);
+  }
 };
 
 struct BaseQ5_1 {
@@ -398,7 +407,9 @@ struct BaseQ5_1 {
   static __m512i codes(const uint8_t* b, int64_t s, bool lone) {
     return _mm512_or_si512(nibbles_pair(b + 8, s, lone), fifth_bits_pair(b + 4, s, lone));
   }
-  static __m128 scales(const uint8_t* b, int64_t s, bool lone) { return scales_pair(b, s, lone, true); }
+  static __m128 scales(const uint8_t* b, int64_t s, bool lone) {
+    return scales_pair(b, s, lone, true);
+  }
 };
 
 using TypeQ4_0 = Pair32<BaseQ4_0>;
