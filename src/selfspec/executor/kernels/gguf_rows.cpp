@@ -59,6 +59,11 @@ enum : int64_t {
 // which reloads cheaply), measured on K-quants.
 constexpr int kTile = 8;
 
+// Bytes ahead along the weights that each step prefetches (the hardware prefetcher alone leaves
+// some bandwidth: one-token products on one Xeon core, Q8_0 [17920, 1536] 24 -> 28.7 GB/s, Q4_K
+// 19 -> 20 GB/s; 1024 or 4096 bytes do about as well).
+constexpr int64_t kPrefetch = 2048;
+
 struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };
 struct BlockQ8_1 { uint16_t d, s; int8_t qs[32]; };
 struct BlockQ8_K { float d; int8_t qs[256]; int16_t bsums[16]; };
@@ -763,6 +768,9 @@ void quant_tile(const uint8_t* w, const uint8_t* act, int64_t act_bytes, int64_t
   }
   const int64_t steps = (nblocks + T::kUnit - 1) / T::kUnit;
   for (int64_t u = 0; u < steps; ++u) {
+    const uint8_t* ahead = w + u * T::kUnit * T::kBytes + kPrefetch;
+    for (int64_t o = 0; o < T::kUnit * T::kBytes; o += 64)  // past the row: its successor's
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
     typename T::Decoded dw;
     T::decode(w + u * T::kUnit * T::kBytes, dw, (u + 1) * T::kUnit > nblocks);
 #pragma GCC unroll 8
