@@ -241,8 +241,10 @@ def test_errors():
     if not gguf_rows.gguf_rows_available():
         pytest.skip(gguf_rows.gguf_rows_unavailable_reason())
     data = quantize_blocks(torch.randn(4, 256), T.Q4_K)
-    with pytest.raises(UnsupportedGgufTypeError, match=r"Q2_K.*supported: .*Q4_K.*Q6_K"):
-        GgufMatrix([GgufSegment(T.Q2_K, torch.zeros(4, 84, dtype=torch.uint8))], 256)
+    with pytest.raises(UnsupportedGgufTypeError, match=r"IQ4_XS.*supported: .*Q4_K.*Q6_K"):
+        GgufMatrix([GgufSegment(T.IQ4_XS, torch.zeros(4, 136, dtype=torch.uint8))], 256)
+    with pytest.raises(UnsupportedGgufTypeError, match="Q8_K"):     # an activation format
+        GgufMatrix([GgufSegment(T.Q8_K, torch.zeros(4, 292, dtype=torch.uint8))], 256)
     assert issubclass(UnsupportedGgufTypeError, InvalidArgumentError)
     with pytest.raises(InvalidArgumentError, match="multiple of 256"):
         GgufMatrix([GgufSegment(T.Q4_K, data)], 224)

@@ -4,7 +4,7 @@ as llama.cpp multiplies them: :class:`GgufMatrix`.
 Scheme: each weight type is multiplied with the activation format llama.cpp pairs with it,
 quantized once per call and per format, with llama.cpp's reference rounding: Q8_0 (blocks of
 32) for Q4_0/Q5_0/Q8_0, Q8_1 (Q8_0 plus ``s = d * sum``) for Q4_1/Q5_1, Q8_K (blocks of 256
-with per-16 sums) for Q4_K/Q5_K/Q6_K; F32/F16/BF16 rows multiply fp32 activations. Block dot
+with per-16 sums) for Q2_K/Q3_K/Q4_K/Q5_K/Q6_K; F32/F16/BF16 rows multiply fp32 activations. Block dot
 products are integer ones, scaled per block in fp32. ``GGUF_ROW_TYPES`` lists the types.
 
 Why: a GGUF model then decodes on the bytes of its file, no re-quantization into selfspec's
@@ -47,7 +47,7 @@ _T = gguf.GGMLQuantizationType
 _ACTIVATION = {
     _T.Q4_0: _T.Q8_0, _T.Q5_0: _T.Q8_0, _T.Q8_0: _T.Q8_0,
     _T.Q4_1: _T.Q8_1, _T.Q5_1: _T.Q8_1,
-    _T.Q4_K: _T.Q8_K, _T.Q5_K: _T.Q8_K, _T.Q6_K: _T.Q8_K,
+    _T.Q2_K: _T.Q8_K, _T.Q3_K: _T.Q8_K, _T.Q4_K: _T.Q8_K, _T.Q5_K: _T.Q8_K, _T.Q6_K: _T.Q8_K,
     _T.F32: _T.F32, _T.F16: _T.F32, _T.BF16: _T.F32,
 }
 GGUF_ROW_TYPES: tuple[gguf.GGMLQuantizationType, ...] = tuple(_ACTIVATION)

@@ -45,7 +45,7 @@ namespace {
 // ggml's type ids (ggml.h enum ggml_type), used for weight types and activation formats.
 enum : int64_t {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ8_1 = 9,
-  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kQ8_K = 15, kBF16 = 30,
+  kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kQ8_K = 15, kBF16 = 30,
 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
@@ -75,13 +75,14 @@ inline uint16_t to_fp16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT
 inline uint16_t u16(const uint8_t* p) { uint16_t v; memcpy(&v, p, 2); return v; }
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
-// Sum of u8 x s8 products over each 4 bytes into 8 int32 lanes (AVX2). No saturation: every
-// use has |u| <= 128 and |s| <= 127, so vpmaddubsw's pair sums stay within int16.
+// Sum of u8 x s8 products over each 4 bytes into 8 int32 lanes (the AVX2 build's blocks of
+// 32). No saturation: every use has |u| <= 128 and |s| <= 127, so vpmaddubsw's pair sums stay
+// within int16.
 inline __m256i dot_us(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-// acc + the int16 pair products of a and b summed per int32 lane (AVX2).
+// acc + the int16 pair products of a and b summed per int32 lane (256-bit paths).
 inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 }
@@ -748,6 +749,117 @@ struct TypeQ6_K {
 };
 #endif
 
+// Q2_K and Q3_K: 256 inputs in 16 sub-blocks of 16, 2-bit codes (Q3_K: a third bit in hmask).
+// Rarely the bulk of a model's bytes, so one 256-bit implementation serves both builds.
+// Per 128 inputs h, 32 bytes of codes: input 128h + 32j + l (l < 32) has bits 2j, 2j + 1 of
+// byte l; Q3_K's third bit is bit 4h + j of hmask[l]. Sub-block i of 16 inputs has scale i.
+
+// int16 vector [sc_2p x 8 | sc_2p+1 x 8] of 16 int8 scales (against a vpmaddubsw of inputs
+// 32p .. 32p + 31, whose low 128 bits are sub-block 2p).
+inline __m256i pair16_scales(__m128i sc8, int p) {
+  const char a = static_cast<char>(2 * p), b = static_cast<char>(2 * p + 1);
+  return _mm256_cvtepi8_epi16(
+      _mm_shuffle_epi8(sc8, _mm_setr_epi8(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b)));
+}
+
+// Q2_K (84 bytes): scales[16] (low nibble scale, high nibble minimum), qs[64], fp16 d, dmin:
+// w = d sc q - dmin m, q in 0..3.
+struct TypeQ2_K {
+  using Act = BlockQ8_K;
+  using Acc = __m256;
+  static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 84;
+  struct Decoded {
+    __m256i q[8];    // inputs 32p .. 32p + 31
+    __m256i sc[8];   // pair16_scales
+    __m256i mins;    // int16 m[0..15]
+    float d, dmin;
+  };
+  static void decode(const uint8_t* b, Decoded& w, bool) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    const __m128i nib = _mm_set1_epi8(0x0f);
+    const __m128i sc8 = _mm_and_si128(packed, nib);
+    w.mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), nib));
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p) w.sc[p] = pair16_scales(sc8, p);
+    const __m256i two = _mm256_set1_epi8(0x03);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = load32(b + 16 + 32 * h);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j)
+        w.q[4 * h + j] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * j), two);
+    }
+    w.d = fp16(u16(b + 80));
+    w.dmin = fp16(u16(b + 82));
+  }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) {
+    __m256i isum = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p)  // |pair sums| <= 2 * 3 * 127
+      isum = madd_acc(isum, _mm256_maddubs_epi16(w.q[p], load32(x.qs + 32 * p)), w.sc[p]);
+    const __m256i msum = _mm256_madd_epi16(
+        w.mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums)));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(w.d * x.d), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(-(w.dmin * x.d)), acc);
+  }
+};
+
+// Q3_K (110 bytes): hmask[32], qs[64], 12 bytes of 6-bit scales (stored + 32), fp16 d:
+// w = d (sc - 32) (u - 4) with u = q + 4 * hbit in 0..7, so
+// w . a = d (sum_i sc_i (u_i . a_i) - 4 sum_i sc_i bsum_i).
+struct TypeQ3_K {
+  using Act = BlockQ8_K;
+  using Acc = __m256;
+  static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 110;
+  struct Decoded {
+    __m256i u[8];     // inputs 32p .. 32p + 31 (0..7)
+    __m256i sc[8];    // pair16_scales
+    __m256i sc_all;   // int16 sc[0..15]
+    float d;
+  };
+  static void decode(const uint8_t* b, Decoded& w, bool) {
+    // Scale i: low 4 bits from byte i % 8 (low nibble for i < 8, high for i >= 8), high 2 bits
+    // from bits 2 (i / 4) .. of byte 8 + i % 4.
+    uint32_t a[3];
+    memcpy(a, b + 96, 12);
+    const uint32_t four = 0x0f0f0f0f, two = 0x03030303;
+    const __m128i stored = _mm_setr_epi32(
+        static_cast<int32_t>((a[0] & four) | ((a[2] & two) << 4)),
+        static_cast<int32_t>((a[1] & four) | (((a[2] >> 2) & two) << 4)),
+        static_cast<int32_t>(((a[0] >> 4) & four) | (((a[2] >> 4) & two) << 4)),
+        static_cast<int32_t>(((a[1] >> 4) & four) | (((a[2] >> 6) & two) << 4)));
+    const __m128i sc8 = _mm_sub_epi8(stored, _mm_set1_epi8(32));
+    w.sc_all = _mm256_cvtepi8_epi16(sc8);
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p) w.sc[p] = pair16_scales(sc8, p);
+    const __m256i hm = load32(b);
+    const __m256i low2 = _mm256_set1_epi8(0x03), bit2 = _mm256_set1_epi8(0x04);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = load32(b + 32 + 32 * h);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        // bit 4h + j of each hmask byte to bit 2 (16-bit shifts: each byte keeps its own bits)
+        const int c = 4 * h + j;
+        const __m256i third = _mm256_and_si256(
+            c >= 2 ? _mm256_srli_epi16(hm, c - 2) : _mm256_slli_epi16(hm, 2 - c), bit2);
+        w.u[c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 2 * j), low2), third);
+      }
+    }
+    w.d = fp16(u16(b + 108));
+  }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) {
+    __m256i isum = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p)  // |pair sums| <= 2 * 7 * 127
+      isum = madd_acc(isum, _mm256_maddubs_epi16(w.u[p], load32(x.qs + 32 * p)), w.sc[p]);
+    const __m256i off = _mm256_madd_epi16(
+        w.sc_all, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums)));
+    isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(off, 2));  // the codes' +4
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(w.d * x.d), acc);
+  }
+};
+
 inline float sum_acc(__m256 a) { return hsum(a); }
 #ifdef SELFSPEC_GGUF_VNNI
 inline float sum_acc(__m512 a) { return _mm512_reduce_add_ps(a); }  // a fixed order
@@ -1066,6 +1178,8 @@ int64_t selfspec_gguf_rows(int64_t type, const uint8_t* w, int64_t N, int64_t K,
     case kQ5_0: return quant_product<TypeQ5_0>(w, N, K, a, M, bias, out, ldo, ob);
     case kQ5_1: return quant_product<TypeQ5_1>(w, N, K, a, M, bias, out, ldo, ob);
     case kQ8_0: return quant_product<TypeQ8_0>(w, N, K, a, M, bias, out, ldo, ob);
+    case kQ2_K: return quant_product<TypeQ2_K>(w, N, K, a, M, bias, out, ldo, ob);
+    case kQ3_K: return quant_product<TypeQ3_K>(w, N, K, a, M, bias, out, ldo, ob);
     case kQ4_K: return quant_product<TypeQ4_K>(w, N, K, a, M, bias, out, ldo, ob);
     case kQ5_K: return quant_product<TypeQ5_K>(w, N, K, a, M, bias, out, ldo, ob);
     case kQ6_K: return quant_product<TypeQ6_K>(w, N, K, a, M, bias, out, ldo, ob);
