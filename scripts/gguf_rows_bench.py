@@ -4,11 +4,12 @@ w4a8 kernel (selfspec.executor.w4a8) on Qwen2.5-1.5B's shapes.
 
 Usage::
 
-    python scripts/gguf_rows_bench.py [--threads 2] [--repeat 20]
+    python scripts/gguf_rows_bench.py [--threads 2] [--repeat 20] [--type Q8_0]
 
 Shapes: gate_up [17920, 1536] Q4_K, down [1536, 8960] Q6_K, qkv [2048, 1536] as Q4_K q and k
 (1536 + 256 rows) and Q6_K v (256 rows), blocks quantized from random normal weights
 (gguf_quantize.quantize_blocks); w4a8 on the same float weights. bf16 inputs, as in decoding.
+``--type`` puts every segment in one type instead (e.g. Q8_0, as the registry's Qwen GGUFs).
 
 Prints, per shape and kernel (gguf rows with each available build, w4a8): bytes one call reads,
 GB/s for one-token products (those bytes / the time), the least µs of a call (over --repeat
@@ -58,6 +59,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--type", choices=[t.name for t in gguf_rows.GGUF_ROW_TYPES],
+                        help="one type for every segment (default: the K-quant mix above)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     isas = [isa for isa in gguf_rows.ISAS if gguf_rows.gguf_rows_available(isa)]
@@ -69,6 +72,8 @@ def main() -> None:
     print(header)
     gen = torch.Generator().manual_seed(0)
     for name, (k, parts) in SHAPES.items():
+        if args.type:
+            parts = [(n, T[args.type]) for n, _ in parts]
         weights = [torch.randn(n, k, generator=gen) * 0.02 for n, _ in parts]
         kernels = {}
         segments = [GgufSegment(t, quantize_blocks(w, t)) for w, (_, t) in zip(weights, parts)]

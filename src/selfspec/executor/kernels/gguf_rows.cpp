@@ -115,20 +115,43 @@ inline __m256i nibbles32(const uint8_t* p) {
 
 #ifndef SELFSPEC_GGUF_VNNI  // AVX2: a block of 32 a step
 
+// The activations repacked once per call (repack_blocks) with their scales in fp32, so that no
+// (row, output, block) converts them again.
+struct Act32 {
+  int8_t qs[32];
+  float d, s;  // s: Q8_1's d * sum (0 from Q8_0)
+};
+
+template <class Src>
+void repack_blocks(const uint8_t* act, int64_t M, int64_t nblocks, Act32* out) {
+  const Src* x = reinterpret_cast<const Src*>(act);
+  for (int64_t i = 0; i < M * nblocks; ++i) {
+    memcpy(out[i].qs, x[i].qs, 32);
+    out[i].d = fp16(x[i].d);
+    if constexpr (std::is_same<Src, BlockQ8_1>::value) out[i].s = fp16(x[i].s);
+    else out[i].s = 0.f;
+  }
+}
+
 // Blocks of 32 with signed codes (Q4_0, Q5_0, Q8_0): codes as int8, |code| as u8, one scale.
 struct Signed32 {
   __m256i q, aq;
   float d;
 };
 
-inline void dot_signed32(const Signed32& w, const BlockQ8_0& x, __m256& acc, float&) {
+inline void dot_signed32(const Signed32& w, const Act32& x, __m256& acc, float&) {
   // vpmaddubsw multiplies unsigned by signed: |w| by x carrying w's sign.
   const __m256i p = dot_us(w.aq, _mm256_sign_epi8(load32(x.qs), w.q));
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(w.d * fp16(x.d)), acc);
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(w.d * x.d), acc);
 }
 
 struct TypeQ4_0 {
-  using Act = BlockQ8_0;
+  using Src = BlockQ8_0;
+  using Act = Act32;
+  static constexpr bool kRepack = true;
+  static void repack(const uint8_t* act, int64_t M, int64_t nblocks, Act* out) {
+    repack_blocks<Src>(act, M, nblocks, out);
+  }
   using Acc = __m256;
   using Decoded = Signed32;
   static constexpr int64_t kUnit = 1, kBlock = 32, kBytes = 18;
@@ -143,7 +166,12 @@ struct TypeQ4_0 {
 };
 
 struct TypeQ5_0 {
-  using Act = BlockQ8_0;
+  using Src = BlockQ8_0;
+  using Act = Act32;
+  static constexpr bool kRepack = true;
+  static void repack(const uint8_t* act, int64_t M, int64_t nblocks, Act* out) {
+    repack_blocks<Src>(act, M, nblocks, out);
+  }
   using Acc = __m256;
   using Decoded = Signed32;
   static constexpr int64_t kUnit = 1, kBlock = 32, kBytes = 22;
@@ -161,7 +189,12 @@ struct TypeQ5_0 {
 };
 
 struct TypeQ8_0 {
-  using Act = BlockQ8_0;
+  using Src = BlockQ8_0;
+  using Act = Act32;
+  static constexpr bool kRepack = true;
+  static void repack(const uint8_t* act, int64_t M, int64_t nblocks, Act* out) {
+    repack_blocks<Src>(act, M, nblocks, out);
+  }
   using Acc = __m256;
   using Decoded = Signed32;
   static constexpr int64_t kUnit = 1, kBlock = 32, kBytes = 34;
@@ -182,14 +215,19 @@ struct Unsigned32 {
   float d, m;
 };
 
-inline void dot_unsigned32(const Unsigned32& w, const BlockQ8_1& x, __m256& acc, float& extra) {
+inline void dot_unsigned32(const Unsigned32& w, const Act32& x, __m256& acc, float& extra) {
   const __m256i p = dot_us(w.q, load32(x.qs));
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(w.d * fp16(x.d)), acc);
-  extra += w.m * fp16(x.s);
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(w.d * x.d), acc);
+  extra += w.m * x.s;
 }
 
 struct TypeQ4_1 {
-  using Act = BlockQ8_1;
+  using Src = BlockQ8_1;
+  using Act = Act32;
+  static constexpr bool kRepack = true;
+  static void repack(const uint8_t* act, int64_t M, int64_t nblocks, Act* out) {
+    repack_blocks<Src>(act, M, nblocks, out);
+  }
   using Acc = __m256;
   using Decoded = Unsigned32;
   static constexpr int64_t kUnit = 1, kBlock = 32, kBytes = 20;
@@ -204,7 +242,12 @@ struct TypeQ4_1 {
 };
 
 struct TypeQ5_1 {
-  using Act = BlockQ8_1;
+  using Src = BlockQ8_1;
+  using Act = Act32;
+  static constexpr bool kRepack = true;
+  static void repack(const uint8_t* act, int64_t M, int64_t nblocks, Act* out) {
+    repack_blocks<Src>(act, M, nblocks, out);
+  }
   using Acc = __m256;
   using Decoded = Unsigned32;
   static constexpr int64_t kUnit = 1, kBlock = 32, kBytes = 24;
@@ -309,6 +352,10 @@ template <class Base>
 struct Pair32 {
   using Src = typename Base::Src;
   using Act = PairAct;
+  static constexpr bool kRepack = true;
+  static void repack(const uint8_t* act, int64_t M, int64_t nblocks, Act* out) {
+    repack_pairs<Src>(act, M, nblocks, out);
+  }
   using Acc = __m512;
   static constexpr int64_t kBlock = 32, kBytes = Base::kBytes, kUnit = 2;
   struct Decoded {
@@ -528,6 +575,7 @@ inline void dot_kquant32(const KQuant32& w, const BlockQ8_K& x, AccK& acc) {
 
 struct TypeQ4_K {
   using Act = BlockQ8_K;
+  static constexpr bool kRepack = false;
   using Acc = AccK;
   using Decoded = KQuant32;
   static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 144;
@@ -543,6 +591,7 @@ struct TypeQ4_K {
 
 struct TypeQ5_K {
   using Act = BlockQ8_K;
+  static constexpr bool kRepack = false;
   using Acc = AccK;
   using Decoded = KQuant32;
   static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 176;
@@ -573,6 +622,7 @@ struct TypeQ5_K {
 // 16 inputs has scale sc[i]. w . a = d dx (sum_i sc_i (u_i . a_i) - 32 sum_i sc_i bsum_i).
 struct TypeQ6_K {
   using Act = BlockQ8_K;
+  static constexpr bool kRepack = false;
   using Acc = __m512;
   static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 210;
   struct Decoded {
@@ -650,6 +700,7 @@ inline void dot_kquant32(const KQuant32& w, const BlockQ8_K& x, __m256& acc) {
 
 struct TypeQ4_K {
   using Act = BlockQ8_K;
+  static constexpr bool kRepack = false;
   using Acc = __m256;
   using Decoded = KQuant32;
   static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 144;
@@ -670,6 +721,7 @@ struct TypeQ4_K {
 
 struct TypeQ5_K {
   using Act = BlockQ8_K;
+  static constexpr bool kRepack = false;
   using Acc = __m256;
   using Decoded = KQuant32;
   static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 176;
@@ -699,6 +751,7 @@ struct TypeQ5_K {
 // 16 inputs has scale sc[i]. w . a = d dx (sum_i sc_i (u_i . a_i) - 32 sum_i sc_i bsum_i).
 struct TypeQ6_K {
   using Act = BlockQ8_K;
+  static constexpr bool kRepack = false;
   using Acc = __m256;
   static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 210;
   struct Decoded {
@@ -766,6 +819,7 @@ inline __m256i pair16_scales(__m128i sc8, int p) {
 // w = d sc q - dmin m, q in 0..3.
 struct TypeQ2_K {
   using Act = BlockQ8_K;
+  static constexpr bool kRepack = false;
   using Acc = __m256;
   static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 84;
   struct Decoded {
@@ -809,6 +863,7 @@ struct TypeQ2_K {
 // w . a = d (sum_i sc_i (u_i . a_i) - 4 sum_i sc_i bsum_i).
 struct TypeQ3_K {
   using Act = BlockQ8_K;
+  static constexpr bool kRepack = false;
   using Acc = __m256;
   static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 110;
   struct Decoded {
@@ -964,16 +1019,14 @@ int64_t quant_product(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act
   if (K % T::kBlock) return -1;
   const int64_t nb = K / T::kBlock, row_bytes = nb * T::kBytes;
   int64_t act_bytes = nb * static_cast<int64_t>(sizeof(typename T::Act));
-#ifdef SELFSPEC_GGUF_VNNI
-  std::vector<PairAct> pairs;
-  if constexpr (T::kUnit == 2) {  // blocks of 32 in pairs: activations repacked once
-    const int64_t units = (nb + 1) / 2;
-    pairs.resize(static_cast<size_t>(M * units));
-    repack_pairs<typename T::Src>(act, M, nb, pairs.data());
-    act = reinterpret_cast<const uint8_t*>(pairs.data());
-    act_bytes = units * static_cast<int64_t>(sizeof(PairAct));
+  std::vector<typename T::Act> repacked;
+  if constexpr (T::kRepack) {  // blocks of 32: activations repacked once per call
+    const int64_t steps = (nb + T::kUnit - 1) / T::kUnit;
+    repacked.resize(static_cast<size_t>(M * steps));
+    T::repack(act, M, nb, repacked.data());
+    act = reinterpret_cast<const uint8_t*>(repacked.data());
+    act_bytes = steps * static_cast<int64_t>(sizeof(typename T::Act));
   }
-#endif
   product(N, M, bias, out, ldo, out_bf16, [&](int64_t n, int64_t t0, int64_t tb, float* res) {
     const uint8_t* row = w + n * row_bytes;
     const uint8_t* a = act + t0 * act_bytes;
