@@ -35,6 +35,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <type_traits>
 #include <vector>
 
@@ -109,7 +110,7 @@ inline __m256i nibbles32(const uint8_t* p) {
 // ---------------------------------------------------------------------------------------------
 // Weight types. Each has Act (the activation step), Acc (its accumulator), kBlock (inputs of a
 // GGUF block), kBytes (its bytes), kUnit (blocks a step), Decoded, decode(blocks, Decoded&,
-// lone) once per step of a weight row (lone: the row's last block has no partner) and
+// count) once per step of a weight row (count: its blocks, fewer than kUnit at a row's end) and
 // dot(Decoded, Act, acc, extra) per activation row: acc and extra (a scalar, for the AVX2
 // Q4_1/Q5_1's minimum term) accumulate the step's contribution.
 
@@ -155,7 +156,7 @@ struct TypeQ4_0 {
   using Acc = __m256;
   using Decoded = Signed32;
   static constexpr int64_t kUnit = 1, kBlock = 32, kBytes = 18;
-  static void decode(const uint8_t* b, Decoded& w, bool) {
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     w.d = fp16(u16(b));
     w.q = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
     w.aq = _mm256_abs_epi8(w.q);
@@ -175,7 +176,7 @@ struct TypeQ5_0 {
   using Acc = __m256;
   using Decoded = Signed32;
   static constexpr int64_t kUnit = 1, kBlock = 32, kBytes = 22;
-  static void decode(const uint8_t* b, Decoded& w, bool) {
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
     w.d = fp16(u16(b));
@@ -198,7 +199,7 @@ struct TypeQ8_0 {
   using Acc = __m256;
   using Decoded = Signed32;
   static constexpr int64_t kUnit = 1, kBlock = 32, kBytes = 34;
-  static void decode(const uint8_t* b, Decoded& w, bool) {
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     w.d = fp16(u16(b));
     w.q = load32(b + 2);
     w.aq = _mm256_abs_epi8(w.q);  // -128 becomes 0x80, read as 128 by the unsigned side
@@ -231,7 +232,7 @@ struct TypeQ4_1 {
   using Acc = __m256;
   using Decoded = Unsigned32;
   static constexpr int64_t kUnit = 1, kBlock = 32, kBytes = 20;
-  static void decode(const uint8_t* b, Decoded& w, bool) {
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     w.d = fp16(u16(b));
     w.m = fp16(u16(b + 2));
     w.q = nibbles32(b + 4);
@@ -251,7 +252,7 @@ struct TypeQ5_1 {
   using Acc = __m256;
   using Decoded = Unsigned32;
   static constexpr int64_t kUnit = 1, kBlock = 32, kBytes = 24;
-  static void decode(const uint8_t* b, Decoded& w, bool) {
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     uint32_t qh;
     memcpy(&qh, b + 4, 4);
     w.d = fp16(u16(b));
@@ -362,7 +363,8 @@ struct Pair32 {
     __m512i w, start;
     __m512 d, m;
   };
-  static void decode(const uint8_t* b, Decoded& w, bool lone) {
+  static void decode(const uint8_t* b, Decoded& w, int64_t count) {
+    const bool lone = count < 2;
     const __m512 dm = _mm512_castps128_ps512(Base::scales(b, kBytes, lone));
     w.d = _mm512_permutexvar_ps(_mm512_set1_epi64(0x0000000200000000ll), dm);  // [d0, d1]...
     const __m512i codes = Base::codes(b, kBytes, lone);
@@ -465,11 +467,157 @@ struct BaseQ5_1 {
   }
 };
 
-using TypeQ4_0 = Pair32<BaseQ4_0>;
-using TypeQ5_0 = Pair32<BaseQ5_0>;
 using TypeQ8_0 = Pair32<BaseQ8_0>;
-using TypeQ4_1 = Pair32<BaseQ4_1>;
-using TypeQ5_1 = Pair32<BaseQ5_1>;
+
+// Q4_0, Q4_1, Q5_0, Q5_1: four blocks a step, 128 inputs in two zmm. Block c's 16 code bytes
+// load into 128-bit quarter c; their low nibbles are its codes 0-15, the high ones 16-31; one
+// vpermd each transposes the 4 x 4 int32 chunks so that lane 4g + c holds chunk g of block c.
+// The activations are repacked alike (QuadAct), and their per-block scales broadcast as one
+// 128-bit [dx0, dx1, dx2, dx3] scale all lanes. The blocks' fp16 scales (and minima) come out
+// of one or two 64-byte loads with one vpermt2w. About a third of the instructions per input of
+// taking them in pairs: the one-token products of these types are bound by decoding.
+struct QuadAct {
+  uint8_t lo[64];  // codes 0-15 of the 4 blocks: int32 lane 4g + c = codes 4g .. 4g + 3 of block c
+  uint8_t hi[64];  // codes 16-31 alike
+  float d[4];
+  float s[4];      // Q8_1's s (0 from Q8_0)
+};
+
+template <class Src>
+void repack_quads(const uint8_t* act, int64_t M, int64_t nblocks, QuadAct* out) {
+  constexpr bool kQ8_1 = std::is_same<Src, BlockQ8_1>::value;
+  const uint8_t flip = kQ8_1 ? 0 : 0x80;  // as PairAct: a + 128 against signed weights
+  const int64_t steps = (nblocks + 3) / 4;
+  for (int64_t t = 0; t < M; ++t) {
+    const Src* x = reinterpret_cast<const Src*>(act) + t * nblocks;
+    for (int64_t u = 0; u < steps; ++u) {
+      QuadAct& q = out[t * steps + u];
+      for (int c = 0; c < 4; ++c) {
+        const int64_t i = 4 * u + c;
+        const bool here = i < nblocks;
+        for (int g = 0; g < 4; ++g)
+          for (int j = 0; j < 4; ++j) {
+            q.lo[16 * g + 4 * c + j] = (here ? static_cast<uint8_t>(x[i].qs[4 * g + j]) : 0) ^ flip;
+            q.hi[16 * g + 4 * c + j] =
+                (here ? static_cast<uint8_t>(x[i].qs[16 + 4 * g + j]) : 0) ^ flip;
+          }
+        q.d[c] = here ? fp16(x[i].d) : 0.f;
+        if constexpr (kQ8_1) q.s[c] = here ? fp16(x[i].s) : 0.f;
+        else q.s[c] = 0.f;
+      }
+    }
+  }
+}
+
+// Base: Src, kBytes, kQs (offset of the 16 code bytes), kQh (of the fifth bits; 0: none),
+// kOffset (w = code - kOffset) or kMin (w = d q + m, m after d).
+template <class Base>
+struct Quad32 {
+  using Src = typename Base::Src;
+  using Act = QuadAct;
+  static constexpr bool kRepack = true;
+  static void repack(const uint8_t* act, int64_t M, int64_t nblocks, Act* out) {
+    repack_quads<Src>(act, M, nblocks, out);
+  }
+  using Acc = __m512;
+  static constexpr int64_t kBlock = 32, kBytes = Base::kBytes, kUnit = 4;
+  struct Decoded {
+    __m512i lo, hi, start;
+    __m512 d, m;
+  };
+  static void decode(const uint8_t* b, Decoded& w, int64_t count) {
+    __m512i raw = _mm512_castsi128_si512(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + Base::kQs)));
+    if (count > 1) raw = _mm512_inserti32x4(raw, _mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(b + kBytes + Base::kQs)), 1);
+    if (count > 2) raw = _mm512_inserti32x4(raw, _mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(b + 2 * kBytes + Base::kQs)), 2);
+    if (count > 3) raw = _mm512_inserti32x4(raw, _mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(b + 3 * kBytes + Base::kQs)), 3);
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+    if constexpr (Base::kQh != 0) {  // bit j of block c's qh: code j's fifth bit
+      uint64_t bits_lo = 0, bits_hi = 0;
+      for (int c = 0; c < 4; ++c) {
+        uint32_t qh = 0;
+        if (c < count) memcpy(&qh, b + c * kBytes + Base::kQh, 4);
+        bits_lo |= uint64_t(qh & 0xffff) << (16 * c);
+        bits_hi |= uint64_t(qh >> 16) << (16 * c);
+      }
+      const __m512i bit = _mm512_set1_epi8(0x10);
+      lo = _mm512_mask_or_epi32(lo, 0xffff, lo, _mm512_maskz_mov_epi8(bits_lo, bit));
+      hi = _mm512_mask_or_epi32(hi, 0xffff, hi, _mm512_maskz_mov_epi8(bits_hi, bit));
+    }
+    const __m512i transpose =
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    lo = _mm512_permutexvar_epi32(transpose, lo);
+    hi = _mm512_permutexvar_epi32(transpose, hi);
+    // fp16 d (and m) of the 4 blocks: int16 lanes [d0, m0, d1, m1, ...] from the step's bytes
+    // (masked loads: nothing read past the last block)
+    const int64_t n = count * kBytes;
+    const __m512i first = _mm512_maskz_loadu_epi8(n >= 64 ? ~0ull : (1ull << n) - 1, b);
+    const __m512i second = n > 64 ? _mm512_maskz_loadu_epi8((1ull << (n - 64)) - 1, b + 64)
+                                  : _mm512_setzero_si512();
+    constexpr int16_t h = kBytes / 2;  // int16s a block
+    const __m512i pick = _mm512_setr_epi32(
+        (1 << 16) * Base::kMin, h | ((h + 1) << 16) * Base::kMin,
+        2 * h | ((2 * h + 1) << 16) * Base::kMin, 3 * h | ((3 * h + 1) << 16) * Base::kMin,
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i halves = _mm512_permutex2var_epi16(first, pick, second);
+    const __m512 dm = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm512_castsi512_si128(halves)));
+    w.d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6), dm);
+    if constexpr (Base::kMin) {
+      w.lo = lo;
+      w.hi = hi;
+      w.start = _mm512_setzero_si512();
+      w.m = _mm512_maskz_permutexvar_ps(0x000f, _mm512_setr_epi32(1, 3, 5, 7, 0, 0, 0, 0, 0, 0,
+                                                                  0, 0, 0, 0, 0, 0), dm);
+    } else {
+      const __m512i off = _mm512_set1_epi8(Base::kOffset);
+      w.lo = _mm512_sub_epi8(lo, off);
+      w.hi = _mm512_sub_epi8(hi, off);
+      const __m512i top = _mm512_set1_epi8(static_cast<char>(0x80));
+      w.start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(
+          _mm512_dpbusd_epi32(_mm512_setzero_si512(), top, w.lo), top, w.hi));
+    }
+  }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) {
+    const __m512i xl = _mm512_loadu_si512(x.lo), xh = _mm512_loadu_si512(x.hi);
+    const __m512i p = Base::kMin
+        ? _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(w.start, w.lo, xl), w.hi, xh)
+        : _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(w.start, xl, w.lo), xh, w.hi);
+    const __m512 dx = _mm512_broadcast_f32x4(_mm_loadu_ps(x.d));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(w.d, dx), acc);
+    if constexpr (Base::kMin)
+      acc = _mm512_fmadd_ps(w.m, _mm512_broadcast_f32x4(_mm_loadu_ps(x.s)), acc);
+  }
+};
+
+struct QuadQ4_0 {
+  using Src = BlockQ8_0;
+  static constexpr int64_t kBytes = 18, kQs = 2, kQh = 0;
+  static constexpr int kOffset = 8, kMin = 0;
+};
+struct QuadQ5_0 {
+  using Src = BlockQ8_0;
+  static constexpr int64_t kBytes = 22, kQs = 6, kQh = 2;
+  static constexpr int kOffset = 16, kMin = 0;
+};
+struct QuadQ4_1 {
+  using Src = BlockQ8_1;
+  static constexpr int64_t kBytes = 20, kQs = 4, kQh = 0;
+  static constexpr int kOffset = 0, kMin = 1;
+};
+struct QuadQ5_1 {
+  using Src = BlockQ8_1;
+  static constexpr int64_t kBytes = 24, kQs = 8, kQh = 4;
+  static constexpr int kOffset = 0, kMin = 1;
+};
+
+using TypeQ4_0 = Quad32<QuadQ4_0>;
+using TypeQ5_0 = Quad32<QuadQ5_0>;
+using TypeQ4_1 = Quad32<QuadQ4_1>;
+using TypeQ5_1 = Quad32<QuadQ5_1>;
 #endif
 
 // Q4_K / Q5_K: 256 inputs in 8 sub-blocks of 32, each a 6-bit scale and minimum (packed in 12
@@ -579,7 +727,7 @@ struct TypeQ4_K {
   using Acc = AccK;
   using Decoded = KQuant32;
   static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 144;
-  static void decode(const uint8_t* b, Decoded& w, bool) {
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     w.d = fp16(u16(b));
     w.dmin = fp16(u16(b + 2));
     k_decode_scales(b + 4, w);
@@ -595,7 +743,7 @@ struct TypeQ5_K {
   using Acc = AccK;
   using Decoded = KQuant32;
   static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 176;
-  static void decode(const uint8_t* b, Decoded& w, bool) {
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     w.d = fp16(u16(b));
     w.dmin = fp16(u16(b + 2));
     k_decode_scales(b + 4, w);
@@ -631,7 +779,7 @@ struct TypeQ6_K {
     __m256i sc_all;    // int16 sc[0..15]
     float d;
   };
-  static void decode(const uint8_t* b, Decoded& w, bool) {
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
     w.d = fp16(u16(b + 208));
     w.sc_all = _mm256_cvtepi8_epi16(sc8);
@@ -704,7 +852,7 @@ struct TypeQ4_K {
   using Acc = __m256;
   using Decoded = KQuant32;
   static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 144;
-  static void decode(const uint8_t* b, Decoded& w, bool) {
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     w.d = fp16(u16(b));
     w.dmin = fp16(u16(b + 2));
     k_decode_scales(b + 4, w);
@@ -725,7 +873,7 @@ struct TypeQ5_K {
   using Acc = __m256;
   using Decoded = KQuant32;
   static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 176;
-  static void decode(const uint8_t* b, Decoded& w, bool) {
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     w.d = fp16(u16(b));
     w.dmin = fp16(u16(b + 2));
     k_decode_scales(b + 4, w);
@@ -760,7 +908,7 @@ struct TypeQ6_K {
     __m256i sc_all;    // int16 sc[0..15]
     float d;
   };
-  static void decode(const uint8_t* b, Decoded& w, bool) {
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     const uint8_t* ql = b;
     const uint8_t* qh = b + 128;
     const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
@@ -828,7 +976,7 @@ struct TypeQ2_K {
     __m256i mins;    // int16 m[0..15]
     float d, dmin;
   };
-  static void decode(const uint8_t* b, Decoded& w, bool) {
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
     const __m128i nib = _mm_set1_epi8(0x0f);
     const __m128i sc8 = _mm_and_si128(packed, nib);
@@ -872,7 +1020,7 @@ struct TypeQ3_K {
     __m256i sc_all;   // int16 sc[0..15]
     float d;
   };
-  static void decode(const uint8_t* b, Decoded& w, bool) {
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     // Scale i: low 4 bits from byte i % 8 (low nibble for i < 8, high for i >= 8), high 2 bits
     // from bits 2 (i / 4) .. of byte 8 + i % 4.
     uint32_t a[3];
@@ -939,7 +1087,7 @@ void quant_tile(const uint8_t* w, const uint8_t* act, int64_t act_bytes, int64_t
     for (int64_t o = 0; o < T::kUnit * T::kBytes; o += 64)  // past the row: its successor's
       _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
     typename T::Decoded dw;
-    T::decode(w + u * T::kUnit * T::kBytes, dw, (u + 1) * T::kUnit > nblocks);
+    T::decode(w + u * T::kUnit * T::kBytes, dw, std::min(T::kUnit, nblocks - u * T::kUnit));
 #pragma GCC unroll 8
     for (int t = 0; t < TB; ++t)
       T::dot(dw, reinterpret_cast<const Act*>(act + t * act_bytes)[u], acc[t], extra[t]);
