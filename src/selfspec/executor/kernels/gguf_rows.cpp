@@ -26,7 +26,7 @@
 //
 // Layouts: weights [N, row_bytes] as stored in the GGUF (row n = K / block_size blocks of the
 // type's struct, ggml-common.h); activations [M, K / 32 or K / 256 blocks] of ggml's structs
-// (BlockQ8_0/Q8_1/Q8_K below; the AVX-512 build repacks blocks of 32 per call, see PairAct);
+// (BlockQ8_0/Q8_1/Q8_K below; both builds repack blocks of 32 per call: Act32, Q8Pair, QuadAct);
 // outputs written at out + t * ldo + n (fp32 or bf16), so a caller fills column slices of one
 // wider output.
 #include <ATen/Parallel.h>
@@ -264,22 +264,22 @@ struct TypeQ5_1 {
   }
 };
 
-#else  // SELFSPEC_GGUF_VNNI: blocks of 32 in pairs, 64 inputs a zmm
+#else  // SELFSPEC_GGUF_VNNI: blocks of 32 two (Q8_0) or four (4- and 5-bit codes) a step
 
-// Two blocks a step. The activations are repacked once per call (repack_pairs): the pair's 64
-// codes with their 4-byte chunks interleaved (chunk g of block c at bytes 8g + 4c, so int32
-// lane i of a product belongs to block i & 1 and a pair of floats broadcast as one 64-bit value
-// scales all lanes), and the pair's two fp32 scales dx and, for Q8_1, the two s. vpdpbusd
-// multiplies unsigned by signed bytes: Q4_1/Q5_1's codes are unsigned and meet the signed
-// activations as they are; Q4_0/Q5_0/Q8_0's weights w are signed, so their activations are
-// stored as u8 a + 128 and the accumulator starts at -128 sum w per lane (computed when the
-// weights are decoded): sum (a + 128) w - 128 sum w = sum a w exactly. One instruction per 64
-// inputs where the AVX2 path takes about six per 32. A lone last block is a pair whose second
-// block is zero (codes, scales and sums).
-struct PairAct {
+// The activations are repacked once per call (Q8Pair, QuadAct): codes in the order of the
+// decoded weights, so that int32 lane i of a product belongs to one block and the blocks' fp32
+// scales, stored beside, broadcast straight from memory onto the lanes. vpdpbusd multiplies
+// unsigned by signed bytes: Q4_1/Q5_1's codes are unsigned and meet the signed activations as
+// they are; Q4_0/Q5_0/Q8_0's weights w are signed, so their activations are stored as u8
+// a + 128 and the accumulator starts at -128 sum w per lane (computed when the weights are
+// decoded): sum (a + 128) w - 128 sum w = sum a w exactly. Blocks missing at a row's end are
+// zero (codes, scales and sums).
+
+// Q8_0: two blocks a step, their 4-byte chunks interleaved (chunk g of block c at bytes
+// 8g + 4c: lane i belongs to block i & 1, and [dx0, dx1] broadcast as one 64-bit value).
+struct Q8Pair {
   uint8_t qs[64];
   float d[2];
-  float s[2];
 };
 
 inline __m512i interleave_pair(__m256i first, __m256i second) {
@@ -289,193 +289,56 @@ inline __m512i interleave_pair(__m256i first, __m256i second) {
       idx, _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1));
 }
 
-template <class Src>
-void repack_pairs(const uint8_t* act, int64_t M, int64_t nblocks, PairAct* out) {
-  constexpr bool kQ8_1 = std::is_same<Src, BlockQ8_1>::value;
-  const int64_t units = (nblocks + 1) / 2;
-  // Q8_0's codes multiply signed weights: stored as a + 128 (see above); Q8_1's multiply
-  // unsigned codes (Q4_1, Q5_1) and stay as they are.
-  const __m512i flip = _mm512_set1_epi8(kQ8_1 ? 0 : static_cast<char>(0x80));
-  for (int64_t t = 0; t < M; ++t) {
-    const Src* x = reinterpret_cast<const Src*>(act) + t * nblocks;
-    for (int64_t u = 0; u < units; ++u) {
-      const Src& a = x[2 * u];
-      const bool lone = 2 * u + 1 == nblocks;
-      PairAct& p = out[t * units + u];
-      const __m256i second = lone ? _mm256_setzero_si256() : load32(x[2 * u + 1].qs);
-      _mm512_storeu_si512(p.qs, _mm512_xor_si512(interleave_pair(load32(a.qs), second), flip));
-      p.d[0] = fp16(a.d);
-      p.d[1] = lone ? 0.f : fp16(x[2 * u + 1].d);
-      if constexpr (kQ8_1) {
-        p.s[0] = fp16(a.s);
-        p.s[1] = lone ? 0.f : fp16(x[2 * u + 1].s);
-      } else {
-        p.s[0] = p.s[1] = 0.f;
+struct TypeQ8_0 {
+  using Act = Q8Pair;
+  using Acc = __m512;
+  static constexpr bool kRepack = true;
+  static constexpr int64_t kBlock = 32, kBytes = 34, kUnit = 2;
+  static void repack(const uint8_t* act, int64_t M, int64_t nblocks, Act* out) {
+    const int64_t steps = (nblocks + 1) / 2;
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t t = 0; t < M; ++t) {
+      const BlockQ8_0* x = reinterpret_cast<const BlockQ8_0*>(act) + t * nblocks;
+      for (int64_t u = 0; u < steps; ++u) {
+        const bool lone = 2 * u + 1 == nblocks;
+        Q8Pair& p = out[t * steps + u];
+        const __m256i second = lone ? _mm256_setzero_si256() : load32(x[2 * u + 1].qs);
+        _mm512_storeu_si512(p.qs,
+                            _mm512_xor_si512(interleave_pair(load32(x[2 * u].qs), second), flip));
+        p.d[0] = fp16(x[2 * u].d);
+        p.d[1] = lone ? 0.f : fp16(x[2 * u + 1].d);
       }
     }
   }
-}
-
-// The 4-bit codes of a pair of blocks (16 bytes each, at p and p + stride; none for a lone
-// block), interleaved: [low nibbles of both | high nibbles of both] in 128-bit quarters, then
-// int32 lanes permuted so that lane i holds chunk i / 2 of block i & 1.
-inline __m512i nibbles_pair(const uint8_t* p, int64_t stride, bool lone) {
-  const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i q1 = lone ? _mm_setzero_si128()
-                          : _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + stride));
-  const __m256i both = _mm256_set_m128i(q1, q0);
-  const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-  const __m512i codes = _mm512_and_si512(
-      _mm512_srlv_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(both), both, 1), shift),
-      _mm512_set1_epi8(0x0f));
-  const __m512i idx = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
-  return _mm512_permutexvar_epi32(idx, codes);
-}
-
-// The fifth bits of a pair (32 bits each, at p and p + stride) as 0x10 in nibbles_pair's order.
-inline __m512i fifth_bits_pair(const uint8_t* p, int64_t stride, bool lone) {
-  uint32_t h0, h1 = 0;
-  memcpy(&h0, p, 4);
-  if (!lone) memcpy(&h1, p + stride, 4);
-  // byte j of the 64 before the permute: codes 0-15 of block 0, of block 1, then 16-31 of each
-  const uint64_t bits = (h0 & 0xffffull) | (uint64_t(h1 & 0xffff) << 16) |
-                        (uint64_t(h0 >> 16) << 32) | (uint64_t(h1 >> 16) << 48);
-  const __m512i spread = _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(0x10));
-  const __m512i idx = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
-  return _mm512_permutexvar_epi32(idx, spread);
-}
-
-// Base: Src (activation block), kBytes, kOffset (w = code - kOffset; Q8_0: codes are w), kMin
-// (w = d q + m: unsigned codes against signed activations), codes(block, stride, lone) (the
-// pair's 64 codes interleaved), scales(block, stride, lone) ([d0, m0, d1, m1] in fp32; a lone
-// block's second ones 0).
-template <class Base>
-struct Pair32 {
-  using Src = typename Base::Src;
-  using Act = PairAct;
-  static constexpr bool kRepack = true;
-  static void repack(const uint8_t* act, int64_t M, int64_t nblocks, Act* out) {
-    repack_pairs<Src>(act, M, nblocks, out);
-  }
-  using Acc = __m512;
-  static constexpr int64_t kBlock = 32, kBytes = Base::kBytes, kUnit = 2;
   struct Decoded {
     __m512i w, start;
-    __m512 d, m;
+    __m512 d;
   };
   static void decode(const uint8_t* b, Decoded& w, int64_t count) {
     const bool lone = count < 2;
-    const __m512 dm = _mm512_castps128_ps512(Base::scales(b, kBytes, lone));
-    w.d = _mm512_permutexvar_ps(_mm512_set1_epi64(0x0000000200000000ll), dm);  // [d0, d1]...
-    const __m512i codes = Base::codes(b, kBytes, lone);
-    if constexpr (Base::kMin) {
-      w.w = codes;
-      w.start = _mm512_setzero_si512();
-      // m_c s_c once per block: lanes 0 and 1 only
-      w.m = _mm512_maskz_permutexvar_ps(0x3, _mm512_set1_epi64(0x0000000300000001ll), dm);
-    } else {
-      w.w = Base::kOffset ? _mm512_sub_epi8(codes, _mm512_set1_epi8(Base::kOffset)) : codes;
-      w.start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(
-          _mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w.w));
-    }
+    w.w = interleave_pair(load32(b + 2), lone ? _mm256_setzero_si256() : load32(b + kBytes + 2));
+    w.start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(
+        _mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w.w));
+    const uint32_t both = u16(b) | (lone ? 0u : uint32_t(u16(b + kBytes)) << 16);
+    const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int32_t>(both)));
+    w.d = _mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_castps_pd(d)));  // [d0, d1] per 64 bits
   }
   static void dot(const Decoded& w, const Act& x, Acc& acc, float&) {
-    // Q8_1 (kMin): unsigned codes x signed a; else signed w x (a + 128) from -128 sum w
-    const __m512i p = Base::kMin ? _mm512_dpbusd_epi32(w.start, w.w, _mm512_loadu_si512(x.qs))
-                                 : _mm512_dpbusd_epi32(w.start, _mm512_loadu_si512(x.qs), w.w);
+    const __m512i p = _mm512_dpbusd_epi32(w.start, _mm512_loadu_si512(x.qs), w.w);
     double d;
     memcpy(&d, x.d, 8);
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
                           _mm512_mul_ps(w.d, _mm512_castpd_ps(_mm512_set1_pd(d))), acc);
-    if constexpr (Base::kMin) {
-      double s;
-      memcpy(&s, x.s, 8);
-      acc = _mm512_fmadd_ps(w.m, _mm512_castpd_ps(_mm512_set1_pd(s)), acc);
-    }
   }
 };
-
-// [d0, m0, d1, m1] from fp16 d (and m) at p and p + stride (m after d where with_min).
-inline __m128 scales_pair(const uint8_t* p, int64_t stride, bool lone, bool with_min) {
-  uint32_t a, c = 0;
-  memcpy(&a, p, 4);
-  if (!lone) memcpy(&c, p + stride, 4);
-  if (!with_min) {
-    a &= 0xffff;
-    c &= 0xffff;
-  }
-  return _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(a | (uint64_t(c) << 32))));
-}
-
-struct BaseQ4_0 {
-  using Src = BlockQ8_0;
-  static constexpr int64_t kBytes = 18, kOffset = 8;
-  static constexpr bool kMin = false;
-  static __m512i codes(const uint8_t* b, int64_t s, bool lone) {
-    return nibbles_pair(b + 2, s, lone);
-  }
-  static __m128 scales(const uint8_t* b, int64_t s, bool lone) {
-    return scales_pair(b, s, lone, false);
-  }
-};
-
-struct BaseQ5_0 {
-  using Src = BlockQ8_0;
-  static constexpr int64_t kBytes = 22, kOffset = 16;
-  static constexpr bool kMin = false;
-  static __m512i codes(const uint8_t* b, int64_t s, bool lone) {
-    return _mm512_or_si512(nibbles_pair(b + 6, s, lone), fifth_bits_pair(b + 2, s, lone));
-  }
-  static __m128 scales(const uint8_t* b, int64_t s, bool lone) {
-    return scales_pair(b, s, lone, false);
-  }
-};
-
-struct BaseQ8_0 {
-  using Src = BlockQ8_0;
-  static constexpr int64_t kBytes = 34, kOffset = 0;
-  static constexpr bool kMin = false;
-  static __m512i codes(const uint8_t* b, int64_t s, bool lone) {
-    return interleave_pair(load32(b + 2), lone ? _mm256_setzero_si256() : load32(b + s + 2));
-  }
-  static __m128 scales(const uint8_t* b, int64_t s, bool lone) {
-    return scales_pair(b, s, lone, false);
-  }
-};
-
-struct BaseQ4_1 {
-  using Src = BlockQ8_1;
-  static constexpr int64_t kBytes = 20, kOffset = 0;
-  static constexpr bool kMin = true;
-  static __m512i codes(const uint8_t* b, int64_t s, bool lone) {
-    return nibbles_pair(b + 4, s, lone);
-  }
-  static __m128 scales(const uint8_t* b, int64_t s, bool lone) {
-    return scales_pair(b, s, lone, true);
-  }
-};
-
-struct BaseQ5_1 {
-  using Src = BlockQ8_1;
-  static constexpr int64_t kBytes = 24, kOffset = 0;
-  static constexpr bool kMin = true;
-  static __m512i codes(const uint8_t* b, int64_t s, bool lone) {
-    return _mm512_or_si512(nibbles_pair(b + 8, s, lone), fifth_bits_pair(b + 4, s, lone));
-  }
-  static __m128 scales(const uint8_t* b, int64_t s, bool lone) {
-    return scales_pair(b, s, lone, true);
-  }
-};
-
-using TypeQ8_0 = Pair32<BaseQ8_0>;
 
 // Q4_0, Q4_1, Q5_0, Q5_1: four blocks a step, 128 inputs in two zmm. Block c's 16 code bytes
 // load into 128-bit quarter c; their low nibbles are its codes 0-15, the high ones 16-31; one
 // vpermd each transposes the 4 x 4 int32 chunks so that lane 4g + c holds chunk g of block c.
 // The activations are repacked alike (QuadAct), and their per-block scales broadcast as one
 // 128-bit [dx0, dx1, dx2, dx3] scale all lanes. The blocks' fp16 scales (and minima) come out
-// of one or two 64-byte loads with one vpermt2w. About a third of the instructions per input of
-// taking them in pairs: the one-token products of these types are bound by decoding.
+// of one or two 64-byte loads with one vpermt2w. Taken in pairs instead, these types' one-token
+// products were bound by decoding: Q4_1 [17920, 1536] 15.7 GB/s on one core, 20 in fours.
 struct QuadAct {
   uint8_t lo[64];  // codes 0-15 of the 4 blocks: int32 lane 4g + c = codes 4g .. 4g + 3 of block c
   uint8_t hi[64];  // codes 16-31 alike
@@ -486,7 +349,7 @@ struct QuadAct {
 template <class Src>
 void repack_quads(const uint8_t* act, int64_t M, int64_t nblocks, QuadAct* out) {
   constexpr bool kQ8_1 = std::is_same<Src, BlockQ8_1>::value;
-  const uint8_t flip = kQ8_1 ? 0 : 0x80;  // as PairAct: a + 128 against signed weights
+  const uint8_t flip = kQ8_1 ? 0 : 0x80;  // a + 128 against signed weights (see above)
   const int64_t steps = (nblocks + 3) / 4;
   for (int64_t t = 0; t < M; ++t) {
     const Src* x = reinterpret_cast<const Src*>(act) + t * nblocks;
@@ -565,7 +428,8 @@ struct Quad32 {
         0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m512i halves = _mm512_permutex2var_epi16(first, pick, second);
     const __m512 dm = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm512_castsi512_si128(halves)));
-    w.d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6), dm);
+    w.d = _mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6), dm);
     if constexpr (Base::kMin) {
       w.lo = lo;
       w.hi = hi;
