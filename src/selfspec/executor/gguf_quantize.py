@@ -152,7 +152,8 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
                          (u[:, :, 1] & 0xF) | ((u[:, :, 3] & 0xF) << 4)], axis=2)
     hi = u >> 4
     qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
-    return np.concatenate([ql.astype(np.uint8).reshape(-1, 128), qh.astype(np.uint8).reshape(-1, 64),
+    return np.concatenate([ql.astype(np.uint8).reshape(-1, 128),
+                           qh.astype(np.uint8).reshape(-1, 64),
                            sc.astype(np.int8).view(np.uint8), d16[:, None].view(np.uint8)], axis=1)
 
 

@@ -4,21 +4,28 @@ as llama.cpp multiplies them: :class:`GgufMatrix`.
 Scheme: each weight type is multiplied with the activation format llama.cpp pairs with it,
 quantized once per call and per format, with llama.cpp's reference rounding: Q8_0 (blocks of
 32) for Q4_0/Q5_0/Q8_0, Q8_1 (Q8_0 plus ``s = d * sum``) for Q4_1/Q5_1, Q8_K (blocks of 256
-with per-16 sums) for Q2_K/Q3_K/Q4_K/Q5_K/Q6_K; F32/F16/BF16 rows multiply fp32 activations. Block dot
-products are integer ones, scaled per block in fp32. ``GGUF_ROW_TYPES`` lists the types.
+with per-16 sums) for Q2_K/Q3_K/Q4_K/Q5_K/Q6_K; F32/F16/BF16 rows multiply fp32 activations.
+Block dot products are exact integer ones, scaled per block in fp32. ``GGUF_ROW_TYPES`` lists
+the types.
 
 Why: a GGUF model then decodes on the bytes of its file, no re-quantization into selfspec's
 own w4a8 blocks (:mod:`selfspec.executor.w4a8`), no bf16 copy; a token costs reading them.
 
 Row consistency: a row's result is bit-identical whatever the number of rows in the call and
-whatever the others are, so a verification block equals one-token decoding bit for bit; yet
-each decoded weight block serves a tile of up to 8 rows, so a block of
-8–16 rows costs far less than as many one-row calls.
+whatever the others are (and whatever the thread count), so a verification block equals
+one-token decoding bit for bit; yet each decoded weight block serves a tile of up to 8 rows,
+so a block of 8–16 rows costs far less than as many one-row calls.
 
 Two builds of the same source, chosen at run time: AVX-512 (F/BW/VL + VNNI: ``vpdpbusd``,
-``vpdpwssd``) where the CPU has it, else AVX2 + FMA + F16C (``vpmaddubsw``/``vpmaddwd``).
-``isa="avx2"`` forces the latter (tests check both). The two may differ in the last bits; each
-is row-consistent.
+``vpdpwssd``, 64 inputs a zmm) where the CPU has it, else AVX2 + FMA + F16C
+(``vpmaddubsw``/``vpmaddwd``). ``isa="avx2"`` forces the latter (tests check both). The two
+may differ in the last bits; each is row-consistent.
+
+Measured (``scripts/gguf_rows_bench.py``, one core of a 2-core AVX-512 VNNI Xeon, bf16 inputs,
+Qwen2.5-1.5B shapes): one-token products read 19–27 GB/s of blocks on the AVX-512 build (Q4_K
+gate/up 20, Q6_K down 27, Q8_0 27, Q4_1 20; AVX2 build 17, 22, 26, 12), against 25–27 GB/s for
+the w4a8 kernel, which reads fewer bytes a weight than Q8_0 and spends less decoding than Q4_K;
+8 rows cost 2.8–4.0 one-row calls (AVX2 build 4–5; w4a8 5.5), 16 rows 5.5–8 (w4a8 11).
 
 Layout: a :class:`GgufMatrix` is segments of rows (``[rows, row_bytes]`` uint8, each row
 ``K / block_size`` blocks, as stored in the GGUF) stacked along the outputs, each segment its
