@@ -4,8 +4,8 @@ models (:func:`quantize_blocks`).
 gguf-py's :func:`gguf.quants.quantize` covers the 32-input formats (Q4_0, Q4_1, Q5_0, Q5_1,
 Q8_0) and the float ones, and raises ``NotImplementedError`` for the K-quants; those are
 written here in numpy. They are not llama.cpp's quantizers (no search for the best scales, no
-importance weights): plain min/max (Q2_K, Q4_K, Q5_K) or absmax (Q3_K, Q6_K) scales per
-sub-block, the sub-block scales quantized to 4, 6 or 8 bits against the block's fp16
+importance weights): plain min/max (Q2_K, Q4_K, Q5_K) or signed absmax (Q3_K, Q6_K: the
+largest magnitude at the most negative code, so scales of both signs) scales per sub-block, the sub-block scales quantized to 4, 6 or 8 bits against the block's fp16
 super-scales, then the codes
 rounded against those stored scales. The blocks are valid, and
 :func:`gguf.quants.dequantize` gives back the input to about half a code step, which is all
@@ -140,9 +140,16 @@ def _q5_k(x: np.ndarray) -> np.ndarray:
                            _pack_scales(sc, m), qh, _nibbles(q)], axis=1)
 
 
+def _signed_max(sub: np.ndarray) -> np.ndarray:
+    """Per sub-block ``[..., n]``: the entry of largest magnitude, with its sign."""
+    return np.take_along_axis(sub, np.abs(sub).argmax(axis=-1)[..., None], -1)[..., 0]
+
+
 def _q6_k(x: np.ndarray) -> np.ndarray:
     sub = x.reshape(-1, 16, 16)
-    scale = np.abs(sub).max(axis=-1) / 31
+    # As llama.cpp: the largest magnitude maps to code -32 (its one extra level), so a scale
+    # is negative where that entry is positive.
+    scale = -_signed_max(sub) / 32
     d16 = _fp16(np.abs(scale).max(axis=-1) / 127)
     d = d16.astype(np.float32)
     sc = _round(_div(scale, d[:, None]), -128, 127)
@@ -182,10 +189,10 @@ def _q2_k(x: np.ndarray) -> np.ndarray:
 
 def _q3_k(x: np.ndarray) -> np.ndarray:
     sub = x.reshape(-1, 16, 16)
-    scale = np.abs(sub).max(axis=-1) / 4
-    d16 = _fp16(scale.max(axis=-1) / 31)
+    scale = -_signed_max(sub) / 4                  # the largest magnitude maps to code -4
+    d16 = _fp16(np.abs(scale).max(axis=-1) / 31)
     d = d16.astype(np.float32)
-    sc = _round(_div(scale, d[:, None]), 0, 31)
+    sc = _round(_div(scale, d[:, None]), -31, 31)
     step = d[:, None] * sc
     u = (_round(_div(sub, step[..., None]), -4, 3) + 4).reshape(-1, QK_K)   # 0..7
     third = (u >> 2).reshape(-1, 2, 4, 32)                                   # [B, h, j, l]
