@@ -265,3 +265,28 @@ def test_errors():
         quantize_activations(torch.randn(2, 256), T.Q4_0)
     with pytest.raises(UnsupportedGgufTypeError, match="IQ4_XS"):
         quantize_blocks(torch.randn(2, 256), T.IQ4_XS)
+
+
+def test_the_registry_gguf_as_stored():
+    """The blocks of the registry's SmolLM2 GGUF (llama.cpp's own Q4_1 and Q8_0 quantization),
+    read in place: its products are the dequantized ones, each row as computed alone (skipped
+    where the file has not been fetched)."""
+    from selfspec.models.gguf_cache import gguf_path
+
+    path = gguf_path("smollm2-135m-instruct")
+    if not path.is_file():
+        pytest.skip(f"{path} not fetched")
+    if not gguf_rows.gguf_rows_available():
+        pytest.skip(gguf_rows.gguf_rows_unavailable_reason())
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    for name, rows in (("blk.0.attn_q.weight", None), ("token_embd.weight", 4096)):
+        tensor = tensors[name]
+        data = torch.from_numpy(np.array(tensor.data[:rows]))  # the reader maps it read-only
+        k = int(tensor.shape[0])
+        for isa in [i for i in gguf_rows.ISAS if gguf_rows.gguf_rows_available(i)]:
+            mat = GgufMatrix([GgufSegment(tensor.tensor_type, data)], k, isa=isa)
+            x = _inputs(5, k=k)
+            got = mat(x)
+            want, scale = _ref_product(mat, x)
+            assert (np.abs(got.double().numpy() - want) <= 2e-6 * scale + 1e-30).all(), name
+            assert torch.equal(got[3:4], mat(x[3:4]))
