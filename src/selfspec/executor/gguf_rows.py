@@ -73,6 +73,13 @@ _CPU_FLAGS = {
 }
 
 
+class _Segment(ctypes.Structure):
+    """``SelfspecGgufSegment`` (``kernels/gguf_rows.cpp``)."""
+
+    _fields_ = [("type", ctypes.c_int64), ("w", ctypes.c_void_p), ("rows", ctypes.c_int64),
+                ("bias", ctypes.c_void_p), ("col", ctypes.c_int64)]
+
+
 @dataclass(frozen=True)
 class _Lib:
     """One build's functions (``gguf_rows.cpp``'s ``extern "C"``), or why there is none."""
@@ -82,6 +89,7 @@ class _Lib:
     rows: object | None = None
     quantize: object | None = None
     act_row_bytes: object | None = None
+    segments: object | None = None
 
 
 def _functions(library: ctypes.CDLL):
@@ -90,6 +98,11 @@ def _functions(library: ctypes.CDLL):
     rows.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                      ctypes.c_int64, ctypes.c_int64]
+    segments = library.selfspec_gguf_rows_segments
+    segments.restype = ctypes.c_int64
+    segments.argtypes = [ctypes.POINTER(_Segment), ctypes.c_int64, ctypes.c_int64,
+                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                         ctypes.c_int64]
     quantize = library.selfspec_gguf_quantize
     quantize.restype = ctypes.c_int64
     quantize.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -97,7 +110,7 @@ def _functions(library: ctypes.CDLL):
     act_row_bytes = library.selfspec_gguf_act_row_bytes
     act_row_bytes.restype = ctypes.c_int64
     act_row_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
-    return rows, quantize, act_row_bytes
+    return rows, quantize, act_row_bytes, segments
 
 
 def _resolve(isa: str) -> str:
@@ -230,13 +243,15 @@ class GgufMatrix:
         formats = list(dict.fromkeys(_ACTIVATION[s.type] for s in self.segments))
         self._formats = tuple((int(f), None if f == _T.F32 else lib.act_row_bytes(int(f), k))
                               for f in formats)
-        calls, col = [], 0
-        for seg in self.segments:
-            bias_ptr = None if bias is None else bias.data_ptr() + 4 * col
-            calls.append((int(seg.type), seg.data.data_ptr(), seg.rows,
-                          formats.index(_ACTIVATION[seg.type]), bias_ptr, col))
+        # All segments run in one kernel call (one parallel region: one wake-up of the threads).
+        self._args = (_Segment * len(self.segments))()
+        col = 0
+        for arg, seg in zip(self._args, self.segments):
+            arg.type, arg.w, arg.rows, arg.col = int(seg.type), seg.data.data_ptr(), seg.rows, col
+            arg.bias = None if bias is None else bias.data_ptr() + 4 * col
             col += seg.rows
-        self._calls = tuple(calls)
+        self._which = tuple(formats.index(_ACTIVATION[s.type]) for s in self.segments)
+        self._acts_type = ctypes.c_void_p * len(self.segments)
 
     @property
     def types(self) -> tuple[gguf.GGMLQuantizationType, ...]:
@@ -281,10 +296,8 @@ class GgufMatrix:
                 else:
                     acts.append(torch.empty((m, row_bytes), dtype=torch.uint8))
                     lib.quantize(fmt, xp, is_bf16, m, k, acts[-1].data_ptr())
-            op, size = out.data_ptr(), out.element_size()
-            for qtype, data, rows, which, bias, col in self._calls:
-                lib.rows(qtype, data, rows, k, acts[which].data_ptr(), m, bias, op + size * col, n,
-                         is_bf16)
+            ptrs = self._acts_type(*(acts[i].data_ptr() for i in self._which))
+            lib.segments(self._args, len(self._args), k, ptrs, m, out.data_ptr(), n, is_bf16)
         return out if out.dtype == dtype else out.to(dtype)
 
 
@@ -343,7 +356,8 @@ def _probe(isa: str, version) -> str:
     on random data (``""`` when close). ``version`` is the loaded version function."""
     from selfspec.executor.gguf_quantize import quantize_blocks
 
-    rows, quantize, act_row_bytes = _functions(ctypes.CDLL(str(native.build(SOURCE, _FLAGS[isa]))))
+    rows, quantize, act_row_bytes, _ = _functions(
+        ctypes.CDLL(str(native.build(SOURCE, _FLAGS[isa]))))
     gen = torch.Generator().manual_seed(7)
     k = 512
     x = torch.randn(5, k, generator=gen)

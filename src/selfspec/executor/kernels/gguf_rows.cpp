@@ -36,6 +36,8 @@
 #include <string.h>
 
 #include <algorithm>
+#include <functional>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -1002,44 +1004,28 @@ void float_tile(const uint8_t* wbytes, const float* x, int64_t K, float* res) {
   }
 }
 
-// out[t * ldo + n] = row n . activation row t (+ bias[n]) for all t, n; tiles of up to kTile
-// activation rows per pass over a weight row; threads split the weight rows.
-template <class Tile>
-void product(int64_t N, int64_t M, const float* bias, void* out, int64_t ldo, bool out_bf16,
-             Tile tile) {
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    float res[kTile];
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t t0 = 0; t0 < M; t0 += kTile) {
-        const int64_t tb = M - t0 < kTile ? M - t0 : kTile;
-        tile(n, t0, tb, res);
-        for (int64_t t = 0; t < tb; ++t) {
-          const float v = bias ? res[t] + bias[n] : res[t];
-          if (out_bf16)
-            static_cast<uint16_t*>(out)[(t0 + t) * ldo + n] = float_to_bf16(v);
-          else
-            static_cast<float*>(out)[(t0 + t) * ldo + n] = v;
-        }
-      }
-    }
-  });
-}
+// One segment of rows of one type, ready to multiply: tile(n, t0, tb, res) computes rows
+// t0 .. t0 + tb - 1 (tb <= kTile) against the segment's weight row n. Holds the activations
+// repacked for its type (blocks of 32), made once per call before the rows are split.
+struct Runner {
+  std::function<void(int64_t, int64_t, int64_t, float*)> tile;
+  std::shared_ptr<void> keep;
+};
 
 template <class T>
-int64_t quant_product(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act, int64_t M,
-                      const float* bias, void* out, int64_t ldo, bool out_bf16) {
-  if (K % T::kBlock) return -1;
+bool quant_runner(const uint8_t* w, int64_t K, const uint8_t* act, int64_t M, Runner& r) {
+  if (K % T::kBlock) return false;
   const int64_t nb = K / T::kBlock, row_bytes = nb * T::kBytes;
   int64_t act_bytes = nb * static_cast<int64_t>(sizeof(typename T::Act));
-  std::vector<typename T::Act> repacked;
   if constexpr (T::kRepack) {  // blocks of 32: activations repacked once per call
     const int64_t steps = (nb + T::kUnit - 1) / T::kUnit;
-    repacked.resize(static_cast<size_t>(M * steps));
-    T::repack(act, M, nb, repacked.data());
-    act = reinterpret_cast<const uint8_t*>(repacked.data());
+    auto repacked = std::make_shared<std::vector<typename T::Act>>(static_cast<size_t>(M * steps));
+    T::repack(act, M, nb, repacked->data());
+    act = reinterpret_cast<const uint8_t*>(repacked->data());
     act_bytes = steps * static_cast<int64_t>(sizeof(typename T::Act));
+    r.keep = repacked;
   }
-  product(N, M, bias, out, ldo, out_bf16, [&](int64_t n, int64_t t0, int64_t tb, float* res) {
+  r.tile = [=](int64_t n, int64_t t0, int64_t tb, float* res) {
     const uint8_t* row = w + n * row_bytes;
     const uint8_t* a = act + t0 * act_bytes;
     switch (tb) {
@@ -1052,16 +1038,15 @@ int64_t quant_product(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act
       case 2: quant_tile<T, 2>(row, a, act_bytes, nb, res); break;
       default: quant_tile<T, 1>(row, a, act_bytes, nb, res); break;
     }
-  });
-  return 0;
+  };
+  return true;
 }
 
 template <int64_t Type>
-int64_t float_product(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act, int64_t M,
-                      const float* bias, void* out, int64_t ldo, bool out_bf16) {
+bool float_runner(const uint8_t* w, int64_t K, const uint8_t* act, Runner& r) {
   const float* x = reinterpret_cast<const float*>(act);
   const int64_t row_bytes = K * static_cast<int64_t>(sizeof(typename FloatRow<Type>::Elem));
-  product(N, M, bias, out, ldo, out_bf16, [&](int64_t n, int64_t t0, int64_t tb, float* res) {
+  r.tile = [=](int64_t n, int64_t t0, int64_t tb, float* res) {
     const uint8_t* row = w + n * row_bytes;
     const float* a = x + t0 * K;
     switch (tb) {
@@ -1073,6 +1058,78 @@ int64_t float_product(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act
       case 3: float_tile<Type, 3>(row, a, K, res); break;
       case 2: float_tile<Type, 2>(row, a, K, res); break;
       default: float_tile<Type, 1>(row, a, K, res); break;
+    }
+  };
+  return true;
+}
+
+// The runner of a segment of type (ggml id) rows w with activations act, or false for an
+// unsupported type or a K that is not a multiple of its block.
+bool make_runner(int64_t type, const uint8_t* w, int64_t K, const void* act, int64_t M,
+                 Runner& r) {
+  const auto* a = static_cast<const uint8_t*>(act);
+  switch (type) {
+    case kQ4_0: return quant_runner<TypeQ4_0>(w, K, a, M, r);
+    case kQ4_1: return quant_runner<TypeQ4_1>(w, K, a, M, r);
+    case kQ5_0: return quant_runner<TypeQ5_0>(w, K, a, M, r);
+    case kQ5_1: return quant_runner<TypeQ5_1>(w, K, a, M, r);
+    case kQ8_0: return quant_runner<TypeQ8_0>(w, K, a, M, r);
+    case kQ2_K: return quant_runner<TypeQ2_K>(w, K, a, M, r);
+    case kQ3_K: return quant_runner<TypeQ3_K>(w, K, a, M, r);
+    case kQ4_K: return quant_runner<TypeQ4_K>(w, K, a, M, r);
+    case kQ5_K: return quant_runner<TypeQ5_K>(w, K, a, M, r);
+    case kQ6_K: return quant_runner<TypeQ6_K>(w, K, a, M, r);
+    case kF32: return float_runner<kF32>(w, K, a, r);
+    case kF16: return float_runner<kF16>(w, K, a, r);
+    case kBF16: return float_runner<kBF16>(w, K, a, r);
+    default: return false;
+  }
+}
+
+}  // namespace
+
+// A segment of a GgufMatrix (ctypes mirror in gguf_rows.py): rows weight rows of type (ggml
+// id), the products going to output columns col .. col + rows - 1, plus bias (fp32 [rows] or
+// null).
+struct SelfspecGgufSegment {
+  int64_t type;
+  const uint8_t* w;
+  int64_t rows;
+  const float* bias;
+  int64_t col;
+};
+
+namespace {
+
+// out[t * ldo + col_s + n] = segment s's row n . activation row t (+ bias) for every segment,
+// in one parallel region over all segments' rows (threads split the rows; tiles of up to kTile
+// activation rows per pass over a weight row). -1 (nothing written) where a segment's type or
+// K is refused.
+int64_t product(const SelfspecGgufSegment* segs, int64_t nseg, int64_t K,
+                const void* const* acts, int64_t M, void* out, int64_t ldo, bool out_bf16) {
+  std::vector<Runner> runners(static_cast<size_t>(nseg));
+  std::vector<int64_t> start(static_cast<size_t>(nseg + 1), 0);
+  for (int64_t s = 0; s < nseg; ++s) {
+    if (!make_runner(segs[s].type, segs[s].w, K, acts[s], M, runners[s])) return -1;
+    start[s + 1] = start[s] + segs[s].rows;
+  }
+  at::parallel_for(0, start[nseg], 16, [&](int64_t begin, int64_t end) {
+    float res[kTile];
+    int64_t s = 0;
+    for (int64_t g = begin; g < end; ++g) {
+      while (g >= start[s + 1]) ++s;
+      const SelfspecGgufSegment& seg = segs[s];
+      const int64_t n = g - start[s];
+      for (int64_t t0 = 0; t0 < M; t0 += kTile) {
+        const int64_t tb = M - t0 < kTile ? M - t0 : kTile;
+        runners[s].tile(n, t0, tb, res);
+        for (int64_t t = 0; t < tb; ++t) {
+          const float v = seg.bias ? res[t] + seg.bias[n] : res[t];
+          const int64_t at = (t0 + t) * ldo + seg.col + n;
+          if (out_bf16) static_cast<uint16_t*>(out)[at] = float_to_bf16(v);
+          else static_cast<float*>(out)[at] = v;
+        }
+      }
     }
   });
   return 0;
@@ -1235,24 +1292,17 @@ int64_t selfspec_gguf_quantize(int64_t fmt, const void* x, int64_t x_bf16, int64
 // an unsupported type or such a K.
 int64_t selfspec_gguf_rows(int64_t type, const uint8_t* w, int64_t N, int64_t K, const void* act,
                            int64_t M, const float* bias, void* out, int64_t ldo, int64_t out_bf16) {
-  const auto* a = static_cast<const uint8_t*>(act);
-  const bool ob = out_bf16 != 0;
-  switch (type) {
-    case kQ4_0: return quant_product<TypeQ4_0>(w, N, K, a, M, bias, out, ldo, ob);
-    case kQ4_1: return quant_product<TypeQ4_1>(w, N, K, a, M, bias, out, ldo, ob);
-    case kQ5_0: return quant_product<TypeQ5_0>(w, N, K, a, M, bias, out, ldo, ob);
-    case kQ5_1: return quant_product<TypeQ5_1>(w, N, K, a, M, bias, out, ldo, ob);
-    case kQ8_0: return quant_product<TypeQ8_0>(w, N, K, a, M, bias, out, ldo, ob);
-    case kQ2_K: return quant_product<TypeQ2_K>(w, N, K, a, M, bias, out, ldo, ob);
-    case kQ3_K: return quant_product<TypeQ3_K>(w, N, K, a, M, bias, out, ldo, ob);
-    case kQ4_K: return quant_product<TypeQ4_K>(w, N, K, a, M, bias, out, ldo, ob);
-    case kQ5_K: return quant_product<TypeQ5_K>(w, N, K, a, M, bias, out, ldo, ob);
-    case kQ6_K: return quant_product<TypeQ6_K>(w, N, K, a, M, bias, out, ldo, ob);
-    case kF32: return float_product<kF32>(w, N, K, a, M, bias, out, ldo, ob);
-    case kF16: return float_product<kF16>(w, N, K, a, M, bias, out, ldo, ob);
-    case kBF16: return float_product<kBF16>(w, N, K, a, M, bias, out, ldo, ob);
-    default: return -1;
-  }
+  const SelfspecGgufSegment seg{type, w, N, bias, 0};
+  return product(&seg, 1, K, &act, M, out, ldo, out_bf16 != 0);
+}
+
+// The products of nseg segments (SelfspecGgufSegment) of one matrix of K inputs, segment s
+// against acts[s] (as selfspec_gguf_rows' act), into their columns of out ([M, ldo]), in one
+// parallel region. Returns 0, or -1 (nothing written) where a segment is refused.
+int64_t selfspec_gguf_rows_segments(const SelfspecGgufSegment* segs, int64_t nseg, int64_t K,
+                                    const void* const* acts, int64_t M, void* out, int64_t ldo,
+                                    int64_t out_bf16) {
+  return product(segs, nseg, K, acts, M, out, ldo, out_bf16 != 0);
 }
 
 }  // extern "C"
