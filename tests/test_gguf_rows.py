@@ -290,3 +290,18 @@ def test_the_registry_gguf_as_stored():
             want, scale = _ref_product(mat, x)
             assert (np.abs(got.double().numpy() - want) <= 2e-6 * scale + 1e-30).all(), name
             assert torch.equal(got[3:4], mat(x[3:4]))
+
+
+def test_an_unavailable_build_says_why(monkeypatch):
+    """Without AVX-512 (as ATen sees the CPU) the AVX-512 build is not even loaded; a matrix
+    asked for an unavailable build raises with the reason, and auto falls back to AVX2."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert "AVX-512" in gguf_rows._library.__wrapped__("avx512").reason
+    missing = gguf_rows._Lib("avx512", "needs a CPU with AVX-512 VNNI")
+    real = gguf_rows._library
+    monkeypatch.setattr(gguf_rows, "_library", lambda isa: missing if isa == "avx512" else real(isa))
+    assert gguf_rows.chosen_isa() == "avx2"
+    assert gguf_rows.gguf_rows_unavailable_reason("avx512") == "needs a CPU with AVX-512 VNNI"
+    data = quantize_blocks(torch.randn(4, 256), T.Q4_K)
+    with pytest.raises(RuntimeError, match="avx512.*VNNI"):
+        GgufMatrix([GgufSegment(T.Q4_K, data)], 256, isa="avx512")

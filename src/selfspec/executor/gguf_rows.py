@@ -121,9 +121,23 @@ def _resolve(isa: str) -> str:
     return isa
 
 
+def _avx512_unavailable_reason() -> str:
+    """Why the AVX-512 build cannot run here (``""`` when it can). Besides ``/proc/cpuinfo``
+    (native.load's check) ATen's own CPU detection decides, so that a machine whose cpuinfo
+    cannot be read never runs AVX-512 code it lacks (the probe would die of SIGILL)."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return "needs a CPU with AVX-512 (ATen's AVX512 level)"
+    vnni = getattr(torch.cpu, "_is_vnni_supported", None)  # private, so only where it exists
+    if vnni is not None and not vnni():
+        return "needs a CPU with AVX-512 VNNI"
+    return ""
+
+
 @cache
 def _library(isa: str) -> _Lib:
     """The ``isa`` build, loaded and probed (never raises: a failure is the reason)."""
+    if isa == "avx512" and (reason := _avx512_unavailable_reason()):
+        return _Lib(isa, reason)
     kernel = native.load(SOURCE, "selfspec_gguf_rows_version", [], partial(_probe, isa),
                          extra_flags=_FLAGS[isa], cpu_flags=_CPU_FLAGS[isa])
     if kernel.library is None:
@@ -134,10 +148,7 @@ def _library(isa: str) -> _Lib:
 def chosen_isa() -> str:
     """The build ``isa="auto"`` uses here: ``"avx512"`` where the CPU lists avx512f, avx512bw,
     avx512vl and avx512_vnni and that build loads, else ``"avx2"``."""
-    if not any(native.cpu_flag_missing(f) for f in _CPU_FLAGS["avx512"]) and \
-            _library("avx512").rows is not None:
-        return "avx512"
-    return "avx2"
+    return "avx512" if _library("avx512").rows is not None else "avx2"
 
 
 def gguf_rows_available(isa: str = "auto") -> bool:
