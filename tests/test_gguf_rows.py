@@ -160,6 +160,18 @@ def test_an_odd_count_of_blocks_of_32(isa, qtype, k):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16], ids=lambda t: t.name)
+def test_float_rows_of_any_length(isa, qtype):
+    """Unquantized rows of a length with a scalar tail (K = 45: 2 x 16 + 13)."""
+    mat = _matrix(qtype, n=7, k=45, isa=isa)
+    x = _inputs(9, k=45)
+    got = mat(x)
+    want, scale = _ref_product(mat, x)
+    assert (np.abs(got.double().numpy() - want) <= 2e-6 * scale + 1e-30).all()
+    assert torch.equal(got, torch.cat([mat(row) for row in x.split(1)]))
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", GGUF_ROW_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_each_row_is_the_same_in_any_call(isa, qtype, dtype):
