@@ -46,6 +46,7 @@ import torch
 
 from selfspec.errors import InvalidArgumentError, UnsupportedGgufTypeError
 from selfspec.executor import native
+from selfspec.executor.gguf_quantize import quantize_blocks  # noqa: F401  (re-exported)
 
 SOURCE = "gguf_rows.cpp"
 _T = gguf.GGMLQuantizationType
@@ -365,8 +366,6 @@ def quantize_activations(x: torch.Tensor, fmt: gguf.GGMLQuantizationType,
 def _probe(isa: str, version) -> str:
     """Check the ``isa`` build's Q4_K and Q8_0 products against gguf-py's dequantized blocks
     on random data (``""`` when close). ``version`` is the loaded version function."""
-    from selfspec.executor.gguf_quantize import quantize_blocks
-
     rows, quantize, act_row_bytes, _ = _functions(
         ctypes.CDLL(str(native.build(SOURCE, _FLAGS[isa]))))
     gen = torch.Generator().manual_seed(7)
