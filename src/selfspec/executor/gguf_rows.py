@@ -21,11 +21,11 @@ Two builds of the same source, chosen at run time: AVX-512 (F/BW/VL + VNNI: ``vp
 (``vpmaddubsw``/``vpmaddwd``). ``isa="avx2"`` forces the latter (tests check both). The two
 may differ in the last bits; each is row-consistent.
 
-Measured (``scripts/gguf_rows_bench.py``, one core of a 2-core AVX-512 VNNI Xeon, bf16 inputs,
-Qwen2.5-1.5B shapes): one-token products read 19–27 GB/s of blocks on the AVX-512 build (Q4_K
-gate/up 20, Q6_K down 27, Q8_0 27, Q4_1 20; AVX2 build 17, 22, 26, 12), against 25–27 GB/s for
-the w4a8 kernel, which reads fewer bytes a weight than Q8_0 and spends less decoding than Q4_K;
-8 rows cost 2.8–4.0 one-row calls (AVX2 build 4–5; w4a8 5.5), 16 rows 5.5–8 (w4a8 11).
+Measured (``scripts/gguf_rows_bench.py``, a 2-core AVX-512 VNNI Xeon, bf16 inputs, Qwen2.5-1.5B
+shapes, AVX-512 build): one-token products read, on 2 threads, 36 GB/s of Q4_K gate/up blocks,
+49 of Q6_K down, 54 of Q8_0 and 37 of Q4_1, against 48 for the w4a8 kernel (one thread: 20,
+26, 28, 19 against 26); the AVX2 build 10-40% less (Q4_1 half). A call of 8 rows costs 2.8-3.9
+one-row calls (w4a8 5.3-5.8), 16 rows 5.3-7.9 (w4a8 10-11.7).
 
 Layout: a :class:`GgufMatrix` is segments of rows (``[rows, row_bytes]`` uint8, each row
 ``K / block_size`` blocks, as stored in the GGUF) stacked along the outputs, each segment its
