@@ -24,7 +24,7 @@ may differ in the last bits; each is row-consistent.
 Measured (``scripts/gguf_rows_bench.py``, a 2-core AVX-512 VNNI Xeon, bf16 inputs, Qwen2.5-1.5B
 shapes, AVX-512 build): one-token products read, on 2 threads, 36 GB/s of Q4_K gate/up blocks,
 49 of Q6_K down, 54 of Q8_0 and 37 of Q4_1, against 48 for the w4a8 kernel (one thread: 20,
-26, 28, 19 against 26); the AVX2 build 10-40% less (Q4_1 half). A call of 8 rows costs 2.8-3.9
+26, 28, 19 against 26); the AVX2 build 11-17% less (Q4_1 38%). A call of 8 rows costs 2.8-3.9
 one-row calls (w4a8 5.3-5.8), 16 rows 5.3-7.9 (w4a8 10-11.7).
 
 Layout: a :class:`GgufMatrix` is segments of rows (``[rows, row_bytes]`` uint8, each row
