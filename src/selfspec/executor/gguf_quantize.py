@@ -4,8 +4,9 @@ models (:func:`quantize_blocks`).
 gguf-py's :func:`gguf.quants.quantize` covers the 32-input formats (Q4_0, Q4_1, Q5_0, Q5_1,
 Q8_0) and the float ones, and raises ``NotImplementedError`` for the K-quants; those are
 written here in numpy. They are not llama.cpp's quantizers (no search for the best scales, no
-importance weights): plain min/max (Q4_K, Q5_K) or absmax (Q6_K) scales per sub-block, the
-sub-block scales quantized to 6 (8) bits against the block's fp16 super-scales, then the codes
+importance weights): plain min/max (Q2_K, Q4_K, Q5_K) or signed absmax (Q3_K, Q6_K: the
+largest magnitude at the most negative code, so scales of both signs) scales per sub-block, the sub-block scales quantized to 4, 6 or 8 bits against the block's fp16
+super-scales, then the codes
 rounded against those stored scales. The blocks are valid, and
 :func:`gguf.quants.dequantize` gives back the input to about half a code step, which is all
 that checks of :mod:`selfspec.executor.gguf_rows` need.
@@ -19,6 +20,12 @@ Layouts (ggml-common.h), per 256 inputs:
   ``qh[l]`` is the fifth bit of input ``64c + l`` (``64c + 32 + l``).
 * Q6_K (210 bytes): ``ql[128]``, ``qh[64]``, int8 ``scales[16]`` (per 16 inputs), fp16 ``d``;
   ``w = d * sc * (u - 32)`` with 6-bit ``u``.
+* Q2_K (84 bytes): ``scales[16]`` (per 16 inputs: scale in the low nibble, minimum in the high
+  one), 64 bytes of 2-bit codes (input ``128h + 32j + l`` in bits ``2j, 2j + 1`` of byte
+  ``32h + l``), fp16 ``d``, ``dmin``; ``w = d * sc * q - dmin * m``.
+* Q3_K (110 bytes): ``hmask[32]`` (bit ``4h + j`` of byte ``l``: input ``128h + 32j + l``'s
+  third bit), 64 bytes of 2-bit codes as Q2_K's, 12 bytes of 6-bit scales stored ``+ 32``,
+  fp16 ``d``; ``w = d * (sc - 32) * (u - 4)``.
 """
 
 from __future__ import annotations
@@ -39,8 +46,8 @@ def quantize_blocks(weight: torch.Tensor | np.ndarray, qtype: gguf.GGMLQuantizat
 
     Args:
         weight: ``[N, K]`` float; ``K`` a multiple of ``qtype``'s block size.
-        qtype: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (gguf-py's quantizer), Q4_K, Q5_K
-            or Q6_K (this module's).
+        qtype: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (gguf-py's quantizer), Q2_K, Q3_K,
+            Q4_K, Q5_K or Q6_K (this module's).
 
     Returns:
         ``[N, K / block_size * type_size]`` uint8: each row the blocks of one weight row.
@@ -133,9 +140,16 @@ def _q5_k(x: np.ndarray) -> np.ndarray:
                            _pack_scales(sc, m), qh, _nibbles(q)], axis=1)
 
 
+def _signed_max(sub: np.ndarray) -> np.ndarray:
+    """Per sub-block ``[..., n]``: the entry of largest magnitude, with its sign."""
+    return np.take_along_axis(sub, np.abs(sub).argmax(axis=-1)[..., None], -1)[..., 0]
+
+
 def _q6_k(x: np.ndarray) -> np.ndarray:
     sub = x.reshape(-1, 16, 16)
-    scale = np.abs(sub).max(axis=-1) / 31
+    # As llama.cpp: the largest magnitude maps to code -32 (its one extra level), so a scale
+    # is negative where that entry is positive.
+    scale = -_signed_max(sub) / 32
     d16 = _fp16(np.abs(scale).max(axis=-1) / 127)
     d = d16.astype(np.float32)
     sc = _round(_div(scale, d[:, None]), -128, 127)
@@ -145,9 +159,52 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
                          (u[:, :, 1] & 0xF) | ((u[:, :, 3] & 0xF) << 4)], axis=2)
     hi = u >> 4
     qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
-    return np.concatenate([ql.astype(np.uint8).reshape(-1, 128), qh.astype(np.uint8).reshape(-1, 64),
+    return np.concatenate([ql.astype(np.uint8).reshape(-1, 128),
+                           qh.astype(np.uint8).reshape(-1, 64),
                            sc.astype(np.int8).view(np.uint8), d16[:, None].view(np.uint8)], axis=1)
 
 
+def _two_bits(q: np.ndarray) -> np.ndarray:
+    """Codes ``[B, 256]`` (low 2 bits) → 64 bytes: per 128 inputs ``h``, input
+    ``128h + 32j + l`` in bits ``2j, 2j + 1`` of byte ``32h + l``."""
+    c = (q & 3).reshape(-1, 2, 4, 32)
+    shifts = (2 * np.arange(4))[None, None, :, None]
+    return (c << shifts).sum(axis=2).astype(np.uint8).reshape(-1, 64)
+
+
+def _q2_k(x: np.ndarray) -> np.ndarray:
+    sub = x.reshape(-1, 16, 16)
+    low = np.minimum(sub.min(axis=-1), 0)
+    scale = (sub.max(axis=-1) - low) / 3
+    d16 = _fp16(scale.max(axis=-1) / 15)
+    dmin16 = _fp16(-low.min(axis=-1) / 15)
+    d, dmin = d16.astype(np.float32), dmin16.astype(np.float32)
+    sc = _round(_div(scale, d[:, None]), 0, 15)
+    m = _round(_div(-low, dmin[:, None]), 0, 15)
+    step = d[:, None] * sc
+    q = _round(_div(sub + (dmin[:, None] * m)[..., None], step[..., None]), 0, 3).reshape(-1, QK_K)
+    return np.concatenate([(sc | (m << 4)).astype(np.uint8), _two_bits(q),
+                           d16[:, None].view(np.uint8), dmin16[:, None].view(np.uint8)], axis=1)
+
+
+def _q3_k(x: np.ndarray) -> np.ndarray:
+    sub = x.reshape(-1, 16, 16)
+    scale = -_signed_max(sub) / 4                  # the largest magnitude maps to code -4
+    d16 = _fp16(np.abs(scale).max(axis=-1) / 31)
+    d = d16.astype(np.float32)
+    sc = _round(_div(scale, d[:, None]), -31, 31)
+    step = d[:, None] * sc
+    u = (_round(_div(sub, step[..., None]), -4, 3) + 4).reshape(-1, QK_K)   # 0..7
+    third = (u >> 2).reshape(-1, 2, 4, 32)                                   # [B, h, j, l]
+    shifts = (4 * np.arange(2)[:, None] + np.arange(4)[None, :])[None, :, :, None]
+    hmask = (third << shifts).sum(axis=(1, 2)).astype(np.uint8)
+    stored = sc + 32                                                         # 6 bits
+    lo, hi = stored & 0xF, stored >> 4
+    scales = np.concatenate([lo[:, :8] | (lo[:, 8:] << 4),
+                             hi[:, 0:4] | (hi[:, 4:8] << 2) | (hi[:, 8:12] << 4)
+                             | (hi[:, 12:16] << 6)], axis=1).astype(np.uint8)
+    return np.concatenate([hmask, _two_bits(u), scales, d16[:, None].view(np.uint8)], axis=1)
+
+
 _GGUF_PY = (_T.F32, _T.F16, _T.BF16, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0)
-_OWN = {_T.Q4_K: _q4_k, _T.Q5_K: _q5_k, _T.Q6_K: _q6_k}
+_OWN = {_T.Q2_K: _q2_k, _T.Q3_K: _q3_k, _T.Q4_K: _q4_k, _T.Q5_K: _q5_k, _T.Q6_K: _q6_k}

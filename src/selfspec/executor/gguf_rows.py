@@ -4,21 +4,28 @@ as llama.cpp multiplies them: :class:`GgufMatrix`.
 Scheme: each weight type is multiplied with the activation format llama.cpp pairs with it,
 quantized once per call and per format, with llama.cpp's reference rounding: Q8_0 (blocks of
 32) for Q4_0/Q5_0/Q8_0, Q8_1 (Q8_0 plus ``s = d * sum``) for Q4_1/Q5_1, Q8_K (blocks of 256
-with per-16 sums) for Q4_K/Q5_K/Q6_K; F32/F16/BF16 rows multiply fp32 activations. Block dot
-products are integer ones, scaled per block in fp32. ``GGUF_ROW_TYPES`` lists the types.
+with per-16 sums) for Q2_K/Q3_K/Q4_K/Q5_K/Q6_K; F32/F16/BF16 rows multiply fp32 activations.
+Block dot products are exact integer ones, scaled per block in fp32. ``GGUF_ROW_TYPES`` lists
+the types.
 
 Why: a GGUF model then decodes on the bytes of its file, no re-quantization into selfspec's
 own w4a8 blocks (:mod:`selfspec.executor.w4a8`), no bf16 copy; a token costs reading them.
 
 Row consistency: a row's result is bit-identical whatever the number of rows in the call and
-whatever the others are, so a verification block equals one-token decoding bit for bit; yet
-each decoded weight block serves a tile of up to 4 (AVX2) or 8 (AVX-512) rows, so a block of
-8–16 rows costs far less than as many one-row calls.
+whatever the others are (and whatever the thread count), so a verification block equals
+one-token decoding bit for bit; yet each decoded weight block serves a tile of up to 8 rows,
+so a block of 8–16 rows costs far less than as many one-row calls.
 
 Two builds of the same source, chosen at run time: AVX-512 (F/BW/VL + VNNI: ``vpdpbusd``,
-``vpdpwssd``) where the CPU has it, else AVX2 + FMA + F16C (``vpmaddubsw``/``vpmaddwd``).
-``isa="avx2"`` forces the latter (tests check both). The two may differ in the last bits; each
-is row-consistent.
+``vpdpwssd``, 64 inputs a zmm) where the CPU has it, else AVX2 + FMA + F16C
+(``vpmaddubsw``/``vpmaddwd``). ``isa="avx2"`` forces the latter (tests check both). The two
+may differ in the last bits; each is row-consistent.
+
+Measured (``scripts/gguf_rows_bench.py``, a 2-core AVX-512 VNNI Xeon, bf16 inputs, Qwen2.5-1.5B
+shapes, AVX-512 build): one-token products read, on 2 threads, 36 GB/s of Q4_K gate/up blocks,
+49 of Q6_K down, 54 of Q8_0 and 37 of Q4_1, against 48 for the w4a8 kernel (one thread: 20,
+26, 28, 19 against 26); the AVX2 build 11-17% less (Q4_1 38%). A call of 8 rows costs 2.8-3.9
+one-row calls (w4a8 5.3-5.8), 16 rows 5.3-7.9 (w4a8 10-11.7).
 
 Layout: a :class:`GgufMatrix` is segments of rows (``[rows, row_bytes]`` uint8, each row
 ``K / block_size`` blocks, as stored in the GGUF) stacked along the outputs, each segment its
@@ -39,6 +46,7 @@ import torch
 
 from selfspec.errors import InvalidArgumentError, UnsupportedGgufTypeError
 from selfspec.executor import native
+from selfspec.executor.gguf_quantize import quantize_blocks  # noqa: F401  (re-exported)
 
 SOURCE = "gguf_rows.cpp"
 _T = gguf.GGMLQuantizationType
@@ -47,7 +55,7 @@ _T = gguf.GGMLQuantizationType
 _ACTIVATION = {
     _T.Q4_0: _T.Q8_0, _T.Q5_0: _T.Q8_0, _T.Q8_0: _T.Q8_0,
     _T.Q4_1: _T.Q8_1, _T.Q5_1: _T.Q8_1,
-    _T.Q4_K: _T.Q8_K, _T.Q5_K: _T.Q8_K, _T.Q6_K: _T.Q8_K,
+    _T.Q2_K: _T.Q8_K, _T.Q3_K: _T.Q8_K, _T.Q4_K: _T.Q8_K, _T.Q5_K: _T.Q8_K, _T.Q6_K: _T.Q8_K,
     _T.F32: _T.F32, _T.F16: _T.F32, _T.BF16: _T.F32,
 }
 GGUF_ROW_TYPES: tuple[gguf.GGMLQuantizationType, ...] = tuple(_ACTIVATION)
@@ -66,6 +74,13 @@ _CPU_FLAGS = {
 }
 
 
+class _Segment(ctypes.Structure):
+    """``SelfspecGgufSegment`` (``kernels/gguf_rows.cpp``)."""
+
+    _fields_ = [("type", ctypes.c_int64), ("w", ctypes.c_void_p), ("rows", ctypes.c_int64),
+                ("bias", ctypes.c_void_p), ("col", ctypes.c_int64)]
+
+
 @dataclass(frozen=True)
 class _Lib:
     """One build's functions (``gguf_rows.cpp``'s ``extern "C"``), or why there is none."""
@@ -75,6 +90,7 @@ class _Lib:
     rows: object | None = None
     quantize: object | None = None
     act_row_bytes: object | None = None
+    segments: object | None = None
 
 
 def _functions(library: ctypes.CDLL):
@@ -83,6 +99,11 @@ def _functions(library: ctypes.CDLL):
     rows.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                      ctypes.c_int64, ctypes.c_int64]
+    segments = library.selfspec_gguf_rows_segments
+    segments.restype = ctypes.c_int64
+    segments.argtypes = [ctypes.POINTER(_Segment), ctypes.c_int64, ctypes.c_int64,
+                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                         ctypes.c_int64]
     quantize = library.selfspec_gguf_quantize
     quantize.restype = ctypes.c_int64
     quantize.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -90,7 +111,7 @@ def _functions(library: ctypes.CDLL):
     act_row_bytes = library.selfspec_gguf_act_row_bytes
     act_row_bytes.restype = ctypes.c_int64
     act_row_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
-    return rows, quantize, act_row_bytes
+    return rows, quantize, act_row_bytes, segments
 
 
 def _resolve(isa: str) -> str:
@@ -101,9 +122,23 @@ def _resolve(isa: str) -> str:
     return isa
 
 
+def _avx512_unavailable_reason() -> str:
+    """Why the AVX-512 build cannot run here (``""`` when it can). Besides ``/proc/cpuinfo``
+    (native.load's check) ATen's own CPU detection decides, so that a machine whose cpuinfo
+    cannot be read never runs AVX-512 code it lacks (the probe would die of SIGILL)."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return "needs a CPU with AVX-512 (ATen's AVX512 level)"
+    vnni = getattr(torch.cpu, "_is_vnni_supported", None)  # private, so only where it exists
+    if vnni is not None and not vnni():
+        return "needs a CPU with AVX-512 VNNI"
+    return ""
+
+
 @cache
 def _library(isa: str) -> _Lib:
     """The ``isa`` build, loaded and probed (never raises: a failure is the reason)."""
+    if isa == "avx512" and (reason := _avx512_unavailable_reason()):
+        return _Lib(isa, reason)
     kernel = native.load(SOURCE, "selfspec_gguf_rows_version", [], partial(_probe, isa),
                          extra_flags=_FLAGS[isa], cpu_flags=_CPU_FLAGS[isa])
     if kernel.library is None:
@@ -114,10 +149,7 @@ def _library(isa: str) -> _Lib:
 def chosen_isa() -> str:
     """The build ``isa="auto"`` uses here: ``"avx512"`` where the CPU lists avx512f, avx512bw,
     avx512vl and avx512_vnni and that build loads, else ``"avx2"``."""
-    if not any(native.cpu_flag_missing(f) for f in _CPU_FLAGS["avx512"]) and \
-            _library("avx512").rows is not None:
-        return "avx512"
-    return "avx2"
+    return "avx512" if _library("avx512").rows is not None else "avx2"
 
 
 def gguf_rows_available(isa: str = "auto") -> bool:
@@ -131,9 +163,9 @@ def gguf_rows_unavailable_reason(isa: str = "auto") -> str:
     return _library(_resolve(isa)).reason
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class GgufSegment:
-    """Rows of one GGUF block type.
+    """Rows of one GGUF block type (compared by identity: tensors have no truth value).
 
     Attributes:
         type: the rows' :class:`gguf.GGMLQuantizationType`.
@@ -218,10 +250,20 @@ class GgufMatrix:
         if lib.rows is None:
             raise RuntimeError(f"the GGUF rows kernel ({self.isa}) is not available: {lib.reason}")
         self._lib = lib
-        # Activation formats in first-use order, and their bytes a row.
-        self._formats = tuple(dict.fromkeys(_ACTIVATION[s.type] for s in self.segments))
-        self._act_bytes = {f: lib.act_row_bytes(int(f), k) for f in self._formats
-                           if f != _T.F32}
+        # Activation formats in first-use order with their bytes a row (None: the fp32 input),
+        # and per segment the kernel's arguments that do not change between calls.
+        formats = list(dict.fromkeys(_ACTIVATION[s.type] for s in self.segments))
+        self._formats = tuple((int(f), None if f == _T.F32 else lib.act_row_bytes(int(f), k))
+                              for f in formats)
+        # All segments run in one kernel call (one parallel region: one wake-up of the threads).
+        self._args = (_Segment * len(self.segments))()
+        col = 0
+        for arg, seg in zip(self._args, self.segments):
+            arg.type, arg.w, arg.rows, arg.col = int(seg.type), seg.data.data_ptr(), seg.rows, col
+            arg.bias = None if bias is None else bias.data_ptr() + 4 * col
+            col += seg.rows
+        self._which = tuple(formats.index(_ACTIVATION[s.type]) for s in self.segments)
+        self._acts_type = ctypes.c_void_p * len(self.segments)
 
     @property
     def types(self) -> tuple[gguf.GGMLQuantizationType, ...]:
@@ -247,28 +289,27 @@ class GgufMatrix:
             InvalidArgumentError: ``x``'s last dimension is not ``K``.
         """
         k, n = self.in_features, self.out_features
-        if x.shape[-1:] != (k,):
+        if x.dim() == 0 or x.shape[-1] != k:
             raise InvalidArgumentError(f"expected inputs [..., {k}], not {list(x.shape)}")
         dtype = x.dtype
-        if dtype not in (torch.bfloat16, torch.float32):
+        if dtype is not torch.bfloat16 and dtype is not torch.float32:
             x = x.float()
-        x = x.contiguous()
-        lead = x.shape[:-1]
+        if not x.is_contiguous():
+            x = x.contiguous()
         m = x.numel() // k
-        out = torch.empty((m, n), dtype=x.dtype)
+        is_bf16 = int(x.dtype is torch.bfloat16)
+        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
         if m:
-            is_bf16 = int(x.dtype == torch.bfloat16)
-            acts = {fmt: x.float() if fmt == _T.F32 else _quantize(self._lib, x, fmt)
-                    for fmt in self._formats}
-            col, size = 0, out.element_size()
-            bias_ptr = None if self.bias is None else self.bias.data_ptr()
-            for seg in self.segments:
-                act = acts[_ACTIVATION[seg.type]]
-                self._lib.rows(int(seg.type), seg.data.data_ptr(), seg.rows, k, act.data_ptr(), m,
-                               None if bias_ptr is None else bias_ptr + 4 * col,
-                               out.data_ptr() + size * col, n, is_bf16)
-                col += seg.rows
-        out = out.reshape(*lead, n)
+            lib, xp = self._lib, x.data_ptr()
+            acts = []  # per activation format, in self._formats' order (kept alive to the end)
+            for fmt, row_bytes in self._formats:
+                if row_bytes is None:
+                    acts.append(x.float())
+                else:
+                    acts.append(torch.empty((m, row_bytes), dtype=torch.uint8))
+                    lib.quantize(fmt, xp, is_bf16, m, k, acts[-1].data_ptr())
+            ptrs = self._acts_type(*(acts[i].data_ptr() for i in self._which))
+            lib.segments(self._args, len(self._args), k, ptrs, m, out.data_ptr(), n, is_bf16)
         return out if out.dtype == dtype else out.to(dtype)
 
 
@@ -325,9 +366,8 @@ def quantize_activations(x: torch.Tensor, fmt: gguf.GGMLQuantizationType,
 def _probe(isa: str, version) -> str:
     """Check the ``isa`` build's Q4_K and Q8_0 products against gguf-py's dequantized blocks
     on random data (``""`` when close). ``version`` is the loaded version function."""
-    from selfspec.executor.gguf_quantize import quantize_blocks
-
-    rows, quantize, act_row_bytes = _functions(ctypes.CDLL(str(native.build(SOURCE, _FLAGS[isa]))))
+    rows, quantize, act_row_bytes, _ = _functions(
+        ctypes.CDLL(str(native.build(SOURCE, _FLAGS[isa]))))
     gen = torch.Generator().manual_seed(7)
     k = 512
     x = torch.randn(5, k, generator=gen)

@@ -1,5 +1,5 @@
 // Row-consistent products on a GGUF file's own quantized blocks (llama.cpp's formats), for x86
-// CPUs with AVX2 + FMA + F16C or with AVX-512 (F/BW/VL) + VNNI.
+// CPUs with AVX2 + FMA + F16C or with AVX-512 (F/BW/VL) + VNNI: the same source built twice.
 //
 // Scheme (llama.cpp's vec_dot pairs): each weight type is multiplied with activations quantized
 // per call to the format llama.cpp pairs it with, Q8_0 (blocks of 32: fp16 d, int8[32]) for
@@ -7,10 +7,10 @@
 // 256: fp32 d, int8[256], int16 bsums[16]) for Q4_K/Q5_K/Q6_K; quantization rounds exactly as
 // llama.cpp's quantize_row_q8_0_ref / q8_1_ref / q8_K_ref (the references, not its SIMD
 // quantizers, which round differently). F32/F16/BF16 weight rows take fp32 activations (FMA).
-// Within a block the dot product is an integer one (vpmaddubsw + vpmaddwd on AVX2, vpdpbusd /
-// vpdpwssd on AVX-512 VNNI; every partial sum fits its lanes, so both give the same integers);
-// each block's integer sum is scaled in fp32 into 8 fp32 lanes per (row, output), summed once
-// at the end.
+// Within a block (or K-quant sub-block) the dot product is an integer one, exact: vpmaddubsw +
+// vpmaddwd on AVX2 (32 inputs a ymm), vpdpbusd / vpdpwssd on AVX-512 VNNI (64 inputs a zmm;
+// blocks of 32 in pairs). Each block's integer sum is scaled in fp32 into 8 (AVX2) or 16
+// (AVX-512) fp32 lanes per (row, output), summed once at the end.
 //
 // Why: a model stored as GGUF can then decode on the bytes of its file (no re-quantization into
 // selfspec's own w4a8 blocks, no bf16 copy), at the cost of reading them.
@@ -21,11 +21,12 @@
 // used for every row of the tile, but each (t, n) has its own accumulators and the same
 // per-block order; the tile size only changes how many accumulators are live. Built with
 // -ffp-contract=off so that the compiler cannot fuse scalar multiply-adds differently in
-// differently unrolled tiles. The two builds (AVX2, AVX-512) may differ from each other in the
-// last bits; each is row-consistent.
+// differently unrolled tiles. The two builds may differ from each other in the last bits; each
+// is row-consistent. Threads split the weight rows, which leaves every (t, n) unchanged.
 //
 // Layouts: weights [N, row_bytes] as stored in the GGUF (row n = K / block_size blocks of the
-// type's struct, ggml-common.h); activations [M, K / 32 or K / 256 blocks] of the structs below;
+// type's struct, ggml-common.h); activations [M, K / 32 or K / 256 blocks] of ggml's structs
+// (BlockQ8_0/Q8_1/Q8_K below; both builds repack blocks of 32 per call: Act32, Q8Pair, QuadAct);
 // outputs written at out + t * ldo + n (fp32 or bf16), so a caller fills column slices of one
 // wider output.
 #include <ATen/Parallel.h>
@@ -34,6 +35,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
+#include <functional>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -44,16 +48,24 @@ namespace {
 // ggml's type ids (ggml.h enum ggml_type), used for weight types and activation formats.
 enum : int64_t {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ8_1 = 9,
-  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kQ8_K = 15, kBF16 = 30,
+  kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kQ8_K = 15, kBF16 = 30,
 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
 #define SELFSPEC_GGUF_VNNI 1
-constexpr int kTile = 8;  // 32 vector registers: 8 rows' accumulators stay in registers
-#else
-constexpr int kTile = 4;
 #endif
+
+// Activation rows per pass over a weight row. Decoding a block costs about as much as one row's
+// dot product, so the more rows share it the better, until accumulators spill: 8 rows cost
+// 10-15% less than two tiles of 4 with AVX2's 16 registers too (decoded blocks spill to L1,
+// which reloads cheaply), measured on K-quants.
+constexpr int kTile = 8;
+
+// Bytes ahead along the weights that each step prefetches (the hardware prefetcher alone leaves
+// some bandwidth: one-token products on one Xeon core, Q8_0 [17920, 1536] 24 -> 28.7 GB/s, Q4_K
+// 19 -> 20 GB/s; 1024 or 4096 bytes do about as well).
+constexpr int64_t kPrefetch = 2048;
 
 struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };
 struct BlockQ8_1 { uint16_t d, s; int8_t qs[32]; };
@@ -66,23 +78,16 @@ inline uint16_t to_fp16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT
 inline uint16_t u16(const uint8_t* p) { uint16_t v; memcpy(&v, p, 2); return v; }
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
-// Sum of u8 x s8 products over each 4 bytes into 8 int32 lanes. No saturation: every use has
-// |u| <= 128 and |s| <= 127, so vpmaddubsw's pair sums stay within int16.
+// Sum of u8 x s8 products over each 4 bytes into 8 int32 lanes (the AVX2 build's blocks of
+// 32). No saturation: every use has |u| <= 128 and |s| <= 127, so vpmaddubsw's pair sums stay
+// within int16.
 inline __m256i dot_us(__m256i u, __m256i s) {
-#ifdef SELFSPEC_GGUF_VNNI
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
 }
 
-// acc + the int16 pair products of a and b summed per int32 lane.
+// acc + the int16 pair products of a and b summed per int32 lane (256-bit paths).
 inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
-#ifdef SELFSPEC_GGUF_VNNI
-  return _mm256_dpwssd_epi32(acc, a, b);
-#else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
 }
 
 // Byte j = 0x10 where bit j of bits is set (Q5_0/Q5_1's fifth bits), else 0.
@@ -105,10 +110,31 @@ inline __m256i nibbles32(const uint8_t* p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Weight types. Each has Act (its activation block), kBlock (inputs), kBytes (bytes a block),
-// Decoded, decode(block, Decoded&) once per weight block and dot(Decoded, Act, acc, extra) per
-// activation row: acc (8 fp32 lanes) and extra (a scalar, for Q4_1/Q5_1's minimum term)
-// accumulate the block's contribution.
+// Weight types. Each has Act (the activation step), Acc (its accumulator), kBlock (inputs of a
+// GGUF block), kBytes (its bytes), kUnit (blocks a step), Decoded, decode(blocks, Decoded&,
+// count) once per step of a weight row (count: its blocks, fewer than kUnit at a row's end) and
+// dot(Decoded, Act, acc, extra) per activation row: acc and extra (a scalar, for the AVX2
+// Q4_1/Q5_1's minimum term) accumulate the step's contribution.
+
+#ifndef SELFSPEC_GGUF_VNNI  // AVX2: a block of 32 a step
+
+// The activations repacked once per call (repack_blocks) with their scales in fp32, so that no
+// (row, output, block) converts them again.
+struct Act32 {
+  int8_t qs[32];
+  float d, s;  // s: Q8_1's d * sum (0 from Q8_0)
+};
+
+template <class Src>
+void repack_blocks(const uint8_t* act, int64_t M, int64_t nblocks, Act32* out) {
+  const Src* x = reinterpret_cast<const Src*>(act);
+  for (int64_t i = 0; i < M * nblocks; ++i) {
+    memcpy(out[i].qs, x[i].qs, 32);
+    out[i].d = fp16(x[i].d);
+    if constexpr (std::is_same<Src, BlockQ8_1>::value) out[i].s = fp16(x[i].s);
+    else out[i].s = 0.f;
+  }
+}
 
 // Blocks of 32 with signed codes (Q4_0, Q5_0, Q8_0): codes as int8, |code| as u8, one scale.
 struct Signed32 {
@@ -116,48 +142,73 @@ struct Signed32 {
   float d;
 };
 
-inline void dot_signed32(const Signed32& w, const BlockQ8_0& x, __m256& acc, float&) {
+inline void dot_signed32(const Signed32& w, const Act32& x, __m256& acc, float&) {
   // vpmaddubsw multiplies unsigned by signed: |w| by x carrying w's sign.
   const __m256i p = dot_us(w.aq, _mm256_sign_epi8(load32(x.qs), w.q));
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(w.d * fp16(x.d)), acc);
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(w.d * x.d), acc);
 }
 
 struct TypeQ4_0 {
-  using Act = BlockQ8_0;
+  using Src = BlockQ8_0;
+  using Act = Act32;
+  static constexpr bool kRepack = true;
+  static void repack(const uint8_t* act, int64_t M, int64_t nblocks, Act* out) {
+    repack_blocks<Src>(act, M, nblocks, out);
+  }
+  using Acc = __m256;
   using Decoded = Signed32;
-  static constexpr int64_t kBlock = 32, kBytes = 18;
-  static void decode(const uint8_t* b, Decoded& w) {
+  static constexpr int64_t kUnit = 1, kBlock = 32, kBytes = 18;
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     w.d = fp16(u16(b));
     w.q = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
     w.aq = _mm256_abs_epi8(w.q);
   }
-  static void dot(const Decoded& w, const Act& x, __m256& acc, float& e) { dot_signed32(w, x, acc, e); }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float& e) {
+    dot_signed32(w, x, acc, e);
+  }
 };
 
 struct TypeQ5_0 {
-  using Act = BlockQ8_0;
+  using Src = BlockQ8_0;
+  using Act = Act32;
+  static constexpr bool kRepack = true;
+  static void repack(const uint8_t* act, int64_t M, int64_t nblocks, Act* out) {
+    repack_blocks<Src>(act, M, nblocks, out);
+  }
+  using Acc = __m256;
   using Decoded = Signed32;
-  static constexpr int64_t kBlock = 32, kBytes = 22;
-  static void decode(const uint8_t* b, Decoded& w) {
+  static constexpr int64_t kUnit = 1, kBlock = 32, kBytes = 22;
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
     w.d = fp16(u16(b));
-    w.q = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(qh)), _mm256_set1_epi8(16));
+    w.q = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(qh)),
+                          _mm256_set1_epi8(16));
     w.aq = _mm256_abs_epi8(w.q);
   }
-  static void dot(const Decoded& w, const Act& x, __m256& acc, float& e) { dot_signed32(w, x, acc, e); }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float& e) {
+    dot_signed32(w, x, acc, e);
+  }
 };
 
 struct TypeQ8_0 {
-  using Act = BlockQ8_0;
+  using Src = BlockQ8_0;
+  using Act = Act32;
+  static constexpr bool kRepack = true;
+  static void repack(const uint8_t* act, int64_t M, int64_t nblocks, Act* out) {
+    repack_blocks<Src>(act, M, nblocks, out);
+  }
+  using Acc = __m256;
   using Decoded = Signed32;
-  static constexpr int64_t kBlock = 32, kBytes = 34;
-  static void decode(const uint8_t* b, Decoded& w) {
+  static constexpr int64_t kUnit = 1, kBlock = 32, kBytes = 34;
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     w.d = fp16(u16(b));
     w.q = load32(b + 2);
     w.aq = _mm256_abs_epi8(w.q);  // -128 becomes 0x80, read as 128 by the unsigned side
   }
-  static void dot(const Decoded& w, const Act& x, __m256& acc, float& e) { dot_signed32(w, x, acc, e); }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float& e) {
+    dot_signed32(w, x, acc, e);
+  }
 };
 
 // Blocks of 32 with unsigned codes and a minimum (Q4_1, Q5_1): w = q d + m, so
@@ -167,71 +218,494 @@ struct Unsigned32 {
   float d, m;
 };
 
-inline void dot_unsigned32(const Unsigned32& w, const BlockQ8_1& x, __m256& acc, float& extra) {
+inline void dot_unsigned32(const Unsigned32& w, const Act32& x, __m256& acc, float& extra) {
   const __m256i p = dot_us(w.q, load32(x.qs));
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(w.d * fp16(x.d)), acc);
-  extra += w.m * fp16(x.s);
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(w.d * x.d), acc);
+  extra += w.m * x.s;
 }
 
 struct TypeQ4_1 {
-  using Act = BlockQ8_1;
+  using Src = BlockQ8_1;
+  using Act = Act32;
+  static constexpr bool kRepack = true;
+  static void repack(const uint8_t* act, int64_t M, int64_t nblocks, Act* out) {
+    repack_blocks<Src>(act, M, nblocks, out);
+  }
+  using Acc = __m256;
   using Decoded = Unsigned32;
-  static constexpr int64_t kBlock = 32, kBytes = 20;
-  static void decode(const uint8_t* b, Decoded& w) {
+  static constexpr int64_t kUnit = 1, kBlock = 32, kBytes = 20;
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     w.d = fp16(u16(b));
     w.m = fp16(u16(b + 2));
     w.q = nibbles32(b + 4);
   }
-  static void dot(const Decoded& w, const Act& x, __m256& acc, float& e) { dot_unsigned32(w, x, acc, e); }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float& e) {
+    dot_unsigned32(w, x, acc, e);
+  }
 };
 
 struct TypeQ5_1 {
-  using Act = BlockQ8_1;
+  using Src = BlockQ8_1;
+  using Act = Act32;
+  static constexpr bool kRepack = true;
+  static void repack(const uint8_t* act, int64_t M, int64_t nblocks, Act* out) {
+    repack_blocks<Src>(act, M, nblocks, out);
+  }
+  using Acc = __m256;
   using Decoded = Unsigned32;
-  static constexpr int64_t kBlock = 32, kBytes = 24;
-  static void decode(const uint8_t* b, Decoded& w) {
+  static constexpr int64_t kUnit = 1, kBlock = 32, kBytes = 24;
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     uint32_t qh;
     memcpy(&qh, b + 4, 4);
     w.d = fp16(u16(b));
     w.m = fp16(u16(b + 2));
     w.q = _mm256_or_si256(nibbles32(b + 8), fifth_bits(qh));
   }
-  static void dot(const Decoded& w, const Act& x, __m256& acc, float& e) { dot_unsigned32(w, x, acc, e); }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float& e) {
+    dot_unsigned32(w, x, acc, e);
+  }
 };
+
+#else  // SELFSPEC_GGUF_VNNI: blocks of 32 two (Q8_0) or four (4- and 5-bit codes) a step
+
+// The activations are repacked once per call (Q8Pair, QuadAct): codes in the order of the
+// decoded weights, so that int32 lane i of a product belongs to one block and the blocks' fp32
+// scales, stored beside, broadcast straight from memory onto the lanes. vpdpbusd multiplies
+// unsigned by signed bytes: Q4_1/Q5_1's codes are unsigned and meet the signed activations as
+// they are; Q4_0/Q5_0/Q8_0's weights w are signed, so their activations are stored as u8
+// a + 128 and the accumulator starts at -128 sum w per lane (computed when the weights are
+// decoded): sum (a + 128) w - 128 sum w = sum a w exactly. Blocks missing at a row's end are
+// zero (codes, scales and sums).
+
+// Q8_0: two blocks a step, their 4-byte chunks interleaved (chunk g of block c at bytes
+// 8g + 4c: lane i belongs to block i & 1, and [dx0, dx1] broadcast as one 64-bit value).
+struct Q8Pair {
+  uint8_t qs[64];
+  float d[2];
+};
+
+inline __m512i interleave_pair(__m256i first, __m256i second) {
+  // int32 lane i <- lane i / 2 of first (i even) or of second (i odd)
+  const __m512i idx = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  return _mm512_permutexvar_epi32(
+      idx, _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1));
+}
+
+struct TypeQ8_0 {
+  using Act = Q8Pair;
+  using Acc = __m512;
+  static constexpr bool kRepack = true;
+  static constexpr int64_t kBlock = 32, kBytes = 34, kUnit = 2;
+  static void repack(const uint8_t* act, int64_t M, int64_t nblocks, Act* out) {
+    const int64_t steps = (nblocks + 1) / 2;
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t t = 0; t < M; ++t) {
+      const BlockQ8_0* x = reinterpret_cast<const BlockQ8_0*>(act) + t * nblocks;
+      for (int64_t u = 0; u < steps; ++u) {
+        const bool lone = 2 * u + 1 == nblocks;
+        Q8Pair& p = out[t * steps + u];
+        const __m256i second = lone ? _mm256_setzero_si256() : load32(x[2 * u + 1].qs);
+        _mm512_storeu_si512(p.qs,
+                            _mm512_xor_si512(interleave_pair(load32(x[2 * u].qs), second), flip));
+        p.d[0] = fp16(x[2 * u].d);
+        p.d[1] = lone ? 0.f : fp16(x[2 * u + 1].d);
+      }
+    }
+  }
+  struct Decoded {
+    __m512i w, start;
+    __m512 d;
+  };
+  static void decode(const uint8_t* b, Decoded& w, int64_t count) {
+    const bool lone = count < 2;
+    w.w = interleave_pair(load32(b + 2), lone ? _mm256_setzero_si256() : load32(b + kBytes + 2));
+    w.start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(
+        _mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w.w));
+    const uint32_t both = u16(b) | (lone ? 0u : uint32_t(u16(b + kBytes)) << 16);
+    const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int32_t>(both)));
+    w.d = _mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_castps_pd(d)));  // [d0, d1] per 64 bits
+  }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) {
+    const __m512i p = _mm512_dpbusd_epi32(w.start, _mm512_loadu_si512(x.qs), w.w);
+    double d;
+    memcpy(&d, x.d, 8);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
+                          _mm512_mul_ps(w.d, _mm512_castpd_ps(_mm512_set1_pd(d))), acc);
+  }
+};
+
+// Q4_0, Q4_1, Q5_0, Q5_1: four blocks a step, 128 inputs in two zmm. Block c's 16 code bytes
+// load into 128-bit quarter c; their low nibbles are its codes 0-15, the high ones 16-31; one
+// vpermd each transposes the 4 x 4 int32 chunks so that lane 4g + c holds chunk g of block c.
+// The activations are repacked alike (QuadAct), and their per-block scales broadcast as one
+// 128-bit [dx0, dx1, dx2, dx3] scale all lanes. The blocks' fp16 scales (and minima) come out
+// of one or two 64-byte loads with one vpermt2w. Taken in pairs instead, these types' one-token
+// products were bound by decoding: Q4_1 [17920, 1536] 15.7 GB/s on one core, 20 in fours.
+struct QuadAct {
+  uint8_t lo[64];  // codes 0-15 of the 4 blocks: int32 lane 4g + c = codes 4g .. 4g + 3 of block c
+  uint8_t hi[64];  // codes 16-31 alike
+  float d[4];
+  float s[4];      // Q8_1's s (0 from Q8_0)
+};
+
+template <class Src>
+void repack_quads(const uint8_t* act, int64_t M, int64_t nblocks, QuadAct* out) {
+  constexpr bool kQ8_1 = std::is_same<Src, BlockQ8_1>::value;
+  const uint8_t flip = kQ8_1 ? 0 : 0x80;  // a + 128 against signed weights (see above)
+  const int64_t steps = (nblocks + 3) / 4;
+  for (int64_t t = 0; t < M; ++t) {
+    const Src* x = reinterpret_cast<const Src*>(act) + t * nblocks;
+    for (int64_t u = 0; u < steps; ++u) {
+      QuadAct& q = out[t * steps + u];
+      for (int c = 0; c < 4; ++c) {
+        const int64_t i = 4 * u + c;
+        const bool here = i < nblocks;
+        for (int g = 0; g < 4; ++g)
+          for (int j = 0; j < 4; ++j) {
+            q.lo[16 * g + 4 * c + j] = (here ? static_cast<uint8_t>(x[i].qs[4 * g + j]) : 0) ^ flip;
+            q.hi[16 * g + 4 * c + j] =
+                (here ? static_cast<uint8_t>(x[i].qs[16 + 4 * g + j]) : 0) ^ flip;
+          }
+        q.d[c] = here ? fp16(x[i].d) : 0.f;
+        if constexpr (kQ8_1) q.s[c] = here ? fp16(x[i].s) : 0.f;
+        else q.s[c] = 0.f;
+      }
+    }
+  }
+}
+
+// Base: Src, kBytes, kQs (offset of the 16 code bytes), kQh (of the fifth bits; 0: none),
+// kOffset (w = code - kOffset) or kMin (w = d q + m, m after d).
+template <class Base>
+struct Quad32 {
+  using Src = typename Base::Src;
+  using Act = QuadAct;
+  static constexpr bool kRepack = true;
+  static void repack(const uint8_t* act, int64_t M, int64_t nblocks, Act* out) {
+    repack_quads<Src>(act, M, nblocks, out);
+  }
+  using Acc = __m512;
+  static constexpr int64_t kBlock = 32, kBytes = Base::kBytes, kUnit = 4;
+  struct Decoded {
+    __m512i lo, hi, start;
+    __m512 d, m;
+  };
+  static void decode(const uint8_t* b, Decoded& w, int64_t count) {
+    __m512i raw = _mm512_castsi128_si512(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + Base::kQs)));
+    if (count > 1) raw = _mm512_inserti32x4(raw, _mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(b + kBytes + Base::kQs)), 1);
+    if (count > 2) raw = _mm512_inserti32x4(raw, _mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(b + 2 * kBytes + Base::kQs)), 2);
+    if (count > 3) raw = _mm512_inserti32x4(raw, _mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(b + 3 * kBytes + Base::kQs)), 3);
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+    if constexpr (Base::kQh != 0) {  // bit j of block c's qh: code j's fifth bit
+      uint64_t bits_lo = 0, bits_hi = 0;
+      for (int c = 0; c < 4; ++c) {
+        uint32_t qh = 0;
+        if (c < count) memcpy(&qh, b + c * kBytes + Base::kQh, 4);
+        bits_lo |= uint64_t(qh & 0xffff) << (16 * c);
+        bits_hi |= uint64_t(qh >> 16) << (16 * c);
+      }
+      const __m512i bit = _mm512_set1_epi8(0x10);
+      lo = _mm512_mask_or_epi32(lo, 0xffff, lo, _mm512_maskz_mov_epi8(bits_lo, bit));
+      hi = _mm512_mask_or_epi32(hi, 0xffff, hi, _mm512_maskz_mov_epi8(bits_hi, bit));
+    }
+    const __m512i transpose =
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    lo = _mm512_permutexvar_epi32(transpose, lo);
+    hi = _mm512_permutexvar_epi32(transpose, hi);
+    // fp16 d (and m) of the 4 blocks: int16 lanes [d0, m0, d1, m1, ...] from the step's bytes
+    // (masked loads: nothing read past the last block)
+    const int64_t n = count * kBytes;
+    const __m512i first = _mm512_maskz_loadu_epi8(n >= 64 ? ~0ull : (1ull << n) - 1, b);
+    const __m512i second = n > 64 ? _mm512_maskz_loadu_epi8((1ull << (n - 64)) - 1, b + 64)
+                                  : _mm512_setzero_si512();
+    constexpr int16_t h = kBytes / 2;  // int16s a block
+    const __m512i pick = _mm512_setr_epi32(
+        (1 << 16) * Base::kMin, h | ((h + 1) << 16) * Base::kMin,
+        2 * h | ((2 * h + 1) << 16) * Base::kMin, 3 * h | ((3 * h + 1) << 16) * Base::kMin,
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i halves = _mm512_permutex2var_epi16(first, pick, second);
+    const __m512 dm = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm512_castsi512_si128(halves)));
+    w.d = _mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6), dm);
+    if constexpr (Base::kMin) {
+      w.lo = lo;
+      w.hi = hi;
+      w.start = _mm512_setzero_si512();
+      w.m = _mm512_maskz_permutexvar_ps(0x000f, _mm512_setr_epi32(1, 3, 5, 7, 0, 0, 0, 0, 0, 0,
+                                                                  0, 0, 0, 0, 0, 0), dm);
+    } else {
+      const __m512i off = _mm512_set1_epi8(Base::kOffset);
+      w.lo = _mm512_sub_epi8(lo, off);
+      w.hi = _mm512_sub_epi8(hi, off);
+      const __m512i top = _mm512_set1_epi8(static_cast<char>(0x80));
+      w.start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(
+          _mm512_dpbusd_epi32(_mm512_setzero_si512(), top, w.lo), top, w.hi));
+    }
+  }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) {
+    const __m512i xl = _mm512_loadu_si512(x.lo), xh = _mm512_loadu_si512(x.hi);
+    const __m512i p = Base::kMin
+        ? _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(w.start, w.lo, xl), w.hi, xh)
+        : _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(w.start, xl, w.lo), xh, w.hi);
+    const __m512 dx = _mm512_broadcast_f32x4(_mm_loadu_ps(x.d));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(w.d, dx), acc);
+    if constexpr (Base::kMin)
+      acc = _mm512_fmadd_ps(w.m, _mm512_broadcast_f32x4(_mm_loadu_ps(x.s)), acc);
+  }
+};
+
+struct QuadQ4_0 {
+  using Src = BlockQ8_0;
+  static constexpr int64_t kBytes = 18, kQs = 2, kQh = 0;
+  static constexpr int kOffset = 8, kMin = 0;
+};
+struct QuadQ5_0 {
+  using Src = BlockQ8_0;
+  static constexpr int64_t kBytes = 22, kQs = 6, kQh = 2;
+  static constexpr int kOffset = 16, kMin = 0;
+};
+struct QuadQ4_1 {
+  using Src = BlockQ8_1;
+  static constexpr int64_t kBytes = 20, kQs = 4, kQh = 0;
+  static constexpr int kOffset = 0, kMin = 1;
+};
+struct QuadQ5_1 {
+  using Src = BlockQ8_1;
+  static constexpr int64_t kBytes = 24, kQs = 8, kQh = 4;
+  static constexpr int kOffset = 0, kMin = 1;
+};
+
+using TypeQ4_0 = Quad32<QuadQ4_0>;
+using TypeQ5_0 = Quad32<QuadQ5_0>;
+using TypeQ4_1 = Quad32<QuadQ4_1>;
+using TypeQ5_1 = Quad32<QuadQ5_1>;
+#endif
 
 // Q4_K / Q5_K: 256 inputs in 8 sub-blocks of 32, each a 6-bit scale and minimum (packed in 12
 // bytes), fp16 d and dmin: w = d sc q - dmin m. Codes: 32 bytes per 64 inputs, low nibbles for
 // the first 32, high for the next (Q5_K: bit 2j / 2j+1 of qh[l] is input 64j + l's / 64j + 32 +
 // l's fifth bit). Per block, integer sums sum_j sc_j (q_j . a_j) and sum_j m_j (bsum_2j +
-// bsum_2j+1) (Q8_K's bsums are per 16), each scaled once.
+// bsum_2j+1) (Q8_K's bsums are per 16), each scaled once. The AVX-512 build takes 64 inputs
+// (two sub-blocks) a vector, halving the instructions per activation row.
+
+// The 12 bytes of scales and minima as 16 bytes sc[0..7], m[0..7]: for j < 4, sc_j and m_j
+// are the low 6 bits of bytes j and j + 4; sc_j+4 and m_j+4 take their low 4 bits from byte
+// j + 8's low and high nibbles and their top 2 from bits 6-7 of bytes j and j + 4 (ggml's
+// get_scale_min_k4), in a few byte shuffles (16 bytes read: the block's codes follow).
+inline __m128i k_scales(const uint8_t* s) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+  // a: bytes [0..3, 8..11, 4..7, 8..11]; b: [-, 0..3, -, 4..7] (-: zero)
+  const __m128i a =
+      _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i b =
+      _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i low = _mm_and_si128(
+      a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+  // 16-bit shifts: the masks keep each byte's own bits
+  const __m128i high_nibbles = _mm_and_si128(
+      _mm_srli_epi16(a, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+  const __m128i top =
+      _mm_srli_epi16(_mm_and_si128(b, _mm_set1_epi8(static_cast<char>(0xc0))), 2);
+  return _mm_or_si128(_mm_or_si128(low, high_nibbles), top);
+}
+
+// int16 [m0, m0, m1, m1, ..., m7, m7]: against the 16 bsums, vpmaddwd gives m_j (bsum_2j +
+// bsum_2j+1) in int32 lane j.
+inline __m256i k_mins(__m128i scales) {
+  return _mm256_cvtepu8_epi16(_mm_shuffle_epi8(
+      scales, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
+}
+
+#ifdef SELFSPEC_GGUF_VNNI
+// 64 inputs a zmm. Per activation row the 512-bit integer multiplies (port 0 only on Intel)
+// set a tile's cost: vpdpbusd gives the sums of 4 code x input products (|sum| <= 4 * 63 * 127
+// < 2^15 for 6-bit codes), two such vectors pack to int16 (vpackssdw, port 5, exact) and one
+// vpdpwssd applies the sub-blocks' scales: 3 multiplies per 128 inputs where vpmaddubsw +
+// vpdpwssd take 4 (measured as fast, not faster, on a Sapphire Rapids-class Xeon: the zeroed
+// accumulators cost moves). vpackssdw interleaves its sources per 128-bit lane L: int16
+// 8L .. 8L + 3 from the first, 8L + 4 .. 8L + 7 from the second; the scale vectors follow.
+
+// The mins term (8 int32 sums) in a 256-bit accumulator beside the 512-bit one.
+struct AccK {
+  __m512 a;
+  __m256 m;
+};
+inline float sum_acc(AccK a) { return _mm512_reduce_add_ps(a.a) + hsum(a.m); }  // fixed order
+
+// Scale vector for a packed pair: int16 lane 8L + i (L < 4, i < 8) takes src's int16 lane
+// first[L] (i < 4) or second[L] (i >= 4).
+inline __m512i pair_scales(__m512i src, const int (&first)[4], const int (&second)[4]) {
+  int16_t idx[32];
+  for (int lane = 0; lane < 4; ++lane)
+    for (int i = 0; i < 8; ++i)
+      idx[8 * lane + i] = static_cast<int16_t>(i < 4 ? first[lane] : second[lane]);
+  return _mm512_permutexvar_epi16(_mm512_loadu_si512(idx), src);
+}
+
+inline __m512i dpbusd0(__m512i u, __m512i s) {
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+}
+
 struct KQuant32 {
-  __m256i q[8];       // sub-block j's 32 codes (u8)
-  int16_t sc[8];
-  __m256i mins;       // int16 [m0, m0, m1, m1, ..., m7, m7] against the 16 bsums
+  __m512i q[4];   // inputs 64j .. 64j + 63 (u8): sub-block 2j in 128-bit lanes 0-1, 2j + 1 in 2-3
+  __m512i sc[2];  // pack(P_2k, P_2k+1)'s: lanes 0-1 [sc_4k, sc_4k+2], 2-3 [sc_4k+1, sc_4k+3]
+  __m256i mins;
   float d, dmin;
 };
 
-inline void unpack_scales(const uint8_t* s, KQuant32& w) {
-  uint8_t m[8];
-  for (int j = 0; j < 4; ++j) {
-    w.sc[j] = s[j] & 63;
-    m[j] = s[j + 4] & 63;
-    w.sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
-    m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+inline void k_decode_scales(const uint8_t* s, KQuant32& w) {
+  const __m128i scales = k_scales(s);
+  const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(scales));
+  w.sc[0] = pair_scales(sc16, {0, 0, 1, 1}, {2, 2, 3, 3});
+  w.sc[1] = pair_scales(sc16, {4, 4, 5, 5}, {6, 6, 7, 7});
+  w.mins = k_mins(scales);
+}
+
+// 32 bytes of nibbles -> 64 u8: the low nibbles (inputs 0-31), then the high ones (32-63).
+inline __m512i k_nibbles(const uint8_t* p) {
+  const __m512i both = _mm512_broadcast_i64x4(load32(p));
+  const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  return _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi8(0x0f));
+}
+
+inline void dot_kquant32(const KQuant32& w, const BlockQ8_K& x, AccK& acc) {
+  __m512i isum = _mm512_setzero_si512();
+#pragma GCC unroll 2
+  for (int k = 0; k < 2; ++k) {
+    const __m512i p0 = dpbusd0(w.q[2 * k], _mm512_loadu_si512(x.qs + 128 * k));
+    const __m512i p1 = dpbusd0(w.q[2 * k + 1], _mm512_loadu_si512(x.qs + 128 * k + 64));
+    isum = _mm512_dpwssd_epi32(isum, _mm512_packs_epi32(p0, p1), w.sc[k]);
   }
-  int64_t m8;
-  memcpy(&m8, m, 8);
-  const __m128i dup = _mm_shuffle_epi8(_mm_cvtsi64_si128(m8),
-                                       _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
-  w.mins = _mm256_cvtepu8_epi16(dup);
+  const __m256i msum = _mm256_madd_epi16(w.mins, _mm256_loadu_si256(
+                                                     reinterpret_cast<const __m256i*>(x.bsums)));
+  acc.a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(w.d * x.d), acc.a);
+  acc.m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(-(w.dmin * x.d)), acc.m);
+}
+
+struct TypeQ4_K {
+  using Act = BlockQ8_K;
+  static constexpr bool kRepack = false;
+  using Acc = AccK;
+  using Decoded = KQuant32;
+  static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 144;
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
+    w.d = fp16(u16(b));
+    w.dmin = fp16(u16(b + 2));
+    k_decode_scales(b + 4, w);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) w.q[j] = k_nibbles(b + 16 + 32 * j);
+  }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) { dot_kquant32(w, x, acc); }
+};
+
+struct TypeQ5_K {
+  using Act = BlockQ8_K;
+  static constexpr bool kRepack = false;
+  using Acc = AccK;
+  using Decoded = KQuant32;
+  static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 176;
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
+    w.d = fp16(u16(b));
+    w.dmin = fp16(u16(b + 2));
+    k_decode_scales(b + 4, w);
+    // qh in both halves, shifted so that bit 2j (low half) or 2j + 1 (high half) of each byte
+    // lands on bit 4; 16-bit shifts keep a byte's own bits there (shifts of at most 4).
+    const __m512i qh = _mm512_broadcast_i64x4(load32(b + 16));
+    const __m512i bit4 = _mm512_set1_epi8(0x10);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i high =
+          j < 2 ? _mm512_sllv_epi16(qh, _mm512_inserti64x4(_mm512_set1_epi16(4 - 2 * j),
+                                                           _mm256_set1_epi16(3 - 2 * j), 1))
+                : _mm512_srlv_epi16(qh, _mm512_inserti64x4(_mm512_set1_epi16(2 * j - 4),
+                                                           _mm256_set1_epi16(2 * j - 3), 1));
+      w.q[j] = _mm512_or_si512(k_nibbles(b + 48 + 32 * j), _mm512_and_si512(high, bit4));
+    }
+  }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) { dot_kquant32(w, x, acc); }
+};
+
+// Q6_K: 256 inputs in 16 sub-blocks of 16, int8 scales, fp16 d; 6-bit codes u = q + 32 (4 low
+// bits in ql, 2 high in qh). Per 128 inputs (ql 64 bytes, qh 32): input l + 32 k (l < 32) has
+// ql[l + 32 (k & 1)]'s low (k < 2) or high nibble and qh[l]'s bits 2k, 2k + 1. Sub-block i of
+// 16 inputs has scale sc[i]. w . a = d dx (sum_i sc_i (u_i . a_i) - 32 sum_i sc_i bsum_i).
+struct TypeQ6_K {
+  using Act = BlockQ8_K;
+  static constexpr bool kRepack = false;
+  using Acc = __m512;
+  static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 210;
+  struct Decoded {
+    __m512i u[4];      // inputs 64p .. 64p + 63 (u8, 0..63): sub-block 4p + L in 128-bit lane L
+    __m512i sc[2];     // pack(P_2k, P_2k+1)'s scales: lane L [sc_8k+L, sc_8k+4+L]
+    __m256i sc_all;    // int16 sc[0..15]
+    float d;
+  };
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
+    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    w.d = fp16(u16(b + 208));
+    w.sc_all = _mm256_cvtepi8_epi16(sc8);
+    const __m512i low = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m512i ql = _mm512_loadu_si512(b + 64 * h);            // inputs 0-31 | 32-63
+      const __m512i qh = _mm512_broadcast_i64x4(load32(b + 128 + 32 * h));
+      const __m512i s01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+      const __m512i s23 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+      w.u[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low), _mm512_slli_epi16(
+          _mm512_and_si512(_mm512_srlv_epi16(qh, s01), two), 4));
+      w.u[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low),
+                                       _mm512_slli_epi16(_mm512_and_si512(
+                                           _mm512_srlv_epi16(qh, s23), two), 4));
+    }
+    const __m512i all = _mm512_castsi256_si512(w.sc_all);
+    w.sc[0] = pair_scales(all, {0, 1, 2, 3}, {4, 5, 6, 7});
+    w.sc[1] = pair_scales(all, {8, 9, 10, 11}, {12, 13, 14, 15});
+  }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) {
+    __m512i isum = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; ++k) {  // |sums of 4| <= 4 * 63 * 127: int16
+      const __m512i p0 = dpbusd0(w.u[2 * k], _mm512_loadu_si512(x.qs + 128 * k));
+      const __m512i p1 = dpbusd0(w.u[2 * k + 1], _mm512_loadu_si512(x.qs + 128 * k + 64));
+      isum = _mm512_dpwssd_epi32(isum, _mm512_packs_epi32(p0, p1), w.sc[k]);
+    }
+    const __m256i off = _mm256_madd_epi16(
+        w.sc_all, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums)));
+    isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(_mm256_slli_epi32(off, 5)));  // +32
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(w.d * x.d), acc);
+  }
+};
+
+#else  // AVX2: 32 inputs a vector
+
+struct KQuant32 {
+  __m256i q[8];       // sub-block j's 32 codes (u8)
+  __m256i sc[8];      // int16 sc_j in every lane
+  __m256i mins;
+  float d, dmin;
+};
+
+inline void k_decode_scales(const uint8_t* s, KQuant32& w) {
+  const __m128i scales = k_scales(s);
+  const __m256i sc16 = _mm256_cvtepu8_epi16(scales);  // sc0..7 | m0..7, one per 16-bit lane
+  const __m256i lo = _mm256_permute2x128_si256(sc16, sc16, 0x00);
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j)
+    w.sc[j] = _mm256_shuffle_epi8(  // bytes 2j, 2j + 1 (int16 lane j) into every lane
+        lo, _mm256_set1_epi16(static_cast<int16_t>(0x0100 * (2 * j + 1) + 2 * j)));
+  w.mins = k_mins(scales);
 }
 
 inline void dot_kquant32(const KQuant32& w, const BlockQ8_K& x, __m256& acc) {
   __m256i isum = _mm256_setzero_si256();
 #pragma GCC unroll 8
   for (int j = 0; j < 8; ++j)  // |pair sums| <= 2 * 31 * 127: int16
-    isum = madd_acc(isum, _mm256_maddubs_epi16(w.q[j], load32(x.qs + 32 * j)),
-                    _mm256_set1_epi16(w.sc[j]));
+    isum = madd_acc(isum, _mm256_maddubs_epi16(w.q[j], load32(x.qs + 32 * j)), w.sc[j]);
   const __m256i msum = _mm256_madd_epi16(w.mins, _mm256_loadu_si256(
                                                      reinterpret_cast<const __m256i*>(x.bsums)));
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(w.d * x.d), acc);
@@ -240,12 +714,14 @@ inline void dot_kquant32(const KQuant32& w, const BlockQ8_K& x, __m256& acc) {
 
 struct TypeQ4_K {
   using Act = BlockQ8_K;
+  static constexpr bool kRepack = false;
+  using Acc = __m256;
   using Decoded = KQuant32;
-  static constexpr int64_t kBlock = 256, kBytes = 144;
-  static void decode(const uint8_t* b, Decoded& w) {
+  static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 144;
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     w.d = fp16(u16(b));
     w.dmin = fp16(u16(b + 2));
-    unpack_scales(b + 4, w);
+    k_decode_scales(b + 4, w);
     const __m256i low = _mm256_set1_epi8(0x0f);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
@@ -254,17 +730,19 @@ struct TypeQ4_K {
       w.q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
     }
   }
-  static void dot(const Decoded& w, const Act& x, __m256& acc, float&) { dot_kquant32(w, x, acc); }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) { dot_kquant32(w, x, acc); }
 };
 
 struct TypeQ5_K {
   using Act = BlockQ8_K;
+  static constexpr bool kRepack = false;
+  using Acc = __m256;
   using Decoded = KQuant32;
-  static constexpr int64_t kBlock = 256, kBytes = 176;
-  static void decode(const uint8_t* b, Decoded& w) {
+  static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 176;
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     w.d = fp16(u16(b));
     w.dmin = fp16(u16(b + 2));
-    unpack_scales(b + 4, w);
+    k_decode_scales(b + 4, w);
     const __m256i low = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
     __m256i qh = load32(b + 16);
 #pragma GCC unroll 4
@@ -278,7 +756,7 @@ struct TypeQ5_K {
       qh = _mm256_srli_epi16(qh, 2);  // a byte's bits 0-7 stay its own while 2j + 1 <= 7
     }
   }
-  static void dot(const Decoded& w, const Act& x, __m256& acc, float&) { dot_kquant32(w, x, acc); }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) { dot_kquant32(w, x, acc); }
 };
 
 // Q6_K: 256 inputs in 16 sub-blocks of 16, int8 scales, fp16 d; 6-bit codes u = q + 32 (4 low
@@ -287,14 +765,16 @@ struct TypeQ5_K {
 // 16 inputs has scale sc[i]. w . a = d dx (sum_i sc_i (u_i . a_i) - 32 sum_i sc_i bsum_i).
 struct TypeQ6_K {
   using Act = BlockQ8_K;
-  static constexpr int64_t kBlock = 256, kBytes = 210;
+  static constexpr bool kRepack = false;
+  using Acc = __m256;
+  static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 210;
   struct Decoded {
     __m256i u[8];      // inputs 32p .. 32p + 31 (u8, 0..63)
     __m256i sc[8];     // int16: sc[2p] in the low 128 bits, sc[2p + 1] in the high ones
     __m256i sc_all;    // int16 sc[0..15]
     float d;
   };
-  static void decode(const uint8_t* b, Decoded& w) {
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
     const uint8_t* ql = b;
     const uint8_t* qh = b + 128;
     const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
@@ -334,47 +814,169 @@ struct TypeQ6_K {
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(w.d * x.d), acc);
   }
 };
+#endif
 
-// TB activation rows (act, rows act_bytes apart) against weight row w of nb blocks: res[t].
+// Q2_K and Q3_K: 256 inputs in 16 sub-blocks of 16, 2-bit codes (Q3_K: a third bit in hmask).
+// Rarely the bulk of a model's bytes, so one 256-bit implementation serves both builds.
+// Per 128 inputs h, 32 bytes of codes: input 128h + 32j + l (l < 32) has bits 2j, 2j + 1 of
+// byte l; Q3_K's third bit is bit 4h + j of hmask[l]. Sub-block i of 16 inputs has scale i.
+
+// int16 vector [sc_2p x 8 | sc_2p+1 x 8] of 16 int8 scales (against a vpmaddubsw of inputs
+// 32p .. 32p + 31, whose low 128 bits are sub-block 2p).
+inline __m256i pair16_scales(__m128i sc8, int p) {
+  const char a = static_cast<char>(2 * p), b = static_cast<char>(2 * p + 1);
+  return _mm256_cvtepi8_epi16(
+      _mm_shuffle_epi8(sc8, _mm_setr_epi8(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b)));
+}
+
+// Q2_K (84 bytes): scales[16] (low nibble scale, high nibble minimum), qs[64], fp16 d, dmin:
+// w = d sc q - dmin m, q in 0..3.
+struct TypeQ2_K {
+  using Act = BlockQ8_K;
+  static constexpr bool kRepack = false;
+  using Acc = __m256;
+  static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 84;
+  struct Decoded {
+    __m256i q[8];    // inputs 32p .. 32p + 31
+    __m256i sc[8];   // pair16_scales
+    __m256i mins;    // int16 m[0..15]
+    float d, dmin;
+  };
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    const __m128i nib = _mm_set1_epi8(0x0f);
+    const __m128i sc8 = _mm_and_si128(packed, nib);
+    w.mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), nib));
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p) w.sc[p] = pair16_scales(sc8, p);
+    const __m256i two = _mm256_set1_epi8(0x03);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = load32(b + 16 + 32 * h);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j)
+        w.q[4 * h + j] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * j), two);
+    }
+    w.d = fp16(u16(b + 80));
+    w.dmin = fp16(u16(b + 82));
+  }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) {
+    __m256i isum = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p)  // |pair sums| <= 2 * 3 * 127
+      isum = madd_acc(isum, _mm256_maddubs_epi16(w.q[p], load32(x.qs + 32 * p)), w.sc[p]);
+    const __m256i msum = _mm256_madd_epi16(
+        w.mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums)));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(w.d * x.d), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(-(w.dmin * x.d)), acc);
+  }
+};
+
+// Q3_K (110 bytes): hmask[32], qs[64], 12 bytes of 6-bit scales (stored + 32), fp16 d:
+// w = d (sc - 32) (u - 4) with u = q + 4 * hbit in 0..7, so
+// w . a = d (sum_i sc_i (u_i . a_i) - 4 sum_i sc_i bsum_i).
+struct TypeQ3_K {
+  using Act = BlockQ8_K;
+  static constexpr bool kRepack = false;
+  using Acc = __m256;
+  static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 110;
+  struct Decoded {
+    __m256i u[8];     // inputs 32p .. 32p + 31 (0..7)
+    __m256i sc[8];    // pair16_scales
+    __m256i sc_all;   // int16 sc[0..15]
+    float d;
+  };
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
+    // Scale i: low 4 bits from byte i % 8 (low nibble for i < 8, high for i >= 8), high 2 bits
+    // from bits 2 (i / 4) .. of byte 8 + i % 4.
+    uint32_t a[3];
+    memcpy(a, b + 96, 12);
+    const uint32_t four = 0x0f0f0f0f, two = 0x03030303;
+    const __m128i stored = _mm_setr_epi32(
+        static_cast<int32_t>((a[0] & four) | ((a[2] & two) << 4)),
+        static_cast<int32_t>((a[1] & four) | (((a[2] >> 2) & two) << 4)),
+        static_cast<int32_t>(((a[0] >> 4) & four) | (((a[2] >> 4) & two) << 4)),
+        static_cast<int32_t>(((a[1] >> 4) & four) | (((a[2] >> 6) & two) << 4)));
+    const __m128i sc8 = _mm_sub_epi8(stored, _mm_set1_epi8(32));
+    w.sc_all = _mm256_cvtepi8_epi16(sc8);
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p) w.sc[p] = pair16_scales(sc8, p);
+    const __m256i hm = load32(b);
+    const __m256i low2 = _mm256_set1_epi8(0x03), bit2 = _mm256_set1_epi8(0x04);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = load32(b + 32 + 32 * h);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        // bit 4h + j of each hmask byte to bit 2 (16-bit shifts: each byte keeps its own bits)
+        const int c = 4 * h + j;
+        const __m256i third = _mm256_and_si256(
+            c >= 2 ? _mm256_srli_epi16(hm, c - 2) : _mm256_slli_epi16(hm, 2 - c), bit2);
+        w.u[c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 2 * j), low2), third);
+      }
+    }
+    w.d = fp16(u16(b + 108));
+  }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) {
+    __m256i isum = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p)  // |pair sums| <= 2 * 7 * 127
+      isum = madd_acc(isum, _mm256_maddubs_epi16(w.u[p], load32(x.qs + 32 * p)), w.sc[p]);
+    const __m256i off = _mm256_madd_epi16(
+        w.sc_all, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums)));
+    isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(off, 2));  // the codes' +4
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(w.d * x.d), acc);
+  }
+};
+
+inline float sum_acc(__m256 a) { return hsum(a); }
+#ifdef SELFSPEC_GGUF_VNNI
+inline float sum_acc(__m512 a) { return _mm512_reduce_add_ps(a); }  // a fixed order
+#endif
+
+// TB activation rows (act, rows act_bytes apart, T::Act a step) against weight row w of
+// nblocks blocks, T::kUnit blocks a step: res[t].
 template <class T, int TB>
-void quant_tile(const uint8_t* w, const uint8_t* act, int64_t act_bytes, int64_t nb, float* res) {
+void quant_tile(const uint8_t* w, const uint8_t* act, int64_t act_bytes, int64_t nblocks,
+                float* res) {
   using Act = typename T::Act;
-  __m256 acc[TB];
+  typename T::Acc acc[TB];
   float extra[TB];
 #pragma GCC unroll 8
   for (int t = 0; t < TB; ++t) {
-    acc[t] = _mm256_setzero_ps();
+    acc[t] = typename T::Acc{};  // zeros
     extra[t] = 0.f;
   }
-  for (int64_t b = 0; b < nb; ++b) {
+  const int64_t steps = (nblocks + T::kUnit - 1) / T::kUnit;
+  for (int64_t u = 0; u < steps; ++u) {
+    const uint8_t* ahead = w + u * T::kUnit * T::kBytes + kPrefetch;
+    for (int64_t o = 0; o < T::kUnit * T::kBytes; o += 64)  // past the row: its successor's
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
     typename T::Decoded dw;
-    T::decode(w + b * T::kBytes, dw);
+    T::decode(w + u * T::kUnit * T::kBytes, dw, std::min(T::kUnit, nblocks - u * T::kUnit));
 #pragma GCC unroll 8
     for (int t = 0; t < TB; ++t)
-      T::dot(dw, reinterpret_cast<const Act*>(act + t * act_bytes)[b], acc[t], extra[t]);
+      T::dot(dw, reinterpret_cast<const Act*>(act + t * act_bytes)[u], acc[t], extra[t]);
   }
 #pragma GCC unroll 8
-  for (int t = 0; t < TB; ++t) res[t] = hsum(acc[t]) + extra[t];
+  for (int t = 0; t < TB; ++t) res[t] = sum_acc(acc[t]) + extra[t];
 }
 
 // Unquantized rows against fp32 activations: two 8-lane FMA chains per (row, output), then the
 // scalar tail of K % 16 inputs in order.
-inline __m256 wload8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 wload8(const uint16_t* p, bool is_f16) {
-  if (is_f16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return load8(p);  // bf16
-}
-inline float wscalar(const float* p) { return *p; }
-inline float wscalar(const uint16_t* p, bool is_f16) { return is_f16 ? fp16(*p) : bf16_to_float(*p); }
-
 template <int64_t Type>
 struct FloatRow {
   using Elem = typename std::conditional<Type == kF32, float, uint16_t>::type;
-  static __m256 load(const Elem* p) {
-    if constexpr (Type == kF32) return wload8(p); else return wload8(p, Type == kF16);
+  static __m256 load(const Elem* p) {  // 8 weights as fp32
+    if constexpr (Type == kF32) return _mm256_loadu_ps(p);
+    else if constexpr (Type == kF16)
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    else return load8(p);  // bf16
   }
   static float scalar(const Elem* p) {
-    if constexpr (Type == kF32) return wscalar(p); else return wscalar(p, Type == kF16);
+    if constexpr (Type == kF32) return *p;
+    else if constexpr (Type == kF16) return fp16(*p);
+    else return bf16_to_float(*p);
   }
 };
 
@@ -402,72 +1004,139 @@ void float_tile(const uint8_t* wbytes, const float* x, int64_t K, float* res) {
   }
 }
 
-// out[t * ldo + n] = row n . activation row t (+ bias[n]) for all t, n; tiles of up to kTile
-// activation rows per pass over a weight row; threads split the weight rows.
-template <class Tile>
-void product(int64_t N, int64_t M, const float* bias, void* out, int64_t ldo, bool out_bf16,
-             Tile tile) {
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    float res[kTile];
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t t0 = 0; t0 < M; t0 += kTile) {
-        const int64_t tb = M - t0 < kTile ? M - t0 : kTile;
-        tile(n, t0, tb, res);
-        for (int64_t t = 0; t < tb; ++t) {
-          const float v = bias ? res[t] + bias[n] : res[t];
-          if (out_bf16)
-            static_cast<uint16_t*>(out)[(t0 + t) * ldo + n] = float_to_bf16(v);
-          else
-            static_cast<float*>(out)[(t0 + t) * ldo + n] = v;
-        }
-      }
-    }
-  });
-}
+// One segment of rows of one type, ready to multiply: tile(n, t0, tb, res) computes rows
+// t0 .. t0 + tb - 1 (tb <= kTile) against the segment's weight row n. Holds the activations
+// repacked for its type (blocks of 32), made once per call before the rows are split.
+struct Runner {
+  std::function<void(int64_t, int64_t, int64_t, float*)> tile;
+  std::shared_ptr<void> keep;
+};
 
 template <class T>
-void quant_product(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act, int64_t M,
-                   const float* bias, void* out, int64_t ldo, bool out_bf16) {
+bool quant_runner(const uint8_t* w, int64_t K, const uint8_t* act, int64_t M, Runner& r) {
+  if (K % T::kBlock) return false;
   const int64_t nb = K / T::kBlock, row_bytes = nb * T::kBytes;
-  const int64_t act_bytes = nb * static_cast<int64_t>(sizeof(typename T::Act));
-  product(N, M, bias, out, ldo, out_bf16, [&](int64_t n, int64_t t0, int64_t tb, float* res) {
+  int64_t act_bytes = nb * static_cast<int64_t>(sizeof(typename T::Act));
+  if constexpr (T::kRepack) {  // blocks of 32: activations repacked once per call
+    const int64_t steps = (nb + T::kUnit - 1) / T::kUnit;
+    auto repacked = std::make_shared<std::vector<typename T::Act>>(static_cast<size_t>(M * steps));
+    T::repack(act, M, nb, repacked->data());
+    act = reinterpret_cast<const uint8_t*>(repacked->data());
+    act_bytes = steps * static_cast<int64_t>(sizeof(typename T::Act));
+    r.keep = repacked;
+  }
+  r.tile = [=](int64_t n, int64_t t0, int64_t tb, float* res) {
     const uint8_t* row = w + n * row_bytes;
     const uint8_t* a = act + t0 * act_bytes;
     switch (tb) {
-#ifdef SELFSPEC_GGUF_VNNI
       case 8: quant_tile<T, 8>(row, a, act_bytes, nb, res); break;
       case 7: quant_tile<T, 7>(row, a, act_bytes, nb, res); break;
       case 6: quant_tile<T, 6>(row, a, act_bytes, nb, res); break;
       case 5: quant_tile<T, 5>(row, a, act_bytes, nb, res); break;
-#endif
       case 4: quant_tile<T, 4>(row, a, act_bytes, nb, res); break;
       case 3: quant_tile<T, 3>(row, a, act_bytes, nb, res); break;
       case 2: quant_tile<T, 2>(row, a, act_bytes, nb, res); break;
       default: quant_tile<T, 1>(row, a, act_bytes, nb, res); break;
     }
-  });
+  };
+  return true;
 }
 
 template <int64_t Type>
-void float_product(const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M,
-                   const float* bias, void* out, int64_t ldo, bool out_bf16) {
+bool float_runner(const uint8_t* w, int64_t K, const uint8_t* act, Runner& r) {
+  const float* x = reinterpret_cast<const float*>(act);
   const int64_t row_bytes = K * static_cast<int64_t>(sizeof(typename FloatRow<Type>::Elem));
-  product(N, M, bias, out, ldo, out_bf16, [&](int64_t n, int64_t t0, int64_t tb, float* res) {
+  r.tile = [=](int64_t n, int64_t t0, int64_t tb, float* res) {
     const uint8_t* row = w + n * row_bytes;
     const float* a = x + t0 * K;
     switch (tb) {
-#ifdef SELFSPEC_GGUF_VNNI
       case 8: float_tile<Type, 8>(row, a, K, res); break;
       case 7: float_tile<Type, 7>(row, a, K, res); break;
       case 6: float_tile<Type, 6>(row, a, K, res); break;
       case 5: float_tile<Type, 5>(row, a, K, res); break;
-#endif
       case 4: float_tile<Type, 4>(row, a, K, res); break;
       case 3: float_tile<Type, 3>(row, a, K, res); break;
       case 2: float_tile<Type, 2>(row, a, K, res); break;
       default: float_tile<Type, 1>(row, a, K, res); break;
     }
+  };
+  return true;
+}
+
+// The runner of a segment of type (ggml id) rows w with activations act, or false for an
+// unsupported type or a K that is not a multiple of its block.
+bool make_runner(int64_t type, const uint8_t* w, int64_t K, const void* act, int64_t M,
+                 Runner& r) {
+  const auto* a = static_cast<const uint8_t*>(act);
+  switch (type) {
+    case kQ4_0: return quant_runner<TypeQ4_0>(w, K, a, M, r);
+    case kQ4_1: return quant_runner<TypeQ4_1>(w, K, a, M, r);
+    case kQ5_0: return quant_runner<TypeQ5_0>(w, K, a, M, r);
+    case kQ5_1: return quant_runner<TypeQ5_1>(w, K, a, M, r);
+    case kQ8_0: return quant_runner<TypeQ8_0>(w, K, a, M, r);
+    case kQ2_K: return quant_runner<TypeQ2_K>(w, K, a, M, r);
+    case kQ3_K: return quant_runner<TypeQ3_K>(w, K, a, M, r);
+    case kQ4_K: return quant_runner<TypeQ4_K>(w, K, a, M, r);
+    case kQ5_K: return quant_runner<TypeQ5_K>(w, K, a, M, r);
+    case kQ6_K: return quant_runner<TypeQ6_K>(w, K, a, M, r);
+    case kF32: return float_runner<kF32>(w, K, a, r);
+    case kF16: return float_runner<kF16>(w, K, a, r);
+    case kBF16: return float_runner<kBF16>(w, K, a, r);
+    default: return false;
+  }
+}
+
+}  // namespace
+
+// A segment of a GgufMatrix (ctypes mirror in gguf_rows.py): rows weight rows of type (ggml
+// id), the products going to output columns col .. col + rows - 1, plus bias (fp32 [rows] or
+// null).
+struct SelfspecGgufSegment {
+  int64_t type;
+  const uint8_t* w;
+  int64_t rows;
+  const float* bias;
+  int64_t col;
+};
+
+namespace {
+
+// out[t * ldo + col_s + n] = segment s's row n . activation row t (+ bias) for every segment,
+// in one parallel region over all segments' rows (threads split the rows; tiles of up to kTile
+// activation rows per pass over a weight row). -1 (nothing written) where a segment's type or
+// K is refused.
+int64_t product(const SelfspecGgufSegment* segs, int64_t nseg, int64_t K,
+                const void* const* acts, int64_t M, void* out, int64_t ldo, bool out_bf16) {
+  std::vector<Runner> runners(static_cast<size_t>(nseg));
+  std::vector<int64_t> start(static_cast<size_t>(nseg + 1), 0);
+  for (int64_t s = 0; s < nseg; ++s) {
+    if (!make_runner(segs[s].type, segs[s].w, K, acts[s], M, runners[s])) return -1;
+    start[s + 1] = start[s] + segs[s].rows;
+  }
+  // Rows a thread takes at least: about 2^20 multiply-adds (some 30 us), so that a small
+  // product does not pay a wake-up of the other threads (on a loaded 2-core VM, 24 rows of
+  // K = 256 split in two cost 0.7 ms against 8 us in one thread).
+  const int64_t grain = std::max<int64_t>(16, (int64_t(1) << 20) / std::max<int64_t>(1, K * M));
+  at::parallel_for(0, start[nseg], grain, [&](int64_t begin, int64_t end) {
+    float res[kTile];
+    int64_t s = 0;
+    for (int64_t g = begin; g < end; ++g) {
+      while (g >= start[s + 1]) ++s;
+      const SelfspecGgufSegment& seg = segs[s];
+      const int64_t n = g - start[s];
+      for (int64_t t0 = 0; t0 < M; t0 += kTile) {
+        const int64_t tb = M - t0 < kTile ? M - t0 : kTile;
+        runners[s].tile(n, t0, tb, res);
+        for (int64_t t = 0; t < tb; ++t) {
+          const float v = seg.bias ? res[t] + seg.bias[n] : res[t];
+          const int64_t at = (t0 + t) * ldo + seg.col + n;
+          if (out_bf16) static_cast<uint16_t*>(out)[at] = float_to_bf16(v);
+          else static_cast<float*>(out)[at] = v;
+        }
+      }
+    }
   });
+  return 0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -476,7 +1145,8 @@ void float_product(const uint8_t* w, int64_t N, int64_t K, const float* x, int64
 inline float amax32(const float* x, int64_t n) {  // max |x| (order-free)
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 m = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + j), abs_mask));
+  for (int64_t j = 0; j < n; j += 8)
+    m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + j), abs_mask));
   __m128 q = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   q = _mm_max_ps(q, _mm_movehl_ps(q, q));
   q = _mm_max_ss(q, _mm_movehdup_ps(q));
@@ -514,7 +1184,8 @@ void quantize_q8_32(const float* x, int64_t K, uint8_t* out) {
     const float d = amax32(v, 32) / 127.f;
     const float id = d != 0.f ? 1.f / d : 0.f;
     __m256i i[4];
-    for (int j = 0; j < 4; ++j) i[j] = roundf8(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), _mm256_set1_ps(id)));
+    for (int j = 0; j < 4; ++j)
+      i[j] = roundf8(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), _mm256_set1_ps(id)));
     int8_t* qs = reinterpret_cast<int8_t*>(blk + qs_at);
     pack32(i, qs);
     const uint16_t dh = to_fp16(d);
@@ -625,22 +1296,17 @@ int64_t selfspec_gguf_quantize(int64_t fmt, const void* x, int64_t x_bf16, int64
 // an unsupported type or such a K.
 int64_t selfspec_gguf_rows(int64_t type, const uint8_t* w, int64_t N, int64_t K, const void* act,
                            int64_t M, const float* bias, void* out, int64_t ldo, int64_t out_bf16) {
-  const auto* a = static_cast<const uint8_t*>(act);
-  const bool ob = out_bf16 != 0;
-  switch (type) {
-    case kQ4_0: if (K % 32) return -1; quant_product<TypeQ4_0>(w, N, K, a, M, bias, out, ldo, ob); return 0;
-    case kQ4_1: if (K % 32) return -1; quant_product<TypeQ4_1>(w, N, K, a, M, bias, out, ldo, ob); return 0;
-    case kQ5_0: if (K % 32) return -1; quant_product<TypeQ5_0>(w, N, K, a, M, bias, out, ldo, ob); return 0;
-    case kQ5_1: if (K % 32) return -1; quant_product<TypeQ5_1>(w, N, K, a, M, bias, out, ldo, ob); return 0;
-    case kQ8_0: if (K % 32) return -1; quant_product<TypeQ8_0>(w, N, K, a, M, bias, out, ldo, ob); return 0;
-    case kQ4_K: if (K % 256) return -1; quant_product<TypeQ4_K>(w, N, K, a, M, bias, out, ldo, ob); return 0;
-    case kQ5_K: if (K % 256) return -1; quant_product<TypeQ5_K>(w, N, K, a, M, bias, out, ldo, ob); return 0;
-    case kQ6_K: if (K % 256) return -1; quant_product<TypeQ6_K>(w, N, K, a, M, bias, out, ldo, ob); return 0;
-    case kF32: float_product<kF32>(w, N, K, static_cast<const float*>(act), M, bias, out, ldo, ob); return 0;
-    case kF16: float_product<kF16>(w, N, K, static_cast<const float*>(act), M, bias, out, ldo, ob); return 0;
-    case kBF16: float_product<kBF16>(w, N, K, static_cast<const float*>(act), M, bias, out, ldo, ob); return 0;
-    default: return -1;
-  }
+  const SelfspecGgufSegment seg{type, w, N, bias, 0};
+  return product(&seg, 1, K, &act, M, out, ldo, out_bf16 != 0);
+}
+
+// The products of nseg segments (SelfspecGgufSegment) of one matrix of K inputs, segment s
+// against acts[s] (as selfspec_gguf_rows' act), into their columns of out ([M, ldo]), in one
+// parallel region. Returns 0, or -1 (nothing written) where a segment is refused.
+int64_t selfspec_gguf_rows_segments(const SelfspecGgufSegment* segs, int64_t nseg, int64_t K,
+                                    const void* const* acts, int64_t M, void* out, int64_t ldo,
+                                    int64_t out_bf16) {
+  return product(segs, nseg, K, acts, M, out, ldo, out_bf16 != 0);
 }
 
 }  // extern "C"
