@@ -106,23 +106,24 @@ def test_a_truncated_gguf_names_the_tensor_cut_off(tmp_path):
 
 
 def test_an_unsupported_block_type_names_the_tensor_and_its_type(tmp_path, monkeypatch):
-    """A Q3_K tensor (no kernel) is one error naming it, never a fallback to dense weights."""
+    """An IQ4_NL tensor (no kernel) is one error naming it, never a fallback to dense
+    weights."""
     T = gguf.GGMLQuantizationType
     model = tiny_model("llama", seed=0, dtype=torch.bfloat16, **SHAPE)
     layer = model.model.layers[0].mlp.down_proj
     n, k = layer.weight.shape
-    block, size = gguf.GGML_QUANT_SIZES[T.Q3_K]
+    block, size = gguf.GGML_QUANT_SIZES[T.IQ4_NL]
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
-    raw[..., -2:] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)  # d
+    raw[..., :2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)  # d
     raw = raw.reshape(n, -1)
     from selfspec.executor import gguf_quantize
 
     original = gguf_quantize.quantize_blocks
-    monkeypatch.setattr(gguf_quantize, "quantize_blocks",  # gguf-py has no Q3_K quantizer
-                        lambda w, qtype: raw if qtype == T.Q3_K else original(w, qtype))
-    path = write_tiny_gguf(model, tmp_path / "q3.gguf", {"down": T.Q3_K})
-    with pytest.raises(UnsupportedGgufTypeError, match=r"blk\.0\.ffn_down\.weight \(Q3_K\)"):
+    monkeypatch.setattr(gguf_quantize, "quantize_blocks",  # no IQ4_NL quantizer here
+                        lambda w, qtype: raw if qtype == T.IQ4_NL else original(w, qtype))
+    path = write_tiny_gguf(model, tmp_path / "iq4.gguf", {"down": T.IQ4_NL})
+    with pytest.raises(UnsupportedGgufTypeError, match=r"blk\.0\.ffn_down\.weight \(IQ4_NL\)"):
         SelfSpec(model, tiny_tokenizer(), "tiny", decode_kernel="gguf", gguf=path)
 
 
