@@ -30,7 +30,9 @@ one-row calls (w4a8 5.3-5.8), 16 rows 5.3-7.9 (w4a8 10-11.7).
 Layout: a :class:`GgufMatrix` is segments of rows (``[rows, row_bytes]`` uint8, each row
 ``K / block_size`` blocks, as stored in the GGUF) stacked along the outputs, each segment its
 own type (a fused q/k/v matrix may hold Q4_K q, k and Q6_K v); each segment's product goes into
-its column slice of one ``[M, N]`` output.
+its column slice of one ``[M, N]`` output. The same library holds the fused sub-layers
+(``kernels/fused_layers.h`` with its ``GgufProduct``), which take a matrix as
+:attr:`GgufMatrix.fused`.
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@
 // (BlockQ8_0/Q8_1/Q8_K below; both builds repack blocks of 32 per call: Act32, Q8Pair, QuadAct);
 // outputs written at out + t * ldo + n (fp32 or bf16), so a caller fills column slices of one
 // wider output.
+//
+// Fused sub-layers (fused_layers.h, selfspec_gguf_attention / selfspec_gguf_mlp): GgufProduct
+// runs a whole matrix (SelfspecGgufMatrix) on fp32 rows, quantized once per activation format.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <math.h>
