@@ -225,9 +225,9 @@ def fused_backend(layers: Sequence[LayerWeights], attention: Attention, dtype: t
                   device: torch.device, rope_dynamic: bool,
                   hidden_act: str | None) -> FusedLayers | None:
     """The decoder layers as fused sub-layer kernels when every projection decodes on one of
-    selfspec's kernels that have them (all w4a8, or all bf16) and the layers are ones they
-    take (CPU, bf16/fp32 hidden states and norms, SiLU MLP, RoPE from a table, even
-    ``head_dim``); else ``None``.
+    selfspec's kernels that have them (all w4a8, all bf16, or all GGUF blocks of one build) and
+    the layers are ones they take (CPU, bf16/fp32 hidden states and norms, SiLU MLP, RoPE from
+    a table, even ``head_dim``); else ``None``.
 
     Args:
         layers: the executor's layer weights (a draft view's quantized ones included).
@@ -252,7 +252,8 @@ def fused_backend(layers: Sequence[LayerWeights], attention: Attention, dtype: t
             w.mlp_norm.detach().contiguous(), w.mlp_norm_eps, copies[2], copies[3]))
     kernel = fused_layers.kernel_of([m for p in parts for m in (p.qkv, p.o, p.gate_up,
                                                                  p.down)])
-    if kernel is None or not fused_layers.fused_available(kernel):
+    isa = parts[0].qkv.isa if kernel == "gguf" else "auto"
+    if kernel is None or not fused_layers.fused_available(kernel, isa):
         return None
     return fused_layers.FusedLayers(parts, attention.num_heads, attention.num_kv_heads,
                                     attention.head_dim, float(attention.scaling), dtype)

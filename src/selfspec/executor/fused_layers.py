@@ -1,9 +1,10 @@
 """Whole decoder sub-layers in one kernel call each (``kernels/fused_layers.h``, built into
-``kernels/w4a8_rows.cpp`` and ``kernels/bf16_rows.cpp``: ``selfspec_<kernel>_attention``,
-``selfspec_<kernel>_mlp``), for executors whose every projection decodes on one of selfspec's
-own kernels: ``w4a8`` (``--dtype w4a8``, the ``draft_view("w4a8")`` that ``qspec`` drafts on)
-or ``bf16`` (bf16 models on CPUs that emulate bf16, where the layers' matrices are small enough
-for that kernel: SmolLM2-135M).
+``kernels/w4a8_rows.cpp``, ``kernels/bf16_rows.cpp`` and ``kernels/gguf_rows.cpp``:
+``selfspec_<kernel>_attention``, ``selfspec_<kernel>_mlp``), for executors whose every
+projection decodes on one of selfspec's own kernels: ``w4a8`` (``--dtype w4a8``, the
+``draft_view("w4a8")`` that ``qspec`` drafts on), ``bf16`` (bf16 models on CPUs that emulate
+bf16, where the layers' matrices are small enough for that kernel: SmolLM2-135M) or ``gguf``
+(``--dtype gguf``: the GGUF file's own blocks, one build per ISA).
 
 Why: with the products on these kernels, what is left of a decode step is some thirty small
 torch operators a layer (RMSNorm in fp32 and back, RoPE, the cache write, SDPA, SiLU, the
@@ -22,7 +23,8 @@ one for every non-bulk block that writes the cache (bulk blocks — prefill — 
 flash attention, shared by every method).
 
 Supports Llama/Qwen2 decoder layers with SiLU MLPs, bf16 or fp32 hidden states and KV cache,
-any head geometry the kernels take (w4a8: input sizes multiples of 32).
+any head geometry the kernels take (w4a8: input sizes multiples of 32; gguf: those of the
+blocks).
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec.executor import bf16_rows, w4a8
+from selfspec.executor import bf16_rows, gguf_rows, w4a8
 from selfspec.executor.bf16_rows import Bf16Weight
+from selfspec.executor.gguf_rows import GgufMatrix
 from selfspec.executor.w4a8 import W4A8Linear
 
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -74,7 +77,7 @@ class _MlpArgs(ctypes.Structure):
                 ("eps", ctypes.c_float)]
 
 
-Matrix = W4A8Linear | Bf16Weight
+Matrix = W4A8Linear | Bf16Weight | GgufMatrix
 
 
 def _matrix(m: Matrix) -> tuple[ctypes.Structure, int, int]:
@@ -82,16 +85,22 @@ def _matrix(m: Matrix) -> tuple[ctypes.Structure, int, int]:
     if isinstance(m, W4A8Linear):
         return (_Weight(m.codes_ptr, m.scale_ptr, m.low_ptr, m.bias_ptr, m.out_features,
                         m.in_features), m.out_features, m.in_features)
+    if isinstance(m, GgufMatrix):  # its struct lives (and keeps its segments) with it
+        return m.fused, m.out_features, m.in_features
     n, k = m.weight.shape
     return _Bf16Matrix(m.weight_ptr, m.bias_ptr, n, k), n, k
 
 
 def kernel_of(matrices: Sequence[object]) -> str | None:
-    """``"w4a8"`` or ``"bf16"`` when every matrix is that kernel's copy, else ``None``."""
+    """``"w4a8"``, ``"bf16"`` or ``"gguf"`` when every matrix is that kernel's copy (for
+    ``"gguf"``, of one ISA build), else ``None``."""
     if all(isinstance(m, W4A8Linear) for m in matrices):
         return "w4a8"
     if all(isinstance(m, Bf16Weight) for m in matrices):
         return "bf16"
+    if all(isinstance(m, GgufMatrix) for m in matrices) and len(
+            {m.isa for m in matrices}) == 1:
+        return "gguf"
     return None
 
 
@@ -104,7 +113,8 @@ class LayerParts:
         attn_eps / mlp_eps: their epsilons.
         qkv: ``[(Hq + 2 H_kv) head_dim, H]`` (q, k, v rows in that order), o ``[H, Hq head_dim]``,
             gate_up ``[2 I, H]`` (gate rows, then up rows), down ``[H, I]``: all w4a8 copies
-            (:class:`W4A8Linear`) or all bf16 ones (:class:`Bf16Weight`).
+            (:class:`W4A8Linear`), all bf16 ones (:class:`Bf16Weight`) or all GGUF blocks of
+            one ISA build (:class:`GgufMatrix`).
     """
 
     attn_norm: torch.Tensor
@@ -132,13 +142,16 @@ class KVSegment:
     rows: int
 
 
-def _library(kernel: str):
+def _library(kernel: str, isa: str = "auto"):
+    if kernel == "gguf":
+        return gguf_rows.gguf_library(isa)
     return (w4a8._library() if kernel == "w4a8" else bf16_rows._library()).library
 
 
-def fused_available(kernel: str = "w4a8") -> bool:
-    """Whether ``kernel``'s library (with its fused sub-layers) runs here."""
-    return _library(kernel) is not None
+def fused_available(kernel: str = "w4a8", isa: str = "auto") -> bool:
+    """Whether ``kernel``'s library (with its fused sub-layers) runs here; ``isa`` picks the
+    gguf build (``"auto"``, ``"avx2"``, ``"avx512"``)."""
+    return _library(kernel, isa) is not None
 
 
 class FusedLayers:
@@ -160,11 +173,11 @@ class FusedLayers:
         self._parts = list(layers)
         kernel = kernel_of([m for p in self._parts for m in (p.qkv, p.o, p.gate_up, p.down)])
         if kernel is None:
-            raise ValueError("fused layers need every matrix on the w4a8 or every one on the "
-                             "bf16 kernel")
+            raise ValueError("fused layers need every matrix on the w4a8, every one on the bf16 "
+                             "or every one on one build of the gguf kernel")
         if dtype not in _DTYPES:
             raise ValueError(f"fused layers take bf16 or fp32, not {dtype}")
-        lib = _library(kernel)
+        lib = _library(kernel, self._parts[0].qkv.isa if kernel == "gguf" else "auto")
         if lib is None:
             raise RuntimeError(f"the {kernel} kernel is not available here")
         self.kernel = kernel

@@ -9,7 +9,10 @@ backend seam (:class:`~selfspec.executor.backends.MatrixBackend`). Decoding, ver
 prefill all run on the blocks, activations quantized per block as llama.cpp quantizes them, and
 each row of a call is computed as it would be alone, so a verification block equals
 one-token decoding bit for bit and every lossless method stays exact relative to the GGUF
-model. Embeddings, norms and attention keep the model's dtype (bf16 hidden states and KV).
+model. Embeddings, norms and attention keep the model's dtype (bf16 hidden states and KV);
+decoding and verification blocks run on the fused sub-layers
+(:mod:`selfspec.executor.fused_layers`, ``selfspec_gguf_attention`` / ``_mlp``), fp32 between
+the products.
 
 A matrix of the model with no blocks is an error at attach time, never a silent fallback to
 the dense weights (:func:`gguf_copies`).

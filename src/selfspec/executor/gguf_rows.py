@@ -30,7 +30,9 @@ one-row calls (w4a8 5.3-5.8), 16 rows 5.3-7.9 (w4a8 10-11.7).
 Layout: a :class:`GgufMatrix` is segments of rows (``[rows, row_bytes]`` uint8, each row
 ``K / block_size`` blocks, as stored in the GGUF) stacked along the outputs, each segment its
 own type (a fused q/k/v matrix may hold Q4_K q, k and Q6_K v); each segment's product goes into
-its column slice of one ``[M, N]`` output.
+its column slice of one ``[M, N]`` output. The same library holds the fused sub-layers
+(``kernels/fused_layers.h`` with its ``GgufProduct``), which take a matrix as
+:attr:`GgufMatrix.fused`.
 """
 
 from __future__ import annotations
@@ -81,6 +83,14 @@ class _Segment(ctypes.Structure):
                 ("bias", ctypes.c_void_p), ("col", ctypes.c_int64)]
 
 
+class FusedMatrix(ctypes.Structure):
+    """``SelfspecGgufMatrix`` (``kernels/gguf_rows.cpp``): a whole :class:`GgufMatrix` as the
+    fused sub-layers (``selfspec_gguf_attention`` / ``_mlp``) take it."""
+
+    _fields_ = [("segments", ctypes.POINTER(_Segment)), ("num_segments", ctypes.c_int64),
+                ("k", ctypes.c_int64)]
+
+
 @dataclass(frozen=True)
 class _Lib:
     """One build's functions (``gguf_rows.cpp``'s ``extern "C"``), or why there is none."""
@@ -91,6 +101,7 @@ class _Lib:
     quantize: object | None = None
     act_row_bytes: object | None = None
     segments: object | None = None
+    library: ctypes.CDLL | None = None
 
 
 def _functions(library: ctypes.CDLL):
@@ -143,13 +154,19 @@ def _library(isa: str) -> _Lib:
                          extra_flags=_FLAGS[isa], cpu_flags=_CPU_FLAGS[isa])
     if kernel.library is None:
         return _Lib(isa, kernel.reason)
-    return _Lib(isa, "", *_functions(kernel.library))
+    return _Lib(isa, "", *_functions(kernel.library), kernel.library)
 
 
 def chosen_isa() -> str:
     """The build ``isa="auto"`` uses here: ``"avx512"`` where the CPU lists avx512f, avx512bw,
     avx512vl and avx512_vnni and that build loads, else ``"avx2"``."""
     return "avx512" if _library("avx512").rows is not None else "avx2"
+
+
+def gguf_library(isa: str = "auto") -> ctypes.CDLL | None:
+    """The loaded ``isa`` build (its fused sub-layers: ``selfspec_gguf_attention``,
+    ``selfspec_gguf_mlp``), or ``None`` where it cannot run here."""
+    return _library(_resolve(isa)).library
 
 
 def gguf_rows_available(isa: str = "auto") -> bool:
@@ -206,6 +223,10 @@ class GgufMatrix:
 
     Calls take ``[..., K]`` (bf16 or fp32; other dtypes go through fp32) and return
     ``[..., N]`` in ``x``'s dtype.
+
+    Attributes:
+        fused: the matrix as the fused sub-layers take it (:class:`FusedMatrix`, pointing into
+            this matrix's segments, which it keeps alive).
 
     Raises:
         UnsupportedGgufTypeError: a segment's type is not in :data:`GGUF_ROW_TYPES` (the
@@ -264,6 +285,8 @@ class GgufMatrix:
             col += seg.rows
         self._which = tuple(formats.index(_ACTIVATION[s.type]) for s in self.segments)
         self._acts_type = ctypes.c_void_p * len(self.segments)
+        self.fused = FusedMatrix(ctypes.cast(self._args, ctypes.POINTER(_Segment)),
+                                 len(self._args), k)
 
     @property
     def types(self) -> tuple[gguf.GGMLQuantizationType, ...]:

@@ -29,6 +29,9 @@
 // (BlockQ8_0/Q8_1/Q8_K below; both builds repack blocks of 32 per call: Act32, Q8Pair, QuadAct);
 // outputs written at out + t * ldo + n (fp32 or bf16), so a caller fills column slices of one
 // wider output.
+//
+// Fused sub-layers (fused_layers.h, selfspec_gguf_attention / selfspec_gguf_mlp): GgufProduct
+// runs a whole matrix (SelfspecGgufMatrix) on fp32 rows, quantized once per activation format.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <math.h>
@@ -42,6 +45,7 @@
 #include <vector>
 
 #include "common.h"
+#include "fused_layers.h"
 
 namespace {
 
@@ -1101,12 +1105,13 @@ struct SelfspecGgufSegment {
 
 namespace {
 
-// out[t * ldo + col_s + n] = segment s's row n . activation row t (+ bias) for every segment,
-// in one parallel region over all segments' rows (threads split the rows; tiles of up to kTile
-// activation rows per pass over a weight row). -1 (nothing written) where a segment's type or
+// emit(t, col_s + n, segment s's row n . activation row t (+ bias)) for every segment, in one
+// parallel region over all segments' rows (threads split the rows; tiles of up to kTile
+// activation rows per pass over a weight row). -1 (nothing emitted) where a segment's type or
 // K is refused.
-int64_t product(const SelfspecGgufSegment* segs, int64_t nseg, int64_t K,
-                const void* const* acts, int64_t M, void* out, int64_t ldo, bool out_bf16) {
+template <typename Emit>
+int64_t product_rows(const SelfspecGgufSegment* segs, int64_t nseg, int64_t K,
+                     const void* const* acts, int64_t M, Emit emit) {
   std::vector<Runner> runners(static_cast<size_t>(nseg));
   std::vector<int64_t> start(static_cast<size_t>(nseg + 1), 0);
   for (int64_t s = 0; s < nseg; ++s) {
@@ -1127,16 +1132,24 @@ int64_t product(const SelfspecGgufSegment* segs, int64_t nseg, int64_t K,
       for (int64_t t0 = 0; t0 < M; t0 += kTile) {
         const int64_t tb = M - t0 < kTile ? M - t0 : kTile;
         runners[s].tile(n, t0, tb, res);
-        for (int64_t t = 0; t < tb; ++t) {
-          const float v = seg.bias ? res[t] + seg.bias[n] : res[t];
-          const int64_t at = (t0 + t) * ldo + seg.col + n;
-          if (out_bf16) static_cast<uint16_t*>(out)[at] = float_to_bf16(v);
-          else static_cast<float*>(out)[at] = v;
-        }
+        for (int64_t t = 0; t < tb; ++t)
+          emit(t0 + t, seg.col + n, seg.bias ? res[t] + seg.bias[n] : res[t]);
       }
     }
   });
   return 0;
+}
+
+// out[t * ldo + col_s + n] (fp32, or bf16 where out_bf16) = product_rows' values.
+int64_t product(const SelfspecGgufSegment* segs, int64_t nseg, int64_t K,
+                const void* const* acts, int64_t M, void* out, int64_t ldo, bool out_bf16) {
+  if (out_bf16)
+    return product_rows(segs, nseg, K, acts, M, [&](int64_t t, int64_t n, float v) {
+      static_cast<uint16_t*>(out)[t * ldo + n] = float_to_bf16(v);
+    });
+  return product_rows(segs, nseg, K, acts, M, [&](int64_t t, int64_t n, float v) {
+    static_cast<float*>(out)[t * ldo + n] = v;
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1243,6 +1256,80 @@ int64_t act_row_bytes(int64_t fmt, int64_t K) {
   }
 }
 
+// The activation format a weight type's products take (kF32: the fp32 input itself), or -1.
+int64_t activation_format(int64_t type) {
+  switch (type) {
+    case kQ4_0: case kQ5_0: case kQ8_0: return kQ8_0;
+    case kQ4_1: case kQ5_1: return kQ8_1;
+    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: return kQ8_K;
+    case kF32: case kF16: case kBF16: return kF32;
+    default: return -1;
+  }
+}
+
+// x: [M, K] fp32 (x_bf16 = 0) or bf16 -> out: [M, row_bytes] blocks of fmt (row_bytes =
+// act_row_bytes(fmt, K), checked by the caller).
+void quantize_rows(int64_t fmt, const void* x, bool x_bf16, int64_t M, int64_t K,
+                   int64_t row_bytes, uint8_t* out) {
+  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(x_bf16 ? static_cast<size_t>(K) : 0);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* v;
+      if (x_bf16) {
+        const uint16_t* src = static_cast<const uint16_t*>(x) + t * K;
+        for (int64_t k = 0; k < K; ++k) row[k] = bf16_to_float(src[k]);
+        v = row.data();
+      } else {
+        v = static_cast<const float*>(x) + t * K;
+      }
+      uint8_t* dst = out + t * row_bytes;
+      if (fmt == kQ8_0) quantize_q8_32<false>(v, K, dst);
+      else if (fmt == kQ8_1) quantize_q8_32<true>(v, K, dst);
+      else quantize_q8_k(v, K, dst);
+    }
+  });
+}
+
+}  // namespace
+
+// A whole GgufMatrix as the fused sub-layers take it (ctypes mirror in gguf_rows.py): its
+// segments (each with its slice of the bias) stacked along the outputs, K inputs.
+struct SelfspecGgufMatrix {
+  const SelfspecGgufSegment* segments;
+  int64_t num_segments, k;
+};
+
+namespace {
+
+// The fused sub-layers' products (fused_layers.h) on a SelfspecGgufMatrix: the fp32 rows
+// quantized once per activation format its segments take, then all segments in one call, as
+// selfspec_gguf_rows_segments (each row as computed alone).
+struct GgufProduct {
+  template <typename Store>
+  static void run(const void* matrix, const float* x, int64_t T, Store store) {
+    const SelfspecGgufMatrix& m = *static_cast<const SelfspecGgufMatrix*>(matrix);
+    const int64_t K = m.k, nseg = m.num_segments;
+    std::vector<uint8_t> quantized[3];  // Q8_0, Q8_1, Q8_K
+    std::vector<const void*> acts(static_cast<size_t>(nseg));
+    for (int64_t s = 0; s < nseg; ++s) {
+      const int64_t fmt = activation_format(m.segments[s].type);
+      if (fmt == kF32) {
+        acts[s] = x;
+        continue;
+      }
+      std::vector<uint8_t>& buf = quantized[fmt == kQ8_0 ? 0 : fmt == kQ8_1 ? 1 : 2];
+      const int64_t row_bytes = act_row_bytes(fmt, K);
+      if (buf.empty() && T > 0 && row_bytes > 0) {
+        buf.resize(static_cast<size_t>(T * row_bytes));
+        quantize_rows(fmt, x, false, T, K, row_bytes, buf.data());
+      }
+      acts[s] = buf.data();
+    }
+    // GgufMatrix checked every segment's type and K, so no segment is refused here.
+    product_rows(m.segments, nseg, K, acts.data(), T, store);
+  }
+};
+
 }  // namespace
 
 extern "C" {
@@ -1269,23 +1356,7 @@ int64_t selfspec_gguf_quantize(int64_t fmt, const void* x, int64_t x_bf16, int64
                                uint8_t* out) {
   const int64_t row_bytes = act_row_bytes(fmt, K);
   if (row_bytes < 0) return -1;
-  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(x_bf16 ? static_cast<size_t>(K) : 0);
-    for (int64_t t = begin; t < end; ++t) {
-      const float* v;
-      if (x_bf16) {
-        const uint16_t* src = static_cast<const uint16_t*>(x) + t * K;
-        for (int64_t k = 0; k < K; ++k) row[k] = bf16_to_float(src[k]);
-        v = row.data();
-      } else {
-        v = static_cast<const float*>(x) + t * K;
-      }
-      uint8_t* dst = out + t * row_bytes;
-      if (fmt == kQ8_0) quantize_q8_32<false>(v, K, dst);
-      else if (fmt == kQ8_1) quantize_q8_32<true>(v, K, dst);
-      else quantize_q8_k(v, K, dst);
-    }
-  });
+  quantize_rows(fmt, x, x_bf16 != 0, M, K, row_bytes, out);
   return 0;
 }
 
@@ -1308,5 +1379,13 @@ int64_t selfspec_gguf_rows_segments(const SelfspecGgufSegment* segs, int64_t nse
                                     int64_t out_bf16) {
   return product(segs, nseg, K, acts, M, out, ldo, out_bf16 != 0);
 }
+
+// h_out = h_in + o(attention(RoPE(qkv(RMSNorm(h_in))))) on args->rows rows, appending their
+// keys and values to the segments' caches first (fused_layers.h); matrices are
+// SelfspecGgufMatrix.
+void selfspec_gguf_attention(const AttentionArgs* args) { attention<GgufProduct>(*args); }
+
+// h_out = h_in + down(SiLU(gate) * up), [gate, up] = gate_up(RMSNorm(h_in)).
+void selfspec_gguf_mlp(const MlpArgs* args) { mlp<GgufProduct>(*args); }
 
 }  // extern "C"
