@@ -315,12 +315,17 @@ def test_bf16_greedy_parity_with_bulk_fp32_prefill(prompts, bf16_engine):
         reason="FBGEMM's fp16 linear is x86-only")),
     pytest.param("bf16", marks=pytest.mark.skipif(
         not __import__("selfspec.executor.bf16_rows", fromlist=["x"]).bf16_rows_available(),
-        reason="selfspec's bf16 kernel needs x86 AVX2/FMA and a C++ compiler"))])
+        reason="selfspec's bf16 kernel needs x86 AVX2/FMA and a C++ compiler")),
+    pytest.param("gguf", marks=pytest.mark.skipif(
+        not __import__("selfspec.executor.gguf_rows", fromlist=["x"]).gguf_rows_available(),
+        reason="selfspec's GGUF kernels need x86 AVX2/FMA/F16C and a C++ compiler"))])
 def test_bf16_greedy_parity_on_row_kernels(prompts, kernel, bf16_engine):
-    """Every matrix on FBGEMM's fp16 kernel, or on selfspec's AVX2 bf16 kernel (the fast
+    """Every matrix on FBGEMM's fp16 kernel, on selfspec's AVX2 bf16 kernel (the fast
     verification paths on CPUs that emulate bf16, forced here on every x86 CPU that has
-    them): a 33-token verification block gives each position exactly its one-token logits,
-    and lossless methods give exactly `ar`'s greedy tokens."""
+    them), or on the blocks of the registry's GGUF file (``--dtype gguf``: the file is
+    fetched, mapped onto the layers and checked against the dense weights): a 33-token
+    verification block gives each position exactly its one-token logits, and lossless
+    methods give exactly `ar`'s greedy tokens on those weights."""
     engine = bf16_engine
     ex = engine.executor
     assert ex.set_bulk("auto", kernel).rows == kernel
