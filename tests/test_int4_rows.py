@@ -94,7 +94,7 @@ def test_dtype_4bit_is_bf16_weights_with_the_4bit_kernel(monkeypatch, kernel):
         loaded["dtype"] = dtype
         from types import SimpleNamespace
         return SimpleNamespace(model=tiny_model("llama", dtype=torch.bfloat16),
-                               tokenizer=tiny_tokenizer(), name="tiny")
+                               tokenizer=tiny_tokenizer(), name="tiny", gguf=None)
 
     monkeypatch.setattr("selfspec.models.loading.load_model", fake_load_model)
     engine = selfspec.load("tiny", dtype=kernel, show_progress=False)
@@ -132,11 +132,14 @@ def test_bench_runs_bf16_and_int4_rows_in_one_run(tmp_path):
     report = run_benchmark(engine, methods, prompts, options)
     by = {label: [r.output.token_ids for r in report.run.records if r.method == label]
           for label in report.run.methods}
-    # ngram on int4 is lossless against ar on int4 (not against bf16's ar).
+    # ngram on int4 is lossless against ar on int4 (not against bf16's ar), and the run has
+    # that row, so its parity is checked against it.
     assert by["ngram:decode_kernel=int4"] == by["ar:decode_kernel=int4"]
     assert engine.executor.formats.rows != "int4"  # switched back after each row
     assert report.run.lossless == {"ar": True, "ar:decode_kernel=int4": False,
-                                   "ngram:decode_kernel=int4": False}
+                                   "ngram:decode_kernel=int4": True}
+    assert all(s.parity == 1.0 for s in report.summaries
+               if s.method == "ngram:decode_kernel=int4")
     int4_bytes = report.info.roofline.method_bytes["ar:decode_kernel=int4"]
     assert int4_bytes < 0.4 * bf16_bytes == 0.4 * report.info.roofline.weight_bytes
 
