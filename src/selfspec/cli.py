@@ -420,9 +420,20 @@ def device_kernels(device) -> list[str]:
         lines.append(f"device: {device} ({device_name(device)})")
     families = [f for f in BACKEND_DEVICES if runs_on(f, device)]
     lines.append("decoding kernels: " + (
-        ", ".join(families) + " (selfspec's AVX2 bf16/w4a8, FBGEMM fp16, torch int4)"
-        if families else "the weights' own products (F.linear / cuBLAS): the CPU kernels "
-                         f"({', '.join(BACKEND_DEVICES)}) do not run on {device.type}"))
+        ", ".join(families) + " (selfspec's AVX2 bf16/w4a8, FBGEMM fp16, torch int4, "
+        "selfspec's GGUF blocks)" if families else
+        "the weights' own products (F.linear / cuBLAS): the CPU kernels "
+        f"({', '.join(BACKEND_DEVICES)}) do not run on {device.type}"))
+    if "gguf" in families:
+        from selfspec.executor.gguf_rows import (
+            chosen_isa,
+            gguf_rows_available,
+            gguf_rows_unavailable_reason,
+        )
+
+        lines.append("GGUF block kernels (--dtype gguf): " + (
+            f"the {chosen_isa()} build" if gguf_rows_available()
+            else f"unavailable ({gguf_rows_unavailable_reason()})"))
     drafts = draft_formats_on(device)
     lines.append("quantized draft formats (qspec, auto's qspec candidate): " + (
         ", ".join(drafts) if drafts else
