@@ -141,3 +141,19 @@ def test_a_local_gguf_file_is_a_model_source(tmp_path):
     (tmp_path / "m.bin").write_bytes(b"x")
     with pytest.raises(Exception, match=r"\.gguf file"):
         resolve(str(tmp_path / "m.bin"))
+
+
+def test_a_wrapped_model_takes_its_gguf_file(tmp_path):
+    """``from_pretrained_model(..., gguf=)``: the kernel is switched to the blocks on request,
+    and back."""
+    from selfspec.api import from_pretrained_model
+
+    model = tiny_model("qwen2", seed=0, dtype=torch.bfloat16, **SHAPE)
+    path = write_tiny_gguf(model, tmp_path / "w.gguf")
+    engine = from_pretrained_model(model, tiny_tokenizer(), "tiny", device="cpu", gguf=path)
+    dense = engine.generate("the cat the cat", max_new_tokens=8).token_ids
+    previous = engine.executor.set_decode_kernel("gguf")
+    assert engine.executor.gguf_weights.path == path
+    engine.generate("the cat the cat", max_new_tokens=8)
+    engine.executor.set_decode_kernel(previous)
+    assert engine.generate("the cat the cat", max_new_tokens=8).token_ids == dense

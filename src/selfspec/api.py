@@ -483,7 +483,8 @@ def gguf_source(loaded: Any, show_progress: bool = True) -> Path | Callable[[], 
 
 def from_pretrained_model(model: torch.nn.Module, tokenizer: Any, name: str = "model", *,
                           device: str | torch.device = "auto",
-                          cuda_graphs: str = "auto") -> SelfSpec:
+                          cuda_graphs: str = "auto",
+                          gguf: str | os.PathLike | None = None) -> SelfSpec:
     """Wrap an already loaded HF model and tokenizer (no provisioning).
 
     Args:
@@ -491,6 +492,9 @@ def from_pretrained_model(model: torch.nn.Module, tokenizer: Any, name: str = "m
             elsewhere is moved there in place (``model.to(device)``) after a check that it
             fits.
         cuda_graphs: as :func:`load`'s.
+        gguf: the GGUF file the model was loaded from (``from_pretrained(..., gguf_file=)``),
+            for ``executor.set_decode_kernel("gguf")``: decoding on its own blocks, which
+            are checked against the model's weights at that call.
 
     Raises:
         InvalidArgumentError: no tokenizer; a bad ``device`` or ``cuda_graphs``; a model that
@@ -502,4 +506,4 @@ def from_pretrained_model(model: torch.nn.Module, tokenizer: Any, name: str = "m
 
     target = check_device(device)
     check_cuda_graphs(cuda_graphs)
-    return SelfSpec(model, tokenizer, name, device=target, cuda_graphs=cuda_graphs)
+    return SelfSpec(model, tokenizer, name, device=target, cuda_graphs=cuda_graphs, gguf=gguf)
