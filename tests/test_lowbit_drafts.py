@@ -132,3 +132,15 @@ def test_qspec_on_low_bit_blocks_of_a_gguf_model_keeps_ars_greedy_tokens(tmp_pat
     draft = sum(m.decode_bytes for w in view.layer_weights for m in w.matrices)
     assert draft < own
     assert view.fused_layers() is not None
+
+
+def test_a_low_bit_views_latency_key_names_the_format_and_the_gguf_kernel(monkeypatch):
+    from selfspec.executor import LayerExecutor, cost_model, native
+
+    ex = LayerExecutor(tiny_model("llama", seed=4, **SHAPE))
+    keys = {fmt: cost_model.machine_key(ex.draft_view(fmt)) for fmt in ("q3_k", "q2_k")}
+    for fmt, key in keys.items():
+        assert f"-draft{fmt}-{native.source_digest(gguf_rows.SOURCE)}-" in key
+    assert len({*keys.values(), cost_model.machine_key(ex)}) == 3
+    monkeypatch.setattr(native, "source_digest", lambda name: "0" * 8)
+    assert cost_model.machine_key(ex.draft_view("q3_k")) != keys["q3_k"]

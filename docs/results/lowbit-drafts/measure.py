@@ -1,6 +1,7 @@
 """ar vs qspec on GGUF 3-/2-bit draft copies (draft_weights=q3_k / q2_k), Qwen2.5-Coder-1.5B
 decoding on its GGUF file's blocks (--dtype gguf), two HumanEval prompts, 64 tokens, greedy."""
 import json
+import sys
 import time
 
 import torch
@@ -14,7 +15,7 @@ ex = engine.executor
 print(f"loaded in {time.time() - t0:.0f}s, threads {torch.get_num_threads()}, "
       f"model types {ex.gguf_weights.types()}", flush=True)
 own = sum(m.decode_bytes for w in ex.layer_weights for m in w.matrices) + ex.output_weights.decode_bytes
-for fmt in ("q3_k", "q2_k", "w4a8"):
+for fmt in ("q3_k", "q2_k", "w4a8"):  # built here to time it
     t = time.time()
     v = ex.draft_view(fmt)
     b = sum(m.decode_bytes for w in v.layer_weights for m in w.matrices) + v.output_weights.decode_bytes
@@ -23,6 +24,8 @@ for fmt in ("q3_k", "q2_k", "w4a8"):
 prompts = load_prompts("humaneval", 2)
 runs = [("ar", {}), ("qspec", {"draft_weights": "q3_k"}), ("qspec", {"draft_weights": "q2_k"}),
         ("qspec", {"draft_weights": "w4a8"})]
+if len(sys.argv) > 2 and sys.argv[2] == "short":  # shorter drafts too
+    runs += [("qspec", {"draft_weights": f, "max_draft_len": 4}) for f in ("q3_k", "q2_k")]
 engine.generate(prompts[0].text, method="ar", max_new_tokens=8)  # warm-up
 rows = []
 for p in prompts:
@@ -32,7 +35,7 @@ for p in prompts:
         r = engine.generate(p.text, method=method, max_new_tokens=64, **opts)
         s = r.stats
         ref = ref or r.token_ids
-        row = dict(prompt=p.id, method=method + (":" + opts["draft_weights"] if opts else ""),
+        row = dict(prompt=p.id, method=method + "".join(f":{k}={v}" for k, v in opts.items()),
                    tok_s=round(s.tokens_per_s, 2), new=s.new_tokens, drafted=s.drafted,
                    accepted=s.accepted,
                    acceptance=round(s.accepted / s.drafted, 3) if s.drafted else None,
@@ -40,4 +43,4 @@ for p in prompts:
                    same_as_ar=r.token_ids == ref)
         rows.append(row)
         print(json.dumps(row), flush=True)
-json.dump(rows, open("docs/results/lowbit-drafts/results.json", "w"), indent=1)
+json.dump(rows, open(sys.argv[1] if len(sys.argv) > 1 else "results.json", "w"), indent=1)

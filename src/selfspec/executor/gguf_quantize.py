@@ -41,6 +41,7 @@ from selfspec.errors import UnsupportedGgufTypeError
 
 _T = gguf.GGMLQuantizationType
 QK_K = 256
+_CHUNK = 512  # super-blocks quantized at a time
 
 
 def quantize_blocks(weight: torch.Tensor | np.ndarray, qtype: gguf.GGMLQuantizationType
@@ -71,7 +72,12 @@ def quantize_blocks(weight: torch.Tensor | np.ndarray, qtype: gguf.GGMLQuantizat
         raise InvalidArgumentError(
             f"{qtype.name} needs the input size ({k}) to be a multiple of {block}")
     if qtype in _OWN:
-        blocks = _OWN[qtype](w.reshape(-1, QK_K))
+        # In chunks of _CHUNK blocks: temporaries that stay in cache (a 1.5B model's lm_head
+        # at once would hold several GB of them; chunks are ~1.5x faster too).
+        flat = w.reshape(-1, QK_K)
+        blocks = np.concatenate([_OWN[qtype](flat[i:i + _CHUNK])
+                                 for i in range(0, len(flat), _CHUNK)] or
+                                [np.zeros((0, size), dtype=np.uint8)])
     elif qtype in _GGUF_PY:
         blocks = np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8)
     else:
