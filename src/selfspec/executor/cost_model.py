@@ -206,6 +206,8 @@ def machine_key(executor: Executor) -> str:
         kernel += f"-draft{draft}"
         if draft == "w4a8":
             kernel += f"-{native.source_digest(w4a8.SOURCE)}"
+        elif draft in ("q3_k", "q2_k"):  # GGUF blocks: the gguf kernels' version counts
+            kernel += f"-{native.source_digest('gguf_rows.cpp')}"
     device = torch.device(getattr(executor, "device", "cpu"))
     if device.type != "cpu":  # a GPU's timings: its name, never mixed with a CPU's
         graphs = "-graphs" if getattr(executor, "graphs", None) is not None else ""

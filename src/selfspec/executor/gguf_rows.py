@@ -336,6 +336,22 @@ class GgufMatrix:
         return out if out.dtype == dtype else out.to(dtype)
 
 
+
+class GgufDraftLinear(GgufMatrix):
+    """A :class:`GgufMatrix` as a draft view's matrix (``qspec``'s ``q3_k``/``q2_k`` copies,
+    :func:`selfspec.executor.quant.gguf_draft_linear`): called ``m(x, bulk=False)`` (every
+    call on the blocks) with :attr:`decode_bytes`; a ``GgufMatrix`` still, so a draft view of
+    them runs on the fused GGUF sub-layers."""
+
+    @property
+    def decode_bytes(self) -> int:
+        """Bytes of weight one call reads (:attr:`nbytes`)."""
+        return self.nbytes
+
+    def __call__(self, x: torch.Tensor, bulk: bool = False) -> torch.Tensor:
+        return super().__call__(x)
+
+
 ACTIVATION_FORMATS = (_T.Q8_0, _T.Q8_1, _T.Q8_K)
 
 

@@ -2,7 +2,7 @@
 self-speculation: the draft runs the same layers on low-precision weights and the full-
 precision model verifies, so the output stays exactly the full model's).
 
-Three formats:
+Five formats:
 
 - ``int8``: int8 weights (symmetric, one scale per output channel) with activations
   quantized per call (one scale per block, 7-bit as FBGEMM requires without VNNI): FBGEMM's
@@ -13,6 +13,13 @@ Three formats:
 - ``w4a8``: 4-bit weights (asymmetric: a scale and a minimum per block of 32) and 8-bit
   activations per block of 32 (llama.cpp's Q4_1 × Q8_0): selfspec's AVX2 kernel
   (:mod:`selfspec.executor.w4a8`), compiled at first use; 0.625 bytes a weight (fp16 scales and minima).
+- ``q3_k`` and ``q2_k``: GGUF's 3- and 2-bit K-quant blocks (Q3_K: 3.4375 bits a weight,
+  Q2_K: 2.625), quantized by :func:`selfspec.executor.gguf_quantize.quantize_blocks` and
+  multiplied by the GGUF rows kernel (:class:`~selfspec.executor.gguf_rows.GgufMatrix`, 8-bit
+  activations per block of 256), so a model that itself decodes on 4-bit GGUF blocks
+  (``--dtype gguf``, Q4_K ~4.5 bits) has a draft that reads fewer bytes than itself. Input
+  sizes must be multiples of 256 (the K-quant super-block). Not among ``auto``'s candidates
+  (:data:`AUTO_DRAFT_FORMATS`): their acceptance is lower, which one-row timing does not see.
 
 Which is faster depends on the CPU, so the default (``auto``) measures it
 (:func:`fastest_format`). On the 2-core AVX2 EPYC (torch 2.13.0, 2 threads) one forward of
@@ -40,7 +47,14 @@ from selfspec.errors import InvalidArgumentError
 if TYPE_CHECKING:
     from selfspec.executor.w4a8 import W4A8Linear
 
-DRAFT_WEIGHT_FORMATS = ("int8", "int4", "w4a8")
+DRAFT_WEIGHT_FORMATS = ("int8", "int4", "w4a8", "q3_k", "q2_k")
+#: The formats ``draft_weights=auto`` times (:func:`fastest_format`): the 8- and 4-bit ones. The
+#: GGUF 3- and 2-bit blocks would often win on time alone while accepting fewer drafts, so they
+#: are chosen by name only.
+AUTO_DRAFT_FORMATS = ("int8", "int4", "w4a8")
+#: The GGUF block type of each low-bit draft format.
+GGUF_DRAFT_TYPES = {"q3_k": "Q3_K", "q2_k": "Q2_K"}
+GGUF_DRAFT_BLOCK = 256  # inputs per K-quant super-block
 # What a --draft-weights option accepts: a format, or "auto" = the one whose one-row products
 # are fastest on this machine (:func:`fastest_format`).
 DRAFT_WEIGHT_CHOICES = ("auto", *DRAFT_WEIGHT_FORMATS)
@@ -51,13 +65,15 @@ INT4_GROUP = 32  # group 64 already changed SmolLM2's first greedy token (int4_p
 #: ``quantize_per_channel`` failed with ``RuntimeError: Unsupported qscheme:
 #: per_channel_affine``.
 DRAFT_FORMAT_DEVICES: dict[str, tuple[str, ...]] = {"int8": ("cpu",), "int4": ("cpu",),
-                                                    "w4a8": ("cpu",)}
+                                                    "w4a8": ("cpu",), "q3_k": ("cpu",),
+                                                    "q2_k": ("cpu",)}
 
 
-def draft_formats_on(device: torch.device | str) -> list[str]:
-    """The draft formats whose kernel runs on ``device`` in this build."""
+def draft_formats_on(device: torch.device | str,
+                     formats: Sequence[str] = DRAFT_WEIGHT_FORMATS) -> list[str]:
+    """The draft formats (of ``formats``) whose kernel runs on ``device`` in this build."""
     kind = torch.device(device).type
-    return [f for f in DRAFT_WEIGHT_FORMATS
+    return [f for f in formats
             if kind in DRAFT_FORMAT_DEVICES.get(f, ()) and quantized_kernels_available(f)]
 
 
@@ -75,6 +91,10 @@ def quantized_kernels_available(fmt: str, device: torch.device | str = "cpu") ->
         from selfspec.executor.w4a8 import w4a8_available
 
         return w4a8_available()
+    if fmt in GGUF_DRAFT_TYPES:
+        from selfspec.executor.gguf_rows import gguf_rows_available
+
+        return gguf_rows_available()
     return False
 
 
@@ -112,7 +132,7 @@ def fastest_format(weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
     Raises:
         InvalidArgumentError: no format has a kernel in this torch build or on ``device``.
     """
-    formats = draft_formats_on(device)
+    formats = draft_formats_on(device, AUTO_DRAFT_FORMATS)
     if not formats and torch.device(device).type != "cpu":
         raise InvalidArgumentError(
             f"no quantized draft format runs on {torch.device(device).type} (int8, int4 and "
@@ -155,8 +175,9 @@ def check_draft_weights(fmt: object, device: torch.device | str = "cpu") -> str:
             "draft on the model's own weights (drop draft_weights)")
     if not quantized_kernels_available(str(fmt)):
         raise InvalidArgumentError(
-            f"this torch build has no {fmt} kernel (int8 needs FBGEMM, in x86 CPU wheels); "
-            f"choose another --draft-weights format")
+            f"this torch build has no {fmt} kernel (int8 needs FBGEMM, in x86 CPU wheels; "
+            "q3_k/q2_k the GGUF rows kernel: x86 with AVX2/FMA/F16C and a C++ compiler); "
+            "choose another --draft-weights format")
     return str(fmt)
 
 
@@ -272,14 +293,39 @@ def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor)
     return (codes.reshape(n, groups, -1).float() * scale[..., None] + low[..., None]).reshape(n, k)
 
 
+def gguf_draft_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str):
+    """``weight`` (``[N, K]``) as a GGUF matrix of ``fmt``'s block type (``q3_k``: Q3_K,
+    ``q2_k``: Q2_K), callable as the draft views call their matrices.
+
+    Raises:
+        InvalidArgumentError: ``K`` is not a multiple of 256.
+        RuntimeError: the GGUF rows kernel is not available here.
+    """
+    import gguf
+
+    from selfspec.executor.gguf_quantize import quantize_blocks
+    from selfspec.executor.gguf_rows import GgufDraftLinear, GgufSegment
+
+    k = weight.shape[-1]
+    if weight.dim() != 2 or k % GGUF_DRAFT_BLOCK:
+        raise InvalidArgumentError(
+            f"{fmt} draft weights need every input size to be a multiple of "
+            f"{GGUF_DRAFT_BLOCK} (GGUF K-quant blocks); this model has a linear of input size "
+            f"{k}: choose int8, int4 or w4a8")
+    qtype = gguf.GGMLQuantizationType[GGUF_DRAFT_TYPES[fmt]]
+    return GgufDraftLinear([GgufSegment(qtype, quantize_blocks(weight, qtype))], k, bias)
+
+
 def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None,
                     fmt: str) -> Int8DynamicLinear | Int4Linear | W4A8Linear:
     """A quantized copy of one linear layer in ``fmt`` (:data:`DRAFT_WEIGHT_FORMATS`).
 
     Raises:
-        InvalidArgumentError: an unknown format, or int4 on an input size not a multiple of
-            the group.
+        InvalidArgumentError: an unknown format, int4 on an input size not a multiple of
+            the group, or q3_k/q2_k on one not a multiple of 256.
     """
+    if fmt in GGUF_DRAFT_TYPES:
+        return gguf_draft_linear(weight, bias, fmt)
     if fmt == "int8":
         return Int8DynamicLinear(weight, bias)
     if fmt == "int4":

@@ -75,8 +75,8 @@ class Options(DraftWeightsOptions):
                                    "the n-gram drafter from its acceptance per kind of match "
                                    "(false: from fixed priors every generation)")
     draft_weights: str = draft_weights_option(
-        "auto", "weight format of the qspec drafter's copy (int8, int4, w4a8; auto: the "
-        "fastest here, measured at load)")
+        "auto", "weight format of the qspec drafter's copy (int8, int4, w4a8, q3_k, q2_k; "
+        "auto: the fastest of int8/int4/w4a8 here, measured at load)")
     history: bool = option(True, "n-gram drafts also from this engine's earlier prompts and "
                            "outputs")
     draft_stop: str = option("tpt", "where a model drafter's draft ends: tpt (token by token, "
