@@ -129,30 +129,6 @@ def test_causal_prefill_equals_the_masked_path():
     torch.testing.assert_close(whole, torch.cat([first, rest], 1), rtol=1e-5, atol=1e-5)
 
 
-class _Engine:
-    """What batched generation needs of an engine."""
-
-    def __init__(self, model, bulk):
-        self.model = model
-        self.executor = LayerExecutor(model, bulk=bulk)
-
-
-def test_batched_generation_runs_on_a_bulk_format_copy_when_memory_allows(monkeypatch):
-    from selfspec.training import onpolicy
-
-    model = tiny_model("llama", dtype=torch.bfloat16)
-    engine = _Engine(model, "fp32")
-    copy = onpolicy.generation_model(engine)
-    assert copy is not model and next(copy.parameters()).dtype == torch.float32
-    assert next(model.parameters()).dtype == torch.bfloat16  # the engine's model is untouched
-    assert copy.lm_head.weight.data_ptr() != model.lm_head.weight.data_ptr()
-    monkeypatch.setattr(onpolicy, "available_memory_bytes", lambda: 1000)
-    assert onpolicy.generation_model(engine) is model  # no room for a copy
-    assert onpolicy.generation_model(_Engine(tiny_model("llama"), "auto")) is not None
-    fp32 = tiny_model("llama")
-    assert onpolicy.generation_model(_Engine(fp32, "auto")) is fp32
-
-
 def test_bench_cpu_measures_before_and_after_under_both_kernel_sets(tmp_path, capsys):
     """`selfspec bench-cpu --isa native,avx2` end to end on a tiny bf16 model: one table with
     both kernel sets, before/after rows and ratios, and a JSON report per kernel set."""

@@ -586,20 +586,23 @@ def test_probe_roundtrips_through_a_head_file(executor, tmp_path):
         loaded.probe_at(5)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_batched_onpolicy_generation_is_each_prompts_greedy_answer(arch):
-    """Left-padded batched generation gives every prompt its own greedy continuation (fp32),
-    cut after EOS; a prompt that cannot make EOS runs to the length cap."""
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("qwen2", torch.float32),
+                                        ("llama", torch.bfloat16)])
+def test_batched_onpolicy_generation_is_each_prompts_greedy_answer(arch, dtype):
+    """Batched on-policy generation gives every prompt of a ragged batch its own greedy
+    continuation, cut after EOS; a prompt that cannot make EOS runs to the length cap."""
     from selfspec.training.onpolicy import generate_greedy_batch
 
-    engine = from_pretrained_model(tiny_model(arch, seed=5), tiny_tokenizer(), name="tiny")
-    prompts = [engine.encode(t) for t in ("def f(x):", "a", "Hello, world! Print it.")]
+    engine = from_pretrained_model(tiny_model(arch, seed=5, dtype=dtype), tiny_tokenizer(),
+                                   name="tiny")
+    prompts = [engine.encode(t) for t in ("def f(x):", "a", "Hello, world! Print it.",
+                                          "x = [1, 2, 3]\nfor i in x:\n    print(i * 2)\n")]
     eos = max(engine.eos_token_ids)
-    outputs = generate_greedy_batch(engine, prompts, max_new_tokens=12)
+    outputs = generate_greedy_batch(engine, prompts, max_new_tokens=24)
     for ids, new in zip(prompts, outputs, strict=True):
-        ref = engine.generate(ids, max_new_tokens=12).token_ids
+        ref = engine.generate(ids, max_new_tokens=24).token_ids
         assert new == ref
-        assert len(new) == 12 or new[-1] == eos
+        assert len(new) == 24 or new[-1] == eos
 
 
 def test_loaded_heads_do_not_change_when_their_file_is_rewritten_in_place(

@@ -286,3 +286,7 @@ def test_llamacpp_runs_the_default_models_own_gguf() -> None:
     out = runner.run(EncodedPrompt("fib", ids), RunSettings(max_new_tokens=12))
     assert len(out.token_ids) == len(ours) or out.finish_reason == "eos"
     assert out.token_ids[:3] == ours[:3]
+    # Teacher-forced on its own greedy output, llama.cpp picks every token again (its forced
+    # tokens go one at a time, as its decoding runs them): the bench's forced agreement.
+    assert runner.forced_choices(ids, out.token_ids) == out.token_ids
+    assert runner.forced_choices(ids, []) == []

@@ -42,6 +42,10 @@ class PromptRecord:
         peak_rss_mib: the process's peak resident memory during this generation in MiB
             (:mod:`selfspec.bench.memory`; None where it cannot be measured).
         peak_gpu_mib: peak GPU memory torch allocated during it in MiB (None off CUDA).
+        forced_matches / forced_tokens: of ``ar``'s ``forced_tokens`` greedy tokens for this
+            prompt, how many this row's model picks given ``ar``'s earlier tokens (teacher
+            forcing, :mod:`selfspec.bench.agreement`); None unless the row is another model
+            than ``ar`` (another decoding kernel, llama.cpp) in a greedy run.
     """
 
     method: str
@@ -52,6 +56,8 @@ class PromptRecord:
     correct: bool | None = None
     peak_rss_mib: float | None = None
     peak_gpu_mib: float | None = None
+    forced_matches: int | None = None
+    forced_tokens: int | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -203,7 +209,42 @@ def run_bench(runners: Sequence[Runner], prompts: Sequence[EncodedPrompt], setti
                     progress(ProgressEvent("run", label, prompt.id, outputs is None))
     order = {label: i for i, label in enumerate(labels)}
     result.records.sort(key=lambda r: (r.prompt_index, order.get(r.method, len(order))))
+    if settings.temperature == 0:
+        force_references(result, [r for r in alive if r.config.label not in result.failures],
+                         prompts)
     return result
+
+
+def force_references(result: BenchRun, runners: Sequence[Runner],
+                     prompts: Sequence[EncodedPrompt]) -> None:
+    """Fill in :attr:`PromptRecord.forced_matches` / ``forced_tokens`` of the records of each runner that
+    measures it (``forced_choices``; rows whose reference is ``ar`` but that run another
+    model: another decoding kernel, llama.cpp), after all timed generations. Records that
+    already have it (an earlier process of the run) are kept. A runner that raises here
+    keeps ``None`` (logged): agreement is a figure of the run, not a reason to fail it."""
+    labels = [r.config.label for r in runners]
+    by_id = {p.id: p for p in prompts}
+    ar_tokens = {r.prompt_id: r.output.token_ids for r in result.records if r.method == "ar"}
+    for runner in runners:
+        force = getattr(runner, "forced_choices", None)
+        label = runner.config.label
+        if force is None or reference_label(label, labels + ["ar"]) != "ar" or label == "ar":
+            continue
+        for record in result.records:
+            reference = ar_tokens.get(record.prompt_id)
+            if (record.method != label or record.forced_tokens is not None or not reference
+                    or record.prompt_id not in by_id):
+                continue
+            try:
+                choices = force(list(by_id[record.prompt_id].ids), list(reference))
+            except Exception as err:  # noqa: BLE001 - a missing figure, not a failed row
+                logger.warning("teacher-forced agreement of %s failed: %s", label,
+                               _describe(err))
+                break
+            if choices is None:
+                break
+            record.forced_matches = sum(a == b for a, b in zip(choices, reference))
+            record.forced_tokens = len(reference)
 
 
 def _fail(result: BenchRun, sink: RecordSink | None, runner: Runner, err: Exception,

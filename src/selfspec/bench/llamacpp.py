@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import torch
 
 from selfspec.api import SelfSpec
@@ -230,6 +231,35 @@ class LlamaCppRunner:
             raise InvalidArgumentError(
                 f"{self.path} has a vocabulary of {vocab} tokens, the model's tokenizer "
                 f"{len(self.engine.tokenizer)}: it is not this model's GGUF")
+
+    def forced_choices(self, prompt_ids: list[int], tokens: list[int]) -> list[int] | None:
+        """llama.cpp's greedy choice at each position of ``tokens`` given the prompt and the
+        tokens before it: the prompt evaluated as ``generate`` evaluates it, then ``tokens``
+        one at a time (as decoding runs them: llama.cpp's batched evaluation may round
+        otherwise). ``None`` for prompt lookup (the same model as ``llamacpp-ar``)."""
+        if self.config.name != "llamacpp-ar" or not tokens:
+            return None if tokens else []
+        need = len(prompt_ids) + len(tokens) + 8
+        if need > self.n_ctx:
+            self._load(n_ctx=max(need, 2 * self.n_ctx))
+        llama_cpp = load_binding()
+        llm = self.llm
+        vocab = llm.n_vocab()
+
+        def last_choice() -> int:
+            # Without logits_all, llama-cpp-python keeps no scores: read the context's
+            # logits of the last evaluated token.
+            row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+            return int(np.argmax(np.ctypeslib.as_array(row, shape=(vocab,))))
+
+        llm.reset()
+        llm.eval(list(prompt_ids))
+        choices = [last_choice()]
+        for token in tokens[:-1]:
+            llm.eval([int(token)])
+            choices.append(last_choice())
+        llm.reset()
+        return choices
 
     def run_batch(self, prompts: list[EncodedPrompt], settings: RunSettings) -> list[RunOutput]:
         """One prompt after another (llama-cpp-python's ``generate`` is one sequence)."""

@@ -18,6 +18,10 @@ Definitions (docs/design.md "Glossary"):
 - ``ar_prefix``: mean over prompts of the share of ``ar``'s greedy output reproduced before
   the first differing token (1 for a lossless method; for a lossy one, how long it follows
   the full model).
+- ``forced_agreement``: teacher-forced greedy agreement with ``ar``, pooled over prompts: the
+  share of ``ar``'s tokens the row's model picks given ``ar``'s earlier tokens
+  (:mod:`selfspec.bench.agreement`; rows that run another model: another decoding kernel,
+  llama.cpp).
 - ``mean_exit_layer``: mean layer at which exit-layer predictions were made (draft tokens,
   or every token of a lossy early exit; DSSD Table 1's "avg. exit layer").
 - ``draft_rate``: draft tokens per generated token (AdaDecode's early-prediction rate:
@@ -128,6 +132,7 @@ class MethodSummary:
     layer_forwards_per_token: float | None = None
     parity: float | None = None
     ar_prefix: float | None = None
+    forced_agreement: float | None = None
     mean_exit_layer: float | None = None
     draft_rate: float | None = None
     mean_layer_batch: float | None = None
@@ -241,6 +246,10 @@ def _summarize_one(method: str, lossless: bool, records: list[PromptRecord],
     s.parity = sum(flags) / len(flags) if flags else None
     shares = [prefix[(method, r.prompt_id)] for r in records if (method, r.prompt_id) in prefix]
     s.ar_prefix = sum(shares) / len(shares) if shares else None
+    forced = [r for r in records if r.forced_tokens]
+    if forced:
+        s.forced_agreement = (sum(r.forced_matches or 0 for r in forced)
+                              / sum(r.forced_tokens or 0 for r in forced))
     exit_tokens = _sum_known(o.exit_tokens for o in outs)
     exit_total = _sum_known(o.exit_layer_total for o in outs)
     if exit_tokens and exit_total is not None:

@@ -179,6 +179,7 @@ def record_json(record: PromptRecord, matches_ar: bool | None) -> dict[str, Any]
         "exit_tokens": o.exit_tokens, "exit_layer_total": o.exit_layer_total,
         "matches_ar": matches_ar, "correct": record.correct,
         "peak_rss_mib": record.peak_rss_mib, "peak_gpu_mib": record.peak_gpu_mib,
+        "forced_matches": record.forced_matches, "forced_tokens": record.forced_tokens,
         "plans": [dataclasses.asdict(p) for p in o.plans], "layer_batches": o.layer_batches,
         "exit_counts": o.exit_counts, "predictor_ms": o.predictor_ms, "kv_ms": o.kv_ms,
         "drafter_steps": o.drafter_steps, "token_ids": o.token_ids, "text": o.text,
@@ -207,7 +208,8 @@ def record_from_json(data: dict[str, Any]) -> PromptRecord:
         drafter_steps={str(k): int(v) for k, v in data.get("drafter_steps", {}).items()})
     return PromptRecord(data["method"], data["question_id"], data["prompt_index"],
                         data["prompt_tokens"], output, data.get("correct"),
-                        data.get("peak_rss_mib"), data.get("peak_gpu_mib"))
+                        data.get("peak_rss_mib"), data.get("peak_gpu_mib"),
+                        data.get("forced_matches"), data.get("forced_tokens"))
 
 
 def _safe_name(label: str) -> str:
@@ -243,7 +245,8 @@ TABLE_COLUMNS = ("method", "tok/s", "median tok/s", "speedup vs ar", "speedup vs
                  "decoding vs ar",
                  "mean accepted", "acceptance", "exit layer", "drafts / token", "layer batch",
                  "draft / verify", "predictor / KV",
-                 "layer fwd / token", "parity", "prefix = ar", "accuracy", "roofline",
+                 "layer fwd / token", "parity", "prefix = ar", "forced = ar", "accuracy",
+                 "roofline",
                  "peak RSS MiB", "status")
 
 
@@ -262,7 +265,7 @@ def table_row(s: MethodSummary) -> list[str]:
             _fmt(s.mean_accepted, ".2f"), _pct(s.acceptance_rate), _fmt(s.mean_exit_layer, ".1f"),
             _fmt(s.draft_rate, ".2f"), _fmt(s.mean_layer_batch, ".2f"), split, overhead,
             _fmt(s.layer_forwards_per_token, ".1f"), _pct(s.parity), _pct(s.ar_prefix),
-            _pct(s.accuracy),
+            _pct(s.forced_agreement), _pct(s.accuracy),
             _pct(s.roofline_fraction), _fmt(s.peak_rss_mib, ".0f"),
             "ok" if s.lossless else "ok (lossy)"]
 
@@ -404,7 +407,9 @@ per generated token (AdaDecode's early-prediction rate); layer batch = mean posi
 decoder-layer call of drafters that batch deferred layers; draft / verify = share of
 wall time; predictor / KV = SpecEE's candidates + predictors and its skipped-layer KV
 writes, as shares of wall time; parity = share of prompts whose greedy output equals `ar`'s; prefix = ar = mean
-share of `ar`'s output repeated before the first differing token; accuracy = HumanEval pass@1,
+share of `ar`'s output repeated before the first differing token; forced = ar = share of
+`ar`'s tokens that a row running another model (another decoding kernel, llama.cpp) picks
+when given `ar`'s earlier tokens (teacher forcing); accuracy = HumanEval pass@1,
 GSM exact match, json-extract's share of outputs that parse as JSON and validate against their
 schema (every method, `ar` included, decodes under it), or a prompt file's reference match; roofline = tok/s over bandwidth / weight
 bytes per token. – = not applicable or not known (transformers does not expose its

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from selfspec.api import SelfSpec
+from selfspec.bench.agreement import forced_greedy
 from selfspec.bench.run_types import (
     Clock,
     EncodedPrompt,
@@ -112,6 +113,16 @@ class SelfSpecRunner:
             return None
         with self._kernel():
             return self.engine.executor.decode_weight_bytes()
+
+    def forced_choices(self, prompt_ids: list[int], tokens: list[int]) -> list[int] | None:
+        """This row's greedy choice at each position of ``tokens`` given the prompt and the
+        tokens before it (:func:`selfspec.bench.agreement.forced_greedy`, on this row's
+        kernel); ``None`` unless the row is ``ar`` on another decoding kernel (a method's
+        tokens are not one model's choices)."""
+        if self.decode_kernel is None or self.config.name != "ar":
+            return None
+        with self._kernel():
+            return forced_greedy(self.engine.executor, prompt_ids, tokens)
 
     @contextmanager
     def _running(self) -> Iterator[None]:

@@ -7,9 +7,10 @@ training) and a test can hand it any object with these members. Who uses what:
 - ``executor``: backbone passes, logits, ``config`` / ``num_layers`` / ``max_positions`` /
   ``dtype`` / ``model`` (:mod:`~selfspec.training.features`, :mod:`~selfspec.training.pipeline`),
   and the output layer and fingerprint of head files (:func:`selfspec.heads.output_layer`);
-- ``model``: batched ``generate`` of on-policy text (:mod:`~selfspec.training.onpolicy`);
-- ``tokenizer``: reference text → ids, the pad id (:mod:`~selfspec.training.corpus`,
-  :mod:`~selfspec.training.onpolicy`);
+- ``generate_batch``: on-policy text, the model's own greedy answers generated as one ragged
+  batch (:mod:`~selfspec.training.onpolicy`);
+- ``model``: the Hugging Face model behind the executor;
+- ``tokenizer``: reference text → ids (:mod:`~selfspec.training.corpus`);
 - ``name``: the model name of head files and caches (:func:`selfspec.heads.files.model_name`);
 - ``eos_token_ids``: ends chat references and on-policy generations;
 - ``encode``: prompt text (optionally through the chat template) → ids.
@@ -17,6 +18,7 @@ training) and a test can hand it any object with these members. Who uses what:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -46,4 +48,10 @@ class Engine(Protocol):
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of ``prompt`` text, through the chat template when ``chat``."""
+        ...
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]], method: str = "ar", *,
+                       max_new_tokens: int = 128) -> list[Any]:
+        """One result per prompt (``token_ids``: the new tokens, ending with EOS when made),
+        the prompts decoded together as one ragged batch."""
         ...
