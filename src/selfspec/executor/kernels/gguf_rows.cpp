@@ -990,12 +990,22 @@ struct TypeQ3_K {
 
 #else  // AVX2: 32 inputs a vector
 
-// int16 vector [sc_2p x 8 | sc_2p+1 x 8] of 16 int8 scales (against a vpmaddubsw of inputs
-// 32p .. 32p + 31, whose low 128 bits are sub-block 2p).
-inline __m256i pair16_scales(__m128i sc8, int p) {
-  const char a = static_cast<char>(2 * p), b = static_cast<char>(2 * p + 1);
-  return _mm256_cvtepi8_epi16(
-      _mm_shuffle_epi8(sc8, _mm_setr_epi8(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b)));
+// sc[p] = int16 [sc_2p x 8 | sc_2p+1 x 8] of 16 int8 scales (against a vpmaddubsw of inputs
+// 32p .. 32p + 31, whose low 128 bits are sub-block 2p): widened once, each 128-bit half
+// copied to both lanes, then one in-lane byte shuffle a vector (one op where a shuffle and a
+// widening each took two).
+inline void pair16_scales(__m128i sc8, __m256i (&sc)[8]) {
+  const __m256i s16 = _mm256_cvtepi8_epi16(sc8);
+  const __m256i half[2] = {_mm256_permute2x128_si256(s16, s16, 0x00),
+                           _mm256_permute2x128_si256(s16, s16, 0x11)};
+#pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p) {
+    const char a = static_cast<char>(4 * p % 16), b = static_cast<char>((4 * p + 2) % 16);
+    sc[p] = _mm256_shuffle_epi8(
+        half[p / 4], _mm256_setr_epi8(a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1,
+                                      a, a + 1, a, a + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1,
+                                      b, b + 1, b, b + 1, b, b + 1, b, b + 1));
+  }
 }
 
 // Q2_K (84 bytes): scales[16] (low nibble scale, high nibble minimum), qs[64], fp16 d, dmin:
@@ -1016,8 +1026,7 @@ struct TypeQ2_K {
     const __m128i nib = _mm_set1_epi8(0x0f);
     const __m128i sc8 = _mm_and_si128(packed, nib);
     w.mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), nib));
-#pragma GCC unroll 8
-    for (int p = 0; p < 8; ++p) w.sc[p] = pair16_scales(sc8, p);
+    pair16_scales(sc8, w.sc);
     const __m256i two = _mm256_set1_epi8(0x03);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
@@ -1068,8 +1077,7 @@ struct TypeQ3_K {
         static_cast<int32_t>(((a[1] >> 4) & four) | (((a[2] >> 6) & two) << 4)));
     const __m128i sc8 = _mm_sub_epi8(stored, _mm_set1_epi8(32));
     w.sc_all = _mm256_cvtepi8_epi16(sc8);
-#pragma GCC unroll 8
-    for (int p = 0; p < 8; ++p) w.sc[p] = pair16_scales(sc8, p);
+    pair16_scales(sc8, w.sc);
     const __m256i hm = load32(b);
     const __m256i low2 = _mm256_set1_epi8(0x03), bit2 = _mm256_set1_epi8(0x04);
 #pragma GCC unroll 2
