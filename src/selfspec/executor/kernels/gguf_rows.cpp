@@ -879,7 +879,7 @@ struct TypeQ2_K {
     const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int32_t>(
         u16(b + 80) | uint32_t(u16(b + 82)) << 16)));
     w.d = _mm512_broadcastss_ps(dm);
-    w.dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+    w.dmin = _mm256_permutexvar_ps(_mm256_set1_epi32(1), _mm256_castps128_ps256(dm));
   }
   static void dot(const Decoded& w, const Act& x, Acc& acc, float&) {
     __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.w[0], _mm512_loadu_si512(x.qs));
@@ -1509,7 +1509,7 @@ struct GgufProduct {
 extern "C" {
 
 // Version of this kernel's numerics and layouts; a change must change it.
-int64_t selfspec_gguf_rows_version() { return 1; }
+int64_t selfspec_gguf_rows_version() { return 2; }
 
 // 1 for the AVX-512 VNNI build, 0 for the AVX2 one.
 int64_t selfspec_gguf_rows_vnni() {
