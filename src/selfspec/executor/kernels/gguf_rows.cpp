@@ -972,8 +972,9 @@ struct TypeQ3_K {
         const __mmask64 third = _mm512_test_epi8_mask(
             hm, _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << 2 * k)),
                                    _mm256_set1_epi8(static_cast<char>(1 << (2 * k + 1))), 1));
-        const __m512i high = _mm512_mask_blend_epi8(third, _mm512_set1_epi8(static_cast<char>(8 * c)),
-                                                    _mm512_set1_epi8(static_cast<char>(8 * c + 4)));
+        const __m512i high =
+            _mm512_mask_blend_epi8(third, _mm512_set1_epi8(static_cast<char>(8 * c)),
+                                   _mm512_set1_epi8(static_cast<char>(8 * c + 4)));
         w.w[k] = _mm512_shuffle_epi8(table[h], _mm512_ternarylogic_epi32(
             c ? odd : even, _mm512_set1_epi8(3), high, 0xea));
       }
