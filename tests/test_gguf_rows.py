@@ -192,6 +192,35 @@ def test_each_row_is_the_same_in_any_call(isa, qtype, dtype):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K], ids=lambda t: t.name)
+def test_every_code_and_scale_of_the_low_bit_k_quants(isa, qtype):
+    """Q2_K / Q3_K blocks of random bytes (every scale, minimum, code and third bit, which a
+    quantizer of smooth weights may never write), plus the extremes (Q3_K's scale bytes all 0
+    and all 63 with codes all 0): the AVX-512 build folds scale and code into one byte, these
+    are its ends. Dequantized product, each row as computed alone."""
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    n, nb = 23, K // 256
+    gen = np.random.default_rng(3)
+    blocks = gen.integers(0, 256, (n, nb, size), dtype=np.uint8)
+    scale_at = [80, 82] if qtype == T.Q2_K else [108]
+    for at in scale_at:  # finite fp16 scales of either sign
+        d = (gen.uniform(0.002, 0.02, (n, nb)) * gen.choice([-1, 1], (n, nb))).astype(np.float16)
+        blocks[..., at:at + 2] = d[..., None].view(np.uint8)
+    if qtype == T.Q3_K:  # rows 0, 1: scales -32 and 31, codes all 0 (u = 0 -> -4)
+        blocks[0, 0, :96] = 0
+        blocks[0, 0, 96:108] = 0
+        blocks[1, 0, :96] = 0
+        blocks[1, 0, 96:108] = 0xFF
+    mat = GgufMatrix([GgufSegment(qtype, torch.from_numpy(blocks.reshape(n, -1)))], K, isa=isa)
+    x = _inputs(11)
+    got = mat(x)
+    want, scale = _ref_product(mat, x)
+    err = np.abs(got.double().numpy() - want)
+    assert (err <= 2e-6 * scale + 1e-30).all(), float((err / scale).max())
+    assert torch.equal(got, torch.cat([mat(row) for row in x.split(1)]))
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_threads_do_not_change_a_bit(isa):
     mat, x = _matrix(T.Q4_K, n=301, isa=isa), _inputs(9)
     threads = torch.get_num_threads()

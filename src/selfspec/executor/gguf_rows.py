@@ -25,7 +25,8 @@ Measured (``scripts/gguf_rows_bench.py``, a 2-core AVX-512 VNNI Xeon, bf16 input
 shapes, AVX-512 build): one-token products read, on 2 threads, 36 GB/s of Q4_K gate/up blocks,
 49 of Q6_K down, 54 of Q8_0 and 37 of Q4_1, against 48 for the w4a8 kernel (one thread: 20,
 26, 28, 19 against 26); the AVX2 build 11-17% less (Q4_1 38%). A call of 8 rows costs 2.8-3.9
-one-row calls (w4a8 5.3-5.8), 16 rows 5.3-7.9 (w4a8 10-11.7).
+one-row calls (w4a8 5.3-5.8), 16 rows 5.3-7.9 (w4a8 10-11.7). Q2_K / Q3_K gate/up blocks
+(``--type``): 28 / 26 GB/s, a product taking 0.78 / 1.08 times Q4_K's (AVX2 build: 21 / 19).
 
 Layout: a :class:`GgufMatrix` is segments of rows (``[rows, row_bytes]`` uint8, each row
 ``K / block_size`` blocks, as stored in the GGUF) stacked along the outputs, each segment its

@@ -821,16 +821,195 @@ struct TypeQ6_K {
 #endif
 
 // Q2_K and Q3_K: 256 inputs in 16 sub-blocks of 16, 2-bit codes (Q3_K: a third bit in hmask).
-// Rarely the bulk of a model's bytes, so one 256-bit implementation serves both builds.
 // Per 128 inputs h, 32 bytes of codes: input 128h + 32j + l (l < 32) has bits 2j, 2j + 1 of
 // byte l; Q3_K's third bit is bit 4h + j of hmask[l]. Sub-block i of 16 inputs has scale i.
 
-// int16 vector [sc_2p x 8 | sc_2p+1 x 8] of 16 int8 scales (against a vpmaddubsw of inputs
-// 32p .. 32p + 31, whose low 128 bits are sub-block 2p).
-inline __m256i pair16_scales(__m128i sc8, int p) {
-  const char a = static_cast<char>(2 * p), b = static_cast<char>(2 * p + 1);
-  return _mm256_cvtepi8_epi16(
-      _mm_shuffle_epi8(sc8, _mm_setr_epi8(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b)));
+#ifdef SELFSPEC_GGUF_VNNI
+// 64 inputs a zmm, 128-bit lane L of vector k being sub-block 4k + L. Small codes leave room to
+// fold each sub-block's scale into the weight bytes when decoding (one vpshufb a vector from a
+// table of code x scale per lane), so that per activation row a block costs 4 vpdpbusd into
+// one int32 accumulator and one float multiply-add: the pack + vpdpwssd scaling of Q4_K / Q6_K
+// (and the AVX2 path's 8 vpmaddwd) would be paid per row. Both the table and its index are made
+// once per block; each table vector comes out of one vpmullw: two bytes of one int16 lane
+// belong to one sub-block, so a 16-bit product by its scale is two exact byte products.
+// Measured (one-row Q2_K / Q3_K [17920, 1536], 2 threads): 0.42 -> 0.32 / 0.51 -> 0.45 ms
+// against the shared AVX2 path, 8 rows 1.77 -> 1.18 / 1.79 -> 1.25 ms; bound by the two
+// 512-bit vector ports, decoding (fields, tables) costing about what the products do.
+
+// The 32 code bytes p in both halves, the high half shifted down 2: 2-bit field 0 of the low
+// half and field 1 of the high one in bits 0-1 (inputs 0-31, 32-63 of vector 2h), fields 2 and
+// 3 there after a further shift by 4 (vector 2h + 1); garbage above.
+inline __m512i q23_codes(const uint8_t* p) {
+  const __m512i both = _mm512_broadcast_i64x4(load32(p));
+  return _mm512_mask_srli_epi16(both, 0xffff0000u, both, 2);
+}
+
+// Q2_K (84 bytes): scales[16] (low nibble scale, high nibble minimum), qs[64], fp16 d, dmin:
+// w = d sc q - dmin m, q in 0..3. Weight bytes sc q <= 45 (u8) against the int8 activations.
+struct TypeQ2_K {
+  using Act = BlockQ8_K;
+  static constexpr bool kRepack = false;
+  using Acc = AccK;
+  static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 84;
+  struct Decoded {
+    __m512i w[4];    // sc q of inputs 64k .. 64k + 63
+    __m256i mins;    // int16 m[0..15]
+    __m512 d;        // d in every lane
+    __m256 dmin;     // dmin alike
+  };
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
+    // int16 sc_i + 16 m_i: the minima are its top bits, the scales its low 4
+    const __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+    w.mins = _mm256_srli_epi16(both, 4);
+    // Table: lane L byte 4c + q = sc_4c+L q; int16 lane m of lane L holds q = 2 (m & 1) and
+    // 2 (m & 1) + 1 of sub-block 4 (m / 2) + L.
+    alignas(64) static const int16_t kSpread[32] = {
+        0, 0, 4, 4, 8, 8, 12, 12, 1, 1, 5, 5, 9, 9, 13, 13,
+        2, 2, 6, 6, 10, 10, 14, 14, 3, 3, 7, 7, 11, 11, 15, 15};
+    const __m512i spread = _mm512_permutexvar_epi16(
+        _mm512_load_si512(kSpread),
+        _mm512_castsi256_si512(_mm256_and_si256(both, _mm256_set1_epi16(0x0f))));
+    const __m512i table = _mm512_mullo_epi16(spread, _mm512_set1_epi32(0x03020100));
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m512i even = q23_codes(b + 16 + 32 * h);
+      const __m512i odd = _mm512_srli_epi16(even, 4);
+      // (codes & 3) | 4k: vector k's sub-blocks in the table
+      w.w[2 * h] = _mm512_shuffle_epi8(table, _mm512_ternarylogic_epi32(
+          even, _mm512_set1_epi8(3), _mm512_set1_epi8(static_cast<char>(8 * h)), 0xea));
+      w.w[2 * h + 1] = _mm512_shuffle_epi8(table, _mm512_ternarylogic_epi32(
+          odd, _mm512_set1_epi8(3), _mm512_set1_epi8(static_cast<char>(8 * h + 4)), 0xea));
+    }
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int32_t>(
+        u16(b + 80) | uint32_t(u16(b + 82)) << 16)));
+    w.d = _mm512_broadcastss_ps(dm);
+    w.dmin = _mm256_permutexvar_ps(_mm256_set1_epi32(1), _mm256_castps128_ps256(dm));
+  }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) {
+    __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.w[0], _mm512_loadu_si512(x.qs));
+#pragma GCC unroll 3
+    for (int k = 1; k < 4; ++k)
+      isum = _mm512_dpbusd_epi32(isum, w.w[k], _mm512_loadu_si512(x.qs + 64 * k));
+    const __m256i msum = _mm256_madd_epi16(
+        w.mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums)));
+    // scales d dx and dmin dx as the scalar products would round them, one multiply each
+    acc.a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(w.d, _mm512_set1_ps(x.d)),
+                            acc.a);
+    acc.m = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum),
+                             _mm256_mul_ps(w.dmin, _mm256_set1_ps(x.d)), acc.m);
+  }
+};
+
+// Q3_K's table factors C (int16 lanes m & 3 = 0..3: u = 0, 1 / 2, 3 / 4, 5 / 6, 7) packed as
+// 64 bits, and 0x8080 - 64 C alike (see TypeQ3_K::decode).
+constexpr int64_t q3_pack(int v0, int v1, int v2, int v3) {
+  return static_cast<int64_t>((uint64_t(uint16_t(v0))) | uint64_t(uint16_t(v1)) << 16 |
+                              uint64_t(uint16_t(v2)) << 32 | uint64_t(uint16_t(v3)) << 48);
+}
+constexpr int q3_factor(int m) { return (2 * m + 1 - 4) * 256 + (2 * m - 4); }
+constexpr int64_t kQ3Factor = q3_pack(q3_factor(0), q3_factor(1), q3_factor(2), q3_factor(3));
+constexpr int64_t kQ3Offset = q3_pack(0x8080 - 64 * q3_factor(0), 0x8080 - 64 * q3_factor(1),
+                                      0x8080 - 64 * q3_factor(2), 0x8080 - 64 * q3_factor(3));
+
+// Q3_K (110 bytes): hmask[32], qs[64], 12 bytes of 6-bit scales (stored + 32), fp16 d:
+// w = d (sc - 32) (u - 4), u = q + 4 hbit in 0..7. The weight bytes are 128 + s (u - 4) with
+// s = 32 - stored = -(sc - 32) in -31..32, so in 0..252 (u8; with sc - 32 itself 256 could
+// occur). Against the int8 activations a they sum to sum s (u - 4) a + 128 sum a: the
+// accumulator starts at -128 sum a (from bsums), and the scale is -d dx.
+struct TypeQ3_K {
+  using Act = BlockQ8_K;
+  static constexpr bool kRepack = false;
+  using Acc = __m512;
+  static constexpr int64_t kUnit = 1, kBlock = 256, kBytes = 110;
+  struct Decoded {
+    __m512i w[4];    // 128 + s (u - 4) of inputs 64k .. 64k + 63
+    __m512 d;        // d in every lane
+  };
+  static void decode(const uint8_t* b, Decoded& w, int64_t) {
+    // Scale i: low 4 bits from byte i % 8 (low nibble for i < 8, high for i >= 8), high 2 bits
+    // from bits 2 (i / 4) .. of byte 8 + i % 4 (8 at a time in 64-bit words). Bytes 96 -
+    // stored = s + 64 (in 33..96: no borrows, and zero-extend to int16); the tables take the 64
+    // back as a constant.
+    uint64_t lo4, hi2;
+    uint32_t top;
+    memcpy(&lo4, b + 96, 8);
+    memcpy(&top, b + 104, 4);
+    hi2 = uint64_t(top) | uint64_t(top >> 2) << 32;  // bytes 0-3: bits 0-1; 4-7: bits 2-3
+    const uint64_t four = 0x0f0f0f0f0f0f0f0full, two = 0x0303030303030303ull;
+    const uint64_t ninety_six = 0x6060606060606060ull;
+    const uint64_t s_lo = ninety_six - ((lo4 & four) | (hi2 & two) << 4);
+    const uint64_t s_hi = ninety_six - (((lo4 >> 4) & four) | ((hi2 >> 4) & two) << 4);
+    // (not through memory: a 16-byte load of two 8-byte stores cannot be forwarded, and its
+    // wait serialized one-row products, Q3_K [8960, 1536] 0.23 -> 1.1 ms)
+    const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(
+        _mm_set_epi64x(static_cast<int64_t>(s_hi), static_cast<int64_t>(s_lo))));
+    // Tables p = 0, 1: lane L byte 8c + u = 128 + s_8p+4c+L (u - 4); int16 lane m of lane L
+    // holds u = 2 (m & 3) and 2 (m & 3) + 1 of sub-block 8p + 4 (m / 4) + L: with the int16
+    // C = (u_odd - 4) 256 + (u_even - 4), (s + 64) C + (0x8080 - 64 C) = 0x8080 + s C is
+    // 128 + s (u_odd - 4) in the high byte and 128 + s (u_even - 4) in the low one (each in
+    // 0..252: no carries).
+    const __m512i factor = _mm512_set1_epi64(kQ3Factor), offset = _mm512_set1_epi64(kQ3Offset);
+    alignas(64) static const int16_t kSpread[2][32] = {
+        {0, 0, 0, 0, 4, 4, 4, 4, 1, 1, 1, 1, 5, 5, 5, 5,
+         2, 2, 2, 2, 6, 6, 6, 6, 3, 3, 3, 3, 7, 7, 7, 7},
+        {8, 8, 8, 8, 12, 12, 12, 12, 9, 9, 9, 9, 13, 13, 13, 13,
+         10, 10, 10, 10, 14, 14, 14, 14, 11, 11, 11, 11, 15, 15, 15, 15}};
+    __m512i table[2];
+#pragma GCC unroll 2
+    for (int p = 0; p < 2; ++p) {
+      const __m512i spread = _mm512_permutexvar_epi16(_mm512_load_si512(kSpread[p]), s16);
+      table[p] = _mm512_add_epi16(_mm512_mullo_epi16(spread, factor), offset);
+    }
+    const __m512i hm = _mm512_broadcast_i64x4(load32(b));
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m512i even = q23_codes(b + 32 + 32 * h);
+      const __m512i odd = _mm512_srli_epi16(even, 4);
+#pragma GCC unroll 2
+      for (int c = 0; c < 2; ++c) {
+        const int k = 2 * h + c;
+        // index (codes & 3) | 4 third bit | 8 c (blends and ternary logic: no register copies)
+        const __mmask64 third = _mm512_test_epi8_mask(
+            hm, _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << 2 * k)),
+                                   _mm256_set1_epi8(static_cast<char>(1 << (2 * k + 1))), 1));
+        const __m512i high =
+            _mm512_mask_blend_epi8(third, _mm512_set1_epi8(static_cast<char>(8 * c)),
+                                   _mm512_set1_epi8(static_cast<char>(8 * c + 4)));
+        w.w[k] = _mm512_shuffle_epi8(table[h], _mm512_ternarylogic_epi32(
+            c ? odd : even, _mm512_set1_epi8(3), high, 0xea));
+      }
+    }
+    w.d = _mm512_set1_ps(fp16(u16(b + 108)));
+  }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) {
+    __m512i isum = _mm512_zextsi256_si512(_mm256_madd_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums)), _mm256_set1_epi16(-128)));
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k)
+      isum = _mm512_dpbusd_epi32(isum, w.w[k], _mm512_loadu_si512(x.qs + 64 * k));
+    acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(w.d, _mm512_set1_ps(x.d)),
+                           acc);
+  }
+};
+
+#else  // AVX2: 32 inputs a vector
+
+// sc[p] = int16 [sc_2p x 8 | sc_2p+1 x 8] of 16 int8 scales (against a vpmaddubsw of inputs
+// 32p .. 32p + 31, whose low 128 bits are sub-block 2p): widened once, each 128-bit half
+// copied to both lanes, then one in-lane byte shuffle a vector (one op where a shuffle and a
+// widening each took two).
+inline void pair16_scales(__m128i sc8, __m256i (&sc)[8]) {
+  const __m256i s16 = _mm256_cvtepi8_epi16(sc8);
+  const __m256i half[2] = {_mm256_permute2x128_si256(s16, s16, 0x00),
+                           _mm256_permute2x128_si256(s16, s16, 0x11)};
+#pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p) {
+    const char a = static_cast<char>(4 * p % 16), b = static_cast<char>((4 * p + 2) % 16);
+    sc[p] = _mm256_shuffle_epi8(
+        half[p / 4], _mm256_setr_epi8(a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1,
+                                      a, a + 1, a, a + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1,
+                                      b, b + 1, b, b + 1, b, b + 1, b, b + 1));
+  }
 }
 
 // Q2_K (84 bytes): scales[16] (low nibble scale, high nibble minimum), qs[64], fp16 d, dmin:
@@ -851,8 +1030,7 @@ struct TypeQ2_K {
     const __m128i nib = _mm_set1_epi8(0x0f);
     const __m128i sc8 = _mm_and_si128(packed, nib);
     w.mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), nib));
-#pragma GCC unroll 8
-    for (int p = 0; p < 8; ++p) w.sc[p] = pair16_scales(sc8, p);
+    pair16_scales(sc8, w.sc);
     const __m256i two = _mm256_set1_epi8(0x03);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
@@ -903,8 +1081,7 @@ struct TypeQ3_K {
         static_cast<int32_t>(((a[1] >> 4) & four) | (((a[2] >> 6) & two) << 4)));
     const __m128i sc8 = _mm_sub_epi8(stored, _mm_set1_epi8(32));
     w.sc_all = _mm256_cvtepi8_epi16(sc8);
-#pragma GCC unroll 8
-    for (int p = 0; p < 8; ++p) w.sc[p] = pair16_scales(sc8, p);
+    pair16_scales(sc8, w.sc);
     const __m256i hm = load32(b);
     const __m256i low2 = _mm256_set1_epi8(0x03), bit2 = _mm256_set1_epi8(0x04);
 #pragma GCC unroll 2
@@ -932,6 +1109,7 @@ struct TypeQ3_K {
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(w.d * x.d), acc);
   }
 };
+#endif
 
 inline float sum_acc(__m256 a) { return hsum(a); }
 #ifdef SELFSPEC_GGUF_VNNI
@@ -1335,7 +1513,7 @@ struct GgufProduct {
 extern "C" {
 
 // Version of this kernel's numerics and layouts; a change must change it.
-int64_t selfspec_gguf_rows_version() { return 1; }
+int64_t selfspec_gguf_rows_version() { return 2; }
 
 // 1 for the AVX-512 VNNI build, 0 for the AVX2 one.
 int64_t selfspec_gguf_rows_vnni() {
