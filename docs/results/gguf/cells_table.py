@@ -10,8 +10,9 @@ def main(root: Path) -> None:
     print("| model | dataset | gguf `ar` / `llamacpp-ar` | `auto` gguf / `llamacpp-ar` | "
           "`auto` gguf / `llamacpp-prompt-lookup` | `auto` gguf parity | forced = ar: gguf / "
           "llama.cpp | bf16 `auto` / `ar` | decoding: gguf `ar` / `llamacpp-ar` | "
+          "per-prompt medians: gguf `ar` / `llamacpp-ar`, `auto` gguf / `llamacpp-ar` | "
           "bandwidth GB/s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for run in sorted(root.glob("*/summary.json")):
         data = json.loads(run.read_text())
         rows = {m["method"]: m for m in data["methods"]}
@@ -36,6 +37,7 @@ def main(root: Path) -> None:
         print(f"| {model} | {dataset} | {ratio(g, la)} | {ratio(ag, la)} | {ratio(ag, lp)} | "
               f"{pct(ag['parity'])} | {pct(g['forced_agreement'])} / {pct(la['forced_agreement'])} | "
               f"{ratio(auto, ar)} | {ratio(g, la, 'decode_tokens_per_s')} | "
+              f"{ratio(g, la, 'median_tokens_per_s')}, {ratio(ag, la, 'median_tokens_per_s')} | "
               f"{'–' if bw is None else f'{bw:.1f}'} |")
 
 
