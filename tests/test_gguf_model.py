@@ -157,3 +157,63 @@ def test_a_wrapped_model_takes_its_gguf_file(tmp_path):
     engine.generate("the cat the cat", max_new_tokens=8)
     engine.executor.set_decode_kernel(previous)
     assert engine.generate("the cat the cat", max_new_tokens=8).token_ids == dense
+
+
+def _prefill_kv(engine, ids, kernel):
+    from selfspec.decoding.core.state import DecodeOptions, DecodeState
+
+    engine.executor.set_decode_kernel(kernel)
+    state = DecodeState(engine.executor, ids, DecodeOptions(max_new_tokens=1))
+    state.prefill()
+    return state.cache.get(0)[0][..., :len(ids), :].clone()
+
+
+def test_dense_prefill_fills_the_prompt_on_the_dense_weights_and_decodes_on_the_blocks(tmp_path):
+    """``gguf+dense``: the prompt's KV is the dense weights' (as with kernel ``weights``), not
+    the blocks' (``gguf``), while decoding and verification stay on the blocks."""
+    engine, _ = _engine(tmp_path)
+    ids = [1, *range(40, 60)]  # long enough to be a bulk prefill
+    dense = _prefill_kv(engine, ids, "weights")
+    blocks = _prefill_kv(engine, ids, "gguf")
+    mixed = _prefill_kv(engine, ids, "gguf+dense")
+    assert torch.equal(mixed, dense) and not torch.equal(mixed, blocks)
+    ex = engine.executor
+    assert ex.formats.rows == "gguf+dense"
+    assert all(isinstance(lin.rows_weight, gguf_rows.GgufMatrix)
+               for w in ex.layer_weights for lin in w.matrices)
+    # one GgufMatrix per matrix, shared by both kernels
+    gguf_copy = ex.layer_weights[0].qkv.rows_weight
+    ex.set_decode_kernel("gguf")
+    assert ex.layer_weights[0].qkv.rows_weight is gguf_copy
+
+
+@pytest.mark.parametrize(("method", "options"), [
+    ("knapspec", {}), ("dv", {}), ("auto", {})])
+def test_lossless_methods_keep_greedy_tokens_with_dense_prefill(tmp_path, method, options):
+    """All methods share one prefill, and verification stays on the blocks: parity holds on
+    ``gguf+dense`` as on ``gguf``."""
+    engine, _ = _engine(tmp_path)
+    engine.executor.set_decode_kernel("gguf+dense")
+    prompt = "abcabcabcabc the cat the cat the"
+    want = engine.generate(prompt, method="ar", max_new_tokens=24)
+    got = engine.generate(prompt, method=method, max_new_tokens=24, **options)
+    assert got.token_ids == want.token_ids
+
+
+def test_dtype_gguf_takes_its_dense_prefill_kernel_and_refuses_others(monkeypatch):
+    """``load(dtype="gguf", decode_kernel=...)``: ``gguf+dense`` is accepted (checked before
+    anything loads), another kernel is refused naming the ones it takes."""
+    import selfspec.api as api
+
+    seen = {}
+
+    def fake_load(model, dtype, show_progress=True):
+        seen["dtype"] = dtype
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr("selfspec.models.loading.load_model", fake_load)
+    with pytest.raises(RuntimeError, match="stop here"):
+        api.load("smollm2-135m-instruct", dtype="gguf", decode_kernel="gguf+dense")
+    assert seen["dtype"] == "bf16"
+    with pytest.raises(InvalidArgumentError, match="gguf\\+dense.*not 'w4a8'"):
+        api.load("smollm2-135m-instruct", dtype="gguf", decode_kernel="w4a8")

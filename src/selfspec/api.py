@@ -413,7 +413,9 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
             ``ar`` on small models), ``"weights"`` (the weights' own format), ``"int4"``
             (group-wise int4 copies: the model runs with 4-bit weights, lossy against bf16,
             prefill stays bf16), ``"w4a8"`` (the same with 8-bit activations on selfspec's
-            AVX2 kernel), ``"gguf"`` (the GGUF file's own blocks). See
+            AVX2 kernel), ``"gguf"`` (the GGUF file's own blocks), ``"gguf+dense"`` (the
+            blocks for decoding and verification, prefill on the dense weights: faster
+            prompts where bf16 is native; ``dtype="gguf"`` takes it too). See
             :func:`selfspec.executor.cpu.choose_rows`.
         device: ``"auto"`` (CUDA when ``torch.cuda.is_available()``, else the CPU),
             ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``: the weights, KV
@@ -443,7 +445,7 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
             f"{type(model).__name__}")
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
-    from selfspec.executor.cpu import QUANTIZED_ROWS, ROWS_FORMATS
+    from selfspec.executor.cpu import GGUF_ROWS, QUANTIZED_ROWS, ROWS_FORMATS
 
     target = check_device(device)  # before anything loads
     PrefixCache.from_mib(prefix_cache_mib)  # a bad size fails before anything loads
@@ -455,11 +457,13 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
             f"decode_kernel must be one of {', '.join(ROWS_FORMATS)}, got {decode_kernel!r}")
     if isinstance(dtype, str) and dtype.strip().lower() in QUANTIZED_ROWS:
         quantized = dtype.strip().lower()
-        if decode_kernel not in ("auto", quantized):
+        # dtype gguf also takes its dense-prefill variant
+        allowed = ("auto", *(GGUF_ROWS if quantized == "gguf" else (quantized,)))
+        if decode_kernel not in allowed:
             raise InvalidArgumentError(
-                f"dtype {quantized} decodes on 4-bit weights; it cannot take decode_kernel "
-                f"{decode_kernel!r}")
-        dtype, decode_kernel = "bf16", quantized
+                f"dtype {quantized} decodes on 4-bit weights; it takes decode_kernel "
+                f"{' or '.join(allowed)}, not {decode_kernel!r}")
+        dtype, decode_kernel = "bf16", quantized if decode_kernel == "auto" else decode_kernel
     loaded = load_model(model or DEFAULT_MODEL, dtype, show_progress=show_progress)
     return SelfSpec(loaded.model, loaded.tokenizer, loaded.name, decode_kernel, device=target,
                     cuda_graphs=cuda_graphs, prefix_cache_mib=prefix_cache_mib,

@@ -83,6 +83,7 @@ BACKEND_DEVICES: dict[str, tuple[str, ...]] = {
     "int4": ("cpu",),
     "w4a8": ("cpu",),
     "gguf": ("cpu",),
+    "gguf+dense": ("cpu",),
 }
 
 
@@ -115,7 +116,7 @@ def select_backend(device: torch.device | str, rows: str, min_bytes: int = 0,
     """
     if not runs_on(rows, device):
         return None
-    if rows == "gguf":
+    if rows.startswith("gguf"):
         from selfspec.errors import InvalidArgumentError
 
         raise InvalidArgumentError(
@@ -165,7 +166,7 @@ class BackendCache:
     def get(self, rows: str, min_bytes: int) -> MatrixBackend | None:
         """The backend of ``rows`` / ``min_bytes`` (:func:`select_backend`), built at its
         first request."""
-        key = (rows, 0 if rows == "gguf" else min_bytes)
+        key = (rows, 0 if rows.startswith("gguf") else min_bytes)
         backend = self._backends.get(key)
         if backend is None:
             backend = select_backend(self.device, rows, min_bytes, self.max_rows)

@@ -196,7 +196,7 @@ def machine_key(executor: Executor) -> str:
         kernel = f"-{formats.rows}rows{formats.rows_min_bytes >> 20}M"
         if "bf16" in formats.rows.split("+"):  # selfspec's own kernel: its version counts
             kernel += f"-{native.source_digest(bf16_rows.SOURCE)}"
-        if formats.rows == "gguf":  # the kernels' version and which blocks (the file's types)
+        if formats.rows.startswith("gguf"):  # the kernels' version, the file's block types
             weights = getattr(executor, "gguf_weights", None)
             types = "" if weights is None else "".join(
                 f"{t}{n}" for t, n in sorted(weights.types().items()))

@@ -37,7 +37,7 @@ from selfspec.executor import cost_model
 from selfspec.executor.attention import Attention, grouped_causal_mask, rms_norm, rotate
 from selfspec.executor.backends import BackendCache, assign, draft_copies, fused_backend
 from selfspec.executor.cache import CacheShape, KVCache
-from selfspec.executor.cpu import ComputeFormats, choose_formats
+from selfspec.executor.cpu import GGUF_ROWS, ComputeFormats, choose_formats
 from selfspec.executor.fp16_rows import Fp16Rows
 from selfspec.executor.linear import Linear, PackedRowLimits
 from selfspec.executor.plan import BULK_MIN_ROWS, PREFILL_CHUNK, Head, Observer, SkipPlan
@@ -179,7 +179,7 @@ class LayerExecutor:
         if rows is None:
             rows = self._rows_request if hasattr(self, "formats") else "auto"
         formats = choose_formats(self.dtype, self.device, bulk, rows)
-        if formats.rows == "gguf" and not self._backends.has("gguf"):
+        if formats.rows in GGUF_ROWS and not self._backends.has("gguf"):
             self._attach_gguf()
         self._bulk_request, self._rows_request = bulk, rows
         changed = not hasattr(self, "formats") or (
@@ -217,7 +217,10 @@ class LayerExecutor:
         weights = read_gguf_weights(path, self.config)
         check_against_model(weights, self.model)
         copies = gguf_copies(self.layer_weights, self.output_weights, weights)
+        # Both kernels share the blocks (one GgufMatrix per matrix); they differ in where
+        # bulk calls (prefill) run.
         self._backends.provide("gguf", GgufRows(copies))
+        self._backends.provide("gguf+dense", GgufRows(copies, prefill="dense"))
         self.gguf_weights = weights
 
     def set_decode_kernel(self, rows: str) -> str:

@@ -23,7 +23,7 @@ from selfspec.decoding.planning.tpt import (
 from selfspec.decoding.planning.tpt_stop import ConfidenceCalibration, TptStopRule
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
-from selfspec.executor.cpu import QUANTIZED_ROWS
+from selfspec.executor.cpu import GGUF_ROWS, QUANTIZED_ROWS
 from selfspec.executor.quant import (
     DRAFT_WEIGHT_FORMATS,
     draft_formats_on,
@@ -122,7 +122,7 @@ def build(context: MethodContext, options: Options) -> Step:
     """n-gram drafter, model drafters composed from their methods' drafters, and the
     chooser."""
     names = drafter_names(options)
-    if options.drafters is None and context.executor.formats.rows in QUANTIZED_ROWS:
+    if options.drafters is None and context.executor.formats.rows in (*QUANTIZED_ROWS, *GGUF_ROWS):
         # The model already decodes on 4-bit weights: its quantized self-draft would be the
         # model again (another copy in memory, no step saved).
         names = [n for n in names if n != "qspec"]
