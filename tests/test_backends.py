@@ -46,7 +46,7 @@ def test_cpu_only_backends_are_never_chosen_for_another_device(fmt):
         assert BackendCache(torch.device(device), 64).get(fmt, 0) is None
 
 
-@pytest.mark.parametrize("fmt", sorted(set(BACKEND_DEVICES) - {"gguf"}))
+@pytest.mark.parametrize("fmt", sorted(set(BACKEND_DEVICES) - {"gguf", "gguf+dense"}))
 def test_the_backend_is_a_function_of_device_and_format(fmt):
     if not _available(fmt):
         pytest.skip(f"{fmt} kernel not available here")
@@ -65,8 +65,9 @@ def test_the_gguf_backend_is_provided_from_a_file_not_built_from_its_name():
     provided, every threshold finds it."""
     from selfspec.errors import InvalidArgumentError
 
-    with pytest.raises(InvalidArgumentError, match="dtype 'gguf'"):
-        select_backend(torch.device("cpu"), "gguf", 0, 64)
+    for fmt in ("gguf", "gguf+dense"):
+        with pytest.raises(InvalidArgumentError, match="dtype 'gguf'"):
+            select_backend(torch.device("cpu"), fmt, 0, 64)
     cache = BackendCache(torch.device("cpu"), 64)
     assert not cache.has("gguf")
     backend = object()
@@ -175,6 +176,7 @@ def test_the_design_doc_names_every_public_entry_point():
 
 
 def test_backends_module_keeps_cpu_kernels_behind_the_device_table():
-    assert set(BACKEND_DEVICES) == {"bf16", "bf16+fp16", "fp16", "int4", "w4a8", "gguf"}
+    assert set(BACKEND_DEVICES) == {"bf16", "bf16+fp16", "fp16", "int4", "w4a8", "gguf",
+                                    "gguf+dense"}
     assert all(devices == ("cpu",) for devices in BACKEND_DEVICES.values())
     assert backends.select_backend("cpu", "weights") is None

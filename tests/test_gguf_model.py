@@ -217,3 +217,36 @@ def test_dtype_gguf_takes_its_dense_prefill_kernel_and_refuses_others(monkeypatc
     assert seen["dtype"] == "bf16"
     with pytest.raises(InvalidArgumentError, match="gguf\\+dense.*not 'w4a8'"):
         api.load("smollm2-135m-instruct", dtype="gguf", decode_kernel="w4a8")
+
+
+def test_a_gguf_only_engine_keeps_no_packed_dense_copy_until_one_is_needed(tmp_path):
+    """``keep_packed=False`` (``load(dtype="gguf")``): no oneDNN copy of the dense weights
+    while the blocks serve every product; ``gguf+dense`` packs them for its prefill and
+    ``gguf`` frees them again, the tokens those of an engine that kept them."""
+    model = tiny_model("llama", seed=0, dtype=torch.bfloat16, **SHAPE)
+    path = write_tiny_gguf(model, tmp_path / "lean.gguf")
+    lean = SelfSpec(model, tiny_tokenizer(), "tiny", decode_kernel="gguf", gguf=path,
+                    keep_packed=False)
+    twin = tiny_model("llama", seed=0, dtype=torch.bfloat16, **SHAPE)
+    full = SelfSpec(twin, tiny_tokenizer(), "tiny", decode_kernel="gguf",
+                    gguf=write_tiny_gguf(twin, tmp_path / "full.gguf"))
+    ex = lean.executor
+
+    def packed():
+        return [lin.packed is not None
+                for w in ex.layer_weights for lin in w.matrices] + [ex.output_weights.packed
+                                                                    is not None]
+
+    prompt = "the cat the cat the cat sat on"
+    assert not any(packed())
+    assert (lean.generate(prompt, max_new_tokens=12).token_ids
+            == full.generate(prompt, max_new_tokens=12).token_ids)
+    if full.executor.output_weights.packed is None:
+        pytest.skip("no oneDNN packed kernel in this torch build")
+    ex.set_decode_kernel("gguf+dense")
+    full.executor.set_decode_kernel("gguf+dense")
+    assert all(packed())
+    assert (lean.generate(prompt, method="auto", max_new_tokens=12).token_ids
+            == full.generate(prompt, max_new_tokens=12).token_ids)
+    ex.set_decode_kernel("gguf")
+    assert not any(packed())

@@ -67,19 +67,23 @@ class SelfSpec:
     ``executor`` (:class:`LayerExecutor`), ``methods`` (the :class:`MethodContext` methods
     are built in: it keeps the head files they load), ``name``, ``prefix_cache`` (the
     :class:`~selfspec.decoding.core.prefix_cache.PrefixCache` every generation's prefill reads
-    and fills, or ``None``: :meth:`use_prefix_cache`).
+    and fills, or ``None``: :meth:`use_prefix_cache`). ``keep_packed=False`` (what
+    ``load(dtype="gguf")`` and ``"w4a8"`` pass) skips oneDNN's packed copies of the dense
+    weights while the 4-bit kernel serves every product (:class:`LayerExecutor`).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str,
                  decode_kernel: str = "auto", device: str | torch.device | None = None,
                  cuda_graphs: str = "off", prefix_cache_mib: float = 0,
-                 gguf: str | os.PathLike | Callable[[], Path] | None = None) -> None:
+                 gguf: str | os.PathLike | Callable[[], Path] | None = None,
+                 keep_packed: bool = True) -> None:
         if device is not None:
             model = move_model(model, check_device(device))
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
-        self.executor = LayerExecutor(model, name=name, rows=decode_kernel, gguf=gguf)
+        self.executor = LayerExecutor(model, name=name, rows=decode_kernel, gguf=gguf,
+                                      keep_packed=keep_packed)
         from selfspec.executor.cuda_graphs import attach_graphs
 
         attach_graphs(self.executor, cuda_graphs)
@@ -464,10 +468,13 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
                 f"dtype {quantized} decodes on 4-bit weights; it takes decode_kernel "
                 f"{' or '.join(allowed)}, not {decode_kernel!r}")
         dtype, decode_kernel = "bf16", quantized if decode_kernel == "auto" else decode_kernel
+        keep_packed = False  # the 4-bit kernel serves every product: no packed bf16 copy
+    else:
+        keep_packed = True
     loaded = load_model(model or DEFAULT_MODEL, dtype, show_progress=show_progress)
     return SelfSpec(loaded.model, loaded.tokenizer, loaded.name, decode_kernel, device=target,
                     cuda_graphs=cuda_graphs, prefix_cache_mib=prefix_cache_mib,
-                    gguf=gguf_source(loaded, show_progress))
+                    gguf=gguf_source(loaded, show_progress), keep_packed=keep_packed)
 
 
 def gguf_source(loaded: Any, show_progress: bool = True) -> Path | Callable[[], Path] | None:

@@ -93,6 +93,10 @@ class LayerExecutor:
             ``[k·C, (k+1)·C)`` of this many tokens ``C``, so that every position's keys and
             values come from the same calls whatever the prompt's length, and a prefix
             cache's copy of them is exactly what a full prefill computes.
+        keep_packed: keep the oneDNN-packed copies of the weights while the decoding kernel
+            serves every product (``rows="gguf"``, ``"w4a8"``); ``False`` (``--dtype gguf`` /
+            ``w4a8``) never builds them then, which saves about the model's size in its
+            dtype, and packs a matrix when a kernel that needs its dense product is chosen.
 
     Attributes:
         device: the device of the model's weights; backends are chosen for it
@@ -112,7 +116,8 @@ class LayerExecutor:
                  row_attention_max: int = 64, name: str | None = None,
                  bulk: str = "auto", rows: str = "auto",
                  prefill_chunk: int = PREFILL_CHUNK,
-                 gguf: str | Path | Callable[[], Path] | None = None) -> None:
+                 gguf: str | Path | Callable[[], Path] | None = None,
+                 keep_packed: bool = True) -> None:
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedArchitectureError(
@@ -147,9 +152,10 @@ class LayerExecutor:
         # One row-consistency table for every packed weight (probed per shape, not per layer).
         self.row_limits = PackedRowLimits(max(64, row_attention_max))
         self.layer_weights: list[LayerWeights] = [
-            layer_weights(layer, pack_weights, self.row_limits) for layer in self.layers]
+            layer_weights(layer, pack_weights, self.row_limits, keep_packed)
+            for layer in self.layers]
         self.output_weights = Linear(model.lm_head.weight, model.lm_head.bias, pack_weights,
-                                     row_limits=self.row_limits)
+                                     row_limits=self.row_limits, keep_packed=keep_packed)
         self._backend: MatrixBackend | None = None
         self._backends = BackendCache(self.device, max(64, row_attention_max))
         self._gguf_source = gguf

@@ -132,25 +132,38 @@ class Linear:
             ``serves_bulk``.
         row_limits: the row-consistency table of the packed kernel, shared by the linears of
             one executor (``None``: this linear keeps its own).
+        keep_packed: keep the oneDNN-packed copy while a kernel serves every call (``rows``
+            with ``serves_bulk``); ``False`` frees it then (under ``--dtype gguf`` that is
+            most of a bf16 copy of the model) and packs again, at the first
+            :meth:`set_rows` that needs it.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool = True,
                  bulk_dtype: torch.dtype | None = None, rows: RowsKernel | None = None,
-                 row_limits: PackedRowLimits | None = None) -> None:
+                 row_limits: PackedRowLimits | None = None, keep_packed: bool = True) -> None:
         self.weight = weight
         self.bias = bias
         self.row_limits = row_limits if row_limits is not None else PackedRowLimits()
         self.bulk_dtype = None if bulk_dtype == weight.dtype else bulk_dtype
         self.packed: torch.Tensor | None = None
+        self.keep_packed = keep_packed
+        self._may_pack = pack and _can_pack(weight)
+        self._pack_tried = False  # a failed packing is not retried
         self.rows: RowsKernel | None = None
         self.rows_weight: Any = None
         self._copies: list[tuple[RowsKernel, Any]] = []  # each kernel's copy, built once
-        self.set_rows(rows)
-        if (self.rows_weight is None or not self.rows.serves_bulk) and pack and _can_pack(weight):
-            self.packed = _try_pack(weight, bias)
+        self._bind(rows)
+        if keep_packed:  # else packed at the first set_rows that needs it (no transient copy)
+            self._sync_packed()
 
     def set_rows(self, rows: RowsKernel | None) -> None:
-        """Use (``rows``) or stop using (``None``) another kernel for non-bulk calls."""
+        """Use (``rows``) or stop using (``None``) another kernel for non-bulk calls; pack the
+        weight for oneDNN where its own product serves some calls (and free that copy where
+        none does and ``keep_packed`` is ``False``)."""
+        self._bind(rows)
+        self._sync_packed()
+
+    def _bind(self, rows: RowsKernel | None) -> None:
         self.rows, self.rows_weight = None, None
         if rows is not None and self.weight.device.type == "cpu":
             copy = next((c for k, c in self._copies if k is rows), _MISSING)
@@ -159,6 +172,14 @@ class Linear:
                 self._copies.append((rows, copy))
             self.rows_weight = copy
             self.rows = rows if copy is not None else None
+
+    def _sync_packed(self) -> None:
+        serves_all = self.rows is not None and self.rows.serves_bulk
+        if serves_all and not self.keep_packed:
+            self.packed, self._pack_tried = None, False
+        elif not serves_all and self.packed is None and self._may_pack and not self._pack_tried:
+            self._pack_tried = True
+            self.packed = _try_pack(self.weight, self.bias)
 
     @classmethod
     def of_rows(cls, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -78,20 +78,23 @@ def fuse(*linears: torch.nn.Linear) -> torch.Tensor:
     return fused
 
 
-def layer_weights(layer: torch.nn.Module, pack: bool, limits: PackedRowLimits) -> LayerWeights:
+def layer_weights(layer: torch.nn.Module, pack: bool, limits: PackedRowLimits,
+                  keep_packed: bool = True) -> LayerWeights:
     """The weights of one HF decoder layer (``self_attn.{q,k,v,o}_proj``,
     ``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm``), q/k/v
-    and gate/up fused; ``pack``: keep oneDNN-packed copies (:class:`Linear`)."""
+    and gate/up fused; ``pack``: keep oneDNN-packed copies, ``keep_packed``: also while a
+    kernel serves every call (:class:`Linear`)."""
     attn, mlp = layer.self_attn, layer.mlp
+    opts = {"row_limits": limits, "keep_packed": keep_packed}
     return LayerWeights(
         attn_norm=layer.input_layernorm.weight,
         attn_norm_eps=layer.input_layernorm.variance_epsilon,
         qkv=Linear(fuse(attn.q_proj, attn.k_proj, attn.v_proj),
-                   cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), pack, row_limits=limits),
-        o=Linear(attn.o_proj.weight, attn.o_proj.bias, pack, row_limits=limits),
+                   cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), pack, **opts),
+        o=Linear(attn.o_proj.weight, attn.o_proj.bias, pack, **opts),
         mlp_norm=layer.post_attention_layernorm.weight,
         mlp_norm_eps=layer.post_attention_layernorm.variance_epsilon,
         gate_up=Linear(fuse(mlp.gate_proj, mlp.up_proj), cat_bias(mlp.gate_proj, mlp.up_proj),
-                       pack, row_limits=limits),
-        down=Linear(mlp.down_proj.weight, mlp.down_proj.bias, pack, row_limits=limits),
+                       pack, **opts),
+        down=Linear(mlp.down_proj.weight, mlp.down_proj.bias, pack, **opts),
         act=mlp.act_fn)
