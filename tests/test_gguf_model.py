@@ -221,8 +221,9 @@ def test_dtype_gguf_takes_its_dense_prefill_kernel_and_refuses_others(monkeypatc
 
 def test_a_gguf_only_engine_keeps_no_packed_dense_copy_until_one_is_needed(tmp_path):
     """``keep_packed=False`` (``load(dtype="gguf")``): no oneDNN copy of the dense weights
-    while the blocks serve every product; ``gguf+dense`` packs them for its prefill and
-    ``gguf`` frees them again, the tokens those of an engine that kept them."""
+    while the blocks serve decoding, under ``gguf`` and under ``gguf+dense`` (whose prefill
+    takes ``F.linear``), the tokens those of an engine that kept them; kernel ``weights``
+    (decoding on the dense product) packs them and ``gguf`` frees them again."""
     model = tiny_model("llama", seed=0, dtype=torch.bfloat16, **SHAPE)
     path = write_tiny_gguf(model, tmp_path / "lean.gguf")
     lean = SelfSpec(model, tiny_tokenizer(), "tiny", decode_kernel="gguf", gguf=path,
@@ -241,12 +242,13 @@ def test_a_gguf_only_engine_keeps_no_packed_dense_copy_until_one_is_needed(tmp_p
     assert not any(packed())
     assert (lean.generate(prompt, max_new_tokens=12).token_ids
             == full.generate(prompt, max_new_tokens=12).token_ids)
+    ex.set_decode_kernel("gguf+dense")
+    assert not any(packed())
+    ar = lean.generate(prompt, max_new_tokens=12).token_ids
+    assert lean.generate(prompt, method="auto", max_new_tokens=12).token_ids == ar
     if full.executor.output_weights.packed is None:
         pytest.skip("no oneDNN packed kernel in this torch build")
-    ex.set_decode_kernel("gguf+dense")
-    full.executor.set_decode_kernel("gguf+dense")
+    ex.set_decode_kernel("weights")
     assert all(packed())
-    assert (lean.generate(prompt, method="auto", max_new_tokens=12).token_ids
-            == full.generate(prompt, max_new_tokens=12).token_ids)
     ex.set_decode_kernel("gguf")
     assert not any(packed())

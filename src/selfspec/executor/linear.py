@@ -132,10 +132,11 @@ class Linear:
             ``serves_bulk``.
         row_limits: the row-consistency table of the packed kernel, shared by the linears of
             one executor (``None``: this linear keeps its own).
-        keep_packed: keep the oneDNN-packed copy while a kernel serves every call (``rows``
-            with ``serves_bulk``); ``False`` frees it then (under ``--dtype gguf`` that is
-            most of a bf16 copy of the model) and packs again, at the first
-            :meth:`set_rows` that needs it.
+        keep_packed: keep the oneDNN-packed copy while a ``rows`` kernel serves the non-bulk
+            calls; ``False`` frees it then (under ``--dtype gguf`` that is most of a bf16
+            copy of the model: bulk calls the kernel does not serve take ``F.linear``, which
+            packs per call) and packs again at the first :meth:`set_rows` that leaves
+            decoding to the weight's own product.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool = True,
@@ -174,10 +175,13 @@ class Linear:
             self.rows = rows if copy is not None else None
 
     def _sync_packed(self) -> None:
-        serves_all = self.rows is not None and self.rows.serves_bulk
-        if serves_all and not self.keep_packed:
+        # Without keep_packed, a kernel that serves the non-bulk calls leaves at most bulk
+        # calls (prefill, long free blocks) to the dense product: F.linear reorders the
+        # weight per call, which a block of that size amortizes, and no copy stays resident.
+        if self.rows is not None and not self.keep_packed:
             self.packed, self._pack_tried = None, False
-        elif not serves_all and self.packed is None and self._may_pack and not self._pack_tried:
+        elif (self.rows is None or not self.rows.serves_bulk) and self.packed is None \
+                and self._may_pack and not self._pack_tried:
             self._pack_tried = True
             self.packed = _try_pack(self.weight, self.bias)
 
