@@ -11,7 +11,10 @@ import torch
 # Make tests/tiny.py importable as `tiny` from every test module.
 sys.path.insert(0, str(Path(__file__).parent))
 
-_DEFAULT_THREADS = torch.get_num_threads()
+# Under pytest-xdist (the README's `-n 2`) every worker runs single-threaded: two workers keep
+# both cores busy, and a second intra-op thread per worker would spin against the other
+# worker's (OpenMP's busy wait), making the real-model tests 2-5x slower.
+_DEFAULT_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else torch.get_num_threads()
 
 
 def pytest_configure(config):
