@@ -82,7 +82,7 @@ def test_a_cpu_only_format_on_another_device_leaves_every_matrix_on_its_weights(
     model = tiny_model("llama", dtype=torch.bfloat16).to("meta")
     chosen = []
 
-    def formats(dtype, device, bulk, rows):
+    def formats(dtype, device, bulk, rows, largest_matrix_bytes=None):
         chosen.append(torch.device(device).type)
         return ComputeFormats(dtype, dtype, "test", "bf16", 0)
 

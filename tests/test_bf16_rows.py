@@ -116,6 +116,23 @@ def test_choose_rows_prefers_the_bf16_kernel_where_bf16_is_emulated(monkeypatch)
     monkeypatch.setattr(cpu, "native_bf16", lambda: True)
     monkeypatch.setattr(bf16_rows, "bf16_rows_available", lambda: True)
     assert cpu.choose_rows(torch.bfloat16, "cpu", "auto") == "weights"  # native bf16 wins
+    # ... except for models whose matrices are all small (SmolLM2-135M): the fused sub-layers
+    assert cpu.choose_rows(torch.bfloat16, "cpu", "auto",
+                           cpu.NATIVE_BF16_ROWS_MAX_BYTES - 1) == "bf16"
+
+
+@needs_kernel
+@pytest.mark.parametrize("native", [True, False])
+def test_long_bulk_calls_take_native_bf16_where_the_cpu_has_it(native):
+    """Bulk calls beyond BULK_MAX_ROWS rows (prefill) without an fp16 copy: torch's bf16 GEMM
+    where bf16 is native (the weight as it is), else an fp32 GEMM on an fp32 cast."""
+    kernel = Bf16Rows(native_bulk=native)
+    weight, bias = _weight(24, 64), torch.randn(24)
+    x = torch.randn(bf16_rows.BULK_MAX_ROWS + 5, 64).to(torch.bfloat16)
+    got = kernel.bulk(x, kernel.prepack(weight, bias))
+    want = (F.linear(x, weight, bias.bfloat16()) if native
+            else F.linear(x.float(), weight.float(), bias).bfloat16())
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
 @needs_kernel

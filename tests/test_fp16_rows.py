@@ -98,6 +98,15 @@ def test_choose_rows(monkeypatch):
     assert cpu.choose_rows(torch.bfloat16, "cpu", "weights") == "weights"
     monkeypatch.setattr(cpu, "native_bf16", lambda: True)
     assert cpu.choose_rows(torch.bfloat16, "cpu", "auto") == "weights"
+    # Native bf16: selfspec's bf16 kernel (fused sub-layers) for models of small matrices only,
+    # prefill staying on oneDNN (no FBGEMM copies).
+    small, large = cpu.NATIVE_BF16_ROWS_MAX_BYTES - 1, cpu.NATIVE_BF16_ROWS_MAX_BYTES
+    assert cpu.choose_rows(torch.bfloat16, "cpu", "auto", large) == "weights"
+    assert cpu.choose_rows(torch.float16, "cpu", "auto", small) == "weights"
+    assert cpu.choose_rows(torch.bfloat16, "meta", "auto", small) == "weights"
+    monkeypatch.setattr("selfspec.executor.bf16_rows.bf16_rows_available", lambda: True)
+    assert cpu.choose_rows(torch.bfloat16, "cpu", "auto", small) == "bf16"
+    assert cpu.choose_formats(torch.bfloat16, "cpu", "auto", "auto", small).rows_min_bytes == 0
     monkeypatch.setattr(cpu, "native_bf16", lambda: False)
     # Without selfspec's bf16 kernel (no compiler), auto takes FBGEMM for the large matrices.
     monkeypatch.setattr("selfspec.executor.bf16_rows.bf16_rows_available", lambda: False)

@@ -124,10 +124,12 @@ def select_backend(device: torch.device | str, rows: str, min_bytes: int = 0,
             "model or a local .gguf with dtype 'gguf' (--dtype gguf)")
     if rows == "fp16":
         return Fp16Rows(max_rows, min_bytes)
-    if rows == "bf16":
-        return Bf16Rows(min_bytes or None)
-    if rows == "bf16+fp16":
-        return ChainRows(Fp16Rows(max_rows, min_bytes), Bf16Rows())
+    if rows in ("bf16", "bf16+fp16"):
+        from selfspec.executor.cpu import native_bf16
+
+        if rows == "bf16":
+            return Bf16Rows(min_bytes or None, native_bulk=native_bf16())
+        return ChainRows(Fp16Rows(max_rows, min_bytes), Bf16Rows(native_bulk=native_bf16()))
     if rows == "int4":
         from selfspec.executor.int4_rows import Int4Rows
 

@@ -124,6 +124,10 @@ class Bf16Rows:
         bulk_min_bytes: keep an FBGEMM fp16 copy of every weight of at least this many bytes
             for bulk calls of more than :data:`BULK_MAX_ROWS` rows (prefill at FBGEMM's speed,
             2 more bytes a weight); ``None``: no copies.
+        native_bulk: the CPU multiplies bf16 natively
+            (:func:`selfspec.executor.cpu.native_bf16`): bulk calls beyond
+            :data:`BULK_MAX_ROWS` rows without an fp16 copy take torch's bf16 GEMM on the
+            weight as it is, not an fp32 GEMM on a cast of it.
 
     Raises:
         RuntimeError: the kernel is not available here (check :func:`bf16_rows_available`),
@@ -137,7 +141,7 @@ class Bf16Rows:
 
     serves_bulk = True
 
-    def __init__(self, bulk_min_bytes: int | None = None) -> None:
+    def __init__(self, bulk_min_bytes: int | None = None, native_bulk: bool = False) -> None:
         lib = _library()
         if lib.call is None:
             raise RuntimeError(f"the bf16 rows kernel is not available: {lib.reason}")
@@ -145,6 +149,7 @@ class Bf16Rows:
             raise RuntimeError("fp16 bulk copies need FBGEMM's fp16 linear in this torch build")
         self._fn = lib.call
         self.bulk_min_bytes = bulk_min_bytes
+        self.native_bulk = native_bulk
 
     def prepack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Bf16Weight | None:
         """The weight as the kernel reads it (with its fp16 bulk copy where
@@ -164,13 +169,16 @@ class Bf16Rows:
     def bulk(self, x: torch.Tensor, packed: Bf16Weight) -> torch.Tensor:
         """``[..., K]`` → ``[..., N]`` for prefill and other bulk work (need not match one-token
         decoding bit for bit): this kernel up to :data:`BULK_MAX_ROWS` rows, else FBGEMM on
-        the weight's fp16 copy where it has one, else an fp32 GEMM on a per-call fp32 cast of
-        the weight (compute-bound there, where blocked kernels beat this one)."""
+        the weight's fp16 copy where it has one, else torch's bf16 GEMM where the CPU has
+        native bf16 (oneDNN's AMX / AVX512-BF16 kernel), else an fp32 GEMM on a per-call fp32
+        cast of the weight (compute-bound there, where blocked kernels beat this one)."""
         if x.numel() <= BULK_MAX_ROWS * x.shape[-1]:
             return self(x, packed)
         if packed.bulk_copy is not None:
             return bulk_product(x, packed.bulk_copy)
         bias = packed.bias
+        if x.dtype == torch.bfloat16 and self.native_bulk:
+            return F.linear(x, packed.weight, None if bias is None else bias.to(x.dtype))
         return F.linear(x.float(), packed.weight.float(), bias).to(x.dtype)
 
     def decode_bytes(self, packed: Bf16Weight, weight: torch.Tensor,

@@ -254,9 +254,18 @@ QUANTIZED_ROWS = ("int4", "w4a8", "gguf")
 # EPYC; docs/results/auto/bench-2026-11-26-he-prefetch).
 AUTO_ROWS_MIN_BYTES = 4 << 20
 
+#: On CPUs with native bf16, ``auto`` decodes a bf16 model on selfspec's bf16 kernel (with its
+#: fused sub-layers: two calls a layer instead of ~55 torch operators) when every
+#: decoder-layer matrix is smaller than this. Measured on a 2-core AMX Xeon
+#: (docs/results/executor-profile/native-bf16-rows-2026-11-29): SmolLM2-135M (largest 3.4 MiB)
+#: `ar` 1.77x and `auto` 1.40x faster than on oneDNN, a verification block of 16 tokens still
+#: cheaper; Qwen2.5-1.5B (largest 52 MiB) `ar` 1.12x but `auto` 0.59x, its verification
+#: blocks compute-bound on the AVX2 kernel where oneDNN's AMX keeps them near one token's cost.
+NATIVE_BF16_ROWS_MAX_BYTES = 4 << 20
+
 
 def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
-                rows: str = "auto") -> str:
+                rows: str = "auto", largest_matrix_bytes: int | None = None) -> str:
     """The kernel of decoding and verification products for weights stored as ``weights``.
 
     Args:
@@ -264,8 +273,10 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
             (selfspec's AVX2 bf16 kernel for every matrix; prefill on FBGEMM fp16 copies of
             the matrices of at least :data:`AUTO_ROWS_MIN_BYTES` where FBGEMM is available)
             where that kernel builds, else (and for fp16 weights) ``"fp16"`` for matrices of
-            at least :data:`AUTO_ROWS_MIN_BYTES` where FBGEMM is available; elsewhere
-            ``"weights"``. ``"weights"``, ``"bf16"``, ``"bf16+fp16"`` (FBGEMM for the matrices
+            at least :data:`AUTO_ROWS_MIN_BYTES` where FBGEMM is available; on a CPU with
+            native bf16, for bf16 weights whose largest decoder-layer matrix is under
+            :data:`NATIVE_BF16_ROWS_MAX_BYTES`, ``"bf16"`` too (prefill stays on oneDNN's
+            native bf16); elsewhere ``"weights"``. ``"weights"``, ``"bf16"``, ``"bf16+fp16"`` (FBGEMM for the matrices
             of at least :data:`AUTO_ROWS_MIN_BYTES`, the bf16 kernel for the rest) or
             ``"fp16"`` (every matrix on FBGEMM) to force, or ``"int4"``: int4 copies of every matrix
             whose input size is a multiple of 32 (:mod:`selfspec.executor.int4_rows`; lossy;
@@ -331,11 +342,16 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
             return "bf16"
         if fbgemm_fp16_available():
             return "fp16"
+    if (rows == "auto" and sixteen and weights == torch.bfloat16
+            and largest_matrix_bytes is not None
+            and largest_matrix_bytes < NATIVE_BF16_ROWS_MAX_BYTES and bf16_rows_available()):
+        return "bf16"
     return "weights"
 
 
 def choose_formats(weights: torch.dtype, device: torch.device | str = "cpu",
-                   bulk: str = "auto", rows: str = "auto") -> ComputeFormats:
+                   bulk: str = "auto", rows: str = "auto",
+                   largest_matrix_bytes: int | None = None) -> ComputeFormats:
     """Pick the bulk format, and the decoding kernel (:func:`choose_rows`), for weights
     stored as ``weights`` on ``device``.
 
@@ -344,19 +360,21 @@ def choose_formats(weights: torch.dtype, device: torch.device | str = "cpu",
         device: where it runs; only CPUs get a different bulk format.
         bulk: ``"auto"`` (fp32 for bf16/fp16 weights on a CPU without native bf16, else the
             weights' format), or ``"bf16"`` / ``"fp16"`` / ``"fp32"`` / ``"weights"`` to force.
-        rows: see :func:`choose_rows`.
+        rows, largest_matrix_bytes: see :func:`choose_rows`.
 
     Raises:
         InvalidArgumentError: ``bulk`` or ``rows`` is none of those.
     """
     from selfspec.executor.fp16_rows import fbgemm_fp16_available
 
-    kernel = choose_rows(weights, device, rows)
+    kernel = choose_rows(weights, device, rows, largest_matrix_bytes)
     # FBGEMM takes the matrices of at least AUTO_ROWS_MIN_BYTES in the chain and under auto's
-    # "fp16"; under "bf16" (with FBGEMM) they keep fp16 copies for bulk work (prefill) only.
+    # "fp16"; under "bf16" (with FBGEMM) they keep fp16 copies for bulk work (prefill) only,
+    # except where bf16 is native and auto chose it (oneDNN's bf16 prefill is faster).
+    native_auto = rows == "auto" and kernel == "bf16" and native_bf16()
     row_args = (kernel, AUTO_ROWS_MIN_BYTES
                 if kernel == "bf16+fp16" or (rows == "auto" and kernel == "fp16")
-                or (kernel == "bf16" and fbgemm_fp16_available()) else 0)
+                or (kernel == "bf16" and fbgemm_fp16_available() and not native_auto) else 0)
     if bulk == "weights":
         return ComputeFormats(weights, weights, "as requested", *row_args)
     if bulk != "auto":

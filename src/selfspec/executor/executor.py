@@ -184,7 +184,9 @@ class LayerExecutor:
         """
         if rows is None:
             rows = self._rows_request if hasattr(self, "formats") else "auto"
-        formats = choose_formats(self.dtype, self.device, bulk, rows)
+        largest = max((lin.weight.numel() * lin.weight.element_size()
+                       for w in self.layer_weights for lin in w.matrices), default=None)
+        formats = choose_formats(self.dtype, self.device, bulk, rows, largest)
         if formats.rows in GGUF_ROWS and not self._backends.has("gguf"):
             self._attach_gguf()
         self._bulk_request, self._rows_request = bulk, rows
