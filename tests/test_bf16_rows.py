@@ -31,20 +31,30 @@ def _weight(n, k, seed=0):
     return (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
 
 
+def _build(isa):
+    lib = bf16_rows._library(isa)
+    if lib.call is None:
+        pytest.skip(f"the {isa} build is unavailable here: {lib.reason}")
+    return lambda x, packed: bf16_rows._product(lib.call, x, packed)
+
+
 @needs_kernel
-@settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 20), k=st.sampled_from([8, 15, 64, 200, 577]),
+@pytest.mark.parametrize("isa", bf16_rows.ISAS)
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 20), k=st.sampled_from([8, 15, 64, 100, 200, 577]),
        n=st.sampled_from([1, 7, 72, 301]), bias=st.booleans(), seed=st.integers(0, 999))
-def test_each_row_is_the_same_in_any_block(kernel, rows, k, n, bias, seed):
+def test_each_row_is_the_same_in_any_block(isa, rows, k, n, bias, seed):
     """Verification's rows equal one-token decoding's, bit for bit, at any block size (groups
-    of six rows, weight rows in pairs for one or two rows, odd N, K with a scalar tail), and
-    agree with an fp32 product to bf16 rounding."""
+    of six (AVX2) or eight (AVX512-BF16) rows, weight rows in pairs for one or two rows, odd
+    N, K with a scalar or masked tail), and agree with an fp32 product to bf16 rounding; for
+    each build (``chosen_isa`` takes one per process)."""
+    product = _build(isa)
     weight = _weight(n, k, seed)
     b = torch.randn(n).to(torch.bfloat16) if bias else None
-    packed = kernel.prepack(weight, b)
+    packed = bf16_rows._weight(weight, b)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
-    together = kernel(x, packed)
-    alone = torch.cat([kernel(row, packed) for row in x.split(1)])
+    together = product(x, packed)
+    alone = torch.cat([product(row, packed) for row in x.split(1)])
     assert together.dtype == torch.bfloat16 and together.shape == (rows, n)
     assert torch.equal(together, alone)
     want = F.linear(x.float(), weight.float(), None if b is None else b.float())

@@ -1,5 +1,6 @@
-"""bf16-weight matrix products for decoding and verification on AVX2 CPUs (``--decode-kernel
-bf16``; what ``auto`` picks where bf16 is emulated and a C++ compiler is present).
+"""bf16-weight matrix products for decoding and verification on x86 CPUs (``--decode-kernel
+bf16``; what ``auto`` picks where bf16 is emulated and a C++ compiler is present, and where it
+is native for models of small matrices: :func:`selfspec.executor.cpu.choose_rows`).
 
 Why: on x86 CPUs without native bf16 torch's bf16 ``F.linear`` converts as it multiplies and
 its cost grows with the rows, so verifying ``D`` draft tokens costs about ``D + 1`` decoding
@@ -20,6 +21,12 @@ rows, the row's place in the call and the threads' split of the outputs.
 Build: compiled at first use (:mod:`selfspec.executor.native`), loaded with ``ctypes`` and
 checked against ``F.linear`` on a probe. Where any of that fails (no compiler,
 no AVX2/FMA, not x86) :func:`bf16_rows_available` says why and ``auto`` keeps the other kernels.
+Two builds of the source (:data:`ISAS`): ``"avx2"`` as above, and ``"avx512bf16"`` on CPUs
+with AVX512-BF16 (``vdpbf16ps``: pairs of bf16 weights times bf16 activations into fp32
+lanes, 32 products an instruction against AVX2's 8; the activations are rounded to bf16 once
+per call, as bf16 ``F.linear``'s are), which the process takes where it loads
+(:func:`chosen_isa`), so that verification rows cost less compute there. Each build is
+row-consistent; they round differently from each other.
 """
 
 from __future__ import annotations
@@ -70,10 +77,34 @@ def bf16_rows_unavailable_reason() -> str:
     return _library().reason
 
 
+#: The builds: AVX2 + FMA (fp32 FMAs on converted weights), and AVX512-BF16 (``vdpbf16ps``).
+ISAS = ("avx2", "avx512bf16")
+_FLAGS = {"avx2": (), "avx512bf16": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
+                                     "-DSELFSPEC_BF16_NATIVE")}
+_CPU_FLAGS = {"avx2": (), "avx512bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")}
+
+
 @cache
-def _library() -> native.Kernel:
+def _library(isa: str = "auto") -> native.Kernel:
+    """The ``isa`` build (``"auto"``: :func:`chosen_isa`), loaded and probed (never raises:
+    a failure is the kernel's ``reason``)."""
+    if isa == "auto":
+        return _library(chosen_isa())
+    if isa not in ISAS:
+        raise ValueError(f"isa must be 'auto' or one of {', '.join(ISAS)}, not {isa!r}")
+    if isa == "avx512bf16" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        # ATen's own detection too: a machine whose cpuinfo cannot be read never runs
+        # AVX-512 code it lacks (the probe would die of SIGILL).
+        return native.Kernel(None, "needs a CPU with AVX-512 (ATen's AVX512 level)")
     return native.load(SOURCE, "selfspec_bf16_rows", [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
-                       _probe)
+                       _probe, extra_flags=_FLAGS[isa], cpu_flags=_CPU_FLAGS[isa])
+
+
+@cache
+def chosen_isa() -> str:
+    """The build the process uses: ``"avx512bf16"`` where the CPU lists avx512f/bw/vl and
+    avx512_bf16 and that build loads and passes its probe, else ``"avx2"``."""
+    return "avx512bf16" if _library("avx512bf16").call is not None else "avx2"
 
 
 def _weight(weight: torch.Tensor, bias: torch.Tensor | None) -> Bf16Weight:

@@ -257,10 +257,11 @@ AUTO_ROWS_MIN_BYTES = 4 << 20
 #: On CPUs with native bf16, ``auto`` decodes a bf16 model on selfspec's bf16 kernel (with its
 #: fused sub-layers: two calls a layer instead of ~55 torch operators) when every
 #: decoder-layer matrix is smaller than this. Measured on a 2-core AMX Xeon
-#: (docs/results/executor-profile/native-bf16-rows-2026-11-29): SmolLM2-135M (largest 3.4 MiB)
-#: `ar` 1.77x and `auto` 1.40x faster than on oneDNN, a verification block of 16 tokens still
-#: cheaper; Qwen2.5-1.5B (largest 52 MiB) `ar` 1.12x but `auto` 0.59x, its verification
-#: blocks compute-bound on the AVX2 kernel where oneDNN's AMX keeps them near one token's cost.
+#: (docs/results/executor-profile/native-bf16-rows-2026-11-29, the kernel's AVX512-BF16
+#: build): SmolLM2-135M (largest 3.4 MiB) `ar` 2.2x and `auto` 1.3-1.6x faster than on oneDNN,
+#: a verification block of 16 tokens still cheaper; Qwen2.5-1.5B (largest 52 MiB) `ar` 1.19x
+#: but `auto` 0.74x, its verification blocks compute-bound on the kernel (16 tokens 2.4-2.7x
+#: one) where oneDNN's AMX keeps them near one token's cost.
 NATIVE_BF16_ROWS_MAX_BYTES = 4 << 20
 
 

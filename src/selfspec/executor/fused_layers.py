@@ -3,7 +3,7 @@
 ``selfspec_<kernel>_attention``, ``selfspec_<kernel>_mlp``), for executors whose every
 projection decodes on one of selfspec's own kernels: ``w4a8`` (``--dtype w4a8``, the
 ``draft_view("w4a8")`` that ``qspec`` drafts on), ``bf16`` (bf16 models on CPUs that emulate
-bf16, where the layers' matrices are small enough for that kernel: SmolLM2-135M) or ``gguf``
+bf16, and on CPUs with native bf16 where the layers' matrices are small: SmolLM2-135M) or ``gguf``
 (``--dtype gguf``: the GGUF file's own blocks, one build per ISA).
 
 Why: with the products on these kernels, what is left of a decode step is some thirty small

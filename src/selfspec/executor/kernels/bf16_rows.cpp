@@ -1,4 +1,8 @@
-// Row-consistent bf16-weight matrix products for AVX2 + FMA CPUs without native bf16.
+// Row-consistent bf16-weight matrix products, built twice from this source: for AVX2 + FMA
+// CPUs without native bf16, and (SELFSPEC_BF16_NATIVE) for CPUs with AVX512-BF16, where
+// vdpbf16ps multiplies pairs of bf16 weights and bf16 activations into fp32 lanes: 32 products
+// an instruction against the AVX2 build's 8, so that verification rows cost less compute
+// (activations are rounded to bf16 once per call; the weights are read as they are).
 //
 // y[t, n] = bf16(sum_k w[n, k] * x[t, k] (+ bias[n])), w bf16 [N, K] row-major, x bf16 [T, K],
 // y bf16 [T, N], products and sums in fp32.
@@ -35,6 +39,7 @@ namespace {
 constexpr int64_t kPrefetchStreaming = SELFSPEC_BF16_PREFETCH;
 constexpr int64_t kPrefetch = 1024;
 
+#ifndef SELFSPEC_BF16_NATIVE
 inline float finish(__m256 a, __m256 b, const uint16_t* w, const float* x, int64_t k0,
                     int64_t K) {
   float sum = hsum(_mm256_add_ps(a, b));
@@ -112,6 +117,110 @@ void product(const uint16_t* w, const float* x, const float* bias, int64_t T, in
   });
   if (pairs && (N & 1)) rows_group<1, kPrefetchStreaming>(w, x, store, bias, N - 1, T, K);
 }
+#endif  // !SELFSPEC_BF16_NATIVE
+
+#ifdef SELFSPEC_BF16_NATIVE
+// AVX512-BF16 build: two 16-lane accumulators over alternating 32-wide chunks of k, the last
+// partial chunk masked (zero pairs add nothing, exactly), a fixed horizontal sum, then the
+// bias: the same order for every row whatever the grouping, so rows stay consistent.
+inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh load_bh(const uint16_t* p, __mmask32 m) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
+}
+inline __mmask32 tail_mask(int64_t count) {  // the first min(count, 32) lanes (count > 0)
+  return count >= 32 ? ~__mmask32(0) : (__mmask32(1) << count) - 1;
+}
+
+template <int NR, int TB, int64_t PF, typename Store>
+inline void tile_bh(const uint16_t* w, const uint16_t* x, int64_t t0, Store& store,
+                    const float* bias, int64_t n, int64_t K) {
+  const int64_t K64 = K & ~int64_t(63);
+  __m512 a[NR][TB], b[NR][TB];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < TB; ++t) a[r][t] = b[r][t] = _mm512_setzero_ps();
+  const uint16_t* row = w + n * K;
+  for (int64_t k = 0; k < K64; k += 64) {
+    for (int r = 0; r < NR; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + r * K + k + PF), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + r * K + k + PF + 32), _MM_HINT_T0);
+    }
+    __m512bh u[NR], v[NR];
+    for (int r = 0; r < NR; ++r) {
+      u[r] = load_bh(row + r * K + k);
+      v[r] = load_bh(row + r * K + k + 32);
+    }
+    for (int t = 0; t < TB; ++t) {
+      const __m512bh xa = load_bh(x + t * K + k), xb = load_bh(x + t * K + k + 32);
+      for (int r = 0; r < NR; ++r) {
+        a[r][t] = _mm512_dpbf16_ps(a[r][t], u[r], xa);
+        b[r][t] = _mm512_dpbf16_ps(b[r][t], v[r], xb);
+      }
+    }
+  }
+  if (K64 < K) {  // 1..63 inputs left: the first chunk into a, the rest (if any) into b
+    const __mmask32 ma = tail_mask(K - K64);
+    const __mmask32 mb = K - K64 > 32 ? tail_mask(K - K64 - 32) : __mmask32(0);
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh u = load_bh(row + r * K + K64, ma);
+      const __m512bh v = load_bh(row + r * K + K64 + 32, mb);
+      for (int t = 0; t < TB; ++t) {
+        a[r][t] = _mm512_dpbf16_ps(a[r][t], u, load_bh(x + t * K + K64, ma));
+        b[r][t] = _mm512_dpbf16_ps(b[r][t], v, load_bh(x + t * K + K64 + 32, mb));
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < TB; ++t) {
+      float s = _mm512_reduce_add_ps(_mm512_add_ps(a[r][t], b[r][t]));
+      if (bias) s += bias[n + r];
+      store(t0 + t, n + r, s);
+    }
+}
+
+template <int NR, int64_t PF, typename Store>
+inline void rows_group_bh(const uint16_t* w, const uint16_t* x, Store& store, const float* bias,
+                          int64_t n, int64_t T, int64_t K) {
+  // Groups of up to eight activation rows per pass over the weight row(s) (32 zmm registers).
+  for (int64_t t = 0; t < T;) {
+    const uint16_t* xt = x + t * K;
+    switch (T - t >= 8 ? 8 : T - t) {
+      case 8: tile_bh<NR, 8, PF>(w, xt, t, store, bias, n, K); t += 8; break;
+      case 7: tile_bh<NR, 7, PF>(w, xt, t, store, bias, n, K); t += 7; break;
+      case 6: tile_bh<NR, 6, PF>(w, xt, t, store, bias, n, K); t += 6; break;
+      case 5: tile_bh<NR, 5, PF>(w, xt, t, store, bias, n, K); t += 5; break;
+      case 4: tile_bh<NR, 4, PF>(w, xt, t, store, bias, n, K); t += 4; break;
+      case 3: tile_bh<NR, 3, PF>(w, xt, t, store, bias, n, K); t += 3; break;
+      case 2: tile_bh<NR, 2, PF>(w, xt, t, store, bias, n, K); t += 2; break;
+      default: tile_bh<NR, 1, PF>(w, xt, t, store, bias, n, K); t += 1; break;
+    }
+  }
+}
+
+// y[t, n] = w_n . x_t + bias[n] (bf16 x [T, K]), handed to store(t, n, y).
+template <typename Store>
+void product_bh(const uint16_t* w, const uint16_t* x, const float* bias, int64_t T, int64_t K,
+                int64_t N, Store store) {
+  const bool pairs = T <= 2;  // as product(): weight rows in pairs for one or two rows
+  const int64_t step = pairs ? 2 : 1;
+  const int64_t units = N / step;
+  at::parallel_for(0, units, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      if (pairs) rows_group_bh<2, kPrefetchStreaming>(w, x, store, bias, u * 2, T, K);
+      else rows_group_bh<1, kPrefetch>(w, x, store, bias, u, T, K);
+    }
+  });
+  if (pairs && (N & 1)) rows_group_bh<1, kPrefetchStreaming>(w, x, store, bias, N - 1, T, K);
+}
+
+// fp32 activations (the fused sub-layers'): rounded to bf16 once, then as above.
+template <typename Store>
+void product(const uint16_t* w, const float* x, const float* bias, int64_t T, int64_t K,
+             int64_t N, Store store) {
+  std::vector<uint16_t> x16(static_cast<size_t>(T * K));
+  for (int64_t i = 0; i < T * K; ++i) x16[i] = float_to_bf16(x[i]);
+  product_bh(w, x16.data(), bias, T, K, N, store);
+}
+#endif  // SELFSPEC_BF16_NATIVE
 
 // One bf16 matrix [N, K] (Bf16Weight's ctypes mirror in fused_layers.py).
 struct Matrix {
@@ -134,6 +243,15 @@ struct Bf16Product {
 extern "C" {
 
 // Version of this kernel's numerics; a change of rounding must change it.
+#ifdef SELFSPEC_BF16_NATIVE
+int selfspec_bf16_rows_version() { return 101; }
+
+void selfspec_bf16_rows(const uint16_t* w, const uint16_t* x16, uint16_t* y, const float* bias,
+                        int64_t T, int64_t K, int64_t N) {
+  product_bh(w, x16, bias, T, K, N,
+             [&](int64_t t, int64_t n, float v) { y[t * N + n] = float_to_bf16(v); });
+}
+#else
 int selfspec_bf16_rows_version() { return 1; }
 
 void selfspec_bf16_rows(const uint16_t* w, const uint16_t* x16, uint16_t* y, const float* bias,
@@ -143,6 +261,7 @@ void selfspec_bf16_rows(const uint16_t* w, const uint16_t* x16, uint16_t* y, con
   product(w, x.data(), bias, T, K, N,
           [&](int64_t t, int64_t n, float v) { y[t * N + n] = float_to_bf16(v); });
 }
+#endif
 
 // Whole sub-layers on bf16 matrices (fused_layers.h; the args' matrices are Matrix).
 void selfspec_bf16_attention(const AttentionArgs* args) { attention<Bf16Product>(*args); }
