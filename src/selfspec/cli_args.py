@@ -91,8 +91,9 @@ def add_weight_format_arguments(parser) -> None:
     parser.add_argument(
         "--decode-kernel", default="auto", choices=list(ROWS_FORMATS),
         help="kernel of decoding and verification products: auto (on CPUs that emulate "
-             "bf16: bf16, i.e. selfspec's AVX2 bf16 kernel for every matrix, prefill on "
-             "FBGEMM fp16 copies of matrices >= 4 MiB), bf16+fp16 (FBGEMM's fp16-weight "
+             "bf16: bf16, i.e. selfspec's bf16 kernel for every matrix, prefill on "
+             "FBGEMM fp16 copies of matrices >= 4 MiB; where bf16 is native: bf16 for "
+             "models whose layer matrices are all < 4 MiB, else weights), bf16+fp16 (FBGEMM's fp16-weight "
              "kernel for matrices >= 4 MiB, selfspec's for the rest), fp16 "
              "(FBGEMM for every matrix), weights (the weights' own format), int4 (4-bit "
              "copies: lossy), w4a8 (4-bit copies, 8-bit activations: lossy), gguf (the "

@@ -216,10 +216,10 @@ class ComputeFormats:
         size = (f" of matrices >= {self.rows_min_bytes / 2**20:g} MiB"
                 if self.rows_min_bytes else "")
         rows = {"fp16": f", decoding and verification on fp16 copies{size} (FBGEMM)",
-                "bf16": ", decoding and verification on selfspec's AVX2 bf16 kernel"
+                "bf16": ", decoding and verification on selfspec's bf16 kernel"
                         + (f" (prefill on fp16 copies{size}, FBGEMM)" if size else ""),
                 "bf16+fp16": f", decoding and verification on fp16 copies{size} (FBGEMM), "
-                             "smaller matrices on selfspec's AVX2 bf16 kernel",
+                             "smaller matrices on selfspec's bf16 kernel",
                 "int4": ", decoding and verification on int4 copies (group 32, lossy vs the "
                         "weights; prefill keeps the weights)",
                 "w4a8": ", every product on selfspec's w4a8 kernel (4-bit weights per block "
