@@ -101,6 +101,7 @@ def test_device_reaches_the_engine_and_every_command_takes_it():
 def test_info_says_which_kernels_run_on_a_gpu(monkeypatch):
     cpu = "\n".join(device_kernels(torch.device("cpu")))
     assert "quantized draft formats" in cpu and "off (CUDA only)" in cpu
+    assert "bf16 kernel (--decode-kernel bf16" in cpu  # its build, or why it is unavailable
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (100 << 30, 140 << 30))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")
     gpu = "\n".join(device_kernels(torch.device("cuda", 0)))

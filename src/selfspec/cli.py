@@ -420,10 +420,21 @@ def device_kernels(device) -> list[str]:
         lines.append(f"device: {device} ({device_name(device)})")
     families = [f for f in BACKEND_DEVICES if runs_on(f, device)]
     lines.append("decoding kernels: " + (
-        ", ".join(families) + " (selfspec's AVX2 bf16/w4a8, FBGEMM fp16, torch int4, "
+        ", ".join(families) + " (selfspec's bf16 and w4a8, FBGEMM fp16, torch int4, "
         "selfspec's GGUF blocks)" if families else
         "the weights' own products (F.linear / cuBLAS): the CPU kernels "
         f"({', '.join(BACKEND_DEVICES)}) do not run on {device.type}"))
+    if "bf16" in families:
+        from selfspec.executor.bf16_rows import (
+            bf16_rows_available,
+            bf16_rows_unavailable_reason,
+        )
+        from selfspec.executor.bf16_rows import chosen_isa as bf16_isa
+
+        lines.append("bf16 kernel (--decode-kernel bf16; auto's where bf16 is emulated, and "
+                     "where it is native for models whose layer matrices are all < 4 MiB): " + (
+                         f"the {bf16_isa()} build" if bf16_rows_available()
+                         else f"unavailable ({bf16_rows_unavailable_reason()})"))
     if "gguf" in families:
         from selfspec.executor.gguf_rows import (
             chosen_isa,
