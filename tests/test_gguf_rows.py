@@ -338,11 +338,37 @@ def test_an_unavailable_build_says_why(monkeypatch):
     asked for an unavailable build raises with the reason, and auto falls back to AVX2."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert "AVX-512" in gguf_rows._library.__wrapped__("avx512").reason
+    assert "AVX-512" in gguf_rows._library.__wrapped__("amx").reason
     missing = gguf_rows._Lib("avx512", "needs a CPU with AVX-512 VNNI")
     real = gguf_rows._library
-    monkeypatch.setattr(gguf_rows, "_library", lambda isa: missing if isa == "avx512" else real(isa))
+    monkeypatch.setattr(gguf_rows, "_library",
+                        lambda isa: missing if isa in ("avx512", "amx") else real(isa))
     assert gguf_rows.chosen_isa() == "avx2"
     assert gguf_rows.gguf_rows_unavailable_reason("avx512") == "needs a CPU with AVX-512 VNNI"
     data = quantize_blocks(torch.randn(4, 256), T.Q4_K)
     with pytest.raises(RuntimeError, match="avx512.*VNNI"):
         GgufMatrix([GgufSegment(T.Q4_K, data)], 256, isa="avx512")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_k_quant_calls_of_every_height_agree_bit_for_bit(isa, qtype):
+    """Q4_K / Q6_K blocks of random bytes (every scale, minimum and code) in 37 rows (groups
+    of 16 and a tail): calls of 1-40 rows, across the AMX build's switch from per-row sums
+    (up to 3 / 4 rows) to tiles of 2, 4, 8 and 16 rows (with padded rows), equal the
+    dequantized product and, row by row, one 40-row call."""
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    n, nb = 37, K // 256
+    gen = np.random.default_rng(5)
+    blocks = gen.integers(0, 256, (n, nb, size), dtype=np.uint8)
+    for at in ([0, 2] if qtype == T.Q4_K else [208]):  # finite fp16 d (and dmin)
+        d = (gen.uniform(0.002, 0.02, (n, nb)) * gen.choice([-1, 1], (n, nb))).astype(np.float16)
+        blocks[..., at:at + 2] = d[..., None].view(np.uint8)
+    mat = GgufMatrix([GgufSegment(qtype, torch.from_numpy(blocks.reshape(n, -1)))], K, isa=isa)
+    x = _inputs(40, seed=4)
+    together = mat(x)
+    want, scale = _ref_product(mat, x)
+    err = np.abs(together.double().numpy() - want)
+    assert (err <= 2e-6 * scale + 1e-30).all(), float((err / scale).max())
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17):
+        assert torch.equal(mat(x[-m:]), together[-m:]), m

@@ -62,7 +62,7 @@ _ACTIVATION = {
     _T.F32: _T.F32, _T.F16: _T.F32, _T.BF16: _T.F32,
 }
 GGUF_ROW_TYPES: tuple[gguf.GGMLQuantizationType, ...] = tuple(_ACTIVATION)
-ISAS = ("avx2", "avx512")
+ISAS = ("avx2", "avx512", "amx")
 
 _FLAGS = {
     # -ffp-contract=off: no compiler-fused multiply-adds, whose choice could differ between
@@ -70,10 +70,14 @@ _FLAGS = {
     "avx2": ("-mf16c", "-ffp-contract=off"),
     "avx512": ("-mf16c", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl",
                "-mavx512vnni"),
+    # the AVX-512 build plus AMX int8 tiles for Q4_K / Q6_K rows (kernels/gguf_amx.h)
+    "amx": ("-mf16c", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl",
+            "-mavx512vnni", "-mamx-tile", "-mamx-int8", "-DSELFSPEC_GGUF_AMX"),
 }
 _CPU_FLAGS = {
     "avx2": ("f16c",),
     "avx512": ("f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+    "amx": ("f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"),
 }
 
 
@@ -130,7 +134,8 @@ def _resolve(isa: str) -> str:
     if isa == "auto":
         return chosen_isa()
     if isa not in ISAS:
-        raise InvalidArgumentError(f"isa must be 'auto', 'avx2' or 'avx512', not {isa!r}")
+        raise InvalidArgumentError(
+            f"isa must be 'auto', 'avx2', 'avx512' or 'amx', not {isa!r}")
     return isa
 
 
@@ -149,7 +154,7 @@ def _avx512_unavailable_reason() -> str:
 @cache
 def _library(isa: str) -> _Lib:
     """The ``isa`` build, loaded and probed (never raises: a failure is the reason)."""
-    if isa == "avx512" and (reason := _avx512_unavailable_reason()):
+    if isa in ("avx512", "amx") and (reason := _avx512_unavailable_reason()):
         return _Lib(isa, reason)
     kernel = native.load(SOURCE, "selfspec_gguf_rows_version", [], partial(_probe, isa),
                          extra_flags=_FLAGS[isa], cpu_flags=_CPU_FLAGS[isa])
@@ -159,9 +164,13 @@ def _library(isa: str) -> _Lib:
 
 
 def chosen_isa() -> str:
-    """The build ``isa="auto"`` uses here: ``"avx512"`` where the CPU lists avx512f, avx512bw,
-    avx512vl and avx512_vnni and that build loads, else ``"avx2"``."""
-    return "avx512" if _library("avx512").rows is not None else "avx2"
+    """The build ``isa="auto"`` uses here: ``"amx"`` where the CPU also lists amx_tile and
+    amx_int8 and Linux grants the tile state, else ``"avx512"`` where the CPU lists avx512f,
+    avx512bw, avx512vl and avx512_vnni and that build loads, else ``"avx2"``."""
+    for isa in ("amx", "avx512"):
+        if _library(isa).rows is not None:
+            return isa
+    return "avx2"
 
 
 def gguf_library(isa: str = "auto") -> ctypes.CDLL | None:
@@ -406,8 +415,12 @@ def quantize_activations(x: torch.Tensor, fmt: gguf.GGMLQuantizationType,
 def _probe(isa: str, version) -> str:
     """Check the ``isa`` build's Q4_K and Q8_0 products against gguf-py's dequantized blocks
     on random data (``""`` when close). ``version`` is the loaded version function."""
-    rows, quantize, act_row_bytes, _ = _functions(
-        ctypes.CDLL(str(native.build(SOURCE, _FLAGS[isa]))))
+    library = ctypes.CDLL(str(native.build(SOURCE, _FLAGS[isa])))
+    if isa == "amx":
+        library.selfspec_gguf_rows_amx.restype = ctypes.c_int64
+        if library.selfspec_gguf_rows_amx() != 1:
+            return "Linux did not grant this process the AMX tile state (arch_prctl)"
+    rows, quantize, act_row_bytes, _ = _functions(library)
     gen = torch.Generator().manual_seed(7)
     k = 512
     x = torch.randn(5, k, generator=gen)

@@ -577,7 +577,8 @@ inline __m512i k_nibbles(const uint8_t* p) {
   return _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi8(0x0f));
 }
 
-inline void dot_kquant32(const KQuant32& w, const BlockQ8_K& x, AccK& acc) {
+// sum_j sc_j (q_j . a_j) of one block, exact, spread over 16 int32 lanes.
+inline __m512i kquant32_isum(const KQuant32& w, const BlockQ8_K& x) {
   __m512i isum = _mm512_setzero_si512();
 #pragma GCC unroll 2
   for (int k = 0; k < 2; ++k) {
@@ -585,6 +586,11 @@ inline void dot_kquant32(const KQuant32& w, const BlockQ8_K& x, AccK& acc) {
     const __m512i p1 = dpbusd0(w.q[2 * k + 1], _mm512_loadu_si512(x.qs + 128 * k + 64));
     isum = _mm512_dpwssd_epi32(isum, _mm512_packs_epi32(p0, p1), w.sc[k]);
   }
+  return isum;
+}
+
+inline void dot_kquant32(const KQuant32& w, const BlockQ8_K& x, AccK& acc) {
+  const __m512i isum = kquant32_isum(w, x);
   const __m256i msum = _mm256_madd_epi16(w.mins, _mm256_loadu_si256(
                                                      reinterpret_cast<const __m256i*>(x.bsums)));
   acc.a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(w.d * x.d), acc.a);
@@ -605,6 +611,7 @@ struct TypeQ4_K {
     for (int j = 0; j < 4; ++j) w.q[j] = k_nibbles(b + 16 + 32 * j);
   }
   static void dot(const Decoded& w, const Act& x, Acc& acc, float&) { dot_kquant32(w, x, acc); }
+  static __m512i isum(const Decoded& w, const Act& x) { return kquant32_isum(w, x); }
 };
 
 struct TypeQ5_K {
@@ -670,7 +677,8 @@ struct TypeQ6_K {
     w.sc[0] = pair_scales(all, {0, 1, 2, 3}, {4, 5, 6, 7});
     w.sc[1] = pair_scales(all, {8, 9, 10, 11}, {12, 13, 14, 15});
   }
-  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) {
+  // sum_i sc_i ((u_i - 32) . a_i) of one block, exact, spread over 16 int32 lanes.
+  static __m512i isum(const Decoded& w, const Act& x) {
     __m512i isum = _mm512_setzero_si512();
 #pragma GCC unroll 2
     for (int k = 0; k < 2; ++k) {  // |sums of 4| <= 4 * 63 * 127: int16
@@ -680,8 +688,10 @@ struct TypeQ6_K {
     }
     const __m256i off = _mm256_madd_epi16(
         w.sc_all, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums)));
-    isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(_mm256_slli_epi32(off, 5)));  // +32
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(w.d * x.d), acc);
+    return _mm512_sub_epi32(isum, _mm512_zextsi256_si512(_mm256_slli_epi32(off, 5)));  // +32
+  }
+  static void dot(const Decoded& w, const Act& x, Acc& acc, float&) {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum(w, x)), _mm512_set1_ps(w.d * x.d), acc);
   }
 };
 
@@ -1186,13 +1196,47 @@ void float_tile(const uint8_t* wbytes, const float* x, int64_t K, float* res) {
   }
 }
 
+#ifdef SELFSPEC_GGUF_AMX
+#include "gguf_amx.h"
+#endif
+
 // One segment of rows of one type, ready to multiply: tile(n, t0, tb, res) computes rows
 // t0 .. t0 + tb - 1 (tb <= kTile) against the segment's weight row n. Holds the activations
-// repacked for its type (blocks of 32), made once per call before the rows are split.
+// repacked for its type (blocks of 32), made once per call before the rows are split. In the
+// AMX build, Q4_K / Q6_K segments instead run groups of 16 weight rows (amx_group).
 struct Runner {
   std::function<void(int64_t, int64_t, int64_t, float*)> tile;
   std::shared_ptr<void> keep;
+#ifdef SELFSPEC_GGUF_AMX
+  // acc ([mpad, 16]) = weight rows 16 g .. 16 g + 15 (zero rows past the segment) . every
+  // activation row; null for a segment of another type.
+  std::function<void(int64_t, float*, amx::Scratch&)> amx_group;
+  std::shared_ptr<amx::Act> amx_act;
+#endif
 };
+
+#ifdef SELFSPEC_GGUF_AMX
+template <class T>
+bool amx_runner(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act, int64_t M,
+                Runner& r) {
+  if (K % 256 || !amx::permission()) return false;
+  const int64_t row_bytes = K / 256 * T::kBytes;
+  r.amx_act = amx::prepare(act, M, K, M <= T::kSmallMax);
+  auto zero = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(row_bytes), 0);
+  r.keep = zero;
+  const amx::Act* a = r.amx_act.get();
+  const uint8_t* z = zero->data();
+  r.amx_group = [=](int64_t g, float* acc, amx::Scratch& scratch) {
+    const uint8_t* rows[16];
+    for (int l = 0; l < 16; ++l) {
+      const int64_t n = 16 * g + l;
+      rows[l] = n < N ? w + n * row_bytes : z;
+    }
+    amx::run<T>(rows, *a, acc, scratch);
+  };
+  return true;
+}
+#endif
 
 template <class T>
 bool quant_runner(const uint8_t* w, int64_t K, const uint8_t* act, int64_t M, Runner& r) {
@@ -1247,9 +1291,15 @@ bool float_runner(const uint8_t* w, int64_t K, const uint8_t* act, Runner& r) {
 
 // The runner of a segment of type (ggml id) rows w with activations act, or false for an
 // unsupported type or a K that is not a multiple of its block.
-bool make_runner(int64_t type, const uint8_t* w, int64_t K, const void* act, int64_t M,
-                 Runner& r) {
+bool make_runner(int64_t type, const uint8_t* w, int64_t N, int64_t K, const void* act,
+                 int64_t M, Runner& r) {
   const auto* a = static_cast<const uint8_t*>(act);
+#ifdef SELFSPEC_GGUF_AMX
+  if (type == kQ4_K) return amx_runner<amx::Q4K>(w, N, K, a, M, r);
+  if (type == kQ6_K) return amx_runner<amx::Q6K>(w, N, K, a, M, r);
+#else
+  (void)N;
+#endif
   switch (type) {
     case kQ4_0: return quant_runner<TypeQ4_0>(w, K, a, M, r);
     case kQ4_1: return quant_runner<TypeQ4_1>(w, K, a, M, r);
@@ -1291,22 +1341,60 @@ template <typename Emit>
 int64_t product_rows(const SelfspecGgufSegment* segs, int64_t nseg, int64_t K,
                      const void* const* acts, int64_t M, Emit emit) {
   std::vector<Runner> runners(static_cast<size_t>(nseg));
+  // Units of work: a weight row, or (AMX segments) a group of 16.
   std::vector<int64_t> start(static_cast<size_t>(nseg + 1), 0);
+  int64_t amx_units = 0;
   for (int64_t s = 0; s < nseg; ++s) {
-    if (!make_runner(segs[s].type, segs[s].w, K, acts[s], M, runners[s])) return -1;
-    start[s + 1] = start[s] + segs[s].rows;
+    if (!make_runner(segs[s].type, segs[s].w, segs[s].rows, K, acts[s], M, runners[s]))
+      return -1;
+    int64_t units = segs[s].rows;
+#ifdef SELFSPEC_GGUF_AMX
+    if (runners[s].amx_group) units = (segs[s].rows + amx::kGroup - 1) / amx::kGroup;
+    if (runners[s].amx_group) amx_units += units;
+#endif
+    start[s + 1] = start[s] + units;
   }
   // Rows a thread takes at least: about 2^20 multiply-adds (some 30 us), so that a small
   // product does not pay a wake-up of the other threads (on a loaded 2-core VM, 24 rows of
   // K = 256 split in two cost 0.7 ms against 8 us in one thread).
-  const int64_t grain = std::max<int64_t>(16, (int64_t(1) << 20) / std::max<int64_t>(1, K * M));
+  int64_t grain = std::max<int64_t>(16, (int64_t(1) << 20) / std::max<int64_t>(1, K * M));
+  if (amx_units == start[nseg]) grain = std::max<int64_t>(1, grain / 16);
   at::parallel_for(0, start[nseg], grain, [&](int64_t begin, int64_t end) {
     float res[kTile];
     int64_t s = 0;
+#ifdef SELFSPEC_GGUF_AMX
+    std::vector<float> acc_buf;  // [mpad, 16] fp32, 64-byte aligned within
+    amx::Scratch scratch;
+    int64_t tiles = -1;  // the (mc, ks) the tiles are configured for
+#endif
     for (int64_t g = begin; g < end; ++g) {
       while (g >= start[s + 1]) ++s;
       const SelfspecGgufSegment& seg = segs[s];
       const int64_t n = g - start[s];
+#ifdef SELFSPEC_GGUF_AMX
+      if (runners[s].amx_group) {
+        const amx::Act& a = *runners[s].amx_act;
+        const int ks = seg.type == kQ4_K ? amx::Q4K::kKs : amx::Q6K::kKs;
+        if (!a.small && tiles != a.mc * 64 + ks) {
+          amx::configure(static_cast<int>(a.mc), ks);
+          tiles = a.mc * 64 + ks;
+        }
+        if (acc_buf.size() < static_cast<size_t>(a.mpad * 16 + 16))
+          acc_buf.resize(static_cast<size_t>(a.mpad * 16 + 16));
+        float* acc = reinterpret_cast<float*>(
+            (reinterpret_cast<uintptr_t>(acc_buf.data()) + 63) & ~uintptr_t(63));
+        memset(acc, 0, static_cast<size_t>(a.mpad * 16) * sizeof(float));
+        runners[s].amx_group(n, acc, scratch);
+        for (int l = 0; l < amx::kGroup && amx::kGroup * n + l < seg.rows; ++l) {
+          const int64_t row = amx::kGroup * n + l;
+          for (int64_t t = 0; t < M; ++t) {
+            const float v = acc[t * 16 + l];
+            emit(t, seg.col + row, seg.bias ? v + seg.bias[row] : v);
+          }
+        }
+        continue;
+      }
+#endif
       for (int64_t t0 = 0; t0 < M; t0 += kTile) {
         const int64_t tb = M - t0 < kTile ? M - t0 : kTile;
         runners[s].tile(n, t0, tb, res);
@@ -1314,6 +1402,9 @@ int64_t product_rows(const SelfspecGgufSegment* segs, int64_t nseg, int64_t K,
           emit(t0 + t, seg.col + n, seg.bias ? res[t] + seg.bias[n] : res[t]);
       }
     }
+#ifdef SELFSPEC_GGUF_AMX
+    if (tiles >= 0) _tile_release();
+#endif
   });
   return 0;
 }
@@ -1513,14 +1604,24 @@ struct GgufProduct {
 extern "C" {
 
 // Version of this kernel's numerics and layouts; a change must change it.
-int64_t selfspec_gguf_rows_version() { return 2; }
+int64_t selfspec_gguf_rows_version() { return 3; }
 
-// 1 for the AVX-512 VNNI build, 0 for the AVX2 one.
+// 1 for the AVX-512 VNNI build (and the AMX one), 0 for the AVX2 one.
 int64_t selfspec_gguf_rows_vnni() {
 #ifdef SELFSPEC_GGUF_VNNI
   return 1;
 #else
   return 0;
+#endif
+}
+
+// 1 for the AMX build where Linux grants this process the tile state, 0 where it does not,
+// -1 for the other builds.
+int64_t selfspec_gguf_rows_amx() {
+#ifdef SELFSPEC_GGUF_AMX
+  return amx::permission() ? 1 : 0;
+#else
+  return -1;
 #endif
 }
 
