@@ -150,7 +150,7 @@ def _library(kernel: str, isa: str = "auto"):
 
 def fused_available(kernel: str = "w4a8", isa: str = "auto") -> bool:
     """Whether ``kernel``'s library (with its fused sub-layers) runs here; ``isa`` picks the
-    gguf build (``"auto"``, ``"avx2"``, ``"avx512"``)."""
+    gguf build (``"auto"``, ``"avx2"``, ``"avx512"``, ``"amx"``)."""
     return _library(kernel, isa) is not None
 
 

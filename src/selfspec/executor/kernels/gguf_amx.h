@@ -1,29 +1,30 @@
 // AMX int8 tiles for Q4_K and Q6_K rows (gguf_rows.cpp's AMX build, SELFSPEC_GGUF_AMX; it
-// includes this after its own helpers: load32, fp16, k_scales, BlockQ8_K).
+// includes this after its own helpers: load32, u16, k_scales, BlockQ8_K, TypeQ4_K, TypeQ6_K).
 //
 // Why: on the VNNI build a call of M activation rows costs about M times the integer
 // multiplies of one (a verification block of 8 tokens cost 2.2-3.7 one-token calls on
-// Qwen2.5-1.5B's Q4_K / Q6_K matrices, prefill was compute-bound). An AMX tile multiply takes
+// Qwen2.5-1.5B's Q4_K / Q6_K matrices; prefill was compute-bound). An AMX tile multiply takes
 // up to 16 activation rows against 16 weight rows at once.
 //
-// Scheme, per group of 16 weight rows and per 256-input super-block:
-// - The weights are decoded once into B tiles in AMX's VNNI layout (row r: 16 weight rows x
-//   4 consecutive codes): the 16 rows' code dwords transposed in registers (transpose16x8),
-//   nibbles (Q4_K: 0..15) or 6-bit codes - 32 (Q6_K: -32..31) as int8.
-// - The activations (Q8_K, llama.cpp's reference rounding, as in the other builds) are A tiles
-//   of up to 16 token rows, taken straight from a padded copy of their codes.
-// - Per sub-block (Q4_K: 8 of 32 inputs, Q6_K: 16 of 16) one tdpbssd gives the exact integer
-//   sums [tokens, 16 weight rows]; each is multiplied by its sub-block's scale (vpmulld) and
-//   summed in int32: the super-block's integer sum S (and, Q4_K, the minima's sum
-//   sum_j m_j (bsum_2j + bsum_2j+1) by vpdpwssd), exact.
-// - Then per (token, weight row) in fp32, in this order: acc = fma(S, d dx, acc) and, Q4_K,
-//   acc = fnma(Mn, dmin dx, acc).
+// Scheme, per group of 16 weight rows and per 256-input block:
+// - Calls of more than T::kSmallMax rows (group, group_q4k): the weights are decoded once into
+//   B tiles in AMX's VNNI layout (row r: 16 weight rows x 4 consecutive codes; the 16 rows'
+//   code dwords transposed in registers, transpose16x8). The activations (Q8_K, llama.cpp's
+//   reference rounding, as in the other builds) are A tiles of up to 16 token rows (mc),
+//   taken from a padded copy of their codes. Q4_K folds each sub-block's 6-bit scale into its
+//   codes, split in two int8 halves (sl q, sh q), so a block is 8 tile multiplies into two
+//   accumulators: S = C_lo + 8 C_hi. Q6_K (int8 scales, 6-bit codes: no int8 fold) takes one
+//   multiply per sub-block of 16, each sum scaled by vpmulld: S = sum_i sc_i C_i.
+// - Smaller calls (small_group): each weight row decoded and multiplied as the VNNI build does
+//   (its exact integer block sums over 16 lanes), row after row, the lanes summed exactly.
+// - Both: the block's integer sum S (and, Q4_K, the minima's sum_j m_j (bsum_2j + bsum_2j+1))
+//   is exact; then per (token, weight row) in fp32, in this order: acc = fma(S, d dx, acc) and,
+//   Q4_K, acc = fnma(Mn, dmin dx, acc) (Q4K::apply / Q6K::apply).
 //
-// Row consistency: S and Mn are exact integers, and the fp32 steps act on each (token, weight
-// row) lane alone in a fixed order, so a result is the same bits whatever M, the tile height
-// (mc), the padding and the thread split. This build takes Q4_K and Q6_K rows here for every
-// M, one-token decoding included; its numerics differ from the VNNI build's (which sums
-// scaled blocks in 16 fp32 lanes) in the last bits.
+// Row consistency: S and Mn are exact integers and the fp32 steps act on each (token, weight
+// row) lane alone in a fixed order, so a result is the same bits whatever M, the path, the
+// tile height, the padding and the thread split. This build's numerics differ from the VNNI
+// build's (which sums scaled blocks in 16 fp32 lanes) in the last bits.
 
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -62,7 +63,10 @@ inline void configure(int mc, int ks) {
   memset(&c, 0, sizeof(c));
   c.palette = 1;
   for (int t : {0, 3}) { c.rows[t] = static_cast<uint8_t>(mc); c.colsb[t] = 64; }
-  for (int t : {1, 4}) { c.rows[t] = static_cast<uint8_t>(mc); c.colsb[t] = static_cast<uint16_t>(ks); }
+  for (int t : {1, 4}) {
+    c.rows[t] = static_cast<uint8_t>(mc);
+    c.colsb[t] = static_cast<uint16_t>(ks);
+  }
   for (int t : {2, 5}) { c.rows[t] = static_cast<uint8_t>(ks / 4); c.colsb[t] = 64; }
   // Not _tile_loadconfig: GCC 12's macro declares only 8 bytes of its operand read, so the
   // compiler may drop the stores of the rest (tiles left unconfigured: SIGILL).
@@ -202,10 +206,11 @@ struct Q4K {
                     s3 = _mm512_srli_epi32(z[3], 8 * j);
       w.sc[j] = _mm512_and_si512(s1, b63);
       m[j] = _mm512_and_si512(s2, b63);
-      w.sc[j + 4] = _mm512_or_si512(_mm512_and_si512(s3, b15),
-                                    _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(s1, 6), b3), 4));
+      const __m512i top_sc = _mm512_and_si512(_mm512_srli_epi32(s1, 6), b3),
+                    top_m = _mm512_and_si512(_mm512_srli_epi32(s2, 6), b3);
+      w.sc[j + 4] = _mm512_or_si512(_mm512_and_si512(s3, b15), _mm512_slli_epi32(top_sc, 4));
       m[j + 4] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(s3, 4), b15),
-                                 _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(s2, 6), b3), 4));
+                                 _mm512_slli_epi32(top_m, 4));
     }
     for (int p = 0; p < 4; ++p)
       w.minp[p] = _mm512_or_si512(m[2 * p], _mm512_slli_epi32(m[2 * p + 1], 16));
@@ -213,7 +218,7 @@ struct Q4K {
     w.d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(z[0], h)));
     w.dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(z[0], 16)));
   }
-  static constexpr bool kMins = true;
+  static void small_scales(const uint8_t* const* rows, Scales& w) { scales(rows, w); }
   static void finish(const Scales& w, const Act& a, int64_t m, int64_t b, __m512i s,
                      float* acc) {
     const int32_t* bp = a.bpair.data() + (m * a.nb + b) * 4;
@@ -263,7 +268,8 @@ struct Q6K {
                              : k == 1 ? _mm512_slli_epi16(qh[r], 2)
                              : k == 2 ? qh[r]
                                       : _mm512_srli_epi16(qh[r], 2);
-          const __m512i u = _mm512_or_si512(_mm512_and_si512(lo, low4), _mm512_and_si512(hi, bits45));
+          const __m512i u =
+              _mm512_or_si512(_mm512_and_si512(lo, low4), _mm512_and_si512(hi, bits45));
           _mm512_store_si512(w.b[8 * h + 2 * k + r / 4] + 64 * (r % 4), _mm512_sub_epi8(u, off));
         }
     }
@@ -276,14 +282,15 @@ struct Q6K {
       w.sc[i] = _mm512_srai_epi32(_mm512_slli_epi32(z[4 + i / 4], 24 - 8 * (i % 4)), 24);
     w.d = gather_fp16(rows, 208);
   }
-  static constexpr bool kMins = false;
+  // The small path's sums include the sub-blocks' scales: d only.
+  static void small_scales(const uint8_t* const* rows, Scales& w) { w.d = gather_fp16(rows, 208); }
   static void finish(const Scales& w, const Act& a, int64_t m, int64_t b, __m512i s,
                      float* acc) {
     apply(w.d, w.d, s, s, a.dx[m * a.nb + b], acc);
   }
   static void apply(__m512 d, __m512, __m512i s, __m512i, float dx, float* acc) {
-    _mm512_store_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dx)),
-                                         _mm512_load_ps(acc)));
+    const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx));
+    _mm512_store_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, _mm512_load_ps(acc)));
   }
 };
 
@@ -316,21 +323,16 @@ void group(const uint8_t* const* wrows, const Act& a, float* acc) {
         _tile_dpbssd(3, 4, 5);
         _tile_stored(0, cbuf[0], 64);
         for (int m = 0; m < MC; ++m)
-          s[m] = _mm512_add_epi32(s[m], _mm512_mullo_epi32(_mm512_load_si512(cbuf[0][m]), w.s.sc[j]));
+          s[m] = _mm512_add_epi32(s[m],
+                                  _mm512_mullo_epi32(_mm512_load_si512(cbuf[0][m]), w.s.sc[j]));
         _tile_stored(3, cbuf[1], 64);
         for (int m = 0; m < MC; ++m)
-          s[m] = _mm512_add_epi32(s[m],
-                                  _mm512_mullo_epi32(_mm512_load_si512(cbuf[1][m]), w.s.sc[j + 1]));
+          s[m] = _mm512_add_epi32(
+              s[m], _mm512_mullo_epi32(_mm512_load_si512(cbuf[1][m]), w.s.sc[j + 1]));
       }
       for (int m = 0; m < MC; ++m) T::finish(w.s, a, m0 + m, b, s[m], acc + (m0 + m) * 16);
     }
   }
-}
-
-inline int32_t hsum_epi32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
 }
 
 // r lane n = the sum of v[n]'s 16 int32 lanes (exact): pairwise unpack-adds, then 128-bit
@@ -357,11 +359,9 @@ inline __m512i reduce16(const __m512i* v) {
 // after row (memory read in order, as the VNNI build: interleaving the 16 rows' blocks cost
 // up to 45% at one row), the lanes then summed exactly (reduce16) and T::finish applied per
 // block: the same bits as group.
-// A thread's buffers for small_group, kept across its groups (grown, never shrunk).
+// A thread's buffer for small_group, kept across its groups (grown, never shrunk).
 struct Scratch {
   std::vector<__m512i> sums;
-  std::vector<int32_t> mins;
-  std::vector<float> d;
 };
 
 template <class T, int MT>
@@ -369,14 +369,9 @@ void small_group(const uint8_t* const* wrows, const Act& a, float* acc, Scratch&
   using V = typename T::Vnni;
   typename V::Decoded dw;
   const int64_t nb = a.nb;
-  // [MT, nb, 16 rows]: block sums (16 lanes), minima sums; [nb, 16]: d, dmin
+  // [MT, nb, 16 rows]: block sums (16 lanes)
   scratch.sums.resize(std::max<size_t>(scratch.sums.size(), MT * nb * 16));
-  scratch.mins.resize(std::max<size_t>(scratch.mins.size(), MT * nb * 16));
-  scratch.d.resize(std::max<size_t>(scratch.d.size(), nb * 32));
   __m512i* sums = scratch.sums.data();
-  int32_t* mins = scratch.mins.data();
-  float* d = scratch.d.data();
-  float* dmin = d + nb * 16;
   const auto* x = reinterpret_cast<const BlockQ8_K*>(a.raw);
   for (int n = 0; n < 16; ++n) {
     const uint8_t* row = wrows[n];
@@ -385,27 +380,18 @@ void small_group(const uint8_t* const* wrows, const Act& a, float* acc, Scratch&
       for (int64_t o = 0; o < T::kBytes; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
       V::decode(row + b * T::kBytes, dw, 1);
-      d[b * 16 + n] = dw.d;
-      if constexpr (T::kMins) dmin[b * 16 + n] = dw.dmin;
-      for (int t = 0; t < MT; ++t) {
-        const BlockQ8_K& xb = x[t * nb + b];
-        sums[(t * nb + b) * 16 + n] = V::isum(dw, xb);
-        if constexpr (T::kMins) {  // sum_j m_j (bsum_2j + bsum_2j+1), exact
-          const __m256i m8 = _mm256_madd_epi16(
-              dw.mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.bsums)));
-          mins[(t * nb + b) * 16 + n] = hsum_epi32(m8);
-        }
-      }
+      for (int t = 0; t < MT; ++t) sums[(t * nb + b) * 16 + n] = V::isum(dw, x[t * nb + b]);
     }
   }
+  // The scales (Q4_K's minima: their sums per token by vpdpwssd over the 16 rows, as group
+  // does) from the block heads, read again while cached.
+  typename T::Scales sc;
+  const uint8_t* rows[16];
   for (int64_t b = 0; b < nb; ++b) {
-    const __m512 db = _mm512_loadu_ps(d + b * 16);
-    const __m512 mb = T::kMins ? _mm512_loadu_ps(dmin + b * 16) : db;
-    for (int t = 0; t < MT; ++t) {
-      const __m512i mn = T::kMins ? _mm512_loadu_si512(mins + (t * nb + b) * 16)
-                                  : _mm512_setzero_si512();
-      T::apply(db, mb, reduce16(&sums[(t * nb + b) * 16]), mn, a.dx[t * nb + b], acc + t * 16);
-    }
+    for (int n = 0; n < 16; ++n) rows[n] = wrows[n] + b * T::kBytes;
+    T::small_scales(rows, sc);
+    for (int t = 0; t < MT; ++t)
+      T::finish(sc, a, t, b, reduce16(&sums[(t * nb + b) * 16]), acc + t * 16);
   }
 }
 
