@@ -1,7 +1,9 @@
-"""The two Qwen cells of issue 63 rerun on the AMX build, from the runs' summary.json files
-(run from the repo root: python docs/results/gguf/amx-2026-11-29/cells_table.py)."""
+"""Issue 63's Qwen cells rerun on the AMX build of the GGUF kernels, from the runs'
+summary.json files (from the repo root: python docs/results/gguf/amx-2026-11-29/cells_table.py
+[DIR], DIR defaulting to this folder)."""
 
 import json
+import sys
 from pathlib import Path
 
 ROWS = ("ar:decode_kernel=gguf", "auto:decode_kernel=gguf", "llamacpp-ar",
@@ -35,4 +37,4 @@ def main(root: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(__file__).parent)
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent)
