@@ -16,11 +16,20 @@ table, are not built for them (:attr:`RopeTable.dynamic`).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from selfspec.executor.sync import last_position, position_block
+
+#: Positions per call of the rotary module when the table grows (a row comes from one call
+#: of this shape, whatever the table's size; 32 x head_dim 128 is far under torch's
+#: 32,768-element parallel grain, so one thread computes it).
+TABLE_BLOCK = 32
+_MAX_CALLS = 8  # rotary calls a block may take to come out the same twice in a row
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,24 @@ class _Fp32Table:
 
 class RopeTable:
     """cos/sin rows for positions, grown on demand (doubling, at least 256 positions).
+
+    **A row's bits never change, and do not depend on the table's size.** The rows are
+    computed in calls of :data:`TABLE_BLOCK` positions (``[k·B, (k+1)·B)``, each call small
+    enough to run on the calling thread alone), and growing the table computes only the new
+    blocks. Why: torch splits an elementwise ``cos`` over a table between its threads, and
+    the other thread's share can round differently. Measured on the 2-core AMX Xeon
+    (Qwen2.5-1.5B, bf16 table): in about one process in five, the rows at positions 128-255
+    of a 256-position table came out 1 bf16 ulp off in 22 entries. With the whole table
+    rebuilt at each doubling, a generation that crossed position 256 switched tables midway,
+    so ``ar`` (prefilled on the old table) and a method run after it (on the new one) held
+    different keys for the same prompt, and one greedy near-tie flipped (issue 63's
+    HumanEval/10 parity miss). The first call of a process can come out wrong even on one
+    thread (4 processes with the model loaded gave 3 different first blocks, layer 0's keys
+    then differing in 27 entries; an fp32 table built by a first call was off by up to 1.5e-4
+    against fp64, later ones within 6e-8; the cause lies below torch's Python API and is not
+    pinned down), so each block is computed until two calls in a row agree bit for bit: then
+    6 processes of 6 gave the same keys and logits, one of them after a first call that
+    differed from its second.
 
     Args:
         rotary_emb: the model's rotary module (``rotary_emb(x, position_ids) -> (cos, sin)``,
@@ -59,11 +86,38 @@ class RopeTable:
             return cos.unsqueeze(2), sin.unsqueeze(2)
         needed = last_position(positions) + 1  # no sync for tagged position blocks
         if needed > self.cos.shape[0]:
-            size = max(needed, 2 * self.cos.shape[0], 256)
-            table = torch.arange(size, device=hidden.device).unsqueeze(0)
-            cos, sin = self.rotary_emb(hidden, table)
-            self.cos, self.sin = cos[0], sin[0]
+            self._grow(hidden, max(needed, 2 * self.cos.shape[0], 256))
         return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
+
+    def _grow(self, hidden: torch.Tensor, size: int) -> None:
+        """Extend the table to at least ``size`` positions, block by block (see the class
+        docstring): the rows it holds are kept, the new ones computed in calls of
+        :data:`TABLE_BLOCK` positions."""
+        have = self.cos.shape[0]
+        size = -(-size // TABLE_BLOCK) * TABLE_BLOCK
+        cos_parts, sin_parts = ([self.cos], [self.sin]) if have else ([], [])
+        for first in range(have, size, TABLE_BLOCK):
+            block = torch.arange(first, first + TABLE_BLOCK, device=hidden.device).unsqueeze(0)
+            cos, sin = self._agreed(hidden, block)
+            cos_parts.append(cos[0])
+            sin_parts.append(sin[0])
+        self.cos, self.sin = torch.cat(cos_parts), torch.cat(sin_parts)
+
+    def _agreed(self, hidden: torch.Tensor,
+                block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary module's cos/sin for ``block``, called until two calls in a row agree bit
+        for bit (see the class docstring: a first call has come out wrong)."""
+        last = self.rotary_emb(hidden, block)
+        for _ in range(_MAX_CALLS - 1):
+            again = self.rotary_emb(hidden, block)
+            if torch.equal(again[0], last[0]) and torch.equal(again[1], last[1]):
+                return again
+            logger.info("RoPE rows %d..%d differed between two calls of the rotary module; "
+                        "calling it again", int(block[0, 0]), int(block[0, -1]))
+            last = again
+        logger.warning("RoPE rows %d..%d never came out the same twice in %d calls; using the "
+                       "last", int(block[0, 0]), int(block[0, -1]), _MAX_CALLS)
+        return last
 
     def rows(self, hidden: torch.Tensor,
              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
