@@ -125,10 +125,15 @@ def test_choose_rows_prefers_the_bf16_kernel_where_bf16_is_emulated(monkeypatch)
         cpu.choose_rows(torch.bfloat16, "cpu", "bf16")
     monkeypatch.setattr(cpu, "native_bf16", lambda: True)
     monkeypatch.setattr(bf16_rows, "bf16_rows_available", lambda: True)
+    monkeypatch.setattr(bf16_rows, "chosen_isa", lambda: "avx512bf16")
     assert cpu.choose_rows(torch.bfloat16, "cpu", "auto") == "weights"  # native bf16 wins
     # ... except for models whose matrices are all small (SmolLM2-135M): the fused sub-layers
     assert cpu.choose_rows(torch.bfloat16, "cpu", "auto",
                            cpu.NATIVE_BF16_ROWS_MAX_BYTES - 1) == "bf16"
+    # and for every model where the kernel's AMX build runs (verification blocks in tiles)
+    monkeypatch.setattr(bf16_rows, "chosen_isa", lambda: "amx")
+    assert cpu.choose_rows(torch.bfloat16, "cpu", "auto", 52 << 20) == "bf16"
+    assert cpu.choose_rows(torch.bfloat16, "cpu", "auto") == "bf16"
 
 
 @needs_kernel
@@ -200,3 +205,21 @@ def test_lossless_methods_keep_ar_greedy_tokens_on_the_kernel(arch, rows):
     if rows == "bf16+fp16" and not fbgemm_fp16_available():
         pytest.skip("FBGEMM's fp16 linear is x86-only")
     assert_lossless_on_rows_kernel(arch, rows)
+
+
+def test_the_build_falls_back_where_a_better_one_is_unavailable(monkeypatch):
+    """Without AVX-512 (as ATen sees the CPU) neither the AVX512-BF16 nor the AMX build is
+    loaded, with the reason; ``chosen_isa`` takes the best build that loads and passes its
+    probe (AMX, else AVX512-BF16, else AVX2)."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    for isa in ("avx512bf16", "amx"):
+        assert "AVX-512" in bf16_rows._library.__wrapped__(isa).reason
+    from selfspec.executor import native
+    builds = {"amx": native.Kernel(None, "Linux did not grant this process the AMX tile state"),
+              "avx512bf16": native.Kernel(lambda *a: None, ""), "avx2": native.Kernel(None, "x")}
+    monkeypatch.setattr(bf16_rows, "_library", lambda isa="auto": builds[isa])
+    assert bf16_rows.chosen_isa.__wrapped__() == "avx512bf16"
+    builds["avx512bf16"] = native.Kernel(None, "needs avx512_bf16")
+    assert bf16_rows.chosen_isa.__wrapped__() == "avx2"
+    builds["amx"] = native.Kernel(lambda *a: None, "")
+    assert bf16_rows.chosen_isa.__wrapped__() == "amx"

@@ -432,7 +432,8 @@ def device_kernels(device) -> list[str]:
         from selfspec.executor.bf16_rows import chosen_isa as bf16_isa
 
         lines.append("bf16 kernel (--decode-kernel bf16; auto's where bf16 is emulated, and "
-                     "where it is native for models whose layer matrices are all < 4 MiB): " + (
+                     "where it is native for models whose layer matrices are all < 4 MiB, or "
+                     "of any size on the amx build): " + (
                          f"the {bf16_isa()} build" if bf16_rows_available()
                          else f"unavailable ({bf16_rows_unavailable_reason()})"))
     if "gguf" in families:

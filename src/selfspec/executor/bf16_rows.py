@@ -25,8 +25,12 @@ Two builds of the source (:data:`ISAS`): ``"avx2"`` as above, and ``"avx512bf16"
 with AVX512-BF16 (``vdpbf16ps``: pairs of bf16 weights times bf16 activations into fp32
 lanes, 32 products an instruction against AVX2's 8; the activations are rounded to bf16 once
 per call, as bf16 ``F.linear``'s are), which the process takes where it loads
-(:func:`chosen_isa`), so that verification rows cost less compute there. Each build is
-row-consistent; they round differently from each other.
+(:func:`chosen_isa`), so that verification rows cost less compute there. A third build,
+``"amx"`` (the AVX512-BF16 build plus AMX bf16 tiles, ``tdpbf16ps``), runs every call in
+tiles: the weights are the A operand, read in place 16 rows x 32 inputs at a time, and up to
+16 tokens' activations the B operand, so a verification block of up to 16 tokens reads each
+weight once (on CPUs that list amx_tile and amx_bf16 where Linux grants the tile state). Each
+build is row-consistent; they round differently from each other.
 """
 
 from __future__ import annotations
@@ -77,11 +81,14 @@ def bf16_rows_unavailable_reason() -> str:
     return _library().reason
 
 
-#: The builds: AVX2 + FMA (fp32 FMAs on converted weights), and AVX512-BF16 (``vdpbf16ps``).
-ISAS = ("avx2", "avx512bf16")
-_FLAGS = {"avx2": (), "avx512bf16": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
-                                     "-DSELFSPEC_BF16_NATIVE")}
-_CPU_FLAGS = {"avx2": (), "avx512bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")}
+#: The builds: AVX2 + FMA (fp32 FMAs on converted weights), AVX512-BF16 (``vdpbf16ps``), and
+#: AMX (AMX bf16 tiles, ``tdpbf16ps``, for calls of every size).
+ISAS = ("avx2", "avx512bf16", "amx")
+_AVX512BF16 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-DSELFSPEC_BF16_NATIVE")
+_FLAGS = {"avx2": (), "avx512bf16": _AVX512BF16,
+          "amx": _AVX512BF16 + ("-mamx-tile", "-mamx-bf16", "-DSELFSPEC_BF16_AMX")}
+_CPU_FLAGS = {"avx2": (), "avx512bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+              "amx": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16")}
 
 
 @cache
@@ -92,19 +99,24 @@ def _library(isa: str = "auto") -> native.Kernel:
         return _library(chosen_isa())
     if isa not in ISAS:
         raise ValueError(f"isa must be 'auto' or one of {', '.join(ISAS)}, not {isa!r}")
-    if isa == "avx512bf16" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+    if isa != "avx2" and torch.backends.cpu.get_cpu_capability() != "AVX512":
         # ATen's own detection too: a machine whose cpuinfo cannot be read never runs
         # AVX-512 code it lacks (the probe would die of SIGILL).
         return native.Kernel(None, "needs a CPU with AVX-512 (ATen's AVX512 level)")
+    probe = _probe_amx if isa == "amx" else _probe
     return native.load(SOURCE, "selfspec_bf16_rows", [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
-                       _probe, extra_flags=_FLAGS[isa], cpu_flags=_CPU_FLAGS[isa])
+                       probe, extra_flags=_FLAGS[isa], cpu_flags=_CPU_FLAGS[isa])
 
 
 @cache
 def chosen_isa() -> str:
-    """The build the process uses: ``"avx512bf16"`` where the CPU lists avx512f/bw/vl and
-    avx512_bf16 and that build loads and passes its probe, else ``"avx2"``."""
-    return "avx512bf16" if _library("avx512bf16").call is not None else "avx2"
+    """The build the process uses: ``"amx"`` where the CPU also lists amx_tile and amx_bf16
+    and Linux grants the tile state, else ``"avx512bf16"`` where the CPU lists avx512f/bw/vl
+    and avx512_bf16, else ``"avx2"`` (each where it loads and passes its probe)."""
+    for isa in ("amx", "avx512bf16"):
+        if _library(isa).call is not None:
+            return isa
+    return "avx2"
 
 
 def _weight(weight: torch.Tensor, bias: torch.Tensor | None) -> Bf16Weight:
@@ -145,6 +157,16 @@ def _probe(fn) -> str:
     if not torch.equal(got, alone):
         return "rows of one call differ from the rows computed alone"
     return ""
+
+
+def _probe_amx(fn) -> str:
+    """:func:`_probe` for the AMX build, after asking Linux for the tile state (its calls would
+    die of SIGILL without it; ``ctypes.CDLL`` of the built path is the loaded library)."""
+    library = ctypes.CDLL(str(native.build(SOURCE, _FLAGS["amx"])))
+    library.selfspec_bf16_rows_amx.restype = ctypes.c_int64
+    if library.selfspec_bf16_rows_amx() != 1:
+        return "Linux did not grant this process the AMX tile state (arch_prctl)"
+    return _probe(fn)
 
 
 class Bf16Rows:

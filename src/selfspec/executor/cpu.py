@@ -261,7 +261,9 @@ AUTO_ROWS_MIN_BYTES = 4 << 20
 #: build): SmolLM2-135M (largest 3.4 MiB) `ar` 2.2x and `auto` 1.3-1.6x faster than on oneDNN,
 #: a verification block of 16 tokens still cheaper; Qwen2.5-1.5B (largest 52 MiB) `ar` 1.19x
 #: but `auto` 0.74x, its verification blocks compute-bound on the kernel (16 tokens 2.4-2.7x
-#: one) where oneDNN's AMX keeps them near one token's cost.
+#: one) where oneDNN's AMX keeps them near one token's cost. The kernel's AMX build (AMX bf16
+#: tiles for every call) has no such limit: ``auto`` takes it for models of any size where it
+#: runs (:func:`selfspec.executor.bf16_rows.chosen_isa` ``== "amx"``).
 NATIVE_BF16_ROWS_MAX_BYTES = 4 << 20
 
 
@@ -277,7 +279,8 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
             at least :data:`AUTO_ROWS_MIN_BYTES` where FBGEMM is available; on a CPU with
             native bf16, for bf16 weights whose largest decoder-layer matrix is under
             :data:`NATIVE_BF16_ROWS_MAX_BYTES`, ``"bf16"`` too (prefill stays on oneDNN's
-            native bf16); elsewhere ``"weights"``. ``"weights"``, ``"bf16"``, ``"bf16+fp16"`` (FBGEMM for the matrices
+            native bf16), and for bf16 weights of any size where the kernel's AMX build
+            runs; elsewhere ``"weights"``. ``"weights"``, ``"bf16"``, ``"bf16+fp16"`` (FBGEMM for the matrices
             of at least :data:`AUTO_ROWS_MIN_BYTES`, the bf16 kernel for the rest) or
             ``"fp16"`` (every matrix on FBGEMM) to force, or ``"int4"``: int4 copies of every matrix
             whose input size is a multiple of 32 (:mod:`selfspec.executor.int4_rows`; lossy;
@@ -297,6 +300,7 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
         bf16_rows_available,
         bf16_rows_unavailable_reason,
     )
+    from selfspec.executor.bf16_rows import chosen_isa as bf16_isa
     from selfspec.executor.fp16_rows import fbgemm_fp16_available
     from selfspec.executor.gguf_rows import gguf_rows_available, gguf_rows_unavailable_reason
     from selfspec.executor.int4_rows import int4_available
@@ -343,9 +347,10 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
             return "bf16"
         if fbgemm_fp16_available():
             return "fp16"
-    if (rows == "auto" and sixteen and weights == torch.bfloat16
-            and largest_matrix_bytes is not None
-            and largest_matrix_bytes < NATIVE_BF16_ROWS_MAX_BYTES and bf16_rows_available()):
+    if (rows == "auto" and sixteen and weights == torch.bfloat16 and bf16_rows_available()
+            and ((largest_matrix_bytes is not None
+                  and largest_matrix_bytes < NATIVE_BF16_ROWS_MAX_BYTES)
+                 or bf16_isa() == "amx")):
         return "bf16"
     return "weights"
 

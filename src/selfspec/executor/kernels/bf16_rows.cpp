@@ -22,7 +22,12 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include <algorithm>
 #include <vector>
+#ifdef SELFSPEC_BF16_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "common.h"
 #include "fused_layers.h"
@@ -212,13 +217,139 @@ void product_bh(const uint16_t* w, const uint16_t* x, const float* bias, int64_t
   if (pairs && (N & 1)) rows_group_bh<1, kPrefetchStreaming>(w, x, store, bias, N - 1, T, K);
 }
 
+#ifdef SELFSPEC_BF16_AMX
+// AMX build (on top of the AVX512-BF16 one): every call, whatever its row count, runs in AMX
+// bf16 tiles, so that a verification block of up to 16 tokens reads each weight once and
+// costs about what one token costs (vdpbf16ps needs one instruction per weight pair and
+// token: compute-bound at 16 rows on 1.5B models).
+//
+// The weights are the A operand, read in place: 16 weight rows x 32 inputs a tile (64 bytes
+// of each row, K * 2 bytes apart; no copy, no transpose). The activations are the B operand,
+// laid out once per call in AMX's pair layout: per 32 inputs, 16 pair rows x 16 tokens x 2.
+// C[r][t] (16 weight rows x 16 tokens, fp32) accumulates tdpbf16ps over the 32-input chunks
+// in order, two weight groups (32 rows) a pass over a token tile.
+//
+// Row consistency: C[r][t] depends only on weight row r, token t's inputs and the fixed
+// sequence of tdpbf16ps over k (padding tokens and padded inputs are zeros and touch only
+// their own lanes), then + bias in fp32, so a row is the same bits whatever T, its place in
+// the call and the thread split. This build rounds differently from the other two.
+namespace amxbf {
+
+constexpr int64_t kRows = 16, kChunk = 32;  // weight rows a tile, inputs a chunk
+
+// Linux (>= 5.16) grants the AMX tile state to a process that asks (arch_prctl
+// ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+inline bool permission() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0, 1: C of weight groups 0 and 1 (16 rows x cols tokens); 2, 3: their A (16 rows x
+// 32 inputs); 4: B (16 input pairs x cols tokens). cols = min(T, 16): a one-token call lays
+// out and multiplies one column.
+inline void configure(int cols) {
+  TileConfig c;
+  memset(&c, 0, sizeof(c));
+  c.palette = 1;
+  for (int t = 0; t < 5; ++t) { c.rows[t] = 16; c.colsb[t] = 64; }
+  for (int t : {0, 1, 4}) c.colsb[t] = static_cast<uint16_t>(4 * cols);
+  // Not _tile_loadconfig: GCC 12's macro declares only 8 bytes of its operand read (see
+  // gguf_amx.h).
+  __asm__ __volatile__("ldtilecfg %0" : : "m"(c));
+}
+
+// No software prefetch: the hardware's streams serve the 16 rows a tile reads. Measured on the
+// 2-core AMX Xeon (one-row calls over SmolLM2-135M / Qwen2.5-1.5B matrices from DRAM), 512 or
+// 2,048 bytes ahead along each row, or the next 32 rows' block line by line, were 2-27% slower.
+
+// y[t, n] = w_n . x_t + bias[n] for bf16 x [T, K], handed to store(t, n, y).
+template <typename Store>
+void product(const uint16_t* w, const uint16_t* x, const float* bias, int64_t T, int64_t K,
+             int64_t N, Store store) {
+  const int64_t chunks = (K + kChunk - 1) / kChunk, full = K / kChunk;
+  const int64_t ttiles = (T + 15) / 16, cols = std::min<int64_t>(T, 16), bsize = 16 * cols;
+  // B: [ttile][chunk][16 pairs][cols tokens] dwords (two bf16 inputs each), zero-padded.
+  std::vector<uint32_t> xb(static_cast<size_t>(ttiles * chunks * bsize), 0u);
+  for (int64_t t = 0; t < T; ++t) {
+    const uint16_t* row = x + t * K;
+    uint32_t* dst = xb.data() + (t / 16) * chunks * bsize + (t % 16);
+    for (int64_t k = 0; k < K; k += 2) {
+      const uint32_t lo = row[k], hi = k + 1 < K ? row[k + 1] : 0u;
+      dst[(k / kChunk) * bsize + ((k % kChunk) / 2) * cols] = lo | (hi << 16);
+    }
+  }
+  const int64_t groups = (N + kRows - 1) / kRows, units = (groups + 1) / 2;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    configure(static_cast<int>(cols));
+    alignas(64) float c[2][16 * 16];
+    alignas(64) uint16_t pad[2][16 * kChunk];  // a partial tile of weights, zero-padded
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t g0 = 2 * u, ng = g0 + 1 < groups ? 2 : 1;
+      int64_t rows[2];
+      for (int64_t i = 0; i < ng; ++i) rows[i] = std::min<int64_t>(kRows, N - (g0 + i) * kRows);
+      for (int64_t j = 0; j < ttiles; ++j) {
+        _tile_zero(0);
+        _tile_zero(1);
+        const uint32_t* bj = xb.data() + j * chunks * bsize;
+        for (int64_t ch = 0; ch < chunks; ++ch) {
+          _tile_loadd(4, bj + ch * bsize, 4 * cols);
+          for (int64_t i = 0; i < ng; ++i) {
+            const uint16_t* a = w + (g0 + i) * kRows * K + ch * kChunk;
+            int64_t stride = K * 2;
+            if (ch >= full || rows[i] < kRows) {  // a partial tile: copy what there is
+              memset(pad[i], 0, sizeof(pad[i]));
+              const int64_t cols = std::min<int64_t>(kChunk, K - ch * kChunk);
+              for (int64_t r = 0; r < rows[i]; ++r)
+                memcpy(pad[i] + r * kChunk, a + r * K, static_cast<size_t>(cols) * 2);
+              a = pad[i];
+              stride = kChunk * 2;
+            }
+            if (i == 0) {
+              _tile_loadd(2, a, stride);
+              _tile_dpbf16ps(0, 2, 4);
+            } else {
+              _tile_loadd(3, a, stride);
+              _tile_dpbf16ps(1, 3, 4);
+            }
+          }
+        }
+        _tile_stored(0, c[0], 4 * cols);
+        _tile_stored(1, c[1], 4 * cols);
+        for (int64_t i = 0; i < ng; ++i)
+          for (int64_t r = 0; r < rows[i]; ++r) {
+            const int64_t n = (g0 + i) * kRows + r;
+            for (int64_t t = j * 16; t < std::min<int64_t>(T, j * 16 + 16); ++t) {
+              float v = c[i][r * cols + (t - j * 16)];
+              if (bias) v += bias[n];
+              store(t, n, v);
+            }
+          }
+      }
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace amxbf
+#endif  // SELFSPEC_BF16_AMX
+
 // fp32 activations (the fused sub-layers'): rounded to bf16 once, then as above.
 template <typename Store>
 void product(const uint16_t* w, const float* x, const float* bias, int64_t T, int64_t K,
              int64_t N, Store store) {
   std::vector<uint16_t> x16(static_cast<size_t>(T * K));
   for (int64_t i = 0; i < T * K; ++i) x16[i] = float_to_bf16(x[i]);
+#ifdef SELFSPEC_BF16_AMX
+  amxbf::product(w, x16.data(), bias, T, K, N, store);
+#else
   product_bh(w, x16.data(), bias, T, K, N, store);
+#endif
 }
 #endif  // SELFSPEC_BF16_NATIVE
 
@@ -243,7 +374,18 @@ struct Bf16Product {
 extern "C" {
 
 // Version of this kernel's numerics; a change of rounding must change it.
-#ifdef SELFSPEC_BF16_NATIVE
+#if defined(SELFSPEC_BF16_AMX)
+int selfspec_bf16_rows_version() { return 201; }
+
+// 1 where Linux granted this process the AMX tile state (the build's other calls need it).
+int64_t selfspec_bf16_rows_amx() { return amxbf::permission() ? 1 : 0; }
+
+void selfspec_bf16_rows(const uint16_t* w, const uint16_t* x16, uint16_t* y, const float* bias,
+                        int64_t T, int64_t K, int64_t N) {
+  amxbf::product(w, x16, bias, T, K, N,
+                 [&](int64_t t, int64_t n, float v) { y[t * N + n] = float_to_bf16(v); });
+}
+#elif defined(SELFSPEC_BF16_NATIVE)
 int selfspec_bf16_rows_version() { return 101; }
 
 void selfspec_bf16_rows(const uint16_t* w, const uint16_t* x16, uint16_t* y, const float* bias,
