@@ -24,13 +24,11 @@
 #include <string.h>
 #include <algorithm>
 #include <vector>
-#ifdef SELFSPEC_BF16_AMX
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 #include "common.h"
 #include "fused_layers.h"
+#ifdef SELFSPEC_BF16_AMX
+#include "amx.h"
+#endif
 
 namespace {
 
@@ -237,18 +235,8 @@ namespace amxbf {
 
 constexpr int64_t kRows = 16, kChunk = 32;  // weight rows a tile, inputs a chunk
 
-// Linux (>= 5.16) grants the AMX tile state to a process that asks (arch_prctl
-// ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
-inline bool permission() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+using selfspec_amx::permission;
+using selfspec_amx::TileConfig;
 
 // Tiles 0, 1: C of weight groups 0 and 1 (16 rows x cols tokens); 2, 3: their A (16 rows x
 // 32 inputs); 4: B (16 input pairs x cols tokens). cols = min(T, 16): a one-token call lays
@@ -259,9 +247,7 @@ inline void configure(int cols) {
   c.palette = 1;
   for (int t = 0; t < 5; ++t) { c.rows[t] = 16; c.colsb[t] = 64; }
   for (int t : {0, 1, 4}) c.colsb[t] = static_cast<uint16_t>(4 * cols);
-  // Not _tile_loadconfig: GCC 12's macro declares only 8 bytes of its operand read (see
-  // gguf_amx.h).
-  __asm__ __volatile__("ldtilecfg %0" : : "m"(c));
+  selfspec_amx::load_config(c);
 }
 
 // No software prefetch: the hardware's streams serve the 16 rows a tile reads. Measured on the

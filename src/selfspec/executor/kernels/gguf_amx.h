@@ -26,8 +26,7 @@
 // tile height, the padding and the thread split. This build's numerics differ from the VNNI
 // build's (which sums scaled blocks in 16 fp32 lanes) in the last bits.
 
-#include <sys/syscall.h>
-#include <unistd.h>
+// amx.h: included by gguf_rows.cpp at file scope.
 
 // Calls of up to this many activation rows take small_group (measured: below, tiles cost more
 // than they save).
@@ -42,18 +41,8 @@ namespace amx {
 
 constexpr int kGroup = 16;  // weight rows a group: the 16 int32 columns of a C tile
 
-// Linux (>= 5.16) hands the AMX tile state to a process that asks for it: arch_prctl
-// ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18). True where granted.
-inline bool permission() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+using selfspec_amx::permission;
+using selfspec_amx::TileConfig;
 
 // Tiles 0 / 3: C (mc token rows of 16 int32); 1 / 4: A (mc token rows of ks codes); 2 / 5:
 // B (ks / 4 rows of 16 weight rows x 4 codes). Two of each, so that a sub-block's multiply
@@ -68,9 +57,7 @@ inline void configure(int mc, int ks) {
     c.colsb[t] = static_cast<uint16_t>(ks);
   }
   for (int t : {2, 5}) { c.rows[t] = static_cast<uint8_t>(ks / 4); c.colsb[t] = 64; }
-  // Not _tile_loadconfig: GCC 12's macro declares only 8 bytes of its operand read, so the
-  // compiler may drop the stores of the rest (tiles left unconfigured: SIGILL).
-  __asm__ __volatile__("ldtilecfg %0" : : "m"(c));
+  selfspec_amx::load_config(c);
 }
 
 // z[r] int32 lane n = dword r of the 32 bytes at rows[n] + off (n < 16, r < 8): the rows

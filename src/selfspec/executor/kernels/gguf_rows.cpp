@@ -46,6 +46,9 @@
 
 #include "common.h"
 #include "fused_layers.h"
+#ifdef SELFSPEC_GGUF_AMX
+#include "amx.h"  // at file scope: gguf_amx.h is included inside a namespace
+#endif
 
 namespace {
 
