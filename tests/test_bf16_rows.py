@@ -223,3 +223,13 @@ def test_the_build_falls_back_where_a_better_one_is_unavailable(monkeypatch):
     assert bf16_rows.chosen_isa.__wrapped__() == "avx2"
     builds["amx"] = native.Kernel(lambda *a: None, "")
     assert bf16_rows.chosen_isa.__wrapped__() == "amx"
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", bf16_rows.ISAS)
+def test_a_call_of_no_rows_is_empty(isa):
+    """Zero activation rows (an empty block) give an empty result on every build (the AMX
+    build has no tile shape for zero tokens)."""
+    product = _build(isa)
+    packed = bf16_rows._weight(_weight(37, 75, 0), None)
+    assert product(torch.randn(0, 75).bfloat16(), packed).shape == (0, 37)

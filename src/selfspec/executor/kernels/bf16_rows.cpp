@@ -258,6 +258,7 @@ inline void configure(int cols) {
 template <typename Store>
 void product(const uint16_t* w, const uint16_t* x, const float* bias, int64_t T, int64_t K,
              int64_t N, Store store) {
+  if (T <= 0 || N <= 0 || K <= 0) return;  // nothing to compute (and no valid tile shape)
   const int64_t chunks = (K + kChunk - 1) / kChunk, full = K / kChunk;
   const int64_t ttiles = (T + 15) / 16, cols = std::min<int64_t>(T, 16), bsize = 16 * cols;
   // B: [ttile][chunk][16 pairs][cols tokens] dwords (two bf16 inputs each), zero-padded.
