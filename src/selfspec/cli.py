@@ -15,13 +15,14 @@ from collections.abc import Sequence
 
 from selfspec.bench.cli import add_bench_cpu_parser, add_bench_parser
 from selfspec.cli_args import (
+    add_dtype_argument,
     add_model_argument,
     add_output_processing_arguments,
+    add_threads_argument,
     add_weight_format_arguments,
     device_arg,
     float_arg,
     int_arg,
-    threads_arg,
 )
 from selfspec.errors import InvalidArgumentError, SelfSpecError
 from selfspec.executor.quant import DRAFT_WEIGHT_FORMATS
@@ -64,7 +65,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_output_processing_arguments(p)
     add_weight_format_arguments(p)
-    p.add_argument("--threads", type=threads_arg(), default=None, help="torch intra-op threads")
+    add_threads_argument(p)
     p.add_argument("--compare-ar", action="store_true",
                    help="also generate with plain autoregressive decoding (ar) on the same "
                         "prompt afterwards (with the same constraint and penalties) and print "
@@ -232,7 +233,7 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
     ls.set_defaults(func=_cmd_models_list)
     fetch = msub.add_parser("fetch", help="download, verify and convert a registry model")
     fetch.add_argument("name")
-    fetch.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    add_dtype_argument(fetch)
     fetch.add_argument("--force", action="store_true", help="fetch again even if cached")
     fetch.add_argument("--gguf", action="store_true",
                        help="instead keep the original GGUF file, verified (for the llama.cpp "
@@ -242,7 +243,7 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
         "verify", help="hash every file of the cached entries against their manifests (exit status 1 if one "
                        "is corrupt) and remove what interrupted fetches left behind")
     verify.add_argument("names", nargs="*", metavar="NAME", help="registry models to check (default: all cached)")
-    verify.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="check only this dtype's entries")
+    add_dtype_argument(verify, default=None, help="check only this dtype's entries")
     verify.set_defaults(func=_cmd_models_verify)
     pack = msub.add_parser(
         "pack", help="split a registry model's verified GGUF into parts with a sha256 "
@@ -262,7 +263,7 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
                     "--remeasure replaces it (e.g. one measured while the machine was busy).")
     add_model_argument(lat)
     add_weight_format_arguments(lat)
-    lat.add_argument("--threads", type=threads_arg(), default=None, help="torch intra-op threads")
+    add_threads_argument(lat)
     lat.add_argument("--remeasure", action="store_true", help="measure again and replace the file")
     lat.add_argument("--draft-weights", choices=DRAFT_WEIGHT_FORMATS, default=None,
                      help="the latency model of the quantized draft copies that "

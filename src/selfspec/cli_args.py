@@ -17,6 +17,28 @@ def threads_arg():
     return int_arg(1, MAX_THREADS)
 
 
+DENSE_DTYPES = ("bf16", "fp32", "fp16")
+"""``--dtype`` choices of dense weights (a registry model's cached formats, ``bench-cpu``)."""
+
+TRAINING_DTYPES = ("bf16", "fp32")
+"""``--dtype`` choices of the frozen backbone that heads, probes and predictors train on."""
+
+
+def add_threads_argument(parser, help: str = "torch intra-op threads (default: torch's default)"
+                         ) -> None:
+    """``--threads``, as every command that runs a model takes it: an integer in
+    ``[1, MAX_THREADS]`` checked at parse time, default ``None`` (torch's own choice)."""
+    parser.add_argument("--threads", type=threads_arg(), default=None, help=help)
+
+
+def add_dtype_argument(parser, choices=DENSE_DTYPES, default: str | None = "bf16",
+                       help: str | None = None) -> None:
+    """``--dtype`` over one of this module's sets of choices (:data:`DENSE_DTYPES`,
+    :data:`TRAINING_DTYPES`), so a meaning has one set of choices everywhere."""
+    parser.add_argument("--dtype", default=default, choices=list(choices),
+                        help=help or f"weights' dtype (default {default})")
+
+
 def int_arg(low: int | None = None, high: int | None = None):
     """An argparse ``type=`` that parses an integer in ``[low, high]``, so a bad value is a
     usage error at parse time (exit status 2) before anything is loaded."""
@@ -82,9 +104,8 @@ def add_weight_format_arguments(parser) -> None:
     add_device_argument(parser)
     from selfspec.executor.cpu import QUANTIZED_ROWS, ROWS_FORMATS
 
-    parser.add_argument("--dtype", default="bf16",
-                        choices=["bf16", "fp32", "fp16", *QUANTIZED_ROWS],
-                        help="weights' format (int4: bf16 weights, decoding on int4 copies; "
+    add_dtype_argument(parser, choices=[*DENSE_DTYPES, *QUANTIZED_ROWS],
+                       help="weights' format (int4: bf16 weights, decoding on int4 copies; "
                              "w4a8: on 4-bit copies with 8-bit activations, as llama.cpp's "
                              "Q4_1; gguf: on the GGUF file's own blocks, the weights as "
                              "published: a registry model's GGUF or --model FILE.gguf)")

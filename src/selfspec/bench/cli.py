@@ -13,11 +13,12 @@ from datetime import datetime
 from pathlib import Path
 
 from selfspec.cli_args import (
+    add_dtype_argument,
     add_model_argument,
+    add_threads_argument,
     add_weight_format_arguments,
     float_arg,
     int_arg,
-    threads_arg,
 )
 from selfspec.data import DATASETS
 from selfspec.validation import SEED_MAX, SEED_MIN
@@ -77,9 +78,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--seed", type=int_arg(SEED_MIN, SEED_MAX), default=0,
                    help="sampling seed; prompt selection: 0 = the dataset's (or file's) "
                         "first n prompts, else a seeded sample (default 0)")
-    p.add_argument("--threads", type=threads_arg(), default=None,
-                   help="torch intra-op threads, fixed for the run and recorded "
-                        "(default: torch's default)")
+    add_threads_argument(p, help="torch intra-op threads, fixed for the run and recorded "
+                                 "(default: torch's default)")
     p.add_argument("--warmup", type=int_arg(0), default=1,
                    help="prompts each method generates for before timing (default 1)")
     p.add_argument("--out", type=Path, default=None,
@@ -328,8 +328,7 @@ def add_bench_cpu_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
                     "with native bf16 what users of AVX2-only CPUs get. Writes formats-*.json "
                     "and report.md to --out and prints the table.")
     add_model_argument(p)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"],
-                   help="weights' dtype (default bf16)")
+    add_dtype_argument(p)
     p.add_argument("--lengths", default="256,1024,4096",
                    help="prefill prompt lengths, comma-separated (default 256,1024,4096)")
     p.add_argument("--decode-tokens", type=int_arg(2), default=64, help="ar tokens to time (default 64)")
@@ -337,7 +336,7 @@ def add_bench_cpu_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
                    help="heads-training steps to time per configuration (0 = skip; default 2)")
     p.add_argument("--no-onpolicy", dest="onpolicy", action="store_false",
                    help="skip batched on-policy generation")
-    p.add_argument("--threads", type=threads_arg(), default=None, help="torch intra-op threads")
+    add_threads_argument(p)
     p.add_argument("--isa", default="native",
                    help="comma-separated kernel sets to measure: native, avx2 (default native)")
     p.add_argument("--out", type=Path, default=None,
@@ -363,11 +362,7 @@ def cmd_bench_cpu(args: argparse.Namespace) -> int:
     unknown = [x for x in isas if x not in formats.ISA_ENV]
     if unknown or not isas:
         raise InvalidArgumentError(f"--isa takes {', '.join(formats.ISA_ENV)}; got {args.isa!r}")
-    if args.decode_tokens < 2 or args.train_steps < 0:
-        raise InvalidArgumentError("--decode-tokens must be >= 2 and --train-steps >= 0")
     if args.threads is not None:
-        if args.threads < 1:
-            raise InvalidArgumentError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     if args.json is not None:  # a child run: one ISA, this process
         report = formats.measure(args.model, args.dtype, lengths, args.decode_tokens,
