@@ -168,7 +168,7 @@ class Service:
              method_options: dict[str, Any], processing: Any
              ) -> tuple[list[Request], asyncio.Queue]:
         """The request's ``n`` rows, not yet submitted, and the queue their callbacks post
-        :data:`Event` s to (from the worker thread, through the running event loop).
+        :data:`Event` tuples to (from the worker thread, through the running event loop).
 
         Raises:
             ApiError: 400 for sampling options the engine refuses or a row over
