@@ -6,7 +6,8 @@ any recursive walk of the value), ``NaN`` / ``Infinity`` (not JSON, accepted by 
 integers over Python's 4300-digit conversion limit (a ``ValueError``), and lone UTF-16
 surrogates (``"\\ud800"``: valid JSON escapes, but no tokenizer can encode them, and no
 response quoting them can be written as UTF-8). :func:`decode_json` refuses all of them
-with a 400 that says what is wrong and where.
+with a 400 that says what is wrong and where; :func:`read_json` reads a request's body
+under the size limit first.
 """
 
 from __future__ import annotations
@@ -44,6 +45,30 @@ def decode_json(raw: bytes) -> Any:
         raise ApiError(400, f"the request body is not valid JSON: {error}") from error
     check_value(value)
     return value
+
+
+async def read_json(request: Any, limit: int) -> Any:
+    """The JSON value of an HTTP request's body, read as it streams in.
+
+    Args:
+        request: a Starlette request (its ``headers`` and ``stream()`` are read).
+        limit: the largest body accepted, bytes (``Limits.max_body_bytes``).
+
+    Raises:
+        ApiError: 413 when ``Content-Length`` says more than ``limit`` or more arrives
+            (checked per chunk, so an oversized body is never held whole); 400 as
+            :func:`decode_json`.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is over {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes")
+        chunks.append(chunk)
+    return decode_json(b"".join(chunks))
 
 
 def check_value(value: Any) -> None:

@@ -11,12 +11,17 @@ import sys
 
 from selfspec.cli_args import (
     add_model_argument,
+    add_threads_argument,
     add_weight_format_arguments,
     float_arg,
     int_arg,
-    threads_arg,
 )
-from selfspec.validation import check_threads
+from selfspec.serving.config import ServeConfig
+from selfspec.serving.protocol import Limits
+
+# The defaults are the dataclasses' that the arguments fill: stated once, there.
+_SERVE = ServeConfig(model_name="")
+_LIMITS = Limits()
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,7 +38,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-name", default=None,
                    help="the name clients pass as `model` (default: the model's name)")
     add_weight_format_arguments(p)
-    p.add_argument("--method", default="auto",
+    p.add_argument("--method", default=_SERVE.method,
                    help="default method, or a bench row's label with its options "
                         "(adadecode:gamma=0.9); a request may override it in its `selfspec` field; "
                         "ar, ngram and auto batch rows together, the others run rows in turn")
@@ -41,11 +46,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int_arg(0, 65535), default=8000)
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` (also $SELFSPEC_API_KEY)")
-    p.add_argument("--max-batch", type=int_arg(1, 256), default=8,
-                   help="requests decoded together (default 8)")
-    p.add_argument("--max-queue", type=int_arg(0), default=64,
-                   help="requests waiting for a batch row before 429 (default 64)")
-    p.add_argument("--max-batch-tokens", type=int_arg(1), default=None, metavar="N",
+    p.add_argument("--max-batch", type=int_arg(1, 256), default=_SERVE.max_batch,
+                   help=f"requests decoded together (default {_SERVE.max_batch})")
+    p.add_argument("--max-queue", type=int_arg(0), default=_SERVE.max_queue,
+                   help=f"requests waiting for a batch row before 429 "
+                        f"(default {_SERVE.max_queue})")
+    p.add_argument("--max-batch-tokens", type=int_arg(1), default=_SERVE.max_batch_tokens,
+                   metavar="N",
                    help="KV positions the running rows may reach together (each: prompt + "
                         "max_tokens); a request that would pass it waits, one larger alone is "
                         "a 400 (default: no bound but --max-batch)")
@@ -55,22 +62,24 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "naming a file is a 400)")
     p.add_argument("--health-auth", action="store_true",
                    help="/health needs the API key too (default: open, for load balancers)")
-    p.add_argument("--drain-seconds", type=float_arg(0), default=30.0,
+    p.add_argument("--drain-seconds", type=float_arg(0), default=_SERVE.drain_seconds,
                    help="on SIGTERM/SIGINT: new requests get 503 while accepted ones finish, "
-                        "for at most this long; the rest end with an error (default 30)")
-    p.add_argument("--header-timeout", type=float_arg(0, low_open=True), default=10.0,
-                   metavar="SECONDS",
-                   help="close a connection whose request headers take longer (default 10)")
-    p.add_argument("--max-prompt-tokens", type=int_arg(1), default=4096)
-    p.add_argument("--max-tokens", type=int_arg(1), default=1024,
+                        "for at most this long; the rest end with an error "
+                        f"(default {_SERVE.drain_seconds:g})")
+    p.add_argument("--header-timeout", type=float_arg(0, low_open=True),
+                   default=_SERVE.header_timeout, metavar="SECONDS",
+                   help="close a connection whose request headers take longer "
+                        f"(default {_SERVE.header_timeout:g})")
+    p.add_argument("--max-prompt-tokens", type=int_arg(1), default=_LIMITS.max_prompt_tokens)
+    p.add_argument("--max-tokens", type=int_arg(1), default=_LIMITS.max_tokens,
                    help="largest max_tokens a request may ask for")
-    p.add_argument("--default-max-tokens", type=int_arg(1), default=256)
-    p.add_argument("--max-body-bytes", type=int_arg(64), default=1 << 20)
+    p.add_argument("--default-max-tokens", type=int_arg(1), default=_LIMITS.default_max_tokens)
+    p.add_argument("--max-body-bytes", type=int_arg(64), default=_LIMITS.max_body_bytes)
     p.add_argument("--prefix-cache-mib", type=int_arg(0), default=256,
                    help="MiB of earlier prompts' KV kept for later prompts that start with the "
                         "same tokens (a chat's system prompt and history): only the rest is "
                         "prefilled; 0 turns it off (default 256)")
-    p.add_argument("--threads", type=threads_arg(), default=None, help="torch intra-op threads")
+    add_threads_argument(p, help="torch intra-op threads")
     add_method_arguments(p)
     p.set_defaults(func=_cmd_serve)
 
@@ -84,8 +93,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import selfspec
     from selfspec.methods.cli_options import apply_method_spec, method_options
     from selfspec.methods.registry import get_method
-    from selfspec.serving.app import ServeConfig, serve
-    from selfspec.serving.protocol import Limits
+    from selfspec.serving.app import serve
 
     apply_method_spec(args)
     if args.assets_dir is not None and not Path(args.assets_dir).is_dir():
@@ -94,7 +102,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"--assets-dir {args.assets_dir!r} is not a directory")
     options = method_options(args)
     get_method(args.method).parse(options)  # bad options fail before the model loads
-    if check_threads("--threads", args.threads):
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel,
                            device=args.device, cuda_graphs=args.cuda_graphs,

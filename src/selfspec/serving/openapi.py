@@ -258,6 +258,8 @@ def _object(properties: Mapping[str, Any], required: Sequence[str] | None = None
 
 
 def _response_schemas() -> dict[str, Any]:
+    """The response bodies' JSON schemas by name. Over ~80 lines: one declarative table,
+    each schema beside the ones it refers to, read as data rather than steps."""
     string, integer, number = {"type": "string"}, {"type": "integer"}, {"type": "number"}
     count = {"type": "integer", "minimum": 0}
     byte_list = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}}

@@ -29,8 +29,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from selfspec.errors import InvalidArgumentError
-
 #: The log probability answered for a token that cannot be generated (OpenAI's value).
 IMPOSSIBLE_LOGPROB = -9999.0
 
@@ -590,14 +588,10 @@ def check_option_types(method: str, fields: Sequence[Any], values: Mapping[str, 
         ApiError: 400 (param ``selfspec``) naming the option.
     """
     kinds = {int: "an integer", float: "a number", bool: "true or false"}
-    for field in fields:
-        value = values.get(field.name)
-        if isinstance(value, str) and field.type in kinds:
-            raise _bad(f"method {method!r}: option {field.name!r} must be "
-                       f"{kinds[field.type]} (a JSON value, not text); got {value!r}",
+    for option in fields:
+        value = values.get(option.name)
+        if isinstance(value, str) and option.type in kinds:
+            raise _bad(f"method {method!r}: option {option.name!r} must be "
+                       f"{kinds[option.type]} (a JSON value, not text); got {value!r}",
                        "selfspec")
 
-
-def method_error(error: InvalidArgumentError) -> ApiError:
-    """A bad ``selfspec`` method or option as a 400."""
-    return ApiError(400, str(error), param="selfspec")

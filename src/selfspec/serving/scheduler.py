@@ -38,6 +38,7 @@ from selfspec.decoding.core.stats import StepStats
 from selfspec.decoding.core.stop_strings import StopStringSink
 from selfspec.errors import InvalidArgumentError, SelfSpecError
 from selfspec.methods.registry import get_method
+from selfspec.serving.config import ServeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -124,12 +125,15 @@ class Scheduler:
             ``None``: no bound but ``max_batch``.
         observer: told of each queued request and each row's step (``None``: nobody).
 
+    The bounds' defaults are :class:`~selfspec.serving.config.ServeConfig`'s.
+
     Raises:
         InvalidArgumentError: bounds below their minimum.
     """
 
-    def __init__(self, engine: Any, max_batch: int = 8, max_queue: int = 64,
-                 max_batch_tokens: int | None = None,
+    def __init__(self, engine: Any, max_batch: int = ServeConfig.max_batch,
+                 max_queue: int = ServeConfig.max_queue,
+                 max_batch_tokens: int | None = ServeConfig.max_batch_tokens,
                  observer: SchedulerObserver | None = None) -> None:
         if max_batch < 1 or max_queue < 0 or (max_batch_tokens is not None
                                                and max_batch_tokens < 1):
@@ -333,7 +337,7 @@ class Scheduler:
         step = self._steps[key]
         if step.batched and len(rows) > 1:
             try:
-                for row, stats in zip(rows, step([r.state for r in rows])):
+                for row, stats in zip(rows, step([r.state for r in rows]), strict=False):
                     self._add_stats(key, row, stats)
                 self._settle(rows)
                 return

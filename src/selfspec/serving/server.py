@@ -29,6 +29,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from selfspec.serving.config import ServeConfig
 from selfspec.serving.drain import Drain
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class HeaderTimeoutProtocol(H11Protocol):
     ``header_timeout`` set (:func:`header_timeout_protocol`).
     """
 
-    header_timeout: float = 10.0
+    header_timeout: float = ServeConfig.header_timeout
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._header_timer: asyncio.TimerHandle | None = None

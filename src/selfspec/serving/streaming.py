@@ -1,0 +1,142 @@
+"""A generation request's answer as server-sent events: a chunk per text delta of each
+choice (with its tokens' log probabilities), each choice's last chunk with its finish reason
+(:func:`~selfspec.serving.choices.finish_choice`: with active tools the answer is sent whole
+when done, as content and/or calls), the usage chunk when asked, then ``data: [DONE]``.
+A failed row ends the stream with its error event and ``[DONE]``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from selfspec.serving.choices import finish_choice, response_usage
+from selfspec.serving.protocol import (
+    ApiError,
+    ApiRequest,
+    ResponseIds,
+    TextDeltas,
+    chunk_body,
+    logprobs_body,
+    usage_chunk,
+)
+from selfspec.serving.scheduler import Request
+
+DONE = b"data: [DONE]\n\n"
+
+
+def event(body: dict) -> bytes:
+    """One server-sent event carrying ``body`` as JSON (UTF-8, not ASCII-escaped)."""
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+
+
+class ChunkWriter:
+    """The chunks of one streamed response's ``n`` choices.
+
+    Args:
+        tokenizer: the event loop's tokenizer.
+        api: the request.
+        ids_of: the response's id, creation time and model.
+        choices: how many choices (rows) it streams.
+    """
+
+    def __init__(self, tokenizer: Any, api: ApiRequest, ids_of: ResponseIds,
+                 choices: int) -> None:
+        self.tokenizer = tokenizer
+        self.api = api
+        self.ids_of = ids_of
+        self.deltas = [TextDeltas(tokenizer, api.stop) for _ in range(choices)]
+        self.tools_active = api.tools is not None and api.tools.active
+        self.offsets = [0] * choices  # completions' text_offset of each choice's next token
+        self.opened = [False] * choices  # a chunk with the role was sent
+
+    def opening(self) -> list[bytes]:
+        """Chat: each choice's first chunk, the assistant's role alone; completions: none."""
+        if not self.ids_of.chat:
+            return []
+        out = []
+        for index in range(len(self.opened)):
+            out.append(event(chunk_body(self.ids_of, "", None, role=True, index=index)))
+            self.opened[index] = True
+        return out
+
+    def tokens(self, index: int, tokens: list[int], entries: list | None) -> bytes | None:
+        """The chunk of choice ``index``'s newly committed ``tokens``, or ``None`` when they
+        add no text yet (held back, or tools active: the answer may be calls)."""
+        if self.tools_active:
+            return None
+        text = self.deltas[index].push(tokens)
+        logprobs = self._logprobs(index, entries)
+        if not text and logprobs is None:
+            return None
+        chunk = chunk_body(self.ids_of, text, None, role=not self.opened[index], index=index,
+                           logprobs=logprobs)
+        self.opened[index] = True
+        return event(chunk)
+
+    def finished(self, index: int, state: Any, text: str) -> list[bytes]:
+        """The last chunks of choice ``index``, whose row finished with ``text``."""
+        done = finish_choice(state, text, self.api.tools)
+        out = []
+        if self.tools_active:
+            logprobs = self._logprobs(index, done.entries)
+            if done.calls or done.text or logprobs is not None:
+                out.append(event(chunk_body(self.ids_of, done.text, None, index=index,
+                                            logprobs=logprobs, calls=done.calls)))
+            rest = None
+        else:
+            rest = self.deltas[index].finish(text)
+        out.append(event(chunk_body(self.ids_of, rest, done.finish_reason,
+                                    role=not self.opened[index], index=index)))
+        return out
+
+    def _logprobs(self, index: int, entries: list | None) -> dict | None:
+        if entries is None:
+            return None
+        body = logprobs_body(self.tokenizer, entries, self.ids_of.chat, self.offsets[index])
+        self.offsets[index] += sum(len(t) for t in body.get("tokens", ()))
+        return body
+
+
+async def stream_events(writer: ChunkWriter, jobs: Sequence[Request], events: asyncio.Queue,
+                        prompt_tokens: int, failure: Callable[[BaseException], ApiError]
+                        ) -> AsyncIterator[bytes]:
+    """The response's events, from the rows' ``("tokens", ...)`` and ``("done", ...)``
+    events on ``events`` until every row finished or one failed.
+
+    Args:
+        writer: the response's chunks.
+        jobs: the request's rows, one per choice; cancelled when the stream ends (a
+            disconnect ends it too; a finished row ignores it).
+        events: what the rows' callbacks post (:class:`~selfspec.serving.service.Service`).
+        prompt_tokens: the prompt's length, for the usage chunk.
+        failure: what the client is told of a row's error.
+    """
+    states: list[Any] = []
+    try:
+        for chunk in writer.opening():
+            yield chunk
+        while True:
+            item = await events.get()
+            if item[0] == "tokens":
+                chunk = writer.tokens(*item[1:])
+                if chunk is not None:
+                    yield chunk
+                continue
+            _, index, state, text, error = item
+            if error is not None:
+                yield event(failure(error).body())
+                break
+            for chunk in writer.finished(index, state, text):
+                yield chunk
+            states.append(state)
+            if len(states) == len(jobs):
+                if writer.api.include_usage:
+                    use = response_usage(prompt_tokens, jobs[0].method, states)
+                    yield event(usage_chunk(writer.ids_of, use))
+                break
+        yield DONE
+    finally:
+        for job in jobs:
+            job.cancelled.set()
