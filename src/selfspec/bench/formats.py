@@ -18,7 +18,7 @@ without native bf16 can be measured on a machine that has it (issue "Fast on eve
 The switches restrict oneDNN and ATen only: FBGEMM (the fp16 decoding kernel) keeps the
 machine's own instructions, and PyTorch still sends bf16 products to oneDNN where the CPU has
 AVX-512 (oneDNN then runs them with AVX2 conversions, cheaper than a real AVX2-only CPU's
-emulation; docs/results/timings.md), so the restricted run approximates such a CPU rather
+emulation), so the restricted run approximates such a CPU rather
 than equals it.
 """
 

@@ -1,6 +1,6 @@
 """llama.cpp as a benchmark baseline: ``llamacpp-ar`` and ``llamacpp-prompt-lookup``.
 
-What a CPU user runs today is llama.cpp on a GGUF file. These runners drive it through its
+What a CPU user typically runs is llama.cpp on a GGUF file. These runners drive it through its
 maintained Python binding, llama-cpp-python (the ``llamacpp`` extra; PyPI ships it as source,
 so installing it compiles llama.cpp for this CPU: a C/C++ compiler and CMake are needed), on
 **the same GGUF file** the registry model was converted from (kept by

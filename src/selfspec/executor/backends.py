@@ -13,7 +13,7 @@ products (and its bulk ones where it ``serves_bulk``) on its own copy of the wei
   takes it).
 * :func:`select_backend` is the one place a family is chosen, as a function of the device
   and the format (``ComputeFormats.rows``): a family runs only on the device types
-  :data:`BACKEND_DEVICES` lists for it (every one is CPU-only today; a CUDA family adds its
+  :data:`BACKEND_DEVICES` lists for it (every one is CPU-only so far; a CUDA family adds its
   entry there). ``None`` leaves each matrix on the weights' own product (oneDNN-packed on
   CPU, ``F.linear`` elsewhere).
 * :class:`BackendCache` keeps one backend object per (format, size threshold): a ``Linear``

@@ -5,12 +5,11 @@ is native for models of small matrices: :func:`selfspec.executor.cpu.choose_rows
 Why: on x86 CPUs without native bf16 torch's bf16 ``F.linear`` converts as it multiplies and
 its cost grows with the rows, so verifying ``D`` draft tokens costs about ``D + 1`` decoding
 steps; FBGEMM's fp16 kernel (:mod:`selfspec.executor.fp16_rows`) is flat in the rows but
-costs ~0.1 ms a call, more than reading a SmolLM2-sized matrix, and needs an fp16 copy of
-every weight. This kernel (``kernels/bf16_rows.cpp``, AVX2 + FMA) reads the model's own bf16
+costs more a call than reading a SmolLM2-sized matrix, and needs an fp16 copy of every
+weight. This kernel (``kernels/bf16_rows.cpp``, AVX2 + FMA) reads the model's own bf16
 weights in place, converts each weight row once (a 16-bit shift) and multiplies it with up
-to six activation rows while it is in registers; measured on the 2-core AVX2 EPYC (2 threads,
-from DRAM): SmolLM2's ``[3072, 576]`` gate/up weight 224 µs for 1 row and 239 µs for 4,
-against 347 and ~850 µs for bf16 ``F.linear``.
+to six activation rows while it is in registers, so a call of 4 rows costs little more than
+one, and either less than bf16 ``F.linear``.
 
 Numbers: products and sums in fp32, the sum rounded to bf16 once (round to nearest even), as
 bf16 ``F.linear`` does, so outputs agree with it to fp32 rounding, not bit for bit (the
@@ -129,8 +128,8 @@ def _weight(weight: torch.Tensor, bias: torch.Tensor | None) -> Bf16Weight:
 
 def _product(fn, x: torch.Tensor, packed: Bf16Weight) -> torch.Tensor:
     """``x`` ``[..., K]`` → ``[..., N]`` in bf16 through the compiled kernel ``fn``."""
-    # Kept to a few tensor calls: this runs ~120 times a token (~8 µs against 27 µs with
-    # reshapes and casts, measured; F.linear's own overhead is ~12 µs).
+    # Kept to a few tensor calls: this runs ~120 times a token, and reshapes and casts here
+    # would cost more than F.linear's own overhead.
     if x.dtype != torch.bfloat16:
         x = x.to(torch.bfloat16)
     if not x.is_contiguous():

@@ -71,8 +71,8 @@ class LatencyModel:
         batched_row_ms: one sub-layer (attention + MLP averaged) on each row of a batch of
             rows, read-only: what KnapSpec's DP pays per budget, token and sub-layer.
         batched_call_ms: the fixed part of one such call, whatever its rows (on CPUs that
-            emulate bf16 the bulk products cast the weights each call: 2 ms a sub-layer
-            on SmolLM2-135M, 10 times a row's cost).
+            emulate bf16 the bulk products cast the weights each call, many times a row's
+            cost).
         key: what it was measured for (model, dtype, threads, machine).
     """
 
@@ -337,7 +337,7 @@ def measure_latency(executor: Executor, lengths: tuple[int, ...] = DEFAULT_LENGT
     Args:
         verify_tokens: the forward sizes ``T`` of the verification table (increasing, from
             1; default :data:`VERIFY_TOKENS`). Its forwards are most of the measurement's
-            time (SmolLM2-135M fp32, one thread: ~6 of ~6.6 s); a shorter table is a
+            time (nine tenths of it on SmolLM2-135M fp32, one thread); a shorter table is a
             coarser (linear between its points) but cheaper model.
 
     Raises:

@@ -1,11 +1,11 @@
 """What the processor can do, and which number format each kind of work runs in.
 
 On x86 CPUs without native bf16 instructions (``avx512_bf16`` or AMX), PyTorch emulates bf16
-matrix-matrix products: measured on a 2-thread AMD EPYC with AVX2 only, ``F.linear``
-[256×576]·[576×1536] takes 34 ms in bf16 and 4.5 ms in fp32 including the cast of the bf16
-weight to fp32, and bf16 cost grows linearly with the rows (about one matrix-vector product
-per row). One-token decoding is memory-bound, so bf16 weights still decode faster there
-(0.16 vs 0.39 ms per such matrix read from memory). Hence two formats per run
+matrix-matrix products: there a bf16 ``F.linear`` of a few hundred rows costs several times
+the fp32 one even with the cast of the bf16 weight to fp32 included, and bf16 cost grows
+linearly with the rows (about one matrix-vector product per row). One-token decoding is
+memory-bound, so bf16 weights, half the bytes, still decode faster there. Hence two formats
+per run
 (:class:`ComputeFormats`): the weights' own format for decoding and for everything that
 must be bit-consistent with it (verification), and the fast format for bulk matrix-matrix
 work (prefill, long blocks, training, feature extraction).
@@ -15,8 +15,8 @@ cannot (no ``/proc/cpuinfo``, other architectures) a short micro-benchmark does.
 and ATen switches that restrict the kernels to a lower instruction set
 (``ONEDNN_MAX_CPU_ISA=AVX2``, ``ATEN_CPU_CAPABILITY=avx2``) are honoured, so the AVX2-only
 behaviour can be approximated on a machine with AVX-512 (``selfspec bench-cpu --isa
-native,avx2``): bf16 products then cost ~4× fp32 there rather than ~7× on an AVX2-only CPU,
-and FBGEMM keeps its AVX-512 kernels (``docs/results/cpu-formats``).
+native,avx2``): bf16 products then cost less against fp32 there than on an AVX2-only CPU, and
+FBGEMM keeps its AVX-512 kernels.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ _ONEDNN_BF16_ISAS = frozenset({
 # ATen capability levels that lack native bf16 dot products.
 _ATEN_NO_BF16 = frozenset({"default", "avx2", "zvector", "sve256", "vsx"})
 # A bf16 matrix product counts as native when it is at most this much slower than fp32 (the
-# micro-benchmark's verdict; emulation measures 5-8× slower).
+# micro-benchmark's verdict; emulation measures several times slower).
 _BENCH_SLOWDOWN_LIMIT = 1.5
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -195,8 +195,8 @@ class ComputeFormats:
             weights of at least ``rows_min_bytes``, the bf16 kernel for the others; ``"int4"``
             (int4 weights, bf16 activations); ``"w4a8"`` (int4 weights, int8 activations).
         rows_min_bytes: smaller weights keep their own kernel, or take the bf16 kernel under
-            ``"bf16+fp16"`` (FBGEMM's per-call overhead, ~0.1 ms, outweighs its faster reads
-            below a few MiB); under ``"bf16"``, weights of at least this size keep an FBGEMM
+            ``"bf16+fp16"`` (FBGEMM's per-call overhead outweighs its faster reads below a
+            few MiB); under ``"bf16"``, weights of at least this size keep an FBGEMM
             fp16 copy for bulk work (prefill) only.
     """
 
@@ -238,7 +238,7 @@ ROWS_FORMATS = ("auto", "weights", "bf16", "bf16+fp16", "fp16", "int4", "w4a8", 
 # The kernels on a GGUF file's own blocks: "gguf" runs prefill on them too (as llama.cpp
 # does); "gguf+dense" runs prefill (and other blocks that need not match one-token decoding)
 # on the dense weights, the blocks as transformers de-quantized them, in the bulk format:
-# with AMX that is ~5x faster on long prompts, but the prompt's KV no longer comes from the
+# with AMX that is much faster on long prompts, but the prompt's KV no longer comes from the
 # blocks (selfspec.executor.gguf_backend).
 GGUF_ROWS = ("gguf", "gguf+dense")
 # The kernels that make the model itself quantized: --dtype takes them. int4 and w4a8
@@ -246,22 +246,19 @@ GGUF_ROWS = ("gguf", "gguf+dense")
 QUANTIZED_ROWS = ("int4", "w4a8", "gguf")
 # FBGEMM's fp16 kernel takes matrices from this size: under "bf16" (what "auto" picks where
 # bf16 is emulated) for bulk work (prefill) only, under "bf16+fp16" and auto's "fp16" for
-# decoding and verification too. Below it FBGEMM's per-call overhead (~0.1 ms) outweighs its
-# faster reads (0.66 MiB: 56 µs in bf16, 147 µs on FBGEMM). "auto" left Qwen2.5-1.5B's
-# matrices (4.5-52 MiB) on FBGEMM until selfspec's bf16 kernel streamed its weights well
-# (prefetch, 2026-11-26): since then `ar` decodes 1.36x faster on the bf16 kernel and its
-# fused sub-layers, while verification blocks cost the same on both (HumanEval, 2-core AVX2
-# EPYC; docs/results/auto/bench-2026-11-26-he-prefetch).
+# decoding and verification too. Below it FBGEMM's per-call overhead outweighs its faster
+# reads. "auto" left Qwen2.5-1.5B's matrices (4.5-52 MiB) on FBGEMM until selfspec's bf16
+# kernel streamed its weights well (prefetching): since then `ar` decodes faster on the bf16
+# kernel and its fused sub-layers, while verification blocks cost the same on both.
 AUTO_ROWS_MIN_BYTES = 4 << 20
 
 #: On CPUs with native bf16, ``auto`` decodes a bf16 model on selfspec's bf16 kernel (with its
 #: fused sub-layers: two calls a layer instead of ~55 torch operators) when every
-#: decoder-layer matrix is smaller than this. Measured on a 2-core AMX Xeon
-#: (docs/results/executor-profile/native-bf16-rows-2026-11-29, the kernel's AVX512-BF16
-#: build): SmolLM2-135M (largest 3.4 MiB) `ar` 2.2x and `auto` 1.3-1.6x faster than on oneDNN,
-#: a verification block of 16 tokens still cheaper; Qwen2.5-1.5B (largest 52 MiB) `ar` 1.19x
-#: but `auto` 0.74x, its verification blocks compute-bound on the kernel (16 tokens 2.4-2.7x
-#: one) where oneDNN's AMX keeps them near one token's cost. The kernel's AMX build (AMX bf16
+#: decoder-layer matrix is smaller than this. With the kernel's AVX512-BF16 build, small
+#: matrices (SmolLM2-135M's, 3.4 MiB at most) decode and verify faster than on oneDNN; large
+#: ones (Qwen2.5-1.5B's, up to 52 MiB) decode faster but make verification blocks
+#: compute-bound on the kernel, where oneDNN's AMX keeps them near one token's cost, so
+#: `auto` loses. The kernel's AMX build (AMX bf16
 #: tiles for every call) has no such limit: ``auto`` takes it for models of any size where it
 #: runs (:func:`selfspec.executor.bf16_rows.chosen_isa` ``== "amx"``).
 NATIVE_BF16_ROWS_MAX_BYTES = 4 << 20

@@ -1,13 +1,12 @@
 """fp16-weight matrix products for decoding and verification where bf16 is emulated.
 
 Why: on x86 CPUs without native bf16 (AVX2 only) a bf16 ``F.linear`` converts as it
-multiplies, and its cost grows with the rows: measured on the 2-core AVX2 EPYC (torch
-2.13.0, 2 threads), one forward of Qwen2.5-Coder-1.5B over 1 token takes 185 ms and over
-5 tokens 780 ms, so verifying ``D`` draft tokens costs about ``D + 1`` decoding steps and no
-self-speculative method can pay. FBGEMM's fp16 GEMM, shipped in every x86 PyTorch wheel
-(``torch.ops.quantized.linear_dynamic_fp16``: weights stored as fp16, activations,
-products and sums in fp32), reads the same bytes as bf16 and takes 122-138 ms for 1 token
-and 159-175 ms for 5 (``docs/results/executor-profile``).
+multiplies, and its cost grows with the rows: a forward of a few tokens costs about as
+many one-token forwards, so verifying ``D`` draft tokens costs about ``D + 1`` decoding steps
+and no self-speculative method can pay. FBGEMM's fp16 GEMM, shipped in every x86 PyTorch
+wheel (``torch.ops.quantized.linear_dynamic_fp16``: weights stored as fp16, activations,
+products and sums in fp32), reads the same bytes as bf16, is faster for one token and
+costs little more for a few.
 
 Numbers: a bf16 weight is exactly an fp16 value when ``2^-17 <= |w| <= 65504`` (bf16 has 8
 significant bits, fp16 11 and a smaller exponent range); smaller weights round to fp16's
@@ -68,7 +67,7 @@ def bulk_copy(weight: torch.Tensor, bias: torch.Tensor | None,
 
 def bulk_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """``[..., K]`` → ``[..., N]`` in ``x``'s dtype in one FBGEMM call, without row padding:
-    for prefill and other bulk work (1.5-30× faster than casting bf16 weights to fp32 per
+    for prefill and other bulk work (much faster than casting bf16 weights to fp32 per
     call)."""
     flat = x.reshape(-1, x.shape[-1]).float()
     out = torch.ops.quantized.linear_dynamic_fp16(flat, packed)
@@ -132,7 +131,7 @@ class Fp16Rows:
     def bulk(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         """``[..., K]`` → ``[..., N]`` in one call, without row padding: for prefill and other
         bulk work that need not match one-token decoding bit for bit (FBGEMM's fp16 GEMM is
-        also 1.5-30× faster there than casting bf16 weights to fp32 per call)."""
+        also much faster there than casting bf16 weights to fp32 per call)."""
         return bulk_product(x, packed)
 
     def decode_bytes(self, packed: torch.Tensor, weight: torch.Tensor,

@@ -8,8 +8,8 @@ bf16, and on CPUs with native bf16 where the layers' matrices are small: SmolLM2
 
 Why: with the products on these kernels, what is left of a decode step is some thirty small
 torch operators a layer (RMSNorm in fp32 and back, RoPE, the cache write, SDPA, SiLU, the
-residual adds): 11.9 of 73–89 ms on Qwen2.5-Coder-1.5B in w4a8 (2-core AVX2 EPYC, 2 threads),
-and most of a SmolLM2-135M step. Here an attention sub-layer (RMSNorm → qkv → RoPE → cache
+residual adds): a sizeable share of a Qwen2.5-Coder-1.5B step in w4a8, and most of a
+SmolLM2-135M step. Here an attention sub-layer (RMSNorm → qkv → RoPE → cache
 append → attention → o → residual) and an MLP sub-layer (RMSNorm → gate/up → SiLU·up → down →
 residual) are each one call, the activations between products staying in fp32.
 

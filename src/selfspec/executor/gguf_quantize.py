@@ -73,7 +73,7 @@ def quantize_blocks(weight: torch.Tensor | np.ndarray, qtype: gguf.GGMLQuantizat
             f"{qtype.name} needs the input size ({k}) to be a multiple of {block}")
     if qtype in _OWN:
         # In chunks of _CHUNK blocks: temporaries that stay in cache (a 1.5B model's lm_head
-        # at once would hold several GB of them; chunks are ~1.5x faster too).
+        # at once would hold several GB of them; chunks are faster too).
         flat = w.reshape(-1, QK_K)
         blocks = np.concatenate([_OWN[qtype](flat[i:i + _CHUNK])
                                  for i in range(0, len(flat), _CHUNK)] or

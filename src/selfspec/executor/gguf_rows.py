@@ -25,19 +25,13 @@ may differ in the last bits; each is row-consistent. The AMX build multiplies Q4
 calls of 4 activation rows and more (Q6_K: 5) in tiles — 16 weight rows against up to 16
 activation rows a tile multiply, the weights decoded once per group into AMX's layout — and
 smaller calls row by row as the VNNI build does; both paths sum each 256-input block exactly
-in int32 and apply the same fp32 steps, so a row is the same bits in either. Measured on a
-2-core AMX Xeon, 2 threads, Qwen2.5-1.5B's gate/up shape [17920, 1536] in Q4_K: 0.37 / 0.52 /
-0.66 / 0.80 / 0.96 / 1.2 ms at 1 / 2 / 3 / 4 / 8 / 16 rows, against the VNNI build's 0.45 /
-0.61 / 0.75 / 0.91 / 1.76 / 3.7 ms; a whole Qwen2.5-Coder-1.5B verification block of 2 / 4 /
-8 / 16 tokens costs 1.15 / 1.69 / 1.99 / 2.69 one-token steps (VNNI build: 1.23 / 1.73 /
-2.97 / 6.2), and prefill on the blocks runs at twice llama.cpp's speed.
+in int32 and apply the same fp32 steps, so a row is the same bits in either. The tiles keep
+a verification block of 8-16 tokens near the cost of a few one-token steps where the VNNI
+build's row-by-row cost grows with the rows.
 
-Measured (``scripts/gguf_rows_bench.py``, a 2-core AVX-512 VNNI Xeon, bf16 inputs, Qwen2.5-1.5B
-shapes, AVX-512 build): one-token products read, on 2 threads, 36 GB/s of Q4_K gate/up blocks,
-49 of Q6_K down, 54 of Q8_0 and 37 of Q4_1, against 48 for the w4a8 kernel (one thread: 20,
-26, 28, 19 against 26); the AVX2 build 11-17% less (Q4_1 38%). A call of 8 rows costs 2.8-3.9
-one-row calls (w4a8 5.3-5.8), 16 rows 5.3-7.9 (w4a8 10-11.7). Q2_K / Q3_K gate/up blocks
-(``--type``): 28 / 26 GB/s, a product taking 0.78 / 1.08 times Q4_K's (AVX2 build: 21 / 19).
+``scripts/gguf_rows_bench.py`` measures the products (one-token bandwidth per block type,
+multi-row calls against one-row ones): a call of 8 or 16 rows costs a fraction of that many
+one-row calls, a smaller fraction than on the w4a8 kernel.
 
 Layout: a :class:`GgufMatrix` is segments of rows (``[rows, row_bytes]`` uint8, each row
 ``K / block_size`` blocks, as stored in the GGUF) stacked along the outputs, each segment its

@@ -2,12 +2,12 @@
 ``--dtype int4``): the model itself runs with 4-bit weights.
 
 Why: one-token decoding reads every weight once, so 4-bit weights read a quarter of bf16's
-bytes. On an Intel Xeon with AMX (torch 2.13.0, 2 threads) torch's CPU int4 kernel
-(``aten::_weight_int4pack_mm_for_cpu``, group 32) multiplies one row by Qwen2.5-1.5B's
-``[17920, 1536]`` gate/up weight in 0.85 ms against 2.27 ms for oneDNN's packed bf16, its
-``lm_head`` in 9.4 vs 19.6 ms. Its cost grows with the rows (5 rows: 2.7 vs 2.2 ms), so
-prefill and other bulk blocks keep the bf16 weights (:class:`selfspec.executor.linear.Linear`
-routes them there): this kernel serves decoding and verification only.
+bytes. On an Intel Xeon with AMX torch's CPU int4 kernel
+(``aten::_weight_int4pack_mm_for_cpu``, group 32) multiplies one row by a matrix in well under
+half the time of oneDNN's packed bf16. Its cost grows with the rows (at 5 rows it is slower
+than bf16), so prefill and other bulk blocks keep the bf16 weights
+(:class:`selfspec.executor.linear.Linear` routes them there): this kernel serves decoding and
+verification only.
 
 Numbers: weights are quantized group-wise (32 inputs per scale and offset, asymmetric min/max,
 :func:`selfspec.executor.quant.quantize_int4`), activations stay bf16. That is lossy against

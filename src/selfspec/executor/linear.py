@@ -2,16 +2,15 @@
 
 Decoding one token multiplies a ``[1, H]`` vector by every weight matrix, so the speed of the
 whole model is the speed of these products. On CPU, oneDNN weights pre-packed into its
-blocked layout stream about 1.5× faster than ``F.linear`` on plain row-major weights for
-bf16/fp16 (measured on the 2-core dev machine: 15 vs 10 GB/s over one SmolLM2-135M token's
-weights). They agree with ``F.linear`` to bf16 precision, not always bit for bit; what
+blocked layout stream faster than ``F.linear`` on plain row-major weights for
+bf16/fp16. They agree with ``F.linear`` to bf16 precision, not always bit for bit; what
 lossless decoding needs is that a verification block's rows equal one-token decoding's, which
 :class:`PackedRowLimits` ensures. fp32 keeps ``F.linear``, the dtype used to check exactness
 against transformers.
 
 Bulk calls (prefill, long blocks) may compute in another format than the weights'
 (:class:`selfspec.executor.cpu.ComputeFormats`): on CPUs that emulate bf16 a cast of the
-weight to fp32 per call is 5-8× faster than the emulated bf16 product. There, decoding and
+weight to fp32 per call is several times faster than the emulated bf16 product. There, decoding and
 verification use FBGEMM's fp16-weight kernel instead of the emulated bf16 one
 (:mod:`selfspec.executor.fp16_rows`), whose cost hardly grows with the rows.
 """

@@ -22,14 +22,12 @@ Five formats:
   (:data:`AUTO_DRAFT_FORMATS`): their acceptance is lower, which one-row timing does not see.
 
 Which is faster depends on the CPU, so the default (``auto``) measures it
-(:func:`fastest_format`). On the 2-core AVX2 EPYC (torch 2.13.0, 2 threads) one forward of
-Qwen2.5-Coder-1.5B took 188 ms with bf16 weights, 116 ms with int8 weight-only
-(``_weight_int8pack_mm``), 124 ms with int4 (group 32 or 128) and 75 ms with FBGEMM's W8A8
-(``docs/results/executor-profile``): torch's int4 kernel unpacks nibbles at a rate well
-below the memory bandwidth on AVX2, while FBGEMM's int8 dot products (``vpmaddubsw``) keep
-up with it; w4a8 reads 0.625 of int8's bytes with the same instructions (draft token 0.8×
-int8's, measured 2026-11-26). On an AVX-512/AMX Xeon the int4 kernel wins instead (SmolLM2
-one-token forward 12.4 ms int4 vs 16.8 ms W8A8).
+(:func:`fastest_format`). On AVX2 without native bf16, FBGEMM's W8A8 was the fastest of
+bf16, int8 weight-only (``_weight_int8pack_mm``), int4 (group 32 or 128) and W8A8: torch's
+int4 kernel unpacks nibbles at a rate well below the memory bandwidth on AVX2, while FBGEMM's
+int8 dot products (``vpmaddubsw``) keep up with it; w4a8 reads 0.625 of int8's bytes with the
+same instructions, and its draft tokens are cheaper than int8's. On an AVX-512/AMX CPU the
+int4 kernel beats W8A8 instead.
 """
 
 from __future__ import annotations
@@ -118,10 +116,10 @@ def fastest_format(weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
     """The draft weight format whose one-row products over ``weights`` run fastest here.
 
     Which kernel wins depends on the CPU: on AVX2 without native bf16, FBGEMM's W8A8 int8
-    beats torch's int4 kernel (qspec 1.29× vs 0.98× on Qwen2.5-1.5B); on an AVX-512/AMX Xeon
-    int4 wins (1.64× vs 1.60×; SmolLM2 1.42× vs 1.29×), docs/results/executor-profile. So
-    it is measured: each available format quantizes ``weights`` (a sample of the model's
-    layers) and times one-row products over all of them.
+    beats torch's int4 kernel; on an AVX-512/AMX CPU int4 wins (``qspec`` speedups in the
+    executor-profile results). So it is measured: each available format quantizes
+    ``weights`` (a sample of the model's layers) and times one-row products over all of
+    them.
 
     Args:
         weights: ``(weight [N, K], bias [N] or None)`` pairs of the linears to time.

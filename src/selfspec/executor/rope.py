@@ -130,8 +130,8 @@ class RopeTable:
         """cos, sin ``[num, head_dim]`` fp32 for the consecutive positions ``pos0 ..
         pos0 + num - 1``: views of an fp32 copy of the table, the same values as
         :meth:`rows`. Why: methods that run a token layer by layer (SpecEE, AdaDecode) call
-        the fused path once per layer, and the table lookup of :meth:`rows` cost ~70 µs a
-        call against ~2 µs for a slice (a 0.5B layer is ~1.6 ms)."""
+        the fused path once per layer, and the table lookup of :meth:`rows` costs far more
+        a call than a slice, a noticeable share of a small model's layer."""
         made = self._fp32
         if made is None or made.source is not self.cos or pos0 + num > made.cos.shape[0]:
             # grows the table if short

@@ -10,13 +10,12 @@ int8 with scale ``max|x| / 127``. Products are integer dot products per block
 (``vpmaddubsw``/``vpmaddwd``), scaled and summed in fp32. One pass reads 0.625 bytes a
 weight. Asymmetric blocks (rather than Q4_0's symmetric ones) buy agreement: teacher-forced
 top-1 agreement of the draft with Qwen2.5-Coder-1.5B in bf16 0.957 against Q4_0's 0.933–0.938
-(``qspec`` acceptance 98% against 81%) and torch int4's 0.950
-(``docs/results/executor-profile/README.md``).
+(``qspec`` acceptance 98% against 81%) and torch int4's 0.950 (the executor-profile
+results).
 
-Why: a quantized draft token costs what reading its weights costs. On the 2-core AVX2 EPYC
-(torch 2.13.0) torch's int4 kernel unpacks nibbles below the memory bandwidth and FBGEMM's
-W8A8 reads a byte a weight; this reads 0.625 (measured in
-``docs/results/executor-profile``). On CPUs with AMX torch's int4 kernel may still win:
+Why: a quantized draft token costs what reading its weights costs. On AVX2 CPUs torch's int4
+kernel unpacks nibbles below the memory bandwidth and FBGEMM's W8A8 reads a byte a weight;
+this reads 0.625. On CPUs with AMX torch's int4 kernel may still win:
 :func:`selfspec.executor.quant.fastest_format` measures all of them.
 
 Lossy against the model (a draft may be): verification with the model's own weights decides
@@ -189,9 +188,9 @@ class W4A8Rows:
     one-token decoding bit for bit.
 
     Prefill and other bulk blocks run on it too, as in llama.cpp: its cost per row falls with
-    the rows where bf16 is emulated. Measured on the 2-core AVX2 EPYC, 78 rows by Qwen2.5-1.5B's
-    ``[17920, 1536]`` gate/up weight: 64 ms, against 85 ms on FBGEMM's fp16 copy and 149 ms
-    casting the bf16 weight to fp32 per call (the bulk path of the weights' own kernel).
+    the rows where bf16 is emulated, and a prompt's worth of rows cost less here than on
+    FBGEMM's fp16 copy or casting the bf16 weight to fp32 per call (the bulk path of the
+    weights' own kernel).
 
     Attributes:
         serves_bulk: ``True``: bulk calls take this kernel too (the same numbers).

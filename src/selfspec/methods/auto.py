@@ -41,9 +41,9 @@ MODEL_DRAFTERS: dict[str, MethodSpec] = {
 HEADS_METHODS = ("layerskip", "dv", "adaspeed", "dssd")
 #: Per-token acceptance a model drafter starts each generation with (2 pseudo-observations),
 #: before its own verifications correct it. A quantized copy of the model itself agrees with
-#: it on 95-96% of top-1 tokens (int8 / int4 / w4a8 on Qwen2.5-Coder-1.5B,
-#: docs/results/executor-profile/w4a8_probe.py), and its drafts under ``auto`` were accepted
-#: 93-99% of the time on held-out prompts (docs/results/auto, "2026-11-26 (night)"); early-exit
+#: it on 95-96% of top-1 tokens (int8 / int4 / w4a8 on Qwen2.5-Coder-1.5B, the
+#: executor-profile results), and its drafts under ``auto`` were accepted 93-99% of the time
+#: on held-out prompts (the auto results); early-exit
 #: heads agree far less (0.3-0.7 at their layers). A lower prior capped qspec's first drafts
 #: at a few tokens for the first steps of a generation.
 DRAFTER_PRIORS: dict[str, float] = {"qspec": 0.95}

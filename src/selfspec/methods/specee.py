@@ -68,8 +68,8 @@ class Options:
         None, "instead of threshold: the lowest threshold of the card's held-out sweep whose "
         "token accuracy (share of tokens equal to the final layer's) reaches this",
         low=0, high=1, low_open=True, high_open=True, default_text="none")
-    # 'deferred' is the default by the accuracy-speed Pareto plots of both models
-    # (docs/results/specee): on Qwen2.5-Coder-0.5B it was both faster and more accurate than
+    # 'deferred' is the default by the accuracy-speed Pareto plots of both models (the SpecEE
+    # results): on Qwen2.5-Coder-0.5B it was both faster and more accurate than
     # the other two, on the 1.5B within one problem of 'propagate'.
     kv: str = option("deferred", "KV of the layers an exited token skipped: 'deferred' (run "
                      "later, batched with the next token, exact), 'propagate' (CALM: K/V "

@@ -18,10 +18,9 @@ them right after the conversion. Three depths of check read that record:
     cannot be set back from user space); the 2 s margin covers file-system timestamps that
     tick coarsely (a write in the same tick as the stamp could otherwise leave them equal; git
     calls this the "racy clean" case), so a file changed after its stamp is hashed again
-    before it is used, and an unchanged one costs one ``stat``. Hashing runs at about 1 GB/s
-    here (0.25-0.4 s for SmolLM2's 270 MB of bfloat16 weights, an estimated 7 s for the
-    6.7 GB of Qwen2.5-Coder-1.5B in float32), so paying it on every load would double the
-    load time of the larger models for no gain. A file younger than the margin is hashed and
+    before it is used, and an unchanged one costs one ``stat``. Hashing reads every byte of
+    the weights (seconds for a model of a few GB), so paying it on every load would double
+    the load time of the larger models for no gain. A file younger than the margin is hashed and
     not stamped, so the first load after a fetch hashes the weights once more.
 
   The stamp is written after each successful hash of a large file (best effort: in a

@@ -20,7 +20,6 @@ from pathlib import Path
 from selfspec.errors import ChecksumError, InvalidArgumentError
 
 MANIFEST = "manifest.json"
-_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -61,14 +60,6 @@ class PartsManifest:
             raise InvalidArgumentError(
                 f"{directory} holds no readable {MANIFEST} of model parts ({err}); make one "
                 "with `selfspec models pack NAME --out DIR`") from None
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def pack_file(path: Path, out_dir: Path, part_bytes: int, name: str | None = None) -> PartsManifest:

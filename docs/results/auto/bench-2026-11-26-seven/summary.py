@@ -3,6 +3,9 @@ prefill included, as in the reports) and of its decoding alone (tokens after the
 time after the first token), plus auto's drafter shares.
 
     python docs/results/auto/bench-2026-11-26-seven/summary.py RUNS_DIR
+
+RUNS_DIR holds the runs' folders with their records.jsonl (not kept in the tree: commands.sh
+writes them).
 """
 
 import json

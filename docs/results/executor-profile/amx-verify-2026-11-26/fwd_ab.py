@@ -1,7 +1,7 @@
 """Qwen2.5-1.5B full forwards of T tokens (after a HumanEval prompt) with inconsistent row counts split (before ab369f3) vs padded, 3 alternating rounds."""
 import time, torch, selfspec
 from selfspec.data.prompts import load_prompts
-from selfspec.executor.linear import RowSizes, PackedRowLimits
+from selfspec.executor.row_consistency import PackedRowLimits, RowSizes
 torch.set_num_threads(2)
 eng = selfspec.load("qwen2.5-coder-1.5b-instruct", "bf16")
 ex = eng.executor

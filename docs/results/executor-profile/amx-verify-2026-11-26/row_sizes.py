@@ -1,7 +1,8 @@
 """Row-consistent call sizes of oneDNN's packed kernel on Qwen2.5-1.5B's shapes, and the time of
 a T-row call: split at the first inconsistent size (before) vs padded to a consistent one (now)."""
 import time, torch
-from selfspec.executor.linear import Linear, PackedRowLimits, RowSizes, in_consistent_chunks, _packed, _alone
+from selfspec.executor.linear import Linear, _alone, _packed
+from selfspec.executor.row_consistency import PackedRowLimits, RowSizes, in_consistent_chunks
 torch.set_num_threads(2)
 H, I = 1536, 8960
 shapes = {"qkv": (2048, H, True), "o": (H, H, False), "gate_up": (2 * I, H, False), "down": (H, I, False), "lm_head": (151936, H, False)}

@@ -3,7 +3,7 @@
 import sys, time, collections, torch
 import selfspec
 from selfspec.data.prompts import load_prompts
-from selfspec.executor.linear import RowSizes, PackedRowLimits
+from selfspec.executor.row_consistency import PackedRowLimits, RowSizes
 torch.set_num_threads(2)
 eng = selfspec.load("qwen2.5-coder-1.5b-instruct", "bf16")
 limits = eng.executor.row_limits

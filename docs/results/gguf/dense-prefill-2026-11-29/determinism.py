@@ -1,5 +1,7 @@
 # Run from the repository root: python docs/results/gguf/dense-prefill-2026-11-29/determinism.py
 # (greedy texts of two HumanEval prompts against the two Qwen runs, with llama.cpp loaded in the process).
+# It reads the two runs' records.jsonl, which are not kept in the tree: rerun each run's command
+# (its report.md header) into its folder first.
 import json, sys, torch, selfspec
 from selfspec.data.prompts import load_prompts
 torch.set_num_threads(2)

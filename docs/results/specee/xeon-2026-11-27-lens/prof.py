@@ -1,6 +1,7 @@
 """Where verified SpecEE's predictor time goes, per token."""
 import sys, time, torch, selfspec
 import selfspec.decoding.specee.step as sp
+import selfspec.decoding.specee.kernel as spk  # the torch path of the per-layer decision
 torch.set_num_threads(2)
 model, heads, thr = sys.argv[1], sys.argv[2], float(sys.argv[3])
 eng = selfspec.load(model, dtype="bf16", show_progress=False)
@@ -11,7 +12,7 @@ def timed(name, fn):
     def w(*a, **k):
         t = time.perf_counter(); r = fn(*a, **k); acc[name] += time.perf_counter() - t; calls[name] += 1; return r
     return w
-sp.candidate_features = timed("features", sp.candidate_features)
+spk.candidate_features = timed("features", spk.candidate_features)
 sp.DrafterCandidates.__call__ = timed("candidates", sp.DrafterCandidates.__call__)
 sp.HeadCandidates.__call__ = timed("candidates", sp.HeadCandidates.__call__)
 from selfspec.heads.predictor import ExitPredictors

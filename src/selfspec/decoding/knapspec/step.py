@@ -45,8 +45,8 @@ space is then "which sub-layers of the quantized model to skip", which includes 
 own measured latency model, verification costs from the model's, and the model's own
 weights verify (lossless). The DP and α̂ score the candidates with the model's own
 sub-layers and ``lm_head``, as a proxy for the quantized ones: on CPUs the quantized kernels
-are compute-bound on the DP's many rows (several times the bf16 cost per row and sub-layer;
-docs/results/timings.md), so scoring them would price every re-optimisation out of
+are compute-bound on the DP's many rows (several times the bf16 cost per row and
+sub-layer), so scoring them would price every re-optimisation out of
 ``plan_budget``; the proxy over-estimates α̂ by the quantization's own disagreement (~2% of
 tokens for int4 on Qwen2.5-1.5B), which the confidence stop rule bounds.
 """

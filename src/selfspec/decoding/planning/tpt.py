@@ -130,7 +130,7 @@ class ForwardCosts:
     predicted from the others' correction. Every average starts from the prior (ratio 1,
     a new ``T`` from the overall correction) and one observation moves it by at most a
     factor of 2 times its weight: a page fault or a slow first call (the first forward of a
-    generation took 2.3x the model's time on Qwen2.5-1.5B, and used to set the whole
+    generation took about twice the model's time on Qwen2.5-1.5B, and used to set the whole
     correction by itself) does not derail the choice.
 
     Args:

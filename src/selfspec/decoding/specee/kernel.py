@@ -5,8 +5,7 @@ norm of the state, the optional head lens, the candidates' logits, local probabi
 their change (:func:`~selfspec.heads.predictor.candidate_features`) and, where a predictor
 runs, its MLP (:meth:`~selfspec.heads.predictor.ExitPredictors.prob`). In torch that is ~30
 small operations whose dispatch costs far more than their arithmetic, a noticeable share of
-verified SpecEE's time (docs/results/timings.md). The kernel does all of it in one ``ctypes``
-call on bf16 models.
+verified SpecEE's time. The kernel does all of it in one ``ctypes`` call on bf16 models.
 
 Numbers: the kernel rounds where torch rounds (the norm and the bf16 products to bf16) and
 sums in fp32 in its own order, so its features and predictor outputs agree with the torch

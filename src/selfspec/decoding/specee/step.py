@@ -628,8 +628,7 @@ class SpecEEExits:
             return None
         # The draft token is picked among the k candidates alone (ascending ids, so ties go
         # to the lowest id as over [V]): an argmax and softmax over all V rows, -inf but k,
-        # cost a noticeable share of a draft token on a 151,936-token vocabulary
-        # (docs/results/timings.md).
+        # cost a noticeable share of a draft token on a 151,936-token vocabulary.
         ids, order = found.ids.sort()
         return Exit(found.exit_layer, found.logits[order],
                     vocab=DraftVocab(ids, self.executor.vocab_size))

@@ -9,7 +9,7 @@
 //
 // Why our own kernel: on these CPUs torch's bf16 F.linear converts as it multiplies and its
 // cost grows with the rows (a verification of T tokens costs about T decoding steps), and
-// FBGEMM's fp16 kernel pays ~0.1 ms per call, more than SmolLM2-sized matrices take to read.
+// FBGEMM's fp16 kernel pays more overhead per call than SmolLM2-sized matrices take to read.
 // Here each weight row is converted once (a 16-bit shift) and multiplied with up to six
 // activation rows while it is in registers, so a call of a few rows reads the weights once.
 //
@@ -34,8 +34,7 @@ namespace {
 
 // Elements ahead along the weights (past a row's end: the next rows) that calls of one or two
 // rows, which only stream, prefetch: 8 KiB. 2 KiB, as calls of more rows (compute-bound) keep,
-// left them 28-46% slower on the 2-core AVX2 EPYC over Qwen2.5-1.5B's matrices
-// (docs/results/executor-profile/prefetch-2026-11-26).
+// left them clearly slower on AVX2 over Qwen2.5-1.5B's matrices.
 #ifndef SELFSPEC_BF16_PREFETCH
 #define SELFSPEC_BF16_PREFETCH 4096
 #endif
@@ -250,9 +249,9 @@ inline void configure(int cols) {
   selfspec_amx::load_config(c);
 }
 
-// No software prefetch: the hardware's streams serve the 16 rows a tile reads. Measured on the
-// 2-core AMX Xeon (one-row calls over SmolLM2-135M / Qwen2.5-1.5B matrices from DRAM), 512 or
-// 2,048 bytes ahead along each row, or the next 32 rows' block line by line, were 2-27% slower.
+// No software prefetch: the hardware's streams serve the 16 rows a tile reads. Prefetching
+// 512 or 2,048 bytes ahead along each row, or the next 32 rows' block line by line, measured
+// slower (one-row calls over SmolLM2-135M / Qwen2.5-1.5B matrices from DRAM).
 
 // y[t, n] = w_n . x_t + bias[n] for bf16 x [T, K], handed to store(t, n, y).
 template <typename Store>

@@ -17,7 +17,7 @@ namespace {
 
 // A Llama/Qwen2 attention or MLP sub-layer (norm included, residual added) on T rows, every
 // product on w4a8 weights, so a decode step makes two calls a layer instead of some thirty
-// torch operators (~12 ms of a Qwen2.5-1.5B step on the 2-core AVX2 EPYC). Every row is
+// torch operators (a noticeable share of a Qwen2.5-1.5B step on AVX2). Every row is
 // computed as it would be alone (norm, products, RoPE, attention over its own prefix), so
 // verification blocks equal one-token decoding bit for bit. Hidden states, norm weights and
 // the KV cache are bf16 (bf16 = 1) or fp32; everything in between is fp32.

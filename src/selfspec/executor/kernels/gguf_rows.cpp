@@ -70,8 +70,7 @@ enum : int64_t {
 constexpr int kTile = 8;
 
 // Bytes ahead along the weights that each step prefetches (the hardware prefetcher alone leaves
-// some bandwidth: one-token products on one Xeon core, Q8_0 [17920, 1536] 24 -> 28.7 GB/s, Q4_K
-// 19 -> 20 GB/s; 1024 or 4096 bytes do about as well).
+// some bandwidth on one-token products; 1024 or 4096 bytes do about as well).
 constexpr int64_t kPrefetch = 2048;
 
 struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };
@@ -347,7 +346,7 @@ struct TypeQ8_0 {
 // The activations are repacked alike (QuadAct), and their per-block scales broadcast as one
 // 128-bit [dx0, dx1, dx2, dx3] scale all lanes. The blocks' fp16 scales (and minima) come out
 // of one or two 64-byte loads with one vpermt2w. Taken in pairs instead, these types' one-token
-// products were bound by decoding: Q4_1 [17920, 1536] 15.7 GB/s on one core, 20 in fours.
+// products were bound by decoding, not by memory.
 struct QuadAct {
   uint8_t lo[64];  // codes 0-15 of the 4 blocks: int32 lane 4g + c = codes 4g .. 4g + 3 of block c
   uint8_t hi[64];  // codes 16-31 alike
@@ -533,9 +532,9 @@ inline __m256i k_mins(__m128i scales) {
 // set a tile's cost: vpdpbusd gives the sums of 4 code x input products (|sum| <= 4 * 63 * 127
 // < 2^15 for 6-bit codes), two such vectors pack to int16 (vpackssdw, port 5, exact) and one
 // vpdpwssd applies the sub-blocks' scales: 3 multiplies per 128 inputs where vpmaddubsw +
-// vpdpwssd take 4 (measured as fast, not faster, on a Sapphire Rapids-class Xeon: the zeroed
-// accumulators cost moves). vpackssdw interleaves its sources per 128-bit lane L: int16
-// 8L .. 8L + 3 from the first, 8L + 4 .. 8L + 7 from the second; the scale vectors follow.
+// vpdpwssd take 4 (measured as fast, not faster: the zeroed accumulators cost moves).
+// vpackssdw interleaves its sources per 128-bit lane L: int16 8L .. 8L + 3 from the first,
+// 8L + 4 .. 8L + 7 from the second; the scale vectors follow.
 
 // The mins term (8 int32 sums) in a 256-bit accumulator beside the 512-bit one.
 struct AccK {
@@ -845,8 +844,7 @@ struct TypeQ6_K {
 // (and the AVX2 path's 8 vpmaddwd) would be paid per row. Both the table and its index are made
 // once per block; each table vector comes out of one vpmullw: two bytes of one int16 lane
 // belong to one sub-block, so a 16-bit product by its scale is two exact byte products.
-// Measured (one-row Q2_K / Q3_K [17920, 1536], 2 threads): 0.42 -> 0.32 / 0.51 -> 0.45 ms
-// against the shared AVX2 path, 8 rows 1.77 -> 1.18 / 1.79 -> 1.25 ms; bound by the two
+// Faster than the shared AVX2 path for one row and more so for several; bound by the two
 // 512-bit vector ports, decoding (fields, tables) costing about what the products do.
 
 // The 32 code bytes p in both halves, the high half shifted down 2: 2-bit field 0 of the low
@@ -953,7 +951,7 @@ struct TypeQ3_K {
     const uint64_t s_lo = ninety_six - ((lo4 & four) | (hi2 & two) << 4);
     const uint64_t s_hi = ninety_six - (((lo4 >> 4) & four) | ((hi2 >> 4) & two) << 4);
     // (not through memory: a 16-byte load of two 8-byte stores cannot be forwarded, and its
-    // wait serialized one-row products, Q3_K [8960, 1536] 0.23 -> 1.1 ms)
+    // wait serialized one-row products, several times slower)
     const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(
         _mm_set_epi64x(static_cast<int64_t>(s_hi), static_cast<int64_t>(s_lo))));
     // Tables p = 0, 1: lane L byte 8c + u = 128 + s_8p+4c+L (u - 4); int16 lane m of lane L
@@ -1357,9 +1355,9 @@ int64_t product_rows(const SelfspecGgufSegment* segs, int64_t nseg, int64_t K,
 #endif
     start[s + 1] = start[s] + units;
   }
-  // Rows a thread takes at least: about 2^20 multiply-adds (some 30 us), so that a small
-  // product does not pay a wake-up of the other threads (on a loaded 2-core VM, 24 rows of
-  // K = 256 split in two cost 0.7 ms against 8 us in one thread).
+  // Rows a thread takes at least: about 2^20 multiply-adds, so that a small product does not
+  // pay a wake-up of the other threads (on a loaded machine that wake-up can cost far more than
+  // the product).
   int64_t grain = std::max<int64_t>(16, (int64_t(1) << 20) / std::max<int64_t>(1, K * M));
   if (amx_units == start[nseg]) grain = std::max<int64_t>(1, grain / 16);
   at::parallel_for(0, start[nseg], grain, [&](int64_t begin, int64_t end) {
