@@ -11,10 +11,11 @@ import torch
 from tiny import VOCAB, PrefillOnce, exact_prefix_distribution, run_step, tiny_model, tiny_tokenizer
 
 import selfspec
-from selfspec.decoding.auto.batch import BatchArStep, BatchNgramStep, run_batch
-from selfspec.decoding.core.autoregressive import ArStep
+from selfspec.decoding.core.autoregressive import ArStep, BatchArStep
+from selfspec.decoding.core.batch import run_batch
 from selfspec.decoding.core.sampling import SamplingConfig
 from selfspec.decoding.core.state import DecodeOptions, DecodeState
+from selfspec.decoding.ngram.batch import BatchNgramStep
 from selfspec.decoding.ngram.drafter import NgramSettings
 from selfspec.errors import InvalidArgumentError, PromptError
 from selfspec.executor import LayerExecutor

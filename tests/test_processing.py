@@ -13,12 +13,13 @@ import torch
 from tiny import VOCAB, run_step, tiny_model, tiny_tokenizer
 
 import selfspec
-from selfspec.decoding.auto.batch import BatchNgramStep, run_batch
 from selfspec.decoding.core.autoregressive import ArStep
+from selfspec.decoding.core.batch import run_batch
 from selfspec.decoding.core.processors import LogitsProcessing, LogitsProcessor, Penalties
 from selfspec.decoding.core.sampling import SamplingConfig, logits_to_probs
 from selfspec.decoding.core.speculative import DraftOutput, SpeculativeStep, TargetOutput
 from selfspec.decoding.core.state import DecodeOptions, DecodeState
+from selfspec.decoding.ngram.batch import BatchNgramStep
 from selfspec.decoding.ngram.drafter import NgramSettings
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor.cost_model import LatencyModel
