@@ -1,4 +1,4 @@
-"""Ragged batches (executor.run_rows, decoding/auto/batch.py, the scheduler): each row of a batched
+"""Ragged batches (executor.run_rows, decoding/core/batch.py, the scheduler): each row of a batched
 greedy run is exactly that prompt's single-prompt output, rows accept different numbers of
 draft tokens and finish on their own, sampling keeps each row's distribution."""
 
