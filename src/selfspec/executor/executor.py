@@ -170,12 +170,11 @@ class LayerExecutor:
         self.graphs: CudaGraphRunner | None = None
 
     # ---------------------------------------------------------------- formats and kernels
-    # One-line delegates of the executor's WeightFormats (selfspec.executor.formats).
+    # One-line delegates of the executor's WeightFormats (selfspec.executor.formats), whose
+    # methods of the same names document them in full.
     def set_bulk(self, bulk: str = "auto", rows: str | None = None) -> ComputeFormats:
-        """Choose the bulk format again (``"auto"``, ``"weights"``, ``"bf16"``, ``"fp16"`` or
-        ``"fp32"``; see :func:`selfspec.executor.cpu.choose_formats`) and, given ``rows``, the
-        decoding kernel (``None`` keeps the current one); return the formats
-        (:meth:`selfspec.executor.formats.WeightFormats.set_bulk`).
+        """Choose the bulk format (``"auto"``, ``"weights"``, ``"bf16"``, ``"fp16"``, ``"fp32"``)
+        and, given ``rows``, the decoding kernel (``None`` keeps it); return the formats.
 
         Raises:
             InvalidArgumentError: an unknown format.
@@ -184,10 +183,8 @@ class LayerExecutor:
 
     def set_decode_kernel(self, rows: str) -> str:
         """Switch the kernel of decoding and verification products (one of
-        :data:`selfspec.executor.cpu.ROWS_FORMATS`, as ``set_bulk``'s ``rows``), keeping the bulk
-        format; return the previous request, to switch back. A kernel's weight copies are
-        built at its first use and kept, so switching back and forth costs nothing after that
-        (the benchmark runs ``ar`` on bf16 and on int4 weights in one run this way).
+        :data:`selfspec.executor.cpu.ROWS_FORMATS`), keeping the bulk format; return the
+        previous request, to switch back (a kernel's copies are built once and kept).
 
         Raises:
             InvalidArgumentError: an unknown kernel or one unavailable here.
@@ -208,23 +205,16 @@ class LayerExecutor:
 
     def draft_view(self, fmt: str) -> LayerExecutor:
         """This executor on quantized copies of every decoder layer's linears and of
-        ``lm_head`` (:mod:`selfspec.executor.quant`; ``fmt="auto"``: the format
-        :meth:`fastest_draft_format` measures fastest here), for drafting only: everything else
-        (embedding, norms, RoPE, the KV cache layout) is shared, and its KV writes are meant
-        to be dropped (verification recomputes them with the full weights). Built once per
-        format and kept (one extra quantized copy of the weights: ~1/2 for int8, ~1/4 for
-        int4).
+        ``lm_head`` (``fmt="auto"``: the fastest here), for drafting only: everything else is
+        shared, and its KV writes are meant to be dropped. Built once per format and kept.
 
         Raises:
-            InvalidArgumentError: an unknown format or one without a kernel here
-                (:func:`selfspec.executor.quant.check_draft_weights`).
+            InvalidArgumentError: an unknown format or one without a kernel here.
         """
         return self._weight_formats.draft_view(fmt)
 
     def fastest_draft_format(self) -> FormatTiming:
-        """The draft weight format whose one-row products run fastest for this model on this
-        machine (:func:`selfspec.executor.quant.fastest_format` over two of its layers'
-        linears, a second or two), measured once per executor.
+        """The draft weight format whose one-row products run fastest here (measured once).
 
         Raises:
             InvalidArgumentError: no quantized kernel in this torch build.
@@ -233,8 +223,7 @@ class LayerExecutor:
 
     @property
     def measured_draft_format(self) -> FormatTiming | None:
-        """What :meth:`fastest_draft_format` measured, or ``None`` when nothing asked for
-        ``draft_weights=auto`` yet (the bench reports it)."""
+        """What :meth:`fastest_draft_format` measured, or ``None`` before anything asked."""
         return self._weight_formats.fastest_draft
 
     def fused_layers(self) -> FusedLayers | None:
