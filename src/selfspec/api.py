@@ -338,9 +338,9 @@ class SelfSpec:
         sinks = [StopStringSink(self.tokenizer, stop, None) for _ in all_ids]
         states = [DecodeState(self.executor, ids, row_options, sink,
                               prefix_cache=self.prefix_cache)
-                  for ids, row_options, sink in zip(all_ids, options, sinks)]
+                  for ids, row_options, sink in zip(all_ids, options, sinks, strict=False)]
         run_batch(states, step)
-        return [self.result(state, sink) for state, sink in zip(states, sinks)]
+        return [self.result(state, sink) for state, sink in zip(states, sinks, strict=False)]
 
     def decode_options(self, max_new_tokens: int, temperature: float, top_k: int,
                        top_p: float, seed: int | None,

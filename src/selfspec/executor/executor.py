@@ -68,7 +68,7 @@ class LayerExecutor:
             ``model.model.rotary_emb``, ``model.lm_head``). Its q/k/v and gate/up weights are
             re-pointed at fused copies (same values, no extra memory).
         pack_weights: on CPU in bf16/fp16, also keep oneDNN-packed copies of the weights
-            (bit-identical results, ~1.5× faster decoding, one extra copy of the weights).
+            (bit-identical results, faster decoding, one extra copy of the weights).
         name: the model's name (registry name, directory or hub id) for messages and for
             finding its default exit heads; default ``config._name_or_path``.
         row_attention_max: blocks of up to this many new tokens after a non-empty prefix
@@ -269,8 +269,8 @@ class LayerExecutor:
     def embed_token(self, token_id: int) -> torch.Tensor:
         """One token's embedding ``[1, 1, H]``, equal to ``embed([[token_id]])``: a read-only
         view of the table's row where the embedding is a plain ``nn.Embedding`` lookup (the
-        layer-by-layer methods embed each token separately; the lookup op cost 20-180 µs
-        a call on the AVX2 EPYC), else :meth:`embed`.
+        layer-by-layer methods embed each token separately, and the lookup op costs far
+        more per call than a view), else :meth:`embed`.
 
         Raises:
             IndexError: ``token_id`` outside ``[0, V)``.
@@ -583,7 +583,7 @@ class LayerExecutor:
             from selfspec.executor.fused_layers import KVSegment
 
             cos32, sin32 = self.rope.rows(hidden, positions.unsqueeze(0))
-            for cache, n, p in zip(caches, lengths, starts):
+            for cache, n, p in zip(caches, lengths, starts, strict=False):
                 cache.reserve(p + n)
             h = hidden.contiguous()
             for i in range(start, end):
@@ -596,7 +596,7 @@ class LayerExecutor:
         attn = self._attn
         cos, sin = self.rope.lookup(hidden, positions.unsqueeze(0))     # [1, N, 1, hd]
         masks = [grouped_causal_mask(n, p + n, attn.groups, hidden.device)
-                 for n, p in zip(lengths, starts)]
+                 for n, p in zip(lengths, starts, strict=False)]
         nq, nkv, hd, groups = self.num_heads, self.num_kv_heads, self.head_dim, attn.groups
         hidden = hidden.unsqueeze(0)                                    # [1, N, H]
         for i in range(start, end):

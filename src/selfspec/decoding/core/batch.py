@@ -95,9 +95,9 @@ def run_batch(states: list[DecodeState], step: BatchStep) -> list[GenerationStat
     active = [s for s in states if not s.done]
     while active:
         before = [s.seq_len for s in active]
-        for state, stats in zip(active, step(active)):
+        for state, stats in zip(active, step(active), strict=False):
             state.stats.add(stats)
-        for state, n in zip(active, before):
+        for state, n in zip(active, before, strict=False):
             if state.seq_len == n and not state.done:
                 raise RuntimeError(f"{type(step).__name__} committed no token to a row")
             if state.done:
@@ -121,7 +121,8 @@ def pack_rows(states: list[DecodeState], rows: list[list[int]],
         token's, ``seq_len - 1``) and the ``B`` row lengths (``N`` = their sum).
     """
     ids = [t for r in rows for t in r]
-    positions = [s.seq_len - 1 + k for s, r in zip(states, rows) for k in range(len(r))]
+    positions = [s.seq_len - 1 + k for s, r in zip(states, rows, strict=False)
+                 for k in range(len(r))]
     return (torch.tensor(ids, device=device), torch.tensor(positions, device=device),
             [len(r) for r in rows])
 

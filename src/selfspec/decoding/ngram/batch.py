@@ -96,7 +96,8 @@ class BatchNgramStep:
         best = TptChoice(0, float(rows), self.costs.forward_ms(rows))
         counts = [0] * rows
         best_counts = list(counts)
-        gains = sorted(((gain, b) for b, (prop, alpha) in enumerate(zip(proposals, alphas))
+        gains = sorted(((gain, b)
+                        for b, (prop, alpha) in enumerate(zip(proposals, alphas, strict=False))
                         for gain in _survival(alpha[:len(prop)])), key=lambda g: -g[0])
         gains = gains[: self.max_step_draft]
         tokens = float(rows)
@@ -121,15 +122,16 @@ class BatchNgramStep:
             proposals.append([] if prop is None else list(prop.tokens[:limit]))
             alphas.append([] if prop is None else drafter.alphas(prop))
         counts, plan = self._plan(states, proposals, alphas)
-        drafts = [p[:n] for p, n in zip(proposals, counts)]
+        drafts = [p[:n] for p, n in zip(proposals, counts, strict=False)]
         draft_ms = (time.perf_counter() - t0) * 1e3
         t1 = time.perf_counter()
         ids, positions, lengths = pack_rows(
-            states, [[s.tokens[-1], *d] for s, d in zip(states, drafts)], ex.device)
+            states, [[s.tokens[-1], *d] for s, d in zip(states, drafts, strict=False)],
+            ex.device)
         logits = ex.forward_rows(ids, positions, lengths, [s.cache for s in states])  # [N, V]
         results = []
         offset = 0
-        for b, (state, draft) in enumerate(zip(states, drafts)):
+        for b, (state, draft) in enumerate(zip(states, drafts, strict=False)):
             draft_ids = torch.tensor(draft, dtype=torch.long, device=ex.device)  # [D_b]
             target = state.process(logits[offset: offset + len(draft) + 1], draft)  # [D_b+1, V]
             offset += len(draft) + 1
