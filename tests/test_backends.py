@@ -12,7 +12,7 @@ import torch
 from tiny import tiny_model
 
 from selfspec.executor import LayerExecutor, backends
-from selfspec.executor import executor as executor_module
+from selfspec.executor import formats as formats_module
 from selfspec.executor.backends import (
     BACKEND_DEVICES,
     BackendCache,
@@ -86,7 +86,7 @@ def test_a_cpu_only_format_on_another_device_leaves_every_matrix_on_its_weights(
         chosen.append(torch.device(device).type)
         return ComputeFormats(dtype, dtype, "test", "bf16", 0)
 
-    monkeypatch.setattr(executor_module, "choose_formats", formats)
+    monkeypatch.setattr(formats_module, "choose_formats", formats)
     ex = LayerExecutor(model)
     assert ex.device.type == "meta" and chosen == ["meta"]
     assert ex.formats.rows == "bf16" and ex.backend is None

@@ -1,4 +1,4 @@
-"""Ragged batches (executor.run_rows, decoding/auto/batch.py, the scheduler): each row of a batched
+"""Ragged batches (executor.run_rows, decoding/core/batch.py, the scheduler): each row of a batched
 greedy run is exactly that prompt's single-prompt output, rows accept different numbers of
 draft tokens and finish on their own, sampling keeps each row's distribution."""
 
@@ -11,10 +11,11 @@ import torch
 from tiny import VOCAB, PrefillOnce, exact_prefix_distribution, run_step, tiny_model, tiny_tokenizer
 
 import selfspec
-from selfspec.decoding.auto.batch import BatchArStep, BatchNgramStep, run_batch
-from selfspec.decoding.core.autoregressive import ArStep
+from selfspec.decoding.core.autoregressive import ArStep, BatchArStep
+from selfspec.decoding.core.batch import run_batch
 from selfspec.decoding.core.sampling import SamplingConfig
 from selfspec.decoding.core.state import DecodeOptions, DecodeState
+from selfspec.decoding.ngram.batch import BatchNgramStep
 from selfspec.decoding.ngram.drafter import NgramSettings
 from selfspec.errors import InvalidArgumentError, PromptError
 from selfspec.executor import LayerExecutor
@@ -74,7 +75,7 @@ class Logged:
     def __call__(self, states):
         before = [s.seq_len for s in states]
         out = self.step(states)
-        self.log.append([s.seq_len - b for s, b in zip(states, before)])
+        self.log.append([s.seq_len - b for s, b in zip(states, before, strict=False)])
         return out
 
 
@@ -110,14 +111,15 @@ def test_rows_finish_independently(engine):
                DecodeOptions(max_new_tokens=25), DecodeOptions(max_new_tokens=9)]
     stop_after = {3: 4}  # row 3 stops (like a stop string) once 4 tokens are out
     states = []
-    for i, (p, o) in enumerate(zip(ids, options)):
+    for i, (p, o) in enumerate(zip(ids, options, strict=False)):
         sink = (lambda toks, st=[]: (st.extend(toks), len(st) >= 4)[1]) if i in stop_after \
             else None
         states.append(DecodeState(ex, p, o, sink))
     with torch.inference_mode():
         run_batch(states, BatchArStep(ex))
     want = [run_step(ex, ArStep(), p, max_new_tokens=o.max_new_tokens,
-                     eos_token_ids=o.eos_token_ids).tokens for p, o in zip(ids, options)]
+                     eos_token_ids=o.eos_token_ids).tokens
+            for p, o in zip(ids, options, strict=False)]
     assert [s.tokens for s in states[:3]] == want[:3]
     assert states[3].tokens == want[3][: len(ids[3]) + 4]
     assert [s.finish_reason for s in states] == ["length", "eos", "length", "stop"]

@@ -114,7 +114,7 @@ def test_read_only_attention_equals_appending_and_leaves_the_cache_alone(num_new
     ex.run_layers(ex.embed(ids[:, :10]), pos[:, :10], 0, 6, cache)
     keys_before = [k.clone() for k, _ in (cache.get(i) for i in range(6))]
     new, new_pos = ex.embed(ids[:, 10:]), pos[:, 10:]
-    read_only = ex.run_layers(new, new_pos, 0, 6, cache, write_cache=False)
+    read_only = ex.score_layers(new, new_pos, 0, 6, cache)
     assert cache.lengths() == [10] * 6
     assert all(torch.equal(cache.get(i)[0], keys_before[i]) for i in range(6))
     appended = ex.run_layers(new, new_pos, 0, 6, cache)

@@ -70,10 +70,10 @@ def test_read_only_history_pass_reproduces_the_model(executor, free):
         lengths = cache.lengths()
         start = 12
         seen = []
-        out = ex.run_layers(ex.embed(ids[:, start:]).expand(3, -1, -1),
-                            positions[:, start:].expand(3, -1), 0, ex.num_layers, cache,
-                            observe=lambda i, s, h: seen.append(h), write_cache=False,
-                            free=free)
+        score = ex.score_layers_free if free else ex.score_layers
+        out = score(ex.embed(ids[:, start:]).expand(3, -1, -1),
+                    positions[:, start:].expand(3, -1), 0, ex.num_layers, cache,
+                    observe=lambda i, s, h: seen.append(h))
     assert cache.lengths() == lengths
     assert len(seen) == 2 * ex.num_layers
     for b in range(3):

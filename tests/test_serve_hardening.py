@@ -23,7 +23,7 @@ import pytest
 from tiny import save_tiny, tiny_model, tiny_tokenizer
 
 import selfspec
-from selfspec.decoding.auto.batch import BatchArStep
+from selfspec.decoding.core.autoregressive import BatchArStep
 from selfspec.decoding.core.state import DecodeOptions
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor.plan import SkipPlan

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from selfspec.decoding.auto.batch import run_batch
 from selfspec.decoding.core import loop
+from selfspec.decoding.core.batch import run_batch
 from selfspec.decoding.core.grammar import Grammar, GrammarCompiler, response_format_grammar
 from selfspec.decoding.core.prefix_cache import PrefixCache
 from selfspec.decoding.core.processors import LogitsProcessing, Penalties, TokenLogprob
@@ -293,7 +293,7 @@ class SelfSpec:
                        logprobs: int | None = None,
                        **method_options: Any) -> list[GenerationResult]:
         """Generate a continuation of every prompt together, as one ragged batch
-        (:mod:`selfspec.decoding.auto.batch`): rows of any lengths, each accepting its own number
+        (:mod:`selfspec.decoding.core.batch`): rows of any lengths, each accepting its own number
         of draft tokens per step and finishing on its own (EOS, stop strings, budget).
 
         Each row is the generation its prompt would get alone (same greedy tokens; sampling
@@ -338,9 +338,9 @@ class SelfSpec:
         sinks = [StopStringSink(self.tokenizer, stop, None) for _ in all_ids]
         states = [DecodeState(self.executor, ids, row_options, sink,
                               prefix_cache=self.prefix_cache)
-                  for ids, row_options, sink in zip(all_ids, options, sinks)]
+                  for ids, row_options, sink in zip(all_ids, options, sinks, strict=False)]
         run_batch(states, step)
-        return [self.result(state, sink) for state, sink in zip(states, sinks)]
+        return [self.result(state, sink) for state, sink in zip(states, sinks, strict=False)]
 
     def decode_options(self, max_new_tokens: int, temperature: float, top_k: int,
                        top_p: float, seed: int | None,

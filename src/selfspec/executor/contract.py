@@ -1,6 +1,6 @@
 """The executor contract in code: every public entry point of
 :class:`selfspec.executor.executor.LayerExecutor`, as a :class:`typing.Protocol`
-(docs/design.md "Executor contract" is its prose; ``tests/test_executor.py`` checks that the
+(docs/design.md "Executor contract" is its prose; ``tests/test_backends.py`` checks that the
 class, this protocol and that section name the same entry points).
 
 Modules the executor itself imports (:mod:`selfspec.executor.cost_model`) name their executor
@@ -136,9 +136,29 @@ class Executor(Protocol):
     # --- the ways to run layers
     def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, start: int, end: int,
                    cache: KVCache, skip: SkipPlan | None = None, *,
-                   observe: Observer | None = None, write_cache: bool = True,
-                   free: bool = False, resume_prefill: bool = False) -> torch.Tensor:
-        """Layers ``[start, end)`` on ``[B, T, H]`` at ``positions`` ``[B, T]``."""
+                   observe: Observer | None = None) -> torch.Tensor:
+        """Layers ``[start, end)`` on ``[B, T, H]`` at ``positions`` ``[B, T]``, appending
+        their KV (decoding, drafting, verification, a prompt from position 0)."""
+        ...
+
+    def score_layers(self, hidden: torch.Tensor, positions: torch.Tensor, start: int, end: int,
+                     cache: KVCache, skip: SkipPlan | None = None, *,
+                     observe: Observer | None = None) -> torch.Tensor:
+        """:meth:`run_layers` with read-only attention over the cache's prefix (nothing
+        appended)."""
+        ...
+
+    def score_layers_free(self, hidden: torch.Tensor, positions: torch.Tensor, start: int,
+                          end: int, cache: KVCache, skip: SkipPlan | None = None, *,
+                          observe: Observer | None = None) -> torch.Tensor:
+        """:meth:`score_layers` in the bulk format with one attention call (need not match
+        decoding)."""
+        ...
+
+    def resume_prefill_layers(self, hidden: torch.Tensor, positions: torch.Tensor, start: int,
+                              end: int, cache: KVCache, *,
+                              observe: Observer | None = None) -> torch.Tensor:
+        """Layers ``[start, end)`` on a later chunk of a prompt's prefill, appending its KV."""
         ...
 
     def run_layers_at(self, hidden: torch.Tensor, pos0: int, start: int, end: int,
@@ -172,8 +192,7 @@ class Executor(Protocol):
         ...
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                last_only: bool = False, observe: Observer | None = None,
-                resume_prefill: bool = False) -> torch.Tensor:
+                last_only: bool = False, observe: Observer | None = None) -> torch.Tensor:
         """The full model: ``[B, T]`` ids → ``[B, T, V]`` logits."""
         ...
 

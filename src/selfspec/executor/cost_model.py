@@ -439,12 +439,13 @@ def _batched_ms(ex: Executor, n: int, repeats: int) -> tuple[float, float]:
 
 def _sublayer_call(ex: Executor, hidden: torch.Tensor, pos: torch.Tensor, cache,
                    calls: Iterator[int], skip_attention: bool) -> None:
-    """One read-only ``free`` call of the attention (or MLP) sub-layer of the next layer
-    (``next(calls) mod L``: successive calls stream successive layers' weights)."""
+    """One read-only free call (``score_layers_free``) of the attention (or MLP) sub-layer of
+    the next layer (``next(calls) mod L``: successive calls stream successive layers'
+    weights)."""
     layer = next(calls) % ex.num_layers
     plan = (SkipPlan(skip_attention=frozenset({layer})) if skip_attention
             else SkipPlan(skip_mlp=frozenset({layer})))
-    ex.run_layers(hidden, pos, layer, layer + 1, cache, plan, write_cache=False, free=True)
+    ex.score_layers_free(hidden, pos, layer, layer + 1, cache, plan)
 
 
 def latency_path(executor: Executor, home: Path) -> Path:

@@ -17,14 +17,15 @@ RoPE, and delegates the rest, one purpose a module:
 * :mod:`~selfspec.executor.weights` — a layer's matrices, q/k/v and gate/up fused;
 * :mod:`~selfspec.executor.backends` — the number format / kernel family of each matrix,
   chosen once per matrix as a function of (device, format); the fused sub-layers; draft copies;
+* :mod:`~selfspec.executor.formats` — :class:`~selfspec.executor.formats.WeightFormats`, the
+  collaborator that switches and holds the bulk format, the decoding kernel, the GGUF blocks
+  and the draft views (the executor's methods of those names delegate to it);
 * :mod:`~selfspec.executor.cost_model` — bytes read per call and measured latencies;
 * :mod:`~selfspec.executor.plan` — the shared types (:class:`SkipPlan`, ``Observer``, ``Head``).
 """
 
 from __future__ import annotations
 
-import copy
-import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,10 +36,9 @@ import torch.nn.functional as F
 from selfspec.errors import InvalidArgumentError, UnsupportedArchitectureError
 from selfspec.executor import cost_model
 from selfspec.executor.attention import Attention, grouped_causal_mask, rms_norm, rotate
-from selfspec.executor.backends import BackendCache, assign, draft_copies, fused_backend
+from selfspec.executor.backends import BackendCache, fused_backend
 from selfspec.executor.cache import CacheShape, KVCache
-from selfspec.executor.cpu import GGUF_ROWS, ComputeFormats, choose_formats
-from selfspec.executor.fp16_rows import Fp16Rows
+from selfspec.executor.formats import WeightFormats
 from selfspec.executor.linear import Linear, PackedRowLimits
 from selfspec.executor.plan import BULK_MIN_ROWS, PREFILL_CHUNK, Head, Observer, SkipPlan
 from selfspec.executor.rope import RopeTable
@@ -49,15 +49,15 @@ from selfspec.validation import check_int
 
 if TYPE_CHECKING:
     from selfspec.executor.backends import MatrixBackend
+    from selfspec.executor.cpu import ComputeFormats
     from selfspec.executor.cuda_graphs import CudaGraphRunner
+    from selfspec.executor.fp16_rows import Fp16Rows
     from selfspec.executor.fused_layers import FusedLayers
-    from selfspec.models.gguf_weights import GgufWeights
     from selfspec.executor.quant import FormatTiming
+    from selfspec.models.gguf_weights import GgufWeights
 
 __all__ = ["BULK_MIN_ROWS", "PREFILL_CHUNK", "SUPPORTED_MODEL_TYPES", "Head", "LayerExecutor",
            "Observer", "SkipPlan"]
-
-logger = logging.getLogger(__name__)
 
 
 class LayerExecutor:
@@ -68,7 +68,7 @@ class LayerExecutor:
             ``model.model.rotary_emb``, ``model.lm_head``). Its q/k/v and gate/up weights are
             re-pointed at fused copies (same values, no extra memory).
         pack_weights: on CPU in bf16/fp16, also keep oneDNN-packed copies of the weights
-            (bit-identical results, ~1.5× faster decoding, one extra copy of the weights).
+            (bit-identical results, faster decoding, one extra copy of the weights).
         name: the model's name (registry name, directory or hub id) for messages and for
             finding its default exit heads; default ``config._name_or_path``.
         row_attention_max: blocks of up to this many new tokens after a non-empty prefix
@@ -156,162 +156,75 @@ class LayerExecutor:
             for layer in self.layers]
         self.output_weights = Linear(model.lm_head.weight, model.lm_head.bias, pack_weights,
                                      row_limits=self.row_limits, keep_packed=keep_packed)
-        self._backend: MatrixBackend | None = None
-        self._backends = BackendCache(self.device, max(64, row_attention_max))
-        self._gguf_source = gguf
         self.gguf_weights: GgufWeights | None = None  # read at the first "gguf" request
+        self._fused: list[FusedLayers | None] = []  # built at first use: [] = not yet
+        # Formats, kernels and draft views; it writes formats, gguf_weights and _fused.
+        self._weight_formats = WeightFormats(
+            self, BackendCache(self.device, max(64, row_attention_max)), gguf)
         self.formats: ComputeFormats = self.set_bulk(bulk, rows)
         self.draft_weights: str | None = None  # set on the views of draft_view()
-        self._fastest_draft: FormatTiming | None = None
-        self._draft_views: dict[str, LayerExecutor] = {}
         self.rope = RopeTable(self.rotary_emb)
         self._fused_scratch: dict[int, torch.Tensor] = {}  # rows -> [1, rows, H] buffer
         self.max_positions = int(config.max_position_embeddings)
-        self._fused: list[FusedLayers | None] = []  # built at first use: [] = not yet
         # Captured CUDA graphs of forward() (selfspec.executor.cuda_graphs.attach_graphs).
         self.graphs: CudaGraphRunner | None = None
 
     # ---------------------------------------------------------------- formats and kernels
+    # One-line delegates of the executor's WeightFormats (selfspec.executor.formats), whose
+    # methods of the same names document them in full.
     def set_bulk(self, bulk: str = "auto", rows: str | None = None) -> ComputeFormats:
-        """Choose the bulk format again (``"auto"``, ``"weights"``, ``"bf16"``, ``"fp16"`` or
-        ``"fp32"``; see :func:`selfspec.executor.cpu.choose_formats`) and, given ``rows``, the
-        decoding kernel (``None`` keeps the current one); return the formats. The decoding
-        kernel's backend is :func:`selfspec.executor.backends.select_backend` of this
-        executor's device and ``formats.rows``; each matrix prepacks its copy once.
+        """Choose the bulk format (``"auto"``, ``"weights"``, ``"bf16"``, ``"fp16"``, ``"fp32"``)
+        and, given ``rows``, the decoding kernel (``None`` keeps it); return the formats.
 
         Raises:
             InvalidArgumentError: an unknown format.
         """
-        if rows is None:
-            rows = self._rows_request if hasattr(self, "formats") else "auto"
-        largest = max((lin.weight.numel() * lin.weight.element_size()
-                       for w in self.layer_weights for lin in w.matrices), default=None)
-        formats = choose_formats(self.dtype, self.device, bulk, rows, largest)
-        if formats.rows in GGUF_ROWS and not self._backends.has("gguf"):
-            self._attach_gguf()
-        self._bulk_request, self._rows_request = bulk, rows
-        changed = not hasattr(self, "formats") or (
-            (formats.rows, formats.rows_min_bytes)
-            != (self.formats.rows, self.formats.rows_min_bytes))
-        if changed:
-            self._backend = self._backends.get(formats.rows, formats.rows_min_bytes)
-            self._fused = []
-        matrices = [lin for w in self.layer_weights for lin in w.matrices]
-        matrices.append(self.output_weights)
-        assign(matrices, formats.bulk if formats.upcast else None, self._backend, changed)
-        self.formats = formats
-        return formats
-
-    def _attach_gguf(self) -> None:
-        """Read the GGUF file's blocks, check them against the model's weights and keep the
-        ``"gguf"`` backend (:mod:`selfspec.executor.gguf_backend`).
-
-        Raises:
-            InvalidArgumentError: no GGUF file is known for this model.
-            CorruptModelFileError, UnsupportedArchitectureError: see
-                :func:`selfspec.models.gguf_weights.read_gguf_weights` and
-                :func:`~selfspec.models.gguf_weights.check_against_model`.
-        """
-        from selfspec.executor.gguf_backend import GgufRows, gguf_copies
-        from selfspec.models.gguf_weights import check_against_model, read_gguf_weights
-
-        source = self._gguf_source
-        if source is None:
-            raise InvalidArgumentError(
-                f"{self.name}: decoding on GGUF blocks needs the GGUF file the model was "
-                "converted from; load a registry model or a local .gguf file (--model "
-                "FILE.gguf) with --dtype gguf")
-        path = Path(source() if callable(source) else source)
-        weights = read_gguf_weights(path, self.config)
-        check_against_model(weights, self.model)
-        copies = gguf_copies(self.layer_weights, self.output_weights, weights)
-        # Both kernels share the blocks (one GgufMatrix per matrix); they differ in where
-        # bulk calls (prefill) run.
-        self._backends.provide("gguf", GgufRows(copies))
-        self._backends.provide("gguf+dense", GgufRows(copies, prefill="dense"))
-        self.gguf_weights = weights
+        return self._weight_formats.set_bulk(bulk, rows)
 
     def set_decode_kernel(self, rows: str) -> str:
         """Switch the kernel of decoding and verification products (one of
-        :data:`selfspec.executor.cpu.ROWS_FORMATS`, as ``set_bulk``'s ``rows``), keeping the bulk
-        format; return the previous request, to switch back. A kernel's weight copies are
-        built at its first use and kept, so switching back and forth costs nothing after that
-        (the benchmark runs ``ar`` on bf16 and on int4 weights in one run this way).
+        :data:`selfspec.executor.cpu.ROWS_FORMATS`), keeping the bulk format; return the
+        previous request, to switch back (a kernel's copies are built once and kept).
 
         Raises:
             InvalidArgumentError: an unknown kernel or one unavailable here.
         """
-        previous = self._rows_request
-        self.set_bulk(self._bulk_request, rows)
-        return previous
+        return self._weight_formats.set_decode_kernel(rows)
 
     @property
     def backend(self) -> MatrixBackend | None:
         """The backend of decoding and verification products (``None``: every matrix on the
         weights' own product)."""
-        return self._backend
+        return self._weight_formats.backend
 
     @property
     def fp16_rows(self) -> Fp16Rows | None:
         """The fp16-weight decoding kernel in use (heads built for this executor use it too),
         or ``None``."""
-        return self._backend if isinstance(self._backend, Fp16Rows) else None
+        return self._weight_formats.fp16_rows
 
     def draft_view(self, fmt: str) -> LayerExecutor:
         """This executor on quantized copies of every decoder layer's linears and of
-        ``lm_head`` (:mod:`selfspec.executor.quant`; ``fmt="auto"``: the format
-        :meth:`fastest_draft_format` measures fastest here), for drafting only: everything else
-        (embedding, norms, RoPE, the KV cache layout) is shared, and its KV writes are meant
-        to be dropped (verification recomputes them with the full weights). Built once per
-        format and kept (one extra quantized copy of the weights: ~1/2 for int8, ~1/4 for
-        int4).
+        ``lm_head`` (``fmt="auto"``: the fastest here), for drafting only: everything else is
+        shared, and its KV writes are meant to be dropped. Built once per format and kept.
 
         Raises:
-            InvalidArgumentError: an unknown format or one without a kernel here
-                (:func:`selfspec.executor.quant.check_draft_weights`).
+            InvalidArgumentError: an unknown format or one without a kernel here.
         """
-        from selfspec.executor.quant import check_draft_weights
-
-        if fmt == "auto":
-            fmt = self.fastest_draft_format().fastest
-        fmt = check_draft_weights(fmt, self.device)
-        view = self._draft_views.get(fmt)
-        if view is None:
-            copies = draft_copies(self.layer_weights, self.output_weights, fmt)
-            view = copy.copy(self)
-            view.layer_weights = copies.layers
-            view.output_weights = copies.lm_head
-            view.draft_weights = fmt
-            view._draft_views = {}
-            view._fused = []
-            view.graphs = None  # graphs capture the full weights
-            self._draft_views[fmt] = view
-        return view
+        return self._weight_formats.draft_view(fmt)
 
     def fastest_draft_format(self) -> FormatTiming:
-        """The draft weight format whose one-row products run fastest for this model on this
-        machine (:func:`selfspec.executor.quant.fastest_format` over two of its layers'
-        linears, a second or two), measured once per executor.
+        """The draft weight format whose one-row products run fastest here (measured once).
 
         Raises:
             InvalidArgumentError: no quantized kernel in this torch build.
         """
-        from selfspec.executor.quant import fastest_format
-
-        if self._fastest_draft is None:
-            sample = {0, self.num_layers // 2}
-            weights = [(lin.weight, lin.bias) for i in sorted(sample)
-                       for lin in self.layer_weights[i].matrices]
-            self._fastest_draft = fastest_format(weights, self.dtype, device=self.device)
-            logger.info("draft weights: %s fastest here (%s)", self._fastest_draft.fastest,
-                        ", ".join(f"{k} {v:.2f} ms" for k, v in self._fastest_draft.ms.items()))
-        return self._fastest_draft
+        return self._weight_formats.fastest_draft_format()
 
     @property
     def measured_draft_format(self) -> FormatTiming | None:
-        """What :meth:`fastest_draft_format` measured, or ``None`` when nothing asked for
-        ``draft_weights=auto`` yet (the bench reports it)."""
-        return self._fastest_draft
+        """What :meth:`fastest_draft_format` measured, or ``None`` before anything asked."""
+        return self._weight_formats.fastest_draft
 
     def fused_layers(self) -> FusedLayers | None:
         """The decoder layers as fused sub-layer kernels (:mod:`selfspec.executor.fused_layers`)
@@ -356,8 +269,8 @@ class LayerExecutor:
     def embed_token(self, token_id: int) -> torch.Tensor:
         """One token's embedding ``[1, 1, H]``, equal to ``embed([[token_id]])``: a read-only
         view of the table's row where the embedding is a plain ``nn.Embedding`` lookup (the
-        layer-by-layer methods embed each token separately; the lookup op cost 20-180 µs
-        a call on the AVX2 EPYC), else :meth:`embed`.
+        layer-by-layer methods embed each token separately, and the lookup op costs far
+        more per call than a view), else :meth:`embed`.
 
         Raises:
             IndexError: ``token_id`` outside ``[0, V)``.
@@ -389,25 +302,26 @@ class LayerExecutor:
                 f"layer range [{start}, {end}) is outside [0, {self.num_layers}]")
 
     # ------------------------------------------------------------- running layers
+    # Each way to run layers is its own entry; they share the fused loop (_run_fused) and
+    # the torch loop (_run_torch), whose arguments say what the entry chose.
     def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, start: int, end: int,
                    cache: KVCache, skip: SkipPlan | None = None, *,
-                   observe: Observer | None = None, write_cache: bool = True,
-                   free: bool = False, resume_prefill: bool = False) -> torch.Tensor:
-        """Run layers ``[start, end)`` on ``T`` consecutive tokens.
+                   observe: Observer | None = None) -> torch.Tensor:
+        """Run layers ``[start, end)`` on ``T`` consecutive tokens, appending their keys and
+        values: decoding, drafting, verification, a prompt from position 0.
 
         Each attention sub-layer appends the tokens' keys and values to its layer of
         ``cache`` and attends to everything that layer holds (causally among the new tokens).
-        With ``write_cache=False`` it attends to the layer's first ``positions[:, 0]``
-        positions plus the new tokens without appending anything: the cache is left exactly
-        as it was, the positions may be ones the cache already holds, and a batch-1 cache
-        serves a batch of ``B`` candidate states (KnapSpec scores skip plans on recent tokens
-        this way, §3.3).
+        A block that :meth:`is_free_block` (a prompt from position 0, a block longer than any
+        verification) computes its products in the bulk format where that applies; any other
+        block of one sequence runs on the fused sub-layers (:meth:`fused_layers`) where they
+        take it, so decoding, verification and batched rows stay bit-consistent.
 
         Args:
             hidden: ``[B, T, H]`` hidden states entering layer ``start``.
             positions: ``[B, T]`` int64 absolute positions, consecutive, the same in every
                 row; ``positions[:, 0]`` must equal the cache length of every layer run (no
-                gaps), or with ``write_cache=False`` be at most that length.
+                gaps).
             start: first layer index to run (0-based, inclusive).
             end: one past the last layer to run (``start <= end <= L``).
             cache: the KV cache to read and append to.
@@ -415,21 +329,6 @@ class LayerExecutor:
             observe: optional ``observe(layer_idx, sublayer, hidden [B, T, H])`` called after
                 each sub-layer (``"attention"``, then ``"mlp"``) with the residual stream;
                 a skipped sub-layer passes it unchanged. Free when ``None``.
-            write_cache: ``False`` = read-only attention (nothing is appended).
-            free: the block need not match one-token decoding bit for bit (read-only scoring
-                of many candidate rows: KnapSpec's DP over budgets): its matrix products run
-                in the bulk format in one call each and its attention in one call, as for
-                prefill. On CPUs that emulate bf16 that is ~6× cheaper per row for the DP's
-                hundreds of rows (SmolLM2-135M bf16, AVX2: 0.254 → 0.040 ms), while for a
-                few rows the per-call cast of the weights costs more than it saves (a free
-                4-token history pass: 100 ms against ~69 ms). Never for verification.
-            resume_prefill: the block continues a prompt's prefill after the
-                ``positions[:, 0]`` positions ``cache`` holds (a later chunk of
-                :meth:`prefill`, whose earlier chunks may be a prefix cache's copy): matrix
-                products in the bulk format when the prompt so far (``positions[:, 0] + T``
-                tokens) would take it, attention in one call (the causal mask over the cache,
-                in its additive form), never the fused or per-token paths of decoding and
-                verification.
 
         Returns:
             ``[B, T, H]`` hidden states leaving layer ``end - 1``.
@@ -444,22 +343,118 @@ class LayerExecutor:
         pos0 = first_position(positions)  # no sync for positions made by position_block
         skip_attn = skip.skip_attention if skip is not None else ()
         skip_mlp = skip.skip_mlp if skip is not None else ()
-        if resume_prefill:  # as one prefill of the whole prompt would run these tokens
-            bulk, free = self.is_free_block(0, pos0 + num_new, bsz), True
-        else:
-            bulk = ((free and bsz * num_new >= BULK_MIN_ROWS)
-                    or self.is_free_block(pos0, num_new, bsz))
-        fused = None if bulk or free or not write_cache or bsz != 1 else self.fused_layers()
-        if (fused is not None and hidden.dtype == cache.dtype == fused.dtype
-                and cache.shape.batch_size == 1 and not cache.any_masked(start, end)):
-            return self._run_fused(fused, hidden, pos0, start, end, cache, skip_attn,
-                                   skip_mlp, observe)
+        bulk = self.is_free_block(pos0, num_new, bsz)
+        if not bulk and bsz == 1:
+            fused = self.fused_layers()
+            if (fused is not None and hidden.dtype == cache.dtype == fused.dtype
+                    and cache.shape.batch_size == 1 and not cache.any_masked(start, end)):
+                return self._run_fused(fused, hidden, pos0, start, end, cache, skip_attn,
+                                       skip_mlp, observe)
+        return self._run_torch(hidden, positions, pos0, start, end, cache, skip_attn, skip_mlp,
+                               observe, True, bulk, False, False)
+
+    def score_layers(self, hidden: torch.Tensor, positions: torch.Tensor, start: int, end: int,
+                     cache: KVCache, skip: SkipPlan | None = None, *,
+                     observe: Observer | None = None) -> torch.Tensor:
+        """:meth:`run_layers` with read-only attention: each attention sub-layer attends to
+        its layer's first ``positions[:, 0]`` positions plus the new tokens and appends
+        nothing, so the cache is left exactly as it was, the positions may be ones the cache
+        already holds, and a batch-1 cache serves a batch of ``B`` candidate states (KnapSpec
+        scores skip plans on recent tokens this way, §3.3; the residual history records
+        them). The products run as :meth:`run_layers`' would (bulk only for a free block),
+        never on the fused sub-layers.
+
+        Args:
+            hidden, start, end, skip, observe: as :meth:`run_layers`'s.
+            positions: ``[B, T]`` int64 consecutive positions, the same in every row;
+                ``positions[:, 0]`` at most the cache length of every layer run.
+            cache: the KV cache to read (batch 1, or ``B``).
+
+        Returns:
+            ``[B, T, H]`` hidden states leaving layer ``end - 1``.
+
+        Raises:
+            InvalidArgumentError: the layer range is outside ``[0, L]``.
+        """
+        self._check_range(start, end)
+        if start == end:
+            return hidden
+        bsz, num_new, _ = hidden.shape
+        pos0 = first_position(positions)
+        return self._run_torch(hidden, positions, pos0, start, end, cache,
+                               skip.skip_attention if skip is not None else (),
+                               skip.skip_mlp if skip is not None else (), observe, False,
+                               self.is_free_block(pos0, num_new, bsz), False, False)
+
+    def score_layers_free(self, hidden: torch.Tensor, positions: torch.Tensor, start: int,
+                          end: int, cache: KVCache, skip: SkipPlan | None = None, *,
+                          observe: Observer | None = None) -> torch.Tensor:
+        """:meth:`score_layers` for a block that need not match one-token decoding bit for
+        bit (read-only scoring of many candidate rows: KnapSpec's DP over budgets, the
+        latency model's per-layer timing): its matrix products run in the bulk format in one
+        call each once ``B·T >= BULK_MIN_ROWS``, and its attention in one call, as for
+        prefill. On CPUs that emulate bf16 that is several times cheaper per row for the
+        DP's hundreds of rows, while for a few rows the per-call cast of the weights costs
+        more than it saves. Never for verification.
+
+        Args, Returns, Raises: as :meth:`score_layers`'.
+        """
+        self._check_range(start, end)
+        if start == end:
+            return hidden
+        bsz, num_new, _ = hidden.shape
+        pos0 = first_position(positions)
+        bulk = bsz * num_new >= BULK_MIN_ROWS or self.is_free_block(pos0, num_new, bsz)
+        return self._run_torch(hidden, positions, pos0, start, end, cache,
+                               skip.skip_attention if skip is not None else (),
+                               skip.skip_mlp if skip is not None else (), observe, False,
+                               bulk, True, False)
+
+    def resume_prefill_layers(self, hidden: torch.Tensor, positions: torch.Tensor, start: int,
+                              end: int, cache: KVCache, *,
+                              observe: Observer | None = None) -> torch.Tensor:
+        """Layers ``[start, end)`` on a block that continues a prompt's prefill after the
+        ``positions[:, 0]`` positions ``cache`` holds (a later chunk of :meth:`prefill`,
+        whose earlier chunks may be a prefix cache's copy), appending its keys and values:
+        matrix products in the bulk format when the prompt so far (``positions[:, 0] + T``
+        tokens) would take it, attention in one call (the causal mask over the cache, in its
+        additive form), never the fused or per-token paths of decoding and verification.
+
+        Args:
+            hidden, start, end, cache, observe: as :meth:`run_layers`'s.
+            positions: ``[B, T]`` int64 consecutive positions; ``positions[:, 0]`` equal to
+                the cache length of every layer run.
+
+        Returns:
+            ``[B, T, H]`` hidden states leaving layer ``end - 1``.
+
+        Raises:
+            InvalidArgumentError: the layer range is outside ``[0, L]``.
+        """
+        self._check_range(start, end)
+        if start == end:
+            return hidden
+        bsz, num_new, _ = hidden.shape
+        pos0 = first_position(positions)
+        # As one prefill of the whole prompt would run these tokens.
+        return self._run_torch(hidden, positions, pos0, start, end, cache, (), (), observe,
+                               True, self.is_free_block(0, pos0 + num_new, bsz), True, True)
+
+    def _run_torch(self, hidden: torch.Tensor, positions: torch.Tensor, pos0: int, start: int,
+                   end: int, cache: KVCache, skip_attn: Sequence[int], skip_mlp: Sequence[int],
+                   observe: Observer | None, write_cache: bool, bulk: bool, free: bool,
+                   additive_mask: bool) -> torch.Tensor:
+        """The torch path of the entries above (``hidden`` ``[B, T, H]`` → ``[B, T, H]``):
+        ``write_cache`` appends the keys and values, ``bulk`` runs the products in the bulk
+        format, ``free`` attends in one call (:meth:`Attention.sublayer`),
+        ``additive_mask`` builds the causal mask over the cache in its additive form."""
         attn = self._attn
+        num_new = hidden.shape[1]
         cos, sin = self.rope.lookup(hidden, positions)  # [B, T, 1, head_dim]
         # Blocks from position 0 use SDPA's is_causal and need no explicit mask.
         mask = (grouped_causal_mask(num_new, pos0 + num_new, attn.groups, hidden.device)
                 if pos0 > 0 else None)
-        if resume_prefill and mask is not None:
+        if additive_mask and mask is not None:
             # The additive form SDPA would convert the boolean mask to in every layer, made
             # once (the same values: the same results, without a `where` per layer).
             mask = torch.zeros(mask.shape, dtype=hidden.dtype,
@@ -515,8 +510,8 @@ class LayerExecutor:
     def _run_fused(self, fused: FusedLayers, hidden: torch.Tensor, pos0: int,
                    start: int, end: int, cache: KVCache, skip_attn: Sequence[int],
                    skip_mlp: Sequence[int], observe: Observer | None) -> torch.Tensor:
-        """:meth:`run_layers` for one sequence (``hidden`` ``[1, T, H]``, positions from
-        ``pos0``) on fused sub-layers."""
+        """:meth:`run_layers`' and :meth:`run_layers_at`'s fused path: one sequence
+        (``hidden`` ``[1, T, H]``, positions from ``pos0``) on fused sub-layers."""
         num_new = hidden.shape[1]
         cos, sin = self.rope.span(hidden, pos0, num_new)
         cache.reserve(pos0 + num_new)
@@ -588,7 +583,7 @@ class LayerExecutor:
             from selfspec.executor.fused_layers import KVSegment
 
             cos32, sin32 = self.rope.rows(hidden, positions.unsqueeze(0))
-            for cache, n, p in zip(caches, lengths, starts):
+            for cache, n, p in zip(caches, lengths, starts, strict=False):
                 cache.reserve(p + n)
             h = hidden.contiguous()
             for i in range(start, end):
@@ -601,7 +596,7 @@ class LayerExecutor:
         attn = self._attn
         cos, sin = self.rope.lookup(hidden, positions.unsqueeze(0))     # [1, N, 1, hd]
         masks = [grouped_causal_mask(n, p + n, attn.groups, hidden.device)
-                 for n, p in zip(lengths, starts)]
+                 for n, p in zip(lengths, starts, strict=False)]
         nq, nkv, hd, groups = self.num_heads, self.num_kv_heads, self.head_dim, attn.groups
         hidden = hidden.unsqueeze(0)                                    # [1, N, H]
         for i in range(start, end):
@@ -708,21 +703,20 @@ class LayerExecutor:
 
     # ------------------------------------------------------------- whole-model entries
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                last_only: bool = False, observe: Observer | None = None,
-                resume_prefill: bool = False) -> torch.Tensor:
-        """Full model on ``input_ids`` ``[B, T]`` at ``positions`` ``[B, T]`` (``observe``,
-        ``resume_prefill``: as :meth:`run_layers`'s; a resumed prefill never replays a CUDA
-        graph, which runs decoding's path).
+                last_only: bool = False, observe: Observer | None = None) -> torch.Tensor:
+        """Full model on ``input_ids`` ``[B, T]`` at ``positions`` ``[B, T]``: a captured CUDA
+        graph where one serves the call, else :meth:`run_layers` over every layer
+        (``observe``: as its).
 
         Returns:
             ``[B, T, V]`` logits (``[B, 1, V]`` with ``last_only``).
         """
-        if self.graphs is not None and not resume_prefill:  # a captured graph serves it, or None
+        if self.graphs is not None:  # a captured graph serves it, or None
             logits = self.graphs.forward(input_ids, positions, cache, last_only, observe)
             if logits is not None:
                 return logits
         hidden = self.run_layers(self.embed(input_ids), positions, 0, self.num_layers, cache,
-                                 observe=observe, resume_prefill=resume_prefill)
+                                 observe=observe)
         if last_only:
             hidden = hidden[:, -1:]
         return self.logits(hidden)
@@ -731,8 +725,8 @@ class LayerExecutor:
                 observe: Observer | None = None) -> torch.Tensor:
         """A prompt through all layers, filling ``cache``, in calls over fixed chunks of
         absolute positions ``[k·C, (k+1)·C)`` (``C`` = :attr:`prefill_chunk`; the last one
-        shorter): the first from position 0, the others as :meth:`run_layers`'
-        ``resume_prefill`` blocks.
+        shorter): the first from position 0 (:meth:`run_layers`), the others as
+        :meth:`resume_prefill_layers` blocks.
 
         Why fixed chunks: a matrix kernel picks its blocking by the call's row count and
         SDPA by the query count, so a position computed in a call of another size rounds
@@ -767,10 +761,10 @@ class LayerExecutor:
         hidden = input_ids  # replaced by the first chunk's output
         for pos0 in range(start, total, size):
             end = min(pos0 + size, total)
-            hidden = self.run_layers(self.embed(input_ids[:, pos0:end]),
-                                     position_block(pos0, end - pos0, input_ids.device), 0,
-                                     self.num_layers, cache, observe=observe,
-                                     resume_prefill=pos0 > 0)
+            run = self.resume_prefill_layers if pos0 > 0 else self.run_layers
+            hidden = run(self.embed(input_ids[:, pos0:end]),
+                         position_block(pos0, end - pos0, input_ids.device), 0,
+                         self.num_layers, cache, observe=observe)
         return self.logits(hidden[:, -1:])[:, -1]
 
     def forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor,

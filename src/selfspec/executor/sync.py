@@ -19,10 +19,8 @@ host needs to decide what to run next — and everything else should stay on the
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import Counter
-from collections.abc import Iterator
 
 import torch
 
@@ -108,21 +106,6 @@ class SyncCounter:
 
         counted.__name__ = name
         return counted
-
-
-@contextlib.contextmanager
-def cuda_sync_errors(device: torch.device | str) -> Iterator[None]:
-    """On CUDA, make any synchronizing call an error inside the block
-    (``torch.cuda.set_sync_debug_mode("error")``); elsewhere nothing."""
-    if torch.device(device).type != "cuda":
-        yield
-        return
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
 
 
 def device_tensor(values: list, device: torch.device | str,

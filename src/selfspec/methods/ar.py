@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from selfspec.decoding.auto.batch import BatchArStep, BatchStep
-from selfspec.decoding.core.autoregressive import ArStep
+from selfspec.decoding.core.autoregressive import ArStep, BatchArStep
+from selfspec.decoding.core.batch import BatchStep
 from selfspec.decoding.core.loop import Step
 from selfspec.methods.base import MethodContext, MethodSpec
 

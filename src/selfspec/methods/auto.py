@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from selfspec.decoding.auto.batch import BatchArStep, BatchNgramStep, BatchStep
 from selfspec.decoding.auto.step import AutoStep, ModelDrafter, predicted_draft_token_ms
+from selfspec.decoding.core.autoregressive import BatchArStep
+from selfspec.decoding.core.batch import BatchStep
 from selfspec.decoding.core.loop import Step
 from selfspec.decoding.core.stop_rule import StopRule
 from selfspec.decoding.memory import EngineMemory
+from selfspec.decoding.ngram.batch import BatchNgramStep
 from selfspec.decoding.ngram.drafter import NgramDrafter, NgramSettings
 from selfspec.decoding.planning.tpt import (
     AcceptanceEstimate,

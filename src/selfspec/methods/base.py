@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from selfspec.decoding.auto.batch import BatchStep, SoloRows
+from selfspec.decoding.core.batch import BatchStep, SoloRows
 from selfspec.decoding.core.loop import Step
 from selfspec.decoding.core.speculative import Drafter
 from selfspec.decoding.core.stop_rule import StopRule
@@ -197,7 +197,7 @@ class MethodSpec:
             irrelevant (AdaDecode's ``tuned`` sets ``gamma``; a sweep plot then does not
             place the row at ``gamma``'s default).
         build_batch: ``build_batch(context, options) -> BatchStep`` advancing a ragged batch
-            of rows with shared forwards (:mod:`selfspec.decoding.auto.batch`); ``None`` = rows run
+            of rows with shared forwards (:mod:`selfspec.decoding.core.batch`); ``None`` = rows run
             one after another with the method's own Step (:class:`SoloRows`).
         drafter: ``drafter(context, options, wrap) -> Drafter`` for a method whose Step is a
             :class:`~selfspec.decoding.core.speculative.SpeculativeStep` around one drafter:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from selfspec.decoding.auto.batch import BatchNgramStep, BatchStep
+from selfspec.decoding.core.batch import BatchStep
 from selfspec.decoding.core.loop import Step
+from selfspec.decoding.ngram.batch import BatchNgramStep
 from selfspec.decoding.ngram.drafter import NgramDrafter, NgramSettings, NgramStep
 from selfspec.decoding.planning.tpt import ForwardCosts
 from selfspec.errors import InvalidArgumentError

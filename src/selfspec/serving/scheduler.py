@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
-from selfspec.decoding.auto.batch import BatchStep, begin
+from selfspec.decoding.core.batch import BatchStep, begin
 from selfspec.decoding.core.loop import check_processing
 from selfspec.decoding.core.state import DecodeOptions, DecodeState
 from selfspec.decoding.core.stats import StepStats

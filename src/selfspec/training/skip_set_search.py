@@ -10,7 +10,7 @@ Scoring (:class:`MatchnessScorer`): each calibration sequence (token ids: a prom
 model's own greedy continuation) is run once through the full model, which fills a KV cache
 and gives the full model's greedy label at every position. A plan is then scored in windows
 of ``window`` positions: positions ``p .. p+window-1`` run through the plan read-only
-(``run_layers(..., skip=plan, write_cache=False)``), attending to the full model's KV of the
+(``score_layers(..., skip=plan)``), attending to the full model's KV of the
 positions before ``p`` and to each other. This mirrors drafting, where a draft token attends
 to the committed (full-model) KV and to the earlier draft tokens; SWIFT's code scores one
 window of 32 generated tokens the same way (``swift_optimization``, ``context_window=32``).
@@ -154,8 +154,8 @@ class MatchnessScorer:
             for p in range(prep.score_from, prep.end, self.window):
                 e = min(p + self.window, prep.end)
                 positions = torch.arange(p, e, device=ex.device)[None]          # [1, w]
-                outs.append(ex.run_layers(prep.embeds[:, p:e], positions, 0, ex.num_layers,
-                                          prep.cache, plan, write_cache=False))  # [1, w, H]
+                outs.append(ex.score_layers(prep.embeds[:, p:e], positions, 0, ex.num_layers,
+                                            prep.cache, plan))  # [1, w, H]
             # one lm_head call per sequence: larger matmuls than one per window
             tokens = ex.logits(torch.cat(outs, dim=1))[0].argmax(-1)            # [m]
             total += int((tokens == prep.labels).sum())

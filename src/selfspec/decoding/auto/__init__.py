@@ -1,4 +1,5 @@
 """``auto``: per-step choice between drafters and plain decoding by predicted tokens per second
-(``step``), and ragged batches that share forwards across rows (``batch``).
+(``step``). Its batches run on the ragged-batch engine of :mod:`selfspec.decoding.core.batch`
+with the batch steps of plain decoding and n-gram drafts.
 
 The top of ``selfspec.decoding``: composes the other packages."""

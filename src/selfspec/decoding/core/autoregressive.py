@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
+from selfspec.decoding.core.batch import pack_rows
 from selfspec.decoding.core.loop import Step
 from selfspec.decoding.core.sampling import choose_next
 from selfspec.decoding.core.state import DecodeState
@@ -12,6 +14,7 @@ from selfspec.executor.sync import to_host
 
 if TYPE_CHECKING:
     from selfspec.decoding.core.history import ResidualRecorder
+    from selfspec.executor import LayerExecutor
 
 
 class ArStep(Step):
@@ -39,3 +42,36 @@ class ArStep(Step):
         kept = state.commit(to_host(choose_next(logits, state.options.sampling, state.generator)),
                             logits)
         return StepStats(committed=len(kept), sublayers=2 * ex.num_layers)
+
+
+class BatchArStep:
+    """Autoregressive decoding of a ragged batch: one forward of ``B`` tokens per step (the
+    weights are read once for all rows), each row sampled with its own configuration and
+    seeded generator, so each row's output is the one it would have alone."""
+
+    batched = True
+    processes_logits = True
+
+    def __init__(self, executor: LayerExecutor) -> None:
+        self.executor = executor
+
+    def join(self, state: DecodeState) -> None:
+        """Nothing per row."""
+
+    def leave(self, state: DecodeState) -> None:
+        """Nothing per row."""
+
+    def __call__(self, states: list[DecodeState]) -> list[StepStats]:
+        ex = self.executor
+        t0 = time.perf_counter()
+        ids, positions, lengths = pack_rows(states, [[s.tokens[-1]] for s in states], ex.device)
+        logits = ex.forward_rows(ids, positions, lengths, [s.cache for s in states])  # [B, V]
+        ms = (time.perf_counter() - t0) * 1e3 / len(states)  # each row's share of the step
+        out = []
+        for b, state in enumerate(states):
+            row = state.process(logits[b:b + 1])
+            token = int(choose_next(row, state.options.sampling, state.generator))
+            kept = state.commit([token], row)
+            out.append(StepStats(committed=len(kept), sublayers=2 * ex.num_layers,
+                                 step_ms=ms))
+        return out

@@ -3,7 +3,7 @@ KV cache: what the in-context layer-selection methods score drafts against (Knap
 "recent history X", CLaSp's hidden states of the last verification, DEL's shadow tokens).
 
 A :class:`History` is one read-only forward of the last ``r`` committed positions through
-every layer (``write_cache=False``: each position attends to the cache prefix and to the
+every layer (``score_layers``: each position attends to the cache prefix and to the
 earlier history positions), recording the residual stream after every sub-layer.
 :class:`CommittedWindow` remembers how many tokens the last few steps committed, so a Step
 can ask for "the tokens of the last m verification steps".
@@ -58,8 +58,7 @@ class History:
         """Layers ``[start, end)`` (sub-layers per ``plan``) on ``B`` candidate states of the
         history positions at once, read-only: ``hidden`` ``[B, r, d]`` -> ``[B, r, d]``."""
         positions = self.positions.expand(hidden.shape[0], len(self))
-        return executor.run_layers(hidden, positions, start, end, state.cache, plan,
-                                   write_cache=False, free=True)
+        return executor.score_layers_free(hidden, positions, start, end, state.cache, plan)
 
     def labels(self, executor: LayerExecutor) -> torch.Tensor:
         """``[r]`` the full model's own greedy next token at each position (KnapSpec eq. 9's
@@ -104,8 +103,8 @@ def read_history(executor: LayerExecutor, state: DecodeState, num_tokens: int) -
     def record(layer_idx: int, sublayer: str, out: torch.Tensor) -> None:
         states.append(out[0])
 
-    executor.run_layers(hidden, positions, 0, executor.num_layers, state.cache,
-                        observe=record, write_cache=False)
+    executor.score_layers(hidden, positions, 0, executor.num_layers, state.cache,
+                          observe=record)
     return History(tokens, positions, states)
 
 
