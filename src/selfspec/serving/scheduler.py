@@ -3,7 +3,7 @@
 One worker thread owns the model. Each iteration it (1) drops cancelled rows, (2) admits
 the requests that hold a row (prefill alone, first token), and (3) advances every running
 row by one step: rows of the same method and options share one
-:class:`~selfspec.decoding.auto.batch.BatchStep` (one batched forward for ar / ngram / auto; the
+:class:`~selfspec.decoding.core.batch.BatchStep` (one batched forward for ar / ngram / auto; the
 other methods run their rows in turn). Committed tokens reach each request's callback as
 they come; a finished row calls its ``on_done`` and frees its KV cache.
 
