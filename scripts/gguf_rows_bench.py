@@ -76,7 +76,8 @@ def main() -> None:
             parts = [(n, T[args.type]) for n, _ in parts]
         weights = [torch.randn(n, k, generator=gen) * 0.02 for n, _ in parts]
         kernels = {}
-        segments = [GgufSegment(t, quantize_blocks(w, t)) for w, (_, t) in zip(weights, parts)]
+        segments = [GgufSegment(t, quantize_blocks(w, t))
+                    for w, (_, t) in zip(weights, parts, strict=False)]
         for isa in isas:
             kernels[f"gguf {isa}"] = GgufMatrix(segments, k, isa=isa)
         if w4a8.w4a8_available():

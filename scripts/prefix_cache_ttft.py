@@ -70,13 +70,13 @@ def run_config(config: str, args: argparse.Namespace, questions: list[str]) -> b
     formats = engine.executor.formats
     system = system_prompt(engine, args.prefix_tokens)
     prompts = [chat_ids(engine, system, q) for q in questions]
-    shared = next(i for i, (a, b) in enumerate(zip(*prompts[:2])) if a != b)
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts[:2], strict=False)) if a != b)
     engine.generate("Hello", max_new_tokens=2)  # one-time costs out of the timings
 
     full = [engine.generate(p, "ar", max_new_tokens=args.new_tokens) for p in prompts]
     engine.use_prefix_cache(args.mib)
     cached = [engine.generate(p, "ar", max_new_tokens=args.new_tokens) for p in prompts]
-    same = [c.token_ids == f.token_ids for c, f in zip(cached, full)]
+    same = [c.token_ids == f.token_ids for c, f in zip(cached, full, strict=False)]
 
     warm = prompts[1]
     with_cache = prefill_logits(engine, warm)  # the system prompt's blocks are kept
@@ -93,7 +93,7 @@ def run_config(config: str, args: argparse.Namespace, questions: list[str]) -> b
     print("| turn | cached tokens | TTFT without cache (ms) | TTFT with cache (ms) "
           "| tokens equal |")
     print("|---|---|---|---|---|")
-    for i, (f, c, ok) in enumerate(zip(full, cached, same)):
+    for i, (f, c, ok) in enumerate(zip(full, cached, same, strict=False)):
         role = "cold" if i == 0 else "warm"
         print(f"| {i} ({role}) | {c.stats.cached_tokens} | {f.stats.ttft_ms:.0f} | "
               f"{c.stats.ttft_ms:.0f} | {ok} |")
@@ -109,7 +109,7 @@ def run_config(config: str, args: argparse.Namespace, questions: list[str]) -> b
         engine.use_prefix_cache(args.mib)
         got = [engine.generate(p, method, max_new_tokens=args.new_tokens) for p in prompts]
         engine.use_prefix_cache(0)
-        equal = [g.token_ids == f.token_ids for g, f in zip(got, full)]
+        equal = [g.token_ids == f.token_ids for g, f in zip(got, full, strict=False)]
         print(f"{method}: cached tokens {[g.stats.cached_tokens for g in got]}, "
               f"tokens equal {equal}")
         same += equal
