@@ -92,6 +92,7 @@ class IdTokenizer:
     chat_template = None
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """The ids as space-separated numbers."""
         return " ".join(str(int(i)) for i in ids)
 
 
@@ -104,9 +105,11 @@ class Clock:
 
     @property
     def left(self) -> float:
+        """Seconds of the budget left (negative once spent)."""
         return self.budget_s - (time.perf_counter() - self.start)
 
     def allows(self, estimate_s: float) -> bool:
+        """Whether work estimated at ``estimate_s`` seconds fits in what is left."""
         return self.left > estimate_s
 
 
@@ -245,6 +248,8 @@ def _peak_mib(device) -> float | None:
 
 
 def time_selfspec(engine, method: str, prompt, new_tokens: int) -> dict[str, Any]:
+    """One warmed-up, synchronized generation of ``method``: tokens, tokens/s, ms,
+    acceptance, peak GPU MiB, the token ids (and CUDA graph statistics when captured)."""
     from selfspec.executor.cost_model import synchronize
 
     device = engine.executor.device
@@ -266,6 +271,9 @@ def time_selfspec(engine, method: str, prompt, new_tokens: int) -> dict[str, Any
 
 
 def time_hf(engine, name: str, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+    """One warmed-up generation of transformers' ``generate`` (``hf-ar``, or
+    ``hf-ar-compiled``: static cache and compiled forward, which raises off CUDA), as
+    :func:`time_selfspec`'s row."""
     import torch
 
     from selfspec.bench.runners import _forward_as, compiled_forward
@@ -298,6 +306,10 @@ def time_hf(engine, name: str, prompt: list[int], new_tokens: int) -> dict[str, 
 
 def timings(engine, prompt, new_tokens: int, clock: Clock, per_row_s: float,
             methods=TIMED_METHODS, hf_rows=HF_ROWS) -> list[dict[str, Any]]:
+    """A timing row per method and transformers row (``ar/eager`` too when CUDA graphs are
+    on): ok with its figures, its speedup over ``ar`` and whether its tokens equal ``ar``'s;
+    FAILED with the error; or skipped (the clock allows ``per_row_s`` no more, or the row
+    runs on CUDA only)."""
     rows = []
     names = list(methods)
     if engine.executor.graphs is not None and "ar" in names:
@@ -364,6 +376,8 @@ def replays(engine, directory: Path) -> list[dict[str, Any]]:
 
 # ----------------------------------------------------------------------------- (e)
 def markdown(report: dict[str, Any]) -> str:
+    """``gpu_check.md``: the environment, then the parity, timing and replay tables and
+    what was skipped."""
     lines = [f"# selfspec GPU check ({report['device_name']})", "",
              f"- {report['environment']}", f"- mode: {report['mode']}; "
              f"{report['new_tokens']} new tokens, batch 1, greedy; wall {report['wall_s']:.0f} s",

@@ -95,6 +95,8 @@ def latency_points(engine, model: LatencyModel, lengths=LENGTHS,
 
 
 def plot_latency(points: list[LatencyPoint], title: str, path: Path) -> None:
+    """Write ``path`` (PNG): measured and predicted sub-layer times (left) and whole-token
+    times (right), ms, against the context length."""
     plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     x = [p.context_len for p in points]
@@ -193,6 +195,9 @@ def throughput_points(engine, latency: LatencyModel, plan_prompt: list[int],
 
 
 def plot_throughput(points: list[ConfigPoint], ar_tps: float, title: str, path: Path) -> dict:
+    """Write ``path`` (PNG): measured tokens/s against predicted TPT and against the
+    acceptance rate, ``ar``'s tokens/s as a line; returns both Pearson correlations
+    (``pcc_tpt``, ``pcc_acceptance``; needs at least two points)."""
     plt = _pyplot()
     tps = [p.tokens_per_s for p in points]
     r_tpt = pearson([p.predicted_tpt for p in points], tps)
@@ -270,6 +275,8 @@ def context_points(engine, latency: LatencyModel, document: list[int],
 
 
 def plot_context(points: list[ContextPoint], num_layers: int, title: str, path: Path) -> None:
+    """Write ``path`` (PNG): the share of the ``num_layers`` layers' attention and MLP
+    sub-layers skipped (best plan and chosen plan) against the context length."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     x = [p.context_len for p in points]
