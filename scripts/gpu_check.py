@@ -92,6 +92,7 @@ class IdTokenizer:
     chat_template = None
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """The ids as space-separated numbers."""
         return " ".join(str(int(i)) for i in ids)
 
 
@@ -104,9 +105,11 @@ class Clock:
 
     @property
     def left(self) -> float:
+        """Seconds of the budget left (negative once spent)."""
         return self.budget_s - (time.perf_counter() - self.start)
 
     def allows(self, estimate_s: float) -> bool:
+        """Whether work estimated at ``estimate_s`` seconds fits in what is left."""
         return self.left > estimate_s
 
 
@@ -208,12 +211,13 @@ def parity(engine, prompts: list, new_tokens: int,
         try:
             outs = [engine.generate(p, name, max_new_tokens=new_tokens).token_ids
                     for p in prompts]
-            same = sum(o == r for o, r in zip(outs, refs))
+            same = sum(o == r for o, r in zip(outs, refs, strict=False))
             row.update(status="ok" if same == len(prompts) else "MISMATCH",
                        identical=f"{same}/{len(prompts)}")
             if same != len(prompts):
-                first = next(i for i, (o, r) in enumerate(zip(outs, refs)) if o != r)
-                k = next((j for j, (a, b) in enumerate(zip(outs[first], refs[first])) if a != b),
+                first = next(i for i, (o, r) in enumerate(zip(outs, refs, strict=False)) if o != r)
+                pairs = zip(outs[first], refs[first], strict=False)
+                k = next((j for j, (a, b) in enumerate(pairs) if a != b),
                          min(len(outs[first]), len(refs[first])))
                 row["first_difference"] = f"prompt {first}, token {k}"
         except Exception as err:  # noqa: BLE001 - a method that cannot run here is reported
@@ -244,6 +248,8 @@ def _peak_mib(device) -> float | None:
 
 
 def time_selfspec(engine, method: str, prompt, new_tokens: int) -> dict[str, Any]:
+    """One warmed-up, synchronized generation of ``method``: tokens, tokens/s, ms,
+    acceptance, peak GPU MiB, the token ids (and CUDA graph statistics when captured)."""
     from selfspec.executor.cost_model import synchronize
 
     device = engine.executor.device
@@ -265,6 +271,9 @@ def time_selfspec(engine, method: str, prompt, new_tokens: int) -> dict[str, Any
 
 
 def time_hf(engine, name: str, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+    """One warmed-up generation of transformers' ``generate`` (``hf-ar``, or
+    ``hf-ar-compiled``: static cache and compiled forward, which raises off CUDA), as
+    :func:`time_selfspec`'s row."""
     import torch
 
     from selfspec.bench.runners import _forward_as, compiled_forward
@@ -297,6 +306,10 @@ def time_hf(engine, name: str, prompt: list[int], new_tokens: int) -> dict[str, 
 
 def timings(engine, prompt, new_tokens: int, clock: Clock, per_row_s: float,
             methods=TIMED_METHODS, hf_rows=HF_ROWS) -> list[dict[str, Any]]:
+    """A timing row per method and transformers row (``ar/eager`` too when CUDA graphs are
+    on): ok with its figures, its speedup over ``ar`` and whether its tokens equal ``ar``'s;
+    FAILED with the error; or skipped (the clock allows ``per_row_s`` no more, or the row
+    runs on CUDA only)."""
     rows = []
     names = list(methods)
     if engine.executor.graphs is not None and "ar" in names:
@@ -363,6 +376,8 @@ def replays(engine, directory: Path) -> list[dict[str, Any]]:
 
 # ----------------------------------------------------------------------------- (e)
 def markdown(report: dict[str, Any]) -> str:
+    """``gpu_check.md``: the environment, then the parity, timing and replay tables and
+    what was skipped."""
     lines = [f"# selfspec GPU check ({report['device_name']})", "",
              f"- {report['environment']}", f"- mode: {report['mode']}; "
              f"{report['new_tokens']} new tokens, batch 1, greedy; wall {report['wall_s']:.0f} s",
@@ -399,7 +414,8 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see ``--help``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path, help="output directory ($OUT)")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
@@ -420,7 +436,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated methods to check (default: every lossless one)")
     p.add_argument("--timed-methods", default=None,
                    help=f"comma-separated rows to time (default: {','.join(TIMED_METHODS + HF_ROWS)})")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every phase (module docstring) into ``args.out``; exit status 0, or 3 when a
+    prerequisite is missing."""
+    args = parse_args(argv)
     checked = None if args.parity_methods is None else args.parity_methods.split(",")
     timed = (TIMED_METHODS + HF_ROWS if args.timed_methods is None
              else tuple(args.timed_methods.split(",")))
@@ -459,9 +481,18 @@ def main(argv: list[str] | None = None) -> int:
                              f"transformers {transformers.__version__}, "
                              f"CUDA {torch.version.cuda}")
     torch.manual_seed(0)
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    tiny_parity(args, device, report, clock, new_tokens, checked)
+    real_model(args, device, report, clock, new_tokens, checked, timed_kw)
+    big_configs(args, device, report, clock, new_tokens, timed_kw)
+    return finish(0)
 
-    # (c) parity on tiny random configs
+
+def tiny_parity(args: argparse.Namespace, device, report: dict[str, Any], clock: Clock,
+                new_tokens: int, checked: list[str] | None) -> None:
+    """(c) parity on the tiny random configs in fp32 and bf16, into ``report``."""
+    import torch
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     for name, config in TINY_CONFIGS.items():
         for dname, dtype in dtypes.items():
             if not clock.allows(20):
@@ -472,54 +503,61 @@ def main(argv: list[str] | None = None) -> int:
             for row in parity(engine, prompts, new_tokens if args.dry_run else 48, checked):
                 report["parity"].append(dict(row, dtype=dname))
 
-    # (b) + (c) + (d) the real model
+
+def real_model(args: argparse.Namespace, device, report: dict[str, Any], clock: Clock,
+               new_tokens: int, checked: list[str] | None, timed_kw: dict[str, Any]) -> None:
+    """(b) + (c) + (d) the real model: parity in bf16 and fp32, timings and schedule replays
+    in bf16, into ``report`` (a failure is a FAILED timing row)."""
     if args.dry_run or args.no_real:
         if not getattr(args, "missing_parts", None):
             report["skipped"].append("real SmolLM2: " + ("dry run" if args.dry_run
                                                          else "--no-real"))
-    else:
-        try:
-            for dname in ("bf16", "fp32"):
-                engine = real_engine(args, dname, device, args.cuda_graphs)
-                prompts = ["def fibonacci(n):", "Write a haiku about the sea."]
-                if clock.allows(60):
-                    for row in parity(engine, prompts, 64, checked):
-                        report["parity"].append(dict(row, dtype=dname))
-                if dname == "bf16":
-                    text = ("def quicksort(items):\n    \"\"\"Sort a list of integers.\"\"\"\n")
-                    report["timings"] += timings(engine, text, new_tokens, clock, 25,
-                                                 **timed_kw)
-                    schedules = Path(args.schedules)
-                    if schedules.is_dir() and clock.allows(30):
-                        report["replays"] += replays(engine, schedules)
-                del engine
-        except Exception as err:  # noqa: BLE001
-            report["timings"].append({"model": REAL_MODEL, "method": "-", "status": "FAILED",
-                                      "error": f"{type(err).__name__}: {err}"[:400],
-                                      "traceback": traceback.format_exc(limit=6)})
+        return
+    try:
+        for dname in ("bf16", "fp32"):
+            engine = real_engine(args, dname, device, args.cuda_graphs)
+            prompts = ["def fibonacci(n):", "Write a haiku about the sea."]
+            if clock.allows(60):
+                for row in parity(engine, prompts, 64, checked):
+                    report["parity"].append(dict(row, dtype=dname))
+            if dname == "bf16":
+                text = ("def quicksort(items):\n    \"\"\"Sort a list of integers.\"\"\"\n")
+                report["timings"] += timings(engine, text, new_tokens, clock, 25, **timed_kw)
+                schedules = Path(args.schedules)
+                if schedules.is_dir() and clock.allows(30):
+                    report["replays"] += replays(engine, schedules)
+            del engine
+    except Exception as err:  # noqa: BLE001
+        report["timings"].append({"model": REAL_MODEL, "method": "-", "status": "FAILED",
+                                  "error": f"{type(err).__name__}: {err}"[:400],
+                                  "traceback": traceback.format_exc(limit=6)})
 
-    # (d) random-weight big configs (bf16)
+
+def big_configs(args: argparse.Namespace, device, report: dict[str, Any], clock: Clock,
+                new_tokens: int, timed_kw: dict[str, Any]) -> None:
+    """(d) timings on the random-weight big configs in bf16 (shrunk in a dry run), into
+    ``report`` (a failure is a FAILED timing row)."""
+    import torch
+
     if args.no_big:
         report["skipped"].append("random 1.5B / 8B configs: --no-big")
-    else:
-        for name, config in BIG_CONFIGS.items():
-            config = dry_size(config) if args.dry_run else config
-            if not clock.allows(40):
-                report["skipped"].append(f"timings {name}: time budget")
-                continue
-            try:
-                engine = random_engine(name, config, torch.bfloat16, device, args.cuda_graphs)
-                prompt = prompt_ids(config["vocab_size"], 64)
-                report["timings"] += timings(engine, prompt, new_tokens, clock,
-                                             5 if args.dry_run else 30, **timed_kw)
-                del engine
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            except Exception as err:  # noqa: BLE001
-                report["timings"].append({"model": name, "method": "-", "status": "FAILED",
-                                          "error": f"{type(err).__name__}: {err}"[:400]})
-    return finish(0)
-
+        return
+    for name, config in BIG_CONFIGS.items():
+        config = dry_size(config) if args.dry_run else config
+        if not clock.allows(40):
+            report["skipped"].append(f"timings {name}: time budget")
+            continue
+        try:
+            engine = random_engine(name, config, torch.bfloat16, device, args.cuda_graphs)
+            prompt = prompt_ids(config["vocab_size"], 64)
+            report["timings"] += timings(engine, prompt, new_tokens, clock,
+                                         5 if args.dry_run else 30, **timed_kw)
+            del engine
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        except Exception as err:  # noqa: BLE001
+            report["timings"].append({"model": name, "method": "-", "status": "FAILED",
+                                      "error": f"{type(err).__name__}: {err}"[:400]})
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -49,6 +49,7 @@ def system_prompt(engine: selfspec.SelfSpec, tokens: int) -> str:
 
 
 def chat_ids(engine: selfspec.SelfSpec, system: str, question: str) -> list[int]:
+    """The chat-templated token ids of ``system`` then ``question``, ready to answer."""
     ids = engine.tokenizer.apply_chat_template(
         [{"role": "system", "content": system}, {"role": "user", "content": question}],
         add_generation_prompt=True, return_dict=False)
@@ -56,6 +57,8 @@ def chat_ids(engine: selfspec.SelfSpec, system: str, question: str) -> list[int]
 
 
 def prefill_logits(engine: selfspec.SelfSpec, ids: list[int]) -> torch.Tensor:
+    """The last position's logits after prefilling ``ids`` (through the engine's prefix
+    cache when it has one), fp32."""
     state = DecodeState(engine.executor, ids, DecodeOptions(max_new_tokens=1),
                         prefix_cache=engine.prefix_cache)
     with torch.inference_mode():
@@ -63,6 +66,8 @@ def prefill_logits(engine: selfspec.SelfSpec, ids: list[int]) -> torch.Tensor:
 
 
 def run_config(config: str, args: argparse.Namespace, questions: list[str]) -> bool:
+    """Time the turns of one ``DTYPE[:BULK]`` config without and with the prefix cache and
+    print the tables; whether every method's tokens were equal with and without it."""
     dtype, _, bulk = config.partition(":")
     engine = selfspec.load(args.model, dtype=dtype, show_progress=False)
     if bulk:
@@ -70,13 +75,13 @@ def run_config(config: str, args: argparse.Namespace, questions: list[str]) -> b
     formats = engine.executor.formats
     system = system_prompt(engine, args.prefix_tokens)
     prompts = [chat_ids(engine, system, q) for q in questions]
-    shared = next(i for i, (a, b) in enumerate(zip(*prompts[:2])) if a != b)
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts[:2], strict=False)) if a != b)
     engine.generate("Hello", max_new_tokens=2)  # one-time costs out of the timings
 
     full = [engine.generate(p, "ar", max_new_tokens=args.new_tokens) for p in prompts]
     engine.use_prefix_cache(args.mib)
     cached = [engine.generate(p, "ar", max_new_tokens=args.new_tokens) for p in prompts]
-    same = [c.token_ids == f.token_ids for c, f in zip(cached, full)]
+    same = [c.token_ids == f.token_ids for c, f in zip(cached, full, strict=False)]
 
     warm = prompts[1]
     with_cache = prefill_logits(engine, warm)  # the system prompt's blocks are kept
@@ -93,7 +98,7 @@ def run_config(config: str, args: argparse.Namespace, questions: list[str]) -> b
     print("| turn | cached tokens | TTFT without cache (ms) | TTFT with cache (ms) "
           "| tokens equal |")
     print("|---|---|---|---|---|")
-    for i, (f, c, ok) in enumerate(zip(full, cached, same)):
+    for i, (f, c, ok) in enumerate(zip(full, cached, same, strict=False)):
         role = "cold" if i == 0 else "warm"
         print(f"| {i} ({role}) | {c.stats.cached_tokens} | {f.stats.ttft_ms:.0f} | "
               f"{c.stats.ttft_ms:.0f} | {ok} |")
@@ -109,7 +114,7 @@ def run_config(config: str, args: argparse.Namespace, questions: list[str]) -> b
         engine.use_prefix_cache(args.mib)
         got = [engine.generate(p, method, max_new_tokens=args.new_tokens) for p in prompts]
         engine.use_prefix_cache(0)
-        equal = [g.token_ids == f.token_ids for g, f in zip(got, full)]
+        equal = [g.token_ids == f.token_ids for g, f in zip(got, full, strict=False)]
         print(f"{method}: cached tokens {[g.stats.cached_tokens for g in got]}, "
               f"tokens equal {equal}")
         same += equal
@@ -117,6 +122,7 @@ def run_config(config: str, args: argparse.Namespace, questions: list[str]) -> b
 
 
 def main() -> int:
+    """Run every ``--configs`` entry; exit status 0 when all tokens were equal, else 1."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct",
                         help="registry name, directory or .gguf (default smollm2-135m-instruct)")

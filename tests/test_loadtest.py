@@ -9,8 +9,7 @@ import json
 import pytest
 from tiny import save_tiny
 
-from selfspec.serving import loadtest
-from selfspec.serving.loadkinds import (
+from selfspec.bench.serve_load.kinds import (
     BAD_CHOICES,
     BAD_LOGPROBS,
     INVALID_JSON,
@@ -27,6 +26,7 @@ from selfspec.serving.loadkinds import (
     rotation,
     start,
 )
+from selfspec.cli import main
 
 KIND = {k.name: k for k in KINDS}
 
@@ -113,7 +113,8 @@ def test_logprobs_need_one_entry_per_token_with_two_alternatives():
 
     def answer(tokens, alternatives, usage=3):
         entries = [{"token": t, "logprob": -0.5, "top_logprobs": [
-            {"token": t, "logprob": -0.5}] * a} for t, a in zip(tokens, alternatives)]
+            {"token": t, "logprob": -0.5}] * a}
+            for t, a in zip(tokens, alternatives, strict=False)]
         return _stream([_event({"choices": [{"index": 0, "delta": {"content": "abc"},
                                              "logprobs": {"content": entries},
                                              "finish_reason": "length"}]}),
@@ -155,8 +156,8 @@ def test_json_answers_must_follow_their_schema():
 
 
 def test_metrics_are_compared_per_endpoint_status_and_reason():
-    from selfspec.serving.loadclient import Tally
-    from selfspec.serving.loadmix import compare_metrics
+    from selfspec.bench.serve_load.client import Tally
+    from selfspec.bench.serve_load.mix import compare_metrics
 
     text = "\n".join([
         "# TYPE selfspec_generation_tokens counter",
@@ -192,10 +193,10 @@ def test_mixed_run_on_a_tiny_model_passes_and_drains(tmp_path):
     pytest.importorskip("jsonschema")
     model = save_tiny(tmp_path / "tiny", seed=3, max_position_embeddings=1024)
     out = tmp_path / "out"
-    code = loadtest.main(["--mixed", "--model", str(model), "--dtype", "fp32", "--method", "ar",
-                          "--clients", "2", "--duration", "4", "--prompts", "2",
-                          "--max-tokens", "96", "--threads", "1", "--drain-seconds", "20",
-                          "--out", str(out)])
+    code = main(["bench", "serve-mix", "--model", str(model), "--dtype", "fp32",
+                 "--method", "ar", "--clients", "2", "--duration", "4", "--prompts", "2",
+                 "--max-tokens", "96", "--threads", "1", "--drain-seconds", "20",
+                 "--out", str(out)])
     data = json.loads((out / "mixed.json").read_text())
     assert code == 0, data["failures"]
     assert data["passed"] and data["references"] == 6

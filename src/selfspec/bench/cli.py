@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import shlex
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -45,7 +46,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         epilog="Methods: NAME[:key=value,...], e.g. layerskip:exit_layer=24,draft_len=4 or "
                "hf-assistant:model=qwen2.5-coder-0.5b-instruct. "
                "Sweeps: NAME:key=v1,v2:key2=a..b, "
-               "e.g. layerskip:exit_layer=18,22,26:draft_len=1..6.")
+               "e.g. layerskip:exit_layer=18,22,26:draft_len=1..6. "
+               "Other benchmarks: selfspec bench serve-load | serve-mix | skip-analysis "
+               "--help.")
     add_model_argument(p)
     p.add_argument("--methods", action="append", default=None,
                    help="comma-separated method specs (repeatable; default: "
@@ -105,7 +108,42 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "training or calibration (default: drop them); the run is then "
                         "labelled in-sample in the table, report.md and summary.json")
     p.set_defaults(func=cmd_bench)
+    add_bench_tools(p)
     return p
+
+
+def add_bench_tools(bench: argparse.ArgumentParser) -> None:
+    """Add ``selfspec bench serve-load | serve-mix | skip-analysis`` to the ``bench`` parser
+    (without one of them, ``selfspec bench`` is the benchmark itself). Each tool's module
+    adds its own flags (``add_arguments(parser)``) and runs from their values."""
+    from selfspec.bench import skip_analysis
+    from selfspec.bench.serve_load import mix, run
+
+    tools = bench.add_subparsers(dest="bench_tool", title="other benchmarks",
+                                 metavar="{serve-load,serve-mix,skip-analysis}")
+    for name, module, entry, help in (
+            ("serve-load", run, run.run_load,
+             "load test of `selfspec serve`: streaming clients at several concurrency levels; "
+             "throughput, time to first token, memory"),
+            ("serve-mix", mix, mix.run_mixed,
+             "mixed load test of `selfspec serve`: every kind of request at once, /metrics "
+             "against the clients' counts, SIGTERM with requests in flight"),
+            ("skip-analysis", skip_analysis, skip_analysis.run_analysis,
+             "KnapSpec's analyses: the latency model against measurements, throughput "
+             "against predicted tokens per time (Figure 2), skips against context (Figure 3)")):
+        parser = tools.add_parser(name, help=help, description=module.__doc__.split("\n\n")[0])
+        module.add_arguments(parser)
+        # The namespace also holds bench's and the top-level parser's values, which would
+        # end up in a tool's JSON: the tool gets its own flags only.
+        own = tuple(action.dest for action in parser._actions  # no public list of them
+                    if action.dest not in ("help", argparse.SUPPRESS))
+        parser.set_defaults(func=functools.partial(_run_tool, entry, own))
+
+
+def _run_tool(entry: Callable[[argparse.Namespace], int], own: tuple[str, ...],
+              args: argparse.Namespace) -> int:
+    """Call a bench tool's ``entry`` with the values of its own flags ``own`` only."""
+    return entry(argparse.Namespace(**{dest: getattr(args, dest) for dest in own}))
 
 
 def _methods(args: argparse.Namespace) -> list:
@@ -357,7 +395,8 @@ def cmd_bench_cpu(args: argparse.Namespace) -> int:
     try:
         lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     except ValueError:
-        raise InvalidArgumentError(f"--lengths takes integers, e.g. 256,1024; got {args.lengths!r}")
+        raise InvalidArgumentError(
+            f"--lengths takes integers, e.g. 256,1024; got {args.lengths!r}") from None
     isas = [x.strip() for x in args.isa.split(",") if x.strip()]
     unknown = [x for x in isas if x not in formats.ISA_ENV]
     if unknown or not isas:

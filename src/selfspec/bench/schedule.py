@@ -14,6 +14,10 @@ and the skip drafters do); LayerSkip / D&V verification resumes from the draft's
 states, so the replay over-counts its verification by ``D · e`` layer-token passes (``e`` the
 exit layer). Drafting replays each draft token through its exit layer and the output head,
 one token at a time.
+
+A library module, not a command: :func:`record_schedule` is called from your own code on the
+machine that records (docs/gpu.md), and the GPU check (``python scripts/gpu_check.py``)
+replays what it finds with :func:`replay_schedule`.
 """
 
 from __future__ import annotations
@@ -103,6 +107,7 @@ class _Recording:
         return getattr(self.step, name)
 
     def start(self, state: Any) -> None:
+        """Start the wrapped step on ``state``."""
         self.step.start(state)
 
     def __call__(self, state: Any) -> Any:

@@ -12,7 +12,7 @@
   (``skips-vs-context.png``).
 
 Each writes a JSON file of its numbers beside the plot. Run as
-``python -m selfspec.bench.skip_analysis {latency,throughput,context} --model M --out DIR``.
+``selfspec bench skip-analysis {latency,throughput,context} --model M --out DIR``.
 """
 
 from __future__ import annotations
@@ -95,6 +95,8 @@ def latency_points(engine, model: LatencyModel, lengths=LENGTHS,
 
 
 def plot_latency(points: list[LatencyPoint], title: str, path: Path) -> None:
+    """Write ``path`` (PNG): measured and predicted sub-layer times (left) and whole-token
+    times (right), ms, against the context length."""
     plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     x = [p.context_len for p in points]
@@ -146,7 +148,7 @@ def _candidate_plans(engine, prompt_ids: list[int], latency: LatencyModel,
     step.start(state)
     step._reoptimize(state)
     return [(SkipPlan(c.skip_attention, c.skip_mlp), alpha)
-            for c, alpha in zip(step.last_candidates, step.last_alphas)
+            for c, alpha in zip(step.last_candidates, step.last_alphas, strict=False)
             if c.skip_attention or c.skip_mlp]
 
 
@@ -193,6 +195,9 @@ def throughput_points(engine, latency: LatencyModel, plan_prompt: list[int],
 
 
 def plot_throughput(points: list[ConfigPoint], ar_tps: float, title: str, path: Path) -> dict:
+    """Write ``path`` (PNG): measured tokens/s against predicted TPT and against the
+    acceptance rate, ``ar``'s tokens/s as a line; returns both Pearson correlations
+    (``pcc_tpt``, ``pcc_acceptance``; needs at least two points)."""
     plt = _pyplot()
     tps = [p.tokens_per_s for p in points]
     r_tpt = pearson([p.predicted_tpt for p in points], tps)
@@ -255,7 +260,7 @@ def context_points(engine, latency: LatencyModel, document: list[int],
         plans = [SkipPlan(k.skip_attention, k.skip_mlp) for k in step.last_candidates]
         best = choose_plan(step.last_candidates, step.last_alphas,
                            [latency.draft_ms(plan, n) for plan in plans],
-                           lambda t: latency.verify_ms(n, t), must_beat_plain=False)
+                           lambda t, n=n: latency.verify_ms(n, t), must_beat_plain=False)
         b = best.candidate
         points.append(ContextPoint(n, *record.weights,
                                    len(c.skip_attention) if c else 0,
@@ -270,6 +275,8 @@ def context_points(engine, latency: LatencyModel, document: list[int],
 
 
 def plot_context(points: list[ContextPoint], num_layers: int, title: str, path: Path) -> None:
+    """Write ``path`` (PNG): the share of the ``num_layers`` layers' attention and MLP
+    sub-layers skipped (best plan and chosen plan) against the context length."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     x = [p.context_len for p in points]
@@ -315,9 +322,8 @@ def _prompts(engine, dataset: str, n: int, skip: int) -> list[list[int]]:
     return [engine.encode(p.text, chat=p.chat) for p in prompts]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m selfspec.bench.skip_analysis",
-                                     description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of ``selfspec bench skip-analysis`` to ``parser``."""
     parser.add_argument("analysis", choices=("latency", "throughput", "context"))
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="bf16")
@@ -327,7 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=4, help="throughput: prompts decoded per config")
     parser.add_argument("--plans", type=int, default=12, help="throughput: DP candidates")
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    args = parser.parse_args(argv)
+
+
+def run_analysis(args: argparse.Namespace) -> int:
+    """Run one analysis with the flags of :func:`add_arguments`: write its plot and
+    ``ANALYSIS.json`` into ``--out``; exit status 0, or 2 without matplotlib."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -371,7 +381,3 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"{args.analysis}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out / (args.analysis + '.json')}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

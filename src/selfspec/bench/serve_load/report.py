@@ -1,4 +1,4 @@
-"""The results of the mixed load test (:mod:`selfspec.serving.loadmix`) and its report:
+"""The results of the mixed load test (:mod:`selfspec.bench.serve_load.mix`) and its report:
 ``mixed.json`` (everything) and ``README.md`` (the figures and the verdict) in the output
 directory."""
 
@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from selfspec.serving.loadkinds import CATEGORIES
+from selfspec.bench.serve_load.kinds import CATEGORIES
 
 
 @dataclass
@@ -21,7 +21,7 @@ class KindResult:
         requests: responses received (whatever their outcome).
         choices: choices received.
         completion_tokens: their ``usage.completion_tokens``, summed.
-        problems: responses' problems by category (:data:`~selfspec.serving.loadkinds.CATEGORIES`).
+        problems: responses' problems by category (:data:`~selfspec.bench.serve_load.kinds.CATEGORIES`).
         latency_ms_median / latency_ms_p90: sending to the end of the answer.
         ttft_ms_median: streams: sending to the first text.
         max_logprob_gap: the largest difference of a token's log probability from the
@@ -149,7 +149,9 @@ class MixedResult:
     Attributes:
         args: the command line's arguments.
         date: when it started (ISO 8601, local time).
-        machine: CPU count, load averages at start and end, torch and Python versions.
+        machine: bench's :class:`~selfspec.bench.report.MachineInfo` fields (CPU, logical
+            cores, versions) and the load averages at the start and the end
+            (``load_start``, ``load_end``).
         model: the served model's name.
         references: lone requests taken as references (one per prompt and source).
         load / metrics / drain: the three phases.
@@ -233,7 +235,7 @@ def readme(result: MixedResult, command: str) -> str:
              f"server `--threads {a.get('threads')} --max-batch {a.get('max_batch')} "
              f"--drain-seconds {a.get('drain_seconds'):g}`; {a.get('clients')} clients for "
              f"{a.get('duration'):g} s (seed {a.get('seed')}), max_tokens {a.get('max_tokens')} "
-             f"(JSON {a.get('json_max_tokens')}). Machine: {m.get('cpus')} CPUs, load average "
+             f"(JSON {a.get('json_max_tokens')}). Machine: {m.get('logical_cores')} CPUs, load average "
              f"{m.get('load_start')} at the start and {m.get('load_end')} at the end (the "
              f"clients run on the same CPUs), torch {m.get('torch')}, Python {m.get('python')}.",
              "", f"Each kind's answers are compared with the lone answer to the same prompt "

@@ -1,4 +1,4 @@
-"""The request kinds of the mixed load test (:mod:`selfspec.serving.loadmix`), their bodies,
+"""The request kinds of the mixed load test (:mod:`selfspec.bench.serve_load.mix`), their bodies,
 how their answers are read, and how each answer is checked against its reference.
 
 A kind is one way of asking: free-text chat (streamed and not), a JSON schema (streamed and
@@ -447,7 +447,7 @@ def check(kind: RequestKind, answer: Answer, reference: Answer,
 
 
 def _diff(text: str, reference: str) -> str:
-    at = next((i for i, (a, b) in enumerate(zip(text, reference)) if a != b),
+    at = next((i for i, (a, b) in enumerate(zip(text, reference, strict=False)) if a != b),
               min(len(text), len(reference)))
     return (f"differs from the reference at character {at}: "
             f"{text[at:at + 30]!r} vs {reference[at:at + 30]!r}")
@@ -506,7 +506,7 @@ def max_logprob_gap(answer: Answer, reference: Answer) -> float:
     for choice in answer.choices.values():
         if choice.logprobs is None:
             continue
-        for a, b in zip(choice.logprobs, ref.logprobs):
+        for a, b in zip(choice.logprobs, ref.logprobs, strict=False):
             if isinstance(a, (int, float)) and isinstance(b, (int, float)):
                 gap = max(gap, abs(a - b))
     return gap

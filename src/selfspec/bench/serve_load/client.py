@@ -1,5 +1,5 @@
-"""The clients of the mixed load test (:mod:`selfspec.serving.loadmix`): they send the
-kinds of :mod:`selfspec.serving.loadkinds` with the official ``openai`` client, read the
+"""The clients of the mixed load test (:mod:`selfspec.bench.serve_load.mix`): they send the
+kinds of :mod:`selfspec.bench.serve_load.kinds` with the official ``openai`` client, read the
 answers raw, and count what they received to compare with the server's ``/metrics``."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from selfspec.serving.loadkinds import (
+from selfspec.bench.serve_load.kinds import (
     Answer,
     Limits,
     Prompts,

