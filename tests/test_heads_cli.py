@@ -392,3 +392,25 @@ def test_train_drafter_multiplies_in_bf16_only_where_the_cpu_runs_it_natively(
     code, _, err = _run(capsys, "heads", "train-drafter", str(heads_dir), "--model",
                         str(model_dir), "--dtype", "fp32", "--quiet", *flag)
     assert code != 0 and "stop here" in err and seen == [expected]
+
+
+def test_adaspeed_probe_finds_the_probe_train_probe_writes_and_its_exit_layer(
+        capsys, home, model_dir, tmp_path):
+    """docs/heads.md's flow: ``heads train-probe --model M --exit-layer E`` (no ``--heads``)
+    saves the model's default probes, which ``--method adaspeed-probe`` (no ``heads``, no
+    ``exit_layer``) reads, at the exit layer of the one probe there (not 3/4 of the depth); with
+    probes at several layers an error names them."""
+    common = ["--model", str(model_dir), "--dtype", "fp32", "--threads", "1", "--quiet",
+              "--data", "humaneval", "--tokens", "300"]
+    code, out, err = _run(capsys, "heads", "train-probe", *common, "--exit-layer", "2")
+    assert code == 0, err
+    generate = ["generate", "def f(x):", "--model", str(model_dir), "--dtype", "fp32",
+                "--threads", "1", "--max-new-tokens", "6", "--method", "adaspeed-probe"]
+    code, out, err = _run(capsys, *generate)
+    assert code == 0, err
+    code, out, err = _run(capsys, "heads", "train-probe", *common, "--exit-layer", "3")
+    assert code == 0, err
+    code, out, err = _run(capsys, *generate)
+    assert code == 2 and "exit_layer" in err and "[2, 3]" in err, err
+    code, out, err = _run(capsys, *generate, "--exit-layer", "3")
+    assert code == 0, err

@@ -82,6 +82,8 @@ def build_exit_drafter(context: MethodContext, options: ExitOptions, stop_rule: 
         layer = default_exit_layer(ex)
         if trained is not None and trained.layers:
             layer = min(trained.layers, key=lambda h: (abs(h - layer), -h))
+        if probe:
+            layer = _probe_exit_layer(context, trained, options.heads, layer)
     head = _exit_head(trained, layer, options.heads, probe)
     greedy_probe = sampled_probe = None
     if probe:
@@ -93,6 +95,30 @@ def build_exit_drafter(context: MethodContext, options: ExitOptions, stop_rule: 
     return EarlyExitDrafter(context.draft_executor(options), layer, stop_rule, head=head,
                             scorer=greedy_probe, vocab=vocab, sampled_scorer=sampled_probe,
                             restricted=restricted, verifier=ex)
+
+
+def _probe_exit_layer(context: MethodContext, trained: Any, path: str | None,
+                     fallback: int) -> int:
+    """The default exit layer of a probe method: the layer of the one probe in its file
+    (``heads``, else the model's default probes, where ``selfspec heads train-probe`` saves
+    them); with probes at several layers, ``fallback`` (the depth default) when one is there.
+
+    Raises:
+        InvalidArgumentError: probes at several layers, none at ``fallback``: the error names
+            the layers to choose from.
+        HeadsNotFoundError: no probe file.
+    """
+    container = trained if trained is not None else context.heads(DEFAULT_PROBES)
+    layers = sorted({c.exit_layer for c in container.card.probes}
+                    | set(container.probes) | set(container.sampled_probes))
+    if len(layers) == 1:
+        return layers[0]
+    if not layers or fallback in layers:
+        return fallback  # none: the drafter's error says how to train one
+    where = repr(path) if path is not None else "the model's default probes"
+    raise InvalidArgumentError(
+        f"{where} hold probes at exit layers {layers}, none at the default {fallback}; choose "
+        f"one with --exit-layer (exit_layer=)")
 
 
 def _exit_head(trained: Any, layer: int, path: str | None, probe: bool) -> Any:
