@@ -374,7 +374,7 @@ def test_train_drafter_multiplies_in_bf16_only_where_the_cpu_runs_it_natively(
     """Emulated bf16 products are 5-8x slower than fp32 (AVX2 CPUs): the drafter trained in
     bf16 there took over 13 minutes instead of 50 s on Qwen2.5-Coder-0.5B."""
     from selfspec.executor import cpu
-    from selfspec.training import pipeline
+    from selfspec.training import drafter
 
     heads_dir = tmp_path / "heads"
     code, _, err = _run(capsys, "heads", "train", "--model", str(model_dir), "--dtype", "fp32",
@@ -388,7 +388,7 @@ def test_train_drafter_multiplies_in_bf16_only_where_the_cpu_runs_it_natively(
         raise InvalidArgumentError("stop here")
 
     monkeypatch.setattr(cpu, "fast_matmul_dtype", lambda: native)
-    monkeypatch.setattr(pipeline, "train_drafter", fake_train)
+    monkeypatch.setattr(drafter, "train_drafter", fake_train)
     code, _, err = _run(capsys, "heads", "train-drafter", str(heads_dir), "--model",
                         str(model_dir), "--dtype", "fp32", "--quiet", *flag)
     assert code != 0 and "stop here" in err and seen == [expected]

@@ -459,8 +459,8 @@ def _compute_dtype(args: argparse.Namespace) -> str:
 # ----------------------------------------------------------------------------- commands
 def _cmd_train(args: argparse.Namespace) -> int:
     from selfspec.training.calibration import DEFAULT_EPSILONS
-    from selfspec.training.pipeline import DEFAULT_TOKENS, TrainRequest, train
-    from selfspec.training.train import TrainConfig
+    from selfspec.training.pipeline import DEFAULT_TOKENS
+    from selfspec.training.train import TrainConfig, TrainRequest, train
 
     config = TrainConfig(kind=args.kind, init=args.init, loss=args.loss,
                          kl_direction=args.kl_direction, alpha=args.alpha, epochs=args.epochs,
@@ -490,8 +490,7 @@ def _report(args: argparse.Namespace, outcome) -> int:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from selfspec.heads.files import read_head_file
     from selfspec.models.registry import DEFAULT_MODEL
-    from selfspec.training.calibration import DEFAULT_EPSILONS
-    from selfspec.training.pipeline import calibrate_file
+    from selfspec.training.calibration import DEFAULT_EPSILONS, calibrate_file
 
     head_file = read_head_file(args.path, args.model or DEFAULT_MODEL)
     path, card = head_file.path, head_file.card
@@ -510,8 +509,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _cmd_tune_adadecode(args: argparse.Namespace) -> int:
     from selfspec.heads.files import read_head_file
     from selfspec.models.registry import DEFAULT_MODEL
+    from selfspec.training.adadecode_tuning import DEFAULT_TUNE_VOCABS, tune_adadecode_file
     from selfspec.training.corpus import parse_data_spec
-    from selfspec.training.pipeline import DEFAULT_TUNE_VOCABS, tune_adadecode_file
 
     sources = parse_data_spec(args.data) if args.data else None  # refused before loading
     head_file = read_head_file(args.path, args.model or DEFAULT_MODEL)
@@ -617,8 +616,11 @@ def _print_skip_set(skip_set, out=None) -> None:
 def _cmd_train_predictors(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from selfspec.training.pipeline import PredictorRequest, train_predictors
-    from selfspec.training.predictors import PredictorTrainConfig
+    from selfspec.training.predictors import (
+        PredictorRequest,
+        PredictorTrainConfig,
+        train_predictors,
+    )
 
     if args.epochs is not None and args.epochs < 1:
         raise InvalidArgumentError(f"--epochs must be >= 1, got {args.epochs}")
@@ -644,8 +646,7 @@ def _cmd_train_predictors(args: argparse.Namespace) -> int:
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from selfspec.heads.files import read_head_file
     from selfspec.models.registry import DEFAULT_MODEL
-    from selfspec.training.drafter import DrafterTrainConfig
-    from selfspec.training.pipeline import DrafterRequest, train_drafter
+    from selfspec.training.drafter import DrafterRequest, DrafterTrainConfig, train_drafter
 
     exit_mix = args.exit_mix
     if exit_mix is None:  # the exit-state drafter reads the exit states
@@ -747,7 +748,8 @@ def _print_predictors(card, out=None) -> None:
 
 def _cmd_train_probe(args: argparse.Namespace) -> int:
     from selfspec.decoding.core.sampling import SamplingConfig
-    from selfspec.training.pipeline import DEFAULT_TOKENS, ProbeRequest, train_probe
+    from selfspec.training.pipeline import DEFAULT_TOKENS
+    from selfspec.training.probe import ProbeRequest, train_probe
 
     sampling = None
     if args.temperature != 0 or args.top_p != 1.0:
