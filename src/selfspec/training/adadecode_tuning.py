@@ -53,6 +53,7 @@ from selfspec.training.corpus import (
 from selfspec.training.engine import Engine
 from selfspec.training.features import FeatureSet
 from selfspec.training.pipeline import (
+    PreparedData,
     StageTimes,
     card_request,
     in_feature_order,
@@ -269,6 +270,8 @@ def _layer_calls(first: int, last: int, groups: list[list[int]], row: float) -> 
     return cost
 
 
+# One function over 80 lines: the replay's loops run per position for every threshold the
+# tuning tries, and read as one algorithm (Algorithm 1's schedule); helpers would split it.
 def simulate(trace: HeadTrace, gammas: Sequence[float | None], num_layers: int,
              costs: ScheduleCosts, max_early: int = 5,
              check_costs: Sequence[float] | None = None) -> SchedulePrediction:
@@ -435,6 +438,75 @@ def head_trace(heads: ExitHeads, features: FeatureSet, items: Sequence[CorpusIte
                      tuple(n for _, n in spans))
 
 
+def _replay_sources(heads: ExitHeads, target: Path, sources: Sequence[str] | None,
+                    draft_vocabs: Sequence[int], vocab_size: int) -> list[str]:
+    """The on-policy sources to replay (``sources``' names, or every on-policy source the
+    heads trained with), after checking ``draft_vocabs``.
+
+    Raises:
+        InvalidArgumentError: no training data on the card, a source that is not one of the
+            heads' on-policy sources, sizes outside ``[0, vocab_size]``, or a reduced size
+            without token counts.
+    """
+    info = heads.card.training
+    if info is None:
+        raise InvalidArgumentError(f"{target}: the card records no training data to replay")
+    trained = [source_weight(d)[0] for d in info.data]
+    onpolicy = [s for s in trained if s.startswith(ONPOLICY)]
+    chosen = [source_weight(x)[0] for x in sources] if sources else onpolicy
+    bad = [s for s in chosen if s not in onpolicy]
+    if not chosen or bad:
+        raise InvalidArgumentError(
+            f"tune-adadecode replays the model's own greedy text: choose among the heads' "
+            f"on-policy sources {onpolicy or '(none: retrain with --data onpolicy:DATASET)'}; "
+            f"got {bad or chosen}")
+    if any(k < 0 or k > vocab_size for k in draft_vocabs) or not draft_vocabs:
+        raise InvalidArgumentError(
+            f"draft vocabulary sizes must lie in [0, {vocab_size}] (0 = all); "
+            f"got {list(draft_vocabs)}")
+    if any(k > 0 for k in draft_vocabs) and heads.token_counts is None:
+        raise InvalidArgumentError(
+            "a reduced draft vocabulary ranks tokens by the heads' token counts; run "
+            "`selfspec heads calibrate` on these heads first")
+    return chosen
+
+
+def _head_costs(engine: Engine, heads: ExitHeads, rows: torch.Tensor | None,
+                row_cost: float) -> ScheduleCosts:
+    """The replay's costs with heads scoring ``rows`` (``None``: every token): a head check
+    reads its draft-vocabulary rows of E* (and T, lightweight heads)."""
+    ex = engine.executor
+    hidden = heads.card.hidden_size
+    element = torch.tensor([], dtype=ex.dtype).element_size()
+    scored = ex.vocab_size if rows is None else int(rows.numel())
+    extra = hidden * hidden if heads.card.kind == "lightweight" else 0
+    return ScheduleCosts.from_sizes(ex.decode_layer_bytes(0), (scored * hidden + extra) * element,
+                                    ex.output_decode_bytes, row_cost)
+
+
+def _best_vocabulary(engine: Engine, heads: ExitHeads, data: PreparedData,
+                     chosen: Sequence[str], draft_vocabs: Sequence[int], max_early: int,
+                     row_cost: float) -> tuple[tuple, list[float]]:
+    """``((size, tuned, costs, rows), speedups)``: the draft vocabulary whose tuned schedule
+    replays fastest on the calibration text, and each size's replayed speedup."""
+    from selfspec.decoding.drafting.draft_vocab import frequent_rows
+
+    best = None
+    speedups = []
+    for size in draft_vocabs:
+        rows = (None if size == 0 else
+                frequent_rows(heads.token_counts, size, model_eos_ids(engine)).rows)
+        costs = _head_costs(engine, heads, rows, row_cost)
+        calibration = head_trace(heads, data.features, data.items, CALIBRATION, chosen, rows)
+        tuned = tune(calibration, engine.executor.num_layers, costs, max_early)
+        speedups.append(tuned.prediction.speedup)
+        logger.info("draft vocabulary %s: %s, replayed speedup %.3f", size or "all",
+                    tuned.gammas, tuned.prediction.speedup)
+        if best is None or tuned.prediction.speedup > best[1].prediction.speedup:
+            best = (size, tuned, costs, rows)
+    return best, speedups
+
+
 def tune_adadecode_file(engine: Engine, path: str, sources: Sequence[str] | None = None,
                         draft_vocabs: Sequence[int] = DEFAULT_TUNE_VOCABS, max_early: int = 5,
                         row_cost: float = DEFAULT_ROW_COST,
@@ -458,64 +530,21 @@ def tune_adadecode_file(engine: Engine, path: str, sources: Sequence[str] | None
             data, heads without token counts for a reduced vocabulary, bad sizes.
         HeadsNotFoundError, HeadsModelMismatchError: see :func:`load_heads`.
     """
-    from selfspec.decoding.drafting.draft_vocab import frequent_rows
-
     t0 = time.perf_counter()
     target = find_head_file(path, model_name(engine))
     heads = load_heads(target, engine)
-    info = heads.card.training
-    if info is None:
-        raise InvalidArgumentError(f"{target}: the card records no training data to replay")
-    trained = [source_weight(d)[0] for d in info.data]
-    onpolicy = [s for s in trained if s.startswith(ONPOLICY)]
-    chosen = [source_weight(x)[0] for x in sources] if sources else onpolicy
-    bad = [s for s in chosen if s not in onpolicy]
-    if not chosen or bad:
-        raise InvalidArgumentError(
-            f"tune-adadecode replays the model's own greedy text: choose among the heads' "
-            f"on-policy sources {onpolicy or '(none: retrain with --data onpolicy:DATASET)'}; "
-            f"got {bad or chosen}")
-    if any(k < 0 or k > engine.executor.vocab_size for k in draft_vocabs) or not draft_vocabs:
-        raise InvalidArgumentError(
-            f"draft vocabulary sizes must lie in [0, {engine.executor.vocab_size}] (0 = all); "
-            f"got {list(draft_vocabs)}")
-    if any(k > 0 for k in draft_vocabs) and heads.token_counts is None:
-        raise InvalidArgumentError(
-            "a reduced draft vocabulary ranks tokens by the heads' token counts; run "
-            "`selfspec heads calibrate` on these heads first")
-    data = prepare_features(engine, card_request(info), heads.layers, StageTimes(), progress)
     ex = engine.executor
-    hidden = heads.card.hidden_size
-    element = torch.tensor([], dtype=ex.dtype).element_size()
-
-    def costs_for(rows: torch.Tensor | None) -> ScheduleCosts:
-        """A head check reads its draft-vocabulary rows of E* (and T, lightweight heads)."""
-        scored = ex.vocab_size if rows is None else int(rows.numel())
-        extra = hidden * hidden if heads.card.kind == "lightweight" else 0
-        return ScheduleCosts.from_sizes(ex.decode_layer_bytes(0),
-                                        (scored * hidden + extra) * element,
-                                        ex.output_decode_bytes, row_cost)
-
-    best = None
-    speedups = []
-    for size in draft_vocabs:
-        rows = (None if size == 0 else
-                frequent_rows(heads.token_counts, size, model_eos_ids(engine)).rows)
-        costs = costs_for(rows)
-        calibration = head_trace(heads, data.features, data.items, CALIBRATION, chosen, rows)
-        tuned = tune(calibration, ex.num_layers, costs, max_early)
-        speedups.append(tuned.prediction.speedup)
-        logger.info("draft vocabulary %s: %s, replayed speedup %.3f", size or "all",
-                    tuned.gammas, tuned.prediction.speedup)
-        if best is None or tuned.prediction.speedup > best[1].prediction.speedup:
-            best = (size, tuned, costs, rows)
-    size, tuned, costs, rows = best
+    chosen = _replay_sources(heads, target, sources, draft_vocabs, ex.vocab_size)
+    data = prepare_features(engine, card_request(heads.card.training), heads.layers,
+                            StageTimes(), progress)
+    (size, tuned, costs, rows), speedups = _best_vocabulary(
+        engine, heads, data, chosen, draft_vocabs, max_early, row_cost)
     test = head_trace(heads, data.features, data.items, TEST, chosen, rows)
     gammas = [tuned.gammas.get(layer) for layer in heads.layers]
     held = simulate(test, gammas, ex.num_layers, costs, max_early)
     paper_trace = head_trace(heads, data.features, data.items, TEST, chosen, None)
     paper = simulate(paper_trace, [PAPER_GAMMA] * len(heads.layers), ex.num_layers,
-                              costs_for(None), max_early)
+                     _head_costs(engine, heads, None, row_cost), max_early)
     p = tuned.prediction
     card = AdaDecodeCard(
         layers=sorted(tuned.gammas), gammas=[tuned.gammas[k] for k in sorted(tuned.gammas)],

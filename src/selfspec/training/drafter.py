@@ -318,20 +318,14 @@ class DrafterOutcome:
     times: StageTimes
 
 
-def train_drafter(engine: Engine, request: DrafterRequest, progress: bool = True
-                  ) -> DrafterOutcome:
-    """Train SpecEE's next-token drafter (and, unless ``request.exit_state_layers`` is empty,
-    its exit-state drafter) on the training split of the heads' corpus (or ``request.data``),
-    evaluate them on the test split and save them into ``request.heads``.
+def _drafter_file(engine: Engine, request: DrafterRequest) -> tuple[Path, ExitHeads]:
+    """The head file the drafter is saved into, loaded; warns when a new main drafter leaves
+    predictors trained on the old one's candidates.
 
     Raises:
-        InvalidArgumentError: a bad ``draft_vocab``, heads without a card's corpus and no
-            ``data``, heads without token counts for a reduced vocabulary, no data, or an
-            exit-state layer outside ``[1, L-1]``.
-        HeadsNotFoundError, HeadsModelMismatchError, CorruptModelFileError: see
-            :func:`~selfspec.heads.load_heads`.
+        InvalidArgumentError: a bad ``draft_vocab``, ``exit_state_only`` without exit-state
+            layers or without a drafter in the file to keep.
     """
-    ex = engine.executor
     if request.draft_vocab < 0:
         raise InvalidArgumentError(f"--draft-vocab must be >= 0, got {request.draft_vocab}")
     if request.exit_state_only and request.exit_state_layers == ():
@@ -349,6 +343,65 @@ def train_drafter(engine: Engine, request: DrafterRequest, progress: bool = True
                        "gives them candidates they were not trained on: train them again, or "
                        "keep the drafter and add an exit-state drafter (--exit-state-only)",
                        target)
+    return target, container
+
+
+def _exit_state_layers(request: DrafterRequest, num_layers: int) -> tuple[int, ...]:
+    """The exit-state drafter's layers: ``request``'s, sorted, or the default ones.
+
+    Raises:
+        InvalidArgumentError: a layer outside ``[1, L-1]``.
+    """
+    state_layers = (default_exit_state_layers(num_layers) if request.exit_state_layers is None
+                    else tuple(sorted(set(request.exit_state_layers))))
+    bad = [x for x in state_layers if not 1 <= x <= num_layers - 1]
+    if bad:
+        raise InvalidArgumentError(
+            f"exit-state layers {bad} are outside 1..{num_layers - 1} of this "
+            f"{num_layers}-layer model")
+    return state_layers
+
+
+@dataclass(frozen=True)
+class _DrafterData:
+    """What fitting and evaluating a drafter reads: the features and the drafter's previous
+    positions, the output layer, the embedding, the positions to train and evaluate on and
+    the draft-vocabulary rows (``None``: every token)."""
+
+    features: FeatureSet
+    positions: DrafterPositions
+    out: OutputLayer
+    embedding: torch.Tensor
+    train_idx: torch.Tensor
+    eval_idx: torch.Tensor
+    rows: torch.Tensor | None
+
+    def fit(self, layers: Sequence[int], config: DrafterTrainConfig) -> FeatureDrafter:
+        """:func:`fit_drafter` on the training positions, with exit inputs from ``layers``."""
+        return fit_drafter(self.out, self.features, self.positions, self.embedding,
+                           self.train_idx, self.rows, layers, config)
+
+    def evaluate(self, drafter: FeatureDrafter, layer: int | None = None) -> DrafterEval:
+        """:func:`evaluate_drafter` on the held-out positions (from ``layer``'s states)."""
+        return evaluate_drafter(drafter, self.out, self.features, self.positions,
+                                self.embedding, self.eval_idx, self.rows, layer=layer)
+
+
+def train_drafter(engine: Engine, request: DrafterRequest, progress: bool = True
+                  ) -> DrafterOutcome:
+    """Train SpecEE's next-token drafter (and, unless ``request.exit_state_layers`` is empty,
+    its exit-state drafter) on the training split of the heads' corpus (or ``request.data``),
+    evaluate them on the test split and save them into ``request.heads``.
+
+    Raises:
+        InvalidArgumentError: a bad ``draft_vocab``, heads without a card's corpus and no
+            ``data``, heads without token counts for a reduced vocabulary, no data, or an
+            exit-state layer outside ``[1, L-1]``.
+        HeadsNotFoundError, HeadsModelMismatchError, CorruptModelFileError: see
+            :func:`~selfspec.heads.load_heads`.
+    """
+    ex = engine.executor
+    target, container = _drafter_file(engine, request)
     data = request.data
     if data is None:
         if container.card.training is None:
@@ -360,13 +413,7 @@ def train_drafter(engine: Engine, request: DrafterRequest, progress: bool = True
     # The main drafter's exit mix reads the heads' upper-half layers (in the feature cache
     # already); the exit-state drafter reads layers across the predictors' range.
     exit_layers = [x for x in container.layers if x >= ex.num_layers // 2]
-    state_layers = (default_exit_state_layers(ex.num_layers) if request.exit_state_layers is None
-                    else tuple(sorted(set(request.exit_state_layers))))
-    bad = [x for x in state_layers if not 1 <= x <= ex.num_layers - 1]
-    if bad:
-        raise InvalidArgumentError(
-            f"exit-state layers {bad} are outside 1..{ex.num_layers - 1} of this "
-            f"{ex.num_layers}-layer model")
+    state_layers = _exit_state_layers(request, ex.num_layers)
     times = StageTimes()
     prepared = prepare_features(engine, data, sorted({*exit_layers, *state_layers}), times,
                                 progress)
@@ -377,19 +424,17 @@ def train_drafter(engine: Engine, request: DrafterRequest, progress: bool = True
     eval_idx = torch.nonzero(usable & (features.split == TEST)).squeeze(1)
     if train_idx.numel() == 0:
         raise InvalidArgumentError("no training positions for the drafter; give more data")
-    out = output_layer(engine)
-    embedding = ex.embed_tokens.weight
+    on = _DrafterData(features, positions, output_layer(engine), ex.embed_tokens.weight,
+                      train_idx, eval_idx, rows)
     cfg = request.config
     seconds = 0.0
     if request.exit_state_only:
         drafter, card = container.drafter, container.card.drafter
     else:
         t0 = time.perf_counter()
-        drafter = fit_drafter(out, features, positions, embedding, train_idx, rows, exit_layers,
-                              cfg).to(device=ex.device, dtype=ex.dtype)
+        drafter = on.fit(exit_layers, cfg).to(device=ex.device, dtype=ex.dtype)
         seconds = time.perf_counter() - t0
-        evaluation = evaluate_drafter(drafter, out, features, positions, embedding, eval_idx,
-                                      rows)
+        evaluation = on.evaluate(drafter)
         card = DrafterCard(
             draft_vocab=size, exit_mix=cfg.exit_mix, exit_layers=exit_layers, epochs=cfg.epochs,
             lr=cfg.lr, seconds=seconds, train_tokens=int(train_idx.numel()),
@@ -397,15 +442,13 @@ def train_drafter(engine: Engine, request: DrafterRequest, progress: bool = True
     exit_drafter, state_topk, state_topk_main, state_seconds = None, math.nan, math.nan, math.nan
     if state_layers:
         t0 = time.perf_counter()
-        exit_drafter = fit_drafter(out, features, positions, embedding, train_idx, rows,
-                                   state_layers, replace(cfg, exit_mix=1.0))
+        exit_drafter = on.fit(state_layers, replace(cfg, exit_mix=1.0))
         state_seconds = time.perf_counter() - t0
         seconds += state_seconds
         exit_drafter = exit_drafter.to(device=ex.device, dtype=ex.dtype)
 
         def at_states(model: FeatureDrafter) -> float:
-            return sum(evaluate_drafter(model, out, features, positions, embedding, eval_idx,
-                                        rows, layer=x).topk for x in state_layers) / len(state_layers)
+            return sum(on.evaluate(model, x).topk for x in state_layers) / len(state_layers)
         state_topk, state_topk_main = at_states(exit_drafter), at_states(drafter)
     times.train_s = seconds
     container.drafter, container.exit_drafter = drafter, exit_drafter

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.errors import InvalidArgumentError
-from selfspec.heads.card import PredictorCard
+from selfspec.heads.card import PredictorCard, PredictorTuning
 from selfspec.heads.files import ExitHeads, find_head_file, load_heads, model_name, save_heads
 from selfspec.heads.modules import ExitHead
 from selfspec.heads.predictor import (
@@ -51,6 +51,7 @@ from selfspec.training.corpus import (
     parse_data_spec,
 )
 from selfspec.training.drafter import (
+    DrafterPositions,
     default_exit_state_layers,
     drafter_candidates,
     drafter_positions,
@@ -60,6 +61,7 @@ from selfspec.training.features import FeatureSet
 from selfspec.training.pipeline import (
     DEFAULT_CANDIDATE_VOCAB,
     DataRequest,
+    PreparedData,
     StageTimes,
     default_first_layer,
     draft_rows,
@@ -456,6 +458,122 @@ def predictor_splits(items: Sequence[CorpusItem], features: FeatureSet,
     return train, torch.nonzero(split == TEST).squeeze(1)
 
 
+def _check_predictor_request(request: PredictorRequest) -> None:
+    """Refuse bad options of ``request`` before loading anything.
+
+    Raises:
+        InvalidArgumentError: unknown ``candidates``, ``num_candidates`` outside [2, 64] or a
+            negative ``draft_vocab``.
+    """
+    from selfspec.decoding.specee.step import CANDIDATE_SOURCES
+
+    if request.candidates not in CANDIDATE_SOURCES:
+        raise InvalidArgumentError(f"candidates must be one of {', '.join(CANDIDATE_SOURCES)}, "
+                                   f"got {request.candidates!r}")
+    if not 2 <= request.num_candidates <= 64:
+        raise InvalidArgumentError(f"--k must be in [2, 64], got {request.num_candidates}")
+    if request.draft_vocab < 0:
+        raise InvalidArgumentError(f"--draft-vocab must be >= 0, got {request.draft_vocab}")
+
+
+def _candidate_layer(engine: Engine, request: PredictorRequest, container: ExitHeads,
+                     target: Path) -> tuple[int, ExitHead | None]:
+    """``(first predictor layer, candidate head)``: the head at the candidate layer, or
+    ``None`` with drafter candidates (the file's drafter drafts them before layer 0).
+
+    Raises:
+        InvalidArgumentError: no drafter in the file (drafter candidates), a first layer
+            outside ``[1, L-1]``, no exit heads (head candidates), no head at the layer.
+    """
+    num_layers = engine.executor.num_layers
+    if not request.candidates.startswith("drafter"):
+        if not container.layers:
+            raise InvalidArgumentError(f"{target} holds no exit heads to draft candidates with")
+        layer = (default_candidate_layer(container.layers, num_layers)
+                 if request.candidate_layer is None else request.candidate_layer)
+        return layer, container.head_at(layer)
+    if container.drafter is None:
+        raise InvalidArgumentError(
+            f"{target} holds no drafter for --candidates {request.candidates}; train one "
+            f"with `selfspec heads train-drafter {request.heads} --model {model_name(engine)}`")
+    layer = (default_first_layer(num_layers) if request.candidate_layer is None
+             else request.candidate_layer)
+    if not 1 <= layer <= num_layers - 1:
+        raise InvalidArgumentError(
+            f"--candidate-layer (the first predictor layer with drafter candidates) must be "
+            f"in [1, {num_layers - 1}], got {layer}")
+    return layer, None
+
+
+@dataclass(frozen=True)
+class _Candidates:
+    """How the predictors' candidates are drafted at held-out and training positions.
+
+    Attributes:
+        container: the head file (its drafter and exit-state drafter).
+        head: the candidate head, or ``None``: the file's drafter drafts them.
+        layer: the first predictor layer (the candidate head's).
+        layers: every predictor layer, ``layer .. L-1``.
+        rows: ``[R]`` draft-vocabulary rows, or ``None`` (every token).
+        positions: the drafter's previous positions (``None`` with head candidates).
+        lookups: ``[N]`` prompt-lookup tokens (``+ngram``), or ``None``.
+        lenses: ``{ℓ: head lens}`` of the features.
+    """
+
+    container: ExitHeads
+    head: ExitHead | None
+    layer: int
+    layers: list[int]
+    rows: torch.Tensor | None
+    positions: DrafterPositions | None
+    lookups: torch.Tensor | None
+    lenses: dict
+
+    def data(self, engine: Engine, request: PredictorRequest, features: FeatureSet,
+             idx: torch.Tensor, exit_layer: int | None = None) -> PredictorData:
+        """The predictors' data at ``idx``; with ``exit_layer`` (drafter candidates), as the
+        positions stand inside a draft after an exit there: drafted by the exit-state drafter
+        (the main one if none) from the previous position's state at that layer."""
+        from selfspec.decoding.specee.step import merge_ngram
+
+        if self.head is None:
+            drafter = (self.container.drafter if exit_layer is None
+                       else self.container.exit_drafter or self.container.drafter)
+            cands = drafter_candidates(engine, drafter, features, self.positions, idx,
+                                       request.num_candidates, self.rows, exit_layer=exit_layer)
+        else:
+            cands = head_candidates(engine, self.head, features.hidden[self.layer][idx],
+                                    request.num_candidates, self.rows)
+        if self.lookups is not None:
+            cands = merge_ngram(cands, self.lookups[idx])
+        return predictor_data(engine.executor, features.hidden, cands,
+                              features.teacher_token[idx], self.layers,
+                              with_states=request.config.state, index=idx, lenses=self.lenses)
+
+
+def _positions(request: PredictorRequest, container: ExitHeads, prepared: PreparedData,
+               drafted: bool) -> tuple[torch.Tensor, torch.Tensor, set, DrafterPositions | None]:
+    """``(train, eval, head_train, drafter positions)``: the predictors' training and held-out
+    positions (:func:`predictor_splits`; with drafter candidates, only where the previous
+    position's state exists), the ``(dataset, prompt id)`` pairs left out as the heads'.
+
+    Raises:
+        InvalidArgumentError: no training or no held-out position.
+    """
+    head_train = set() if request.include_head_train else {
+        (u.dataset, i) for u in container.card.prompts if u.use == "train" for i in u.ids}
+    train_idx, eval_idx = predictor_splits(prepared.items, prepared.features, head_train)
+    positions = drafter_positions(in_feature_order(prepared.items)) if drafted else None
+    if positions is not None:  # the drafter needs the previous position's state
+        usable = positions.usable()
+        train_idx, eval_idx = train_idx[usable[train_idx]], eval_idx[usable[eval_idx]]
+    if train_idx.numel() == 0 or eval_idx.numel() == 0:
+        raise InvalidArgumentError(
+            "the predictors need training tokens from prompts the heads did not train on, and "
+            "held-out tokens; give more data (or other --data than the heads saw)")
+    return train_idx, eval_idx, head_train, positions
+
+
 def train_predictors(engine: Engine, request: PredictorRequest,
                      progress: bool = True) -> PredictorOutcome:
     """Fit SpecEE predictors at every layer from the candidate layer on, rank the offline
@@ -469,38 +587,13 @@ def train_predictors(engine: Engine, request: PredictorRequest,
         HeadsNotFoundError, HeadsModelMismatchError, CorruptModelFileError: see
             :func:`~selfspec.heads.load_heads`.
     """
-    from selfspec.decoding.specee.step import CANDIDATE_SOURCES, merge_ngram
-
     ex = engine.executor
     num_layers = ex.num_layers
-    if request.candidates not in CANDIDATE_SOURCES:
-        raise InvalidArgumentError(f"candidates must be one of {', '.join(CANDIDATE_SOURCES)}, "
-                                   f"got {request.candidates!r}")
-    if not 2 <= request.num_candidates <= 64:
-        raise InvalidArgumentError(f"--k must be in [2, 64], got {request.num_candidates}")
-    if request.draft_vocab < 0:
-        raise InvalidArgumentError(f"--draft-vocab must be >= 0, got {request.draft_vocab}")
+    _check_predictor_request(request)
     target = find_head_file(request.heads, model_name(engine))
     container = load_heads(target, engine)
     drafted = request.candidates.startswith("drafter")
-    if drafted:
-        if container.drafter is None:
-            raise InvalidArgumentError(
-                f"{target} holds no drafter for --candidates {request.candidates}; train one "
-                f"with `selfspec heads train-drafter {request.heads} --model {model_name(engine)}`")
-        layer = (default_first_layer(num_layers) if request.candidate_layer is None
-                 else request.candidate_layer)
-        if not 1 <= layer <= num_layers - 1:
-            raise InvalidArgumentError(
-                f"--candidate-layer (the first predictor layer with drafter candidates) must be "
-                f"in [1, {num_layers - 1}], got {layer}")
-        head = None
-    else:
-        if not container.layers:
-            raise InvalidArgumentError(f"{target} holds no exit heads to draft candidates with")
-        layer = (default_candidate_layer(container.layers, num_layers)
-                 if request.candidate_layer is None else request.candidate_layer)
-        head = container.head_at(layer)
+    layer, head = _candidate_layer(engine, request, container, target)
     offline = (max(1, round(num_layers / 4)) if request.offline is None else request.offline)
     if not 1 <= offline <= num_layers - layer:
         raise InvalidArgumentError(
@@ -510,84 +603,72 @@ def train_predictors(engine: Engine, request: PredictorRequest,
     layers = list(range(layer, num_layers))
     lenses = head_lenses(container, layers, target) if request.head_lens else {}
     # Before the long stages, and only where on-policy text lets the tuning run: a first run
-    # on this machine measures its latencies (~1 min on Qwen2.5-Coder-0.5B).
+    # on this machine measures its latencies.
     tunable = any(x.startswith(ONPOLICY) for x in parse_data_spec(request.data.data))
     costs = (replay_costs(engine, request.row_cost, request.output_cost) if tunable
-                    else ReplayCosts(DEFAULT_ROW_COST, "given"))
+             else ReplayCosts(DEFAULT_ROW_COST, "given"))
     times = StageTimes()
     prepared = prepare_features(engine, request.data, layers, times, progress)
     features = prepared.features
-    head_train = set() if request.include_head_train else {
-        (u.dataset, i) for u in container.card.prompts if u.use == "train" for i in u.ids}
-    train_idx, eval_idx = predictor_splits(prepared.items, features, head_train)
-    positions = drafter_positions(in_feature_order(prepared.items)) if drafted else None
-    if positions is not None:  # the drafter needs the previous position's state
-        usable = positions.usable()
-        train_idx, eval_idx = train_idx[usable[train_idx]], eval_idx[usable[eval_idx]]
-    if train_idx.numel() == 0 or eval_idx.numel() == 0:
-        raise InvalidArgumentError(
-            "the predictors need training tokens from prompts the heads did not train on, and "
-            "held-out tokens; give more data (or other --data than the heads saw)")
+    train_idx, eval_idx, head_train, positions = _positions(request, container, prepared,
+                                                            drafted)
     t0 = time.perf_counter()
-
     lookups = ngram_tokens(prepared.items) if request.candidates.endswith("+ngram") else None
     assert lookups is None or lookups.numel() == features.num_tokens, "positions out of step"
-
-    def data_of(idx: torch.Tensor, exit_layer: int | None = None) -> PredictorData:
-        """The predictors' data at ``idx``; with ``exit_layer`` (drafter candidates), as the
-        positions stand inside a draft after an exit there: drafted by the exit-state drafter
-        (the main one if none) from the previous position's state at that layer."""
-        if drafted:
-            drafter = (container.drafter if exit_layer is None
-                       else container.exit_drafter or container.drafter)
-            cands = drafter_candidates(engine, drafter, features, positions, idx,
-                                       request.num_candidates, rows, exit_layer=exit_layer)
-        else:
-            cands = head_candidates(engine, head, features.hidden[layer][idx],
-                                    request.num_candidates, rows)
-        if lookups is not None:
-            cands = merge_ngram(cands, lookups[idx])
-        return predictor_data(ex, features.hidden, cands, features.teacher_token[idx], layers,
-                              with_states=request.config.state, index=idx, lenses=lenses)
-
+    candidates = _Candidates(container, head, layer, layers, rows, positions, lookups, lenses)
     if request.config.state:
         _check_state_memory(train_idx.numel() + eval_idx.numel(), len(layers),
                             features.hidden[layer].shape[-1], features.hidden[layer].element_size())
-    train_data, eval_data = data_of(train_idx), data_of(eval_idx)
+    train_data = candidates.data(engine, request, features, train_idx)
+    eval_data = candidates.data(engine, request, features, eval_idx)
     predictors = fit_predictors(train_data, request.num_candidates, request.config)
     del train_data  # the largest tensors here (states): the views below need the memory
     prob = predictor_probs(predictors, eval_data)
     inner = None
     if drafted and tunable:
         exits = [e for e in default_exit_state_layers(num_layers) if e in features.hidden]
-        inner = inner_outputs(predictors, exits, lambda e: data_of(eval_idx, e),
+        inner = inner_outputs(predictors, exits,
+                              lambda e: candidates.data(engine, request, features, eval_idx, e),
                               "exit-state" if container.exit_drafter is not None else "main")
     evaluation = exit_figures(prob, eval_data, num_layers)
     sweep = [exit_figures(prob, eval_data, num_layers, t) for t in THRESHOLD_SWEEP]
     tuning = tune_predictors(engine, prepared.items, eval_idx, predictors, prob,
-                             eval_data.labels, eval_data.layers, lenses, container.drafter if drafted else head, rows,
-                              costs, inner=inner)
-    seconds = time.perf_counter() - t0
-    times.predictors_s = seconds
+                             eval_data.labels, eval_data.layers, lenses,
+                             container.drafter if drafted else head, rows, costs, inner=inner)
+    times.predictors_s = seconds = time.perf_counter() - t0
     container.predictors = predictors.to(ex.device)
-    container.card.predictors = PredictorCard(
-        candidate_layer=layer, num_candidates=request.num_candidates, draft_vocab=size,
-        hidden=request.config.hidden, layers=layers,
-        offline_layers=offline_schedule(layers, evaluation.exit_frequency, offline),
-        exit_frequency=evaluation.exit_frequency,
-        candidate_recall=float(eval_data.recall.float().mean()),
-        base_rate=evaluation.base_rate, accuracy=evaluation.accuracy,
-        precision=evaluation.precision, train_tokens=int(train_idx.numel()),
-        eval_tokens=int(eval_idx.numel()), epochs=request.config.epochs, seconds=seconds,
-        thresholds=list(THRESHOLD_SWEEP), token_accuracy=[e.token_accuracy for e in sweep],
-        mean_layers=[e.mean_exit_layer for e in sweep], candidates=request.candidates,
-        state_dim=predictors.state_dim, lens_layers=sorted(lenses), tuning=tuning)
+    container.card.predictors = _card(
+        request, candidates, predictors, eval_data, evaluation, sweep, offline, size, seconds,
+        tuning, (int(train_idx.numel()), int(eval_idx.numel())))
     container.card.set_prompts(items_by_use(
         [i for i in prepared.items
          if i.split == TEST or (dataset_of(i.source), i.prompt_id) not in head_train],
         PREDICTOR_USES))
     save_heads(container, target)
     return PredictorOutcome(target, container, times, evaluation)
+
+
+def _card(request: PredictorRequest, candidates: _Candidates, predictors: ExitPredictors,
+          eval_data: PredictorData, evaluation: PredictorEval, sweep: Sequence[PredictorEval],
+          offline: int, size: int, seconds: float, tuning: PredictorTuning | None,
+          tokens: tuple[int, int]) -> PredictorCard:
+    """The card's record of trained predictors: held-out figures at the default threshold
+    (``evaluation``) and at each of :data:`THRESHOLD_SWEEP` (``sweep``), the offline schedule
+    of ``offline`` layers, the tuning, and ``tokens`` (training, held-out positions)."""
+    layers = candidates.layers
+    return PredictorCard(
+        candidate_layer=candidates.layer, num_candidates=request.num_candidates,
+        draft_vocab=size, hidden=request.config.hidden, layers=layers,
+        offline_layers=offline_schedule(layers, evaluation.exit_frequency, offline),
+        exit_frequency=evaluation.exit_frequency,
+        candidate_recall=float(eval_data.recall.float().mean()),
+        base_rate=evaluation.base_rate, accuracy=evaluation.accuracy,
+        precision=evaluation.precision, train_tokens=tokens[0],
+        eval_tokens=tokens[1], epochs=request.config.epochs,
+        seconds=seconds, thresholds=list(THRESHOLD_SWEEP),
+        token_accuracy=[e.token_accuracy for e in sweep],
+        mean_layers=[e.mean_exit_layer for e in sweep], candidates=request.candidates,
+        state_dim=predictors.state_dim, lens_layers=sorted(candidates.lenses), tuning=tuning)
 
 
 def inner_outputs(predictors: ExitPredictors, exits: Sequence[int],
