@@ -395,6 +395,7 @@ def tune(trace: HeadTrace, num_layers: int, costs: ScheduleCosts, max_early: int
                          run(best))
 
 
+DEFAULT_MAX_EARLY = 5  # AdaDecode's outstanding early predictions (appendix D)
 DEFAULT_TUNE_VOCABS = (4096, 8192, 16384, 0)
 
 
@@ -508,7 +509,8 @@ def _best_vocabulary(engine: Engine, heads: ExitHeads, data: PreparedData,
 
 
 def tune_adadecode_file(engine: Engine, path: str, sources: Sequence[str] | None = None,
-                        draft_vocabs: Sequence[int] = DEFAULT_TUNE_VOCABS, max_early: int = 5,
+                        draft_vocabs: Sequence[int] = DEFAULT_TUNE_VOCABS,
+                        max_early: int = DEFAULT_MAX_EARLY,
                         row_cost: float = DEFAULT_ROW_COST,
                         progress: bool = True) -> TuneOutcome:
     """``selfspec heads tune-adadecode``: per-head thresholds, head layers and draft

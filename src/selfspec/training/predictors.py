@@ -324,6 +324,11 @@ PREDICTOR_USES = {TRAIN: "predictor-train", CALIBRATION: "predictor-train", TEST
 THRESHOLD_SWEEP = (0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.993, 0.995, 0.997, 0.998, 0.999)
 
 
+# Code and math text, teacher-forced (held out from HumanEval's and GSM-Symbolic's benchmark
+# prompts by the card's prompt records).
+DEFAULT_PREDICTOR_DATA = DataRequest(data="stdlib,gsm", tokens=12_000)
+
+
 @dataclass(frozen=True)
 class PredictorRequest:
     """``selfspec heads train-predictors`` (SpecEE §4-5).
@@ -341,7 +346,7 @@ class PredictorRequest:
         candidates: one of :data:`~selfspec.decoding.specee.step.CANDIDATE_SOURCES`: the head's or
             the file's drafter's top-``k``, ``+ngram`` merging prompt lookup's token
             (:func:`~selfspec.decoding.specee.step.merge_ngram`).
-        data: :class:`DataRequest`.
+        data: :class:`DataRequest` (default :data:`DEFAULT_PREDICTOR_DATA`).
         config: :class:`~selfspec.training.predictors.PredictorTrainConfig` (``state``:
             state-reading predictors).
         include_head_train: train on the prompts the heads (and drafter) trained on too
@@ -369,7 +374,7 @@ class PredictorRequest:
     draft_vocab: int = DEFAULT_CANDIDATE_VOCAB
     offline: int | None = None
     candidates: str = "head"
-    data: DataRequest = field(default_factory=DataRequest)
+    data: DataRequest = field(default_factory=lambda: DEFAULT_PREDICTOR_DATA)
     config: PredictorTrainConfig = field(default_factory=PredictorTrainConfig)
     include_head_train: bool = False
     head_lens: bool = False
