@@ -68,7 +68,7 @@ DEFAULT_GRID: tuple[float | None, ...] = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.93, 0
                                           0.98, 0.99, 0.995, None)
 # Relative cost of one more position in a decoder-layer call, used where no latency model
 # prices it (:func:`row_cost_from_latency`): a small share of a position, since a layer call
-# is bound by reading the weights (measured figures: docs/results/timings.md).
+# is bound by reading the weights.
 DEFAULT_ROW_COST = 0.05
 
 
@@ -128,8 +128,7 @@ def row_cost_from_latency(latency: LatencyModel, tokens: int = ROW_COST_TOKENS,
 
     Why up to 4 tokens: the calls are that small (:data:`ROW_COST_TOKENS`), and larger ones
     cost more per row on CPUs whose kernels run out of registers or L1, so fitting them prices
-    the small calls too high and the tuned thresholds come out slower (measured:
-    docs/results/timings.md).
+    the small calls too high and the tuned thresholds come out slower.
 
     Args:
         latency: :class:`~selfspec.executor.cost_model.LatencyModel` of the model on this
@@ -155,7 +154,7 @@ def output_cost_from_latency(latency: LatencyModel, context_len: int = 256) -> f
 
     Why measured, not from the weights' bytes: the output layer streams its one large matrix
     faster per byte than a decoder layer streams its seven small ones, so its bytes can
-    overstate its time by half or more (docs/results/timings.md); an output layer priced too
+    overstate its time by half or more; an output layer priced too
     high makes every exit look worth more than it is, and the tuned thresholds exit too
     eagerly.
 
@@ -199,7 +198,7 @@ class HeadTrace:
         n, k = self.confidence.shape
         if (k != len(self.layers) or tuple(self.correct.shape) != (n, k)
                 or sum(self.lengths) != n or any(b <= a for a, b in
-                                                  zip(self.layers, self.layers[1:]))):
+                                                  zip(self.layers, self.layers[1:], strict=False))):
             raise InvalidArgumentError(
                 f"inconsistent head trace: layers {self.layers}, confidence "
                 f"{tuple(self.confidence.shape)}, correct {tuple(self.correct.shape)}, "
@@ -208,7 +207,7 @@ class HeadTrace:
         shapes = [None if t is None else tuple(t.shape)
                   for t in (self.inner_confidence, self.inner_correct)]
         if (shapes != ([None, None] if not e else [(e, n, k)] * 2)
-                or any(b <= a for a, b in zip(self.inner_layers, self.inner_layers[1:]))):
+                or any(b <= a for a, b in zip(self.inner_layers, self.inner_layers[1:], strict=False))):
             raise InvalidArgumentError(
                 f"inconsistent inner trace: exit layers {self.inner_layers}, confidence and "
                 f"correct {shapes}, expected {(e, n, k)}")
@@ -299,7 +298,7 @@ def simulate(trace: HeadTrace, gammas: Sequence[float | None], num_layers: int,
         raise InvalidArgumentError(
             f"give one check cost per head ({len(trace.layers)}), got {len(check_costs)}")
     check = [costs.head] * len(trace.layers) if check_costs is None else list(check_costs)
-    heads = [(k, layer, g) for k, (layer, g) in enumerate(zip(trace.layers, gammas))
+    heads = [(k, layer, g) for k, (layer, g) in enumerate(zip(trace.layers, gammas, strict=False))
              if g is not None]
     conf = trace.confidence.tolist()
     correct = trace.correct.tolist()
@@ -391,7 +390,7 @@ def tune(trace: HeadTrace, num_layers: int, costs: ScheduleCosts, max_early: int
                     best, score, changed = trial, s, True
         if not changed:
             break
-    return TunedSchedule({layer: g for layer, g in zip(trace.layers, best) if g is not None},
+    return TunedSchedule({layer: g for layer, g in zip(trace.layers, best, strict=False) if g is not None},
                          run(best))
 
 

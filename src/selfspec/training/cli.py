@@ -630,7 +630,7 @@ def _print_adadecode(ac, num_layers: int, out=None) -> None:
     vocab = f"the {ac.draft_vocab} most frequent tokens" if ac.draft_vocab else "every token"
     print(f"\nAdaDecode tuned by replay on {', '.join(ac.data)} (heads score {vocab}; at most "
           f"{ac.max_early} early predictions): "
-          + ", ".join(f"layer {layer} γ {g:g}" for layer, g in zip(ac.layers, ac.gammas)),
+          + ", ".join(f"layer {layer} γ {g:g}" for layer, g in zip(ac.layers, ac.gammas, strict=False)),
           file=out)
     print(f"replayed speedup over autoregressive decoding: calibration {_f(ac.speedup)} "
           f"({ac.tokens} tokens, acceptance {_f(ac.acceptance)}, "
@@ -640,7 +640,7 @@ def _print_adadecode(ac, num_layers: int, out=None) -> None:
     print(f"cost model (single-position layer calls of {num_layers}): one more position "
           f"{ac.row_cost:g}, head check {ac.head_cost:.3f}, output layer {ac.output_cost:.2f}; "
           "best per draft vocabulary: " + ", ".join(
-              f"{k or 'all'} {_f(v)}" for k, v in zip(ac.draft_vocabs, ac.vocab_speedups)),
+              f"{k or 'all'} {_f(v)}" for k, v in zip(ac.draft_vocabs, ac.vocab_speedups, strict=False)),
           file=out)
 
 
@@ -807,13 +807,13 @@ def _print_predictors(card, out=None) -> None:
     if pc.thresholds:
         print("held-out, every predictor active: threshold → token accuracy, mean layers of "
               f"{card.num_layers}", file=out)
-        for t, acc, layers in zip(pc.thresholds, pc.token_accuracy, pc.mean_layers):
+        for t, acc, layers in zip(pc.thresholds, pc.token_accuracy, pc.mean_layers, strict=False):
             print(f"  {t:.3f} → {_f(acc)}, {_f(layers, 2)}", file=out)
     tu = pc.tuning
     if tu is not None:
         print(f"verified SpecEE tuned by replay on {', '.join(tu.data)} (at most "
               f"{tu.max_early} exited tokens outstanding; specee:verify=true,tuned=true): "
-              + ", ".join(f"layer {x} {t:g}" for x, t in zip(tu.layers, tu.thresholds)),
+              + ", ".join(f"layer {x} {t:g}" for x, t in zip(tu.layers, tu.thresholds, strict=False)),
               file=out)
         print(f"replayed speedup over autoregressive decoding: tuning half {_f(tu.speedup)} "
               f"({tu.tokens} tokens, acceptance {_f(tu.acceptance)}, "

@@ -19,7 +19,7 @@ layers 3 and 6, where most exits happen. The *exit-state drafter* (``exit_mix = 
 the predictors' range) reaches 50% and 54% there, close to a drafter trained on one layer alone
 (53%, 55%), so a head file may hold two: the main drafter for a draft's first token, whose
 previous position ran every layer, and the exit-state drafter for the tokens after an exit
-(``docs/results/specee``; :class:`~selfspec.decoding.specee.step.DrafterCandidates`). Measured end
+(:class:`~selfspec.decoding.specee.step.DrafterCandidates`). Measured end
 to end on 20 held-out GSM-Symbolic problems it lengthened the accepted runs (2.30 → 2.43 tokens
 a verification) but the exits came later and the speed did not move (1.30× → 1.28× ``ar``,
 within the noise), while the thresholds were tuned by a replay that drafted every position from
@@ -286,8 +286,8 @@ class DrafterRequest:
             exit states).
         exit_state_layers: train an exit-state drafter too (:mod:`selfspec.training.drafter`)
             on the states at these layers; ``()``: none (the default: on Qwen2.5-Coder-0.5B
-            it raised held-out candidate recall after an exit but not the measured speed,
-            docs/results/specee); ``None``: :func:`default_exit_state_layers`.
+            it raised held-out candidate recall after an exit but not the measured speed);
+            ``None``: :func:`default_exit_state_layers`.
         exit_state_only: keep the file's main drafter (and the predictors trained on its
             candidates) and train only the exit-state drafter.
     """

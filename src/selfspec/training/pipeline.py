@@ -168,7 +168,7 @@ def default_first_layer(num_layers: int) -> int:
     """First predictor layer with drafter candidates: ``max(1, L // 8)``. The candidates exist
     before layer 0, but the first layers' states rarely point at the final token (on
     Qwen2.5-Coder-1.5B a perfect predictor from layer 1 saves 0.2 layers per token more than
-    from layer 4, docs/results/specee) and every predictor layer costs features."""
+    from layer 4) and every predictor layer costs features."""
     return max(1, num_layers // 8)
 
 

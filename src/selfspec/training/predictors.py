@@ -98,8 +98,7 @@ class PredictorTrainConfig:
     @classmethod
     def state_reading(cls, epochs: int = 8) -> PredictorTrainConfig:
         """The settings measured for state-reading predictors (3k + H inputs: a narrower MLP,
-        fewer epochs over tens of thousands of positions; docs/results/specee
-        xeon-2026-11-27-state)."""
+        fewer epochs over tens of thousands of positions)."""
         return cls(epochs=epochs, lr=2e-3, hidden=STATE_PREDICTOR_HIDDEN, state=True)
 
 
@@ -352,8 +351,7 @@ class PredictorRequest:
         include_head_train: train on the prompts the heads (and drafter) trained on too
             (:func:`predictor_splits` drops them by default). More data, at the price of
             candidates that are right more often there than on new text; state-reading
-            predictors need the data (docs/results/specee/xeon-2026-11-27-state/analysis.txt
-            §7). Held-out figures stay on the test split.
+            predictors need the data. Held-out figures stay on the test split.
         head_lens: at the predictor layers where the file has a lightweight exit head, the
             features read the candidates through that head (the head lens,
             :mod:`selfspec.heads.predictor`; not in the paper).
@@ -364,8 +362,8 @@ class PredictorRequest:
         output_cost: the tuning replay's cost of the output layer in single-position layer
             calls: ``"auto"``: this machine's, from the same latency model
             (:func:`~selfspec.training.adadecode_tuning.output_cost_from_latency`);
-            ``"bytes"``: its weight bytes over a decoder layer's (before 2026-11-28); or a
-            number.
+            ``"bytes"``: its weight bytes over a decoder layer's (the earlier default); or
+            a number.
     """
 
     heads: str = "default"

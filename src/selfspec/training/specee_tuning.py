@@ -21,8 +21,8 @@ last-layer state, 32-50% from exit layers 3-18). So the trace holds each positio
 over: at a draft's start, and inside a draft after an exit at each of a few layers
 (:attr:`~selfspec.training.adadecode_tuning.HeadTrace.inner_layers`, the nearest standing in
 for the others), with the candidates the file's exit-state drafter (or its main drafter)
-drafts there. Before 2026-11-28 every position was replayed as at a draft's start, and the
-replay overestimated acceptance (82% against 78% measured).
+drafts there. Replaying every position as at a draft's start overestimated acceptance (82%
+against 78% measured).
 
 **Why per-layer thresholds.** As for AdaDecode (:mod:`selfspec.training.adadecode_tuning`): an
 accepted exit at layer ``ℓ`` saves about ``L - ℓ`` layer calls and a rejected one wastes the
@@ -160,7 +160,7 @@ def halves(trace: HeadTrace) -> tuple[HeadTrace, HeadTrace]:
         starts.append(starts[-1] + n)
     parts = []
     for parity in (0, 1):
-        picked = [(s, n) for i, (s, n) in enumerate(zip(starts, trace.lengths)) if i % 2 == parity]
+        picked = [(s, n) for i, (s, n) in enumerate(zip(starts, trace.lengths, strict=False)) if i % 2 == parity]
         index = torch.cat([torch.arange(s, s + n) for s, n in picked])
         parts.append(trace.select(index, tuple(n for _, n in picked)))
     return parts[0], parts[1]

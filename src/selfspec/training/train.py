@@ -494,7 +494,7 @@ def train(engine: Engine, request: TrainRequest, progress: bool = True) -> Train
     card.set_prompts(data.uses(HEAD_USES))
     card.heads = [HeadEval(a.layer, a.tokens, b.agreement, a.agreement, b.kl, a.kl,
                            a.confident_fraction, a.confident_agreement)
-                  for b, a in zip(result.before, result.after)]
+                  for b, a in zip(result.before, result.after, strict=False)]
     target = resolve_path(request.out or "default", model_name(engine))
     save_heads(ExitHeads(layers, result.heads, card), target)
     heads = load_heads(target, engine)  # the heads exactly as inference will see them
