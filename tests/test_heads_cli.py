@@ -414,3 +414,25 @@ def test_adaspeed_probe_finds_the_probe_train_probe_writes_and_its_exit_layer(
     assert code == 2 and "exit_layer" in err and "[2, 3]" in err, err
     code, out, err = _run(capsys, *generate, "--exit-layer", "3")
     assert code == 0, err
+
+
+def test_adaspeed_probe_without_heads_names_the_probes_in_the_default_heads(
+        capsys, home, model_dir):
+    """``heads train-probe --heads default`` saves a probe for the default heads' drafts into
+    them: ``--method adaspeed-probe`` without ``--heads`` (which drafts with ``lm_head``)
+    finds no default probes and says to pass ``--heads default``, which then runs at the
+    probe's exit layer."""
+    common = ["--model", str(model_dir), "--dtype", "fp32", "--threads", "1", "--quiet",
+              "--data", "humaneval", "--tokens", "300"]
+    code, out, err = _run(capsys, "heads", "train", *common, "--layers", "2,3", "--epochs", "1",
+                          "--no-plots")
+    assert code == 0, err
+    code, out, err = _run(capsys, "heads", "train-probe", *common, "--exit-layer", "3",
+                          "--heads", "default")
+    assert code == 0, err
+    generate = ["generate", "def f(x):", "--model", str(model_dir), "--dtype", "fp32",
+                "--threads", "1", "--max-new-tokens", "6", "--method", "adaspeed-probe"]
+    code, out, err = _run(capsys, *generate)
+    assert code == 2 and "no default probes" in err and "--heads default" in err, err
+    code, out, err = _run(capsys, *generate, "--heads", "default")
+    assert code == 0, err

@@ -10,9 +10,10 @@ from selfspec.decoding.core.loop import Step
 from selfspec.decoding.core.speculative import SpeculativeStep
 from selfspec.decoding.drafting.exit_drafter import EarlyExitDrafter
 from selfspec.decoding.drafting.stop_rules import StopRule
-from selfspec.errors import InvalidArgumentError
+from selfspec.errors import InvalidArgumentError, SelfSpecError
 from selfspec.executor import LayerExecutor
-from selfspec.heads.files import DEFAULT_PROBES
+from selfspec.heads.errors import HeadsNotFoundError
+from selfspec.heads.files import DEFAULT, DEFAULT_PROBES
 from selfspec.methods.base import MethodContext
 from selfspec.methods.draft_copy import DraftWeightsOptions
 from selfspec.methods.options import HEAD_FILE, option
@@ -108,7 +109,7 @@ def _probe_exit_layer(context: MethodContext, trained: Any, path: str | None,
             the layers to choose from.
         HeadsNotFoundError: no probe file.
     """
-    container = trained if trained is not None else context.heads(DEFAULT_PROBES)
+    container = trained if trained is not None else _default_probes(context)
     layers = sorted({c.exit_layer for c in container.card.probes}
                     | set(container.probes) | set(container.sampled_probes))
     if len(layers) == 1:
@@ -159,7 +160,7 @@ def _probes(context: MethodContext, trained: Any, layer: int, exit_head: bool) -
             another drafter (exit head vs ``lm_head``).
         HeadsNotFoundError: no probe file.
     """
-    container = trained if trained is not None else context.heads(DEFAULT_PROBES)
+    container = trained if trained is not None else _default_probes(context)
     drafter = "exit_head" if exit_head else "lm_head"
     for card in container.card.probes:
         if card.exit_layer == layer and card.draft_head != drafter:
@@ -173,3 +174,25 @@ def _probes(context: MethodContext, trained: Any, layer: int, exit_head: bool) -
     if greedy is None and sampled is None:
         container.probe_at(layer)  # raises with the command that trains one
     return greedy, sampled
+
+
+def _default_probes(context: MethodContext) -> Any:
+    """The model's default probes (``selfspec heads train-probe`` without ``--heads``).
+
+    Raises:
+        HeadsNotFoundError: none trained; when the model's default heads hold probes
+            (``train-probe --heads default`` saves them there, for drafts of those heads), the
+            message says to pass ``--heads default``.
+    """
+    try:
+        return context.heads(DEFAULT_PROBES)
+    except HeadsNotFoundError as err:
+        try:
+            layers = sorted({c.exit_layer for c in context.heads(DEFAULT).card.probes})
+        except SelfSpecError:  # no (usable) default heads either: the first error stands
+            layers = []
+        if not layers:
+            raise
+        raise HeadsNotFoundError(
+            f"{err}; the model's default heads hold probes at exit layers {layers}, for drafts "
+            f"of their exit heads: pass --heads default (heads=default) to use them") from None
