@@ -23,6 +23,9 @@ own, and everything drafted after it. The break-even precision is therefore abou
 a shallow head can predict early at a lower threshold than a deep one, which a single γ
 cannot express. :func:`tune` searches per-head thresholds (a head may be switched off) by
 coordinate ascent on the replayed speedup.
+
+The stage ``selfspec heads tune-adadecode``: :func:`tune_adadecode_file` →
+:class:`TuneOutcome`.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ The confidence metrics and the threshold rule τ_k(ε) themselves are decode-tim
 correct from wrong head predictions and checks that a threshold keeps its precision on a
 test split. :data:`DEFAULT_EPSILONS` is the ε sweep ``selfspec heads train | calibrate``
 stores in head files.
+
+The stage ``selfspec heads calibrate``: :func:`calibrate` (τ_k(ε) from the calibration split,
+checked on the test split) and :func:`calibrate_file` (load, calibrate, save).
 """
 
 from __future__ import annotations

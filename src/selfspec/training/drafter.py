@@ -29,6 +29,9 @@ a last-layer state. Tuned by the replay that drafts inside a draft as decoding d
 (``selfspec heads train-drafter --exit-state-layers``).
 
 Trained on the heads' training split only; the card's figures are on their test split.
+
+The stage ``selfspec heads train-drafter``: :class:`DrafterRequest` → :func:`train_drafter` →
+:class:`DrafterOutcome`.
 """
 
 from __future__ import annotations

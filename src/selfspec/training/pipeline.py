@@ -21,7 +21,6 @@ Each stage takes and returns dataclasses; the CLI only parses arguments and prin
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,8 +44,6 @@ from selfspec.training.corpus import (
 )
 from selfspec.training.engine import Engine
 from selfspec.training.features import FeatureSet, by_source, load_features
-
-logger = logging.getLogger(__name__)
 
 # Held out from every benchmark prompt set by construction: standard-library functions as
 # code (teacher-forced bodies and the model's own completions) and ShareGPT chat requests

@@ -15,6 +15,10 @@ From one backbone pass over held-out text (teacher forcing; :mod:`selfspec.train
 5. held-out figures per layer, and the offline schedule: every predictor active, the first
    one above 0.5 is where a held-out token would exit; layers ranked by how often that
    happens, the most frequent ``offline`` kept (§5).
+
+The stage ``selfspec heads train-predictors``: :class:`PredictorRequest` →
+:func:`train_predictors` → :class:`PredictorOutcome` (its thresholds tuned by replay in
+:mod:`selfspec.training.specee_tuning`).
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ makes plain gradient descent on ``(v, b)`` badly conditioned. Training therefore
 on standardised features ``(h - μ)/σ`` and folds the standardisation back into ``(v, b)``
 afterwards (``v = w/σ``, ``b = b' - Σ w μ/σ``): the stored probe is still exactly the linear
 probe of §II.B on the raw hidden state.
+
+The stage ``selfspec heads train-probe``: :class:`ProbeRequest` → :func:`train_probe` →
+:class:`~selfspec.training.pipeline.TrainOutcome`.
 """
 
 from __future__ import annotations

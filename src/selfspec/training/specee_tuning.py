@@ -37,6 +37,9 @@ by the bytes they read (decoding is bandwidth bound): a predictor check reads th
 ``k`` ``lm_head`` rows, the predictor MLP, and at head-lens layers the lens ``T`` (``H×H``);
 each position that may exit first runs the drafter (its weights and the draft-vocabulary
 rows).
+
+Run by ``selfspec heads train-predictors``: :func:`tune_predictors` (costs from
+:func:`replay_costs`) on the predictors' held-out outputs.
 """
 
 from __future__ import annotations

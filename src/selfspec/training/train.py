@@ -32,6 +32,9 @@ corpus, reshuffled every epoch. Optimiser: Adam with linear warm-up over the fir
 steps and cosine decay (AdaDecode Appendix D's schedule). Matmuls run in bfloat16 autocast
 by default (``compute_dtype``; faster than float32 on a CPU with native bf16),
 softmaxes and losses in float32, parameters in float32.
+
+The stage ``selfspec heads train``: :class:`TrainRequest` → :func:`train` (corpus, features,
+:func:`train_heads`, save, calibrate) → :class:`~selfspec.training.pipeline.TrainOutcome`.
 """
 
 from __future__ import annotations
