@@ -29,9 +29,9 @@ from selfspec.heads import (
 from selfspec.heads.files import new_card
 from selfspec.methods.registry import build_step
 from selfspec.training import default_layers, fit_probe, roc_auc
+from selfspec.training.calibration import calibrate
 from selfspec.training.corpus import CALIBRATION, TEST, TRAIN, CorpusItem, split_of
 from selfspec.training.features import backbone_pass, load_features
-from selfspec.training.pipeline import calibrate
 from selfspec.training.placement import check_layers
 from selfspec.training.train import TrainConfig, train_heads
 

@@ -374,7 +374,7 @@ def test_train_drafter_multiplies_in_bf16_only_where_the_cpu_runs_it_natively(
     """Emulated bf16 products are 5-8x slower than fp32 (AVX2 CPUs): the drafter trained in
     bf16 there took over 13 minutes instead of 50 s on Qwen2.5-Coder-0.5B."""
     from selfspec.executor import cpu
-    from selfspec.training import pipeline
+    from selfspec.training import drafter
 
     heads_dir = tmp_path / "heads"
     code, _, err = _run(capsys, "heads", "train", "--model", str(model_dir), "--dtype", "fp32",
@@ -388,7 +388,51 @@ def test_train_drafter_multiplies_in_bf16_only_where_the_cpu_runs_it_natively(
         raise InvalidArgumentError("stop here")
 
     monkeypatch.setattr(cpu, "fast_matmul_dtype", lambda: native)
-    monkeypatch.setattr(pipeline, "train_drafter", fake_train)
+    monkeypatch.setattr(drafter, "train_drafter", fake_train)
     code, _, err = _run(capsys, "heads", "train-drafter", str(heads_dir), "--model",
                         str(model_dir), "--dtype", "fp32", "--quiet", *flag)
     assert code != 0 and "stop here" in err and seen == [expected]
+
+
+def test_adaspeed_probe_finds_the_probe_train_probe_writes_and_its_exit_layer(
+        capsys, home, model_dir, tmp_path):
+    """docs/heads.md's flow: ``heads train-probe --model M --exit-layer E`` (no ``--heads``)
+    saves the model's default probes, which ``--method adaspeed-probe`` (no ``heads``, no
+    ``exit_layer``) reads, at the exit layer of the one probe there (not 3/4 of the depth); with
+    probes at several layers an error names them."""
+    common = ["--model", str(model_dir), "--dtype", "fp32", "--threads", "1", "--quiet",
+              "--data", "humaneval", "--tokens", "300"]
+    code, out, err = _run(capsys, "heads", "train-probe", *common, "--exit-layer", "2")
+    assert code == 0, err
+    generate = ["generate", "def f(x):", "--model", str(model_dir), "--dtype", "fp32",
+                "--threads", "1", "--max-new-tokens", "6", "--method", "adaspeed-probe"]
+    code, out, err = _run(capsys, *generate)
+    assert code == 0, err
+    code, out, err = _run(capsys, "heads", "train-probe", *common, "--exit-layer", "3")
+    assert code == 0, err
+    code, out, err = _run(capsys, *generate)
+    assert code == 2 and "exit_layer" in err and "[2, 3]" in err, err
+    code, out, err = _run(capsys, *generate, "--exit-layer", "3")
+    assert code == 0, err
+
+
+def test_adaspeed_probe_without_heads_names_the_probes_in_the_default_heads(
+        capsys, home, model_dir):
+    """``heads train-probe --heads default`` saves a probe for the default heads' drafts into
+    them: ``--method adaspeed-probe`` without ``--heads`` (which drafts with ``lm_head``)
+    finds no default probes and says to pass ``--heads default``, which then runs at the
+    probe's exit layer."""
+    common = ["--model", str(model_dir), "--dtype", "fp32", "--threads", "1", "--quiet",
+              "--data", "humaneval", "--tokens", "300"]
+    code, out, err = _run(capsys, "heads", "train", *common, "--layers", "2,3", "--epochs", "1",
+                          "--no-plots")
+    assert code == 0, err
+    code, out, err = _run(capsys, "heads", "train-probe", *common, "--exit-layer", "3",
+                          "--heads", "default")
+    assert code == 0, err
+    generate = ["generate", "def f(x):", "--model", str(model_dir), "--dtype", "fp32",
+                "--threads", "1", "--max-new-tokens", "6", "--method", "adaspeed-probe"]
+    code, out, err = _run(capsys, *generate)
+    assert code == 2 and "no default probes" in err and "--heads default" in err, err
+    code, out, err = _run(capsys, *generate, "--heads", "default")
+    assert code == 0, err

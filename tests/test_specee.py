@@ -392,7 +392,7 @@ def test_exit_histograms_in_the_bench_report():
 
 
 def test_default_candidate_layer_is_the_deepest_head_in_the_first_half():
-    from selfspec.training.pipeline import default_candidate_layer
+    from selfspec.training.predictors import default_candidate_layer
 
     assert default_candidate_layer([6, 12, 18], 24) == 12
     assert default_candidate_layer([7, 14, 21], 28) == 14
@@ -419,7 +419,7 @@ def test_training_lookups_line_up_with_the_feature_positions():
     """One lookup per scored position, in load_features' order (items grouped by source),
     each made from the tokens up to that position, as decoding does."""
     from selfspec.training.corpus import CorpusItem
-    from selfspec.training.pipeline import ngram_tokens
+    from selfspec.training.predictors import ngram_tokens
 
     a = CorpusItem("x", "a", (1, 2, 3, 1, 2, 3, 1), 2, 0)     # positions 2..5
     b = CorpusItem("y", "b", (4, 5, 6, 4, 5), 0, 0)           # positions 0..3
@@ -468,7 +468,7 @@ def test_predictors_train_only_on_prompts_the_candidate_head_did_not_train_on():
     """The head's top-k is right more often on its own training text: predictors fitted there
     would be over-confident on new text, so those prompts are left out of their training."""
     from selfspec.training.corpus import CALIBRATION, TEST, TRAIN, CorpusItem
-    from selfspec.training.pipeline import predictor_splits
+    from selfspec.training.predictors import predictor_splits
 
     items = [CorpusItem("onpolicy:humaneval", "HumanEval/1", (1, 2, 3), 0, TRAIN),  # 2 positions
              CorpusItem("stdlib", "a.py", (1, 2, 3, 4), 0, TRAIN),                   # 3

@@ -304,7 +304,7 @@ def _features(executor, items):
 def test_training_drafts_the_candidates_decoding_drafts(executor):
     """The predictors' training candidates equal what DrafterCandidates drafts at each
     position from the same state and token (so predictors see decoding's candidates)."""
-    from selfspec.training.pipeline import drafter_candidates
+    from selfspec.training.drafter import drafter_candidates
 
     items = [CorpusItem("stdlib", "a.py", tuple(PROMPT + [11, 12, 13]), 0, TRAIN)]
     features = _features(executor, items)

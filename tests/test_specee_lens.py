@@ -19,8 +19,7 @@ from selfspec.heads.files import new_card
 from selfspec.heads.modules import make_head, output_layer
 from selfspec.heads.predictor import ExitPredictors, candidate_features
 from selfspec.methods.registry import build_step
-from selfspec.training.pipeline import head_lenses
-from selfspec.training.predictors import predictor_data
+from selfspec.training.predictors import head_lenses, predictor_data
 
 K, NUM_LAYERS, CAND_LAYER, LENS = 4, 6, 2, 3
 PROMPT = [5, 17, 42, 99, 3, 250, 7]

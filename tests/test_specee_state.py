@@ -241,7 +241,7 @@ def test_exit_threshold_from_options_or_the_cards_held_out_sweep():
 def test_state_predictor_training_refuses_what_memory_cannot_hold(monkeypatch):
     """Checked before the states are built, with the figures and what to change."""
     from selfspec.executor import cpu
-    from selfspec.training.pipeline import _check_state_memory
+    from selfspec.training.predictors import _check_state_memory
 
     monkeypatch.setattr(cpu, "available_memory_bytes", lambda: 8 * 10 ** 9)
     _check_state_memory(10_000, 25, 1536, 2)                  # 0.8 GB: fine

@@ -27,7 +27,7 @@ from selfspec.training.adadecode_tuning import (
     row_cost_from_latency,
     simulate,
 )
-from selfspec.training.pipeline import inner_outputs
+from selfspec.training.predictors import inner_outputs
 from selfspec.training.specee_tuning import (
     SpecEECosts,
     ceiling,

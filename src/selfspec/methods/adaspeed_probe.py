@@ -2,8 +2,10 @@
 acceptance estimates instead of the draft probabilities (AdaSPEED §II.B, Table I).
 
 The probe comes from ``heads`` (trained on that drafter) or, without heads, from the model's
-default probes (``selfspec heads train-probe``): so ``adaspeed`` and ``adaspeed-probe`` with
-the same options draft identically and differ only in the stop rule.
+default probes (``selfspec heads train-probe`` without ``--heads``): so ``adaspeed`` and
+``adaspeed-probe`` with the same options draft identically and differ only in the stop rule.
+Without ``exit_layer`` it drafts at the exit layer of the one probe in that file
+(:func:`~selfspec.methods.exit_drafting.build_exit_drafter`).
 """
 
 from __future__ import annotations

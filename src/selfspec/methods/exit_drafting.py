@@ -10,9 +10,10 @@ from selfspec.decoding.core.loop import Step
 from selfspec.decoding.core.speculative import SpeculativeStep
 from selfspec.decoding.drafting.exit_drafter import EarlyExitDrafter
 from selfspec.decoding.drafting.stop_rules import StopRule
-from selfspec.errors import InvalidArgumentError
+from selfspec.errors import InvalidArgumentError, SelfSpecError
 from selfspec.executor import LayerExecutor
-from selfspec.heads.files import DEFAULT_PROBES
+from selfspec.heads.errors import HeadsNotFoundError
+from selfspec.heads.files import DEFAULT, DEFAULT_PROBES
 from selfspec.methods.base import MethodContext
 from selfspec.methods.draft_copy import DraftWeightsOptions
 from selfspec.methods.options import HEAD_FILE, option
@@ -82,6 +83,8 @@ def build_exit_drafter(context: MethodContext, options: ExitOptions, stop_rule: 
         layer = default_exit_layer(ex)
         if trained is not None and trained.layers:
             layer = min(trained.layers, key=lambda h: (abs(h - layer), -h))
+        if probe:
+            layer = _probe_exit_layer(context, trained, options.heads, layer)
     head = _exit_head(trained, layer, options.heads, probe)
     greedy_probe = sampled_probe = None
     if probe:
@@ -93,6 +96,30 @@ def build_exit_drafter(context: MethodContext, options: ExitOptions, stop_rule: 
     return EarlyExitDrafter(context.draft_executor(options), layer, stop_rule, head=head,
                             scorer=greedy_probe, vocab=vocab, sampled_scorer=sampled_probe,
                             restricted=restricted, verifier=ex)
+
+
+def _probe_exit_layer(context: MethodContext, trained: Any, path: str | None,
+                     fallback: int) -> int:
+    """The default exit layer of a probe method: the layer of the one probe in its file
+    (``heads``, else the model's default probes, where ``selfspec heads train-probe`` saves
+    them); with probes at several layers, ``fallback`` (the depth default) when one is there.
+
+    Raises:
+        InvalidArgumentError: probes at several layers, none at ``fallback``: the error names
+            the layers to choose from.
+        HeadsNotFoundError: no probe file.
+    """
+    container = trained if trained is not None else _default_probes(context)
+    layers = sorted({c.exit_layer for c in container.card.probes}
+                    | set(container.probes) | set(container.sampled_probes))
+    if len(layers) == 1:
+        return layers[0]
+    if not layers or fallback in layers:
+        return fallback  # none: the drafter's error says how to train one
+    where = repr(path) if path is not None else "the model's default probes"
+    raise InvalidArgumentError(
+        f"{where} hold probes at exit layers {layers}, none at the default {fallback}; choose "
+        f"one with --exit-layer (exit_layer=)")
 
 
 def _exit_head(trained: Any, layer: int, path: str | None, probe: bool) -> Any:
@@ -133,7 +160,7 @@ def _probes(context: MethodContext, trained: Any, layer: int, exit_head: bool) -
             another drafter (exit head vs ``lm_head``).
         HeadsNotFoundError: no probe file.
     """
-    container = trained if trained is not None else context.heads(DEFAULT_PROBES)
+    container = trained if trained is not None else _default_probes(context)
     drafter = "exit_head" if exit_head else "lm_head"
     for card in container.card.probes:
         if card.exit_layer == layer and card.draft_head != drafter:
@@ -147,3 +174,25 @@ def _probes(context: MethodContext, trained: Any, layer: int, exit_head: bool) -
     if greedy is None and sampled is None:
         container.probe_at(layer)  # raises with the command that trains one
     return greedy, sampled
+
+
+def _default_probes(context: MethodContext) -> Any:
+    """The model's default probes (``selfspec heads train-probe`` without ``--heads``).
+
+    Raises:
+        HeadsNotFoundError: none trained; when the model's default heads hold probes
+            (``train-probe --heads default`` saves them there, for drafts of those heads), the
+            message says to pass ``--heads default``.
+    """
+    try:
+        return context.heads(DEFAULT_PROBES)
+    except HeadsNotFoundError as err:
+        try:
+            layers = sorted({c.exit_layer for c in context.heads(DEFAULT).card.probes})
+        except SelfSpecError:  # no (usable) default heads either: the first error stands
+            layers = []
+        if not layers:
+            raise
+        raise HeadsNotFoundError(
+            f"{err}; the model's default heads hold probes at exit layers {layers}, for drafts "
+            f"of their exit heads: pass --heads default (heads=default) to use them") from None

@@ -9,17 +9,31 @@ Everything here runs offline, before decoding, and writes head files that
       → train heads (KL / CE / hybrid losses)        train.py, losses.py
       → calibrate τ_k(ε), ROC AUC, plots             calibration.py, plots.py
       → fit probes (AdaSPEED §II.B)                  probe.py
-    wired together as functions in pipeline.py; cli.py is ``selfspec heads``.
+      → SpecEE's drafter and predictors              drafter.py, predictors.py, specee_tuning.py
+      → AdaDecode's thresholds by replay             adadecode_tuning.py
+      SWIFT's skip set                               skip_search.py, skip_set_search.py
+
+Each stage's module holds its request and outcome dataclasses, its driver and its maths;
+pipeline.py holds what the stages share (the data request, corpus + features, stage times);
+cli.py is ``selfspec heads``.
 
 Training takes the loaded model as an :class:`Engine` (a protocol that ``selfspec.SelfSpec``
-satisfies). ``pipeline.train`` (``selfspec heads train``) is not re-exported here: its name
+satisfies). ``train.train`` (``selfspec heads train``) is not re-exported here: its name
 is the submodule :mod:`selfspec.training.train`.
 
 Sources: DSSD §3.2-3.4 (placement eq. 1, losses, calibration), AdaDecode §2.1 and
 Appendix D (lightweight heads, on-policy data), AdaSPEED §II.B (linear probe).
 """
 
-from selfspec.training.calibration import DEFAULT_EPSILONS, RocCurve, realised, roc_auc, roc_curve
+from selfspec.training.calibration import (
+    DEFAULT_EPSILONS,
+    RocCurve,
+    calibrate,
+    calibrate_file,
+    realised,
+    roc_auc,
+    roc_curve,
+)
 from selfspec.training.corpus import (
     CALIBRATION,
     TEST,
@@ -32,20 +46,10 @@ from selfspec.training.corpus import (
 from selfspec.training.engine import Engine
 from selfspec.training.features import FeatureSet, backbone_pass, load_features
 from selfspec.training.onpolicy import generate_greedy_batch
-from selfspec.training.pipeline import (
-    DEFAULT_DATA,
-    DEFAULT_TOKENS,
-    DataRequest,
-    ProbeRequest,
-    TrainOutcome,
-    TrainRequest,
-    calibrate,
-    calibrate_file,
-    train_probe,
-)
+from selfspec.training.pipeline import DEFAULT_DATA, DEFAULT_TOKENS, DataRequest, TrainOutcome
 from selfspec.training.placement import check_layers, default_layers
-from selfspec.training.probe import ProbeTrainConfig, fit_probe
-from selfspec.training.train import TrainConfig, train_heads
+from selfspec.training.probe import ProbeRequest, ProbeTrainConfig, fit_probe, train_probe
+from selfspec.training.train import TrainConfig, TrainRequest, train_heads
 
 __all__ = [
     "CALIBRATION",

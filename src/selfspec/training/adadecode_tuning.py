@@ -23,25 +23,55 @@ own, and everything drafted after it. The break-even precision is therefore abou
 a shallow head can predict early at a lower threshold than a deep one, which a single γ
 cannot express. :func:`tune` searches per-head thresholds (a head may be switched off) by
 coordinate ascent on the replayed speedup.
+
+The stage ``selfspec heads tune-adadecode``: :func:`tune_adadecode_file` →
+:class:`TuneOutcome`.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor.cost_model import LatencyModel
+from selfspec.heads.card import AdaDecodeCard
+from selfspec.heads.files import ExitHeads, find_head_file, load_heads, model_name, save_heads
+from selfspec.training.calibration import head_scores
+from selfspec.training.corpus import (
+    CALIBRATION,
+    ONPOLICY,
+    SPLIT_NAMES,
+    TEST,
+    CorpusItem,
+    items_by_use,
+    source_weight,
+)
+from selfspec.training.engine import Engine
+from selfspec.training.features import FeatureSet
+from selfspec.training.pipeline import (
+    PreparedData,
+    StageTimes,
+    card_request,
+    in_feature_order,
+    model_eos_ids,
+    prepare_features,
+)
+
+logger = logging.getLogger(__name__)
 
 # Candidate thresholds per head; None = the head is not used.
 DEFAULT_GRID: tuple[float | None, ...] = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97,
                                           0.98, 0.99, 0.995, None)
 # Relative cost of one more position in a decoder-layer call, used where no latency model
 # prices it (:func:`row_cost_from_latency`): a small share of a position, since a layer call
-# is bound by reading the weights (measured figures: docs/results/timings.md).
+# is bound by reading the weights.
 DEFAULT_ROW_COST = 0.05
 
 
@@ -101,8 +131,7 @@ def row_cost_from_latency(latency: LatencyModel, tokens: int = ROW_COST_TOKENS,
 
     Why up to 4 tokens: the calls are that small (:data:`ROW_COST_TOKENS`), and larger ones
     cost more per row on CPUs whose kernels run out of registers or L1, so fitting them prices
-    the small calls too high and the tuned thresholds come out slower (measured:
-    docs/results/timings.md).
+    the small calls too high and the tuned thresholds come out slower.
 
     Args:
         latency: :class:`~selfspec.executor.cost_model.LatencyModel` of the model on this
@@ -128,7 +157,7 @@ def output_cost_from_latency(latency: LatencyModel, context_len: int = 256) -> f
 
     Why measured, not from the weights' bytes: the output layer streams its one large matrix
     faster per byte than a decoder layer streams its seven small ones, so its bytes can
-    overstate its time by half or more (docs/results/timings.md); an output layer priced too
+    overstate its time by half or more; an output layer priced too
     high makes every exit look worth more than it is, and the tuned thresholds exit too
     eagerly.
 
@@ -172,7 +201,7 @@ class HeadTrace:
         n, k = self.confidence.shape
         if (k != len(self.layers) or tuple(self.correct.shape) != (n, k)
                 or sum(self.lengths) != n or any(b <= a for a, b in
-                                                  zip(self.layers, self.layers[1:]))):
+                                                  zip(self.layers, self.layers[1:], strict=False))):
             raise InvalidArgumentError(
                 f"inconsistent head trace: layers {self.layers}, confidence "
                 f"{tuple(self.confidence.shape)}, correct {tuple(self.correct.shape)}, "
@@ -181,7 +210,7 @@ class HeadTrace:
         shapes = [None if t is None else tuple(t.shape)
                   for t in (self.inner_confidence, self.inner_correct)]
         if (shapes != ([None, None] if not e else [(e, n, k)] * 2)
-                or any(b <= a for a, b in zip(self.inner_layers, self.inner_layers[1:]))):
+                or any(b <= a for a, b in zip(self.inner_layers, self.inner_layers[1:], strict=False))):
             raise InvalidArgumentError(
                 f"inconsistent inner trace: exit layers {self.inner_layers}, confidence and "
                 f"correct {shapes}, expected {(e, n, k)}")
@@ -243,6 +272,8 @@ def _layer_calls(first: int, last: int, groups: list[list[int]], row: float) -> 
     return cost
 
 
+# One function over 80 lines: the replay's loops run per position for every threshold the
+# tuning tries, and read as one algorithm (Algorithm 1's schedule); helpers would split it.
 def simulate(trace: HeadTrace, gammas: Sequence[float | None], num_layers: int,
              costs: ScheduleCosts, max_early: int = 5,
              check_costs: Sequence[float] | None = None) -> SchedulePrediction:
@@ -270,7 +301,7 @@ def simulate(trace: HeadTrace, gammas: Sequence[float | None], num_layers: int,
         raise InvalidArgumentError(
             f"give one check cost per head ({len(trace.layers)}), got {len(check_costs)}")
     check = [costs.head] * len(trace.layers) if check_costs is None else list(check_costs)
-    heads = [(k, layer, g) for k, (layer, g) in enumerate(zip(trace.layers, gammas))
+    heads = [(k, layer, g) for k, (layer, g) in enumerate(zip(trace.layers, gammas, strict=False))
              if g is not None]
     conf = trace.confidence.tolist()
     correct = trace.correct.tolist()
@@ -362,5 +393,173 @@ def tune(trace: HeadTrace, num_layers: int, costs: ScheduleCosts, max_early: int
                     best, score, changed = trial, s, True
         if not changed:
             break
-    return TunedSchedule({layer: g for layer, g in zip(trace.layers, best) if g is not None},
+    return TunedSchedule({layer: g for layer, g in zip(trace.layers, best, strict=False) if g is not None},
                          run(best))
+
+
+DEFAULT_MAX_EARLY = 5  # AdaDecode's outstanding early predictions (appendix D)
+DEFAULT_TUNE_VOCABS = (4096, 8192, 16384, 0)
+
+
+PAPER_GAMMA = 0.75  # AdaDecode appendix D, the comparison the card records
+
+
+@dataclass
+class TuneOutcome:
+    """What ``selfspec heads tune-adadecode`` produced."""
+
+    path: Path
+    card: AdaDecodeCard
+    seconds: float
+
+
+def head_trace(heads: ExitHeads, features: FeatureSet, items: Sequence[CorpusItem], split: int,
+               sources: Sequence[str], vocab_rows: torch.Tensor | None) -> HeadTrace:
+    """Each head's confidence and correctness on the ``split`` positions of ``sources``'
+    items, sequence by sequence (the replay's input, :class:`HeadTrace`).
+
+    Raises:
+        InvalidArgumentError: no item of ``sources`` in ``split``.
+    """
+    spans, position = [], 0
+    for item in in_feature_order(items):
+        if item.split == split and item.source in sources and item.num_scored > 0:
+            spans.append((position, item.num_scored))
+        position += item.num_scored
+    if not spans:
+        raise InvalidArgumentError(
+            f"no {SPLIT_NAMES[split]} text of {', '.join(sources)} to replay AdaDecode on; "
+            f"train the heads with on-policy data (--data onpolicy:DATASET)")
+    index = torch.cat([torch.arange(start, start + n) for start, n in spans])
+    conf, correct = [], []
+    for layer in heads.layers:
+        scored = head_scores(heads.head_at(layer), features, index, ["max_prob"],
+                             vocab_rows=vocab_rows)
+        conf.append(scored.scores["max_prob"].float())
+        correct.append(scored.correct)
+    return HeadTrace(tuple(heads.layers), torch.stack(conf, 1), torch.stack(correct, 1),
+                     tuple(n for _, n in spans))
+
+
+def _replay_sources(heads: ExitHeads, target: Path, sources: Sequence[str] | None,
+                    draft_vocabs: Sequence[int], vocab_size: int) -> list[str]:
+    """The on-policy sources to replay (``sources``' names, or every on-policy source the
+    heads trained with), after checking ``draft_vocabs``.
+
+    Raises:
+        InvalidArgumentError: no training data on the card, a source that is not one of the
+            heads' on-policy sources, sizes outside ``[0, vocab_size]``, or a reduced size
+            without token counts.
+    """
+    info = heads.card.training
+    if info is None:
+        raise InvalidArgumentError(f"{target}: the card records no training data to replay")
+    trained = [source_weight(d)[0] for d in info.data]
+    onpolicy = [s for s in trained if s.startswith(ONPOLICY)]
+    chosen = [source_weight(x)[0] for x in sources] if sources else onpolicy
+    bad = [s for s in chosen if s not in onpolicy]
+    if not chosen or bad:
+        raise InvalidArgumentError(
+            f"tune-adadecode replays the model's own greedy text: choose among the heads' "
+            f"on-policy sources {onpolicy or '(none: retrain with --data onpolicy:DATASET)'}; "
+            f"got {bad or chosen}")
+    if any(k < 0 or k > vocab_size for k in draft_vocabs) or not draft_vocabs:
+        raise InvalidArgumentError(
+            f"draft vocabulary sizes must lie in [0, {vocab_size}] (0 = all); "
+            f"got {list(draft_vocabs)}")
+    if any(k > 0 for k in draft_vocabs) and heads.token_counts is None:
+        raise InvalidArgumentError(
+            "a reduced draft vocabulary ranks tokens by the heads' token counts; run "
+            "`selfspec heads calibrate` on these heads first")
+    return chosen
+
+
+def _head_costs(engine: Engine, heads: ExitHeads, rows: torch.Tensor | None,
+                row_cost: float) -> ScheduleCosts:
+    """The replay's costs with heads scoring ``rows`` (``None``: every token): a head check
+    reads its draft-vocabulary rows of E* (and T, lightweight heads)."""
+    ex = engine.executor
+    hidden = heads.card.hidden_size
+    element = torch.tensor([], dtype=ex.dtype).element_size()
+    scored = ex.vocab_size if rows is None else int(rows.numel())
+    extra = hidden * hidden if heads.card.kind == "lightweight" else 0
+    return ScheduleCosts.from_sizes(ex.decode_layer_bytes(0), (scored * hidden + extra) * element,
+                                    ex.output_decode_bytes, row_cost)
+
+
+def _best_vocabulary(engine: Engine, heads: ExitHeads, data: PreparedData,
+                     chosen: Sequence[str], draft_vocabs: Sequence[int], max_early: int,
+                     row_cost: float) -> tuple[tuple, list[float]]:
+    """``((size, tuned, costs, rows), speedups)``: the draft vocabulary whose tuned schedule
+    replays fastest on the calibration text, and each size's replayed speedup."""
+    from selfspec.decoding.drafting.draft_vocab import frequent_rows
+
+    best = None
+    speedups = []
+    for size in draft_vocabs:
+        rows = (None if size == 0 else
+                frequent_rows(heads.token_counts, size, model_eos_ids(engine)).rows)
+        costs = _head_costs(engine, heads, rows, row_cost)
+        calibration = head_trace(heads, data.features, data.items, CALIBRATION, chosen, rows)
+        tuned = tune(calibration, engine.executor.num_layers, costs, max_early)
+        speedups.append(tuned.prediction.speedup)
+        logger.info("draft vocabulary %s: %s, replayed speedup %.3f", size or "all",
+                    tuned.gammas, tuned.prediction.speedup)
+        if best is None or tuned.prediction.speedup > best[1].prediction.speedup:
+            best = (size, tuned, costs, rows)
+    return best, speedups
+
+
+def tune_adadecode_file(engine: Engine, path: str, sources: Sequence[str] | None = None,
+                        draft_vocabs: Sequence[int] = DEFAULT_TUNE_VOCABS,
+                        max_early: int = DEFAULT_MAX_EARLY,
+                        row_cost: float = DEFAULT_ROW_COST,
+                        progress: bool = True) -> TuneOutcome:
+    """``selfspec heads tune-adadecode``: per-head thresholds, head layers and draft
+    vocabulary for AdaDecode by replaying Algorithm 1 on the heads' calibration text
+    (:mod:`selfspec.training.adadecode_tuning`), checked on their test text; saved on the
+    card (``adadecode:tuned=true`` reads it).
+
+    Args:
+        path: head file or directory (``"default"``).
+        sources: on-policy data-spec sources to replay (``None`` = every on-policy source the
+            heads were trained with); teacher-forced text is not the model's greedy output,
+            so the replay would not be exact on it.
+        draft_vocabs: sizes K to try (``0`` = the full vocabulary).
+        max_early: AdaDecode's outstanding early predictions (appendix D: 5).
+        row_cost: :attr:`ScheduleCosts.row`.
+
+    Raises:
+        InvalidArgumentError: a source that is not on-policy or not in the heads' training
+            data, heads without token counts for a reduced vocabulary, bad sizes.
+        HeadsNotFoundError, HeadsModelMismatchError: see :func:`load_heads`.
+    """
+    t0 = time.perf_counter()
+    target = find_head_file(path, model_name(engine))
+    heads = load_heads(target, engine)
+    ex = engine.executor
+    chosen = _replay_sources(heads, target, sources, draft_vocabs, ex.vocab_size)
+    data = prepare_features(engine, card_request(heads.card.training), heads.layers,
+                            StageTimes(), progress)
+    (size, tuned, costs, rows), speedups = _best_vocabulary(
+        engine, heads, data, chosen, draft_vocabs, max_early, row_cost)
+    test = head_trace(heads, data.features, data.items, TEST, chosen, rows)
+    gammas = [tuned.gammas.get(layer) for layer in heads.layers]
+    held = simulate(test, gammas, ex.num_layers, costs, max_early)
+    paper_trace = head_trace(heads, data.features, data.items, TEST, chosen, None)
+    paper = simulate(paper_trace, [PAPER_GAMMA] * len(heads.layers), ex.num_layers,
+                     _head_costs(engine, heads, None, row_cost), max_early)
+    p = tuned.prediction
+    card = AdaDecodeCard(
+        layers=sorted(tuned.gammas), gammas=[tuned.gammas[k] for k in sorted(tuned.gammas)],
+        draft_vocab=size, max_early=max_early, row_cost=costs.row, head_cost=costs.head,
+        output_cost=costs.output, data=chosen, tokens=p.tokens, speedup=p.speedup,
+        acceptance=p.acceptance, drafts_per_token=p.drafts_per_token, test_tokens=held.tokens,
+        test_speedup=held.speedup, test_acceptance=held.acceptance,
+        paper_test_speedup=paper.speedup, draft_vocabs=list(draft_vocabs),
+        vocab_speedups=speedups)
+    heads.card.adadecode = card
+    used = [i for i in data.items if i.source in chosen]
+    heads.card.set_prompts(items_by_use(used, {CALIBRATION: "calibration", TEST: "test"}))
+    save_heads(heads, target)
+    return TuneOutcome(target, card, time.perf_counter() - t0)

@@ -1,24 +1,31 @@
-"""``selfspec heads train | calibrate | show | train-probe | search-skip`` (the parser and
-printing; the work is in :mod:`selfspec.training.pipeline` and
-:mod:`selfspec.training.skip_search`)."""
+"""``selfspec heads train | calibrate | tune-adadecode | show | train-probe | train-predictors |
+train-drafter | search-skip``: the parser and printing. The work is in each stage's module
+(:mod:`~selfspec.training.train`, :mod:`~selfspec.training.calibration`,
+:mod:`~selfspec.training.adadecode_tuning`, :mod:`~selfspec.training.probe`,
+:mod:`~selfspec.training.predictors`, :mod:`~selfspec.training.drafter`,
+:mod:`~selfspec.training.skip_search`); every option's default is read from the request
+dataclass (or function) it fills."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from pathlib import Path
 
-from selfspec.cli_args import add_device_argument, float_arg, int_arg, threads_arg
+from selfspec.cli_args import (
+    TRAINING_DTYPES,
+    add_device_argument,
+    add_dtype_argument,
+    add_threads_argument,
+    float_arg,
+    int_arg,
+)
 from selfspec.errors import InvalidArgumentError
 from selfspec.validation import SEED_MAX, SEED_MIN
 
 _EPS_SHOWN = (0.6, 0.7, 0.8, 0.9, 0.95)
-
-
-# SpecEE predictors: code and math text, teacher-forced (held out from HumanEval's and
-# GSM-Symbolic's benchmark prompts by the card's prompt records).
-PREDICTOR_DATA = "stdlib,gsm"
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -48,11 +55,23 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
-def _add_data_args(p: argparse.ArgumentParser, what: str | None = None) -> None:
-    from selfspec.data import DATASETS
-    from selfspec.training.pipeline import DEFAULT_DATA, DEFAULT_TOKENS
+def _default(cls: type, name: str):
+    """The default of field ``name`` of dataclass ``cls`` (its factory's value), so that the
+    parser states no default of its own."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
-    what = what or DEFAULT_DATA
+
+def _add_data_args(p: argparse.ArgumentParser, default=None) -> None:
+    """``--data``, ``--tokens``, ``--max-new-tokens``, ``--seed`` of a
+    :class:`~selfspec.training.pipeline.DataRequest`; ``default``: the command's request
+    data (``None``: the data the heads were trained on, from their card)."""
+    from selfspec.data import DATASETS
+    from selfspec.training.pipeline import DataRequest
+
+    base = DataRequest()
+    what = "the data the heads were trained on" if default is None else default.data
+    tokens = "the heads' training tokens" if default is None else default.tokens
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None,
                    help=f"comma-separated sources: a dataset ({', '.join(DATASETS)}) = prompt "
@@ -62,18 +81,19 @@ def _add_data_args(p: argparse.ArgumentParser, what: str | None = None) -> None:
                         "selfspec bench drops those prompts from its runs)")
     g.add_argument("--tokens", type=int_arg(1), default=None,
                    help="scored training tokens over all sources; held-out calibration and test "
-                        f"text add 25%% each (default: {DEFAULT_TOKENS})")
-    g.add_argument("--max-new-tokens", type=int_arg(1), default=256, help="on-policy answer length cap")
-    g.add_argument("--seed", type=int_arg(SEED_MIN, SEED_MAX), default=0)
+                        f"text add 25%% each (default: {tokens})")
+    g.add_argument("--max-new-tokens", type=int_arg(1), default=base.max_new_tokens,
+                   help="on-policy answer length cap")
+    g.add_argument("--seed", type=int_arg(SEED_MIN, SEED_MAX), default=base.seed)
 
 
 def _add_model_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--model", required=required, default=None,
                    help="registry name, local directory or hub id")
-    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
-                   help="backbone dtype (default bf16, the default decoding dtype; calibrate: "
-                        "the dtype the heads were trained with)")
-    p.add_argument("--threads", type=threads_arg(), default=None, help="torch intra-op threads")
+    add_dtype_argument(p, choices=TRAINING_DTYPES, default=None,
+                       help="backbone dtype (default bf16, the default decoding dtype; calibrate: "
+                            "the dtype the heads were trained with)")
+    add_threads_argument(p, help="torch intra-op threads")
     add_device_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -82,52 +102,83 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``selfspec heads ...`` on the top-level subparsers."""
     p = subparsers.add_parser("heads", help="train, calibrate and inspect exit heads and probes")
     sub = p.add_subparsers(dest="heads_cmd", required=True)
+    _add_train_parser(sub)
+    _add_calibrate_parser(sub)
+    _add_tune_adadecode_parser(sub)
+    _add_show_parser(sub)
+    _add_train_probe_parser(sub)
+    _add_train_predictors_parser(sub)
+    _add_train_drafter_parser(sub)
+    _add_search_skip_parser(sub)
 
+
+def _add_train_parser(sub: argparse._SubParsersAction) -> None:
+    """``selfspec heads train`` (defaults: :class:`~selfspec.training.train.TrainRequest`)."""
+    from selfspec.heads.modules import FULL_INITS, HEAD_KINDS
+    from selfspec.training.train import KL_DIRECTIONS, LOSSES, TrainConfig, TrainRequest
+
+    req, cfg = TrainRequest(), TrainConfig()
     t = sub.add_parser("train", help="train exit heads on the frozen model, calibrate, save",
                        description="Train exit heads (DSSD / AdaDecode) with the backbone frozen, "
                                    "calibrate their thresholds and save them (default: the "
                                    "model's default heads, used by --heads default).")
     _add_model_args(t, required=False)
-    t.add_argument("--layers", type=_ints, default=None,
+    t.add_argument("--layers", type=_ints, default=req.layers,
                    help="exit layers, e.g. 6,12,18,24 (default: floor(k*L/5), k=1..4, DSSD eq. 1)")
-    t.add_argument("--kind", default="lightweight", choices=["lightweight", "full"])
-    t.add_argument("--init", default="lm_head", choices=["lm_head", "random"],
+    t.add_argument("--kind", default=cfg.kind, choices=list(HEAD_KINDS))
+    t.add_argument("--init", default=cfg.init, choices=list(FULL_INITS),
                    help="full heads: copy lm_head or start at random")
-    t.add_argument("--loss", default="kl", choices=["kl", "ce", "hybrid"])
-    t.add_argument("--kl-direction", default="forward", choices=["forward", "reverse"],
+    t.add_argument("--loss", default=cfg.loss, choices=list(LOSSES))
+    t.add_argument("--kl-direction", default=cfg.kl_direction, choices=list(KL_DIRECTIONS),
                    help="forward = KL(final || head) (default), reverse = KL(head || final)")
-    t.add_argument("--alpha", type=float_arg(0.0, 1.0), default=0.5, help="CE weight of the hybrid loss")
-    t.add_argument("--loss-vocab", type=int_arg(0), default=0, metavar="K",
+    t.add_argument("--alpha", type=float_arg(0.0, 1.0), default=cfg.alpha,
+                   help="CE weight of the hybrid loss")
+    t.add_argument("--loss-vocab", type=int_arg(0), default=cfg.loss_vocab, metavar="K",
                    help="compute the KL over the K tokens the model emits most often on the "
                         "training text (plus EOS), renormalised: the rows of --draft-vocab K, "
                         "at K/V of the cost; 0 = the full vocabulary (default, AdaDecode §2.1)")
-    t.add_argument("--epochs", type=int_arg(1), default=3)
-    t.add_argument("--lr", type=float_arg(0.0, low_open=True), default=None, help="peak Adam learning rate")
-    t.add_argument("--batch-tokens", type=int_arg(1), default=256)
+    t.add_argument("--epochs", type=int_arg(1), default=cfg.epochs)
+    t.add_argument("--lr", type=float_arg(0.0, low_open=True), default=cfg.lr,
+                   help="peak Adam learning rate")
+    t.add_argument("--batch-tokens", type=int_arg(1), default=cfg.batch_tokens)
     _add_compute_dtype_arg(t)
-    t.add_argument("--out", default=None, help="directory or .safetensors file "
-                                               "(default: $SELFSPEC_HOME/heads/<model>/default)")
-    t.add_argument("--no-calibrate", dest="calibrate", action="store_false")
-    t.add_argument("--epsilon", type=_floats, default=None, help="ε sweep, e.g. 0.5,0.7,0.9")
+    t.add_argument("--out", default=req.out, help="directory or .safetensors file "
+                                                  "(default: $SELFSPEC_HOME/heads/<model>/default)")
+    t.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   default=req.calibrate)
+    t.add_argument("--epsilon", type=_floats, default=req.epsilons,
+                   help="ε sweep, e.g. 0.5,0.7,0.9")
     t.add_argument("--no-plots", dest="plots", action="store_false",
                    help="skip roc.png / epsilon.png")
-    t.add_argument("--draft-vocab", type=_ints, default=(),
+    t.add_argument("--draft-vocab", type=_ints, default=req.draft_vocabs,
                    help="also calibrate thresholds on the K most frequent tokens, e.g. 4096 "
                         "(what DSSD with --draft-vocab K uses)")
-    _add_data_args(t)
+    _add_data_args(t, req.data)
     t.set_defaults(func=_cmd_train)
+
+
+def _add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
+    """``selfspec heads calibrate`` (defaults: :func:`~selfspec.training.calibration.calibrate_file`)."""
+    from selfspec.training.calibration import DEFAULT_EPSILONS
 
     c = sub.add_parser("calibrate", help="calibrate thresholds of a head file (DSSD §3.4.1)")
     c.add_argument("path", help="head file or directory, or 'default'")
     _add_model_args(c, required=False)
-    c.add_argument("--epsilon", type=_floats, default=None, help="ε sweep, e.g. 0.5,0.7,0.9")
+    c.add_argument("--epsilon", type=_floats, default=DEFAULT_EPSILONS,
+                   help="ε sweep, e.g. 0.5,0.7,0.9")
     c.add_argument("--no-plots", dest="plots", action="store_false",
                    help="skip roc.png / epsilon.png")
     c.add_argument("--draft-vocab", type=_ints, default=None,
                    help="reduced draft-vocabulary sizes K to calibrate too, e.g. 4096 (default: "
                         "those the file was calibrated for before)")
-    _add_data_args(c, "the data the heads were trained on")
+    _add_data_args(c)
     c.set_defaults(func=_cmd_calibrate)
+
+
+def _add_tune_adadecode_parser(sub: argparse._SubParsersAction) -> None:
+    """``selfspec heads tune-adadecode`` (defaults:
+    :func:`~selfspec.training.adadecode_tuning.tune_adadecode_file`)."""
+    from selfspec.training.adadecode_tuning import DEFAULT_MAX_EARLY, DEFAULT_TUNE_VOCABS
 
     t = sub.add_parser("tune-adadecode",
                        help="choose AdaDecode's head layers, per-head thresholds and draft "
@@ -138,121 +189,152 @@ def add_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--data", default=None,
                    help="on-policy sources of the heads' training data to replay, e.g. "
                         "onpolicy:humaneval,onpolicy:stdlib for code (default: all of them)")
-    t.add_argument("--draft-vocab", type=_ints, default=None,
+    t.add_argument("--draft-vocab", type=_ints, default=DEFAULT_TUNE_VOCABS,
                    help="draft-vocabulary sizes to try, 0 = the full vocabulary (default: "
-                        "4096,8192,16384,0)")
-    t.add_argument("--max-early", type=int_arg(1), default=5,
-                   help="AdaDecode's outstanding early predictions (default 5, appendix D)")
+                        f"{','.join(map(str, DEFAULT_TUNE_VOCABS))})")
+    t.add_argument("--max-early", type=int_arg(1), default=DEFAULT_MAX_EARLY,
+                   help=f"AdaDecode's outstanding early predictions (default {DEFAULT_MAX_EARLY}, "
+                        "appendix D)")
     t.set_defaults(func=_cmd_tune_adadecode)
+
+
+def _add_show_parser(sub: argparse._SubParsersAction) -> None:
+    """``selfspec heads show``."""
+    from selfspec.heads.calibration import CONFIDENCE_METRICS
 
     s = sub.add_parser("show", help="print a head file's card (or a skip-set .json file)")
     s.add_argument("path", help="head file or directory, 'default' or a folder name under the "
                                 "model's heads (with --model), or a skip-set .json file")
     s.add_argument("--model", default=None,
                    help="model for 'default' or a folder name (default: the registry default)")
-    s.add_argument("--metric", default="entropy", choices=["max_prob", "entropy", "margin"])
+    s.add_argument("--metric", default="entropy", choices=list(CONFIDENCE_METRICS))
     s.add_argument("--json", action="store_true", help="print the card as JSON")
     s.set_defaults(func=_cmd_show)
 
+
+def _add_train_probe_parser(sub: argparse._SubParsersAction) -> None:
+    """``selfspec heads train-probe`` (defaults: :class:`~selfspec.training.probe.ProbeRequest`,
+    and greedy :class:`~selfspec.decoding.core.sampling.SamplingConfig`)."""
+    from selfspec.decoding.core.sampling import SamplingConfig
+    from selfspec.training.probe import ProbeRequest
+
+    greedy = SamplingConfig()
     pr = sub.add_parser("train-probe", help="train an AdaSPEED acceptance probe (§II.B)")
     _add_model_args(pr, required=True)
     pr.add_argument("--exit-layer", type=int_arg(1), required=True)
-    pr.add_argument("--heads", default=None,
+    pr.add_argument("--heads", default=_default(ProbeRequest, "heads"),
                     help="head file whose head at the exit layer drafts (the probe is saved "
-                         "into it); default: lm_head drafting, saved under <model>/probes/")
-    pr.add_argument("--out", default=None, help="where to save an lm_head probe")
-    pr.add_argument("--temperature", type=float_arg(0.0), default=0.0,
+                         "into it; --method adaspeed-probe --heads PATH reads it); default: "
+                         "lm_head drafting, saved under <model>/probes/, which --method "
+                         "adaspeed-probe without --heads reads")
+    pr.add_argument("--out", default=_default(ProbeRequest, "out"),
+                    help="where to save an lm_head probe")
+    pr.add_argument("--temperature", type=float_arg(0.0), default=greedy.temperature,
                     help="0 = a probe for greedy decoding (default); > 0 = a probe for sampled "
                          "decoding, trained on the expected acceptance of speculative sampling "
                          "at this temperature and --top-p (AdaSPEED Table I's top-p rows)")
-    pr.add_argument("--top-p", type=float_arg(0.0, 1.0, low_open=True), default=1.0, help="nucleus mass of a sampled probe")
-    _add_data_args(pr)
+    pr.add_argument("--top-p", type=float_arg(0.0, 1.0, low_open=True), default=greedy.top_p,
+                    help="nucleus mass of a sampled probe")
+    _add_data_args(pr, _default(ProbeRequest, "data"))
     pr.set_defaults(func=_cmd_train_probe)
 
+
+def _add_train_predictors_parser(sub: argparse._SubParsersAction) -> None:
+    """``selfspec heads train-predictors`` (defaults:
+    :class:`~selfspec.training.predictors.PredictorRequest`)."""
+    from selfspec.decoding.specee.step import CANDIDATE_SOURCES
+    from selfspec.training.predictors import PredictorRequest, PredictorTrainConfig
+
+    req = PredictorRequest()
     pp = sub.add_parser("train-predictors",
                         help="train SpecEE's per-layer exit predictors (§4) and rank the offline "
                              "layer schedule (§5) on held-out text")
     _add_model_args(pp, required=True)
-    pp.add_argument("--heads", default="default",
+    pp.add_argument("--heads", default=req.heads,
                     help="head file whose head drafts the candidates; the predictors are saved "
-                         "into it (default: the model's default heads)")
-    pp.add_argument("--candidate-layer", type=int_arg(1), default=None,
+                         f"into it (default: '{req.heads}', the model's default heads)")
+    pp.add_argument("--candidate-layer", type=int_arg(1), default=req.candidate_layer,
                     help="exit layer of the candidate head (default: the deepest head in the "
                          "first half of the layers, else the shallowest); with drafter "
                          "candidates, the first predictor layer (default: L // 8)")
-    pp.add_argument("--k", type=int_arg(1), default=4, help="speculative tokens per step (4 in the paper)")
-    pp.add_argument("--draft-vocab", type=int_arg(0), default=16384,
+    pp.add_argument("--k", type=int_arg(1), default=req.num_candidates,
+                    help="speculative tokens per step (4 in the paper)")
+    pp.add_argument("--draft-vocab", type=int_arg(0), default=req.draft_vocab,
                     help="candidates = the head's top-k over the K most frequent tokens (0 = full "
                          "vocabulary)")
-    pp.add_argument("--offline", type=int_arg(1), default=None,
+    pp.add_argument("--offline", type=int_arg(1), default=req.offline,
                     help="offline layer-set size (default round(L/4), as SpecEE's 8 of 32)")
-    # decoding.specee.step.CANDIDATE_SOURCES, spelled out: the parser is built without torch
-    pp.add_argument("--candidates", choices=("head", "head+ngram", "drafter", "drafter+ngram"),
-                    default="head",
+    pp.add_argument("--candidates", choices=list(CANDIDATE_SOURCES), default=req.candidates,
                     help="head = the candidate head's top-k; drafter = the file's next-token "
                          "drafter's top-k (`selfspec heads train-drafter`; candidates before "
                          "layer 0); +ngram = the prompt-lookup token replaces the k-th when it "
                          "is not among them")
-    pp.add_argument("--state", action="store_true",
+    pp.add_argument("--state", action="store_true", default=req.config.state,
                     help="predictors that also read the layer's state (MLP 3k+H→128→1; not in "
                          "the paper): ~1.5 layers per token fewer at equal held-out accuracy "
                          "on ~60k training positions, no better on a few thousand")
-    pp.add_argument("--head-lens", action="store_true",
+    pp.add_argument("--head-lens", action="store_true", default=req.head_lens,
                     help="at layers with a lightweight exit head, the features read the "
                          "candidates through that head (its tuned lens) instead of the final "
                          "norm + lm_head (not in the paper)")
-    pp.add_argument("--include-head-train", action="store_true",
+    pp.add_argument("--include-head-train", action="store_true", default=req.include_head_train,
                     help="train on the prompts the heads/drafter trained on too (more data; "
                          "held-out figures stay on the test split)")
     pp.add_argument("--epochs", type=int_arg(1), default=None,
-                    help="default 30 (8 with --state)")
-    pp.add_argument("--row-cost", type=_row_cost_arg, default=None,
+                    help=f"default {PredictorTrainConfig().epochs} "
+                         f"({PredictorTrainConfig.state_reading().epochs} with --state)")
+    pp.add_argument("--row-cost", type=_row_cost_arg, default=req.row_cost,
                     help="for the thresholds tuned by replay (specee:verify=true,tuned=true): "
                          "cost of one more position in a decoder-layer call, as a share of "
                          "one position's; default 'auto': this machine's, from its measured "
                          "forwards of 2-4 tokens (`selfspec models latency`, measured once "
                          "and kept: run it on a quiet machine)")
-    pp.add_argument("--output-cost", type=_output_cost_arg, default="auto",
+    pp.add_argument("--output-cost", type=_output_cost_arg, default=req.output_cost,
                     help="for the same replay: the output layer's cost in decoder-layer "
-                         "calls; default 'auto': this machine's, from the same latency model "
-                         "(4.8-6.1 on Qwen2.5-Coder-0.5B where its bytes say 9.1); 'bytes': "
-                         "its weight bytes over a decoder layer's; or a number > 0")
-    _add_data_args(pp, "stdlib,gsm")
+                         f"calls; default '{req.output_cost}': this machine's, from the same "
+                         "latency model (4.8-6.1 on Qwen2.5-Coder-0.5B where its bytes say 9.1); "
+                         "'bytes': its weight bytes over a decoder layer's; or a number > 0")
+    _add_data_args(pp, req.data)
     pp.set_defaults(func=_cmd_train_predictors)
 
+
+def _add_train_drafter_parser(sub: argparse._SubParsersAction) -> None:
+    """``selfspec heads train-drafter`` (defaults:
+    :class:`~selfspec.training.drafter.DrafterRequest`, its ``DrafterTrainConfig``)."""
+    from selfspec.training.drafter import DrafterRequest, DrafterTrainConfig
+
+    req, cfg = DrafterRequest(), DrafterTrainConfig()
     dr = sub.add_parser("train-drafter",
                         help="train SpecEE's next-token drafter (EAGLE-style, on the model's "
                              "last hidden state) into a head file, for specee's drafter "
                              "candidates")
     dr.add_argument("path", help="head file or directory, or 'default'")
     _add_model_args(dr, required=False)
-    dr.add_argument("--draft-vocab", type=int_arg(0), default=16384,
+    dr.add_argument("--draft-vocab", type=int_arg(0), default=req.draft_vocab,
                     help="train and score over the K most frequent tokens (0 = full vocabulary)")
-    dr.add_argument("--epochs", type=int_arg(1), default=4)
+    dr.add_argument("--epochs", type=int_arg(1), default=cfg.epochs)
     dr.add_argument("--exit-mix", type=float_arg(0.0, 1.0, high_open=True), default=None,
                     help="share of the main drafter's training inputs taken at an upper-half "
                          "exit layer instead of the last (default 0 with an exit-state drafter, "
-                         "which drafts after an exit, else 0.25)")
-    dr.add_argument("--exit-state-layers", type=_exit_state_layers, default=(),
+                         f"which drafts after an exit, else {cfg.exit_mix:g})")
+    dr.add_argument("--exit-state-layers", type=_exit_state_layers, default=req.exit_state_layers,
                     help="also train an exit-state drafter, which drafts after an exited token "
                          "from its exit-layer state, on the states at these layers, e.g. "
                          "3,6,9,12,15,18,21, or 'auto': every L//8-th layer from L//8 (default "
                          "'none'). Run train-predictors after it: their thresholds are tuned "
                          "on the candidates it drafts (0.5B model, HumanEval: 1.30x ar "
                          "against 1.26x without it; docs/results/specee)")
-    dr.add_argument("--exit-state-only", action="store_true",
+    dr.add_argument("--exit-state-only", action="store_true", default=req.exit_state_only,
                     help="keep the file's drafter (and the predictors trained on its "
                          "candidates) and add only an exit-state drafter")
     _add_compute_dtype_arg(dr)
-    _add_data_args(dr, "the data the heads were trained on")
+    _add_data_args(dr)
     dr.set_defaults(func=_cmd_train_drafter)
-
-    _add_search_skip_parser(sub)
 
 
 def _add_search_skip_parser(sub: argparse._SubParsersAction) -> None:
     """``selfspec heads search-skip`` (SWIFT's offline skip-set search)."""
-    from selfspec.training.skip_search import DEFAULT_SKIP_DATA, SkipSearchRequest
+    from selfspec.training.skip_search import SkipSearchRequest
     from selfspec.training.skip_set_search import SearchSettings
 
     req, cfg = SkipSearchRequest(), SearchSettings()
@@ -266,9 +348,9 @@ def _add_search_skip_parser(sub: argparse._SubParsersAction) -> None:
                     "$SELFSPEC_HOME/heads/<model>/swift-skip.json, what --method swift reads).")
     _add_model_args(k, required=False)
     g = k.add_argument_group("calibration text")
-    g.add_argument("--data", default=DEFAULT_SKIP_DATA,
+    g.add_argument("--data", default=req.data,
                    help="comma-separated datasets whose calibration-split prompts are used "
-                        f"(default: {DEFAULT_SKIP_DATA}; the file records every prompt used, "
+                        f"(default: {req.data}; the file records every prompt used, "
                         "and selfspec bench drops those prompts from its runs)")
     g.add_argument("--prompts", type=int_arg(1), default=req.prompts, help="calibration prompts")
     g.add_argument("--max-new-tokens", type=int_arg(1), default=req.max_new_tokens,
@@ -285,7 +367,7 @@ def _add_search_skip_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-evaluations", type=int_arg(1), default=cfg.max_evaluations,
                    help="skip sets scored in all")
     s.add_argument("--seed", type=int_arg(SEED_MIN, SEED_MAX), default=cfg.seed)
-    k.add_argument("--out", default=None, help=".json file or directory "
+    k.add_argument("--out", default=req.out, help=".json file or directory "
                                                "(default: $SELFSPEC_HOME/heads/<model>/swift-skip.json)")
     k.set_defaults(func=_cmd_search_skip)
 
@@ -303,21 +385,39 @@ def _load_engine(args: argparse.Namespace, model: str | None, dtype: str | None)
                          cuda_graphs=getattr(args, "cuda_graphs", "auto"))
 
 
-def _data_request(args: argparse.Namespace, default_tokens: int | None):
-    from selfspec.training.corpus import parse_data_spec
-    from selfspec.training.pipeline import DEFAULT_DATA, DEFAULT_TOKENS, DataRequest
+def _data_request(args: argparse.Namespace, default):
+    """``default`` (a :class:`~selfspec.training.pipeline.DataRequest`) with ``--data``,
+    ``--tokens``, ``--max-new-tokens`` and ``--seed`` applied.
 
-    # Refuse bad options before spending seconds on loading the model.
+    Raises:
+        InvalidArgumentError: ``--tokens`` below 1; DatasetNotInstalledError: a dataset's
+            package is missing (both before seconds are spent loading the model).
+    """
+    from selfspec.data.packages import require_dataset
+    from selfspec.training.corpus import dataset_of, parse_data_spec
+
     if args.tokens is not None and args.tokens < 1:
         raise InvalidArgumentError(f"--tokens must be >= 1, got {args.tokens}")
-    from selfspec.data.packages import require_dataset
-    from selfspec.training.corpus import dataset_of
-
-    for source in parse_data_spec(args.data or DEFAULT_DATA):
+    data = args.data or default.data
+    for source in parse_data_spec(data):
         require_dataset(dataset_of(source))
-    return DataRequest(data=args.data or DEFAULT_DATA,
-                       tokens=args.tokens or default_tokens or DEFAULT_TOKENS,
-                       max_new_tokens=args.max_new_tokens, seed=args.seed)
+    return dataclasses.replace(default, data=data, tokens=args.tokens or default.tokens,
+                               max_new_tokens=args.max_new_tokens, seed=args.seed)
+
+
+def _card_data_request(args: argparse.Namespace, card):
+    """``None`` (the corpus the heads were trained on, the same held-out problems) unless
+    ``--data`` or ``--tokens`` is given; then :func:`_data_request` over the card's data and
+    token count."""
+    from selfspec.training.pipeline import DataRequest
+
+    if not (args.data or args.tokens):
+        return None
+    info, default = card.training, DataRequest()
+    if info is not None:
+        default = dataclasses.replace(default, data=",".join(info.data),
+                                      tokens=info.requested_tokens or info.train_tokens)
+    return _data_request(args, default)
 
 
 _ROW_COST_NUMBER = float_arg(0.0, 1.0)
@@ -443,7 +543,11 @@ def _print_times(times) -> None:
 
 
 def _add_compute_dtype_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--compute-dtype", default="auto", choices=["auto", "bf16", "fp32"],
+    """``--compute-dtype``: ``auto`` (resolved for this CPU by :func:`_compute_dtype`) or one
+    of :data:`~selfspec.training.train.COMPUTE_DTYPES`."""
+    from selfspec.training.train import COMPUTE_DTYPES
+
+    parser.add_argument("--compute-dtype", default="auto", choices=["auto", *COMPUTE_DTYPES],
                         help="dtype of the training matmuls (parameters stay fp32); auto = bf16 "
                              "on a CPU with native bf16 (avx512_bf16/AMX), else fp32 (emulated "
                              "bf16 matmuls are 5-8x slower)")
@@ -458,19 +562,17 @@ def _compute_dtype(args: argparse.Namespace) -> str:
 
 # ----------------------------------------------------------------------------- commands
 def _cmd_train(args: argparse.Namespace) -> int:
-    from selfspec.training.calibration import DEFAULT_EPSILONS
-    from selfspec.training.pipeline import DEFAULT_TOKENS, TrainRequest, train
-    from selfspec.training.train import TrainConfig
+    from selfspec.training.train import TrainConfig, TrainRequest, train
 
     config = TrainConfig(kind=args.kind, init=args.init, loss=args.loss,
                          kl_direction=args.kl_direction, alpha=args.alpha, epochs=args.epochs,
-                         batch_tokens=args.batch_tokens,
+                         lr=args.lr, batch_tokens=args.batch_tokens,
                          compute_dtype=_compute_dtype(args),
-                         seed=args.seed, loss_vocab=args.loss_vocab,
-                         **({"lr": args.lr} if args.lr else {}))
+                         seed=args.seed, loss_vocab=args.loss_vocab)
     request = TrainRequest(layers=args.layers, train=config,
-                           data=_data_request(args, DEFAULT_TOKENS), out=args.out,
-                           calibrate=args.calibrate, epsilons=args.epsilon or DEFAULT_EPSILONS,
+                           data=_data_request(args, TrainRequest().data), out=args.out,
+                           calibrate=args.calibrate,
+                           epsilons=args.epsilon or TrainRequest().epsilons,
                            draft_vocabs=tuple(args.draft_vocab))
     engine = _load_engine(args, args.model, args.dtype)
     outcome = train(engine, request, progress=not args.quiet)
@@ -490,18 +592,13 @@ def _report(args: argparse.Namespace, outcome) -> int:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from selfspec.heads.files import read_head_file
     from selfspec.models.registry import DEFAULT_MODEL
-    from selfspec.training.calibration import DEFAULT_EPSILONS
-    from selfspec.training.pipeline import calibrate_file
+    from selfspec.training.calibration import DEFAULT_EPSILONS, calibrate_file
 
     head_file = read_head_file(args.path, args.model or DEFAULT_MODEL)
     path, card = head_file.path, head_file.card
     dtype = args.dtype or (card.training.feature_dtype if card.training else None)
     engine = _load_engine(args, args.model or card.model, dtype)
-    request = None  # default: the corpus the heads were trained on (same held-out problems)
-    if args.data or args.tokens:
-        info = card.training
-        args.data = args.data or (",".join(info.data) if info else None)
-        request = _data_request(args, (info.requested_tokens or info.train_tokens) if info else None)
+    request = _card_data_request(args, card)
     outcome = calibrate_file(engine, str(path), request, epsilons=args.epsilon or DEFAULT_EPSILONS,
                              progress=not args.quiet, draft_vocabs=args.draft_vocab)
     return _report(args, outcome)
@@ -510,8 +607,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _cmd_tune_adadecode(args: argparse.Namespace) -> int:
     from selfspec.heads.files import read_head_file
     from selfspec.models.registry import DEFAULT_MODEL
+    from selfspec.training.adadecode_tuning import DEFAULT_TUNE_VOCABS, tune_adadecode_file
     from selfspec.training.corpus import parse_data_spec
-    from selfspec.training.pipeline import DEFAULT_TUNE_VOCABS, tune_adadecode_file
 
     sources = parse_data_spec(args.data) if args.data else None  # refused before loading
     head_file = read_head_file(args.path, args.model or DEFAULT_MODEL)
@@ -533,7 +630,7 @@ def _print_adadecode(ac, num_layers: int, out=None) -> None:
     vocab = f"the {ac.draft_vocab} most frequent tokens" if ac.draft_vocab else "every token"
     print(f"\nAdaDecode tuned by replay on {', '.join(ac.data)} (heads score {vocab}; at most "
           f"{ac.max_early} early predictions): "
-          + ", ".join(f"layer {layer} γ {g:g}" for layer, g in zip(ac.layers, ac.gammas)),
+          + ", ".join(f"layer {layer} γ {g:g}" for layer, g in zip(ac.layers, ac.gammas, strict=False)),
           file=out)
     print(f"replayed speedup over autoregressive decoding: calibration {_f(ac.speedup)} "
           f"({ac.tokens} tokens, acceptance {_f(ac.acceptance)}, "
@@ -543,7 +640,7 @@ def _print_adadecode(ac, num_layers: int, out=None) -> None:
     print(f"cost model (single-position layer calls of {num_layers}): one more position "
           f"{ac.row_cost:g}, head check {ac.head_cost:.3f}, output layer {ac.output_cost:.2f}; "
           "best per draft vocabulary: " + ", ".join(
-              f"{k or 'all'} {_f(v)}" for k, v in zip(ac.draft_vocabs, ac.vocab_speedups)),
+              f"{k or 'all'} {_f(v)}" for k, v in zip(ac.draft_vocabs, ac.vocab_speedups, strict=False)),
           file=out)
 
 
@@ -615,16 +712,15 @@ def _print_skip_set(skip_set, out=None) -> None:
 
 
 def _cmd_train_predictors(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
-    from selfspec.training.pipeline import PredictorRequest, train_predictors
-    from selfspec.training.predictors import PredictorTrainConfig
+    from selfspec.training.predictors import (
+        PredictorRequest,
+        PredictorTrainConfig,
+        train_predictors,
+    )
 
     if args.epochs is not None and args.epochs < 1:
         raise InvalidArgumentError(f"--epochs must be >= 1, got {args.epochs}")
-    data = _data_request(args, 12_000)
-    if args.data is None:
-        data = replace(data, data=PREDICTOR_DATA)
+    data = _data_request(args, PredictorRequest().data)
     make = PredictorTrainConfig.state_reading if args.state else PredictorTrainConfig
     config = make(**({} if args.epochs is None else {"epochs": args.epochs}))
     request = PredictorRequest(heads=args.heads, candidate_layer=args.candidate_layer,
@@ -644,21 +740,16 @@ def _cmd_train_predictors(args: argparse.Namespace) -> int:
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from selfspec.heads.files import read_head_file
     from selfspec.models.registry import DEFAULT_MODEL
-    from selfspec.training.drafter import DrafterTrainConfig
-    from selfspec.training.pipeline import DrafterRequest, train_drafter
+    from selfspec.training.drafter import DrafterRequest, DrafterTrainConfig, train_drafter
 
     exit_mix = args.exit_mix
     if exit_mix is None:  # the exit-state drafter reads the exit states
-        exit_mix = 0.0 if args.exit_state_layers != () else 0.25
+        exit_mix = 0.0 if args.exit_state_layers != () else DrafterTrainConfig().exit_mix
     config = DrafterTrainConfig(epochs=args.epochs, exit_mix=exit_mix,
                                 compute_dtype=_compute_dtype(args))
     head_file = read_head_file(args.path, args.model or DEFAULT_MODEL)
     path, card = head_file.path, head_file.card
-    data = None  # default: the corpus the heads were trained on (same held-out problems)
-    if args.data or args.tokens:
-        info = card.training
-        args.data = args.data or (",".join(info.data) if info else None)
-        data = _data_request(args, (info.requested_tokens or info.train_tokens) if info else None)
+    data = _card_data_request(args, card)
     dtype = args.dtype or (card.training.feature_dtype if card.training else None)
     engine = _load_engine(args, args.model or card.model, dtype)
     outcome = train_drafter(engine, DrafterRequest(str(path), args.draft_vocab, data, config,
@@ -716,13 +807,13 @@ def _print_predictors(card, out=None) -> None:
     if pc.thresholds:
         print("held-out, every predictor active: threshold → token accuracy, mean layers of "
               f"{card.num_layers}", file=out)
-        for t, acc, layers in zip(pc.thresholds, pc.token_accuracy, pc.mean_layers):
+        for t, acc, layers in zip(pc.thresholds, pc.token_accuracy, pc.mean_layers, strict=False):
             print(f"  {t:.3f} → {_f(acc)}, {_f(layers, 2)}", file=out)
     tu = pc.tuning
     if tu is not None:
         print(f"verified SpecEE tuned by replay on {', '.join(tu.data)} (at most "
               f"{tu.max_early} exited tokens outstanding; specee:verify=true,tuned=true): "
-              + ", ".join(f"layer {x} {t:g}" for x, t in zip(tu.layers, tu.thresholds)),
+              + ", ".join(f"layer {x} {t:g}" for x, t in zip(tu.layers, tu.thresholds, strict=False)),
               file=out)
         print(f"replayed speedup over autoregressive decoding: tuning half {_f(tu.speedup)} "
               f"({tu.tokens} tokens, acceptance {_f(tu.acceptance)}, "
@@ -747,15 +838,16 @@ def _print_predictors(card, out=None) -> None:
 
 def _cmd_train_probe(args: argparse.Namespace) -> int:
     from selfspec.decoding.core.sampling import SamplingConfig
-    from selfspec.training.pipeline import DEFAULT_TOKENS, ProbeRequest, train_probe
+    from selfspec.training.probe import ProbeRequest, train_probe
 
-    sampling = None
-    if args.temperature != 0 or args.top_p != 1.0:
+    sampling, greedy = None, SamplingConfig()
+    if args.temperature != greedy.temperature or args.top_p != greedy.top_p:
         if args.temperature <= 0:
             raise InvalidArgumentError("--top-p needs --temperature > 0 (a sampled probe)")
         sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p)
     request = ProbeRequest(exit_layer=args.exit_layer, heads=args.heads, out=args.out,
-                           data=_data_request(args, DEFAULT_TOKENS), sampling=sampling)
+                           data=_data_request(args, _default(ProbeRequest, "data")),
+                           sampling=sampling)
     engine = _load_engine(args, args.model, args.dtype)
     outcome = train_probe(engine, request, progress=not args.quiet)
     _print_card(outcome.heads.card)

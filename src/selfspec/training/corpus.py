@@ -240,15 +240,18 @@ class GenerationCache:
                 logger.warning("ignoring unreadable generation cache %s (%s)", path, err)
 
     def get(self, prompt_id: str) -> dict[str, list[int]] | None:
+        """The cached ``{"prompt_ids", "output_ids"}`` of ``prompt_id``, or ``None``."""
         return self.entries.get(prompt_id)
 
     def put(self, prompt_id: str, prompt_ids: list[int], output_ids: list[int]) -> None:
+        """Record one generation; saved to disk every few puts (and by :meth:`save`)."""
         self.entries[prompt_id] = {"prompt_ids": list(prompt_ids), "output_ids": list(output_ids)}
         self._dirty += 1
         if self._dirty >= _SAVE_EVERY:
             self.save()
 
     def save(self) -> None:
+        """Write the cache atomically (a temporary file, then a rename) if it changed."""
         if not self._dirty and self.path.is_file():
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -311,6 +314,8 @@ def _onpolicy_maker(engine: Engine, source: str, prompts: list[Any], cache: Gene
 
 
 def onpolicy_cache_path(cache_root: Path, dataset: str, max_new_tokens: int) -> Path:
+    """``<cache_root>/onpolicy/<dataset>-greedy-<max_new_tokens>.json``: the model's greedy
+    answers to ``dataset``'s prompts (:class:`GenerationCache`)."""
     return cache_root / "onpolicy" / f"{dataset}-greedy-{max_new_tokens}.json"
 
 

@@ -69,6 +69,7 @@ class FeatureSet:
 
     @property
     def num_tokens(self) -> int:
+        """``N``, the scored positions."""
         return int(self.final.shape[0])
 
     def count(self, split: int) -> int:

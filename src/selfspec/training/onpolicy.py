@@ -9,9 +9,7 @@ Why not transformers' batched ``generate``: its rows are not each prompt's greed
 bf16 a row's rounding follows the batch's shape and padding: on SmolLM2, 6 of 8 rows of a
 left-padded batch parted from the same prompt generated alone within 32 tokens, the unpadded
 row too), and it is slower where bf16 matrix products are emulated, where it needed an fp32
-copy of the model. Measured on 16 MT-Bench prompts, 128 new tokens, 2 threads,
-SmolLM2-135M bf16 (docs/results/timings.md): 260 against 241 tok/s on the AMX Xeon, and
-258 against 155 tok/s (fp32 copy) with the AVX2 kernels only.
+copy of the model.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ def plot_roc(heads: ExitHeads, path: Path) -> Path:
     layers = [layer for layer in heads.layers if layer in heads.calibration]
     fig, axes = plt.subplots(1, max(1, len(layers)), figsize=(3.6 * max(1, len(layers)), 3.6),
                              squeeze=False)
-    for ax, layer in zip(axes[0], layers):
+    for ax, layer in zip(axes[0], layers, strict=False):
         data = heads.calibration[layer]
         for metric, scores in data.scores.items():
             curve = roc_curve(scores, data.correct)

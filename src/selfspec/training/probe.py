@@ -19,17 +19,39 @@ makes plain gradient descent on ``(v, b)`` badly conditioned. Training therefore
 on standardised features ``(h - μ)/σ`` and folds the standardisation back into ``(v, b)``
 afterwards (``v = w/σ``, ``b = b' - Σ w μ/σ``): the stored probe is still exactly the linear
 probe of §II.B on the raw hidden state.
+
+The stage ``selfspec heads train-probe``: :class:`ProbeRequest` → :func:`train_probe` →
+:class:`~selfspec.training.pipeline.TrainOutcome`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from selfspec.decoding.core.sampling import SamplingConfig, logits_to_probs
 from selfspec.errors import InvalidArgumentError
+from selfspec.heads.card import ProbeCard
+from selfspec.heads.files import (
+    DEFAULT_PROBES,
+    ExitHeads,
+    find_head_file,
+    load_heads,
+    model_name,
+    new_card,
+    resolve_path,
+    save_heads,
+)
+from selfspec.heads.modules import ExitHead
 from selfspec.heads.probe import LinearProbe
+from selfspec.training.calibration import roc_auc
+from selfspec.training.corpus import CALIBRATION, TEST, TRAIN
+from selfspec.training.engine import Engine
+from selfspec.training.pipeline import DataRequest, StageTimes, TrainOutcome, prepare_features
+from selfspec.training.placement import check_layers
 
 
 @dataclass(frozen=True)
@@ -91,3 +113,154 @@ def fit_probe(layer: int, hidden: torch.Tensor, accepted: torch.Tensor,
         probe.weight.copy_(w / std)
         probe.bias.copy_(b - (w * mean / std).sum())
     return probe.eval().requires_grad_(False)
+
+
+PROBE_USES = {TRAIN: "probe-train", CALIBRATION: "probe-eval", TEST: "probe-eval"}
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """``selfspec heads train-probe``.
+
+    Attributes:
+        exit_layer: the layer the draft exits at.
+        heads: head file whose head at ``exit_layer`` drafts (``None`` = the model's own final
+            norm + ``lm_head``, as LayerSkip/AdaSPEED draft); the probe is saved into it.
+        out: where to save an ``lm_head`` probe (``None`` = ``<model>/probes/`` next to the
+            default heads).
+        data: :class:`DataRequest`.
+        config: :class:`ProbeTrainConfig`.
+        sampling: ``None`` = a greedy-decoding probe (label: draft argmax == final argmax);
+            a sampling config = a sampled-decoding probe whose label is the expected
+            acceptance of speculative sampling under that temperature / top-p.
+    """
+
+    exit_layer: int
+    heads: str | None = None
+    out: str | None = None
+    data: DataRequest = field(default_factory=DataRequest)
+    config: ProbeTrainConfig = field(default_factory=ProbeTrainConfig)
+    sampling: SamplingConfig | None = None
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """Draft predictions at an exit layer, ``[N]`` each.
+
+    Attributes:
+        tokens: the draft argmax.
+        max_prob: its untempered probability.
+        expected_acceptance: ``Σ_x min(p(x), q(x))`` under the sampling settings (``None``
+            for greedy): the probability that speculative sampling accepts a token drawn
+            from the draft ``q`` given the target ``p`` (Leviathan et al. 2023, §3.3).
+    """
+
+    tokens: torch.Tensor
+    max_prob: torch.Tensor
+    expected_acceptance: torch.Tensor | None = None
+
+
+@torch.inference_mode()
+def draft_predictions(engine: Engine, head: ExitHead | None, hidden: torch.Tensor,
+                      final: torch.Tensor | None = None, sampling: SamplingConfig | None = None,
+                      batch_tokens: int = 512) -> Drafts:
+    """What an early-exit drafter predicts from exit-layer states ``[N, H]`` with ``head``
+    (``None`` = the model's final norm + ``lm_head``); with ``sampling`` and the last-layer
+    states ``final`` ``[N, H]``, also each position's expected acceptance."""
+    tokens, top, alpha = [], [], []
+    for start in range(0, hidden.shape[0], batch_tokens):
+        h = hidden[start:start + batch_tokens].unsqueeze(0)
+        logits = engine.executor.logits(h, head)[0].float()
+        tokens.append(logits.argmax(-1))
+        top.append(torch.softmax(logits, -1).max(-1).values)
+        if sampling is not None:
+            target = engine.executor.logits(final[start:start + batch_tokens].unsqueeze(0))[0]
+            q = logits_to_probs(logits, sampling)
+            p = logits_to_probs(target.float(), sampling)
+            alpha.append(torch.minimum(p, q).sum(-1).clamp(0.0, 1.0))
+    return Drafts(torch.cat(tokens), torch.cat(top), torch.cat(alpha) if alpha else None)
+
+
+def train_probe(engine: Engine, request: ProbeRequest, progress: bool = True) -> TrainOutcome:
+    """Fit an AdaSPEED probe at ``request.exit_layer`` and save it (see :class:`ProbeRequest`).
+
+    Raises:
+        InvalidArgumentError: exit layer outside ``[1, L-1]``, a greedy ``sampling`` config,
+            or no data.
+    """
+    layer = check_layers([request.exit_layer], engine.executor.num_layers)[0]
+    sampling = request.sampling
+    if sampling is not None and sampling.greedy:
+        raise InvalidArgumentError("a sampled-decoding probe needs temperature > 0")
+    if request.heads is not None:
+        target = find_head_file(request.heads, model_name(engine))
+        container = load_heads(target, engine)
+    else:
+        target = resolve_path(request.out or DEFAULT_PROBES, model_name(engine))
+        container = (load_heads(target, engine) if target.is_file()
+                     else ExitHeads([], [], new_card(engine, None, [])))
+    head = container.head_at(layer) if layer in container.layers else None
+    times = StageTimes()
+    data = prepare_features(engine, request.data, [layer], times, progress)
+    features = data.features
+    t0 = time.perf_counter()
+    hidden = features.hidden[layer]
+    drafts = draft_predictions(engine, head, hidden, features.final, sampling)
+    accepted = drafts.tokens == features.teacher_token
+    labels = accepted if drafts.expected_acceptance is None else drafts.expected_acceptance
+    train_idx, eval_idx = features.indices(TRAIN), features.indices(CALIBRATION, TEST)
+    if train_idx.numel() == 0 or eval_idx.numel() == 0:
+        raise InvalidArgumentError("the probe needs training and held-out tokens; give more data")
+    probe = fit_probe(layer, hidden[train_idx], labels[train_idx], request.config)
+    seconds = time.perf_counter() - t0
+    times.probe_s = seconds
+    stats = probe_stats(probe, hidden[eval_idx], labels[eval_idx], drafts.max_prob[eval_idx])
+    mode = "greedy" if sampling is None else "sampled"
+    (container.probes if sampling is None else container.sampled_probes)[layer] = probe
+    container.card.probes = [p for p in container.card.probes
+                             if (p.exit_layer, p.mode) != (layer, mode)]
+    container.card.probes.append(ProbeCard(
+        exit_layer=layer, draft_head="exit_head" if head is not None else "lm_head",
+        train_tokens=int(train_idx.numel()), eval_tokens=int(eval_idx.numel()),
+        base_rate=stats.base_rate, accuracy=stats.accuracy, auc=stats.auc,
+        max_prob_auc=stats.max_prob_auc, bce=stats.bce, seconds=seconds, mode=mode,
+        temperature=0.0 if sampling is None else sampling.temperature,
+        top_p=1.0 if sampling is None else sampling.top_p))
+    container.card.probes.sort(key=lambda p: (p.exit_layer, p.mode))
+    container.card.set_prompts(data.uses(PROBE_USES))
+    save_heads(container, target)
+    return TrainOutcome(target, container, times, int(train_idx.numel()), int(eval_idx.numel()))
+
+
+@dataclass(frozen=True)
+class ProbeStats:
+    """Held-out quality of a probe (see :class:`~selfspec.heads.card.ProbeCard`)."""
+
+    base_rate: float
+    accuracy: float
+    auc: float
+    max_prob_auc: float
+    bce: float
+
+
+@torch.inference_mode()
+def probe_stats(probe: LinearProbe, hidden: torch.Tensor, labels: torch.Tensor,
+                max_prob: torch.Tensor) -> ProbeStats:
+    """Quality of ``probe`` on ``hidden`` ``[N, H]`` against ``labels`` ``[N]``, with the AUC of
+    the draft's own max-probability ``[N]`` for comparison.
+
+    Boolean labels (greedy probes): accuracy of ``probe >= 0.5`` and ROC AUC. Expected-
+    acceptance labels in [0, 1] (sampled probes): ``accuracy`` is the mean absolute error,
+    and the AUCs are taken against ``label >= 0.5``.
+    """
+    logit = probe.logit(hidden)
+    prob = torch.sigmoid(logit)
+    y = labels.float()
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(logit, y).item()
+    if labels.dtype == torch.bool:
+        accuracy = float(((prob >= 0.5) == labels).float().mean())
+    else:
+        accuracy = float((prob - y).abs().mean())
+    positive = y >= 0.5
+    return ProbeStats(float(y.mean()), accuracy, roc_auc(prob, positive),
+                      roc_auc(max_prob, positive), bce)

@@ -21,8 +21,8 @@ last-layer state, 32-50% from exit layers 3-18). So the trace holds each positio
 over: at a draft's start, and inside a draft after an exit at each of a few layers
 (:attr:`~selfspec.training.adadecode_tuning.HeadTrace.inner_layers`, the nearest standing in
 for the others), with the candidates the file's exit-state drafter (or its main drafter)
-drafts there. Before 2026-11-28 every position was replayed as at a draft's start, and the
-replay overestimated acceptance (82% against 78% measured).
+drafts there. Replaying every position as at a draft's start overestimated acceptance (82%
+against 78% measured).
 
 **Why per-layer thresholds.** As for AdaDecode (:mod:`selfspec.training.adadecode_tuning`): an
 accepted exit at layer ``ℓ`` saves about ``L - ℓ`` layer calls and a rejected one wastes the
@@ -37,10 +37,14 @@ by the bytes they read (decoding is bandwidth bound): a predictor check reads th
 ``k`` ``lm_head`` rows, the predictor MLP, and at head-lens layers the lens ``T`` (``H×H``);
 each position that may exit first runs the drafter (its weights and the draft-vocabulary
 rows).
+
+Run by ``selfspec heads train-predictors``: :func:`tune_predictors` (costs from
+:func:`replay_costs`) on the predictors' held-out outputs.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,14 +52,24 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.errors import InvalidArgumentError
+from selfspec.executor.cost_model import cached_latency
+from selfspec.heads.card import PredictorTuning
+from selfspec.heads.predictor import ExitPredictors
 from selfspec.training.adadecode_tuning import (
     DEFAULT_ROW_COST,
     HeadTrace,
     ScheduleCosts,
     SchedulePrediction,
+    output_cost_from_latency,
+    row_cost_from_latency,
     simulate,
     tune,
 )
+from selfspec.training.corpus import ONPOLICY, CorpusItem
+from selfspec.training.engine import Engine
+from selfspec.training.pipeline import in_feature_order
+
+logger = logging.getLogger(__name__)
 
 # Thresholds tried per layer (None = that layer's predictor off). State-reading predictors
 # are over-confident on new text (decoding.specee.step.STATE_DEFAULT_ACCURACY), so the grid is
@@ -149,7 +163,7 @@ def halves(trace: HeadTrace) -> tuple[HeadTrace, HeadTrace]:
         starts.append(starts[-1] + n)
     parts = []
     for parity in (0, 1):
-        picked = [(s, n) for i, (s, n) in enumerate(zip(starts, trace.lengths)) if i % 2 == parity]
+        picked = [(s, n) for i, (s, n) in enumerate(zip(starts, trace.lengths, strict=False)) if i % 2 == parity]
         index = torch.cat([torch.arange(s, s + n) for s, n in picked])
         parts.append(trace.select(index, tuple(n for _, n in picked)))
     return parts[0], parts[1]
@@ -259,3 +273,139 @@ def predictor_trace(prob: torch.Tensor, labels: torch.Tensor, layers: Sequence[i
                  inner_labels.transpose(1, 2).contiguous())
     return HeadTrace(tuple(int(x) for x in layers), prob.t().float().contiguous(),
                      labels.t().contiguous(), tuple(int(c) for c in counts), *extra)
+
+
+@dataclass(frozen=True)
+class InnerOutputs:
+    """The predictors on the held-out positions as they stand inside a draft.
+
+    Attributes:
+        layers: ``[E]`` exit layers of the previous position, increasing.
+        prob: ``[E, P, N]`` predictor outputs with the candidates drafted from the previous
+            position's state leaving layer ``layers[e] - 1``.
+        labels: ``[E, P, N]`` bool, the top local candidate is the final token.
+        drafter: ``"exit-state"`` (the file's exit-state drafter drafted them, as decoding
+            does by default) or ``"main"``.
+    """
+
+    layers: tuple[int, ...]
+    prob: torch.Tensor
+    labels: torch.Tensor
+    drafter: str
+
+
+@dataclass(frozen=True)
+class ReplayCosts:
+    """The tuning replay's measured or given costs and where each came from (``"given"``,
+    ``"measured: <latency key>"``, ``"bytes"``).
+
+    Attributes:
+        row / row_source: :attr:`~selfspec.training.adadecode_tuning.ScheduleCosts.row`.
+        output / output_source: the output layer in single-position layer calls, or
+            ``None``: from its weight bytes.
+    """
+
+    row: float
+    row_source: str
+    output: float | None = None
+    output_source: str = "bytes"
+
+
+def replay_costs(engine: Engine, row: float | None, output: float | str) -> ReplayCosts:
+    """The tuning replay's row and output-layer costs: as given, or this machine's from its
+    latency model (measured once and kept), or (``output="bytes"``) from the weights."""
+    if row is not None and row < 0:
+        raise InvalidArgumentError(f"--row-cost must be >= 0, got {row}")
+    if isinstance(output, str) and output not in ("auto", "bytes"):
+        raise InvalidArgumentError(f"--output-cost must be auto, bytes or a number > 0, got "
+                                   f"{output!r}")
+    if not isinstance(output, str) and not output > 0:
+        raise InvalidArgumentError(f"--output-cost must be > 0, got {output}")
+    latency = None
+    if row is None or output == "auto":
+        from selfspec.models.provision import selfspec_home
+
+        latency = cached_latency(engine.executor, selfspec_home())
+    measured = "" if latency is None else f"measured: {latency.key}"
+    if row is None:
+        row, row_source = row_cost_from_latency(latency), measured
+    else:
+        row, row_source = float(row), "given"
+    if output == "auto":
+        out, out_source = output_cost_from_latency(latency), measured
+    elif output == "bytes":
+        out, out_source = None, "bytes"
+    else:
+        out, out_source = float(output), "given"
+    logger.info("replay costs: one more position %.3f (%s), output layer %s (%s)", row,
+                row_source, "from bytes" if out is None else f"{out:.2f}", out_source)
+    return ReplayCosts(row, row_source, out, out_source)
+
+
+def tune_predictors(engine: Engine, items: Sequence[CorpusItem], eval_idx: torch.Tensor,
+                    model: ExitPredictors, prob: torch.Tensor, labels: torch.Tensor,
+                    layers: Sequence[int], lenses: dict[int, object], candidates: torch.nn.Module,
+                    rows: torch.Tensor | None,
+                    costs_in: ReplayCosts = ReplayCosts(DEFAULT_ROW_COST, "given"),
+                    max_early: int = DEFAULT_MAX_EARLY,
+                    inner: InnerOutputs | None = None) -> PredictorTuning | None:
+    """Verified SpecEE's per-layer thresholds by replay on the held-out positions of on-policy
+    text (:mod:`selfspec.training.specee_tuning`), or ``None`` (logged) when there are fewer
+    than two such sequences (teacher-forced text is not what greedy decoding visits).
+
+    Args:
+        items: the corpus; eval_idx: ``[N]`` held-out positions; model: the predictors;
+            prob / labels: their ``[P, N]`` outputs and the labels there; layers: ``[P]``
+            their layers; lenses: ``{ℓ: head}``
+            of the head lens; candidates: the drafter, or the exit head drafting the
+            candidates; rows: the draft-vocabulary rows (``None``: every token); costs_in:
+            the row and output-layer costs and their sources; inner: the positions as they
+            stand inside a draft (``None``: replayed as at a draft's start).
+    """
+    ordered = in_feature_order(items)
+    counts = torch.tensor([i.num_scored for i in ordered])
+    sequence = torch.repeat_interleave(torch.arange(len(ordered)), counts)
+    onpolicy = torch.repeat_interleave(
+        torch.tensor([i.source.startswith(ONPOLICY) for i in ordered]), counts)
+    keep = onpolicy[eval_idx]
+    replayed = sequence[eval_idx][keep]
+    seqs = torch.unique(replayed).tolist()
+    if len(seqs) < 2:
+        logger.info("no per-layer SpecEE thresholds: fewer than two held-out on-policy "
+                    "sequences (give --data onpolicy:DATASET)")
+        return None
+    trace = predictor_trace(prob[:, keep], labels[:, keep], layers, replayed,
+                            None if inner is None else
+                            (inner.layers, inner.prob[:, :, keep], inner.labels[:, :, keep]))
+    ex = engine.executor
+    hidden = ex.model.lm_head.in_features
+    element = torch.tensor([], dtype=ex.dtype).element_size()
+    predictors = list(layers)
+    mlp = sum(p.numel() for p in model.parameters()) // len(predictors)  # one layer's MLP
+    checks = [(model.num_candidates * hidden + mlp
+               + (hidden * hidden if layer in lenses else 0)) * element for layer in predictors]
+    scored = ex.vocab_size if rows is None else int(rows.numel())
+    scan = (sum(p.numel() for p in candidates.parameters()) + scored * hidden) * element
+    costs = SpecEECosts.from_sizes(ex.decode_layer_bytes(0), checks, scan,
+                                   ex.output_decode_bytes, costs_in.row, costs_in.output)
+    found = tune_thresholds(trace, ex.num_layers, costs, max_early)
+    kept = sorted(found.thresholds)
+    sources = sorted({ordered[i].source for i in seqs})  # what was replayed
+    logger.info("SpecEE per-layer thresholds %s (single %s): replayed speedup %.3f, check "
+                "half %.3f (single %.3f, perfect predictors %.3f)", found.thresholds,
+                found.single, found.tuned.speedup, found.tuned_check.speedup,
+                found.single_check.speedup, found.ceiling_check.speedup)
+    return PredictorTuning(
+        layers=kept, thresholds=[found.thresholds[x] for x in kept],
+        single_threshold=found.single, max_early=max_early, row_cost=costs.schedule.row,
+        row_cost_source=costs_in.row_source, output_cost_source=costs_in.output_source,
+        inner_layers=[] if inner is None else list(inner.layers),
+        inner_drafter="" if inner is None else inner.drafter,
+        scan_cost=costs.schedule.scan, output_cost=costs.schedule.output,
+        check_costs=[costs.checks[predictors.index(x)] for x in kept], data=sources,
+        tokens=found.tuned.tokens, speedup=found.tuned.speedup,
+        acceptance=found.tuned.acceptance, drafts_per_token=found.tuned.drafts_per_token,
+        check_tokens=found.tuned_check.tokens, check_speedup=found.tuned_check.speedup,
+        check_acceptance=found.tuned_check.acceptance,
+        single_check_speedup=found.single_check.speedup,
+        ceiling_check_speedup=found.ceiling_check.speedup)

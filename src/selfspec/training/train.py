@@ -32,6 +32,9 @@ corpus, reshuffled every epoch. Optimiser: Adam with linear warm-up over the fir
 steps and cosine decay (AdaDecode Appendix D's schedule). Matmuls run in bfloat16 autocast
 by default (``compute_dtype``; faster than float32 on a CPU with native bf16),
 softmaxes and losses in float32, parameters in float32.
+
+The stage ``selfspec heads train``: :class:`TrainRequest` → :func:`train` (corpus, features,
+:func:`train_heads`, save, calibrate) → :class:`~selfspec.training.pipeline.TrainOutcome`.
 """
 
 from __future__ import annotations
@@ -40,17 +43,40 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
 from tqdm.auto import tqdm
 
 from selfspec.errors import InvalidArgumentError
-from selfspec.heads.modules import ExitHead, LightweightHead, OutputLayer, make_head
-from selfspec.training.corpus import CALIBRATION, TEST, TRAIN
+from selfspec.executor.cpu import detect_cpu
+from selfspec.heads.calibration import CONFIDENCE_METRICS
+from selfspec.heads.card import HeadEval, TrainingInfo
+from selfspec.heads.files import (
+    ExitHeads,
+    load_heads,
+    model_name,
+    new_card,
+    resolve_path,
+    save_heads,
+)
+from selfspec.heads.modules import ExitHead, LightweightHead, OutputLayer, make_head, output_layer
+from selfspec.training.calibration import DEFAULT_EPSILONS, calibrate
+from selfspec.training.corpus import CALIBRATION, TEST, TRAIN, parse_data_spec
+from selfspec.training.engine import Engine
 from selfspec.training.features import FeatureSet
 from selfspec.training.losses import Teacher, cross_entropy, kl_divergence
+from selfspec.training.pipeline import (
+    HEAD_USES,
+    DataRequest,
+    StageTimes,
+    TrainOutcome,
+    dtype_label,
+    model_eos_ids,
+    prepare_features,
+)
+from selfspec.training.placement import check_layers, default_layers
 
 logger = logging.getLogger(__name__)
 
@@ -415,3 +441,70 @@ def train_heads(out: OutputLayer, features: FeatureSet, layers: Sequence[int],
         head.bind(out)  # hand back heads on the model's own lm_head, not the training copy
     return TrainResult(heads, before, after, int(train_idx.numel()), int(eval_idx.numel()),
                        step, history, seconds, rows)
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """``selfspec heads train``.
+
+    Attributes:
+        layers: exit layers, or ``None`` for DSSD eq. (1) with ``K = 4``.
+        train: :class:`TrainConfig`.
+        data: :class:`DataRequest`.
+        out: where to save (``None`` = the model's default heads directory).
+        calibrate: calibrate after training.
+        epsilons / metrics: calibration sweep.
+        draft_vocabs: reduced draft-vocabulary sizes to calibrate as well (DSSD ``draft_vocab``).
+    """
+
+    layers: tuple[int, ...] | None = None
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataRequest = field(default_factory=DataRequest)
+    out: str | None = None
+    calibrate: bool = True
+    epsilons: tuple[float, ...] = DEFAULT_EPSILONS
+    metrics: tuple[str, ...] = CONFIDENCE_METRICS
+    draft_vocabs: tuple[int, ...] = ()
+
+
+def train(engine: Engine, request: TrainRequest, progress: bool = True) -> TrainOutcome:
+    """Train heads for ``engine``'s model, save them, calibrate them (see module doc).
+
+    Raises:
+        InvalidArgumentError: bad layers or options.
+        KeyboardInterrupt: passed on; no head file is written before training completes.
+    """
+    num_layers = engine.executor.num_layers
+    layers = check_layers(request.layers, num_layers) if request.layers else default_layers(num_layers)
+    times = StageTimes()
+    data = prepare_features(engine, request.data, layers, times, progress)
+    features = data.features
+    out = output_layer(engine)
+    result = train_heads(out, features, layers, request.train, progress=progress,
+                         eos_ids=model_eos_ids(engine))
+    times.train_s = result.seconds
+    cfg = request.train
+    card = new_card(engine, cfg.kind, layers)
+    card.training = TrainingInfo(
+        loss=cfg.loss, kl_direction=cfg.kl_direction, alpha=cfg.alpha,
+        data=parse_data_spec(request.data.data), train_tokens=result.train_tokens,
+        eval_tokens=result.eval_tokens, epochs=cfg.epochs, lr=cfg.lr,
+        batch_tokens=cfg.batch_tokens, compute_dtype=cfg.compute_dtype,
+        feature_dtype=dtype_label(engine.executor.dtype), init=cfg.init, seed=request.data.seed,
+        seconds=result.seconds, requested_tokens=request.data.tokens,
+        max_new_tokens=request.data.max_new_tokens, max_len=request.data.max_len,
+        loss_vocab=cfg.loss_vocab, cpu=detect_cpu().summary())
+    card.set_prompts(data.uses(HEAD_USES))
+    card.heads = [HeadEval(a.layer, a.tokens, b.agreement, a.agreement, b.kl, a.kl,
+                           a.confident_fraction, a.confident_agreement)
+                  for b, a in zip(result.before, result.after, strict=False)]
+    target = resolve_path(request.out or "default", model_name(engine))
+    save_heads(ExitHeads(layers, result.heads, card), target)
+    heads = load_heads(target, engine)  # the heads exactly as inference will see them
+    if request.calibrate:
+        t0 = time.perf_counter()
+        calibrate(heads, features, request.metrics, request.epsilons, request.draft_vocabs,
+                  model_eos_ids(engine))
+        times.calibrate_s = time.perf_counter() - t0
+        save_heads(heads, target)
+    return TrainOutcome(target, heads, times, result.train_tokens, result.eval_tokens)
