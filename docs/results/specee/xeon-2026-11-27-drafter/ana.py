@@ -1,8 +1,8 @@
 """Offline: SpecEE exits with and without the SpecEE code's confirm check (exit-layer argmax over K rows must be the top candidate)."""
 import sys, torch, selfspec
 from selfspec.heads.files import load_heads
-from selfspec.training.pipeline import (DataRequest, prepare_features, StageTimes, predictor_splits,
-    head_candidates, ngram_tokens, in_feature_order)
+from selfspec.training.pipeline import DataRequest, prepare_features, StageTimes, in_feature_order
+from selfspec.training.predictors import predictor_splits, head_candidates, ngram_tokens
 from selfspec.training.predictors import predictor_data
 from selfspec.decoding.specee.step import merge_ngram
 from selfspec.decoding.drafting.draft_vocab import frequent_rows

@@ -1,7 +1,8 @@
 """Oracle exit layers with drafter candidates available from layer 1 (vs exit-head candidates from layer c)."""
 import sys, math, torch, selfspec, torch.nn.functional as F
 from selfspec.heads.files import load_heads
-from selfspec.training.pipeline import DataRequest, prepare_features, StageTimes, in_feature_order, ngram_tokens
+from selfspec.training.pipeline import DataRequest, prepare_features, StageTimes, in_feature_order
+from selfspec.training.predictors import ngram_tokens
 from selfspec.training.corpus import TEST
 from selfspec.decoding.drafting.draft_vocab import frequent_rows
 from selfspec.decoding.specee.step import merge_ngram

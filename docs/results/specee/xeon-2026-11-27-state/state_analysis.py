@@ -2,8 +2,9 @@
 Drafter+ngram candidates (drafter49k), predictor layers 3..27, Qwen2.5-Coder-1.5B bf16."""
 import sys, time, torch, numpy as np, torch.nn.functional as F, selfspec
 from selfspec.heads.files import load_heads
-from selfspec.training.pipeline import (DataRequest, prepare_features, StageTimes, in_feature_order,
-    ngram_tokens, drafter_candidates, _card_request)
+from selfspec.training.pipeline import DataRequest, prepare_features, StageTimes, in_feature_order, card_request as _card_request
+from selfspec.training.predictors import ngram_tokens
+from selfspec.training.drafter import drafter_candidates
 from selfspec.training.drafter import drafter_positions
 from selfspec.training.predictors import predictor_data, fit_predictors, PredictorTrainConfig
 from selfspec.training.corpus import TRAIN, CALIBRATION, TEST

@@ -1,8 +1,9 @@
 """Held-out threshold sweep (finer, up to 0.999) of a head file's SpecEE predictors on the test split."""
 import sys, torch, numpy as np, selfspec
 from selfspec.heads.files import load_heads
-from selfspec.training.pipeline import (DataRequest, prepare_features, StageTimes, in_feature_order,
-    ngram_tokens, drafter_candidates, _card_request)
+from selfspec.training.pipeline import DataRequest, prepare_features, StageTimes, in_feature_order, card_request as _card_request
+from selfspec.training.predictors import ngram_tokens
+from selfspec.training.drafter import drafter_candidates
 from selfspec.training.drafter import drafter_positions
 from selfspec.training.predictors import predictor_data, predictor_probs
 from selfspec.training.corpus import TEST

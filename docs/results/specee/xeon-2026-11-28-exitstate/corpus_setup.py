@@ -9,8 +9,7 @@ from selfspec.heads import load_heads
 from selfspec.heads.files import find_head_file
 from selfspec.heads.modules import output_layer
 from selfspec.training.drafter import drafter_positions
-from selfspec.training.pipeline import (DataRequest, StageTimes, _draft_rows, in_feature_order,
-                                        prepare_features)
+from selfspec.training.pipeline import DataRequest, StageTimes, draft_rows as _draft_rows, in_feature_order, prepare_features
 
 DATA = "stdlib*4,onpolicy:humaneval,onpolicy:stdlib,onpolicy:gsm*2"
 

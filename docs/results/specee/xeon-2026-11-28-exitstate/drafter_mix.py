@@ -9,7 +9,7 @@ from corpus_setup import load
 
 from selfspec.training.corpus import TEST, TRAIN
 from selfspec.training.drafter import DrafterTrainConfig, fit_drafter
-from selfspec.training.pipeline import _draft_rows
+from selfspec.training.pipeline import draft_rows as _draft_rows
 
 model, heads, mnt, layers = sys.argv[1], sys.argv[2], int(sys.argv[3]), [int(x) for x in sys.argv[4].split(",")]
 variants = sys.argv[5].split(";")
