@@ -9,7 +9,7 @@ Usage::
 Saves a tiny random model (tests/tiny.py), starts ``selfspec serve`` on it as a subprocess
 (uvicorn, real sockets), and fuzzes it over its own ``/openapi.json``:
 
-1. ``tests/test_fuzz.py::test_api`` with ``SELFSPEC_FUZZ_URL`` (the suite's checks: no 5xx,
+1. ``tests/serving/test_fuzz.py::test_api`` with ``SELFSPEC_FUZZ_URL`` (the suite's checks: no 5xx,
    responses and each event of a stream inside the document, documented status codes and
    content types, requests outside the document refused, and every response, a stream
    too, ended within ``--timeout`` seconds), ``--examples`` per operation, schemathesis's
@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (see ``--help``)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", type=int, default=2000,
-                        help="examples per operation (tests/test_fuzz.py)")
+                        help="examples per operation (tests/serving/test_fuzz.py)")
     parser.add_argument("--timeout", type=float, default=30.0,
                         help="seconds a response may take before it counts as hung")
     parser.add_argument("--st", action="store_true", help="also run the schemathesis CLI")
@@ -136,12 +136,12 @@ def main(argv: list[str] | None = None) -> int:
                     "SELFSPEC_FUZZ_COVERAGE": "0" if args.no_coverage else "1"}
         pytest = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-             str(ROOT / "tests" / "test_fuzz.py"), "-k", "test_api"], env=fuzz_env,
+             str(ROOT / "tests" / "serving" / "test_fuzz.py"), "-k", "test_api"], env=fuzz_env,
             cwd=ROOT)
-        logger.info("tests/test_fuzz.py::test_api: exit %d in %.0f s", pytest.returncode,
+        logger.info("tests/serving/test_fuzz.py::test_api: exit %d in %.0f s", pytest.returncode,
                     time.monotonic() - started)
         if pytest.returncode:
-            failed.append("tests/test_fuzz.py")
+            failed.append("tests/serving/test_fuzz.py")
         if args.st:
             started = time.monotonic()
             st = subprocess.run(

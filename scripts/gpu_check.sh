@@ -16,7 +16,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv 2>&1
   python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), 'transformers', transformers.__version__)" 2>&1
 } > "$OUT/environment.txt"
-timeout 60 python -m pytest -q -p no:cacheprovider -m cuda tests/test_gpu.py \
+timeout 60 python -m pytest -q -p no:cacheprovider -m cuda tests/executor/test_gpu.py \
   > "$OUT/pytest-cuda.txt" 2>&1 || echo "cuda tests: exit $?" >> "$OUT/pytest-cuda.txt"
 timeout 420 python scripts/gpu_check.py --out "$OUT" --parts gpu_parts \
   --model-dir gpu_work/smollm2 --budget-s 390 "$@"

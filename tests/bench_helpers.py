@@ -3,12 +3,12 @@ engine (imported by test_bench, test_promptfile and test_extras)."""
 
 from __future__ import annotations
 
-from tiny import tiny_model, tiny_tokenizer
-
 from selfspec.api import from_pretrained_model
 from selfspec.bench.runners import EncodedPrompt, RunOutput, RunSettings
 from selfspec.bench.spec import parse_method
 from selfspec.errors import InvalidArgumentError
+
+from tiny import tiny_model, tiny_tokenizer
 
 
 class ScriptedRunner:

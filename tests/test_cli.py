@@ -48,12 +48,12 @@ def test_models_latency_shows_and_remeasures_a_draft_views_own_model(monkeypatch
     their own file (what knapspec:draft_weights=int8 decides by) and can re-measure them."""
     import types
 
-    from tiny import tiny_model
-
     import selfspec
     from selfspec.executor import LayerExecutor
     from selfspec.executor.quant import quantized_kernels_available
     from selfspec.models import provision
+
+    from tiny import tiny_model
 
     if not quantized_kernels_available("int8"):
         pytest.skip("no int8 kernel here")

@@ -7,9 +7,6 @@ import json
 import sys
 
 import pytest
-from bench_helpers import ScriptedRunner
-from bench_helpers import run_output as _out
-from bench_helpers import tiny_engine as _engine
 
 import selfspec
 from selfspec.bench.pipeline import BenchOptions, run_benchmark
@@ -18,6 +15,10 @@ from selfspec.cli import main
 from selfspec.data import Prompt
 from selfspec.errors import DatasetUnavailableError, MissingDependencyError, ModelNotFoundError
 from selfspec.extras import BENCH_INSTALL, is_installed, require_module
+
+from bench_helpers import ScriptedRunner
+from bench_helpers import run_output as _out
+from bench_helpers import tiny_engine as _engine
 
 
 @pytest.fixture

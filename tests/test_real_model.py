@@ -421,7 +421,7 @@ def test_ngram_and_auto_greedy_equal_autoregressive(prompts, dtype, monkeypatch,
 
 @pytest.mark.parametrize("method,options", [
     ("ar", {}), ("ngram", {}), ("auto", {}),
-])  # a method without a batched step runs its rows one after another (tests/test_batch.py)
+])  # a method without a batched step runs its rows one after another (tests/decoding/test_batch.py)
 def test_batched_greedy_rows_equal_single_prompt_outputs(engine, prompts, ar_outputs, method,
                                                          options):
     """Real HumanEval prompts of different lengths as one ragged batch (plus a short chat

@@ -11,13 +11,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny import VOCAB, save_tiny, tiny_model, tiny_tokenizer
 
 from selfspec import from_pretrained_model
 from selfspec.cli import main
 from selfspec.decoding.core.sampling import SamplingConfig, logits_to_probs
 from selfspec.errors import InvalidArgumentError, PromptError, SelfSpecError
 from selfspec.validation import check_float, check_int, check_seed, check_stop
+
+from tiny import VOCAB, save_tiny, tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +64,14 @@ def test_a_tiny_temperature_is_greedy_not_nan():
 
 
 def test_a_temperature_below_float32_is_greedy_not_nan():
-    # Found by tests/test_fuzz.py: 5e-324 is 0 in float32 (0 / 0 at the top token).
+    # Found by tests/serving/test_fuzz.py: 5e-324 is 0 in float32 (0 / 0 at the top token).
     logits = torch.tensor([[1.0, 3.0, 2.0, 3.0 - 1e-3]])
     probs = logits_to_probs(logits, SamplingConfig(temperature=5e-324))
     assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
 
 
 def test_a_tiny_top_p_keeps_the_top_token():
-    # Found by tests/test_fuzz.py: top_p = 5e-324 is 0 in float32 and dropped every token.
+    # Found by tests/serving/test_fuzz.py: top_p = 5e-324 is 0 in float32 and dropped every token.
     logits = torch.tensor([[1.0, 3.0, 2.0]])
     for top_p in (5e-324, 1e-45, 1e-30):
         probs = logits_to_probs(logits, SamplingConfig(temperature=1.0, top_p=top_p))
@@ -91,7 +92,7 @@ BAD_PROMPTS = {
     "bytes": b"hello",
     "bools": [True, False],
     "floats": [1.0, 2.5],
-    "nested list": [[[1, 2]]],  # (a list of id lists is a batch: tests/test_batch.py)
+    "nested list": [[[1, 2]]],  # (a list of id lists is a batch: tests/decoding/test_batch.py)
     "lone surrogate": "abc\udcff",
     "empty text": "   ",
     "empty ids": [],

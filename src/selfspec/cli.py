@@ -159,7 +159,7 @@ def format_logprobs(tokenizer, logprobs, k: int) -> str:
     def text(token: int) -> str:
         return repr(tokenizer.decode([token]))
 
-    lines = [f"[selfspec] logprobs (natural log; token, logprob"
+    lines = ["[selfspec] logprobs (natural log; token, logprob"
              + (f", top {k})" if k else ")")]
     for i, lp in enumerate(logprobs):
         row = f"  {i:>4}  {text(lp.token):<20} {lp.logprob:9.4f}"

@@ -7,7 +7,7 @@ So the document is written here, as JSON Schema, and built per server: the limit
 (``max_tokens``, ``n``), the served model's name, its vocabulary (token ids), the methods
 a request may pick with their options and model-dependent ranges (from each method's
 ``Options``, the single source of options), and whether an API key is needed all come from
-the running server. ``tests/test_fuzz.py`` keeps it true: the request fields equal the ones
+the running server. ``tests/serving/test_fuzz.py`` keeps it true: the request fields equal the ones
 protocol.py accepts, and a schemathesis fuzzer checks that no request gets a 5xx or a
 response outside this document, and that every request outside it is refused.
 

@@ -27,7 +27,7 @@ for the distribution a draft token was *really* drawn from: accept ``t`` with pr
 ``min(1, p*(t) / q_i(t))`` and on rejection draw from ``normalize(max(0, p* - q_i))``. Using
 ``p_i`` in eq. 2's ratio instead (as printed) accepts a point-mass proposal with probability
 ``min(1, p*(t)/p_i(t))`` instead of ``p*(t)``, which over-produces ``t`` whenever
-``p*(t) < 1`` (``tests/test_adadecode.py`` computes both output distributions exactly).
+``p*(t) < 1`` (``tests/decoding/test_adadecode.py`` computes both output distributions exactly).
 Because the exit decision and the token are both functions of the head's state, conditioning
 on "head ``i`` exits" leaves ``p*`` (a function of the committed prefix only) unchanged, so the
 committed token is distributed exactly as ``p*`` whichever head exits, or none.

@@ -68,7 +68,7 @@ class Step(ABC):
         to record)."""
         return None
 
-    def start(self, state: DecodeState) -> None:
+    def start(self, state: DecodeState) -> None:  # noqa: B027 (a hook, optional)
         """Called once after the prefill committed the first token (cache holds the prompt);
         the default sets nothing up."""
 
@@ -81,7 +81,7 @@ class Step(ABC):
         until it catches them up).
         """
 
-    def finish(self, state: DecodeState) -> None:
+    def finish(self, state: DecodeState) -> None:  # noqa: B027 (a hook, optional)
         """Called once after the last commit, before the timings are closed; the default
         does nothing."""
 

@@ -51,7 +51,7 @@ this model meets exact ties). So the executor prefills every prompt in calls ove
 ``[k·C, (k+1)·C)``, cache or not: a position's KV comes from the same calls on the same
 inputs however long the prompt is, and a hit that copies whole chunks and resumes at a chunk
 boundary computes exactly what a prefill from 0 computes. Logits and KV are bit-identical
-(tests/test_prefix_cache.py on tiny fp32/bf16 models and real fp32 SmolLM2;
+(tests/decoding/test_prefix_cache.py on tiny fp32/bf16 models and real fp32 SmolLM2;
 ``scripts/prefix_cache_ttft.py`` in bf16 and fp32). The chunks cost a cold prefill 8-15% at
 300-2,000 tokens and 27% at 4,000 (bf16, one thread: smaller products, and the explicit
 mask each later chunk's attention reads over the whole cache).

@@ -30,7 +30,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-
 from selfspec.decoding.core.history import ResidualRecorder
 from selfspec.decoding.core.speculative import DraftOutput, TargetOutput
 from selfspec.decoding.core.state import DecodeState
