@@ -24,11 +24,12 @@ TRAINING_DTYPES = ("bf16", "fp32")
 """``--dtype`` choices of the frozen backbone that heads, probes and predictors train on."""
 
 
-def add_threads_argument(parser, help: str = "torch intra-op threads (default: torch's default)"
-                         ) -> None:
+def add_threads_argument(parser, help: str = "torch intra-op threads (default: torch's default)",
+                         default: int | None = None) -> None:
     """``--threads``, as every command that runs a model takes it: an integer in
-    ``[1, MAX_THREADS]`` checked at parse time, default ``None`` (torch's own choice)."""
-    parser.add_argument("--threads", type=threads_arg(), default=None, help=help)
+    ``[1, MAX_THREADS]`` checked at parse time, default ``None`` (torch's own choice; the load
+    tests give the server's count instead)."""
+    parser.add_argument("--threads", type=threads_arg(), default=default, help=help)
 
 
 def add_dtype_argument(parser, choices=DENSE_DTYPES, default: str | None = "bf16",
@@ -97,14 +98,22 @@ def add_device_argument(parser) -> None:
                              "graphs: auto = on for CUDA (default auto; ignored on the CPU)")
 
 
+def weight_dtypes() -> list[str]:
+    """``--dtype`` choices of a model loaded for decoding: the dense dtypes and the formats
+    decoding runs on copies or blocks of (``int4``, ``w4a8``, ``gguf``)."""
+    from selfspec.executor.cpu import QUANTIZED_ROWS
+
+    return [*DENSE_DTYPES, *QUANTIZED_ROWS]
+
+
 def add_weight_format_arguments(parser) -> None:
     """``--dtype`` and ``--decode-kernel`` (and ``--device``, ``--cuda-graphs``: see
     :func:`add_device_argument`), as every command that loads a model for decoding
     (generate, bench, serve, models latency) takes them."""
     add_device_argument(parser)
-    from selfspec.executor.cpu import QUANTIZED_ROWS, ROWS_FORMATS
+    from selfspec.executor.cpu import ROWS_FORMATS
 
-    add_dtype_argument(parser, choices=[*DENSE_DTYPES, *QUANTIZED_ROWS],
+    add_dtype_argument(parser, choices=weight_dtypes(),
                        help="weights' format (int4: bf16 weights, decoding on int4 copies; "
                              "w4a8: on 4-bit copies with 8-bit activations, as llama.cpp's "
                              "Q4_1; gguf: on the GGUF file's own blocks, the weights as "

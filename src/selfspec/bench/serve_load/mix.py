@@ -77,7 +77,13 @@ from selfspec.bench.serve_load.server import (
     output_folder,
     rss_mib,
 )
-from selfspec.cli_args import float_arg, int_arg, threads_arg
+from selfspec.cli_args import (
+    add_dtype_argument,
+    add_threads_argument,
+    float_arg,
+    int_arg,
+    weight_dtypes,
+)
 
 #: Packages the run needs (module: why), checked before anything starts.
 NEEDS = {"openai": "the clients", "fastapi": "the server", "uvicorn": "the server",
@@ -267,7 +273,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ``--prompts`` (>= 1) and ``--duration`` (> 0) are checked as they are parsed."""
     parser.add_argument("--model", default="smollm2-135m-instruct",
                         help="a registry name, a local model directory or a hub id")
-    parser.add_argument("--dtype", default="bf16")
+    add_dtype_argument(parser, choices=weight_dtypes(), help="the server's --dtype (default bf16)")
     parser.add_argument("--method", default="auto", help="the method every request names")
     parser.add_argument("--clients", type=int_arg(1), default=16)
     parser.add_argument("--duration", type=float_arg(0.0, low_open=True), default=600.0,
@@ -280,7 +286,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json-max-tokens", type=int, default=160)
     parser.add_argument("--max-batch", type=int, default=16)
-    parser.add_argument("--threads", type=threads_arg(), default=os.cpu_count() or 1)
+    add_threads_argument(parser, help="the server's --threads (default: every core)",
+                         default=os.cpu_count() or 1)
     parser.add_argument("--drain-seconds", type=float, default=30.0,
                         help="the server's --drain-seconds (default 30)")
     parser.add_argument("--exit-margin", type=float, default=20.0,

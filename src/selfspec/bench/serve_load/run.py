@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from selfspec.bench.serve_load.server import free_port, method_body, output_folder, rss_mib
-from selfspec.cli_args import threads_arg
+from selfspec.cli_args import add_dtype_argument, add_threads_argument, weight_dtypes
 
 
 @dataclass
@@ -214,7 +214,7 @@ def _report(results: list[LevelResult], args: argparse.Namespace, out: Path) -> 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the flags of ``selfspec bench serve-load`` to ``parser``."""
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--dtype", default="bf16")
+    add_dtype_argument(parser, choices=weight_dtypes(), help="the server's --dtype (default bf16)")
     parser.add_argument("--methods", default="ar,auto")
     parser.add_argument("--concurrency", default="1,2,4,8,16")
     parser.add_argument("--duration", type=float, default=60.0,
@@ -223,7 +223,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=16)
-    parser.add_argument("--threads", type=threads_arg(), default=os.cpu_count() or 1)
+    add_threads_argument(parser, help="the server's --threads (default: every core)",
+                         default=os.cpu_count() or 1)
     parser.add_argument("--out", default=None,
                         help="output folder (default: a new out/bench/serve-load-MODEL-TIME)")
 
