@@ -351,7 +351,8 @@ class LayerExecutor:
                 return self._run_fused(fused, hidden, pos0, start, end, cache, skip_attn,
                                        skip_mlp, observe)
         return self._run_torch(hidden, positions, pos0, start, end, cache, skip_attn, skip_mlp,
-                               observe, True, bulk, False, False)
+                               observe, write_cache=True, bulk=bulk, free=False,
+                               additive_mask=False)
 
     def score_layers(self, hidden: torch.Tensor, positions: torch.Tensor, start: int, end: int,
                      cache: KVCache, skip: SkipPlan | None = None, *,
@@ -383,8 +384,9 @@ class LayerExecutor:
         pos0 = first_position(positions)
         return self._run_torch(hidden, positions, pos0, start, end, cache,
                                skip.skip_attention if skip is not None else (),
-                               skip.skip_mlp if skip is not None else (), observe, False,
-                               self.is_free_block(pos0, num_new, bsz), False, False)
+                               skip.skip_mlp if skip is not None else (), observe,
+                               write_cache=False, bulk=self.is_free_block(pos0, num_new, bsz),
+                               free=False, additive_mask=False)
 
     def score_layers_free(self, hidden: torch.Tensor, positions: torch.Tensor, start: int,
                           end: int, cache: KVCache, skip: SkipPlan | None = None, *,
@@ -407,8 +409,8 @@ class LayerExecutor:
         bulk = bsz * num_new >= BULK_MIN_ROWS or self.is_free_block(pos0, num_new, bsz)
         return self._run_torch(hidden, positions, pos0, start, end, cache,
                                skip.skip_attention if skip is not None else (),
-                               skip.skip_mlp if skip is not None else (), observe, False,
-                               bulk, True, False)
+                               skip.skip_mlp if skip is not None else (), observe,
+                               write_cache=False, bulk=bulk, free=True, additive_mask=False)
 
     def resume_prefill_layers(self, hidden: torch.Tensor, positions: torch.Tensor, start: int,
                               end: int, cache: KVCache, *,
@@ -438,11 +440,12 @@ class LayerExecutor:
         pos0 = first_position(positions)
         # As one prefill of the whole prompt would run these tokens.
         return self._run_torch(hidden, positions, pos0, start, end, cache, (), (), observe,
-                               True, self.is_free_block(0, pos0 + num_new, bsz), True, True)
+                               write_cache=True, bulk=self.is_free_block(0, pos0 + num_new, bsz),
+                               free=True, additive_mask=True)
 
     def _run_torch(self, hidden: torch.Tensor, positions: torch.Tensor, pos0: int, start: int,
                    end: int, cache: KVCache, skip_attn: Sequence[int], skip_mlp: Sequence[int],
-                   observe: Observer | None, write_cache: bool, bulk: bool, free: bool,
+                   observe: Observer | None, *, write_cache: bool, bulk: bool, free: bool,
                    additive_mask: bool) -> torch.Tensor:
         """The torch path of the entries above (``hidden`` ``[B, T, H]`` → ``[B, T, H]``):
         ``write_cache`` appends the keys and values, ``bulk`` runs the products in the bulk
