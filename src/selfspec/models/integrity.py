@@ -1,4 +1,5 @@
-"""Integrity of registry cache entries: what a fetch records, what a load and ``models verify`` check.
+"""Integrity of registry cache entries: what a fetch records, what a load and ``models verify``
+check.
 
 A fetch records, in the entry's manifest (``selfspec_manifest.json``, key ``"files"``), the size
 and sha256 of every file of the entry (config, weights, tokenizer, chat template...), hashing
@@ -24,8 +25,8 @@ them right after the conversion. Three depths of check read that record:
     not stamped, so the first load after a fetch hashes the weights once more.
 
   The stamp is written after each successful hash of a large file (best effort: in a
-  read-only cache every load hashes). What it cannot see is damage that changes no metadata (a failing disk); ``selfspec
-  models verify`` hashes everything and finds that.
+  read-only cache every load hashes). What it cannot see is damage that changes no metadata (a
+  failing disk); ``selfspec models verify`` hashes everything and finds that.
 - :attr:`Depth.FULL` (``selfspec models verify``): every file hashed, as a fetch does when it
   records them.
 
@@ -129,7 +130,9 @@ class EntryCheck:
 
 def fetch_command(name: str, dtype: torch.dtype) -> str:
     """The command that replaces the cache entry of ``name`` in ``dtype``."""
-    return f"selfspec models fetch {name} --dtype {_CLI_DTYPE.get(dtype, dtype_name(dtype))} --force"
+    return (
+        f"selfspec models fetch {name} --dtype {_CLI_DTYPE.get(dtype, dtype_name(dtype))} --force"
+    )
 
 
 def hash_file(path: Path) -> str:
@@ -143,7 +146,8 @@ def hash_file(path: Path) -> str:
 
 
 def record_files(entry: Path) -> dict[str, dict[str, int | str]]:
-    """Size and sha256 of every file under ``entry`` but the manifest and the stamp, for the manifest.
+    """Size and sha256 of every file under ``entry`` but the manifest and the stamp, for the
+    manifest.
 
     Returns:
         ``{relative posix path: {"size": bytes, "sha256": hex}}``, sorted by path.
@@ -152,11 +156,15 @@ def record_files(entry: Path) -> dict[str, dict[str, int | str]]:
         OSError: a file cannot be read.
     """
     files = sorted(p for p in entry.rglob("*") if p.is_file() and p.name not in _NOT_RECORDED)
-    return {p.relative_to(entry).as_posix(): {"size": p.stat().st_size, "sha256": hash_file(p)} for p in files}
+    return {
+        p.relative_to(entry).as_posix(): {"size": p.stat().st_size, "sha256": hash_file(p)}
+        for p in files
+    }
 
 
 def check_entry(entry: Path, depth: Depth) -> EntryCheck:
-    """Compare the files of cache entry ``entry`` with its manifest's record, as far as ``depth`` says.
+    """Compare the files of cache entry ``entry`` with its manifest's record, as far as ``depth``
+    says.
 
     Never raises for a damaged entry: a missing or unparsable manifest, a missing, resized or
     changed file are all reported in :attr:`EntryCheck.problems`.
@@ -164,7 +172,9 @@ def check_entry(entry: Path, depth: Depth) -> EntryCheck:
     try:
         records = _read_records(entry / MANIFEST_NAME)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
-        return EntryCheck(entry, depth, (), (FileProblem(MANIFEST_NAME, "unreadable", actual=str(err)),))
+        return EntryCheck(
+            entry, depth, (), (FileProblem(MANIFEST_NAME, "unreadable", actual=str(err)),)
+        )
     stamps = _read_stamp(entry) if depth is Depth.LOAD else {}
     fresh: dict[str, dict[str, int | str]] = {}
     problems = []
@@ -199,7 +209,8 @@ def check_entry(entry: Path, depth: Depth) -> EntryCheck:
 
 
 def require_intact(entry: Path, name: str, dtype: torch.dtype) -> EntryCheck:
-    """Check ``entry`` (the cache entry of registry model ``name`` in ``dtype``) before it is loaded.
+    """Check ``entry`` (the cache entry of registry model ``name`` in ``dtype``) before it is
+    loaded.
 
     Raises:
         CorruptModelFileError: a recorded file is missing, has another size or another sha256, or
@@ -209,7 +220,8 @@ def require_intact(entry: Path, name: str, dtype: torch.dtype) -> EntryCheck:
     if check.problems:
         raise CorruptModelFileError(
             f"the cache entry of {name} ({dtype_name(dtype)}) at {entry} is damaged: "
-            f"{'; '.join(p.describe() for p in check.problems)}. Run `{fetch_command(name, dtype)}` to fetch "
+            f"{'; '.join(p.describe() for p in check.problems)}. "
+            f"Run `{fetch_command(name, dtype)}` to fetch "
             "it again (`selfspec models verify` checks every cached entry)."
         )
     return check
@@ -236,16 +248,23 @@ def _read_records(manifest_path: Path) -> tuple[FileRecord, ...]:
 
 
 def _stat_fields(stat: os.stat_result) -> dict[str, int]:
-    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns, "inode": stat.st_ino}
+    return {
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "ctime_ns": stat.st_ctime_ns,
+        "inode": stat.st_ino,
+    }
 
 
 def _stamp_vouches(stamp: object, stat: os.stat_result, sha256: str) -> bool:
-    """Whether ``stamp`` says the file, unchanged since (``stat``), hashed to ``sha256`` after it settled."""
+    """Whether ``stamp`` says the file, unchanged since (``stat``), hashed to ``sha256`` after it
+    settled."""
     if not isinstance(stamp, dict) or stamp.get("sha256") != sha256:
         return False
     fields = _stat_fields(stat)
     checked_ns = stamp.get("checked_ns")
-    return (all(stamp.get(key) == value for key, value in fields.items()) and isinstance(checked_ns, int)
+    return (all(stamp.get(key) == value for key, value in fields.items())
+            and isinstance(checked_ns, int)
             and stat.st_ctime_ns < checked_ns - RACY_WINDOW_NS)
 
 
@@ -259,7 +278,8 @@ def _read_stamp(entry: Path) -> dict[str, dict[str, int | str]]:
 
 
 def _write_stamp(entry: Path, stamps: dict[str, dict[str, int | str]]) -> None:
-    """Replace the stamp file in one step; a failure (read-only cache) only means hashing next time."""
+    """Replace the stamp file in one step; a failure (read-only cache) only means hashing next
+    time."""
     tmp: Path | None = None
     try:
         fd, name = tempfile.mkstemp(dir=entry, prefix=f".{STAMP_NAME}.")
@@ -268,6 +288,9 @@ def _write_stamp(entry: Path, stamps: dict[str, dict[str, int | str]]) -> None:
             json.dump(stamps, f, indent=1)
         os.replace(tmp, entry / STAMP_NAME)
     except OSError as err:
-        logger.debug("cannot write %s in %s (%s); large files will be hashed on every load", STAMP_NAME, entry, err)
+        logger.debug(
+            "cannot write %s in %s (%s); large files will be hashed on every load",
+            STAMP_NAME, entry, err,
+        )
         if tmp is not None:
             tmp.unlink(missing_ok=True)

