@@ -347,7 +347,8 @@ def test_bf16_greedy_parity_on_row_kernels(prompts, kernel, bf16_engine):
                     .quantized_kernels_available("int8"), reason="FBGEMM is x86-only")
 def test_drafts_on_quantized_weights_keep_the_greedy_tokens(engine, prompts, ar_outputs):
     """QSpec-style drafting on int8/int4 copies of the model's own layers, KnapSpec planning
-    over the int4 copies, and DSSD drafting on int8 layers (its heads here: the model's own norm + lm_head at fixed thresholds):
+    over the int4 copies, and DSSD drafting on int8 layers (its heads here: the model's own
+    norm + lm_head at fixed thresholds):
     verification by the full-precision model gives exactly `ar`'s tokens."""
     from selfspec.decoding.drafting.exit_drafter import DSSDDrafter
     from selfspec.decoding.drafting.exits import CalibratedExits

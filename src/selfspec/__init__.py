@@ -5,5 +5,6 @@ from selfspec.decoding.core.state import GenerationStats
 from selfspec.version import __version__
 
 __all__ = [
-    "GenerationResult", "GenerationStats", "SelfSpec", "__version__", "from_pretrained_model", "load",
+    "GenerationResult", "GenerationStats", "SelfSpec", "__version__", "from_pretrained_model",
+    "load",
 ]

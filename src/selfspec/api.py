@@ -388,7 +388,8 @@ def move_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """
     param = next(model.parameters(), None)
     here = param.device if param is not None else torch.device("cpu")
-    if here == device or (device.type == here.type == "cuda" and device.index in (None, here.index)):
+    if here == device or (device.type == here.type == "cuda"
+                          and device.index in (None, here.index)):
         return model
     check_device_memory(device, model_bytes(model))
     return model.to(device)

@@ -59,8 +59,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int_arg(1), default=128)
     p.add_argument("--temperature", type=float_arg(0.0), default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int_arg(0), default=0, help="0 = no top-k limit")
-    p.add_argument("--top-p", type=float_arg(0.0, 1.0, low_open=True), default=1.0, help="nucleus mass in (0, 1]")
-    p.add_argument("--seed", type=int_arg(SEED_MIN, SEED_MAX), default=None, help="seed for reproducible sampling")
+    p.add_argument("--top-p", type=float_arg(0.0, 1.0, low_open=True), default=1.0,
+                   help="nucleus mass in (0, 1]")
+    p.add_argument("--seed", type=int_arg(SEED_MIN, SEED_MAX), default=None,
+                   help="seed for reproducible sampling")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_output_processing_arguments(p)
@@ -240,9 +242,10 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
                             "baselines of `selfspec bench`), and print its path")
     fetch.set_defaults(func=_cmd_models_fetch)
     verify = msub.add_parser(
-        "verify", help="hash every file of the cached entries against their manifests (exit status 1 if one "
-                       "is corrupt) and remove what interrupted fetches left behind")
-    verify.add_argument("names", nargs="*", metavar="NAME", help="registry models to check (default: all cached)")
+        "verify", help="hash every file of the cached entries against their manifests (exit status "
+                       "1 if one is corrupt) and remove what interrupted fetches left behind")
+    verify.add_argument("names", nargs="*", metavar="NAME",
+                        help="registry models to check (default: all cached)")
     add_dtype_argument(verify, default=None, help="check only this dtype's entries")
     verify.set_defaults(func=_cmd_models_verify)
     pack = msub.add_parser(
@@ -286,7 +289,8 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
         if groups["corrupt"]:
             state += " (see `selfspec models verify`)"
         mark = " (default)" if name == DEFAULT_MODEL else ""
-        print(f"{name}{mark}\t{spec.architecture}, {spec.num_layers} layers\t{state or 'not fetched'}")
+        print(f"{name}{mark}\t{spec.architecture}, {spec.num_layers} layers\t"
+              f"{state or 'not fetched'}")
     return 0
 
 
@@ -327,7 +331,8 @@ def _cmd_models_verify(args: argparse.Namespace) -> int:
     for name in names:
         for path in clean_leftovers(name):
             print(f"removed {path} (left behind by an interrupted fetch or a replaced entry)")
-        dtypes = [d for d in cached_dtypes(name) if args.dtype is None or d is parse_dtype(args.dtype)]
+        dtypes = [d for d in cached_dtypes(name)
+                  if args.dtype is None or d is parse_dtype(args.dtype)]
         if not dtypes and args.names:
             print(f"{name}\t{args.dtype or '-'}\tnot fetched")
         for dtype in dtypes:
@@ -337,7 +342,8 @@ def _cmd_models_verify(args: argparse.Namespace) -> int:
                 problems = "; ".join(p.describe() for p in check.problems)
                 line = f"corrupt: {problems}; run `{fetch_command(name, dtype)}`"
             else:
-                line = f"ok ({len(check.records)} files, {sum(r.size for r in check.records) / 1e6:.0f} MB)"
+                line = (f"ok ({len(check.records)} files, "
+                        f"{sum(r.size for r in check.records) / 1e6:.0f} MB)")
             print(f"{name}\t{dtype_name(dtype)}\t{line}")
     return 1 if corrupt else 0
 
@@ -370,7 +376,8 @@ def _cmd_models_latency(args: argparse.Namespace) -> int:
           f"= {model.target_ms(n):.1f} ms ({1e3 / model.target_ms(n):.1f} tok/s)")
     print(f"each extra token of a verification: +{model.verify_token_ms:.2f} ms "
           f"({model.verify_token_ms / model.target_ms(n):.0%} of a token); one batched "
-          f"sub-layer call on r rows: {model.batched_call_ms:.2f} + r x {model.batched_row_ms:.3f} ms")
+          f"sub-layer call on r rows: {model.batched_call_ms:.2f} + r x "
+          f"{model.batched_row_ms:.3f} ms")
     if model.verify_points:
         print("a forward of T tokens over one token: " + ", ".join(
             f"T={t} +{ms:.1f} ms" for t, ms in model.verify_points))

@@ -13,7 +13,8 @@ class SelfSpecError(Exception):
 
 
 class InvalidArgumentError(SelfSpecError, ValueError):
-    """An option is outside its valid range (e.g. ``max_new_tokens < 1``, ``top_p`` outside (0, 1])."""
+    """An option is outside its valid range (e.g. ``max_new_tokens < 1``, ``top_p`` outside
+    (0, 1])."""
 
 
 class PromptError(InvalidArgumentError):
@@ -33,7 +34,8 @@ class ChecksumError(ProvisioningError):
 
 
 class CorruptModelFileError(ProvisioningError):
-    """A model file is truncated or unreadable (e.g. a GGUF cut short, a damaged safetensors file)."""
+    """A model file is truncated or unreadable (e.g. a GGUF cut short, a damaged safetensors
+    file)."""
 
 
 class UnsupportedArchitectureError(SelfSpecError):

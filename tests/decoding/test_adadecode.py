@@ -234,8 +234,9 @@ def test_threshold_exits_refuse_bad_heads():
 def test_sampling_with_a_point_mass_proposal_is_exact():
     """A head whose distribution is 0.7 / 0.15 / 0.15 whatever it reads, on the target's
     most likely second token: with γ = 0.6 it predicts early with probability 0.7 (eq. 1:
-    a draw passes γ), always that token, so the proposal is a point mass. Accepting by the head's own probability (eq. 2 as printed)
-    would over-produce it; the distribution of the first two tokens must be the target's."""
+    a draw passes γ), always that token, so the proposal is a point mass. Accepting by the
+    head's own probability (eq. 2 as printed) would over-produce it; the distribution of the
+    first two tokens must be the target's."""
     executor = LayerExecutor(tiny_model("llama", seed=8))
     config = SamplingConfig(temperature=1.0, top_k=3)
     exact2 = exact_prefix_distribution(executor, PROMPT, config, 2)

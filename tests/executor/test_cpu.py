@@ -27,19 +27,23 @@ def test_x86_flags_decide_without_a_benchmark():
     assert cpu.classify("x86_64", AVX2, "AVX2", "AVX2", _never) == (False, "flags")
 
 
-@pytest.mark.parametrize("onednn, aten", [("AVX2", "AVX512"), ("", "AVX2"), ("avx512_core", "AVX512")])
+@pytest.mark.parametrize("onednn, aten",
+                         [("AVX2", "AVX512"), ("", "AVX2"), ("avx512_core", "AVX512")])
 def test_an_isa_restriction_on_a_native_cpu_is_measured(onednn, aten):
     calls = []
-    native, how = cpu.classify("x86_64", AVX512_BF16, onednn, aten, lambda: calls.append(1) or False)
+    native, how = cpu.classify("x86_64", AVX512_BF16, onednn, aten,
+                               lambda: calls.append(1) or False)
     assert (native, how, calls) == (False, "micro-benchmark", [1])
     # A restriction that still allows bf16 leaves the flags in charge.
-    assert cpu.classify("x86_64", AVX512_BF16, "AVX512_CORE_AMX", "AVX512", _never) == (True, "flags")
+    assert cpu.classify("x86_64", AVX512_BF16, "AVX512_CORE_AMX", "AVX512", _never) == (
+        True, "flags")
 
 
 def test_other_architectures_are_measured():
     assert cpu.classify("aarch64", frozenset({"bf16", "asimd"}), "", "DEFAULT", lambda: True) == (
         True, "micro-benchmark")
-    assert cpu.classify("x86_64", frozenset(), "", "AVX2", lambda: False) == (False, "micro-benchmark")
+    assert cpu.classify("x86_64", frozenset(), "", "AVX2", lambda: False) == (
+        False, "micro-benchmark")
 
 
 def test_detection_runs_once_and_is_reportable():
@@ -80,8 +84,8 @@ def test_bulk_linear_computes_in_fp32_from_bf16_weights():
 
 
 def _bulk_executor(arch="llama", row_attention_max=8):
-    return LayerExecutor(tiny_model(arch, dtype=torch.bfloat16), row_attention_max=row_attention_max,
-                         bulk="fp32")
+    return LayerExecutor(tiny_model(arch, dtype=torch.bfloat16),
+                         row_attention_max=row_attention_max, bulk="fp32")
 
 
 def test_which_blocks_are_bulk():
@@ -90,7 +94,8 @@ def test_which_blocks_are_bulk():
     assert ex.is_bulk(0, BULK_MIN_ROWS) and not ex.is_bulk(0, BULK_MIN_ROWS - 1)  # prefill
     assert not ex.is_bulk(5, 1) and not ex.is_bulk(5, 8)   # decoding, verification
     assert ex.is_bulk(5, 9)                                 # longer than any verification
-    assert not LayerExecutor(tiny_model("llama", dtype=torch.bfloat16), bulk="weights").is_bulk(0, 64)
+    assert not LayerExecutor(tiny_model("llama", dtype=torch.bfloat16),
+                             bulk="weights").is_bulk(0, 64)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -126,7 +131,8 @@ def test_causal_prefill_equals_the_masked_path():
         whole = ex.forward(ids, pos, ex.new_cache())
         cache = ex.new_cache()
         first = ex.forward(ids[:, :1], pos[:, :1], cache)  # one token: the masked path after it
-        rest = torch.cat([ex.forward(ids[:, t:t + 1], pos[:, t:t + 1], cache) for t in range(1, 20)], 1)
+        rest = torch.cat([ex.forward(ids[:, t:t + 1], pos[:, t:t + 1], cache)
+                          for t in range(1, 20)], 1)
     torch.testing.assert_close(whole, torch.cat([first, rest], 1), rtol=1e-5, atol=1e-5)
 
 

@@ -369,7 +369,8 @@ def add_bench_cpu_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
     add_dtype_argument(p)
     p.add_argument("--lengths", default="256,1024,4096",
                    help="prefill prompt lengths, comma-separated (default 256,1024,4096)")
-    p.add_argument("--decode-tokens", type=int_arg(2), default=64, help="ar tokens to time (default 64)")
+    p.add_argument("--decode-tokens", type=int_arg(2), default=64,
+                   help="ar tokens to time (default 64)")
     p.add_argument("--train-steps", type=int_arg(0), default=2,
                    help="heads-training steps to time per configuration (0 = skip; default 2)")
     p.add_argument("--no-onpolicy", dest="onpolicy", action="store_false",

@@ -411,7 +411,8 @@ share of `ar`'s output repeated before the first differing token; forced = ar = 
 `ar`'s tokens that a row running another model (another decoding kernel, llama.cpp) picks
 when given `ar`'s earlier tokens (teacher forcing); accuracy = HumanEval pass@1,
 GSM exact match, json-extract's share of outputs that parse as JSON and validate against their
-schema (every method, `ar` included, decodes under it), or a prompt file's reference match; roofline = tok/s over bandwidth / weight
+schema (every method, `ar` included, decodes under it), or a prompt file's reference match; \
+roofline = tok/s over bandwidth / weight
 bytes per token. – = not applicable or not known (transformers does not expose its
 drafted-token counts).
 """

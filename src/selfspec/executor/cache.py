@@ -71,7 +71,8 @@ class KVCache:
         dims = (shape.batch_size, shape.num_kv_heads, capacity, shape.head_dim)
         alloc = torch.zeros if fixed else torch.empty
         self._keys = [alloc(dims, dtype=dtype, device=self.device) for _ in range(shape.num_layers)]
-        self._values = [alloc(dims, dtype=dtype, device=self.device) for _ in range(shape.num_layers)]
+        self._values = [alloc(dims, dtype=dtype, device=self.device)
+                        for _ in range(shape.num_layers)]
         self._lengths = [0] * shape.num_layers
         # Per layer: None (every held position is visible) or [capacity] bool, False = masked.
         self._visible: list[torch.Tensor | None] = [None] * shape.num_layers
@@ -157,7 +158,8 @@ class KVCache:
         """
         length = self._lengths[layer]
         assert start == length, (
-            f"KV cache layer {layer} holds {length} positions; an append must start there, got {start}")
+            f"KV cache layer {layer} holds {length} positions; an append must start there, "
+            f"got {start}")
         end = length + count
         if end > self._capacity:
             self.reserve(end)
@@ -201,7 +203,8 @@ class KVCache:
         """
         length = self._lengths[layer]
         assert start == length, (
-            f"KV cache layer {layer} holds {length} positions; an append must start there, got {start}")
+            f"KV cache layer {layer} holds {length} positions; an append must start there, "
+            f"got {start}")
         end = length + count
         if end > self._capacity:
             self.reserve(end)

@@ -32,7 +32,8 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 def parse_dtype(x: str | torch.dtype) -> torch.dtype:
-    """Turn ``"bf16"|"bfloat16"|"fp32"|"float32"|"fp16"|"float16"`` (any case) or a torch dtype into a torch dtype.
+    """Turn ``"bf16"|"bfloat16"|"fp32"|"float32"|"fp16"|"float16"`` (any case) or a torch dtype into
+    a torch dtype.
 
     Raises:
         InvalidArgumentError: anything else; the message lists the choices.
@@ -45,13 +46,15 @@ def parse_dtype(x: str | torch.dtype) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """Canonical name of a torch dtype: ``torch.bfloat16`` -> ``"bfloat16"`` (used in cache paths)."""
+    """Canonical name of a torch dtype: ``torch.bfloat16`` -> ``"bfloat16"`` (used in cache
+    paths)."""
     return str(dtype).removeprefix("torch.")
 
 
 @contextlib.contextmanager
 def transformers_progress(enabled: bool) -> Iterator[None]:
-    """Show or hide transformers' own progress bars (weight loading, GGUF de-quantisation) for a block.
+    """Show or hide transformers' own progress bars (weight loading, GGUF de-quantisation) for a
+    block.
 
     transformers keeps this switch globally; it is restored on exit.
     """
@@ -77,17 +80,20 @@ def check_model_type(model_type: str | None, source: str) -> None:
     """
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedArchitectureError(
-            f"{source} has model_type {model_type!r}; selfspec supports {', '.join(SUPPORTED_MODEL_TYPES)}. "
+            f"{source} has model_type {model_type!r}; "
+            f"selfspec supports {', '.join(SUPPORTED_MODEL_TYPES)}. "
             "Use a model of one of these architectures (`selfspec models list` shows ready ones)."
         )
 
 
 def check_config(config: PretrainedConfig, source: str) -> None:
-    """Raise unless ``config`` describes a supported architecture with full attention on every layer.
+    """Raise unless ``config`` describes a supported architecture with full attention on every
+    layer.
 
     Raises:
-        UnsupportedArchitectureError: unsupported ``model_type``, or sliding-window attention on some layer
-            (the per-layer KV cache keeps every position; a sliding window would change the model's output).
+        UnsupportedArchitectureError: unsupported ``model_type``, or sliding-window attention on
+            some layer (the per-layer KV cache keeps every position; a sliding window would change
+            the model's output).
     """
     check_model_type(config.model_type, source)
     layer_types = getattr(config, "layer_types", None)
@@ -95,22 +101,30 @@ def check_config(config: PretrainedConfig, source: str) -> None:
     if layer_types is not None:
         sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
     else:
-        sliding = list(range(config.num_hidden_layers)) if getattr(config, "use_sliding_window", False) else []
+        sliding = (
+            list(range(config.num_hidden_layers))
+            if getattr(config, "use_sliding_window", False)
+            else []
+        )
     if sliding:
         raise UnsupportedArchitectureError(
-            f"{source} uses sliding-window attention on layers {sliding[:8]}{'...' if len(sliding) > 8 else ''}; "
-            "selfspec supports full attention only. Set use_sliding_window=false in its config.json "
-            "if the model was trained without a window."
+            f"{source} uses sliding-window attention on layers "
+            f"{sliding[:8]}{'...' if len(sliding) > 8 else ''}; "
+            "selfspec supports full attention only. Set use_sliding_window=false in its "
+            "config.json if the model was trained without a window."
         )
 
 
-def read_config(model_dir: Path, source: str, repair_hint: str | None = None) -> PretrainedConfig:
+def read_config(
+    model_dir: Path, source: str, repair_hint: str | None = None
+) -> PretrainedConfig:
     """Read and check ``model_dir/config.json`` without touching the weights.
 
     Args:
         model_dir: the model directory.
         source: model name used in messages.
-        repair_hint: what to tell the user when the config is missing (default: what a model directory is).
+        repair_hint: what to tell the user when the config is missing (default: what a model
+            directory is).
 
     Raises:
         ModelNotFoundError: no readable ``config.json``.
@@ -122,7 +136,8 @@ def read_config(model_dir: Path, source: str, repair_hint: str | None = None) ->
     except (OSError, json.JSONDecodeError) as err:
         hint = repair_hint or "a model directory is one written by save_pretrained"
         raise ModelNotFoundError(f"{source}: cannot read {config_path} ({err}); {hint}") from err
-    # Check the type before AutoConfig, which rejects types transformers does not know with a vaguer message.
+    # Check the type before AutoConfig, which rejects types transformers does not know with a vaguer
+    # message.
     check_model_type(raw.get("model_type"), source)
     config = AutoConfig.from_pretrained(model_dir)
     check_config(config, source)

@@ -48,7 +48,8 @@ class LoadedModel:
 
 
 def instantiate(local: LocalModel, dtype: torch.dtype) -> LoadedModel:
-    """Load the model in ``local.path`` (safetensors weights + tokenizer), checking its config first.
+    """Load the model in ``local.path`` (safetensors weights + tokenizer), checking its config
+    first.
 
     Args:
         local: the local copy (directory, name for messages, what to advise when a file is bad).
@@ -77,20 +78,30 @@ def instantiate(local: LocalModel, dtype: torch.dtype) -> LoadedModel:
         # Local safetensors load in seconds at most: no progress bar.
         with transformers_progress(False):
             model = AutoModelForCausalLM.from_pretrained(
-                model_dir, config=config, dtype=dtype, attn_implementation="sdpa", use_safetensors=True
+                model_dir,
+                config=config,
+                dtype=dtype,
+                attn_implementation="sdpa",
+                use_safetensors=True,
             )
     except (SafetensorError, OSError, EOFError) as err:
-        raise CorruptModelFileError(f"{source}: cannot read the weights in {model_dir} ({err}); {hint}") from err
+        raise CorruptModelFileError(
+            f"{source}: cannot read the weights in {model_dir} ({err}); {hint}"
+        ) from err
     model.eval()
     model.requires_grad_(False)
     return LoadedModel(model=model, tokenizer=tokenizer, name=source, path=model_dir, dtype=dtype,
                        gguf=local.gguf)
 
 
-def _load_tokenizer(model_dir: Path, source: str, repair_hint: str | None) -> PreTrainedTokenizerBase:
+def _load_tokenizer(
+    model_dir: Path, source: str, repair_hint: str | None
+) -> PreTrainedTokenizerBase:
     """The tokenizer saved beside the model; ModelNotFoundError if there is none."""
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, TypeError) as err:
         hint = repair_hint or "save one there with tokenizer.save_pretrained(dir)"
-        raise ModelNotFoundError(f"{source}: no usable tokenizer in {model_dir} ({err}); {hint}") from err
+        raise ModelNotFoundError(
+            f"{source}: no usable tokenizer in {model_dir} ({err}); {hint}"
+        ) from err

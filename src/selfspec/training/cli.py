@@ -32,7 +32,9 @@ def _ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
 
 
 def _exit_state_layers(text: str) -> tuple[int, ...] | None:
@@ -52,7 +54,9 @@ def _floats(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
 
 
 def _default(cls: type, name: str):
@@ -158,7 +162,8 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
-    """``selfspec heads calibrate`` (defaults: :func:`~selfspec.training.calibration.calibrate_file`)."""
+    """``selfspec heads calibrate`` (defaults:
+    :func:`~selfspec.training.calibration.calibrate_file`)."""
     from selfspec.training.calibration import DEFAULT_EPSILONS
 
     c = sub.add_parser("calibrate", help="calibrate thresholds of a head file (DSSD §3.4.1)")
@@ -367,8 +372,9 @@ def _add_search_skip_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-evaluations", type=int_arg(1), default=cfg.max_evaluations,
                    help="skip sets scored in all")
     s.add_argument("--seed", type=int_arg(SEED_MIN, SEED_MAX), default=cfg.seed)
-    k.add_argument("--out", default=req.out, help=".json file or directory "
-                                               "(default: $SELFSPEC_HOME/heads/<model>/swift-skip.json)")
+    k.add_argument("--out", default=req.out,
+                   help=".json file or directory "
+                        "(default: $SELFSPEC_HOME/heads/<model>/swift-skip.json)")
     k.set_defaults(func=_cmd_search_skip)
 
 
@@ -477,7 +483,8 @@ def _print_card(card, metric: str = "entropy", out=None) -> None:
             print(f"{c.layer:5d}  {c.tokens:6d}  {_f(c.accuracy):>8}  {aucs}", file=out)
         print(f"\nthresholds τ_k(ε), metric {metric} (exit when confidence >= τ; entropy: "
               "confidence = -H in nats)", file=out)
-        print("layer  " + "  ".join(f"{'ε=' + format(e, 'g'):>24}" for e in card.calibration_epsilons
+        print("layer  " + "  ".join(f"{'ε=' + format(e, 'g'):>24}"
+                                     for e in card.calibration_epsilons
                                      if _shown(e, card.calibration_epsilons)), file=out)
         for c in card.calibration:
             m = c.metric(metric)
@@ -630,7 +637,8 @@ def _print_adadecode(ac, num_layers: int, out=None) -> None:
     vocab = f"the {ac.draft_vocab} most frequent tokens" if ac.draft_vocab else "every token"
     print(f"\nAdaDecode tuned by replay on {', '.join(ac.data)} (heads score {vocab}; at most "
           f"{ac.max_early} early predictions): "
-          + ", ".join(f"layer {layer} γ {g:g}" for layer, g in zip(ac.layers, ac.gammas, strict=False)),
+          + ", ".join(f"layer {layer} γ {g:g}"
+                      for layer, g in zip(ac.layers, ac.gammas, strict=False)),
           file=out)
     print(f"replayed speedup over autoregressive decoding: calibration {_f(ac.speedup)} "
           f"({ac.tokens} tokens, acceptance {_f(ac.acceptance)}, "
@@ -640,7 +648,8 @@ def _print_adadecode(ac, num_layers: int, out=None) -> None:
     print(f"cost model (single-position layer calls of {num_layers}): one more position "
           f"{ac.row_cost:g}, head check {ac.head_cost:.3f}, output layer {ac.output_cost:.2f}; "
           "best per draft vocabulary: " + ", ".join(
-              f"{k or 'all'} {_f(v)}" for k, v in zip(ac.draft_vocabs, ac.vocab_speedups, strict=False)),
+              f"{k or 'all'} {_f(v)}"
+              for k, v in zip(ac.draft_vocabs, ac.vocab_speedups, strict=False)),
           file=out)
 
 
@@ -813,7 +822,8 @@ def _print_predictors(card, out=None) -> None:
     if tu is not None:
         print(f"verified SpecEE tuned by replay on {', '.join(tu.data)} (at most "
               f"{tu.max_early} exited tokens outstanding; specee:verify=true,tuned=true): "
-              + ", ".join(f"layer {x} {t:g}" for x, t in zip(tu.layers, tu.thresholds, strict=False)),
+              + ", ".join(f"layer {x} {t:g}"
+                          for x, t in zip(tu.layers, tu.thresholds, strict=False)),
               file=out)
         print(f"replayed speedup over autoregressive decoding: tuning half {_f(tu.speedup)} "
               f"({tu.tokens} tokens, acceptance {_f(tu.acceptance)}, "
@@ -830,7 +840,8 @@ def _print_predictors(card, out=None) -> None:
         else:
             print("inside a draft replayed as at a draft's start (last-layer states)", file=out)
         print(f"cost model (single-position layer calls of {card.num_layers}): one more "
-              f"position {tu.row_cost:.3g}{_source(tu.row_cost_source)}, drafter {tu.scan_cost:.3f}, output layer "
+              f"position {tu.row_cost:.3g}{_source(tu.row_cost_source)}, "
+              f"drafter {tu.scan_cost:.3f}, output layer "
               f"{tu.output_cost:.2f}{_source(tu.output_cost_source)}, predictor checks "
               f"{min(tu.check_costs, default=0):.4f}-{max(tu.check_costs, default=0):.4f}",
               file=out)

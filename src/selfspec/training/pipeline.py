@@ -146,7 +146,8 @@ class TrainOutcome:
 
 def dtype_label(dtype: torch.dtype) -> str:
     """The card's name of ``dtype``: ``"fp32"``, ``"bf16"``, ``"fp16"`` (else ``str(dtype)``)."""
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+    return {torch.float32: "fp32", torch.bfloat16: "bf16",
+            torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
 def model_eos_ids(engine: Engine) -> tuple[int, ...]:

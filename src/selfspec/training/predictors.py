@@ -224,7 +224,8 @@ def fit_predictors(data: PredictorData, num_candidates: int,
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     y = data.labels.float()
     steps_per_epoch = math.ceil(n / config.batch)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.epochs * steps_per_epoch)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer,
+                                                          config.epochs * steps_per_epoch)
     with torch.enable_grad():
         for _ in range(config.epochs):
             order = torch.randperm(n, generator=generator)

@@ -202,7 +202,8 @@ class DecodeState:
         stats = self.stats
         stats.total_ms = (time.perf_counter() - self._start) * 1e3
         stats.new_tokens = self.num_generated
-        stats.tokens_per_s = stats.new_tokens / (stats.total_ms / 1e3) if stats.total_ms > 0 else 0.0
+        stats.tokens_per_s = (stats.new_tokens / (stats.total_ms / 1e3) if stats.total_ms > 0
+                              else 0.0)
         stats.finish_reason = self.finish_reason or "length"
         return stats
 

@@ -222,7 +222,8 @@ class GenerationStats:
     def mean_accepted(self) -> float:
         """Tokens per verification: accepted draft tokens + the recovered/bonus token
         (0 without verification)."""
-        return (self.accepted + self.verifications) / self.verifications if self.verifications else 0.0
+        return ((self.accepted + self.verifications) / self.verifications if self.verifications
+                else 0.0)
 
     @property
     def mean_exit_layer(self) -> float:

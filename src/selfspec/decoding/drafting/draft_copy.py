@@ -21,8 +21,9 @@ the n-gram drafter runs no layer. Either way the output is exactly the model's (
 argmax tokens; sampling: its distribution, by the usual acceptance rule).
 
 ``qspec`` is a configuration of the skip-plan drafter: every layer up to ``exit_layer`` (default
-all) on a draft copy (:func:`~selfspec.decoding.drafting.skip_drafter.quantized_drafter`); ``layerskip``, ``dv``, ``adaspeed``,
-``dssd``, ``swift``, ``knapspec`` and ``clasp`` take a copy with ``draft_weights=``.
+all) on a draft copy (:func:`~selfspec.decoding.drafting.skip_drafter.quantized_drafter`);
+``layerskip``, ``dv``, ``adaspeed``, ``dssd``, ``swift``, ``knapspec`` and ``clasp`` take a copy
+with ``draft_weights=``.
 """
 
 from __future__ import annotations
