@@ -191,8 +191,10 @@ def measure(model: str | None, dtype: str, lengths: Sequence[int], decode_tokens
     # "before" is every product in the weights' format, decoding included: the fp16 decoding
     # kernel (issue "executor") came after this comparison's baseline and also serves bulk
     # calls, so it must be off there too.
-    for label, bulk, compute in (("weights format", "weights", "bf16" if dtype == "bf16" else "fp32"),
-                                 ("auto", "auto", fast_matmul_dtype())):
+    for label, bulk, compute in (
+        ("weights format", "weights", "bf16" if dtype == "bf16" else "fp32"),
+        ("auto", "auto", fast_matmul_dtype()),
+    ):
         formats = ex.set_bulk(bulk, rows=bulk)
         row = FormatTimings(label, formats.describe(), compute)
         logger.info("measuring %s: %s", label, row.formats)
@@ -242,7 +244,8 @@ def save_report(report: FormatsReport, path: Path) -> None:
 def load_report(path: Path) -> FormatsReport:
     """Read a report written by :func:`save_report`."""
     data = json.loads(path.read_text())
-    rows = [FormatTimings(**{**r, "prefill_tok_s": {int(k): v for k, v in r["prefill_tok_s"].items()}})
+    rows = [FormatTimings(**{**r, "prefill_tok_s": {int(k): v
+                                                    for k, v in r["prefill_tok_s"].items()}})
             for r in data.pop("rows")]
     return FormatsReport(rows=rows, **data)
 
@@ -264,8 +267,10 @@ def markdown(reports: Sequence[FormatsReport]) -> str:
         cpu = r.cpu
         lines.append(f"- {r.isa}: {cpu.get('model') or cpu.get('arch')}, ATen "
                      f"{cpu.get('aten_capability')}"
-                     + (f", ONEDNN_MAX_CPU_ISA={cpu['onednn_max_isa']}" if cpu.get('onednn_max_isa') else "")
-                     + f", flags {' '.join(cpu.get('flags') or ()) or 'none'}, bf16 matrix products "
+                     + (f", ONEDNN_MAX_CPU_ISA={cpu['onednn_max_isa']}"
+                        if cpu.get('onednn_max_isa') else "")
+                     + f", flags {' '.join(cpu.get('flags') or ()) or 'none'}, "
+                     "bf16 matrix products "
                      f"{'native' if cpu.get('native_bf16') else 'emulated'}; float32 training "
                      f"step {_fmt(r.fp32_train_step_s, 2)} s")
     lines += ["", "| " + " | ".join(head) + " |", "|" + " --- |" * 2 + " ---: |" * (len(head) - 2)]

@@ -144,7 +144,8 @@ class TrainConfig:
         if isinstance(self.loss_vocab, bool) or not isinstance(self.loss_vocab, int) \
                 or self.loss_vocab < 0:
             raise InvalidArgumentError(
-                f"loss_vocab must be an integer >= 0 (0 = full vocabulary), got {self.loss_vocab!r}")
+                f"loss_vocab must be an integer >= 0 (0 = full vocabulary), "
+                f"got {self.loss_vocab!r}")
         if self.loss_vocab and self.loss != "kl":
             # CE needs the label's logit, which may lie outside the kept rows: the full
             # vocabulary would be projected anyway, and nothing saved.
@@ -400,7 +401,8 @@ def train_heads(out: OutputLayer, features: FeatureSet, layers: Sequence[int],
     if rows is not None:
         logger.info("KL over %d rows (the %d most frequent tokens + EOS) of %d", rows.numel(),
                     config.loss_vocab, train_out.vocab_size)
-    before = evaluate_heads(heads, features, eval_idx, train_out, compute) if eval_idx.numel() else []
+    before = (evaluate_heads(heads, features, eval_idx, train_out, compute)
+              if eval_idx.numel() else [])
 
     params = [p for h in heads for p in h.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=config.lr)
@@ -436,7 +438,8 @@ def train_heads(out: OutputLayer, features: FeatureSet, layers: Sequence[int],
     seconds = time.perf_counter() - start_time
     for head in heads:
         head.eval()
-    after = evaluate_heads(heads, features, eval_idx, train_out, compute) if eval_idx.numel() else []
+    after = (evaluate_heads(heads, features, eval_idx, train_out, compute)
+             if eval_idx.numel() else [])
     for head in heads:
         head.bind(out)  # hand back heads on the model's own lm_head, not the training copy
     return TrainResult(heads, before, after, int(train_idx.numel()), int(eval_idx.numel()),
@@ -475,7 +478,8 @@ def train(engine: Engine, request: TrainRequest, progress: bool = True) -> Train
         KeyboardInterrupt: passed on; no head file is written before training completes.
     """
     num_layers = engine.executor.num_layers
-    layers = check_layers(request.layers, num_layers) if request.layers else default_layers(num_layers)
+    layers = (check_layers(request.layers, num_layers) if request.layers
+              else default_layers(num_layers))
     times = StageTimes()
     data = prepare_features(engine, request.data, layers, times, progress)
     features = data.features

@@ -13,9 +13,10 @@ path to fp32 rounding, not bit for bit; a threshold decision can differ only whe
 predictor's output is within that rounding of the threshold. Verified SpecEE stays lossless
 either way (verification decides), and the predictors were trained on torch's features.
 
-:func:`layer_decision` and :func:`candidate_kernel` check the kernels against the torch path on the model's own weights
-before it is used and returns ``None`` (torch path) where it cannot run: not bf16, not an x86
-CPU with AVX2, no C++ compiler, a final norm that is not the plain RMSNorm, or a failed check.
+:func:`layer_decision` and :func:`candidate_kernel` check the kernels against the torch path
+on the model's own weights before it is used and returns ``None`` (torch path) where it cannot
+run: not bf16, not an x86 CPU with AVX2, no C++ compiler, a final norm that is not the plain
+RMSNorm, or a failed check.
 """
 
 from __future__ import annotations
@@ -159,7 +160,8 @@ class KernelLayerDecision:
                 a.lens = t.data_ptr()
             features_only = _PredictArgs()
             ctypes.pointer(features_only)[0] = a
-            tensors = [fc1[i].to(torch.bfloat16).contiguous(), b1[i].contiguous(), w2[i].contiguous()]
+            tensors = [fc1[i].to(torch.bfloat16).contiguous(), b1[i].contiguous(),
+                       w2[i].contiguous()]
             a.fc1, a.b1, a.w2 = (t.data_ptr() for t in tensors)
             a.b2 = float(predictors.fc2_bias[i])
             if predictors.state_dim:
@@ -220,8 +222,9 @@ def layer_decision(executor: LayerExecutor, predictors: ExitPredictors,
             (the message says why).
     """
     _check_choice(kernel)
-    torch_path = TorchLayerDecision(executor, predictors,
-                                    {layer: head.transform_normed for layer, head in lenses.items()})
+    torch_path = TorchLayerDecision(
+        executor, predictors, {layer: head.transform_normed for layer, head in lenses.items()}
+    )
     if kernel == "torch":
         return torch_path
 
@@ -269,7 +272,8 @@ def _unsupported(executor: LayerExecutor, lenses: Mapping[int, LightweightHead])
     weight = getattr(norm, "weight", None)
     if executor.device.type != "cpu":
         return f"runs on the CPU (the model is on {executor.device.type})"
-    if weight is None or weight.dtype != torch.bfloat16 or executor.lm_head.weight.dtype != torch.bfloat16:
+    if (weight is None or weight.dtype != torch.bfloat16
+            or executor.lm_head.weight.dtype != torch.bfloat16):
         return "needs a bf16 model"
     if _norm_eps(norm) is None:
         return f"knows RMSNorm, not {type(norm).__name__}"
@@ -301,7 +305,8 @@ def kernel_check(reference: TorchLayerDecision, fused: KernelLayerDecision,
             err = (got.scores.features - want.scores.features).abs().max().item()
             return f"features differ from torch's by {err:.3g} at layer {layer}"
         if abs(got.prob - want.prob) > _CHECK_TOL:
-            return f"predictor output differs from torch's by {abs(got.prob - want.prob):.3g} at layer {layer}"
+            return (f"predictor output differs from torch's by {abs(got.prob - want.prob):.3g} "
+                    f"at layer {layer}")
         previous = want.scores.probs.clone()
     return ""
 
