@@ -72,7 +72,7 @@ def create_app(engine: Any, config: ServeConfig) -> Any:
                           redoc_url=None, openapi_url=None)
     app.state.openapi = openapi_document(
         config.model_name, config.limits, engine.vocab_size, METHODS,
-        model_symbols(engine.executor), api_key=config.api_key is not None,
+        model_symbols(engine.executor), api_key=bool(config.auth_keys()),
         health_auth=config.health_auth, asset_names=service.assets_dir is not None,
         version=__version__)
     app.state.service = service

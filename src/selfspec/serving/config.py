@@ -5,11 +5,14 @@ read them from here; the request limits' defaults are
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from selfspec.serving.protocol import Limits
+
+DEFAULT_TENANT = "default"  # the tenant of --api-key, and of every request without keys
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,15 @@ class ServeConfig:
         health_auth: ``/health`` needs the API key too.
         drain_seconds: on shutdown, how long accepted requests may still run.
         header_timeout: seconds a client has to send a request's headers.
+        api_keys: more keys, key -> tenant name (``--api-keys-file``,
+            :func:`~selfspec.serving.auth.read_keys_file`); with ``api_key`` (tenant
+            ``default``) the keys a request may send.
+        tenant_from_user: the request's ``user`` field names a tenant inside its key's.
+        share_history: every tenant drafts from one shared history (the side channel of
+            docs/serving.md, "Tenants and history"); default: each tenant its own.
+        max_tenants: tenants' memories kept (least recently used dropped first).
+        stream_chunk_tokens: a stream's chunks carry this many tokens each (the last fewer);
+            ``None``: each decoding step's tokens as they come.
     """
 
     model_name: str
@@ -45,3 +57,16 @@ class ServeConfig:
     health_auth: bool = False
     drain_seconds: float = 30.0
     header_timeout: float = 10.0
+    # --- tenants (H2) ---
+    api_keys: Mapping[str, str] = field(default_factory=dict)
+    tenant_from_user: bool = False
+    share_history: bool = False
+    max_tenants: int = 64
+    stream_chunk_tokens: int | None = None
+
+    def auth_keys(self) -> dict[str, str]:
+        """Every key a request may send -> its tenant (empty: no key needed)."""
+        keys = dict(self.api_keys)
+        if self.api_key is not None:
+            keys[self.api_key] = DEFAULT_TENANT
+        return keys

@@ -82,7 +82,7 @@ async def health(request: HttpRequest) -> Any:
     """The model's name and the queue's length; 503 while draining."""
     service = _service(request)
     if service.config.health_auth:
-        authorize(request.headers, service.config.api_key)
+        authorize(request.headers, service.config.auth_keys())
     draining = service.drain.draining
     body = {"status": "draining" if draining else "ok", "model": service.config.model_name,
             "running": service.scheduler.running, "waiting": service.scheduler.waiting}
@@ -95,7 +95,7 @@ async def metrics_text(request: HttpRequest) -> Response:
     service = _service(request)
     # the key too: the metrics show the load and which methods clients use, and
     # Prometheus sends a bearer token (`authorization: {credentials_file: ...}`)
-    authorize(request.headers, service.config.api_key)
+    authorize(request.headers, service.config.auth_keys())
     metrics = service.metrics
     return Response(metrics.render(), media_type=metrics.content_type)
 
@@ -103,7 +103,7 @@ async def metrics_text(request: HttpRequest) -> Response:
 async def models(request: HttpRequest) -> dict:
     """The one model served, with its default method and the methods a request may name."""
     config = _service(request).config
-    authorize(request.headers, config.api_key)
+    authorize(request.headers, config.auth_keys())
     return {"object": "list", "data": [{
         "id": config.model_name, "object": "model", "created": 0, "owned_by": "selfspec",
         "selfspec": {"default_method": config.method,
@@ -115,7 +115,7 @@ async def models(request: HttpRequest) -> dict:
 async def openapi(request: HttpRequest) -> JSONResponse:
     """The server's OpenAPI document (``app.state.openapi``)."""
     # the key too, like /v1/models: it names the model and the methods
-    authorize(request.headers, _service(request).config.api_key)
+    authorize(request.headers, _service(request).config.auth_keys())
     return JSONResponse(request.app.state.openapi)
 
 
@@ -133,7 +133,7 @@ async def complete(request: HttpRequest, chat: bool) -> Any:
     """A generation request's response: a JSON body, an event stream, or ``None`` (no
     body to send) when the client left before the end."""
     service = _service(request)
-    authorize(request.headers, service.config.api_key)
+    authorize(request.headers, service.config.auth_keys())
     with service.drain.entering():  # 503 while draining; the drain waits for it meanwhile
         api, ids, jobs, events = await service.accept(request, chat)
     ids_of = ResponseIds(service.config.model_name, chat)

@@ -1,0 +1,104 @@
+"""API keys with tenants: a non-ASCII key is a 401 (issue 76, fault 1), several keys from an
+operator's keys file each name a tenant, and the ``user`` field a sub-tenant where the
+operator says so."""
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+import selfspec
+from selfspec.errors import InvalidArgumentError
+from selfspec.serving.auth import authorize, read_keys_file, request_tenant
+from selfspec.serving.protocol import ApiError
+
+from tiny import tiny_model, tiny_tokenizer
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+
+from selfspec.serving.app import ServeConfig, create_app  # noqa: E402 - needs FastAPI
+
+KEY = "tenant-key"
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A real uvicorn server on 127.0.0.1 with one key and a keys file's two."""
+    engine = selfspec.from_pretrained_model(tiny_model("llama"), tiny_tokenizer(), name="tiny")
+    config = ServeConfig(model_name="tiny", method="ar", api_key=KEY,
+                         api_keys={"key-a": "alice", "key-b": "bob"})
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(create_app(engine, config), log_level="critical"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 120
+    while not uv.started:
+        assert thread.is_alive() and time.time() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield sock.getsockname()[1]
+    uv.should_exit = True
+    thread.join(timeout=30)
+    sock.close()
+
+
+def _raw_get(port: int, path: str, authorization: bytes) -> tuple[int, bytes]:
+    """(status, body) of a GET sent as raw bytes, so non-ASCII header bytes get through."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"GET " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                     b"Authorization: " + authorization + b"\r\n\r\n")
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+@pytest.mark.parametrize("key", ["ééééé".encode("latin-1"), "ééééé".encode(), b"\xff\x80k"])
+@pytest.mark.parametrize("path", ["/v1/models", "/metrics"])
+def test_a_non_ascii_key_is_a_401_not_a_500(server, key, path):
+    status, body = _raw_get(server, path, b"Bearer " + key)
+    assert status == 401, body
+    assert json.loads(body)["error"]["code"] == "invalid_api_key"
+
+
+def test_each_key_of_the_keys_file_and_the_api_key_pass(server):
+    for key in (b"tenant-key", b"key-a", b"key-b"):
+        assert _raw_get(server, "/v1/models", b"Bearer " + key)[0] == 200
+    assert _raw_get(server, "/v1/models", b"Bearer key-c")[0] == 401
+
+
+def test_authorize_names_the_keys_tenant_and_user_a_sub_tenant():
+    keys = {"k1": "alice", "k2": "bob"}
+    assert authorize({"authorization": "Bearer k2"}, keys) == "bob"
+    assert authorize({"authorization": "bearer k1"}, keys) == "alice"
+    assert authorize({}, {}) == "default" and authorize({}, None) == "default"
+    assert authorize({"authorization": "Bearer one"}, "one") == "default"
+    for bad in ("Bearer k3", "Basic k1", "", "Bearer \udcff"):
+        with pytest.raises(ApiError) as error:
+            authorize({"authorization": bad}, keys)
+        assert error.value.status == 401
+    assert request_tenant("alice", "u1", from_user=True) == "alice/u1"
+    assert request_tenant("alice", "u1", from_user=False) == "alice"
+    assert request_tenant("alice", None, from_user=True) == "alice"
+    assert request_tenant("alice", {"x": 1}, from_user=True) == "alice"
+
+
+def test_keys_file_lines_comments_and_errors(tmp_path):
+    good = tmp_path / "keys"
+    good.write_text("# tenant key\n\nalice  sk-a\n  bob\tsk-b  \n", encoding="utf-8")
+    assert read_keys_file(good) == {"sk-a": "alice", "sk-b": "bob"}
+    for text, message in [("alice\n", "line 1: expected 'TENANT KEY'"),
+                          ("a b c\n", "got 3 fields"),
+                          ("al/ice k\n", "tenant name 'al/ice'"),
+                          ("a k\nb k\n", "line 2: this key is already tenant 'a'"),
+                          ("# nothing\n\n", "no keys in it")]:
+        bad = tmp_path / "bad"
+        bad.write_text(text, encoding="utf-8")
+        with pytest.raises(InvalidArgumentError, match=message):
+            read_keys_file(bad)
+    with pytest.raises(InvalidArgumentError, match="cannot read it"):
+        read_keys_file(tmp_path / "missing")
