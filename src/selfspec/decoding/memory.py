@@ -19,11 +19,15 @@ The outputs never depend on it: every drafter is verified by the full model.
 
 from __future__ import annotations
 
+import logging
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from selfspec.decoding.ngram.lookup import SuffixAutomaton
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,3 +67,40 @@ class EngineMemory:
         self.history.clear()
         self.drafters.clear()
         self.ngram.clear()
+
+
+class TenantMemories:
+    """One :class:`EngineMemory` per tenant (a server's API key, or a key's ``user``), the
+    ``max_tenants`` most recently used kept: a request drafts only from its own tenant's
+    earlier texts and estimates (docs/serving.md, "Tenants and history").
+
+    Each memory's history is bounded by :class:`SuffixAutomaton`'s own limits; a dropped
+    tenant's next request starts from an empty memory (the outputs never depend on it).
+
+    Args:
+        max_tenants: memories kept at most (>= 1).
+
+    Raises:
+        ValueError: ``max_tenants`` < 1.
+    """
+
+    def __init__(self, max_tenants: int) -> None:
+        if max_tenants < 1:
+            raise ValueError(f"max_tenants must be >= 1, got {max_tenants}")
+        self.max_tenants = max_tenants
+        self._memories: OrderedDict[str, EngineMemory] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._memories)
+
+    def get(self, tenant: str) -> EngineMemory:
+        """``tenant``'s memory (a new one for a tenant not kept), now the most recent; the
+        least recently used is dropped past ``max_tenants``."""
+        memory = self._memories.pop(tenant, None)
+        if memory is None:
+            memory = EngineMemory()
+        self._memories[tenant] = memory
+        while len(self._memories) > self.max_tenants:
+            dropped, _ = self._memories.popitem(last=False)
+            logger.debug("dropped tenant %r's memory (%d kept)", dropped, self.max_tenants)
+        return memory

@@ -222,7 +222,8 @@ def build_batch(context: MethodContext, options: Options) -> BatchStep:
     stops paying at high batch."""
     if "ngram" not in drafter_names(options):
         return BatchArStep(context.executor)
-    history = context.history() if options.history else None
+    # read as each row joins: a server's rows draft from their own tenant's history
+    history = context.history if options.history else None
     return BatchNgramStep(context.executor, context.latency(),
                           NgramSettings(max_draft_len=options.max_draft_len), history)
 

@@ -62,7 +62,8 @@ def build(context: MethodContext, options: Options) -> Step:
 def build_batch(context: MethodContext, options: Options) -> BatchStep:
     """Per-row n-gram drafts verified in one batched forward, block width chosen for the
     batch."""
-    history = context.history() if options.history else None
+    # read as each row joins: a server's rows draft from their own tenant's history
+    history = context.history if options.history else None
     return BatchNgramStep(context.executor, context.latency(), settings(options), history)
 
 

@@ -133,7 +133,7 @@ async def complete(request: HttpRequest, chat: bool) -> Any:
     """A generation request's response: a JSON body, an event stream, or ``None`` (no
     body to send) when the client left before the end."""
     service = _service(request)
-    authorize(request.headers, service.config.auth_keys())
+    request.state.tenant = authorize(request.headers, service.config.auth_keys())
     with service.drain.entering():  # 503 while draining; the drain waits for it meanwhile
         api, ids, jobs, events = await service.accept(request, chat)
     ids_of = ResponseIds(service.config.model_name, chat)

@@ -25,7 +25,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,6 +37,7 @@ from selfspec.decoding.core.loop import check_processing
 from selfspec.decoding.core.state import DecodeOptions, DecodeState
 from selfspec.decoding.core.stats import StepStats
 from selfspec.decoding.core.stop_strings import StopStringSink
+from selfspec.decoding.memory import TenantMemories
 from selfspec.errors import InvalidArgumentError, SelfSpecError
 from selfspec.methods.registry import get_method
 from selfspec.serving.config import ServeConfig
@@ -79,6 +81,8 @@ class Request:
             step; ``on_done`` then reports finish reason ``"cancelled"``.
         state: the row's :class:`DecodeState` once admitted (read it from the callbacks,
             which run on the worker thread), else ``None``.
+        tenant: whose memory (n-gram history, drafter estimates) the row drafts from and
+            adds to; ``None``: the engine's own, shared by every such request.
     """
 
     prompt_ids: list[int]
@@ -91,6 +95,7 @@ class Request:
         lambda state, text, error: None)
     cancelled: threading.Event = field(default_factory=threading.Event)
     state: DecodeState | None = None
+    tenant: str | None = None
 
 
 @dataclass
@@ -124,6 +129,8 @@ class Scheduler:
             row: its prompt + ``max_new_tokens``, capped by the model's context), or
             ``None``: no bound but ``max_batch``.
         observer: told of each queued request and each row's step (``None``: nobody).
+        max_tenants: tenants' memories kept (:class:`TenantMemories`, least recently used
+            dropped).
 
     The bounds' defaults are :class:`~selfspec.serving.config.ServeConfig`'s.
 
@@ -134,7 +141,8 @@ class Scheduler:
     def __init__(self, engine: Any, max_batch: int = ServeConfig.max_batch,
                  max_queue: int = ServeConfig.max_queue,
                  max_batch_tokens: int | None = ServeConfig.max_batch_tokens,
-                 observer: SchedulerObserver | None = None) -> None:
+                 observer: SchedulerObserver | None = None,
+                 max_tenants: int = ServeConfig.max_tenants) -> None:
         if max_batch < 1 or max_queue < 0 or (max_batch_tokens is not None
                                                and max_batch_tokens < 1):
             raise InvalidArgumentError(
@@ -145,6 +153,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.max_batch_tokens = max_batch_tokens
         self.observer = observer
+        self.tenants = TenantMemories(max_tenants)
         self._queue: deque[Request] = deque()  # waiting for a row
         self._ready: deque[Request] = deque()  # holding a row, not admitted yet
         self._held: dict[int, int] = {}  # id(request) -> KV positions, for each row held
@@ -376,7 +385,25 @@ class Scheduler:
             elif row.state.done:
                 self._finish(row)
 
+    @contextmanager
+    def _memory_of(self, request: Request) -> Iterator[None]:
+        """While inside, the engine's methods draft from (and add to) ``request``'s
+        tenant's memory; the engine's own without a tenant (worker thread only)."""
+        if request.tenant is None:
+            yield
+            return
+        methods = self.engine.methods
+        previous = methods.use_memory(self.tenants.get(request.tenant))
+        try:
+            yield
+        finally:
+            methods.use_memory(previous)
+
     def _admit(self, request: Request) -> None:
+        with self._memory_of(request):
+            self._admit_row(request)
+
+    def _admit_row(self, request: Request) -> None:
         try:
             spec = get_method(request.method)
             key = (request.method, tuple(sorted((k, str(v)) for k, v in
@@ -421,7 +448,8 @@ class Scheduler:
         step = self._steps.get(row.key)
         if step is not None and joined:
             try:
-                step.leave(row.state)
+                with self._memory_of(row.request):
+                    step.leave(row.state)
             except Exception:
                 logger.exception("leaving a row failed")
         state = row.state

@@ -19,8 +19,9 @@ from selfspec.errors import InvalidArgumentError, MissingDependencyError
 from selfspec.methods.registry import get_method
 from selfspec.models.provision import selfspec_home
 from selfspec.serving import assets
+from selfspec.serving.auth import request_tenant
 from selfspec.serving.body import read_json
-from selfspec.serving.config import ServeConfig
+from selfspec.serving.config import DEFAULT_TENANT, ServeConfig
 from selfspec.serving.drain import Drain, Unavailable
 from selfspec.serving.metrics import ServerMetrics
 from selfspec.serving.prompt import prompt_ids
@@ -61,7 +62,8 @@ class Service:
         self.scheduler = Scheduler(engine, max_batch=config.max_batch,
                                    max_queue=config.max_queue,
                                    max_batch_tokens=config.max_batch_tokens,
-                                   observer=self.metrics)
+                                   observer=self.metrics,
+                                   max_tenants=config.max_tenants)
         self.metrics.watch(self.scheduler)
         self.drain = Drain(self.scheduler, config.drain_seconds)
         self.assets_dir = (None if config.assets_dir is None
@@ -89,8 +91,22 @@ class Service:
         method, method_options = self.method_of(api)
         processing = self.processing_of(api, method, method_options)
         jobs, events = self.rows(api, ids, method, method_options, processing)
+        tenant = self.tenant_of(request, body)
+        for job in jobs:
+            job.tenant = tenant
         self.submit(jobs)
         return api, ids, jobs, events
+
+    def tenant_of(self, request: Any, body: Any) -> str | None:
+        """Whose memory the request drafts from: its key's tenant (``request.state.tenant``,
+        set by the route from :func:`~selfspec.serving.auth.authorize`), with the body's
+        ``user`` inside it under ``tenant_from_user``; ``None`` (one memory for all) under
+        ``share_history``."""
+        if self.config.share_history:
+            return None
+        key_tenant = getattr(request.state, "tenant", DEFAULT_TENANT)
+        return request_tenant(key_tenant, body.get("user") if isinstance(body, dict) else None,
+                              self.config.tenant_from_user)
 
     def parse(self, body: Any, chat: bool) -> ApiRequest:
         """The validated request of ``body`` (chat: with its tools), for this server's model.

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -57,8 +58,11 @@ class BatchNgramStep:
         executor: the model's executor.
         latency: the model's measured latencies (prior of the step time).
         settings: n-gram matching and draft limits.
-        history: the engine's suffix automaton of earlier texts, or ``None``; a row's text
-            joins it when the row leaves.
+        history: the engine's suffix automaton of earlier texts, or a function returning
+            the one a row joining now drafts from (a server's per-tenant history,
+            :class:`~selfspec.decoding.memory.TenantMemories`: rows of different tenants
+            share the batch, each drafting from its own), or ``None``; a row's text joins
+            its history when the row leaves.
         max_step_draft: draft tokens of one step over all rows, at most.
     """
 
@@ -66,7 +70,8 @@ class BatchNgramStep:
     processes_logits = True
 
     def __init__(self, executor: LayerExecutor, latency: LatencyModel, settings: NgramSettings,
-                 history: SuffixAutomaton | None = None, max_step_draft: int = 64) -> None:
+                 history: SuffixAutomaton | Callable[[], SuffixAutomaton] | None = None,
+                 max_step_draft: int = 64) -> None:
         self.max_step_draft = max_step_draft
         self.executor = executor
         self.latency = latency
@@ -74,17 +79,22 @@ class BatchNgramStep:
         self.history = history
         self.costs = ForwardCosts(latency)
         self._drafters: dict[int, NgramDrafter] = {}
+        self._histories: dict[int, SuffixAutomaton] = {}
 
     def join(self, state: DecodeState) -> None:
-        """Give the row its own drafter."""
+        """Give the row its own drafter, over the history it drafts from now."""
+        history = self.history() if callable(self.history) else self.history
+        if history is not None:
+            self._histories[id(state)] = history
         self._drafters[id(state)] = NgramDrafter(self.executor, ForwardCosts(self.latency),
-                                                 self.settings, self.history)
+                                                 self.settings, history)
 
     def leave(self, state: DecodeState) -> None:
-        """Drop the row's drafter; its text joins the history."""
+        """Drop the row's drafter; its text joins the history it drafted from."""
         self._drafters.pop(id(state), None)
-        if self.history is not None:
-            self.history.add(state.tokens)
+        history = self._histories.pop(id(state), None)
+        if history is not None:
+            history.add(state.tokens)
 
     def _plan(self, states: list[DecodeState], proposals: list[list[int]],
               alphas: list[list[float]]) -> tuple[list[int], TptChoice]:
