@@ -102,3 +102,83 @@ def test_keys_file_lines_comments_and_errors(tmp_path):
             read_keys_file(bad)
     with pytest.raises(InvalidArgumentError, match="cannot read it"):
         read_keys_file(tmp_path / "missing")
+
+
+# ------------------------------------------------ history scoped by tenant (scheduler)
+from selfspec.serving.scheduler import Scheduler, Request  # noqa: E402
+
+PROMPT = "the quick brown fox jumps over"
+TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return selfspec.from_pretrained_model(tiny_model("llama", seed=3), tiny_tokenizer(), "tiny")
+
+
+def _submit(engine, scheduler, tenant, method):
+    """(done event, outcome dict) of a greedy request of ``tenant``."""
+    done, out = threading.Event(), {}
+
+    def on_done(state, text, error):
+        out.update(state=state, error=error)
+        done.set()
+
+    scheduler.submit(Request(prompt_ids=engine.encode(PROMPT),
+                             options=engine.decode_options(TOKENS, 0.0, 0, 1.0, None),
+                             method=method, method_options={}, tenant=tenant,
+                             on_done=on_done))
+    return done, out
+
+
+def _run(engine, scheduler, pairs):
+    """Submit ``pairs`` of (tenant, method) together (one batch); their finished states."""
+    jobs = [_submit(engine, scheduler, tenant, method) for tenant, method in pairs]
+    states = []
+    for done, out in jobs:
+        assert done.wait(120) and out["error"] is None
+        states.append(out["state"])
+    return states
+
+
+@pytest.mark.parametrize("method", ["ngram", "auto"])
+def test_a_tenant_drafts_from_its_own_history_only(engine, method):
+    """Tenant a's second request drafts its whole continuation from a's first output; tenant
+    b, in the same batch, drafts nothing from it; every output equals ar's."""
+    (ar,) = _run(engine, _started(engine), [(None, "ar")])
+    scheduler = _started(engine)
+    try:
+        (first,) = _run(engine, scheduler, [("a", method)])
+        again, other = _run(engine, scheduler, [("a", method), ("b", method)])
+        assert again.stats.accepted > other.stats.accepted + TOKENS // 2
+        for state in (first, again, other):
+            assert state.tokens == ar.tokens
+        assert len(scheduler.tenants.get("b").history) == len(ar.tokens)
+        assert len(scheduler.tenants.get("a").history) > len(ar.tokens)
+        assert len(engine.methods.history()) == 0  # the engine's own memory is untouched
+    finally:
+        scheduler.close()
+
+
+def test_shared_history_and_tenant_bound(engine):
+    """Requests without a tenant (``--share-history``) draft from one history; past
+    ``max_tenants`` the least recently used tenant's memory is dropped."""
+    scheduler = _started(engine, max_tenants=1)
+    try:
+        (first,) = _run(engine, scheduler, [(None, "ngram")])
+        (again,) = _run(engine, scheduler, [(None, "ngram")])
+        assert again.stats.accepted > first.stats.accepted + TOKENS // 2
+        _run(engine, scheduler, [("a", "ngram")])
+        _run(engine, scheduler, [("b", "ngram")])
+        assert len(scheduler.tenants) == 1
+        (fresh,) = _run(engine, scheduler, [("a", "ngram")])  # a's memory was dropped
+        assert fresh.stats.accepted == first.stats.accepted
+    finally:
+        scheduler.close()
+        engine.methods.use_memory(None)
+
+
+def _started(engine, **options):
+    scheduler = Scheduler(engine, max_batch=4, **options)
+    scheduler.start()
+    return scheduler
