@@ -24,12 +24,9 @@ from selfspec.serving.app import ServeConfig, create_app  # noqa: E402 - needs F
 KEY = "tenant-key"
 
 
-@pytest.fixture(scope="module")
-def server():
-    """A real uvicorn server on 127.0.0.1 with one key and a keys file's two."""
+def _serve(config):
+    """A real uvicorn server on 127.0.0.1 for ``config``: yields its port."""
     engine = selfspec.from_pretrained_model(tiny_model("llama"), tiny_tokenizer(), name="tiny")
-    config = ServeConfig(model_name="tiny", method="ar", api_key=KEY,
-                         api_keys={"key-a": "alice", "key-b": "bob"})
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     uv = uvicorn.Server(uvicorn.Config(create_app(engine, config), log_level="critical"))
@@ -43,6 +40,13 @@ def server():
     uv.should_exit = True
     thread.join(timeout=30)
     sock.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    """One key and a keys file's two."""
+    yield from _serve(ServeConfig(model_name="tiny", method="ar", api_key=KEY,
+                                  api_keys={"key-a": "alice", "key-b": "bob"}))
 
 
 def _raw_get(port: int, path: str, authorization: bytes) -> tuple[int, bytes]:
@@ -182,3 +186,29 @@ def _started(engine, **options):
     scheduler = Scheduler(engine, max_batch=4, **options)
     scheduler.start()
     return scheduler
+
+
+# ------------------------------------------------ fixed-size stream chunks
+@pytest.fixture(scope="module")
+def chunked():
+    yield from _serve(ServeConfig(model_name="tiny", method="ngram", stream_chunk_tokens=5))
+
+
+def test_stream_chunks_carry_fixed_token_counts(chunked):
+    """--stream-chunk-tokens 5: every chunk of 23 tokens carries 5 (logprobs tokens), the
+    last 3, whatever each step accepted."""
+    import urllib.request
+
+    body = {"model": "tiny", "prompt": "abcabcabcabc abc", "max_tokens": 23, "stream": True,
+            "temperature": 0, "logprobs": 0, "n": 2}
+    request = urllib.request.Request(f"http://127.0.0.1:{chunked}/v1/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        lines = [x for x in reply.read().decode().split("\n\n") if x.startswith("data: {")]
+    sizes = {0: [], 1: []}
+    for line in lines:
+        choice = json.loads(line[6:])["choices"][0]
+        if choice.get("logprobs"):
+            sizes[choice["index"]].append(len(choice["logprobs"]["tokens"]))
+    assert sizes == {0: [5, 5, 5, 5, 3], 1: [5, 5, 5, 5, 3]}

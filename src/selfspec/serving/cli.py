@@ -46,6 +46,22 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int_arg(0, 65535), default=8000)
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` (also $SELFSPEC_API_KEY)")
+    p.add_argument("--api-keys-file", default=None, metavar="FILE",
+                   help="more keys, one 'TENANT KEY' a line (# comments, blank lines skipped), "
+                        "read once at start; each key's tenant drafts only from its own "
+                        "history (--api-key is tenant 'default')")
+    p.add_argument("--tenant-from-user", action="store_true",
+                   help="a request's `user` field names a tenant inside its key's")
+    p.add_argument("--share-history", action="store_true",
+                   help="every tenant drafts from one shared n-gram history: faster drafts, "
+                        "but a client can read other clients' texts back from its own timing "
+                        "(docs/serving.md, 'Tenants and history')")
+    p.add_argument("--max-tenants", type=int_arg(1), default=_SERVE.max_tenants,
+                   help=f"tenants' histories kept, least recently used dropped first "
+                        f"(default {_SERVE.max_tenants})")
+    p.add_argument("--stream-chunk-tokens", type=int_arg(1), default=None, metavar="N",
+                   help="stream N tokens a chunk (the last fewer), so chunk sizes do not show "
+                        "how many drafts each step accepted (default: each step's tokens)")
     p.add_argument("--max-batch", type=int_arg(1, 256), default=_SERVE.max_batch,
                    help=f"requests decoded together (default {_SERVE.max_batch})")
     p.add_argument("--max-queue", type=int_arg(0), default=_SERVE.max_queue,
@@ -94,6 +110,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from selfspec.methods.cli_options import apply_method_spec, method_options
     from selfspec.methods.registry import get_method
     from selfspec.serving.app import serve
+    from selfspec.serving.auth import read_keys_file
 
     apply_method_spec(args)
     if args.assets_dir is not None and not Path(args.assets_dir).is_dir():
@@ -117,7 +134,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                          max_batch_tokens=args.max_batch_tokens,
                          assets_dir=None if args.assets_dir is None else Path(args.assets_dir),
                          health_auth=args.health_auth, drain_seconds=args.drain_seconds,
-                         header_timeout=args.header_timeout)
+                         header_timeout=args.header_timeout,
+                         api_keys=({} if args.api_keys_file is None
+                                   else read_keys_file(args.api_keys_file)),
+                         tenant_from_user=args.tenant_from_user,
+                         share_history=args.share_history, max_tenants=args.max_tenants,
+                         stream_chunk_tokens=args.stream_chunk_tokens)
     print(f"[selfspec] serving {config.model_name} ({args.method}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     serve(engine, config, host=args.host, port=args.port,

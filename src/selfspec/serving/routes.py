@@ -19,7 +19,7 @@ from selfspec.serving.auth import authorize
 from selfspec.serving.choices import response
 from selfspec.serving.protocol import ApiError, ResponseIds
 from selfspec.serving.service import Service
-from selfspec.serving.streaming import ChunkWriter, stream_events
+from selfspec.serving.streaming import ChunkWriter, FixedTokenChunks, stream_events
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +139,8 @@ async def complete(request: HttpRequest, chat: bool) -> Any:
     ids_of = ResponseIds(service.config.model_name, chat)
     if api.stream:
         writer = ChunkWriter(service.tokenizer, api, ids_of, len(jobs))
+        if service.config.stream_chunk_tokens is not None:
+            events = FixedTokenChunks(events, service.config.stream_chunk_tokens)
         return StreamingResponse(stream_events(writer, jobs, events, len(ids), service.failure),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})

@@ -140,3 +140,51 @@ async def stream_events(writer: ChunkWriter, jobs: Sequence[Request], events: as
     finally:
         for job in jobs:
             job.cancelled.set()
+
+
+class FixedTokenChunks:
+    """A row-event queue whose ``("tokens", index, tokens, entries)`` events carry exactly
+    ``size`` tokens each (a choice's last one, posted just before its ``"done"``, fewer): a
+    stream's chunk sizes then no longer show how many drafts each decoding step accepted,
+    the per-iteration side channel of Wei et al., "When Speculation Spills Secrets"
+    (arXiv 2411.01076; its iteration-wise aggregation). ``--stream-chunk-tokens N``.
+
+    Args:
+        events: the rows' event queue (:class:`~selfspec.serving.service.Service`); only
+            its ``get`` is used, as :func:`stream_events` does.
+        size: tokens a chunk (>= 1).
+    """
+
+    def __init__(self, events: asyncio.Queue, size: int) -> None:
+        self.events = events
+        self.size = size
+        self._tokens: dict[int, list[int]] = {}  # per choice, tokens not yet posted
+        self._entries: dict[int, list | None] = {}  # their logprob entries, if any
+        self._ready: list[tuple] = []
+
+    async def get(self) -> tuple:
+        """The next event, as :class:`asyncio.Queue`'s ``get``."""
+        while not self._ready:
+            item = await self.events.get()
+            if item[0] == "tokens":
+                self._add(*item[1:])
+            else:
+                self._flush(item[1], last=True)
+                self._ready.append(item)
+        return self._ready.pop(0)
+
+    def _add(self, index: int, tokens: list[int], entries: list | None) -> None:
+        self._tokens.setdefault(index, []).extend(tokens)
+        if entries is not None:
+            self._entries.setdefault(index, []).extend(entries)  # one entry a token
+        self._flush(index, last=False)
+
+    def _flush(self, index: int, last: bool) -> None:
+        tokens, entries = self._tokens.get(index, []), self._entries.get(index)
+        while len(tokens) >= self.size or (last and tokens):
+            n = min(self.size, len(tokens))
+            self._ready.append(("tokens", index, tokens[:n],
+                                None if entries is None else entries[:n]))
+            tokens = tokens[n:]
+            entries = None if entries is None else entries[n:]
+        self._tokens[index], self._entries[index] = tokens, entries
