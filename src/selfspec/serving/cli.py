@@ -119,6 +119,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"--assets-dir {args.assets_dir!r} is not a directory")
     options = method_options(args)
     get_method(args.method).parse(options)  # bad options fail before the model loads
+    api_keys = {} if args.api_keys_file is None else read_keys_file(args.api_keys_file)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel,
@@ -135,8 +136,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                          assets_dir=None if args.assets_dir is None else Path(args.assets_dir),
                          health_auth=args.health_auth, drain_seconds=args.drain_seconds,
                          header_timeout=args.header_timeout,
-                         api_keys=({} if args.api_keys_file is None
-                                   else read_keys_file(args.api_keys_file)),
+                         api_keys=api_keys,
                          tenant_from_user=args.tenant_from_user,
                          share_history=args.share_history, max_tenants=args.max_tenants,
                          stream_chunk_tokens=args.stream_chunk_tokens)
