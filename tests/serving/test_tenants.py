@@ -24,22 +24,28 @@ from selfspec.serving.app import ServeConfig, create_app  # noqa: E402 - needs F
 KEY = "tenant-key"
 
 
-def _serve(config):
-    """A real uvicorn server on 127.0.0.1 for ``config``: yields its port."""
+def _serve(config, apps=None):
+    """A real uvicorn server on 127.0.0.1 for ``config``: yields its port (its app appended
+    to ``apps``)."""
     engine = selfspec.from_pretrained_model(tiny_model("llama"), tiny_tokenizer(), name="tiny")
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(create_app(engine, config), log_level="critical"))
+    app = create_app(engine, config)
+    if apps is not None:
+        apps.append(app)
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="critical"))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + 120
     while not uv.started:
         assert thread.is_alive() and time.time() < deadline, "the server did not start"
         time.sleep(0.05)
-    yield sock.getsockname()[1]
-    uv.should_exit = True
-    thread.join(timeout=30)
-    sock.close()
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -235,3 +241,29 @@ def test_a_request_tenant_is_its_keys_its_user_inside_it_or_none_when_shared():
     assert tenant(share_history=True, tenant_from_user=True) is None
     assert Service.tenant_of(SimpleNamespace(config=ServeConfig(model_name="tiny")),
                              SimpleNamespace(state=SimpleNamespace()), body) == "default"
+
+
+def test_over_http_each_key_and_user_drafts_from_its_own_tenant():
+    """Requests with key-a (user x) and key-b land in tenants alice/x and bob; the same
+    prompt's greedy output is the same for both."""
+    import urllib.request
+
+    apps = []
+    serving = _serve(ServeConfig(model_name="tiny", method="ngram", api_keys={
+        "key-a": "alice", "key-b": "bob"}, tenant_from_user=True), apps)
+    port = next(serving)
+    texts = []
+    try:
+        for key, user in [("key-a", "x"), ("key-b", None)]:
+            body = {"model": "tiny", "prompt": "abcabcabcabc abc", "max_tokens": 16,
+                    "temperature": 0, **({"user": user} if user else {})}
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                texts.append(json.loads(reply.read())["choices"][0]["text"])
+        tenants = apps[0].state.scheduler.tenants
+        assert sorted(tenants._memories) == ["alice/x", "bob"]
+        assert texts[0] == texts[1]
+    finally:
+        serving.close()
