@@ -217,7 +217,8 @@ def run_bench(runners: Sequence[Runner], prompts: Sequence[EncodedPrompt], setti
 
 def force_references(result: BenchRun, runners: Sequence[Runner],
                      prompts: Sequence[EncodedPrompt]) -> None:
-    """Fill in :attr:`PromptRecord.forced_matches` / ``forced_tokens`` of the records of each runner that
+    """Fill in :attr:`PromptRecord.forced_matches` / ``forced_tokens`` of the records of each runner
+    that
     measures it (``forced_choices``; rows whose reference is ``ar`` but that run another
     model: another decoding kernel, llama.cpp), after all timed generations. Records that
     already have it (an earlier process of the run) are kept. A runner that raises here

@@ -10,7 +10,8 @@ its help text, valid range or choices, and how to show a default that depends on
                                         default_text="3/4 of the depth")
 
 Bounds are numbers or one of the model-dependent symbols of :data:`MODEL_BOUNDS`
-(``"L"``: layers, ``"L-1"``: layers − 1, ``"R-1"``: the longest bit-exact draft, ``"V"``: vocabulary size),
+(``"L"``: layers, ``"L-1"``: layers − 1, ``"R-1"``: the longest bit-exact draft, ``"V"``: vocabulary
+size),
 checked once the model is known (:func:`check_model_bounds`).
 
 An option whose value names a file the method reads (trained heads, a skip set) declares it

@@ -21,7 +21,8 @@ class KindResult:
         requests: responses received (whatever their outcome).
         choices: choices received.
         completion_tokens: their ``usage.completion_tokens``, summed.
-        problems: responses' problems by category (:data:`~selfspec.bench.serve_load.kinds.CATEGORIES`).
+        problems: responses' problems by category
+        (:data:`~selfspec.bench.serve_load.kinds.CATEGORIES`).
         latency_ms_median / latency_ms_p90: sending to the end of the answer.
         ttft_ms_median: streams: sending to the first text.
         max_logprob_gap: the largest difference of a token's log probability from the

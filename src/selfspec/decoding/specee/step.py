@@ -8,7 +8,8 @@ Per token (batch 1):
    and the current token's embedding → the top-``k`` of ``lm_head``), before layer 0, so
    features start at any layer ``c``. :class:`HeadCandidates` instead runs layers ``[0, c)``
    and takes an exit head's top-``k`` at ``c`` (no drafter to train, but no exit before
-   ``c``). Either costs one call of ``lm_head``'s draft-vocabulary rows. With ``ngram``, the token that
+   ``c``). Either costs one call of ``lm_head``'s draft-vocabulary rows. With ``ngram``, the token
+   that
    prompt lookup predicts from the context (:class:`~selfspec.decoding.ngram.lookup.ContextIndex`,
    free) replaces the head's ``k``-th candidate when it is not among them
    (:func:`merge_ngram`): on code it is right where the mid-depth head is not (copied
