@@ -106,7 +106,8 @@ def plot_latency(points: list[LatencyPoint], title: str, path: Path) -> None:
         ax1.plot(x, [getattr(p, f"{attr}_predicted") for p in points], "--",
                  color=line.get_color(), label=f"{label}, predicted")
     ax2.plot(x, [p.token_measured for p in points], "o-", label="one token, measured")
-    ax2.plot(x, [p.token_predicted for p in points], "--", label="one token, predicted L(t_attn+t_mlp)+head")
+    ax2.plot(x, [p.token_predicted for p in points], "--",
+             label="one token, predicted L(t_attn+t_mlp)+head")
     for ax, ylabel in ((ax1, "ms per sub-layer"), (ax2, "ms per token")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context length n (tokens)")

@@ -197,7 +197,8 @@ class Int8DynamicLinear:
             # Quantized tensors are deprecated as a user API, not FBGEMM's packed linear,
             # which takes one to build its packed weight.
             warnings.simplefilter("ignore", UserWarning)
-            qweight = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long),
+            qweight = torch.quantize_per_channel(w, scale,
+                                                 torch.zeros_like(scale, dtype=torch.long),
                                                  0, torch.qint8)
         self.packed = torch.ops.quantized.linear_prepack(
             qweight, None if bias is None else bias.detach().float())

@@ -198,7 +198,8 @@ class OptionField:
                      for b in (self.info.low, self.info.high))
         if isinstance(low, (int, float)) and (value < low or (self.info.low_open and value == low)):
             raise self._error(method, value, symbols)
-        if isinstance(high, (int, float)) and (value > high or (self.info.high_open and value == high)):
+        if isinstance(high, (int, float)) and (
+                value > high or (self.info.high_open and value == high)):
             raise self._error(method, value, symbols)
 
     def _error(self, method: str, value: Any, symbols: Mapping[str, int] | None = None

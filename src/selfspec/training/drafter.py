@@ -308,8 +308,7 @@ def default_exit_state_layers(num_layers: int) -> tuple[int, ...]:
     """Every ``max(1, L // 8)``-th layer from :func:`default_first_layer` on (3, 6, ..., 21 for
     24 layers): the predictors' range, where the exit-state drafter's input comes from. On
     Qwen2.5-Coder-0.5B a drafter trained on five such layers read layers 3 and 6 within 1-3 points
-    of
-    top-4 of a drafter trained on that layer alone (:mod:`selfspec.training.drafter`)."""
+    of top-4 of a drafter trained on that layer alone (:mod:`selfspec.training.drafter`)."""
     step = max(1, num_layers // 8)
     return tuple(range(default_first_layer(num_layers), num_layers, step))
 

@@ -236,7 +236,8 @@ def readme(result: MixedResult, command: str) -> str:
              f"server `--threads {a.get('threads')} --max-batch {a.get('max_batch')} "
              f"--drain-seconds {a.get('drain_seconds'):g}`; {a.get('clients')} clients for "
              f"{a.get('duration'):g} s (seed {a.get('seed')}), max_tokens {a.get('max_tokens')} "
-             f"(JSON {a.get('json_max_tokens')}). Machine: {m.get('logical_cores')} CPUs, load average "
+             f"(JSON {a.get('json_max_tokens')}). Machine: {m.get('logical_cores')} CPUs, "
+             "load average "
              f"{m.get('load_start')} at the start and {m.get('load_end')} at the end (the "
              f"clients run on the same CPUs), torch {m.get('torch')}, Python {m.get('python')}.",
              "", f"Each kind's answers are compared with the lone answer to the same prompt "

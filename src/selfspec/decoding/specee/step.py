@@ -199,7 +199,8 @@ class HeadCandidates:
         ngram: merge in the prompt-lookup token (:func:`merge_ngram`).
     """
 
-    def __init__(self, executor: LayerExecutor, layer: int, head: Callable[[torch.Tensor], torch.Tensor],
+    def __init__(self, executor: LayerExecutor, layer: int,
+                 head: Callable[[torch.Tensor], torch.Tensor],
                  k: int, vocab: DraftVocab | None = None, ngram: bool = False) -> None:
         self.executor = executor
         self.layer = layer
@@ -235,7 +236,8 @@ class DrafterCandidates:
         exit_fused: ``exit_drafter``'s compiled call, or ``None``.
     """
 
-    def __init__(self, executor: LayerExecutor, drafter: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    def __init__(self, executor: LayerExecutor,
+                 drafter: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  layer: int, output: Callable[[torch.Tensor], torch.Tensor], k: int,
                  vocab: DraftVocab | None = None, ngram: bool = False,
                  fused: CandidateKernel | None = None,
