@@ -85,7 +85,8 @@ def _results_bytes(rev: str | None) -> tuple[int, int]:
 
 
 def _batch_sizes(objects: list[str]) -> list[int]:
-    out = subprocess.run(["git", "cat-file", "--batch-check=%(objectsize)"], input="\n".join(objects),
+    out = subprocess.run(["git", "cat-file", "--batch-check=%(objectsize)"],
+                         input="\n".join(objects),
                          check=True, capture_output=True, text=True).stdout
     return [int(x) for x in out.split()]
 

@@ -384,11 +384,14 @@ def markdown(report: dict[str, Any]) -> str:
              ""]
     if report["problems"]:
         lines += ["## Prerequisites missing", ""] + [f"- {p}" for p in report["problems"]] + [""]
-    lines += ["## Greedy parity vs ar", "", "| model | dtype | method | status | identical | note |",
+    lines += ["## Greedy parity vs ar", "",
+              "| model | dtype | method | status | identical | note |",
               "|---|---|---|---|---|---|"]
     for r in report["parity"]:
-        lines.append(f"| {r['model']} | {r.get('dtype', '')} | {r['method']} | {r['status']} | "
-                     f"{r.get('identical', '')} | {r.get('first_difference', r.get('error', ''))} |")
+        lines.append(f"| {r['model']} | {r.get('dtype', '')} | {r['method']} "
+                     f"| {r['status']} | "
+                     f"{r.get('identical', '')} | "
+                     f"{r.get('first_difference', r.get('error', ''))} |")
     lines += ["", "## Timings", "", "| model | method | status | tok/s | vs ar | same as ar | "
               "acceptance | peak GPU MiB | note |", "|---|---|---|---|---|---|---|---|---|"]
     for r in report["timings"]:
@@ -435,7 +438,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parity-methods", default=None,
                    help="comma-separated methods to check (default: every lossless one)")
     p.add_argument("--timed-methods", default=None,
-                   help=f"comma-separated rows to time (default: {','.join(TIMED_METHODS + HF_ROWS)})")
+                   help="comma-separated rows to time "
+                   f"(default: {','.join(TIMED_METHODS + HF_ROWS)})")
     return p.parse_args(argv)
 
 

@@ -106,7 +106,8 @@ def _latency_cache(tmp_path_factory):
                               verify_tokens=(1, 2, 4, 8, 16, 17))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cost_model, "measure_latency", light)
-        patch.setattr(base, "cached_latency", lambda executor, _home: cached_latency(executor, home))
+        patch.setattr(base, "cached_latency",
+                      lambda executor, _home: cached_latency(executor, home))
         yield
 
 

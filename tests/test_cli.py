@@ -8,7 +8,8 @@ from selfspec.cli import main
 @pytest.mark.parametrize("argv,message", [
     (["generate", "--model", "no-such-model", "hi"], "smollm2-135m-instruct"),
     (["generate", "--top-p", "0", "hi"], "--top-p: must be a finite number in (0, 1]"),
-    (["generate", "--temperature", "-1", "hi"], "--temperature: must be a finite number in [0, inf)"),
+    (["generate", "--temperature", "-1", "hi"],
+     "--temperature: must be a finite number in [0, inf)"),
     (["generate", "--max-new-tokens", "0", "hi"], "--max-new-tokens: must be an integer >= 1"),
     (["generate", "--method", "medusa", "hi"], "known methods: ar, layerskip, dv, adaspeed"),
     (["models", "fetch", "no-such-model"], "known"),

@@ -3,9 +3,9 @@
 - ``mkdocs build --strict`` over ``mkdocs.yml`` (the site of ``docs/``) passes: every page in
   the nav exists and no link mkdocs checks is broken (skipped where mkdocs-material is not
   installed: ``pip install -e ".[docs]"``).
-- Every relative link in ``README.md`` and ``docs/*.md`` (the hand-written pages, not the run
-  outputs under ``docs/results/``) points to a file that exists, or to a folder with a
-  ``README.md``.
+- Every relative link in ``README.md`` and ``docs/*.md`` (the hand-written pages) points to a
+  file that exists, or to a folder with a ``README.md``; every relative link in the run pages
+  under ``docs/results/`` (reports, READMEs) points to a file or folder that exists.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+RESULT_PAGES = sorted((REPO / "docs" / "results").rglob("*.md"))
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
 _CODE_SPAN = re.compile(r"`[^`\n]*`")
@@ -45,11 +46,13 @@ def test_relative_links_finds_links_outside_code():
     assert relative_links(text) == ["docs/a.md", "p.png", "b.md"]
 
 
-def _broken(page: Path) -> list[str]:
+def _broken(page: Path, any_folder: bool = False) -> list[str]:
+    """The relative links of ``page`` that lead nowhere: to no file, and to no folder with a
+    ``README.md`` (any folder with ``any_folder``)."""
     broken = []
     for target in relative_links(page.read_text(encoding="utf-8")):
         path = (page.parent / target).resolve()
-        if path.is_file() or (path.is_dir() and (path / "README.md").is_file()):
+        if path.is_file() or (path.is_dir() and (any_folder or (path / "README.md").is_file())):
             continue
         broken.append(target)
     return broken
@@ -58,6 +61,11 @@ def _broken(page: Path) -> list[str]:
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(REPO)) for p in PAGES])
 def test_relative_links_point_to_existing_files(page):
     assert _broken(page) == [], f"{page.relative_to(REPO)}: broken relative links"
+
+
+@pytest.mark.parametrize("page", RESULT_PAGES, ids=[str(p.relative_to(REPO)) for p in RESULT_PAGES])
+def test_result_pages_link_to_existing_files(page):
+    assert _broken(page, any_folder=True) == [], f"{page.relative_to(REPO)}: broken links"
 
 
 def test_readme_stays_short():

@@ -233,8 +233,8 @@ def test_adaspeed_probe_greedy_equals_autoregressive(engine, prompts, ar_outputs
     ex = engine.executor
     probe = LinearProbe(24, engine.model.config.hidden_size)
     with torch.no_grad():
-        probe.weight.copy_(torch.randn(probe.weight.shape, generator=torch.Generator().manual_seed(0))
-                           * 0.05)
+        probe.weight.copy_(torch.randn(probe.weight.shape,
+                                       generator=torch.Generator().manual_seed(0)) * 0.05)
         probe.bias.fill_(2.0)
     drafter = EarlyExitDrafter(ex, 24, make_stop_rule("product", gamma=0.5), scorer=probe.eval())
     drafts = 0

@@ -260,10 +260,12 @@ def test_venv_imports_selfspec_from_the_wheel(installed: Installed, tmp_path: Pa
     assert Path(info["kernels"]).resolve() == (package / "executor" / "kernels").resolve()
     assert set(_kernel_sources()) <= set(info["kernel_files"])
     for name in _kernel_sources():  # the installed copies are the checkout's sources
-        assert (package / "executor" / "kernels" / name).read_bytes() == (KERNELS / name).read_bytes()
+        assert ((package / "executor" / "kernels" / name).read_bytes()
+                == (KERNELS / name).read_bytes())
     if compile_skip is None:
         built = Path(info["built"])
-        assert built.is_file() and built.parent.resolve() == (tmp_path / "home" / "kernels").resolve()
+        assert built.is_file() and (built.parent.resolve()
+                                    == (tmp_path / "home" / "kernels").resolve())
 
 
 @pytest.mark.real_model

@@ -15,12 +15,12 @@ from collections.abc import Sequence
 
 from selfspec.bench.cli import add_bench_cpu_parser, add_bench_parser
 from selfspec.cli_args import (
+    add_device_argument,
     add_dtype_argument,
     add_model_argument,
     add_output_processing_arguments,
     add_threads_argument,
     add_weight_format_arguments,
-    device_arg,
     float_arg,
     int_arg,
 )
@@ -496,8 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     info = sub.add_parser("info", help="versions, the CPU's abilities and the number formats "
                                        "and kernels selfspec will use on a device")
-    info.add_argument("--device", type=device_arg, default="auto",
-                      help="the device to describe: auto, cpu, cuda or cuda:N (default auto)")
+    add_device_argument(info, cuda_graphs=False,
+                        help="the device to describe: auto, cpu, cuda or cuda:N "
+                             "(default %(default)s)")
     info.set_defaults(func=_cmd_info)
     return parser
 

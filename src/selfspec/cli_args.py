@@ -66,11 +66,16 @@ def _arg_type(kind: type, what: str, check):
     return parse
 
 
-def add_model_argument(parser) -> None:
-    """``--model``, as every command that loads one model for decoding takes it."""
-    parser.add_argument("--model", default=None,
-                        help="registry name, local directory or Hugging Face hub id "
-                             "(default: smollm2-135m-instruct)")
+MODEL_HELP = ("registry name, local directory or Hugging Face hub id "
+              "(default: smollm2-135m-instruct)")
+"""``--model``'s help where the command falls back to the registry default."""
+
+
+def add_model_argument(parser, help: str = MODEL_HELP, required: bool = False) -> None:
+    """``--model``, as every command that loads one model takes it: default ``None`` (the
+    registry default, or required with ``required``); ``help`` says what a command does
+    without one."""
+    parser.add_argument("--model", required=required, default=None, help=help)
 
 
 def device_arg(text: str) -> str:
@@ -87,12 +92,18 @@ def device_arg(text: str) -> str:
 device_arg.__name__ = "device"
 
 
-def add_device_argument(parser) -> None:
-    """``--device`` and ``--cuda-graphs``, as every command that loads a model takes them."""
-    parser.add_argument("--device", type=device_arg, default="auto",
-                        help="auto (CUDA when available, else the CPU), cpu, cuda or cuda:N: "
-                             "where the weights, KV cache, heads and every method's tensors "
-                             "live (default auto)")
+DEVICE_HELP = ("auto (CUDA when available, else the CPU), cpu, cuda or cuda:N: where the "
+               "weights, KV cache, heads and every method's tensors live (default %(default)s)")
+"""``--device``'s help in the commands that load a model."""
+
+
+def add_device_argument(parser, help: str = DEVICE_HELP, cuda_graphs: bool = True) -> None:
+    """``--device`` (checked at parse time, default ``auto``) and, with ``cuda_graphs``,
+    ``--cuda-graphs``, as every command that loads a model takes them (``selfspec info``
+    takes ``--device`` alone, with its own ``help``)."""
+    parser.add_argument("--device", type=device_arg, default="auto", help=help)
+    if not cuda_graphs:
+        return
     parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                         help="replay one-token and verification forwards as captured CUDA "
                              "graphs: auto = on for CUDA (default auto; ignored on the CPU)")

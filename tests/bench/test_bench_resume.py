@@ -233,7 +233,8 @@ def test_nothing_to_resume_is_refused(engine, tmp_path, setup, expected):
     out = tmp_path / "out"
     if setup == "complete":
         _bench(engine, out)
-    with pytest.raises(InvalidArgumentError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(InvalidArgumentError,
+                       match=expected.replace("(", r"\(").replace(")", r"\)")):
         _bench(engine, out, resume=True)
 
 

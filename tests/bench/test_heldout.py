@@ -52,7 +52,8 @@ def test_a_prompt_seen_in_training_is_dropped_by_default(engine, tmp_path):
     assert not report.info.in_sample
     assert {r.prompt_id for r in report.run.records} == {"HumanEval/0"}
     text = (tmp_path / "out" / "report.md").read_text()
-    assert "held out: all 1 prompts are unseen" in text and "1 of 2 prompts seen there were dropped" in text
+    assert ("held out: all 1 prompts are unseen" in text
+            and "1 of 2 prompts seen there were dropped" in text)
     assert "IN-SAMPLE" not in report.table
 
 

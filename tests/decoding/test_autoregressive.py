@@ -30,7 +30,8 @@ def _hf_greedy(model, prompt, n, eos=None):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_greedy_equals_hf_generate(arch, seed):
     model = tiny_model(arch, seed=seed)
-    prompt = torch.randint(0, VOCAB - 1, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+    prompt = torch.randint(0, VOCAB - 1, (12,),
+                           generator=torch.Generator().manual_seed(seed)).tolist()
     state = _run(model, prompt, max_new_tokens=40)
     assert state.tokens[len(prompt):] == _hf_greedy(model, prompt, 40, eos=[])
     assert state.stats.finish_reason == "length"

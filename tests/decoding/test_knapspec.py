@@ -261,7 +261,8 @@ def test_a_latency_measurement_is_kept_per_cpu_kernel_level(monkeypatch):
     ex = LayerExecutor(tiny_model("llama", seed=4).float())
     here = detect_cpu()
     keys = set()
-    for aten, native, onednn in (("AVX2", False, ""), ("AVX512", True, ""), ("AVX2", False, "AVX2")):
+    for aten, native, onednn in (("AVX2", False, ""), ("AVX512", True, ""),
+                                 ("AVX2", False, "AVX2")):
         info = dataclasses.replace(here, aten_capability=aten, native_bf16=native,
                                    onednn_max_isa=onednn)
         monkeypatch.setattr(cost_model, "detect_cpu", lambda info=info: info)

@@ -1,5 +1,6 @@
 """Quantized draft weights (executor/quant.py) and QSpec-style drafting on them
-(decoding/drafting/skip_drafter.py, methods/qspec.py): the kernels compute what the quantized weights
+(decoding/drafting/skip_drafter.py, methods/qspec.py): the kernels compute what the quantized
+weights
 stand for, the draft view leaves the model alone, and drafting on int8/int4 copies keeps the
 model's own greedy tokens and sampling distribution."""
 

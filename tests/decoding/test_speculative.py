@@ -131,7 +131,8 @@ def test_verification_never_recomputes_the_draft_layers():
 def test_bad_configuration_is_refused_clearly():
     executor = LayerExecutor(tiny_model("llama"))
     for layer in (0, 6, -1, 2.5):
-        with pytest.raises(InvalidArgumentError, match=r"exit_layer must be an integer in \[1, 5\]"):
+        with pytest.raises(InvalidArgumentError,
+                           match=r"exit_layer must be an integer in \[1, 5\]"):
             build_step("layerskip", executor, {"exit_layer": layer})
     with pytest.raises(InvalidArgumentError, match="draft_len"):
         build_step("layerskip", executor, {"exit_layer": 2, "draft_len": 0})

@@ -254,7 +254,8 @@ def test_first_token_follows_target_distribution(config):
     draft_tokens = torch.multinomial(draft_probs.expand(num_samples, vocab), 1, replacement=True,
                                      generator=gen)
     counts = Counter(
-        verify_sampling(draft_tokens[i], draft_probs, target_logits, config, gen).committed_tokens[0]
+        verify_sampling(draft_tokens[i], draft_probs, target_logits, config,
+                        gen).committed_tokens[0]
         for i in range(num_samples)
     )
     assert total_variation(counts, p, num_samples) < bound

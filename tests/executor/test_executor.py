@@ -95,7 +95,8 @@ def test_observe_sees_every_sublayer_and_costs_nothing_when_unused():
     seen = []
     h = ex.run_layers(ex.embed(ids), pos, 0, 6, ex.new_cache(), skip=plan,
                       observe=lambda i, sub, x: seen.append((i, sub, x.clone())))
-    assert [(i, sub) for i, sub, _ in seen] == [(i, s) for i in range(6) for s in ("attention", "mlp")]
+    assert [(i, sub) for i, sub, _ in seen] == [(i, s) for i in range(6)
+                                                for s in ("attention", "mlp")]
     torch.testing.assert_close(seen[-1][2], h, rtol=0, atol=0)
     # a skipped sub-layer passes the residual stream unchanged
     assert torch.equal(seen[2][2], seen[1][2]) and torch.equal(seen[5][2], seen[4][2])

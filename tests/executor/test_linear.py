@@ -41,7 +41,8 @@ def test_blocks_of_any_size_equal_one_row_decoding(monkeypatch: pytest.MonkeyPat
     alone = torch.cat([lin(x[i:i + 1]) for i in range(70)])
     for rows in (2, 3, 5, 11, 12, 13, 24, 64, 70):
         assert torch.equal(lin(x[:rows]), alone[:rows]), rows
-    assert limits._limits[("onednn", 40, 48, False, torch.get_num_threads())].chunk == min(first_bad - 1, 64)
+    assert (limits._limits[("onednn", 40, 48, False, torch.get_num_threads())].chunk
+            == min(first_bad - 1, 64))
     # One probe per shape and thread count, shared by every linear of that shape.
     other = Linear(weight.clone(), None, pack=False, row_limits=limits)
     other.packed = other.weight

@@ -78,9 +78,11 @@ def test_quantize_linear_gives_a_gguf_matrix_of_the_format(fmt, qtype):
     out = copy(x, bulk=True)
     assert out.dtype == torch.bfloat16 and out.shape == (3, 64)
     want = x.float() @ copy.dequantize().T + bias
-    assert torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(), dim=0) > 0.99
+    assert torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(),
+                                                 dim=0) > 0.99
     dense = x.float() @ weight.T + bias
-    assert torch.nn.functional.cosine_similarity(out.float().flatten(), dense.flatten(), dim=0) > 0.8
+    assert torch.nn.functional.cosine_similarity(out.float().flatten(), dense.flatten(),
+                                                 dim=0) > 0.8
     # Row-consistent: a row alone equals it within a block.
     assert torch.equal(copy(x[1:2]), out[1:2])
 

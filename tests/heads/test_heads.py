@@ -61,7 +61,8 @@ def executor(model):
 
 def _items(n: int = 60, length: int = 40, seed: int = 0) -> list[CorpusItem]:
     g = torch.Generator().manual_seed(seed)
-    return [CorpusItem("synthetic", f"p{i}", tuple(torch.randint(0, 256, (length,), generator=g).tolist()),
+    return [CorpusItem("synthetic", f"p{i}",
+                       tuple(torch.randint(0, 256, (length,), generator=g).tolist()),
                        0, split_of(f"p{i}")) for i in range(n)]
 
 
@@ -435,13 +436,15 @@ def test_card_naming_a_layer_beyond_the_model_fails_at_load(executor, trained, t
     heads = _heads(executor, trained)
     heads.layers[-1] = heads.card.layers[-1] = executor.num_layers + 10
     save_heads(heads, tmp_path)
-    with pytest.raises(HeadsModelMismatchError, match=f"exit head at layer {executor.num_layers + 10}"):
+    with pytest.raises(HeadsModelMismatchError,
+                       match=f"exit head at layer {executor.num_layers + 10}"):
         load_heads(tmp_path, executor)
 
 
 def test_exit_layer_without_a_head_is_an_error_not_an_lm_head_draft(executor, trained, tmp_path):
     path = save_heads(_heads(executor, trained), tmp_path)  # heads at layers 2 and 4
-    with pytest.raises(InvalidArgumentError, match=r"exit heads at layers \[2, 4\], not at exit layer 3"):
+    with pytest.raises(InvalidArgumentError,
+                       match=r"exit heads at layers \[2, 4\], not at exit layer 3"):
         build_step("layerskip", executor, {"exit_layer": 3, "heads": str(path)})
     with_head = build_step("layerskip", executor, {"exit_layer": 4, "heads": str(path)})
     assert with_head.drafter.policy.head is not None

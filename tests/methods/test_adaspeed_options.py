@@ -72,7 +72,8 @@ def test_adaspeed_probe_drafts_like_adaspeed_and_reads_the_default_probes(execut
     probe = _save_probes(executor)
     plain = _drafter(build_step("adaspeed", executor, {"exit_layer": 3}))
     probed = _drafter(build_step("adaspeed-probe", executor, {"exit_layer": 3}))
-    assert plain.policy.head is None and probed.policy.head is None  # both draft with the model's lm_head
+    # both draft with the model's lm_head
+    assert plain.policy.head is None and probed.policy.head is None
     assert plain.policy.scorer is None and torch.equal(probed.policy.scorer.weight, probe.weight)
     assert probed.stop_rule.max_draft_len == plain.stop_rule.max_draft_len
     assert heads_files("adaspeed-probe", {}) == ["default-probes"]

@@ -104,7 +104,8 @@ def test_generate_refuses_bad_options_with_the_option_named():
         engine.generate("hi", method="layerskip", exit_layer=6)
     with pytest.raises(InvalidArgumentError, match="does not take option.*epsilon"):
         engine.generate("hi", method="dv", epsilon=0.5)
-    with pytest.raises(InvalidArgumentError, match="max_draft_len must be an integer in \\[1, 63\\]"):
+    with pytest.raises(InvalidArgumentError,
+                       match="max_draft_len must be an integer in \\[1, 63\\]"):
         engine.generate("hi", method="adaspeed", max_draft_len=64)
     out = engine.generate("hi", method="dv", exit_layer="3", gamma="0.5", max_new_tokens=4)
     assert len(out.token_ids) == 4  # strings are parsed by the option's type

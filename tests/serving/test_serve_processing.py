@@ -246,7 +246,8 @@ def test_a_shared_prefix_is_reported_cached_in_usage_and_metrics(client):
     first = client.completions.create(model=MODEL, prompt=prefix + "a", max_tokens=2)
     second = client.completions.create(model=MODEL, prompt=prefix + "b", max_tokens=2)
     assert second.usage.prompt_tokens_details.cached_tokens >= 64
-    assert first.usage.prompt_tokens_details.cached_tokens <= second.usage.prompt_tokens_details.cached_tokens
+    assert (first.usage.prompt_tokens_details.cached_tokens
+            <= second.usage.prompt_tokens_details.cached_tokens)
     with urllib.request.urlopen(str(client.base_url).replace("/v1/", "/metrics")) as reply:
         text = reply.read().decode()
     cached = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples

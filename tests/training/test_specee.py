@@ -166,7 +166,8 @@ def test_masked_kv_positions_are_not_attended(arch, block):
                 last = ex.run_layers(ex.embed(ids[:, p:p + 1]), torch.tensor([[p]]), 0, 1, cache)
         ours = ex.logits(last)[0, -1]
         mask = torch.tensor([[1, 1, 0, 1, 1, 1]])
-        ref = model(ids, attention_mask=mask, position_ids=torch.arange(6).unsqueeze(0)).logits[0, -1]
+        ref = model(ids, attention_mask=mask,
+                    position_ids=torch.arange(6).unsqueeze(0)).logits[0, -1]
     assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
 
 

@@ -342,7 +342,8 @@ def test_fit_drafter_lowers_the_kl_to_the_final_layer_and_mixes_exit_states(exec
     def kl(drafter):
         with torch.inference_mode():
             x = drafter_inputs(features, pos, emb, idx)
-            logq = torch.log_softmax(out.project(out.norm(drafter(x.previous, x.embedding))).float(), -1)
+            logq = torch.log_softmax(
+                out.project(out.norm(drafter(x.previous, x.embedding))).float(), -1)
             logp = torch.log_softmax(out.project(out.norm(features.final[idx])).float(), -1)
             return float((logp.exp() * (logp - logq)).sum(-1).mean())
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from selfspec.cli_args import (
     add_dtype_argument,
@@ -23,6 +24,12 @@ from selfspec.cli_args import (
 )
 from selfspec.data import DATASETS
 from selfspec.validation import SEED_MAX, SEED_MIN
+
+if TYPE_CHECKING:  # the command imports them when it runs (a fast --help)
+    from selfspec.api import SelfSpec
+    from selfspec.bench.pipeline import BenchOptions, BenchReport
+    from selfspec.bench.spec import MethodConfig
+    from selfspec.data import Prompt
 
 DEFAULT_BASELINES = ("hf-ar", "hf-early-exit", "hf-prompt-lookup")
 
@@ -214,23 +221,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     resume, then lets the exception through.
     """
     import torch
-    from tqdm import tqdm
 
     import selfspec
-    from selfspec.bench import outdir
-    from selfspec.bench.pipeline import (
-        BenchOptions,
-        output_mode,
-        run_benchmark,
-        run_identity,
-    )
-    from selfspec.bench.plots import require_matplotlib
-    from selfspec.bench.report import ensure_writable
-    from selfspec.data.promptfile import file_label
-    from selfspec.errors import InvalidArgumentError
     from selfspec.models.registry import DEFAULT_MODEL
 
     # Everything that can be refused is refused before the model loads (seconds to minutes).
+    methods, dataset, prompts = _refuse_early(args)
+    model = args.model or DEFAULT_MODEL
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    options = _bench_options(args, dataset, args.resume or args.out)
+    options = _claim_out_dir(args, options, model, methods, prompts)
+    engine = selfspec.load(model, dtype=args.dtype, decode_kernel=args.decode_kernel,
+                           device=args.device, cuda_graphs=args.cuda_graphs)
+    report = _run_with_bar(engine, methods, prompts, options, args)
+    return _print_outcome(report, Path(options.out_dir))
+
+
+def _refuse_early(args: argparse.Namespace
+                  ) -> tuple[list[MethodConfig], str, list[Prompt]]:
+    """The flag checks made before the model loads. Returns (methods, dataset label, prompts).
+    Raises InvalidArgumentError (flags), MissingDependencyError (plots, scorer)."""
+    from selfspec.bench.plots import require_matplotlib
+    from selfspec.data.promptfile import file_label
+    from selfspec.errors import InvalidArgumentError
+
     methods = _methods(args)
     if args.resume is not None and args.out is not None:
         raise InvalidArgumentError("--resume DIR names the output folder; drop --out")
@@ -246,11 +261,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from selfspec.bench.accuracy import require_scorer
 
         require_scorer(dataset)
-    model = args.model or DEFAULT_MODEL
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    out = args.resume or args.out
-    options = BenchOptions(
+    return methods, dataset, prompts
+
+
+def _bench_options(args: argparse.Namespace, dataset: str, out: Path | None) -> BenchOptions:
+    """The :class:`~selfspec.bench.pipeline.BenchOptions` the flags ask for (``out``:
+    ``--resume`` or ``--out``; ``None``: a new folder is claimed later)."""
+    from selfspec.bench.pipeline import BenchOptions
+
+    return BenchOptions(
         dataset=dataset, max_new_tokens=args.max_new_tokens, out_dir=out or Path(),
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, warmup_prompts=args.warmup,
         score=args.score, unsafe_run_code=args.unsafe_run_code,
@@ -259,17 +278,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
         allow_in_sample=args.allow_in_sample, resume=args.resume is not None,
         overwrite=args.overwrite, batch_size=args.batch_size,
         n=_n(args) if args.prompts is None else args.n)
+
+
+def _claim_out_dir(args: argparse.Namespace, options: BenchOptions, model: str,
+                   methods: list[MethodConfig], prompts: list[Prompt]) -> BenchOptions:
+    """Without ``--out`` / ``--resume``, claim a new folder under out/bench (never one another
+    run took); else check the named one now, before the model loads. Returns the options
+    with their ``out_dir``. Raises InvalidArgumentError as ``check_out_dir``."""
+    from selfspec.bench import outdir
+    from selfspec.bench.pipeline import output_mode, run_identity
+    from selfspec.bench.report import ensure_writable
+
+    out = args.resume or args.out
     if out is None:  # a new folder, never one another run took
         out = outdir.claim_new_dir(Path("out", "bench", "{}-{}-{}".format(
-            Path(model).name, dataset.replace(":", "-"),
+            Path(model).name, options.dataset.replace(":", "-"),
             datetime.now().strftime("%Y%m%d-%H%M%S"))))
-        options = replace(options, out_dir=out)
-    else:
-        identity = run_identity(model, args.dtype, methods, prompts, options)
-        outdir.check_out_dir(out, output_mode(options), identity)
-        ensure_writable(out)
-    engine = selfspec.load(model, dtype=args.dtype, decode_kernel=args.decode_kernel,
-                           device=args.device, cuda_graphs=args.cuda_graphs)
+        return replace(options, out_dir=out)
+    identity = run_identity(model, args.dtype, methods, prompts, options)
+    outdir.check_out_dir(out, output_mode(options), identity)
+    ensure_writable(out)
+    return options
+
+
+def _run_with_bar(engine: SelfSpec, methods: list[MethodConfig], prompts: list[Prompt],
+                  options: BenchOptions, args: argparse.Namespace) -> BenchReport:
+    """:func:`~selfspec.bench.pipeline.run_benchmark` under a progress bar on stderr; on an
+    exception after the first generation started, says how to resume and re-raises."""
+    from tqdm import tqdm
+
+    from selfspec.bench.pipeline import run_benchmark
+
+    out = Path(options.out_dir)
     started = False
     with tqdm(total=None, desc="bench", unit="gen", file=sys.stderr,
               dynamic_ncols=True) as bar:
@@ -286,12 +326,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         try:
             with _sigterm_as_interrupt():
-                report = run_benchmark(engine, methods, prompts, options, progress=progress)
+                return run_benchmark(engine, methods, prompts, options, progress=progress)
         except BaseException:
             if started:
                 bar.close()
                 _say_how_to_resume(out, args)
             raise
+
+
+def _print_outcome(report: BenchReport, out: Path) -> int:
+    """Print the table (stdout) and where the report is, resumed sessions and failed rows
+    (stderr). Returns the exit status: 1 when every row failed, else 0."""
     print(report.table, end="")
     failed = [s.method for s in report.summaries if s.failed]
     print(f"\nreport: {out / 'report.md'}  ({len(report.files)} files in {out})", file=sys.stderr)

@@ -143,12 +143,7 @@ def run_bench(runners: Sequence[Runner], prompts: Sequence[EncodedPrompt], setti
         The records (in run order: prompt by prompt, methods in order) and the failures.
     """
     labels = [r.config.label for r in runners]
-    result = run if run is not None else BenchRun(methods=labels)
-    result.methods = labels
-    # A row on another kernel is lossless only against ar on that kernel, if the run has it.
-    result.lossless = {r.config.label: r.lossless and (
-        DECODE_KERNEL not in r.config.options or reference_label(r.config.label, labels) != "ar")
-        for r in runners}
+    result = _start_run(runners, labels, run)
     done = {(r.method, r.prompt_id) for r in result.records}
     todo = [r for r in runners if r.config.label not in result.failures
             and any((r.config.label, p.id) not in done for p in prompts)]
@@ -158,6 +153,36 @@ def run_bench(runners: Sequence[Runner], prompts: Sequence[EncodedPrompt], setti
         progress(ProgressEvent("start", "", "", total=left + warm * len(todo)))
     memory = PeakRss.probe()
     gpu = PeakGpu.probe()
+    alive = _set_up(todo, result, sink)
+    _warm_up(alive, prompts, warm, settings, warmup_tokens, result, sink, progress)
+    for first in range(0, len(prompts), settings.batch_size):
+        chunk = list(enumerate(prompts[first:first + settings.batch_size], first))
+        for runner in list(alive):
+            if not _run_chunk(runner, chunk, done, settings, (memory, gpu), result, sink,
+                              progress):
+                alive.remove(runner)
+    order = {label: i for i, label in enumerate(labels)}
+    result.records.sort(key=lambda r: (r.prompt_index, order.get(r.method, len(order))))
+    if settings.temperature == 0:
+        force_references(result, [r for r in alive if r.config.label not in result.failures],
+                         prompts)
+    return result
+
+
+def _start_run(runners: Sequence[Runner], labels: list[str], run: BenchRun | None) -> BenchRun:
+    """``run`` (an earlier process's results) or a new :class:`BenchRun`, with the methods
+    and each row's lossless flag of this run."""
+    result = run if run is not None else BenchRun(methods=labels)
+    result.methods = labels
+    # A row on another kernel is lossless only against ar on that kernel, if the run has it.
+    result.lossless = {r.config.label: r.lossless and (
+        DECODE_KERNEL not in r.config.options or reference_label(r.config.label, labels) != "ar")
+        for r in runners}
+    return result
+
+
+def _set_up(todo: Sequence[Runner], result: BenchRun, sink: RecordSink | None) -> list[Runner]:
+    """Set up each runner; one that raises is marked failed. Returns those set up."""
     alive: list[Runner] = []
     for runner in todo:
         try:
@@ -165,11 +190,18 @@ def run_bench(runners: Sequence[Runner], prompts: Sequence[EncodedPrompt], setti
             alive.append(runner)
         except Exception as err:  # noqa: BLE001 - any failure marks this one method failed
             _fail(result, sink, runner, err, "setup")
+    return alive
+
+
+def _warm_up(alive: list[Runner], prompts: Sequence[EncodedPrompt], warm: int,
+             settings: RunSettings, warmup_tokens: int, result: BenchRun, sink: RecordSink | None,
+             progress: Callable[[ProgressEvent], None] | None) -> None:
+    """Warm-up on the first ``warm`` prompts: each alone, then (batches) one batch, so
+    batched shapes are warm too; not recorded. A runner that fails leaves ``alive``; the
+    others then forget what they learnt from these prompts."""
     warmup = RunSettings(min(warmup_tokens, settings.max_new_tokens), settings.temperature,
                          settings.seed, settings.top_p, settings.batch_size)
     size = settings.batch_size
-    # Warm-up: each of the first prompts alone, then (batches) one batch, so batched shapes
-    # are warm too.
     warm_groups = [[p] for p in prompts[:warm]] + (
         [list(prompts[:size])] if warm and size > 1 else [])
     for group in warm_groups:
@@ -183,42 +215,42 @@ def run_bench(runners: Sequence[Runner], prompts: Sequence[EncodedPrompt], setti
         forget = getattr(runner, "forget", None)
         if forget is not None:
             forget()
-    for first in range(0, len(prompts), size):
-        chunk = list(enumerate(prompts[first:first + size], first))
-        for runner in list(alive):
-            label = runner.config.label
-            group = [(i, p) for i, p in chunk if (label, p.id) not in done]
-            if not group:
-                continue
-            memory.reset()
-            gpu.reset()
-            where = "prompt " + ", ".join(p.id for _, p in group)
-            outputs = _try_run(result, sink, runner, [p for _, p in group], settings, where)
-            if outputs is None:
-                alive.remove(runner)
-            else:
-                peak, peak_gpu = memory.read_mib(), gpu.read_mib()
-                for (index, prompt), output in zip(group, outputs):
-                    record = PromptRecord(label, prompt.id, index, len(prompt.ids), output,
-                                          peak_rss_mib=peak, peak_gpu_mib=peak_gpu)
-                    result.records.append(record)
-                    if sink:
-                        sink.record(record)
-            if progress:
-                for _, prompt in group:
-                    progress(ProgressEvent("run", label, prompt.id, outputs is None))
-    order = {label: i for i, label in enumerate(labels)}
-    result.records.sort(key=lambda r: (r.prompt_index, order.get(r.method, len(order))))
-    if settings.temperature == 0:
-        force_references(result, [r for r in alive if r.config.label not in result.failures],
-                         prompts)
-    return result
+
+
+def _run_chunk(runner: Runner, chunk: list[tuple[int, EncodedPrompt]],
+               done: set[tuple[str, str]], settings: RunSettings,
+               probes: tuple[PeakRss, PeakGpu], result: BenchRun, sink: RecordSink | None,
+               progress: Callable[[ProgressEvent], None] | None) -> bool:
+    """Run ``runner`` on the (index, prompt) pairs of ``chunk`` it has not done, as one call,
+    recording each output with the call's peak memory. Returns False when the call failed
+    (the method is then failed), else True."""
+    label = runner.config.label
+    group = [(i, p) for i, p in chunk if (label, p.id) not in done]
+    if not group:
+        return True
+    memory, gpu = probes
+    memory.reset()
+    gpu.reset()
+    where = "prompt " + ", ".join(p.id for _, p in group)
+    outputs = _try_run(result, sink, runner, [p for _, p in group], settings, where)
+    if outputs is not None:
+        peak, peak_gpu = memory.read_mib(), gpu.read_mib()
+        for (index, prompt), output in zip(group, outputs):
+            record = PromptRecord(label, prompt.id, index, len(prompt.ids), output,
+                                  peak_rss_mib=peak, peak_gpu_mib=peak_gpu)
+            result.records.append(record)
+            if sink:
+                sink.record(record)
+    if progress:
+        for _, prompt in group:
+            progress(ProgressEvent("run", label, prompt.id, outputs is None))
+    return outputs is not None
 
 
 def force_references(result: BenchRun, runners: Sequence[Runner],
                      prompts: Sequence[EncodedPrompt]) -> None:
-    """Fill in :attr:`PromptRecord.forced_matches` / ``forced_tokens`` of the records of each runner that
-    measures it (``forced_choices``; rows whose reference is ``ar`` but that run another
+    """Fill in :attr:`PromptRecord.forced_matches` / ``forced_tokens`` of the records of each runner
+    that measures it (``forced_choices``; rows whose reference is ``ar`` but that run another
     model: another decoding kernel, llama.cpp), after all timed generations. Records that
     already have it (an earlier process of the run) are kept. A runner that raises here
     keeps ``None`` (logged): agreement is a figure of the run, not a reason to fail it."""

@@ -23,7 +23,7 @@ import torch
 from selfspec.api import SelfSpec
 from selfspec.bench import accuracy
 from selfspec.bench.harness import BenchRun, ProgressEvent, run_bench
-from selfspec.bench.heldout import check_held_out
+from selfspec.bench.heldout import HeldOutCheck, check_held_out
 from selfspec.bench.metrics import MethodSummary, parity_flags, summarize
 from selfspec.bench.outdir import (
     OutputMode,
@@ -34,6 +34,7 @@ from selfspec.bench.outdir import (
 )
 from selfspec.bench.plots import require_matplotlib, write_plots
 from selfspec.bench.report import (
+    MachineInfo,
     RunInfo,
     collect_machine_info,
     ensure_writable,
@@ -255,6 +256,35 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
         SandboxUnavailableError: HumanEval scoring with no sandbox for its code and no
             ``unsafe_run_code`` (checked before generating).
     """
+    sandbox, mode = _preflight(methods, prompts, options)
+    held = _held_out(engine, methods, prompts, options)
+    setup = _prepare(engine, methods, prompts, options, held, mode, runner_factory, clock)
+    with open_run_folder(setup.out_dir, mode, setup.identity, planned=setup.planned,
+                         command=options.command, started=now_iso()) as folder:
+        run = BenchRun(methods=[m.label for m in methods],
+                       records=list(folder.previous.records),
+                       failures=dict(folder.previous.failures))
+
+        def header(status: str) -> RunInfo:
+            return _run_info(setup, folder, run, sandbox, status)
+
+        try:
+            info, summaries, files = _measure(setup, run, folder, header, sandbox, progress)
+        except BaseException:
+            _save_partial(folder, run, header("interrupted"), setup.greedy, setup.roofline)
+            raise
+        folder.set_status("complete")
+    table = markdown_table(summaries)
+    if held.is_in_sample:
+        table += f"\n{held.describe(setup.total)}\n"
+    return BenchReport(info, run, summaries, table, files)
+
+
+def _preflight(methods: Sequence[MethodConfig], prompts: Sequence[Prompt],
+               options: BenchOptions) -> tuple[Sandbox | None, OutputMode]:
+    """The checks made before anything loads: methods and prompts given, matplotlib for
+    plots, a sandbox for HumanEval's code and the dataset's scorer. Returns the sandbox
+    (``None`` unless scoring runs code) and the output mode. Raises as :func:`run_benchmark`."""
     if not methods:
         raise InvalidArgumentError("no methods to benchmark")
     if not prompts:
@@ -267,6 +297,13 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
                if options.score and accuracy.runs_code(options.dataset) else None)
     if options.score:
         accuracy.require_scorer(options.dataset)
+    return sandbox, mode
+
+
+def _held_out(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Sequence[Prompt],
+              options: BenchOptions) -> HeldOutCheck:
+    """The prompts the methods' head files did not see (:func:`check_held_out`), logging the
+    dropped ones. Raises InvalidArgumentError when none is left."""
     held = check_held_out(prompts, options.dataset, methods, engine.name, options.allow_in_sample,
                           limit=options.n)
     if held.dropped:
@@ -279,6 +316,36 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
             f"all {held.considered} prompts were seen in training or calibration by "
             f"{', '.join(held.sources)}; pick other prompts (--seed, --dataset, --prompts), "
             "heads trained on other data, or pass --allow-in-sample for an in-sample run")
+    return held
+
+
+@dataclass
+class _Setup:
+    """What :func:`run_benchmark` fixes before measuring (its steps share it)."""
+
+    engine: SelfSpec
+    options: BenchOptions
+    methods: Sequence[MethodConfig]
+    held: HeldOutCheck
+    total: int  # prompts considered by the held-out check
+    prompts: list[Prompt]  # the held-out prompts that run
+    out_dir: Path
+    dtype: str
+    identity: RunIdentity
+    encoded: list[EncodedPrompt]
+    runners: list[Runner]
+    roofline: Roofline | None
+    settings: RunSettings
+    machine: MachineInfo
+    greedy: bool
+    planned: int  # generations: methods × prompts
+
+
+def _prepare(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Sequence[Prompt],
+             options: BenchOptions, held: HeldOutCheck, mode: OutputMode,
+             runner_factory: Callable[[MethodConfig], Runner] | None, clock: Clock) -> _Setup:
+    """Check the output folder (before any measurement), encode the prompts, build the
+    runners and measure the roofline's bandwidth (``options.bandwidth_mib > 0``)."""
     out_dir = Path(options.out_dir)
     dtype = dtype_label(engine.model.dtype)
     identity = run_identity(engine.name, dtype, methods, prompts, options, held.prompts)
@@ -302,48 +369,49 @@ def run_benchmark(engine: SelfSpec, methods: Sequence[MethodConfig], prompts: Se
     machine = collect_machine_info()
     greedy = options.temperature == 0
     planned = len(methods) * len(prompts)
-    with open_run_folder(out_dir, mode, identity, planned=planned, command=options.command,
-                         started=now_iso()) as folder:
-        run = BenchRun(methods=[m.label for m in methods],
-                       records=list(folder.previous.records),
-                       failures=dict(folder.previous.failures))
+    return _Setup(engine, options, methods, held, total, prompts, out_dir, dtype, identity,
+                  encoded, runners, roofline, settings, machine, greedy, planned)
 
-        def header(status: str) -> RunInfo:
-            return RunInfo(
-                model=engine.name, dtype=dtype, dataset=options.dataset, n=len(prompts),
-                max_new_tokens=options.max_new_tokens, temperature=options.temperature,
-                seed=options.seed, top_p=options.top_p, machine=machine, roofline=roofline,
-                date=folder.sessions[0], command=options.command, held_out=held.describe(total),
-                in_sample=held.is_in_sample, in_sample_prompts=held.in_sample,
-                dropped_prompts=held.dropped, formats=engine.executor.formats.describe(),
-                status=status, generations=len(run.records), planned=planned,
-                sessions=list(folder.sessions),
-                sandbox=sandbox.describe() if sandbox is not None else "",
-                batch_size=options.batch_size,
-                draft_format=describe_draft_format(engine.executor.measured_draft_format))
 
-        try:
-            run_bench(runners, encoded, settings, warmup_prompts=options.warmup_prompts,
-                      warmup_tokens=options.warmup_tokens, progress=progress, run=run,
-                      sink=folder)
-            if options.score:
-                score_outputs(run, prompts, options.dataset, progress, sandbox)
-            summaries = summarize(run, greedy=greedy, roofline=roofline)
-            info = header("complete")
-            files = write_records(run, parity_flags(run, greedy), out_dir)
-            plots = write_plots(list(methods), summaries, out_dir) if options.plots else []
-            files += plots
-            files.append(write_summary(info, summaries, out_dir))
-            files.append(write_text_atomic(out_dir / "report.md",
-                                           markdown_report(info, summaries, plots)))
-        except BaseException:
-            _save_partial(folder, run, header("interrupted"), greedy, roofline)
-            raise
-        folder.set_status("complete")
-    table = markdown_table(summaries)
-    if held.is_in_sample:
-        table += f"\n{held.describe(total)}\n"
-    return BenchReport(info, run, summaries, table, files)
+def _run_info(setup: _Setup, folder: RunFolder, run: BenchRun, sandbox: Sandbox | None,
+              status: str) -> RunInfo:
+    """The report header of the run as it stands (``status``: complete or interrupted)."""
+    engine, options, held = setup.engine, setup.options, setup.held
+    return RunInfo(
+        model=engine.name, dtype=setup.dtype, dataset=options.dataset, n=len(setup.prompts),
+        max_new_tokens=options.max_new_tokens, temperature=options.temperature,
+        seed=options.seed, top_p=options.top_p, machine=setup.machine, roofline=setup.roofline,
+        date=folder.sessions[0], command=options.command, held_out=held.describe(setup.total),
+        in_sample=held.is_in_sample, in_sample_prompts=held.in_sample,
+        dropped_prompts=held.dropped, formats=engine.executor.formats.describe(),
+        status=status, generations=len(run.records), planned=setup.planned,
+        sessions=list(folder.sessions),
+        sandbox=sandbox.describe() if sandbox is not None else "",
+        batch_size=options.batch_size,
+        draft_format=describe_draft_format(engine.executor.measured_draft_format))
+
+
+def _measure(setup: _Setup, run: BenchRun, folder: RunFolder,
+             header: Callable[[str], RunInfo], sandbox: Sandbox | None,
+             progress: Callable[[ProgressEvent], None] | None
+             ) -> tuple[RunInfo, list[MethodSummary], list[Path]]:
+    """Generate (:func:`run_bench`, journalled into ``folder``), score, summarise and write
+    records, plots, ``summary.json`` and ``report.md``. Returns (header, summaries, files)."""
+    options, out_dir = setup.options, setup.out_dir
+    run_bench(setup.runners, setup.encoded, setup.settings,
+              warmup_prompts=options.warmup_prompts, warmup_tokens=options.warmup_tokens,
+              progress=progress, run=run, sink=folder)
+    if options.score:
+        score_outputs(run, setup.prompts, options.dataset, progress, sandbox)
+    summaries = summarize(run, greedy=setup.greedy, roofline=setup.roofline)
+    info = header("complete")
+    files = write_records(run, parity_flags(run, setup.greedy), out_dir)
+    plots = write_plots(list(setup.methods), summaries, out_dir) if options.plots else []
+    files += plots
+    files.append(write_summary(info, summaries, out_dir))
+    files.append(write_text_atomic(out_dir / "report.md",
+                                   markdown_report(info, summaries, plots)))
+    return info, summaries, files
 
 
 def describe_draft_format(timing: FormatTiming | None) -> str:

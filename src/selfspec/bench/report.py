@@ -406,7 +406,8 @@ predictions (draft tokens; every token of a lossy early exit); drafts / token = 
 per generated token (AdaDecode's early-prediction rate); layer batch = mean positions per
 decoder-layer call of drafters that batch deferred layers; draft / verify = share of
 wall time; predictor / KV = SpecEE's candidates + predictors and its skipped-layer KV
-writes, as shares of wall time; parity = share of prompts whose greedy output equals `ar`'s; prefix = ar = mean
+writes, as shares of wall time; parity = share of prompts whose greedy output equals `ar`'s; \
+prefix = ar = mean
 share of `ar`'s output repeated before the first differing token; forced = ar = share of
 `ar`'s tokens that a row running another model (another decoding kernel, llama.cpp) picks
 when given `ar`'s earlier tokens (teacher forcing); accuracy = HumanEval pass@1,

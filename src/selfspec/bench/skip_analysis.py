@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec.cli_args import threads_arg
+from selfspec.cli_args import add_dtype_argument, add_model_argument, add_threads_argument
 from selfspec.decoding.core import loop
 from selfspec.decoding.core.speculative import SpeculativeStep
 from selfspec.decoding.core.state import DecodeOptions, DecodeState
@@ -106,7 +106,8 @@ def plot_latency(points: list[LatencyPoint], title: str, path: Path) -> None:
         ax1.plot(x, [getattr(p, f"{attr}_predicted") for p in points], "--",
                  color=line.get_color(), label=f"{label}, predicted")
     ax2.plot(x, [p.token_measured for p in points], "o-", label="one token, measured")
-    ax2.plot(x, [p.token_predicted for p in points], "--", label="one token, predicted L(t_attn+t_mlp)+head")
+    ax2.plot(x, [p.token_predicted for p in points], "--",
+             label="one token, predicted L(t_attn+t_mlp)+head")
     for ax, ylabel in ((ax1, "ms per sub-layer"), (ax2, "ms per token")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context length n (tokens)")
@@ -325,9 +326,9 @@ def _prompts(engine, dataset: str, n: int, skip: int) -> list[list[int]]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the flags of ``selfspec bench skip-analysis`` to ``parser``."""
     parser.add_argument("analysis", choices=("latency", "throughput", "context"))
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="bf16")
-    parser.add_argument("--threads", type=threads_arg(), default=None)
+    add_model_argument(parser)
+    add_dtype_argument(parser)
+    add_threads_argument(parser)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dataset", default="humaneval", help="throughput: prompts to decode")
     parser.add_argument("--n", type=int, default=4, help="throughput: prompts decoded per config")

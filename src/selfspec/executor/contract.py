@@ -1,6 +1,7 @@
 """The executor contract in code: every public entry point of
 :class:`selfspec.executor.executor.LayerExecutor`, as a :class:`typing.Protocol`
-(docs/design.md "Executor contract" is its prose; ``tests/executor/test_backends.py`` checks that the
+(docs/design.md "Executor contract" is its prose; ``tests/executor/test_backends.py`` checks that
+the
 class, this protocol and that section name the same entry points).
 
 Modules the executor itself imports (:mod:`selfspec.executor.cost_model`) name their executor

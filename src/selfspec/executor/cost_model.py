@@ -332,7 +332,8 @@ def measure_latency(executor: Executor, lengths: tuple[int, ...] = DEFAULT_LENGT
     Every layer's attention alone, then every layer's MLP alone, runs on one token over a
     cache of each length in ``lengths`` filled with random keys and values (left as it was;
     :func:`measure_sublayers`); ``t_attn(n)`` is fitted by least squares; then the output
-    head, the extra tokens of a verification and the DP's batched sub-layer calls (:func:`_batched_ms`).
+    head, the extra tokens of a verification and the DP's batched sub-layer calls
+    (:func:`_batched_ms`).
 
     Args:
         verify_tokens: the forward sizes ``T`` of the verification table (increasing, from

@@ -277,7 +277,8 @@ def choose_rows(weights: torch.dtype, device: torch.device | str = "cpu",
             native bf16, for bf16 weights whose largest decoder-layer matrix is under
             :data:`NATIVE_BF16_ROWS_MAX_BYTES`, ``"bf16"`` too (prefill stays on oneDNN's
             native bf16), and for bf16 weights of any size where the kernel's AMX build
-            runs; elsewhere ``"weights"``. ``"weights"``, ``"bf16"``, ``"bf16+fp16"`` (FBGEMM for the matrices
+            runs; elsewhere ``"weights"``. ``"weights"``, ``"bf16"``, ``"bf16+fp16"`` (FBGEMM for
+            the matrices
             of at least :data:`AUTO_ROWS_MIN_BYTES`, the bf16 kernel for the rest) or
             ``"fp16"`` (every matrix on FBGEMM) to force, or ``"int4"``: int4 copies of every matrix
             whose input size is a multiple of 32 (:mod:`selfspec.executor.int4_rows`; lossy;

@@ -569,33 +569,45 @@ class LayerExecutor:
                 least one token).
         """
         self._check_range(start, end)
-        num, _ = hidden.shape
-        if len(caches) != len(lengths) or sum(lengths) != num or min(lengths, default=0) < 1:
-            raise InvalidArgumentError(
-                f"run_rows needs one KV cache and >= 1 token per row, lengths summing to the "
-                f"{num} tokens: {len(caches)} caches, lengths {list(lengths)}")
-        offsets = [0]
-        for n in lengths:
-            offsets.append(offsets[-1] + n)
+        offsets = _row_offsets(hidden.shape[0], lengths, caches)
         starts = positions[offsets[:-1]].tolist()
         assert min(starts) > 0, "run_rows continues sequences; prefill each row with forward()"
         fused = self.fused_layers()
         if (fused is not None and hidden.dtype == fused.dtype
                 and all(c.shape.batch_size == 1 and c.dtype == fused.dtype
                         and not c.any_masked(start, end) for c in caches)):
-            from selfspec.executor.fused_layers import KVSegment
+            return self._run_rows_fused(fused, hidden, positions, offsets, starts, start, end,
+                                        caches)
+        return self._run_rows_torch(hidden, positions, offsets, starts, start, end, caches)
 
-            cos32, sin32 = self.rope.rows(hidden, positions.unsqueeze(0))
-            for cache, n, p in zip(caches, lengths, starts, strict=False):
-                cache.reserve(p + n)
-            h = hidden.contiguous()
-            for i in range(start, end):
-                segments = []
-                for b, cache in enumerate(caches):
-                    keys, values = cache.claim(i, starts[b], lengths[b])
-                    segments.append(KVSegment(keys, values, starts[b], offsets[b], lengths[b]))
-                h = fused.mlp(i, fused.attention(i, h, cos32, sin32, segments))
-            return h
+    def _run_rows_fused(self, fused: FusedLayers, hidden: torch.Tensor, positions: torch.Tensor,
+                        offsets: list[int], starts: list[int], start: int, end: int,
+                        caches: Sequence[KVCache]) -> torch.Tensor:
+        """:meth:`run_rows` on the fused kernel (:mod:`selfspec.executor.fused_layers`): each
+        row's KV is claimed in its cache and the kernel writes it. ``offsets``: ``[B + 1]``
+        row boundaries in ``hidden``; ``starts``: ``[B]`` each row's first position."""
+        from selfspec.executor.fused_layers import KVSegment
+
+        lengths = [hi - lo for lo, hi in zip(offsets, offsets[1:], strict=False)]
+        cos32, sin32 = self.rope.rows(hidden, positions.unsqueeze(0))
+        for cache, n, p in zip(caches, lengths, starts, strict=False):
+            cache.reserve(p + n)
+        h = hidden.contiguous()
+        for i in range(start, end):
+            segments = []
+            for b, cache in enumerate(caches):
+                keys, values = cache.claim(i, starts[b], lengths[b])
+                segments.append(KVSegment(keys, values, starts[b], offsets[b], lengths[b]))
+            h = fused.mlp(i, fused.attention(i, h, cos32, sin32, segments))
+        return h
+
+    def _run_rows_torch(self, hidden: torch.Tensor, positions: torch.Tensor, offsets: list[int],
+                        starts: list[int], start: int, end: int,
+                        caches: Sequence[KVCache]) -> torch.Tensor:
+        """:meth:`run_rows` in torch operators: the matrix products on all ``N`` tokens,
+        attention row by row against its cache (arguments as :meth:`_run_rows_fused`)."""
+        num = hidden.shape[0]
+        lengths = [hi - lo for lo, hi in zip(offsets, offsets[1:], strict=False)]
         attn = self._attn
         cos, sin = self.rope.lookup(hidden, positions.unsqueeze(0))     # [1, N, 1, hd]
         masks = [grouped_causal_mask(n, p + n, attn.groups, hidden.device)
@@ -777,3 +789,17 @@ class LayerExecutor:
         hidden = self.run_rows(self.embed(input_ids), positions, lengths, 0, self.num_layers,
                                caches)
         return self.output_weights(self.norm(hidden), bulk=False)
+
+
+def _row_offsets(num: int, lengths: Sequence[int], caches: Sequence[KVCache]) -> list[int]:
+    """``[B + 1]`` boundaries of the rows of a packed ragged batch of ``num`` tokens
+    (:meth:`LayerExecutor.run_rows`). Raises InvalidArgumentError unless there is one cache
+    and >= 1 token per row and ``lengths`` sums to ``num``."""
+    if len(caches) != len(lengths) or sum(lengths) != num or min(lengths, default=0) < 1:
+        raise InvalidArgumentError(
+            f"run_rows needs one KV cache and >= 1 token per row, lengths summing to the "
+            f"{num} tokens: {len(caches)} caches, lengths {list(lengths)}")
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    return offsets

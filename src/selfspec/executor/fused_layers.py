@@ -16,7 +16,8 @@ residual) are each one call, the activations between products staying in fp32.
 Exactness: every row is computed as it would be alone (its own norm, the kernels'
 row-independent products, attention over its own prefix), so a verification block equals
 one-token decoding bit for bit and every lossless method stays exact relative to the model
-decoding on these layers (``tests/executor/test_fused_layers.py``). Numerics differ slightly from the
+decoding on these layers (``tests/executor/test_fused_layers.py``). Numerics differ slightly from
+the
 torch path (fp32 in between instead of rounding to the model's dtype after each operator), so
 one decoding uses one path throughout: :class:`selfspec.executor.LayerExecutor` takes this
 one for every non-bulk block that writes the cache (bulk blocks — prefill — stay on torch's

@@ -12,7 +12,8 @@ Five formats:
   same kernel, so torchao would add nothing here).
 - ``w4a8``: 4-bit weights (asymmetric: a scale and a minimum per block of 32) and 8-bit
   activations per block of 32 (llama.cpp's Q4_1 × Q8_0): selfspec's AVX2 kernel
-  (:mod:`selfspec.executor.w4a8`), compiled at first use; 0.625 bytes a weight (fp16 scales and minima).
+  (:mod:`selfspec.executor.w4a8`), compiled at first use; 0.625 bytes a weight (fp16 scales and
+  minima).
 - ``q3_k`` and ``q2_k``: GGUF's 3- and 2-bit K-quant blocks (Q3_K: 3.4375 bits a weight,
   Q2_K: 2.625), quantized by :func:`selfspec.executor.gguf_quantize.quantize_blocks` and
   multiplied by the GGUF rows kernel (:class:`~selfspec.executor.gguf_rows.GgufMatrix`, 8-bit
@@ -196,7 +197,8 @@ class Int8DynamicLinear:
             # Quantized tensors are deprecated as a user API, not FBGEMM's packed linear,
             # which takes one to build its packed weight.
             warnings.simplefilter("ignore", UserWarning)
-            qweight = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long),
+            qweight = torch.quantize_per_channel(w, scale,
+                                                 torch.zeros_like(scale, dtype=torch.long),
                                                  0, torch.qint8)
         self.packed = torch.ops.quantized.linear_prepack(
             qweight, None if bias is None else bias.detach().float())

@@ -54,7 +54,8 @@ def check_metric(metric: str) -> str:
 
 def check_epsilon(epsilon: float) -> float:
     """Raises InvalidArgumentError unless ``0 <= epsilon <= 1`` (DSSD §3.1)."""
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0.0 <= epsilon <= 1.0:
+    if (isinstance(epsilon, bool) or not isinstance(epsilon, (int, float))
+            or not 0.0 <= epsilon <= 1.0):
         raise InvalidArgumentError(f"epsilon must be a number in [0, 1], got {epsilon!r}")
     return float(epsilon)
 

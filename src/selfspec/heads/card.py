@@ -576,8 +576,11 @@ def _head_calibration(data: dict[str, Any]) -> HeadCalibration:
         for r in m.get("thresholds", []):
             r = dict(r)
             value = r.pop("value")
-            rows.append(ThresholdRow(value=math.inf if value is None else float(value), **_floats(r)))
+            rows.append(ThresholdRow(value=math.inf if value is None else float(value),
+                                     **_floats(r)))
         metrics.append(MetricCalibration(m["metric"], _nan(m.get("auc")), _nan(m.get("test_auc")),
                                          rows))
-    return HeadCalibration(int(data["layer"]), int(data["tokens"]), _nan(data.get("accuracy")),
-                           int(data.get("test_tokens", 0)), _nan(data.get("test_accuracy")), metrics)
+    return HeadCalibration(int(data["layer"]), int(data["tokens"]),
+                           _nan(data.get("accuracy")),
+                           int(data.get("test_tokens", 0)), _nan(data.get("test_accuracy")),
+                           metrics)

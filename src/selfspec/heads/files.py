@@ -283,10 +283,12 @@ def _tensors(heads: ExitHeads) -> dict[str, torch.Tensor]:
     for layer, head in zip(heads.layers, heads.heads):
         for name, t in head.tensors().items():
             out[f"head.{layer}.{name}"] = t.detach().to("cpu", torch.float32).contiguous().clone()
-    for prefix, probes in (("probe.{}.", heads.probes), ("probe.{}.sampled.", heads.sampled_probes)):
+    for prefix, probes in (("probe.{}.", heads.probes),
+                           ("probe.{}.sampled.", heads.sampled_probes)):
         for layer, probe in probes.items():
             for name, t in probe.tensors().items():
-                out[prefix.format(layer) + name] = t.detach().to("cpu", torch.float32).contiguous().clone()
+                out[prefix.format(layer) + name] = (
+                    t.detach().to("cpu", torch.float32).contiguous().clone())
     sets = [("calib.{}.", heads.calibration)]
     sets += [(f"calib.{{}}.v{k}.", by_layer) for k, by_layer in heads.vocab_calibration.items()]
     for prefix, by_layer in sets:

@@ -74,7 +74,8 @@ def _config_fields(config: object) -> dict:
     for name in _CONFIG_FIELDS:
         value = getattr(config, name, None)
         if isinstance(value, dict):
-            value = {k: v for k, v in sorted(value.items()) if isinstance(v, (int, float, str, bool))}
+            value = {k: v for k, v in sorted(value.items())
+                     if isinstance(v, (int, float, str, bool))}
         fields[name] = value
     return fields
 

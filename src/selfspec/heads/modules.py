@@ -96,7 +96,8 @@ def output_layer(source: object) -> OutputLayer:
         InvalidArgumentError: ``source`` is none of those.
     """
     executor = getattr(source, "executor", source)
-    if hasattr(executor, "lm_head") and hasattr(executor, "norm") and hasattr(executor, "run_layers"):
+    if (hasattr(executor, "lm_head") and hasattr(executor, "norm")
+            and hasattr(executor, "run_layers")):
         # Sharing the executor's packed lm_head saves a [V, H] copy and runs on its faster
         # packed kernel.
         lm_head = executor.lm_head

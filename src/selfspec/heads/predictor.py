@@ -125,7 +125,8 @@ class ExitPredictors(nn.Module):
                  hidden: int = PREDICTOR_HIDDEN, state_dim: int = 0) -> None:
         super().__init__()
         if list(layers) != sorted(set(layers)) or not layers:
-            raise InvalidArgumentError(f"predictor layers must be sorted and distinct, got {layers}")
+            raise InvalidArgumentError(
+                f"predictor layers must be sorted and distinct, got {layers}")
         if num_candidates < 2:
             raise InvalidArgumentError(f"SpecEE needs at least 2 candidates, got {num_candidates}")
         if state_dim < 0:

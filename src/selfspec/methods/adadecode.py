@@ -4,7 +4,8 @@ prediction (Wei et al. 2025, §2.2, Algorithm 1, eq. 1-2). Lossless (greedy and 
 
 A composition: :class:`~selfspec.decoding.drafting.exit_drafter.ExitDrafter` with the exit policy
 :class:`~selfspec.decoding.adadecode.threshold_exits.ThresholdExits` (eq. 1) and a buffer of
-``max_early`` early predictions, inside :class:`~selfspec.decoding.core.speculative.SpeculativeStep`. The
+``max_early`` early predictions, inside
+:class:`~selfspec.decoding.core.speculative.SpeculativeStep`. The
 options also give Table 3's ablations: ``verify=false`` (no verification, lossy), one entry in
 ``layers`` (fixed-layer early prediction), ``heads=none`` (the original LM head) and a file of
 full-parameter heads (``selfspec heads train --kind full``).

@@ -28,7 +28,8 @@ DRAFT_WEIGHTS_HELP = ("draft on int8 (W8A8), int4, w4a8 (4-bit weights, 8-bit ac
 
 def draft_weights_option(default: str | None = None, help: str = DRAFT_WEIGHTS_HELP) -> Any:
     """The ``draft_weights`` field: one of :data:`DRAFT_WEIGHT_CHOICES` (``int8``, ``int4``,
-    ``w4a8``, ``q3_k``, ``q2_k``, ``auto``), or ``None`` (the default: the model's own weights). A method whose
+    ``w4a8``, ``q3_k``, ``q2_k``, ``auto``), or ``None`` (the default: the model's own weights). A
+    method whose
     draft is the copy itself (``qspec``, and ``auto`` for its qspec drafter) redeclares it
     with default ``"auto"`` and its own help; the choices stay these (one CLI flag serves
     every method)."""

@@ -25,7 +25,8 @@ class Options(DraftWeightsOptions):
     confidence: float = option(0.7, "stop drafting when the top-1 probability falls below this",
                                low=0, high=1, low_open=True, high_open=True)
     plan_budget: float = option(0.05, "largest share of the decoding time until the next "
-                                "re-optimisation that one may cost (predicted); 1e9 = always (the paper)",
+                                "re-optimisation that one may cost (predicted); "
+                                "1e9 = always (the paper)",
                                 low=0)
     max_backoff: int = option(8, "after a re-optimisation finds no paying plan, the interval to "
                               "the next doubles up to this many times T (1 = the paper)", low=1)

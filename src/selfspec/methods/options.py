@@ -10,7 +10,8 @@ its help text, valid range or choices, and how to show a default that depends on
                                         default_text="3/4 of the depth")
 
 Bounds are numbers or one of the model-dependent symbols of :data:`MODEL_BOUNDS`
-(``"L"``: layers, ``"L-1"``: layers − 1, ``"R-1"``: the longest bit-exact draft, ``"V"``: vocabulary size),
+(``"L"``: layers, ``"L-1"``: layers − 1, ``"R-1"``: the longest bit-exact draft, ``"V"``: vocabulary
+size),
 checked once the model is known (:func:`check_model_bounds`).
 
 An option whose value names a file the method reads (trained heads, a skip set) declares it
@@ -197,7 +198,8 @@ class OptionField:
                      for b in (self.info.low, self.info.high))
         if isinstance(low, (int, float)) and (value < low or (self.info.low_open and value == low)):
             raise self._error(method, value, symbols)
-        if isinstance(high, (int, float)) and (value > high or (self.info.high_open and value == high)):
+        if isinstance(high, (int, float)) and (
+                value > high or (self.info.high_open and value == high)):
             raise self._error(method, value, symbols)
 
     def _error(self, method: str, value: Any, symbols: Mapping[str, int] | None = None

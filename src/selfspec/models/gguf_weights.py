@@ -205,7 +205,8 @@ def read_gguf_weights(path: str | Path, config: Any) -> GgufWeights:
     blocks = _field(reader, f"{arch}.block_count")
     if blocks is not None and int(blocks) != config.num_hidden_layers:
         raise UnsupportedArchitectureError(
-            f"{path.name} has {blocks} layers, the model {config.num_hidden_layers}: it is the GGUF "
+            f"{path.name} has {blocks} layers, the model {config.num_hidden_layers}: "
+            "it is the GGUF "
             "of another model")
     by_name = {t.name: t for t in reader.tensors}
     hidden = config.hidden_size
@@ -264,7 +265,8 @@ def read_gguf_weights(path: str | Path, config: Any) -> GgufWeights:
                                   zip(biases, (q_rows, kv_rows, kv_rows))])
         layers.append(GgufLayer(
             qkv=(q, k, v), o=matrix(name(T.ATTN_OUT), hidden, q_rows),
-            gate_up=(matrix(name(T.FFN_GATE), inter, hidden), matrix(name(T.FFN_UP), inter, hidden)),
+            gate_up=(matrix(name(T.FFN_GATE), inter, hidden),
+                     matrix(name(T.FFN_UP), inter, hidden)),
             down=matrix(name(T.FFN_DOWN), hidden, inter), qkv_bias=qkv_bias))
     vocab = config.vocab_size
     head_name = f"{names[gguf.MODEL_TENSOR.OUTPUT]}.weight"

@@ -67,6 +67,8 @@ def resolve(model: str) -> ModelSource:
     if _HUB_ID.match(model) and not path.exists():
         return ModelSource(name=model, kind="hub")
     raise ModelNotFoundError(
-        f"{model!r} is not a registry model ({', '.join(REGISTRY)}), an existing local model directory, "
-        "a .gguf file, or a Hugging Face hub id 'owner/name'. Run `selfspec models list` to see the registry."
+        f"{model!r} is not a registry model ({', '.join(REGISTRY)}), "
+        "an existing local model directory, "
+        "a .gguf file, or a Hugging Face hub id 'owner/name'. "
+        "Run `selfspec models list` to see the registry."
     )

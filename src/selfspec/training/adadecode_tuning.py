@@ -210,7 +210,8 @@ class HeadTrace:
         shapes = [None if t is None else tuple(t.shape)
                   for t in (self.inner_confidence, self.inner_correct)]
         if (shapes != ([None, None] if not e else [(e, n, k)] * 2)
-                or any(b <= a for a, b in zip(self.inner_layers, self.inner_layers[1:], strict=False))):
+                or any(b <= a for a, b in zip(self.inner_layers, self.inner_layers[1:],
+                                              strict=False))):
             raise InvalidArgumentError(
                 f"inconsistent inner trace: exit layers {self.inner_layers}, confidence and "
                 f"correct {shapes}, expected {(e, n, k)}")
@@ -393,7 +394,8 @@ def tune(trace: HeadTrace, num_layers: int, costs: ScheduleCosts, max_early: int
                     best, score, changed = trial, s, True
         if not changed:
             break
-    return TunedSchedule({layer: g for layer, g in zip(trace.layers, best, strict=False) if g is not None},
+    return TunedSchedule({layer: g for layer, g in zip(trace.layers, best, strict=False)
+                          if g is not None},
                          run(best))
 
 

@@ -55,7 +55,8 @@ from selfspec.training.pipeline import (
 DEFAULT_EPSILONS = (0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)  # DSSD §4.2 sweep
 
 
-def roc_auc(scores: torch.Tensor | Sequence[float], correct: torch.Tensor | Sequence[bool]) -> float:
+def roc_auc(scores: torch.Tensor | Sequence[float],
+            correct: torch.Tensor | Sequence[bool]) -> float:
     """Area under the ROC curve of ``scores`` as a detector of ``correct`` (DSSD §3.4.1).
 
     Exact Mann–Whitney form: the probability that a random correct prediction scores higher
@@ -163,7 +164,8 @@ def head_scores(head: ExitHead, features: FeatureSet, indices: torch.Tensor,
                        == features.teacher_token[idx])
         for m, v in confidences(logits, metrics).items():
             scores[m].append(v)
-    return CalibrationSet(head.layer, torch.cat(correct), {m: torch.cat(v) for m, v in scores.items()})
+    return CalibrationSet(head.layer, torch.cat(correct),
+                          {m: torch.cat(v) for m, v in scores.items()})
 
 
 def _metric_report(cal: CalibrationSet, test: CalibrationSet | None, metric: str,

@@ -18,6 +18,7 @@ from selfspec.cli_args import (
     TRAINING_DTYPES,
     add_device_argument,
     add_dtype_argument,
+    add_model_argument,
     add_threads_argument,
     float_arg,
     int_arg,
@@ -92,8 +93,7 @@ def _add_data_args(p: argparse.ArgumentParser, default=None) -> None:
 
 
 def _add_model_args(p: argparse.ArgumentParser, required: bool) -> None:
-    p.add_argument("--model", required=required, default=None,
-                   help="registry name, local directory or hub id")
+    add_model_argument(p, required=required, help="registry name, local directory or hub id")
     add_dtype_argument(p, choices=TRAINING_DTYPES, default=None,
                        help="backbone dtype (default bf16, the default decoding dtype; calibrate: "
                             "the dtype the heads were trained with)")
@@ -210,8 +210,8 @@ def _add_show_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("show", help="print a head file's card (or a skip-set .json file)")
     s.add_argument("path", help="head file or directory, 'default' or a folder name under the "
                                 "model's heads (with --model), or a skip-set .json file")
-    s.add_argument("--model", default=None,
-                   help="model for 'default' or a folder name (default: the registry default)")
+    add_model_argument(s, help="model for 'default' or a folder name "
+                               "(default: the registry default)")
     s.add_argument("--metric", default="entropy", choices=list(CONFIDENCE_METRICS))
     s.add_argument("--json", action="store_true", help="print the card as JSON")
     s.set_defaults(func=_cmd_show)

@@ -15,7 +15,8 @@ previous state is taken at one of ``exit_layers`` — the drafter learns to read
 One drafter reads both poorly: on Qwen2.5-Coder-0.5B (49k tokens, held out) a drafter trained
 on last-layer states (25% from layers 12 and 18) holds the final token in its top-4 for 66% of
 positions from a last-layer state but 38% and 45% from the states of tokens that exited at
-layers 3 and 6, where most exits happen. The *exit-state drafter* (``exit_mix = 1`` over layers spread across
+layers 3 and 6, where most exits happen. The *exit-state drafter* (``exit_mix = 1`` over layers
+spread across
 the predictors' range) reaches 50% and 54% there, close to a drafter trained on one layer alone
 (53%, 55%), so a head file may hold two: the main drafter for a draft's first token, whose
 previous position ran every layer, and the exit-state drafter for the tokens after an exit
@@ -306,8 +307,8 @@ class DrafterRequest:
 def default_exit_state_layers(num_layers: int) -> tuple[int, ...]:
     """Every ``max(1, L // 8)``-th layer from :func:`default_first_layer` on (3, 6, ..., 21 for
     24 layers): the predictors' range, where the exit-state drafter's input comes from. On
-    Qwen2.5-Coder-0.5B a drafter trained on five such layers read layers 3 and 6 within 1-3 points of
-    top-4 of a drafter trained on that layer alone (:mod:`selfspec.training.drafter`)."""
+    Qwen2.5-Coder-0.5B a drafter trained on five such layers read layers 3 and 6 within 1-3 points
+    of top-4 of a drafter trained on that layer alone (:mod:`selfspec.training.drafter`)."""
     step = max(1, num_layers // 8)
     return tuple(range(default_first_layer(num_layers), num_layers, step))
 

@@ -47,9 +47,11 @@ def check_layers(layers: Iterable[int], num_layers: int) -> list[int]:
     if not values:
         raise InvalidArgumentError("give at least one head layer")
     for layer in values:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 1 <= layer <= num_layers - 1:
+        if (isinstance(layer, bool) or not isinstance(layer, int)
+                or not 1 <= layer <= num_layers - 1):
             raise InvalidArgumentError(
-                f"head layer {layer!r} is outside [1, {num_layers - 1}] for this {num_layers}-layer "
+                f"head layer {layer!r} is outside [1, {num_layers - 1}] "
+                f"for this {num_layers}-layer "
                 "model (a head at layer l reads the hidden state after layers [0, l))")
     if len(set(values)) != len(values):
         raise InvalidArgumentError(f"head layers must be distinct, got {values}")

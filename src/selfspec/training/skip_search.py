@@ -114,7 +114,8 @@ def check_request(request: SkipSearchRequest) -> list[str]:
     """
     from selfspec.data.packages import require_dataset
 
-    for name, value in (("--prompts", request.prompts), ("--max-new-tokens", request.max_new_tokens),
+    for name, value in (("--prompts", request.prompts),
+                        ("--max-new-tokens", request.max_new_tokens),
                         ("--window", request.window)):
         if value < 1:
             raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
@@ -143,7 +144,8 @@ def calibration_prompts(datasets: list[str], seed: int) -> list[tuple[str, Any]]
 
 
 def calibration_sequences(engine: Engine, request: SkipSearchRequest, datasets: list[str],
-                          progress: bool = True) -> tuple[list[CalibrationSequence], list[PromptUse]]:
+                          progress: bool = True
+                          ) -> tuple[list[CalibrationSequence], list[PromptUse]]:
     """Prompt + greedy continuation of ``request.prompts`` calibration prompts.
 
     Continuations are read from (and added to) the on-policy generation cache that

@@ -163,7 +163,8 @@ def halves(trace: HeadTrace) -> tuple[HeadTrace, HeadTrace]:
         starts.append(starts[-1] + n)
     parts = []
     for parity in (0, 1):
-        picked = [(s, n) for i, (s, n) in enumerate(zip(starts, trace.lengths, strict=False)) if i % 2 == parity]
+        picked = [(s, n) for i, (s, n) in enumerate(zip(starts, trace.lengths, strict=False))
+                  if i % 2 == parity]
         index = torch.cat([torch.arange(s, s + n) for s, n in picked])
         parts.append(trace.select(index, tuple(n for _, n in picked)))
     return parts[0], parts[1]
@@ -229,7 +230,8 @@ def ceiling(trace: HeadTrace, num_layers: int, costs: SpecEECosts,
     if len(costs.checks) != len(trace.layers):
         raise InvalidArgumentError(
             f"{len(costs.checks)} check costs for {len(trace.layers)} predictor layers")
-    return simulate(trace.perfect(), [0.5] * len(trace.layers), num_layers, costs.schedule, max_early,
+    return simulate(trace.perfect(), [0.5] * len(trace.layers), num_layers, costs.schedule,
+                    max_early,
                     costs.checks)
 
 

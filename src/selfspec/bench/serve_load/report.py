@@ -21,7 +21,8 @@ class KindResult:
         requests: responses received (whatever their outcome).
         choices: choices received.
         completion_tokens: their ``usage.completion_tokens``, summed.
-        problems: responses' problems by category (:data:`~selfspec.bench.serve_load.kinds.CATEGORIES`).
+        problems: responses' problems by category
+        (:data:`~selfspec.bench.serve_load.kinds.CATEGORIES`).
         latency_ms_median / latency_ms_p90: sending to the end of the answer.
         ttft_ms_median: streams: sending to the first text.
         max_logprob_gap: the largest difference of a token's log probability from the
@@ -235,7 +236,8 @@ def readme(result: MixedResult, command: str) -> str:
              f"server `--threads {a.get('threads')} --max-batch {a.get('max_batch')} "
              f"--drain-seconds {a.get('drain_seconds'):g}`; {a.get('clients')} clients for "
              f"{a.get('duration'):g} s (seed {a.get('seed')}), max_tokens {a.get('max_tokens')} "
-             f"(JSON {a.get('json_max_tokens')}). Machine: {m.get('logical_cores')} CPUs, load average "
+             f"(JSON {a.get('json_max_tokens')}). Machine: {m.get('logical_cores')} CPUs, "
+             "load average "
              f"{m.get('load_start')} at the start and {m.get('load_end')} at the end (the "
              f"clients run on the same CPUs), torch {m.get('torch')}, Python {m.get('python')}.",
              "", f"Each kind's answers are compared with the lone answer to the same prompt "

@@ -58,7 +58,8 @@ class DeferredLayers:
             AssertionError: ``position`` does not follow the last pending position.
         """
         if self._pending:
-            assert position == self._pending[-1].position + 1, "pending positions must be consecutive"
+            assert position == self._pending[-1].position + 1, \
+                "pending positions must be consecutive"
         self._pending.append(_Pending(position, token_id, 0, self.executor.embed_token(token_id)))
 
     def position(self, index: int = -1) -> int:

@@ -47,7 +47,8 @@ explicit mask over the cache, not the prefill's ``is_causal`` call). Running the
 prompt in one call on top of 1,040 cached positions gave logits 0.25 off in bf16 (2.5e-5 in
 fp32), and greedy bf16 text then differed from ``ar``'s on 5 of 8 MT-Bench turns within 32
 tokens (changing only the prefill's thread count flipped 3 of 8: bf16 greedy decoding of
-this model meets exact ties). So the executor prefills every prompt in calls over fixed chunks of absolute positions
+this model meets exact ties). So the executor prefills every prompt in calls over fixed chunks of
+absolute positions
 ``[k·C, (k+1)·C)``, cache or not: a position's KV comes from the same calls on the same
 inputs however long the prompt is, and a hit that copies whole chunks and resumes at a chunk
 boundary computes exactly what a prefill from 0 computes. Logits and KV are bit-identical

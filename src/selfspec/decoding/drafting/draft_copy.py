@@ -10,7 +10,8 @@ SpecEE, skip plans) holds a :class:`DraftCopy` and verifies through it, in one o
 
 - **reuse** (drafts on the model itself): the KV and hidden states the draft computed are the
   model's, so verification runs only what the draft skipped (an early exit's deeper layers,
-  LayerSkip §4's exit-query cache, :func:`~selfspec.decoding.drafting.exit_drafter.complete_to_last_layer`);
+  LayerSkip §4's exit-query cache,
+  :func:`~selfspec.decoding.drafting.exit_drafter.complete_to_last_layer`);
 - **recompute** (drafts on a copy): the draft's KV and hidden states are not the model's, so
   verification drops the KV the draft wrote and runs the model with its own weights over the
   last committed token and the draft (``D + 1`` positions, :func:`recompute_target_logits`).

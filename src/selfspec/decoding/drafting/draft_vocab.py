@@ -78,7 +78,8 @@ def frequent_rows(counts: torch.Tensor, size: int, always: Iterable[int] = ()) -
     size = check_draft_vocab(size, vocab_size)
     # A stable sort on the negated counts keeps lower ids first among equal counts.
     order = torch.sort(-counts.to(torch.int64), stable=True).indices[:size]
-    keep = torch.cat([order, torch.tensor(sorted(set(always)), dtype=torch.int64, device=order.device)])
+    keep = torch.cat([order, torch.tensor(sorted(set(always)), dtype=torch.int64,
+                                          device=order.device)])
     rows = torch.unique(keep[(keep >= 0) & (keep < vocab_size)])  # sorted ascending
     return DraftVocab(rows.to(counts.device), vocab_size)
 

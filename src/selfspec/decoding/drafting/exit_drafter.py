@@ -4,7 +4,7 @@ AdaSPEED, DSSD; KnapSpec's sub-layer plans in :mod:`selfspec.decoding.drafting.s
 Per draft position::
 
     deferred.add(token, position)             # the previous token enters layer 0
-    exit = policy.choose(deferred, sampling)  # run it to its exit layer (FixedExit / CalibratedExits)
+    exit = policy.choose(deferred, sampling)  # run to its exit layer (FixedExit / CalibratedExits)
     if exit is None: stop                     # DSSD: no head confident, verification decides
     token = pick_draft_token(exit.logits)     # argmax, or a sample from q when sampling
     if stop_rule.should_stop(...): stop       # constant D, p < γ, Π p < γ, buffer full, EOS

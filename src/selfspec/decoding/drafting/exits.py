@@ -82,7 +82,8 @@ def check_exit_layer(executor: LayerExecutor, exit_layer: object) -> int:
         InvalidArgumentError: ``exit_layer`` outside ``[1, L-1]``.
     """
     last = executor.num_layers - 1
-    if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not 1 <= exit_layer <= last:
+    if (isinstance(exit_layer, bool) or not isinstance(exit_layer, int)
+            or not 1 <= exit_layer <= last):
         raise InvalidArgumentError(
             f"exit_layer must be an integer in [1, {last}] for this {executor.num_layers}-layer "
             f"model (the draft runs layers [0, exit_layer)); got {exit_layer!r}")

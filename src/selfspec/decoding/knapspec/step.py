@@ -450,6 +450,7 @@ def _describe(choice: PlanChoice) -> str:
     if choice.candidate is None:
         return f"plain decoding (no plan beats it; predicted {choice.ar_tpt * 1e3:.1f} tok/s)"
     c = choice.candidate
-    return (f"skip {len(c.skip_attention)} attention + {len(c.skip_mlp)} MLP, γ={choice.draft_len}, "
+    return (f"skip {len(c.skip_attention)} attention + {len(c.skip_mlp)} MLP, "
+            f"γ={choice.draft_len}, "
             f"α̂={choice.alpha:.2f}, predicted {choice.tpt * 1e3:.1f} vs plain "
             f"{choice.ar_tpt * 1e3:.1f} tok/s")

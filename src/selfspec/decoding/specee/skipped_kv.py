@@ -52,7 +52,8 @@ class SkippedKV(Protocol):
         returns its hidden state ``[1, 1, H]`` leaving layer ``target - 1``."""
 
     def stop(self, exit_layer: int) -> None:
-        """The current token exits after ``exit_layer`` layers: settle layers ``[exit_layer, L)``."""
+        """The current token exits after ``exit_layer`` layers: settle
+        layers ``[exit_layer, L)``."""
 
     def finish(self) -> None:
         """The current token ran every layer."""

@@ -8,7 +8,8 @@ Per token (batch 1):
    and the current token's embedding → the top-``k`` of ``lm_head``), before layer 0, so
    features start at any layer ``c``. :class:`HeadCandidates` instead runs layers ``[0, c)``
    and takes an exit head's top-``k`` at ``c`` (no drafter to train, but no exit before
-   ``c``). Either costs one call of ``lm_head``'s draft-vocabulary rows. With ``ngram``, the token that
+   ``c``). Either costs one call of ``lm_head``'s draft-vocabulary rows. With ``ngram``, the token
+   that
    prompt lookup predicts from the context (:class:`~selfspec.decoding.ngram.lookup.ContextIndex`,
    free) replaces the head's ``k``-th candidate when it is not among them
    (:func:`merge_ngram`): on code it is right where the mid-depth head is not (copied
@@ -198,7 +199,8 @@ class HeadCandidates:
         ngram: merge in the prompt-lookup token (:func:`merge_ngram`).
     """
 
-    def __init__(self, executor: LayerExecutor, layer: int, head: Callable[[torch.Tensor], torch.Tensor],
+    def __init__(self, executor: LayerExecutor, layer: int,
+                 head: Callable[[torch.Tensor], torch.Tensor],
                  k: int, vocab: DraftVocab | None = None, ngram: bool = False) -> None:
         self.executor = executor
         self.layer = layer
@@ -234,7 +236,8 @@ class DrafterCandidates:
         exit_fused: ``exit_drafter``'s compiled call, or ``None``.
     """
 
-    def __init__(self, executor: LayerExecutor, drafter: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    def __init__(self, executor: LayerExecutor,
+                 drafter: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  layer: int, output: Callable[[torch.Tensor], torch.Tensor], k: int,
                  vocab: DraftVocab | None = None, ngram: bool = False,
                  fused: CandidateKernel | None = None,
