@@ -1,14 +1,16 @@
 #!/bin/bash
-# A/B of issue 74: same prompts, same latency table, before (e5cc16d) vs after (main).
+# A/B of issue 74: the same prompts on the code before (e5cc16d) and after, both planning from
+# one latency table. Usage: BEFORE=/path/to/e5cc16d-tree AFTER=/path/to/main-tree OUT=/tmp/ab \
+#   bash bench_ab.sh   (run it twice for two pairs; run once first so the after table exists)
 set -e
+: "${BEFORE:?checkout of e5cc16d}" "${AFTER:?checkout of main}" "${OUT:=/tmp/ab}"
 L=~/.cache/selfspec/latency
-A=$L/smollm2-135m-instruct-30x576x1536x9x3x49152-bfloat16-bf16rows0M-2513276f-t2-x86_64-AMD_EPYC-AVX512-bf16.json
-B=${A/2513276f/51e8864a}
-cp /work/ab/after-latency.json "$A"
-sed 's/2513276f/51e8864a/' /work/ab/after-latency.json > "$B"
+A=$(ls $L/smollm2-135m-instruct-*-2513276f-*.json)
+cp "$A" "${A/2513276f/51e8864a}" && sed -i 's/2513276f/51e8864a/' "${A/2513276f/51e8864a}"
 M='ar,auto,ngram,knapspec,layerskip:exit_layer=24,draft_len=3'
 ARGS="--n 10 --max-new-tokens 64 --threads 2 --no-plots --no-accuracy --overwrite"
 for side in after before; do
-  if [ $side = after ]; then dir=/work/main; else dir=/work/wt/before; fi
-  (cd $dir && PYTHONPATH=$dir/src python -m selfspec.cli bench --methods "$M" $ARGS --out /work/ab/$side) > /work/ab/$side.log 2>&1
+  if [ $side = after ]; then dir=$AFTER; else dir=$BEFORE; fi
+  (cd "$dir" && PYTHONPATH="$dir/src" python -m selfspec.cli bench --methods "$M" $ARGS \
+    --out "$OUT/$side") > "$OUT/$side.log" 2>&1
 done
