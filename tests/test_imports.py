@@ -124,7 +124,7 @@ LAYERS = (
     ("methods",),
     ("api", "", "cli_args"),  # "" = the package root, which re-exports the API
     ("training",),
-    ("bench", "serving"),
+    ("bench", "serving", "batch", "cluster"),
     ("cli",),
 )
 # decoding/'s packages, lowest first: core imports no other decoding package; auto composes

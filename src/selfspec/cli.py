@@ -1,4 +1,5 @@
-"""Command-line interface: ``selfspec generate | methods | models | bench | heads``.
+"""Command-line interface: ``selfspec generate | methods | models | bench | heads | serve |
+batch``.
 
 The CLI is the only place that prints. Errors raised on purpose (:class:`SelfSpecError`)
 are shown as one line on stderr with exit status 2, without a traceback; any other exception
@@ -13,15 +14,15 @@ import sys
 import typing
 from collections.abc import Sequence
 
+from selfspec.batch.cli import add_batch_parser
 from selfspec.bench.cli import add_bench_cpu_parser, add_bench_parser
 from selfspec.cli_args import (
     add_device_argument,
     add_dtype_argument,
+    add_generation_arguments,
     add_model_argument,
-    add_output_processing_arguments,
     add_threads_argument,
     add_weight_format_arguments,
-    float_arg,
     int_arg,
 )
 from selfspec.errors import InvalidArgumentError, SelfSpecError
@@ -35,8 +36,6 @@ from selfspec.methods.cli_options import (  # noqa: F401 (re-exported for caller
 from selfspec.serving.cli import add_serve_parser
 from selfspec.training.cli import add_heads_parser
 from selfspec.validation import (
-    SEED_MAX,
-    SEED_MIN,
     check_device,
     check_stop,
     check_text,
@@ -56,16 +55,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "tokens/s; lossless); "
                         "`selfspec methods` lists them. A bench row's label works too, "
                         "options included: adadecode:draft_vocab=4096,gamma=0.9")
-    p.add_argument("--max-new-tokens", type=int_arg(1), default=128)
-    p.add_argument("--temperature", type=float_arg(0.0), default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int_arg(0), default=0, help="0 = no top-k limit")
-    p.add_argument("--top-p", type=float_arg(0.0, 1.0, low_open=True), default=1.0,
-                   help="nucleus mass in (0, 1]")
-    p.add_argument("--seed", type=int_arg(SEED_MIN, SEED_MAX), default=None,
-                   help="seed for reproducible sampling")
+    add_generation_arguments(p)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    add_output_processing_arguments(p)
     add_weight_format_arguments(p)
     add_threads_argument(p)
     p.add_argument("--compare-ar", action="store_true",
@@ -494,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_cpu_parser(sub)
     add_heads_parser(sub)
     add_serve_parser(sub)
+    add_batch_parser(sub)
     info = sub.add_parser("info", help="versions, the CPU's abilities and the number formats "
                                        "and kernels selfspec will use on a device")
     add_device_argument(info, cuda_graphs=False,

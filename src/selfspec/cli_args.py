@@ -142,6 +142,26 @@ def add_weight_format_arguments(parser) -> None:
              "GGUF file's own blocks)")
 
 
+def add_generation_arguments(parser) -> None:
+    """How a generation samples and stops (``--max-new-tokens``, ``--temperature``,
+    ``--top-k``, ``--top-p``, ``--seed``, ``--stop``) and
+    :func:`add_output_processing_arguments`: ``selfspec generate`` and ``selfspec batch`` take
+    them, with these defaults."""
+    from selfspec.validation import SEED_MAX, SEED_MIN
+
+    parser.add_argument("--max-new-tokens", type=int_arg(1), default=128)
+    parser.add_argument("--temperature", type=float_arg(0.0), default=0.0,
+                        help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int_arg(0), default=0, help="0 = no top-k limit")
+    parser.add_argument("--top-p", type=float_arg(0.0, 1.0, low_open=True), default=1.0,
+                        help="nucleus mass in (0, 1]")
+    parser.add_argument("--seed", type=int_arg(SEED_MIN, SEED_MAX), default=None,
+                        help="seed for reproducible sampling")
+    parser.add_argument("--stop", action="append", default=[],
+                        help="stop string (repeatable)")
+    add_output_processing_arguments(parser)
+
+
 def add_output_processing_arguments(parser) -> None:
     """Structured output (``--json-schema FILE | --json-object | --regex PATTERN | --grammar
     FILE``, one at most), ``--presence-penalty``, ``--frequency-penalty`` and ``--logprobs``

@@ -95,13 +95,40 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="MiB of earlier prompts' KV kept for later prompts that start with the "
                         "same tokens (a chat's system prompt and history): only the rest is "
                         "prefilled; 0 turns it off (default 256)")
-    add_threads_argument(p, help="torch intra-op threads")
+    add_threads_argument(p, help="torch intra-op threads (of each replica with --ray)")
+    add_ray_arguments(p)
     add_method_arguments(p)
     p.set_defaults(func=_cmd_serve)
 
 
+def add_ray_arguments(p: argparse.ArgumentParser) -> None:
+    """``--ray`` and its scaling options (:class:`~selfspec.cluster.options.RayServeOptions`
+    states their defaults)."""
+    from selfspec.cluster.options import RayServeOptions
+
+    ray = RayServeOptions()
+    group = p.add_argument_group("Ray Serve (docs/scale-out.md)")
+    group.add_argument("--ray", action="store_true",
+                       help="serve as a Ray Serve application: engine replicas behind one "
+                            "HTTP entry, requests routed by prompt prefix")
+    group.add_argument("--replicas", type=int_arg(1), default=ray.replicas,
+                       help=f"engine replicas (default {ray.replicas})")
+    group.add_argument("--min-replicas", type=int_arg(1), default=None,
+                       help="autoscale from this many replicas (with --max-replicas)")
+    group.add_argument("--max-replicas", type=int_arg(1), default=None,
+                       help="autoscale up to this many replicas")
+    group.add_argument("--target-ongoing-requests", type=float_arg(0, low_open=True),
+                       default=None, help="the autoscaler's target of requests in flight per "
+                                          "replica (default: --max-batch)")
+    group.add_argument("--no-affinity", action="store_true",
+                       help="route by load alone (default: requests sharing a prompt prefix "
+                            "go to one replica, where its prefix cache and history live)")
+    group.add_argument("--ray-address", default=None,
+                       help="join this Ray cluster (ray start --head's address; default: "
+                            "$RAY_ADDRESS, else start a local one)")
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import os
     from pathlib import Path
 
     import torch
@@ -120,28 +147,57 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     options = method_options(args)
     get_method(args.method).parse(options)  # bad options fail before the model loads
     api_keys = {} if args.api_keys_file is None else read_keys_file(args.api_keys_file)
+    load = {"model": args.model, "dtype": args.dtype, "decode_kernel": args.decode_kernel,
+            "device": args.device, "cuda_graphs": args.cuda_graphs,
+            "prefix_cache_mib": args.prefix_cache_mib}
+    if args.ray:
+        return _serve_on_ray(args, load, _serve_config(args, args.served_name or "", options,
+                                                       api_keys))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    engine = selfspec.load(args.model, dtype=args.dtype, decode_kernel=args.decode_kernel,
-                           device=args.device, cuda_graphs=args.cuda_graphs,
-                           prefix_cache_mib=args.prefix_cache_mib)
-    limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
-                    max_tokens=args.max_tokens,
-                    default_max_tokens=min(args.default_max_tokens, args.max_tokens))
-    config = ServeConfig(model_name=args.served_name or engine.name, method=args.method,
-                         method_options=options,
-                         api_key=args.api_key or os.environ.get("SELFSPEC_API_KEY") or None,
-                         limits=limits, max_batch=args.max_batch, max_queue=args.max_queue,
-                         max_batch_tokens=args.max_batch_tokens,
-                         assets_dir=None if args.assets_dir is None else Path(args.assets_dir),
-                         health_auth=args.health_auth, drain_seconds=args.drain_seconds,
-                         header_timeout=args.header_timeout,
-                         api_keys=api_keys,
-                         tenant_from_user=args.tenant_from_user,
-                         share_history=args.share_history, max_tenants=args.max_tenants,
-                         stream_chunk_tokens=args.stream_chunk_tokens)
+    engine = selfspec.load(**load)
+    config = _serve_config(args, args.served_name or engine.name, options, api_keys)
     print(f"[selfspec] serving {config.model_name} ({args.method}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     serve(engine, config, host=args.host, port=args.port,
           log_level="debug" if args.debug else "info" if args.verbose else "warning")
+    return 0
+
+
+def _serve_config(args: argparse.Namespace, model_name: str, options: dict,
+                  api_keys: dict) -> ServeConfig:
+    """The :class:`ServeConfig` of the command line."""
+    import os
+    from pathlib import Path
+
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                    max_tokens=args.max_tokens,
+                    default_max_tokens=min(args.default_max_tokens, args.max_tokens))
+    return ServeConfig(model_name=model_name, method=args.method, method_options=options,
+                       api_key=args.api_key or os.environ.get("SELFSPEC_API_KEY") or None,
+                       limits=limits, max_batch=args.max_batch, max_queue=args.max_queue,
+                       max_batch_tokens=args.max_batch_tokens,
+                       assets_dir=None if args.assets_dir is None else Path(args.assets_dir),
+                       health_auth=args.health_auth, drain_seconds=args.drain_seconds,
+                       header_timeout=args.header_timeout, api_keys=api_keys,
+                       tenant_from_user=args.tenant_from_user,
+                       share_history=args.share_history, max_tenants=args.max_tenants,
+                       stream_chunk_tokens=args.stream_chunk_tokens)
+
+
+def _serve_on_ray(args: argparse.Namespace, load: dict, config: ServeConfig) -> int:
+    from selfspec.cluster import serve_app
+    from selfspec.cluster.options import RayServeOptions
+
+    options = RayServeOptions(replicas=args.replicas, min_replicas=args.min_replicas,
+                              max_replicas=args.max_replicas,
+                              target_ongoing_requests=args.target_ongoing_requests,
+                              threads=args.threads or RayServeOptions.threads,
+                              affinity=not args.no_affinity,
+                              address=args.ray_address)
+    serve_app.import_serve()
+    print(f"[selfspec] serving {args.model or 'the default model'} on Ray Serve "
+          f"({options.replicas if options.min_replicas is None else 'autoscaled'} replicas) "
+          f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    serve_app.run(load, config, options, args.host, args.port)
     return 0

@@ -1,0 +1,143 @@
+"""``selfspec serve --ray`` and ``selfspec batch --ray`` on a local Ray cluster (2 CPUs) with a
+tiny random model: replicas answer as one server does, requests sharing a prompt prefix go
+to one replica, a killed replica's place is taken, and the Ray Data job equals the
+in-process one and resumes. Skipped without Ray (``pip install 'selfspec[ray]'``)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'selfspec[ray]')")
+pytest.importorskip("ray.serve")
+pytest.importorskip("ray.data")
+
+import selfspec  # noqa: E402
+from selfspec.batch.jobs import BatchRequest, GenerationSettings  # noqa: E402
+from selfspec.batch.local import run_local  # noqa: E402
+from selfspec.batch.ray_data import run_ray  # noqa: E402
+from selfspec.cluster.options import RayServeOptions  # noqa: E402
+from selfspec.cluster.routing import rendezvous_order  # noqa: E402
+from selfspec.serving.config import ServeConfig  # noqa: E402
+
+from tiny import save_tiny  # noqa: E402
+
+PROMPTS = ["def add(a, b):\n", "x = 1\ny = ", "for i in range(", "abcabcabc", "import os\n"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A local Ray cluster of 2 CPUs and the tiny model saved as a local directory."""
+    model = save_tiny(tmp_path_factory.mktemp("model"), "llama", seed=3)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield str(model)
+    ray.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> tuple[int, dict, bytes]:
+    request = urllib.request.Request(url, json.dumps(body).encode(),
+                                     {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read()
+
+
+def _health(base: str) -> dict:
+    with urllib.request.urlopen(base + "/health", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def test_rendezvous_order_is_stable_and_moves_only_a_removed_replicas_keys():
+    ids = ["a", "b", "c", "d"]
+    keys = [f"system prompt {i}" for i in range(200)]
+    first = {k: rendezvous_order(k, ids)[0] for k in keys}
+    assert first == {k: rendezvous_order(k, list(reversed(ids)))[0] for k in keys}
+    assert len(set(first.values())) == 4  # every replica wins some prefixes
+    after = {k: rendezvous_order(k, ["a", "b", "d"])[0] for k in keys}
+    assert all(after[k] == first[k] for k in keys if first[k] != "c")
+
+
+def test_replicas_answer_as_one_server_route_by_prefix_and_survive_a_kill(cluster):
+    from ray import serve
+
+    from selfspec.cluster.serve_app import APP_NAME, build_application
+
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    # ar: no latency model to measure in the replicas (the methods' parity is tested in-process)
+    config = ServeConfig(model_name="tiny", method="ar", max_batch=2, max_queue=8)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_application({"model": cluster, "dtype": "fp32"}, config,
+                                    RayServeOptions(replicas=2, threads=1)),
+                  name=APP_NAME, route_prefix="/")
+        assert _health(base)["replicas"] == {"ready": 2, "total": 2}
+        engine = selfspec.load(cluster, dtype="fp32", show_progress=False)
+        for prompt in PROMPTS:  # greedy: the same text as the engine in-process
+            want = engine.generate(prompt, "ar", max_new_tokens=12).text
+            status, _, body = _post(base + "/v1/completions",
+                                    {"model": "tiny", "prompt": prompt, "max_tokens": 12,
+                                     "temperature": 0})
+            assert status == 200 and json.loads(body)["choices"][0]["text"] == want
+            status, _, body = _post(base + "/v1/completions", {
+                "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "stream": True})
+            chunks = [json.loads(line[6:]) for line in body.decode().splitlines()
+                      if line.startswith("data: {")]
+            assert "".join(c["choices"][0]["text"] for c in chunks) == want
+        status, _, body = _post(base + "/v1/completions", {"model": "nope", "prompt": "x"})
+        assert status == 404 and "not served here" in body.decode()  # the app's own errors
+        shared = "You are a careful assistant. " * 12  # > AFFINITY_CHARS
+        served = {_post(base + "/v1/completions", {
+            "model": "tiny", "prompt": shared + f"Question {i}?", "max_tokens": 2})[1]
+            ["x-selfspec-replica"] for i in range(6)}
+        assert len(served) == 1  # one replica holds the shared prefix
+        _kill_one_replica()
+        for prompt in PROMPTS:  # the survivor (then the replacement) answers every request
+            status, _, _ = _post(base + "/v1/completions",
+                                 {"model": "tiny", "prompt": prompt, "max_tokens": 4})
+            assert status == 200
+        deadline = time.monotonic() + 120
+        while _health(base)["replicas"]["ready"] < 2 and time.monotonic() < deadline:
+            time.sleep(1)
+        assert _health(base)["replicas"]["ready"] == 2  # the replacement came up
+    finally:
+        serve.shutdown()
+
+
+def _kill_one_replica() -> None:
+    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if "SelfspecEngine" in a["name"]]
+    assert len(replicas) == 2
+    actor = ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"])
+    ray.kill(actor, no_restart=True)
+
+
+def test_the_ray_data_job_equals_the_in_process_one(cluster):
+    settings = GenerationSettings(
+        method="ar", options={}, max_new_tokens=10, temperature=0.0, top_k=0, top_p=1.0,
+        seed=None, stop=(), response_format=None, presence_penalty=0.0,
+        frequency_penalty=0.0, logprobs=None)
+    requests = [BatchRequest(i, PROMPTS[i % len(PROMPTS)] + str(i), None, settings)
+                for i in range(12)]
+    on_ray: list[dict] = []
+    run_ray(requests, on_ray.append, load={"model": cluster, "dtype": "fp32"}, batch_size=4,
+            concurrency=2, threads=1)
+    local: list[dict] = []
+    run_local(selfspec.load(cluster, dtype="fp32", show_progress=False), requests,
+              local.append, batch_size=4)
+    assert sorted(r["id"] for r in on_ray) == list(range(12))  # each exactly once
+    assert {r["id"]: r["token_ids"] for r in on_ray} == {r["id"]: r["token_ids"] for r in local}
