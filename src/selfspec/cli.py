@@ -468,6 +468,35 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
 
 
+def ray_app(args: dict[str, str]):
+    """The Ray Serve application of ``selfspec serve --ray`` for ``serve run`` and KubeRay:
+    ``serve run selfspec.cli:ray_app model=NAME replicas=2 method=auto`` takes every
+    ``selfspec serve`` option as ``key=value`` (``-`` or ``_`` in keys; ``true`` for a flag)
+    and checks it as the command line does.
+
+    Raises:
+        InvalidArgumentError: an unknown option or a bad value.
+    """
+    argv = ["serve", "--ray"]
+    for key, value in args.items():
+        flag = "--" + str(key).replace("_", "-")
+        argv += [flag] if str(value).lower() == "true" else [flag, str(value)]
+    parser = build_parser()
+    parser.exit_on_error = False
+    for action in parser._subparsers._group_actions[0].choices.values():
+        action.exit_on_error = False
+    try:
+        namespace, unknown = parser.parse_known_args(argv)
+    except (argparse.ArgumentError, SystemExit) as err:
+        raise InvalidArgumentError(f"selfspec serve option: {err}") from None
+    if unknown:
+        raise InvalidArgumentError(f"selfspec serve has no option {' '.join(unknown)} "
+                                   "(`selfspec serve --help` lists them)")
+    from selfspec.serving.cli import ray_plan
+
+    return ray_plan(namespace)[3]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``selfspec`` argument parser."""
     parser = _Parser(

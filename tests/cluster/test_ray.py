@@ -70,6 +70,19 @@ def test_rendezvous_order_is_stable_and_moves_only_a_removed_replicas_keys():
     assert all(after[k] == first[k] for k in keys if first[k] != "c")
 
 
+def test_serve_run_takes_the_commands_options():
+    from selfspec.cli import ray_app
+    from selfspec.errors import InvalidArgumentError
+
+    assert ray_app({"model": "m", "replicas": "2", "no_affinity": "true"}) is not None
+    with pytest.raises(InvalidArgumentError, match="--replicaz"):
+        ray_app({"replicaz": "2"})
+    with pytest.raises(InvalidArgumentError, match="--replicas"):
+        ray_app({"replicas": "two"})
+    with pytest.raises(InvalidArgumentError, match="--max-replicas"):
+        ray_app({"min_replicas": "2"})
+
+
 def test_replicas_answer_as_one_server_route_by_prefix_and_survive_a_kill(cluster):
     from ray import serve
 

@@ -129,30 +129,14 @@ def add_ray_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     import torch
 
     import selfspec
-    from selfspec.methods.cli_options import apply_method_spec, method_options
-    from selfspec.methods.registry import get_method
     from selfspec.serving.app import serve
-    from selfspec.serving.auth import read_keys_file
 
-    apply_method_spec(args)
-    if args.assets_dir is not None and not Path(args.assets_dir).is_dir():
-        from selfspec.errors import InvalidArgumentError
-
-        raise InvalidArgumentError(f"--assets-dir {args.assets_dir!r} is not a directory")
-    options = method_options(args)
-    get_method(args.method).parse(options)  # bad options fail before the model loads
-    api_keys = {} if args.api_keys_file is None else read_keys_file(args.api_keys_file)
-    load = {"model": args.model, "dtype": args.dtype, "decode_kernel": args.decode_kernel,
-            "device": args.device, "cuda_graphs": args.cuda_graphs,
-            "prefix_cache_mib": args.prefix_cache_mib}
+    load, options, api_keys = _checked(args)
     if args.ray:
-        return _serve_on_ray(args, load, _serve_config(args, args.served_name or "", options,
-                                                       api_keys))
+        return _serve_on_ray(args, *ray_plan(args)[:3])
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     engine = selfspec.load(**load)
@@ -185,17 +169,50 @@ def _serve_config(args: argparse.Namespace, model_name: str, options: dict,
                        stream_chunk_tokens=args.stream_chunk_tokens)
 
 
-def _serve_on_ray(args: argparse.Namespace, load: dict, config: ServeConfig) -> int:
+def _checked(args: argparse.Namespace) -> tuple[dict, dict, dict]:
+    """The command line checked before a model loads: ``(load, method options, api keys)``
+    (``load``: :func:`selfspec.load`'s keyword arguments)."""
+    from pathlib import Path
+
+    from selfspec.methods.cli_options import apply_method_spec, method_options
+    from selfspec.methods.registry import get_method
+    from selfspec.serving.auth import read_keys_file
+
+    apply_method_spec(args)
+    if args.assets_dir is not None and not Path(args.assets_dir).is_dir():
+        from selfspec.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"--assets-dir {args.assets_dir!r} is not a directory")
+    options = method_options(args)
+    get_method(args.method).parse(options)  # bad options fail before the model loads
+    api_keys = {} if args.api_keys_file is None else read_keys_file(args.api_keys_file)
+    load = {"model": args.model, "dtype": args.dtype, "decode_kernel": args.decode_kernel,
+            "device": args.device, "cuda_graphs": args.cuda_graphs,
+            "prefix_cache_mib": args.prefix_cache_mib}
+    return load, options, api_keys
+
+
+def ray_plan(args: argparse.Namespace):
+    """``(load, config, options, application)`` of ``selfspec serve --ray``'s command line:
+    what :func:`selfspec.cluster.serve_app.run` takes, and the Ray Serve application itself
+    (:func:`selfspec.cluster.serve_app.build_application`) for ``serve run``."""
     from selfspec.cluster import serve_app
     from selfspec.cluster.options import RayServeOptions
 
+    load, method_options, api_keys = _checked(args)
+    config = _serve_config(args, args.served_name or "", method_options, api_keys)
     options = RayServeOptions(replicas=args.replicas, min_replicas=args.min_replicas,
                               max_replicas=args.max_replicas,
                               target_ongoing_requests=args.target_ongoing_requests,
                               threads=args.threads or RayServeOptions.threads,
-                              affinity=not args.no_affinity,
-                              address=args.ray_address)
-    serve_app.import_serve()
+                              affinity=not args.no_affinity, address=args.ray_address)
+    return load, config, options, serve_app.build_application(load, config, options)
+
+
+def _serve_on_ray(args: argparse.Namespace, load: dict, config: ServeConfig,
+                  options) -> int:
+    from selfspec.cluster import serve_app
+
     print(f"[selfspec] serving {args.model or 'the default model'} on Ray Serve "
           f"({options.replicas if options.min_replicas is None else 'autoscaled'} replicas) "
           f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
