@@ -78,13 +78,20 @@ def run_ray(requests: Sequence[BatchRequest], write: Callable[[dict], Any], *,
 
     Raises:
         MissingDependencyError: Ray Data is not installed.
+        InvalidArgumentError: no node of the cluster has the memory one engine needs.
     """
+    from selfspec.cluster.resources import check_fits, engine_bytes
+
     ray = import_ray()
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    need = engine_bytes(load)
+    check_fits(ray, need, "batch actor (one engine)")
     items = [{"request": r.to_json()} for r in requests]
-    dataset = ray.data.from_items(items).map_batches(
+    blocks = max(1, -(-len(items) // batch_size))
+    dataset = ray.data.from_items(items, override_num_blocks=blocks).map_batches(
         EngineActor, fn_constructor_kwargs={"load": dict(load), "threads": threads},
-        batch_size=batch_size, concurrency=concurrency, num_cpus=threads)
+        batch_size=batch_size, concurrency=concurrency, num_cpus=threads,
+        **({"memory": need} if need else {}))
     for row in dataset.iter_rows():
         write(json.loads(row["record"]))

@@ -116,14 +116,17 @@ def build_application(load: Mapping[str, Any], config: ServeConfig, options: Ray
     admits before its 429), and Ray queues at most ``max_queue`` more per replica before its
     503.
     """
+    from selfspec.cluster.resources import engine_bytes
+
     serve = import_serve()
+    need = engine_bytes(load)
     router = {}
     if options.affinity:
         router = {"request_router_config": {
             "request_router_class": "selfspec.cluster.routing:PrefixAffinityRouter"}}
     engine = serve.deployment(
         EngineServer, name=ENGINE_DEPLOYMENT,
-        ray_actor_options={"num_cpus": options.threads},
+        ray_actor_options={"num_cpus": options.threads, **({"memory": need} if need else {})},
         max_ongoing_requests=config.max_batch + config.max_queue,
         max_queued_requests=max(config.max_queue, 1),
         graceful_shutdown_timeout_s=config.drain_seconds,
@@ -141,12 +144,16 @@ def run(load: Mapping[str, Any], config: ServeConfig, options: RayServeOptions,
 
     Raises:
         MissingDependencyError: Ray Serve is not installed.
+        InvalidArgumentError: no node of the cluster has the memory one replica needs.
     """
+    from selfspec.cluster.resources import check_fits, engine_bytes
+
     serve = import_serve()
     import ray
 
     if not ray.is_initialized():
         ray.init(address=options.address, include_dashboard=False)
+    check_fits(ray, engine_bytes(load), "engine replica")
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_application(load, config, options), name=APP_NAME, route_prefix="/")
     stop = threading.Event()
