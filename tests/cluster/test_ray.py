@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'selfspec[ray]')")
 pytest.importorskip("ray.serve")
@@ -21,6 +22,7 @@ import selfspec  # noqa: E402
 from selfspec.batch.jobs import BatchRequest, GenerationSettings  # noqa: E402
 from selfspec.batch.local import run_local  # noqa: E402
 from selfspec.batch.ray_data import run_ray  # noqa: E402
+from selfspec.cluster.metrics import PUSH_PERIOD_S  # noqa: E402
 from selfspec.cluster.options import RayServeOptions  # noqa: E402
 from selfspec.cluster.routing import rendezvous_order  # noqa: E402
 from selfspec.serving.config import ServeConfig  # noqa: E402
@@ -113,6 +115,15 @@ def test_replicas_answer_as_one_server_route_by_prefix_and_survive_a_kill(cluste
             assert "".join(c["choices"][0]["text"] for c in chunks) == want
         status, _, body = _post(base + "/v1/completions", {"model": "nope", "prompt": "x"})
         assert status == 404 and "not served here" in body.decode()  # the app's own errors
+        time.sleep(1.5 * PUSH_PERIOD_S)  # every replica has pushed its metrics since
+        with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+        families = list(text_string_to_metric_families(metrics))  # a valid exposition
+        answered = [s for f in families for s in f.samples
+                    if s.name == "selfspec_http_requests_total"
+                    and s.labels["endpoint"] == "/v1/completions"]
+        assert len({s.labels["replica"] for s in answered}) == 2  # both replicas, labelled
+        assert sum(s.value for s in answered) >= 2 * len(PROMPTS)
         shared = "You are a careful assistant. " * 12  # > AFFINITY_CHARS
         served = {_post(base + "/v1/completions", {
             "model": "tiny", "prompt": shared + f"Question {i}?", "max_tokens": 2})[1]

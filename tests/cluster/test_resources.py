@@ -7,6 +7,7 @@ import pytest
 
 from selfspec.cluster.resources import check_fits, engine_bytes
 from selfspec.errors import InvalidArgumentError
+
 from tiny import save_tiny
 
 

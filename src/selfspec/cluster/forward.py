@@ -108,16 +108,24 @@ class Forwarder:
         call: ``RoutedRequest`` → async iterator of the replica's ASGI messages (a Ray Serve
             streaming handle call).
         max_body_bytes: the server's body limit.
-        health: async, the replicas' readiness (``{"ready": n, "target": m}``), added to
+        health: async, the replicas' readiness (``{"ready": n, "total": m}``), added to
             ``/health``'s answer.
+        metrics: async, every replica's metrics as one Prometheus text
+            (:func:`selfspec.cluster.metrics.merge`), answering ``/metrics`` in place of the
+            one replica's text once that replica's app let the request through (its API-key
+            check).
     """
 
     def __init__(self, call: Callable[[RoutedRequest], AsyncIterator[dict]],
                  max_body_bytes: int,
-                 health: Callable[[], Awaitable[dict]] | None = None) -> None:
+                 health: Callable[[], Awaitable[dict]] | None = None,
+                 metrics: Callable[[], Awaitable[bytes]] | None = None) -> None:
         self.call = call
         self.max_body_bytes = max_body_bytes
+        self.rewrites = {"/health": health and self._with_replicas,
+                         "/metrics": metrics and self._merged_metrics}
         self.health = health
+        self.metrics = metrics
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "lifespan":
@@ -132,8 +140,8 @@ class Forwarder:
         request = RoutedRequest(scope["method"], scope["path"], scope.get("query_string", b""),
                                 tuple((bytes(k), bytes(v)) for k, v in scope["headers"]),
                                 body, routing_text(body))
-        if scope["path"] == "/health" and self.health is not None:
-            await self._health(request, send)
+        if (rewrite := self.rewrites.get(scope["path"])) is not None:
+            await self._rewritten(request, send, rewrite)
             return
         relay = asyncio.create_task(self._relay(request, send))
         left = asyncio.create_task(_wait_disconnect(receive))
@@ -162,20 +170,30 @@ class Forwarder:
         async for message in self.call(request):
             await send(message)
 
-    async def _health(self, request: RoutedRequest, send: Callable) -> None:
+    async def _rewritten(self, request: RoutedRequest, send: Callable,
+                         rewrite: Callable[[bytes], Awaitable[bytes]]) -> None:
+        """The replica's answer to ``request``, its body rewritten when it is a 200."""
         messages = [m async for m in self.call(request)]
         start = messages[0]
         body = b"".join(m.get("body", b"") for m in messages[1:])
-        try:
-            answer = json.loads(body)
-            answer["replicas"] = await self.health()
-            body = json.dumps(answer).encode()
-        except (ValueError, TypeError) as err:  # not the app's JSON: relayed as it is
-            logger.debug("health answer not extended: %s", err)
+        if start.get("status") == 200:
+            body = await rewrite(body)
         headers = [(k, v) for k, v in start["headers"] if bytes(k).lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
         await send({**start, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+    async def _with_replicas(self, body: bytes) -> bytes:
+        try:
+            answer = json.loads(body)
+            answer["replicas"] = await self.health()
+            return json.dumps(answer).encode()
+        except (ValueError, TypeError) as err:  # not the app's JSON: relayed as it is
+            logger.debug("health answer not extended: %s", err)
+            return body
+
+    async def _merged_metrics(self, body: bytes) -> bytes:
+        return await self.metrics()
 
 
 async def _wait_disconnect(receive: Callable) -> None:

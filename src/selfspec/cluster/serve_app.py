@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from selfspec.cluster.forward import Forwarder, RoutedRequest, call_app
+from selfspec.cluster.metrics import PUSH_PERIOD_S, MetricsHub, merge
 from selfspec.cluster.options import RayServeOptions
 from selfspec.errors import MissingDependencyError
 from selfspec.serving.config import ServeConfig
@@ -50,7 +51,8 @@ class EngineServer:
         threads: torch intra-op threads.
     """
 
-    def __init__(self, load: Mapping[str, Any], config: ServeConfig, threads: int) -> None:
+    def __init__(self, load: Mapping[str, Any], config: ServeConfig, threads: int,
+                 hub: Any = None) -> None:
         import torch
 
         import selfspec
@@ -64,6 +66,19 @@ class EngineServer:
         self.app = create_app(engine, config)
         warm_up(engine, config.method, config.method_options)
         self.app.state.scheduler.start()
+        self._stop = threading.Event()
+        if hub is not None:
+            threading.Thread(target=self._push_metrics, args=(hub,), daemon=True,
+                             name="selfspec-metrics-push").start()
+
+    def _push_metrics(self, hub: Any) -> None:
+        """Push this replica's Prometheus text to the hub every ``PUSH_PERIOD_S``."""
+        replica = self.replica.decode()
+        while not self._stop.wait(PUSH_PERIOD_S):
+            try:
+                hub.put.remote(replica, self.app.state.metrics.render().decode()).result()
+            except Exception as err:  # noqa: BLE001 - a hub restart must not end the replica
+                logger.debug("metrics push failed: %s", err)
 
     async def handle(self, request: RoutedRequest) -> AsyncIterator[dict]:
         """The app's ASGI messages answering ``request`` (a streaming handle call), the
@@ -76,6 +91,8 @@ class EngineServer:
             yield message
 
     def __del__(self) -> None:  # Ray Serve's replica shutdown hook
+        if hasattr(self, "_stop"):
+            self._stop.set()
         app = getattr(self, "app", None)
         if app is not None:
             app.state.scheduler.close()
@@ -84,16 +101,19 @@ class EngineServer:
 class Ingress:
     """The HTTP entry: a :class:`Forwarder` over the engine deployment's handle."""
 
-    def __init__(self, engine: Any, max_body_bytes: int) -> None:
-        self._engine = engine
+    def __init__(self, engine: Any, hub: Any, max_body_bytes: int) -> None:
+        self._hub = hub
 
         def call(request: RoutedRequest):
             return engine.options(stream=True).handle.remote(request)
 
-        self._app = Forwarder(call, max_body_bytes, self._replicas)
+        self._app = Forwarder(call, max_body_bytes, self._replicas, self._metrics)
 
     async def _replicas(self) -> dict[str, int]:
         return await asyncio.to_thread(replica_counts)
+
+    async def _metrics(self) -> bytes:
+        return merge(await self._hub.snapshot.remote())
 
     def __serve_build_asgi_app__(self) -> Forwarder:
         return self._app
@@ -131,9 +151,11 @@ def build_application(load: Mapping[str, Any], config: ServeConfig, options: Ray
         max_queued_requests=max(config.max_queue, 1),
         graceful_shutdown_timeout_s=config.drain_seconds,
         **options.scaling(config.max_batch), **router)
+    hub = serve.deployment(MetricsHub, name="SelfspecMetrics", num_replicas=1,
+                           ray_actor_options={"num_cpus": 0}).bind()
     ingress = serve.deployment(serve.ingress()(Ingress), name="SelfspecIngress",
                                ray_actor_options={"num_cpus": 0})
-    return ingress.bind(engine.bind(dict(load), config, options.threads),
+    return ingress.bind(engine.bind(dict(load), config, options.threads, hub), hub,
                         config.limits.max_body_bytes)
 
 
