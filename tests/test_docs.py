@@ -77,7 +77,8 @@ def test_ci_runs_the_readmes_test_command():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
     command = ci.strip().splitlines()[-1]
-    assert command.startswith("pip install") and command in readme
+    assert command.startswith("bash scripts/install_test_tools.sh && pip install")
+    assert command in readme
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None

@@ -165,12 +165,15 @@ def test_w4a8_models_decode_on_fused_layers_and_methods_keep_ar_tokens():
 
 
 @BF16
-@pytest.mark.skipif(detect_cpu().native_bf16, reason="bf16 is native here: oneDNN's kernels")
 def test_a_small_bf16_model_decodes_on_fused_bf16_layers_by_default():
-    """Where bf16 is emulated, ``auto`` puts matrices under 4 MiB on the bf16 kernel: a model
-    made of them (SmolLM2-135M) decodes on fused bf16 layers with nothing asked."""
+    """``auto`` puts matrices under 4 MiB on the bf16 kernel, whether bf16 is emulated or
+    native: a model made of them (SmolLM2-135M) decodes on fused bf16 layers with nothing
+    asked; its bulk work (prefill) runs in fp32 where bf16 is emulated and in bf16 (oneDNN)
+    where it is native, the path this CPU takes."""
     ex = LayerExecutor(tiny_model("llama", dtype=torch.bfloat16), name="tiny-llama")
     assert ex.fused_layers() is not None and ex.fused_layers().kernel == "bf16"
+    assert ex.formats.rows == "bf16"
+    assert ex.formats.bulk == (torch.bfloat16 if detect_cpu().native_bf16 else torch.float32)
     ex.set_decode_kernel("fp16")  # FBGEMM: not a kernel the fused layers run
     assert ex.fused_layers() is None
 

