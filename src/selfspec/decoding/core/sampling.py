@@ -138,10 +138,12 @@ class KeyedNoise:
         row = self._rows.get(position)
         if row is None:
             self._generator.manual_seed(position_key(self.seed, position))
-            row = torch.empty(self.vocab_size, device=self.device)
-            row.exponential_(generator=self._generator)
-            # > 0, so a masked token (p = 0) scores 0 and never wins; p / 0 cannot happen.
-            row.clamp_(min=torch.finfo(torch.float32).tiny)
+            # -log u, u ~ U[0, 1) in float64 (53-bit steps: no visible truncation of the
+            # tail), is Exp(1) and several times faster than exponential_ on a CPU. It is
+            # never 0 (u < 1), so p / E is never 0 / 0; u = 0 gives inf, which never wins.
+            uniform = torch.rand(self.vocab_size, generator=self._generator,
+                                 dtype=torch.float64, device=self.device)
+            row = uniform.log_().neg_().float()
             self._rows[position] = row
         return row
 
