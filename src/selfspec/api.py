@@ -226,7 +226,9 @@ class SelfSpec:
             temperature: 0 = greedy; > 0 = sampling.
             top_k: keep the k most likely tokens when sampling (0 = all).
             top_p: nucleus mass in (0, 1] when sampling.
-            seed: seed for reproducible sampling.
+            seed: seed for reproducible sampling: each token is the position-keyed
+                Gumbel-max choice (docs/design.md "Sampling"), so every lossless method gives
+                ``ar``'s tokens with this seed, whatever it drafted.
             chat: wrap a text prompt in the tokenizer's chat template as a user turn.
             stop: stop strings; generation ends once the text contains one (text is cut there).
             streamer: receives committed token ids as they come (``put``/``end``).
@@ -296,10 +298,10 @@ class SelfSpec:
         (:mod:`selfspec.decoding.core.batch`): rows of any lengths, each accepting its own number
         of draft tokens per step and finishing on its own (EOS, stop strings, budget).
 
-        Each row is the generation its prompt would get alone (same greedy tokens; sampling
-        with ``seed`` seeds every row's generator alike). Methods with a batched step
-        (``selfspec methods``: ar, ngram, auto) share one forward per step across rows; the
-        others run their rows one after another.
+        Each row is the generation its prompt would get alone (same greedy tokens; with
+        ``seed``, the same seeded tokens: every row keys its noise with that seed). Methods
+        with a batched step (``selfspec methods``: ar, ngram, auto) share one forward per step
+        across rows; the others run their rows one after another.
 
         Args:
             prompts: ``B >= 1`` prompts, each as :meth:`generate` takes it.

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 from selfspec.decoding.core.batch import pack_rows
 from selfspec.decoding.core.loop import Step
-from selfspec.decoding.core.sampling import choose_next
 from selfspec.decoding.core.state import DecodeState
 from selfspec.decoding.core.stats import StepStats
 from selfspec.executor.sync import to_host
@@ -19,8 +18,8 @@ if TYPE_CHECKING:
 
 class ArStep(Step):
     """One full forward per token: feed the last committed token through every layer and
-    commit the next one (argmax when greedy, else temperature / top-k / top-p sampling with
-    the state's seeded generator).
+    commit the next one (argmax when greedy, else temperature / top-k / top-p sampling: with
+    a seed, the position-keyed Gumbel-max choice of :mod:`selfspec.decoding.core.sampling`).
 
     Args:
         recorder: optional :class:`~selfspec.decoding.core.history.ResidualRecorder` that keeps
@@ -39,15 +38,15 @@ class ArStep(Step):
         logits = ex.forward(token, state.positions(pos, 1), state.cache, observe=observe)[:, -1]
         logits = state.process(logits)
         # The step's one device -> host copy: the chosen token.
-        kept = state.commit(to_host(choose_next(logits, state.options.sampling, state.generator)),
-                            logits)
+        kept = state.commit(to_host(state.choose_next(logits)), logits)
         return StepStats(committed=len(kept), sublayers=2 * ex.num_layers)
 
 
 class BatchArStep:
     """Autoregressive decoding of a ragged batch: one forward of ``B`` tokens per step (the
     weights are read once for all rows), each row sampled with its own configuration and
-    seeded generator, so each row's output is the one it would have alone."""
+    seed (its own position-keyed noise), so each row's output is the one it would have
+    alone."""
 
     batched = True
     processes_logits = True
@@ -70,7 +69,7 @@ class BatchArStep:
         out = []
         for b, state in enumerate(states):
             row = state.process(logits[b:b + 1])
-            token = int(choose_next(row, state.options.sampling, state.generator))
+            token = int(state.choose_next(row))
             kept = state.commit([token], row)
             out.append(StepStats(committed=len(kept), sublayers=2 * ex.num_layers,
                                  step_ms=ms))

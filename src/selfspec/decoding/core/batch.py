@@ -31,7 +31,6 @@ from typing import Protocol
 import torch
 
 from selfspec.decoding.core.loop import Step, check_processing
-from selfspec.decoding.core.sampling import choose_next
 from selfspec.decoding.core.state import DecodeState
 from selfspec.decoding.core.stats import GenerationStats, StepStats
 
@@ -66,7 +65,7 @@ class BatchStep(Protocol):
 def begin(state: DecodeState) -> None:
     """Prefill ``state``'s prompt alone (its own cache) and commit the first token."""
     logits = state.process(state.prefill())  # [1, V]
-    state.commit([int(choose_next(logits, state.options.sampling, state.generator))], logits)
+    state.commit([int(state.choose_next(logits))], logits)
 
 
 def run_batch(states: list[DecodeState], step: BatchStep) -> list[GenerationStats]:

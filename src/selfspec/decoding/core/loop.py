@@ -3,7 +3,7 @@
 Every method runs through :func:`run`::
 
     logits = state.prefill()                 # 1. the prompt through every layer
-    state.commit([choose_next(logits)])      # 2. the first token, from the full model
+    state.commit([state.choose_next(logits)])  # 2. the first token, from the full model
     step.start(state)                        # 3. per-generation state of the method
     while not state.done:                    # 4. EOS, max_new_tokens, context, stop strings,
         state.stats.add(step(state))         #    cancellation: all decided by state.commit
@@ -24,7 +24,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from selfspec.decoding.core.plan_log import PlanLog
-from selfspec.decoding.core.sampling import choose_next
 from selfspec.decoding.core.state import DecodeState
 from selfspec.decoding.core.stats import GenerationStats, StepStats
 from selfspec.errors import InvalidArgumentError
@@ -117,7 +116,7 @@ def run(state: DecodeState, step: Step) -> GenerationStats:
     """
     check_processing(step.processes_logits, state)
     logits = state.process(state.prefill(step.prefill_observer(state)))  # [1, V]
-    state.commit([int(choose_next(logits, state.options.sampling, state.generator))], logits)
+    state.commit([int(state.choose_next(logits))], logits)
     step.start(state)
     while not state.done:
         before = state.seq_len

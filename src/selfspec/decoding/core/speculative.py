@@ -25,13 +25,13 @@ import torch
 
 from selfspec.decoding.core.deferred import DeferredLayers
 from selfspec.decoding.core.loop import Step
-from selfspec.decoding.core.sampling import choose_next
 from selfspec.decoding.core.state import DecodeState
 from selfspec.decoding.core.stats import StepStats
 from selfspec.decoding.core.stop_rule import StopRule
 from selfspec.decoding.core.verification import (
     VerifyOutput,
     verify_greedy,
+    verify_keyed,
     verify_sampling,
 )
 
@@ -44,7 +44,8 @@ class DraftOutput:
         tokens: ``[D]`` draft token ids (host ints).
         token_ids: ``[D]`` int64 tensor of the same ids.
         probs: ``[D, V]`` float32 draft distributions ``q`` the tokens were sampled from
-            (sampling only; ``None`` when greedy).
+            (unseeded sampling only; ``None`` when greedy or seeded, whose verification is
+            an exact match and needs no ``q``).
         exit_layers: ``[D]`` number of layers each draft token's prediction ran
             (``exit_layer``: layers ``[0, exit_layer)``).
         sublayers: attention and MLP sub-layers (one token each) run while drafting.
@@ -101,12 +102,17 @@ class Drafter(Protocol):
 
 
 def verify(draft: DraftOutput, target: TargetOutput, state: DecodeState) -> VerifyOutput:
-    """Greedy verification (longest prefix equal to the target argmax) or, when sampling,
-    the Leviathan/Chen rejection rule with residual and bonus token
-    (:mod:`selfspec.decoding.core.verification`)."""
+    """Greedy verification (longest prefix equal to the target argmax); seeded sampling: the
+    longest prefix equal to the target's position-keyed Gumbel-max choice
+    (:func:`~selfspec.decoding.core.verification.verify_keyed`: ``ar``'s seeded tokens
+    whatever was drafted); unseeded sampling: the Leviathan/Chen rejection rule with residual
+    and bonus token (:mod:`selfspec.decoding.core.verification`)."""
     sampling = state.options.sampling
     if sampling.greedy:
         return verify_greedy(draft.token_ids, target.logits)
+    noise = state.noise_rows(0, len(draft.tokens) + 1)
+    if noise is not None:
+        return verify_keyed(draft.token_ids, target.logits, sampling, noise)
     return verify_sampling(draft.token_ids, draft.probs, target.logits, sampling,
                            state.generator)
 
@@ -116,7 +122,7 @@ def accept_all(draft: DraftOutput, target: TargetOutput, state: DecodeState) -> 
     the bonus position (argmax, or a draw from its transformed distribution). AdaDecode
     Table 3's "w/o verification" ablation; the draft's KV is still completed in every layer,
     so later tokens see a consistent cache."""
-    bonus = choose_next(target.logits[-1:], state.options.sampling, state.generator)
+    bonus = state.choose_next(target.logits[-1:], offset=len(draft.tokens))
     next_token = int(bonus[0])
     return VerifyOutput(num_accepted=len(draft.tokens), next_token=next_token,
                         committed_tokens=list(draft.tokens) + [next_token],

@@ -15,7 +15,7 @@ import torch
 
 from selfspec.decoding.core.prefix_cache import PrefixCache
 from selfspec.decoding.core.processors import LogitsProcessing, LogitsProcessor
-from selfspec.decoding.core.sampling import SamplingConfig
+from selfspec.decoding.core.sampling import KeyedNoise, SamplingConfig, choose_next
 from selfspec.decoding.core.stats import GenerationStats
 from selfspec.errors import InvalidArgumentError, PromptError
 from selfspec.executor import KVCache, LayerExecutor
@@ -103,6 +103,9 @@ class DecodeState:
         static = None if graphs is None else graphs.decode_cache(capacity, self)
         self.cache: KVCache = static or executor.new_cache(capacity=capacity)
         self.generator = options.sampling.make_generator(executor.device)
+        # Seeded sampling: every token from the position-keyed noise (decoding/core/sampling).
+        self.noise: KeyedNoise | None = options.sampling.keyed_noise(executor.vocab_size,
+                                                                     executor.device)
         # None when nothing is processed: the hot path then passes logits through untouched.
         self.processor: LogitsProcessor | None = (
             LogitsProcessor(options.processing, executor.vocab_size)
@@ -140,6 +143,23 @@ class DecodeState:
     def last_token(self) -> torch.Tensor:
         """``[1, 1]`` int64 tensor of the last committed token on the model's device."""
         return device_tensor([[self.tokens[-1]]], self.executor.device)
+
+    def noise_rows(self, offset: int, count: int) -> torch.Tensor | None:
+        """``[count, V]`` position-keyed noise of positions ``seq_len + offset ..`` (seeded
+        sampling, :class:`~selfspec.decoding.core.sampling.KeyedNoise`), or ``None`` when
+        sampling is greedy or unseeded."""
+        return None if self.noise is None else self.noise.rows(self.seq_len + offset, count)
+
+    def choose_next(self, logits: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """The tokens of positions ``seq_len + offset ..`` from their ``[N, V]`` logits:
+        argmax, the keyed choice (seeded sampling) or a draw with :attr:`generator`
+        (:func:`~selfspec.decoding.core.sampling.choose_next`).
+
+        Returns:
+            ``[N]`` int64 token ids on the logits' device.
+        """
+        return choose_next(logits, self.options.sampling, self.generator,
+                           self.noise_rows(offset, logits.shape[0]))
 
     def process(self, logits: torch.Tensor, draft: Sequence[int] = ()) -> torch.Tensor:
         """The target's logits after this generation's output processing (penalties, grammar;

@@ -24,6 +24,9 @@ al., §I.C/§II.A) and of LayerSkip / Draft & Verify. Sampling verification
 (:func:`verify_sampling`) is the speculative sampling rule of Leviathan et al. 2023 (§2.3,
 Algorithm 1) and Chen et al. 2023 (Algorithm 2), whose output has exactly the target's
 distribution ``p`` whatever ``q`` is, provided each draft token was sampled from ``q``.
+Seeded sampling (:func:`verify_keyed`) is an exact match against the target's position-keyed
+Gumbel-max choice (:mod:`selfspec.decoding.core.sampling`), so its output is ``ar``'s seeded
+sample token for token, whatever was drafted.
 
 Inputs may carry a leading batch dimension of size 1 (``[1, D]``, ``[1, D+1, V]``); larger
 batches are not supported.
@@ -35,12 +38,12 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec.decoding.core.sampling import SamplingConfig, logits_to_probs
+from selfspec.decoding.core.sampling import SamplingConfig, keyed_choice, logits_to_probs
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor.argmax import argmax_last
 from selfspec.executor.sync import to_host
 
-__all__ = ["VerifyOutput", "verify_greedy", "verify_sampling"]
+__all__ = ["VerifyOutput", "verify_greedy", "verify_keyed", "verify_sampling"]
 
 
 @dataclass(frozen=True)
@@ -95,16 +98,61 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Ve
         InvalidArgumentError: shapes do not match ``[D]`` / ``[D+1, V]``, or the batch is > 1.
     """
     draft_tokens, target_logits = _check_shapes(draft_tokens, None, target_logits)
-    num_drafted = draft_tokens.shape[0]
     # [D+1]: the target's greedy choice at every position, bonus position included.
-    target_argmax = argmax_last(target_logits)
+    return _accept_prefix(draft_tokens, argmax_last(target_logits))
+
+
+def verify_keyed(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
+                 config: SamplingConfig, noise: torch.Tensor) -> VerifyOutput:
+    """Seeded verification: accept the longest prefix where the draft equals the target's
+    position-keyed Gumbel-max choice ``argmax_x p_i(x) / E_i(x)``.
+
+    Source: the Gumbel-max trick (Gumbel 1954; Maddison, Tarlow & Minka 2014) used as a coupling
+    of draft and target (Daliri, Musco & Suresh 2024, "Coupling without Communication and
+    Drafter-Invariant Speculative Decoding"). ``E_i`` is the :class:`~selfspec.decoding.
+    core.sampling.KeyedNoise` row of draft token ``i``'s absolute position, so the target's
+    choice at each position depends on the seed and the prefix only: the committed tokens
+    are exactly those of autoregressive decoding with the same seed (the rule of
+    :func:`verify_greedy` on the keyed choices), distributed as the target's samples over
+    seeds. ``draft_probs`` are not needed. Cost: the transform of ``[D+1, V]``, one division,
+    one argmax, one device→host copy.
+
+    Args:
+        draft_tokens: ``[D]`` (or ``[1, D]``) int64 draft token ids, ``D >= 0``.
+        target_logits: ``[D+1, V]`` (or ``[1, D+1, V]``) raw target logits.
+        config: a sampling configuration with ``temperature > 0``.
+        noise: ``[D+1, V]`` Exp(1) rows of the ``D+1`` positions (all > 0), on the device of
+            ``target_logits``.
+
+    Returns:
+        :class:`VerifyOutput`.
+
+    Raises:
+        InvalidArgumentError: ``config`` is greedy, or shapes do not match ``[D]`` /
+            ``[D+1, V]`` / ``noise`` ``[D+1, V]``.
+    """
+    if config.greedy:
+        raise InvalidArgumentError(
+            "verify_keyed needs temperature > 0; with temperature 0 use verify_greedy")
+    draft_tokens, target_logits = _check_shapes(draft_tokens, None, target_logits)
+    if tuple(noise.shape) != tuple(target_logits.shape):
+        raise InvalidArgumentError(
+            f"noise must be [D+1, V] = {list(target_logits.shape)}; got {list(noise.shape)}")
+    return _accept_prefix(draft_tokens,
+                          keyed_choice(logits_to_probs(target_logits, config), noise))
+
+
+def _accept_prefix(draft_tokens: torch.Tensor, choice: torch.Tensor) -> VerifyOutput:
+    """The longest prefix of ``draft_tokens [D]`` equal to the target's ``choice [D+1]``,
+    then the target's choice after it; one device→host copy."""
+    num_drafted = draft_tokens.shape[0]
     # [D]: 1 while the draft still agrees with the target, 0 from the first mismatch on.
-    agree_prefix = (draft_tokens == target_argmax[:num_drafted]).cumprod(dim=0)
+    agree_prefix = (draft_tokens == choice[:num_drafted]).cumprod(dim=0)
     # [1]
     num_accepted = agree_prefix.sum(dim=0, keepdim=True)
-    # Accepted draft tokens equal the target argmax at their positions, so the committed tokens
-    # are target_argmax[:num_accepted + 1]: one copy of [D+2] ints brings everything to host.
-    host = to_host(torch.cat([num_accepted, target_argmax]))
+    # Accepted draft tokens equal the target's choice at their positions, so the committed
+    # tokens are choice[:num_accepted + 1]: one copy of [D+2] ints brings everything to host.
+    host = to_host(torch.cat([num_accepted, choice]))
     n = host[0]
     committed = host[1 : n + 2]
     return VerifyOutput(

@@ -19,7 +19,6 @@ import time
 
 from selfspec.decoding.core.deferred import DeferredLayers
 from selfspec.decoding.core.loop import Step
-from selfspec.decoding.core.sampling import choose_next
 from selfspec.decoding.core.state import DecodeState
 from selfspec.decoding.core.stats import StepStats
 from selfspec.decoding.drafting.exits import CalibratedExits, Exit
@@ -64,7 +63,7 @@ class CalibratedExitStep(Step):
             deferred.advance(ex.num_layers)
             exit = Exit(ex.num_layers, ex.logits(deferred.hidden())[0, -1])
         logits = state.process(exit.logits.unsqueeze(0))  # [1, V]
-        token = int(choose_next(logits, state.options.sampling, state.generator))
+        token = int(state.choose_next(logits))
         kept = state.commit([token], logits)
         deferred.drop_completed()
         return StepStats(num_drafted=1, committed=len(kept), exit_layers=(exit.layer,),

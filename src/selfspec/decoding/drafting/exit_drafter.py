@@ -6,7 +6,8 @@ Per draft position::
     deferred.add(token, position)             # the previous token enters layer 0
     exit = policy.choose(deferred, sampling)  # run to its exit layer (FixedExit / CalibratedExits)
     if exit is None: stop                     # DSSD: no head confident, verification decides
-    token = pick_draft_token(exit.logits)     # argmax, or a sample from q when sampling
+    token = pick_draft_token(exit.logits)     # argmax, a sample from q, or (seeded) the keyed
+                                              # choice on q with the target's noise
     if stop_rule.should_stop(...): stop       # constant D, p < γ, Π p < γ, buffer full, EOS
 
 Draft tokens write KV only into the layers they ran; their hidden states stay pending in a
@@ -21,7 +22,12 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.decoding.core.deferred import DeferredLayers
-from selfspec.decoding.core.sampling import SamplingConfig, logits_to_probs, sample
+from selfspec.decoding.core.sampling import (
+    SamplingConfig,
+    keyed_choice,
+    logits_to_probs,
+    sample,
+)
 from selfspec.decoding.core.speculative import DraftOutput, TargetOutput
 from selfspec.decoding.core.state import DecodeState
 from selfspec.decoding.core.stats import StepStats
@@ -53,7 +59,8 @@ class PickedToken:
         prob: untempered softmax probability of the token (Draft & Verify's stop statistic).
         top1_prob: the largest untempered probability.
         score: the scorer's acceptance estimate, or ``None``.
-        q: ``[V]`` the transformed distribution the token was sampled from (sampling only).
+        q: ``[V]`` the transformed distribution the token was sampled from (unseeded
+            sampling only: seeded verification needs no ``q``).
     """
 
     token: torch.Tensor
@@ -68,11 +75,15 @@ def pick_draft_token(logits: torch.Tensor, sampling: SamplingConfig,
                      generator: torch.Generator | None,
                      score: torch.Tensor | None = None,
                      vocab: DraftVocab | None = None,
-                     proposal: torch.Tensor | None = None) -> PickedToken:
+                     proposal: torch.Tensor | None = None,
+                     noise: torch.Tensor | None = None) -> PickedToken:
     """Choose a draft token from ``[V]`` draft logits (``[R]`` over ``vocab.rows`` with a
     reduced draft vocabulary): argmax when greedy, else a sample from the transformed
     distribution ``q`` (kept, as ``[V]``, for speculative sampling), or from ``proposal``
-    (``[V]`` / ``[R]``) when the exit restricts it (AdaDecode eq. 1).
+    (``[V]`` / ``[R]``) when the exit restricts it (AdaDecode eq. 1). With ``noise`` (seeded
+    sampling: the ``[V]`` position-keyed noise of the draft position) the token is the
+    keyed choice ``argmax q / noise``, coupled with the target's choice at that position
+    (Gumbel coupling, :mod:`selfspec.decoding.core.sampling`), and ``q`` is not kept.
 
     One host sync brings the id, its probability, the top-1 probability and the score.
     """
@@ -83,7 +94,11 @@ def pick_draft_token(logits: torch.Tensor, sampling: SamplingConfig,
         index = softmax.argmax()
     else:
         q = logits_to_probs(logits, sampling) if proposal is None else proposal.float()
-        index = sample(q.unsqueeze(0), generator)[0]
+        if noise is not None:
+            index = keyed_choice(q, noise if vocab is None else noise[vocab.rows])
+            q = None
+        else:
+            index = sample(q.unsqueeze(0), generator)[0]
     token = index if vocab is None else vocab.rows[index]
     if q is not None and vocab is not None:
         q = vocab.expand(q)
@@ -100,7 +115,7 @@ def forced_pick(token: int, executor: LayerExecutor, sampling: SamplingConfig) -
     it was "drawn" from (it is a function of the context, so the acceptance rule with this
     ``q`` keeps the target's distribution, as for n-gram drafts)."""
     q = None
-    if not sampling.greedy:
+    if not sampling.greedy and not sampling.keyed:
         q = torch.zeros(executor.vocab_size, device=executor.device)
         q[token] = 1.0
     return PickedToken(token=torch.tensor(token, device=executor.device), token_id=token,
@@ -131,7 +146,7 @@ class DraftBuilder:
         token_ids = (torch.stack([p.token for p in picks]) if picks
                      else torch.empty(0, dtype=torch.long, device=executor.device))
         probs = None
-        if not sampling.greedy:
+        if not sampling.greedy and not sampling.keyed:
             probs = (torch.stack([p.q for p in picks]) if picks                  # [D, V]
                      else torch.empty(0, executor.vocab_size, device=executor.device))
         return DraftOutput(tokens=[p.token_id for p in picks], token_ids=token_ids, probs=probs,
@@ -246,8 +261,10 @@ class ExitDrafter:
                 logits = guide.mask(logits, None if vocab is None else vocab.rows)
                 if logits is None:  # nothing this exit can propose is allowed
                     break
+            noise = (None if state.noise is None
+                     else state.noise.row(state.seq_len + len(draft.picks)))  # its position
             pick = pick_draft_token(logits, sampling, state.generator, exit.score, vocab,
-                                    exit.proposal)
+                                    exit.proposal, noise)
             token = pick.token_id
             draft.append(pick, exit.layer)
             if guide is not None:

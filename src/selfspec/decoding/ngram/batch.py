@@ -11,7 +11,7 @@ import torch
 from selfspec.decoding.core.batch import pack_rows
 from selfspec.decoding.core.state import DecodeState
 from selfspec.decoding.core.stats import StepStats
-from selfspec.decoding.core.verification import verify_greedy, verify_sampling
+from selfspec.decoding.core.verification import verify_greedy, verify_keyed, verify_sampling
 from selfspec.decoding.ngram.drafter import NgramDrafter, NgramSettings
 from selfspec.decoding.ngram.lookup import NgramProposal, SuffixAutomaton
 from selfspec.decoding.planning.tpt import ForwardCosts, TptChoice
@@ -50,8 +50,9 @@ class BatchNgramStep:
     ``t_forward`` grows with every token and the step falls back to plain decoding
     (``d = 0``). A step drafts at most ``max_step_draft`` tokens over all rows: the logits of
     a verification are ``[N, V]`` floats (``N = 272`` rows of Qwen2.5's 151,936-token
-    vocabulary would be 165 MB per step). Verification per row is :func:`verify_greedy` or,
-    sampling, the rejection rule with a one-hot ``q`` (see
+    vocabulary would be 165 MB per step). Verification per row is :func:`verify_greedy`, or,
+    seeded sampling, the exact match with the row's keyed choice (:func:`verify_keyed`), or,
+    unseeded sampling, the rejection rule with a one-hot ``q`` (see
     :mod:`selfspec.decoding.ngram.drafter`).
 
     Args:
@@ -148,6 +149,9 @@ class BatchNgramStep:
             sampling = state.options.sampling
             if sampling.greedy:
                 result = verify_greedy(draft_ids, target)
+            elif state.noise is not None:  # seeded: exact match with the keyed choice
+                result = verify_keyed(draft_ids, target, sampling,
+                                      state.noise_rows(0, len(draft) + 1))
             else:  # q = δ(x_i), [D_b, V]
                 probs = torch.zeros(len(draft), ex.vocab_size, device=ex.device)
                 probs[torch.arange(len(draft), device=probs.device), draft_ids] = 1.0

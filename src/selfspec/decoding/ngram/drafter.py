@@ -189,7 +189,8 @@ class NgramDrafter:
         self._last = choice.proposal if tokens else None
         ids = device_tensor(tokens, self.executor.device)  # no sync on CUDA
         probs = None
-        if not state.options.sampling.greedy:  # q = δ(x_i), [D, V]
+        sampling = state.options.sampling
+        if not sampling.greedy and not sampling.keyed:  # q = δ(x_i), [D, V]
             probs = torch.zeros(len(tokens), self.executor.vocab_size, device=self.executor.device)
             probs[torch.arange(len(tokens), device=probs.device), ids] = 1.0
         return DraftOutput(tokens=tokens, token_ids=ids, probs=probs,

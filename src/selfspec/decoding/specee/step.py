@@ -502,13 +502,14 @@ class SpecEEStep(Step):
         if found.exit_layer is None:
             hidden = kv.advance(ex.num_layers)
             logits = ex.logits(hidden)[0, -1]
-            token = int(choose_next(logits.unsqueeze(0), state.options.sampling, state.generator))
+            token = int(state.choose_next(logits.unsqueeze(0)))
             kv.finish()
             exit_layer = ex.num_layers
         else:
             hidden, exit_layer = found.hidden, found.exit_layer
+            noise = state.noise_rows(0, 1)  # seeded: the keyed noise of its candidates
             pick = choose_next(found.logits.unsqueeze(0), state.options.sampling,
-                               state.generator)
+                               state.generator, None if noise is None else noise[:, found.ids])
             token = int(found.ids[int(pick)])
             kv.stop(exit_layer)
         self._previous, self._previous_exited = hidden, exit_layer < ex.num_layers
