@@ -47,37 +47,57 @@ CONFIGS = {
     "smollm3": lambda: SmolLM3Config(no_rope_layers=[1, 0, 1, 0], **COMMON),
 }
 # Lossless with defaults or the options below; dssd, adaspeed-probe and swift need trained
-# heads or a searched skip set, qspec a quantized draft kernel (covered on llama elsewhere).
+# heads or a searched skip set, qspec a quantized draft kernel, clasp is knapspec's plan
+# search re-run (all covered on llama and qwen2 in tests/decoding).
 NO_HEADS = {"adadecode": {"heads": "none", "gamma": 0.0}, "auto": {"drafters": "ngram"}}
-SKIPPED = {"ar", "dssd", "adaspeed-probe", "swift", "qspec"}
+SKIPPED = {"ar", "dssd", "adaspeed-probe", "swift", "qspec", "clasp"}
 LOSSLESS = [name for name, spec in METHODS.items()
             if spec.lossless_for(spec.options()) and name not in SKIPPED]
+#: Families whose methods tests/decoding already runs (test_batch, test_processing, ...).
+COVERED = {"llama", "qwen2"}
+NEW = sorted(set(CONFIGS) - COVERED)
 
 
 def test_every_supported_family_has_a_parity_test():
     assert sorted(CONFIGS) == sorted(SUPPORTED_MODEL_TYPES)
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def family(request, tmp_path_factory):
-    """(directory, HF model, selfspec engine, ar tokens per prompt) of one family."""
+def _random_model(model_type: str):
+    """A random model of ``model_type``: peaked logits (a stable argmax), norms away from 1
+    (so that a norm left out changes the output)."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIGS[request.param]())
-    with torch.no_grad():  # peaked logits (stable argmax); norms away from 1 so each counts
+    model = AutoModelForCausalLM.from_config(CONFIGS[model_type]())
+    with torch.no_grad():
         for name, p in model.named_parameters():
             p.uniform_(0.5, 1.5) if "norm" in name else p.mul_(4.0)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
+    return model.eval().requires_grad_(False)
+
+
+def _family(model_type: str, tmp_path_factory):
+    """(HF model, selfspec engine, ar tokens per prompt) of one family, saved with
+    save_pretrained (fp32) and loaded by both from that directory."""
+    path = tmp_path_factory.mktemp(model_type)
+    _random_model(model_type).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engine = selfspec.load(str(path), dtype="fp32", show_progress=False)
     ar = [engine.generate(p, method="ar", max_new_tokens=NEW_TOKENS).token_ids
           for p in PROMPTS]
-    return path, reference, engine, ar
+    return reference, engine, ar
 
 
-def test_ar_equals_transformers_generate(family):
-    _, reference, engine, ar = family
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def any_family(request, tmp_path_factory):
+    return _family(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=NEW)
+def family(request, tmp_path_factory):
+    return _family(request.param, tmp_path_factory)
+
+
+def test_ar_equals_transformers_generate(any_family):
+    reference, engine, ar = any_family
     for prompt, ours in zip(PROMPTS, ar, strict=True):
         ids = torch.tensor([engine.encode(prompt)])
         with torch.no_grad():
@@ -88,7 +108,7 @@ def test_ar_equals_transformers_generate(family):
 
 @pytest.mark.parametrize("method", LOSSLESS)
 def test_lossless_methods_equal_ar(family, method):
-    _, _, engine, ar = family
+    _, engine, ar = family
     options = NO_HEADS.get(method, {})
     for prompt, ref in zip(PROMPTS, ar, strict=True):
         got = engine.generate(prompt, method=method, max_new_tokens=NEW_TOKENS, **options)
@@ -96,7 +116,7 @@ def test_lossless_methods_equal_ar(family, method):
 
 
 def test_a_ragged_batch_equals_single_prompts(family):
-    _, _, engine, ar = family
+    _, engine, ar = family
     results = engine.generate(PROMPTS, method="ngram", max_new_tokens=NEW_TOKENS)
     assert [r.token_ids for r in results] == ar
 
@@ -131,3 +151,23 @@ def test_the_description_names_each_familys_features():
             granite.attention_scale, granite.logits_divisor) == (6.0, 0.5, 0.1, 4.0)
     assert arch["llama"].fused_reason() is None
     assert "q/k norms" in arch["qwen3"].fused_reason()
+
+
+@pytest.mark.parametrize("model_type", NEW)
+def test_bf16_lossless_methods_equal_bf16_ar(model_type):
+    """In bf16 the families with layers other than Llama's run the torch path (the fused
+    kernels compute Llama's layer only: Architecture.fused_reason), whose verification blocks
+    are bit-consistent with one-token decoding, so drafts keep ar's tokens exactly; Mistral's
+    layer is Llama's (the fused kernels where they run here)."""
+    model = _random_model(model_type).to(torch.bfloat16)
+    engine = selfspec.from_pretrained_model(model, tiny_tokenizer(), f"tiny-{model_type}")
+    arch = engine.executor.architecture
+    assert (arch.fused_reason() is None) == (model_type == "mistral")
+    if arch.fused_reason() is not None:
+        assert engine.executor.fused_layers() is None
+    for prompt in PROMPTS:
+        ar = engine.generate(prompt, method="ar", max_new_tokens=NEW_TOKENS).token_ids
+        for method in ("ngram", "layerskip", "knapspec", "auto"):
+            got = engine.generate(prompt, method=method, max_new_tokens=NEW_TOKENS,
+                                  **NO_HEADS.get(method, {}))
+            assert got.token_ids == ar, (method, prompt)

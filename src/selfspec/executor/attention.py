@@ -64,7 +64,7 @@ def rotated_qkv(w: LayerWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torc
     Returns:
         ``qk`` ``[B, T, Hq + Hkv, hd]`` (queries, then keys) and ``v`` ``[B, T, Hkv, hd]``.
         Qwen3 (per-head norms) and OLMo 2 (norms over the projection) norm before RoPE, as
-        their modeling files do.
+        their modeling files do; RoPE rows in float32 (OLMo 2's) rotate in float32.
     """
     nq, nkv, hd = heads
     bsz, num_new = qkv.shape[:2]
@@ -79,7 +79,10 @@ def rotated_qkv(w: LayerWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torc
                         norm(qk[:, :, nq:], w.k_norm, w.qk_norm_eps, w.norm_weight_fp32)],
                        dim=2)
     if w.rope:
+        # OLMo 2's rotary module returns float32 rows: it rotates in float32 and casts back.
         qk = rotate(qk, cos, sin)
+        if qk.dtype != qkv.dtype:
+            qk = qk.to(qkv.dtype)
     return qk, qkv[:, :, nq + nkv:]
 
 

@@ -85,6 +85,12 @@ class LayerWeights:
                 and not self.norm_weight_fp32)
 
     @property
+    def norms(self) -> tuple[torch.Tensor, ...]:
+        """Every norm weight the layer reads (pre, q/k and post norms it has)."""
+        return tuple(t for t in (self.attn_norm, self.mlp_norm, self.q_norm, self.k_norm,
+                                 self.post_attn_norm, self.post_mlp_norm) if t is not None)
+
+    @property
     def matrices(self) -> tuple[Any, Any, Any, Any]:
         """``(qkv, o, gate_up, down)``."""
         return self.qkv, self.o, self.gate_up, self.down
