@@ -171,3 +171,11 @@ def test_bf16_lossless_methods_equal_bf16_ar(model_type):
             got = engine.generate(prompt, method=method, max_new_tokens=NEW_TOKENS,
                                   **NO_HEADS.get(method, {}))
             assert got.token_ids == ar, (method, prompt)
+
+
+def test_info_says_which_path_each_family_takes():
+    from selfspec.models.architecture import family_paths
+
+    line = family_paths()
+    assert all(name in line for name in SUPPORTED_MODEL_TYPES)
+    assert "torch path: qwen3 (q/k norms)" in line and "olmo2 (q/k norms, post-norms)" in line

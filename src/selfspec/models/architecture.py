@@ -47,6 +47,22 @@ FAMILIES: dict[str, Family] = {
     "smollm3": Family(),
 }
 
+
+def family_paths() -> str:
+    """One line for ``selfspec info``: which families' layers the fused sub-layer kernels
+    compute and which decode on the torch path, and why (from :data:`FAMILIES`)."""
+    fused, torch_path = [], []
+    for name, fam in FAMILIES.items():
+        why = [w for w, on in (("q/k norms", fam.qk_norm != "none"),
+                               ("post-norms", fam.norm_placement != "pre"),
+                               ("multipliers", fam.multipliers)) if on]
+        if why:
+            torch_path.append(f"{name} ({', '.join(why)})")
+        else:
+            fused.append(name)
+    return (f"fused sub-layer kernels (bf16 / w4a8 / gguf): {', '.join(fused)} (SmolLM3 only "
+            f"where every layer has RoPE); torch path: {', '.join(torch_path)}")
+
 #: Families refused on purpose, with what to use instead.
 REFUSED: dict[str, str] = {
     "qwen3_moe": "mixture-of-experts layers are not supported; use a dense Qwen3",
