@@ -397,6 +397,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(line)
     for name in ("bf16", "fp32"):
         print(f"--dtype {name}: {choose_formats(DTYPES[name], device).describe()}")
+    from selfspec.models.architecture import family_paths
+
+    print(f"model families: {family_paths()}")
     return 0
 
 

@@ -33,6 +33,80 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+         weight_fp32: bool = False) -> torch.Tensor:
+    """:func:`rms_norm`, or with ``weight_fp32`` OLMo 2's order (``(w · x̂).to(dtype)``, the
+    weight multiplied in float32 before the cast back): ``[..., H]`` → ``[..., H]``."""
+    if weight_fp32:
+        return (weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps)).to(x.dtype)
+    return rms_norm(x, weight, eps)
+
+
+def attention_input(w: LayerWeights, hidden: torch.Tensor) -> torch.Tensor:
+    """What a layer's q/k/v projections read: its input norm of ``hidden`` ``[B, T, H]``, or
+    ``hidden`` itself where the layer has none (OLMo 2's post-norm layers)."""
+    if w.attn_norm is None:
+        return hidden
+    return norm(hidden, w.attn_norm, w.attn_norm_eps, w.norm_weight_fp32)
+
+
+def rotated_qkv(w: LayerWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                heads: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and keys (q/k-normed where the layer has those norms, then rotated where it
+    applies RoPE) and values of one fused q/k/v product.
+
+    Args:
+        w: the layer's weights.
+        qkv: ``[B, T, (Hq + 2 Hkv) · hd]`` the product.
+        cos / sin: ``[B, T, 1, hd]`` RoPE rows.
+        heads: ``(Hq, Hkv, hd)``.
+
+    Returns:
+        ``qk`` ``[B, T, Hq + Hkv, hd]`` (queries, then keys) and ``v`` ``[B, T, Hkv, hd]``.
+        Qwen3 (per-head norms) and OLMo 2 (norms over the projection) norm before RoPE, as
+        their modeling files do; RoPE rows in float32 (OLMo 2's) rotate in float32.
+    """
+    nq, nkv, hd = heads
+    bsz, num_new = qkv.shape[:2]
+    if w.q_norm is not None and w.qk_norm_whole:
+        q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+        qkv = torch.cat([norm(q, w.q_norm, w.qk_norm_eps, w.norm_weight_fp32),
+                         norm(k, w.k_norm, w.qk_norm_eps, w.norm_weight_fp32), v], dim=-1)
+    qkv = qkv.view(bsz, num_new, nq + 2 * nkv, hd)
+    qk = qkv[:, :, : nq + nkv]
+    if w.q_norm is not None and not w.qk_norm_whole:
+        qk = torch.cat([norm(qk[:, :, :nq], w.q_norm, w.qk_norm_eps, w.norm_weight_fp32),
+                        norm(qk[:, :, nq:], w.k_norm, w.qk_norm_eps, w.norm_weight_fp32)],
+                       dim=2)
+    if w.rope:
+        # OLMo 2's rotary module returns float32 rows: it rotates in float32 and casts back.
+        qk = rotate(qk, cos, sin)
+        if qk.dtype != qkv.dtype:
+            qk = qk.to(qkv.dtype)
+    return qk, qkv[:, :, nq + nkv:]
+
+
+def sublayer_output(w: LayerWeights, out: torch.Tensor, post: torch.Tensor | None) -> torch.Tensor:
+    """A sub-layer's output ``[B, T, H]`` as added to the residual stream: through its
+    post-norm ``post`` (OLMo 2) and times the residual multiplier (Granite) where the layer
+    has them; else ``out`` itself."""
+    if post is not None:
+        out = norm(out, post, w.post_norm_eps, w.norm_weight_fp32)
+    if w.residual_scale != 1.0:
+        out = out * w.residual_scale
+    return out
+
+
+def mlp_output(w: LayerWeights, hidden: torch.Tensor, bulk: bool = False) -> torch.Tensor:
+    """A layer's gated MLP sub-layer on ``hidden`` ``[B, T, H]`` (its norms and multiplier
+    included, residual not added): ``[B, T, H]`` to add to ``hidden``. ``bulk``: the products
+    run in the bulk format."""
+    x = hidden if w.mlp_norm is None else norm(hidden, w.mlp_norm, w.mlp_norm_eps,
+                                               w.norm_weight_fp32)
+    gate, up = w.gate_up(x, bulk).chunk(2, dim=-1)
+    return sublayer_output(w, w.down(w.act(gate) * up, bulk), w.post_mlp_norm)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding (HF ``rotate_half`` convention) on ``[B, T, heads, head_dim]`` with
     ``cos``/``sin`` ``[B, T, 1, head_dim]``."""
@@ -106,10 +180,9 @@ class Attention:
         """
         bsz, num_new, _ = hidden.shape
         nq, nkv, hd, groups = self.num_heads, self.num_kv_heads, self.head_dim, self.groups
-        x = rms_norm(hidden, w.attn_norm, w.attn_norm_eps)
-        qkv = w.qkv(x, bulk).view(bsz, num_new, nq + 2 * nkv, hd)
-        qk = rotate(qkv[:, :, : nq + nkv], cos, sin)           # [B, T, Hq + Hkv, hd]
-        new_k, new_v = qk[:, :, nq:].transpose(1, 2), qkv[:, :, nq + nkv:].transpose(1, 2)
+        qk, v = rotated_qkv(w, w.qkv(attention_input(w, hidden), bulk), cos, sin,
+                            (nq, nkv, hd))                     # [B, T, Hq + Hkv, hd]
+        new_k, new_v = qk[:, :, nq:].transpose(1, 2), v.transpose(1, 2)
         if write_cache:
             keys, values = cache.append(layer_idx, new_k, new_v, pos0)
             visible = cache.visible(layer_idx)
@@ -134,13 +207,17 @@ class Attention:
             out = F.scaled_dot_product_attention(
                 qk[:, :, :nq].transpose(1, 2), keys, values, is_causal=True,
                 scale=self.scaling, enable_gqa=groups > 1)          # [B, Hq, T, hd]
-            return w.o(out.transpose(1, 2).reshape(bsz, num_new, nq * hd), bulk)
+            return sublayer_output(
+                w, w.o(out.transpose(1, 2).reshape(bsz, num_new, nq * hd), bulk),
+                w.post_attn_norm)
         # keys, values: [B, Hkv, S, hd]. Query heads sharing a KV head are stacked along the
         # sequence axis ([B, Hkv, G*T, hd]): plain SDPA on that layout is several times
         # faster on CPU than SDPA's own enable_gqa path.
         q = qk[:, :, :nq].reshape(bsz, num_new, nkv, groups, hd).permute(0, 2, 3, 1, 4)
         out = self.attend(q, keys, values, pos0, mask, visible, per_token=not free)
-        return w.o(out.permute(0, 3, 1, 2, 4).reshape(bsz, num_new, nq * hd), bulk)
+        return sublayer_output(
+            w, w.o(out.permute(0, 3, 1, 2, 4).reshape(bsz, num_new, nq * hd), bulk),
+            w.post_attn_norm)
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos0: int,
                mask: torch.Tensor | None, visible: torch.Tensor | None,

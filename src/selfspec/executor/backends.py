@@ -230,7 +230,7 @@ def fused_backend(layers: Sequence[LayerWeights], attention: Attention, dtype: t
     """The decoder layers as fused sub-layer kernels when every projection decodes on one of
     selfspec's kernels that have them (all w4a8, all bf16, or all GGUF blocks of one build) and
     the layers are ones they take (CPU, bf16/fp32 hidden states and norms, SiLU MLP, RoPE from
-    a table, even ``head_dim``); else ``None``.
+    a table, even ``head_dim``, Llama's layer: :attr:`LayerWeights.plain`); else ``None``.
 
     Args:
         layers: the executor's layer weights (a draft view's quantized ones included).
@@ -243,7 +243,9 @@ def fused_backend(layers: Sequence[LayerWeights], attention: Attention, dtype: t
     from selfspec.executor import fused_layers
 
     if (device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32)
-            or rope_dynamic or hidden_act != "silu" or attention.head_dim % 2):
+            or rope_dynamic or hidden_act != "silu" or attention.head_dim % 2
+            or not all(w.plain for w in layers)):
+        # Architecture.fused_reason says why, for `selfspec info` and the log.
         return None
     parts = []
     for w in layers:

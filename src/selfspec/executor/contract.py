@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from selfspec.executor.quant import FormatTiming
     from selfspec.executor.rope import RopeTable
     from selfspec.executor.weights import LayerWeights
+    from selfspec.models.architecture import Architecture
 
 
 class Executor(Protocol):
@@ -36,6 +37,7 @@ class Executor(Protocol):
     # --- the model and its geometry
     model: torch.nn.Module               # the HF *ForCausalLM
     config: Any                          # its config
+    architecture: Architecture           # the features its layers compute (models/architecture)
     name: str                            # registry name, directory or hub id
     layers: list[torch.nn.Module]        # the HF decoder layers
     num_layers: int                      # L

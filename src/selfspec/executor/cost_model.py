@@ -152,15 +152,15 @@ class LatencyModel:
 
 def decode_layer_bytes(executor: Executor, layer: int = 0) -> int:
     """Bytes of weights decoder layer ``layer`` (``0 <= layer < L``) reads per decoding call:
-    its four matrices in their decoding backend's format (or the weights' own) and its two
-    norms. The unit of the byte-based cost models.
+    its four matrices in their decoding backend's format (or the weights' own) and its norms
+    (:attr:`~selfspec.executor.weights.LayerWeights.norms`). The unit of the byte-based cost models.
 
     Raises:
         IndexError: ``layer`` outside ``[0, L)``.
     """
     w = executor.layer_weights[layer]
     return (sum(lin.decode_bytes for lin in w.matrices)
-            + sum(t.numel() * t.element_size() for t in (w.attn_norm, w.mlp_norm)))
+            + sum(t.numel() * t.element_size() for t in w.norms))
 
 
 def output_decode_bytes(executor: Executor) -> int:

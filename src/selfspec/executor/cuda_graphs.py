@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.errors import InvalidArgumentError
-from selfspec.executor.attention import rms_norm, rotate
+from selfspec.executor.attention import attention_input, mlp_output, rotated_qkv, sublayer_output
 from selfspec.executor.cache import CacheShape, KVCache
 from selfspec.executor.sync import first_position, position_block
 
@@ -150,18 +150,15 @@ def static_forward(ex: Executor, input_ids: torch.Tensor, positions: torch.Tenso
     mask = columns.unsqueeze(0) <= pos.unsqueeze(1)             # [T, C]: causal over the cache
     hidden = ex.embed(input_ids)
     for i, w in enumerate(ex.layer_weights):
-        x = rms_norm(hidden, w.attn_norm, w.attn_norm_eps)
-        qkv = w.qkv(x).view(1, num_new, nq + 2 * nkv, hd)
-        qk = rotate(qkv[:, :, : nq + nkv], cos, sin)
+        qk, v = rotated_qkv(w, w.qkv(attention_input(w, hidden)), cos, sin, (nq, nkv, hd))
         keys[i].index_copy_(2, pos, qk[:, :, nq:].transpose(1, 2))
-        values[i].index_copy_(2, pos, qkv[:, :, nq + nkv:].transpose(1, 2))
+        values[i].index_copy_(2, pos, v.transpose(1, 2))
         out = F.scaled_dot_product_attention(
             qk[:, :, :nq].transpose(1, 2), keys[i], values[i], attn_mask=mask,
             scale=ex.scaling, enable_gqa=nq != nkv)              # [1, Hq, T, hd]
-        hidden = hidden + w.o(out.transpose(1, 2).reshape(1, num_new, nq * hd))
-        x = rms_norm(hidden, w.mlp_norm, w.mlp_norm_eps)
-        gate, up = w.gate_up(x).chunk(2, dim=-1)
-        hidden = hidden + w.down(w.act(gate) * up)
+        hidden = hidden + sublayer_output(
+            w, w.o(out.transpose(1, 2).reshape(1, num_new, nq * hd)), w.post_attn_norm)
+        hidden = hidden + mlp_output(w, hidden)
     return ex.logits(hidden)
 
 

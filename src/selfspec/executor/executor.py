@@ -33,9 +33,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from selfspec.errors import InvalidArgumentError, UnsupportedArchitectureError
+from selfspec.errors import InvalidArgumentError
 from selfspec.executor import cost_model
-from selfspec.executor.attention import Attention, grouped_causal_mask, rms_norm, rotate
+from selfspec.executor.attention import (
+    Attention,
+    attention_input,
+    grouped_causal_mask,
+    mlp_output,
+    rotated_qkv,
+    sublayer_output,
+)
 from selfspec.executor.backends import BackendCache, fused_backend
 from selfspec.executor.cache import CacheShape, KVCache
 from selfspec.executor.formats import WeightFormats
@@ -44,6 +51,7 @@ from selfspec.executor.plan import BULK_MIN_ROWS, PREFILL_CHUNK, Head, Observer,
 from selfspec.executor.rope import RopeTable
 from selfspec.executor.sync import first_position, position_block
 from selfspec.executor.weights import LayerWeights, layer_weights
+from selfspec.models.architecture import Architecture, describe
 from selfspec.models.common import SUPPORTED_MODEL_TYPES
 from selfspec.validation import check_int
 
@@ -109,7 +117,8 @@ class LayerExecutor:
 
     Raises:
         UnsupportedArchitectureError: ``config.model_type`` is not one of
-            :data:`SUPPORTED_MODEL_TYPES`, or some layer uses sliding-window attention.
+            :data:`SUPPORTED_MODEL_TYPES`, or a feature it cannot compute (a sliding window
+            shorter than the context): :func:`selfspec.models.architecture.describe`.
     """
 
     def __init__(self, model: torch.nn.Module, pack_weights: bool = True,
@@ -119,14 +128,8 @@ class LayerExecutor:
                  gguf: str | Path | Callable[[], Path] | None = None,
                  keep_packed: bool = True) -> None:
         config = model.config
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedArchitectureError(
-                f"model_type {config.model_type!r} is not supported; selfspec drives "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)} models. Use a model of one of those families.")
-        if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-            raise UnsupportedArchitectureError(
-                "sliding-window attention layers are not supported; load the model with "
-                "use_sliding_window=False (Qwen2.5 configs ship it disabled).")
+        # One description of the features the paths below compute (no model_type tests).
+        self.architecture: Architecture = describe(config, "the model")
         self.model = model
         self.config = config
         self.name = name or str(getattr(config, "_name_or_path", "") or "model")
@@ -152,8 +155,9 @@ class LayerExecutor:
         # One row-consistency table for every packed weight (probed per shape, not per layer).
         self.row_limits = PackedRowLimits(max(64, row_attention_max))
         self.layer_weights: list[LayerWeights] = [
-            layer_weights(layer, pack_weights, self.row_limits, keep_packed)
-            for layer in self.layers]
+            layer_weights(layer, pack_weights, self.row_limits, keep_packed,
+                          self.architecture, i)
+            for i, layer in enumerate(self.layers)]
         self.output_weights = Linear(model.lm_head.weight, model.lm_head.bias, pack_weights,
                                      row_limits=self.row_limits, keep_packed=keep_packed)
         self.gguf_weights: GgufWeights | None = None  # read at the first "gguf" request
@@ -238,7 +242,7 @@ class LayerExecutor:
         if not self._fused:
             self._fused = [fused_backend(self.layer_weights, self._attn, self.dtype,
                                          self.device, self.rope.dynamic,
-                                         getattr(self.config, "hidden_act", None))]
+                                         self.architecture.activation)]
         return self._fused[0]
 
     # ---------------------------------------------------------------- byte accounting
@@ -263,7 +267,11 @@ class LayerExecutor:
 
     # ------------------------------------------------------------- primitives
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings: ``[B, T]`` int64 → ``[B, T, H]``."""
+        """Token embeddings: ``[B, T]`` int64 → ``[B, T, H]`` (times the embedding multiplier
+        where the model has one: Granite)."""
+        scale = self.architecture.embedding_multiplier
+        if scale != 1.0:
+            return self.embed_tokens(input_ids) * scale
         return self.embed_tokens(input_ids)
 
     def embed_token(self, token_id: int) -> torch.Tensor:
@@ -277,6 +285,7 @@ class LayerExecutor:
         """
         emb = self.embed_tokens
         if (type(emb) is torch.nn.Embedding and emb.max_norm is None
+                and self.architecture.embedding_multiplier == 1.0
                 and not emb._forward_hooks and not emb._forward_pre_hooks):
             if not 0 <= token_id < emb.num_embeddings:
                 raise IndexError(f"token id {token_id} is outside [0, {emb.num_embeddings})")
@@ -470,9 +479,7 @@ class LayerExecutor:
             if observe is not None:
                 observe(i, "attention", hidden)
             if i not in skip_mlp:
-                x = rms_norm(hidden, w.mlp_norm, w.mlp_norm_eps)
-                gate, up = w.gate_up(x, bulk).chunk(2, dim=-1)
-                hidden = hidden + w.down(w.act(gate) * up, bulk)
+                hidden = hidden + mlp_output(w, hidden, bulk)
             if observe is not None:
                 observe(i, "mlp", hidden)
         return hidden
@@ -616,10 +623,8 @@ class LayerExecutor:
         hidden = hidden.unsqueeze(0)                                    # [1, N, H]
         for i in range(start, end):
             w = self.layer_weights[i]
-            x = rms_norm(hidden, w.attn_norm, w.attn_norm_eps)
-            qkv = w.qkv(x).view(1, num, nq + 2 * nkv, hd)
-            qk = rotate(qkv[:, :, : nq + nkv], cos, sin)
-            new_k, new_v = qk[:, :, nq:].transpose(1, 2), qkv[:, :, nq + nkv:].transpose(1, 2)
+            qk, v = rotated_qkv(w, w.qkv(attention_input(w, hidden)), cos, sin, (nq, nkv, hd))
+            new_k, new_v = qk[:, :, nq:].transpose(1, 2), v.transpose(1, 2)
             q = qk[:, :, :nq].reshape(1, num, nkv, groups, hd).permute(0, 2, 3, 1, 4)
             outs = []
             for b, cache in enumerate(caches):  # [1, Hkv, G, T_b, hd] each
@@ -628,10 +633,9 @@ class LayerExecutor:
                 outs.append(attn.attend(q[:, :, :, lo:hi], keys, values, starts[b], masks[b],
                                         cache.visible(i)))
             out = torch.cat(outs, dim=3)                                # [1, Hkv, G, N, hd]
-            hidden = hidden + w.o(out.permute(0, 3, 1, 2, 4).reshape(1, num, nq * hd))
-            x = rms_norm(hidden, w.mlp_norm, w.mlp_norm_eps)
-            gate, up = w.gate_up(x).chunk(2, dim=-1)
-            hidden = hidden + w.down(w.act(gate) * up)
+            hidden = hidden + sublayer_output(
+                w, w.o(out.permute(0, 3, 1, 2, 4).reshape(1, num, nq * hd)), w.post_attn_norm)
+            hidden = hidden + mlp_output(w, hidden)
         return hidden[0]
 
     def propagate_kv(self, hidden: torch.Tensor, positions: torch.Tensor, start: int, end: int,
@@ -664,12 +668,14 @@ class LayerExecutor:
         cos, sin = self.rope.lookup(hidden, positions)
         for i in range(start, end):
             w = self.layer_weights[i]
-            x = rms_norm(hidden, w.attn_norm, w.attn_norm_eps)
-            bias = w.qkv.bias
-            kv = F.linear(x, w.qkv.weight[nq * hd:],
-                          None if bias is None else bias[nq * hd:]).view(bsz, num_new, 2 * nkv, hd)
-            k = rotate(kv[:, :, :nkv], cos, sin).transpose(1, 2)
-            cache.append(i, k, kv[:, :, nkv:].transpose(1, 2), pos0)
+            x = attention_input(w, hidden)
+            if w.q_norm is None:  # the k/v rows of the product alone
+                bias = w.qkv.bias
+                kv = F.linear(x, w.qkv.weight[nq * hd:], None if bias is None else bias[nq * hd:])
+                qk, v = rotated_qkv(w, kv, cos, sin, (0, nkv, hd))
+            else:  # q/k norms split the whole product
+                qk, v = rotated_qkv(w, w.qkv(x), cos, sin, (nq, nkv, hd))
+            cache.append(i, qk[:, :, -nkv:].transpose(1, 2), v.transpose(1, 2), pos0)
 
     # ------------------------------------------------------------- outputs
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -705,16 +711,20 @@ class LayerExecutor:
             vocab_rows: optional ``[R]`` int64 vocabulary ids to score.
 
         Returns:
-            ``[..., V]`` logits (``[..., R]`` with ``vocab_rows``). No autograd through the
+            ``[..., V]`` logits (``[..., R]`` with ``vocab_rows``), divided by the model's
+            logits divisor where it has one (Granite's ``logits_scaling``). No autograd through the
             packed kernel: call it under ``torch.no_grad()`` or use ``lm_head`` to train.
         """
         if vocab_rows is None:
             rows = normed.numel() // max(normed.shape[-1], 1)
-            return self.output_weights(
+            logits = self.output_weights(
                 normed, bulk=rows > max(self.row_attention_max, BULK_MIN_ROWS))
-        bias = self.lm_head.bias
-        return F.linear(normed, self.lm_head.weight[vocab_rows],
-                        None if bias is None else bias[vocab_rows])
+        else:
+            bias = self.lm_head.bias
+            logits = F.linear(normed, self.lm_head.weight[vocab_rows],
+                              None if bias is None else bias[vocab_rows])
+        divisor = self.architecture.logits_divisor  # Granite's logits_scaling
+        return logits if divisor == 1.0 else logits / divisor
 
     # ------------------------------------------------------------- whole-model entries
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -788,7 +798,9 @@ class LayerExecutor:
         → ``[N, V]`` logits, ``lm_head`` in the decoding kernel (as one-row decoding)."""
         hidden = self.run_rows(self.embed(input_ids), positions, lengths, 0, self.num_layers,
                                caches)
-        return self.output_weights(self.norm(hidden), bulk=False)
+        logits = self.output_weights(self.norm(hidden), bulk=False)
+        divisor = self.architecture.logits_divisor
+        return logits if divisor == 1.0 else logits / divisor
 
 
 def _row_offsets(num: int, lengths: Sequence[int], caches: Sequence[KVCache]) -> list[int]:

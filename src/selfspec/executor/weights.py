@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from selfspec.executor.linear import Linear, PackedRowLimits
+
+if TYPE_CHECKING:
+    from selfspec.models.architecture import Architecture
 
 #: The names of a layer's four matrices, in the order the fused kernels take them.
 MATRICES = ("qkv", "o", "gate_up", "down")
@@ -34,19 +37,58 @@ class LayerWeights:
         gate_up: ``[H]`` → ``[2 I]`` (gate outputs, then up).
         down: ``[I]`` → ``[H]``.
         act: the MLP's activation (the HF module's ``act_fn``).
+        q_norm / k_norm: ``[head_dim]`` (``qk_norm="head"``) or ``[Hq·hd]`` / ``[Hkv·hd]``
+            (``"projection"``) RMSNorm weights applied before RoPE, or ``None``
+            (:class:`~selfspec.models.architecture.Architecture` names the features).
+        qk_norm_eps: their epsilon.
+        qk_norm_whole: the q/k norms span the whole projection (OLMo 2), not each head.
+        post_attn_norm / post_mlp_norm: ``[H]`` norms of each sub-layer's output before the
+            residual add (OLMo 2), or ``None``; ``attn_norm`` / ``mlp_norm`` are ``None`` when
+            a layer has no pre-norms.
+        post_norm_eps: their epsilon.
+        norm_weight_fp32: norms multiply their weight before the cast back (OLMo 2's
+            ``(w · x̂).to(dtype)``) instead of after (Llama's ``w · x̂.to(dtype)``).
+        rope: the layer applies RoPE (SmolLM3's no-RoPE layers do not).
+        residual_scale: each sub-layer's output is multiplied by it before the residual add
+            (Granite's ``residual_multiplier``).
+        plain: Llama's layer (none of the above): what the fused kernels compute.
 
     Each matrix is called as ``m(x [..., K], bulk=False) -> [..., N]``.
     """
 
-    attn_norm: torch.Tensor
+    attn_norm: torch.Tensor | None
     attn_norm_eps: float
     qkv: Any
     o: Any
-    mlp_norm: torch.Tensor
+    mlp_norm: torch.Tensor | None
     mlp_norm_eps: float
     gate_up: Any
     down: Any
     act: Callable[[torch.Tensor], torch.Tensor]
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    qk_norm_eps: float = 1e-6
+    qk_norm_whole: bool = False
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
+    post_norm_eps: float = 1e-6
+    norm_weight_fp32: bool = False
+    rope: bool = True
+    residual_scale: float = 1.0
+
+    @property
+    def plain(self) -> bool:
+        """Llama's layer: pre-norms, no q/k or post norms, RoPE, no residual multiplier."""
+        return (self.q_norm is None and self.post_attn_norm is None
+                and self.post_mlp_norm is None and self.attn_norm is not None
+                and self.mlp_norm is not None and self.rope and self.residual_scale == 1.0
+                and not self.norm_weight_fp32)
+
+    @property
+    def norms(self) -> tuple[torch.Tensor, ...]:
+        """Every norm weight the layer reads (pre, q/k and post norms it has)."""
+        return tuple(t for t in (self.attn_norm, self.mlp_norm, self.q_norm, self.k_norm,
+                                 self.post_attn_norm, self.post_mlp_norm) if t is not None)
 
     @property
     def matrices(self) -> tuple[Any, Any, Any, Any]:
@@ -79,22 +121,37 @@ def fuse(*linears: torch.nn.Linear) -> torch.Tensor:
 
 
 def layer_weights(layer: torch.nn.Module, pack: bool, limits: PackedRowLimits,
-                  keep_packed: bool = True) -> LayerWeights:
-    """The weights of one HF decoder layer (``self_attn.{q,k,v,o}_proj``,
-    ``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm``), q/k/v
-    and gate/up fused; ``pack``: keep oneDNN-packed copies, ``keep_packed``: also while a
-    kernel serves every call (:class:`Linear`)."""
+                  keep_packed: bool = True, arch: Architecture | None = None,
+                  index: int = 0) -> LayerWeights:
+    """The weights of HF decoder layer ``index`` (``self_attn.{q,k,v,o}_proj``,
+    ``mlp.{gate,up,down}_proj``, its norms as ``arch`` places them; ``None``: Llama's),
+    q/k/v and gate/up fused; ``pack``: keep oneDNN-packed copies, ``keep_packed``: also
+    while a kernel serves every call (:class:`Linear`)."""
     attn, mlp = layer.self_attn, layer.mlp
     opts = {"row_limits": limits, "keep_packed": keep_packed}
-    return LayerWeights(
-        attn_norm=layer.input_layernorm.weight,
-        attn_norm_eps=layer.input_layernorm.variance_epsilon,
-        qkv=Linear(fuse(attn.q_proj, attn.k_proj, attn.v_proj),
-                   cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), pack, **opts),
-        o=Linear(attn.o_proj.weight, attn.o_proj.bias, pack, **opts),
-        mlp_norm=layer.post_attention_layernorm.weight,
-        mlp_norm_eps=layer.post_attention_layernorm.variance_epsilon,
-        gate_up=Linear(fuse(mlp.gate_proj, mlp.up_proj), cat_bias(mlp.gate_proj, mlp.up_proj),
-                       pack, **opts),
-        down=Linear(mlp.down_proj.weight, mlp.down_proj.bias, pack, **opts),
-        act=mlp.act_fn)
+    matrices = {
+        "qkv": Linear(fuse(attn.q_proj, attn.k_proj, attn.v_proj),
+                      cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), pack, **opts),
+        "o": Linear(attn.o_proj.weight, attn.o_proj.bias, pack, **opts),
+        "gate_up": Linear(fuse(mlp.gate_proj, mlp.up_proj),
+                          cat_bias(mlp.gate_proj, mlp.up_proj), pack, **opts),
+        "down": Linear(mlp.down_proj.weight, mlp.down_proj.bias, pack, **opts),
+    }
+    if arch is not None and arch.norm_placement == "post":
+        post_attn, post_mlp = layer.post_attention_layernorm, layer.post_feedforward_layernorm
+        norms = {"attn_norm": None, "attn_norm_eps": 0.0, "mlp_norm": None,
+                 "mlp_norm_eps": 0.0, "post_attn_norm": post_attn.weight,
+                 "post_mlp_norm": post_mlp.weight, "post_norm_eps": post_attn.variance_epsilon}
+    else:
+        norms = {"attn_norm": layer.input_layernorm.weight,
+                 "attn_norm_eps": layer.input_layernorm.variance_epsilon,
+                 "mlp_norm": layer.post_attention_layernorm.weight,
+                 "mlp_norm_eps": layer.post_attention_layernorm.variance_epsilon}
+    if arch is not None and arch.qk_norm != "none":
+        norms.update(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight,
+                     qk_norm_eps=attn.q_norm.variance_epsilon,
+                     qk_norm_whole=arch.qk_norm == "projection")
+    if arch is not None:
+        norms.update(norm_weight_fp32=arch.norm_kind == "rms_weight_fp32",
+                     rope=arch.rope_layers[index], residual_scale=arch.residual_multiplier)
+    return LayerWeights(act=mlp.act_fn, **matrices, **norms)

@@ -13,13 +13,10 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
-from selfspec.errors import (
-    InvalidArgumentError,
-    ModelNotFoundError,
-    UnsupportedArchitectureError,
-)
+from selfspec.errors import InvalidArgumentError, ModelNotFoundError
+from selfspec.models import architecture
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = tuple(architecture.FAMILIES)
 
 _DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -76,43 +73,22 @@ def check_model_type(model_type: str | None, source: str) -> None:
     """Raise unless ``model_type`` is one the executor can drive.
 
     Raises:
-        UnsupportedArchitectureError: ``model_type`` is not in :data:`SUPPORTED_MODEL_TYPES`.
+        UnsupportedArchitectureError: ``model_type`` is not in :data:`SUPPORTED_MODEL_TYPES`
+            (:func:`selfspec.models.architecture.check_model_type`).
     """
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedArchitectureError(
-            f"{source} has model_type {model_type!r}; "
-            f"selfspec supports {', '.join(SUPPORTED_MODEL_TYPES)}. "
-            "Use a model of one of these architectures (`selfspec models list` shows ready ones)."
-        )
+    architecture.check_model_type(model_type, source)
 
 
 def check_config(config: PretrainedConfig, source: str) -> None:
-    """Raise unless ``config`` describes a supported architecture with full attention on every
-    layer.
+    """Raise unless ``config`` describes an architecture the executor computes
+    (:func:`selfspec.models.architecture.describe`).
 
     Raises:
-        UnsupportedArchitectureError: unsupported ``model_type``, or sliding-window attention on
-            some layer (the per-layer KV cache keeps every position; a sliding window would change
-            the model's output).
+        UnsupportedArchitectureError: unsupported ``model_type``, or a feature selfspec cannot
+            compute yet (a sliding window shorter than the context: the per-layer KV cache
+            keeps every position), named in the message.
     """
-    check_model_type(config.model_type, source)
-    layer_types = getattr(config, "layer_types", None)
-    # Qwen2 derives layer_types from use_sliding_window/max_window_layers; trust it when present.
-    if layer_types is not None:
-        sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
-    else:
-        sliding = (
-            list(range(config.num_hidden_layers))
-            if getattr(config, "use_sliding_window", False)
-            else []
-        )
-    if sliding:
-        raise UnsupportedArchitectureError(
-            f"{source} uses sliding-window attention on layers "
-            f"{sliding[:8]}{'...' if len(sliding) > 8 else ''}; "
-            "selfspec supports full attention only. Set use_sliding_window=false in its "
-            "config.json if the model was trained without a window."
-        )
+    architecture.describe(config, source)
 
 
 def read_config(

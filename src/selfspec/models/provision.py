@@ -100,6 +100,7 @@ from selfspec.models.common import (
     read_config,
     transformers_progress,
 )
+from selfspec.models.gguf_rope import gguf_rope_parameters
 from selfspec.models.integrity import MANIFEST_NAME
 from selfspec.models.registry import REGISTRY, ModelSpec, get_spec
 from selfspec.models.resolve import ModelSource
@@ -689,8 +690,9 @@ def convert_gguf(
 
     Raises:
         CorruptModelFileError: the GGUF is truncated or unreadable.
-        UnsupportedArchitectureError: the GGUF holds another architecture, or sliding-window
-            attention.
+        UnsupportedArchitectureError: the GGUF holds another architecture, sliding-window
+            attention, or a ``rope_freqs`` tensor that is no Llama 3 RoPE scaling (one that is
+            becomes the saved config's ``rope_parameters``: :mod:`selfspec.models.gguf_rope`).
         ProvisioningError: transformers could not convert it (or the ``accelerate`` package is
             missing).
     """
@@ -702,7 +704,10 @@ def convert_gguf(
     location = {"pretrained_model_name_or_path": gguf_path.parent, "gguf_file": gguf_path.name}
     try:
         # The config is in the GGUF metadata: check it before de-quantising any tensor.
-        check_config(AutoConfig.from_pretrained(**location), source)
+        config = AutoConfig.from_pretrained(**location)
+        check_config(config, source)
+        # Llama 3.x's RoPE scaling is a rope_freqs tensor transformers' loader drops.
+        rope = gguf_rope_parameters(gguf_path, config, source)
         logger.info(
             "converting %s to %s (de-quantising %s)", source, dtype_name(dtype), gguf_path.name
         )
@@ -723,6 +728,9 @@ def convert_gguf(
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None
+    if rope is not None:
+        logger.info("%s: RoPE scaling %s from the GGUF's rope_freqs tensor", source, rope)
+        model.config.rope_parameters = rope
     with transformers_progress(show_progress):
         model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

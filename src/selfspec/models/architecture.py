@@ -1,0 +1,241 @@
+"""One description of a decoder's architecture, read from its Hugging Face config: every
+feature the executor computes, named once, so that the executor's paths read the features
+instead of testing ``model_type``.
+
+:func:`describe` maps a config onto :class:`Architecture` and refuses, with one error naming
+the feature, whatever selfspec cannot compute yet. The maths of each feature is the
+transformers 5.x modeling file of its family (``modeling_<family>.py``): docs/models.md lists
+the families, their features and how each is tested.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from selfspec.errors import UnsupportedArchitectureError
+
+#: Norm kinds: ``"rms"`` = Llama's ``w · x̂.to(dtype)``; ``"rms_weight_fp32"`` = OLMo 2's
+#: ``(w · x̂).to(dtype)`` (the weight multiplied before the cast back).
+NORM_KINDS = ("rms", "rms_weight_fp32")
+#: Where a layer's norms sit: ``"pre"`` = before each sub-layer (Llama); ``"post"`` = on each
+#: sub-layer's output before the residual add (OLMo 2).
+NORM_PLACEMENTS = ("pre", "post")
+#: q/k norms: ``"none"``; ``"head"`` = RMSNorm over each head's ``head_dim`` (Qwen3);
+#: ``"projection"`` = over the whole q / k projection (OLMo 2). Both before RoPE.
+QK_NORMS = ("none", "head", "projection")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a ``model_type`` fixes (the rest comes from its config's fields)."""
+
+    norm_kind: str = "rms"
+    norm_placement: str = "pre"
+    qk_norm: str = "none"
+    multipliers: bool = False  # Granite's embedding/residual/attention/logits multipliers
+
+
+#: The families the executor drives, by ``model_type``.
+FAMILIES: dict[str, Family] = {
+    "llama": Family(),
+    "qwen2": Family(),
+    "qwen3": Family(qk_norm="head"),
+    "mistral": Family(),
+    "granite": Family(multipliers=True),
+    "olmo2": Family(norm_kind="rms_weight_fp32", norm_placement="post", qk_norm="projection"),
+    "smollm3": Family(),
+}
+
+
+def family_paths() -> str:
+    """One line for ``selfspec info``: which families' layers the fused sub-layer kernels
+    compute and which decode on the torch path, and why (from :data:`FAMILIES`)."""
+    fused, torch_path = [], []
+    for name, fam in FAMILIES.items():
+        why = [w for w, on in (("q/k norms", fam.qk_norm != "none"),
+                               ("post-norms", fam.norm_placement != "pre"),
+                               ("multipliers", fam.multipliers)) if on]
+        if why:
+            torch_path.append(f"{name} ({', '.join(why)})")
+        else:
+            fused.append(name)
+    return (f"fused sub-layer kernels (bf16 / w4a8 / gguf): {', '.join(fused)} (SmolLM3 only "
+            f"where every layer has RoPE); torch path: {', '.join(torch_path)}")
+
+#: Families refused on purpose, with what to use instead.
+REFUSED: dict[str, str] = {
+    "qwen3_moe": "mixture-of-experts layers are not supported; use a dense Qwen3",
+    "mixtral": "mixture-of-experts layers are not supported; use Mistral (dense)",
+    "qwen3_next": "hybrid linear attention is not supported; use a dense Qwen3",
+    "granitemoehybrid": "hybrid Mamba attention is not supported; use Granite 3 (dense)",
+    "lfm2": "hybrid convolution layers are not supported",
+}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The features of one decoder, as the executor computes them.
+
+    Attributes:
+        model_type: the config's ``model_type``.
+        num_layers: ``L``.
+        norm_kind: one of :data:`NORM_KINDS` (every norm of the model).
+        norm_placement: one of :data:`NORM_PLACEMENTS`.
+        qk_norm: one of :data:`QK_NORMS`.
+        activation: ``config.hidden_act`` (the MLP is gated: ``down(act(gate) · up)``).
+        rope_layers: ``[L]`` whether layer ``i`` applies RoPE (SmolLM3's ``no_rope_layers``
+            turns it off on some).
+        sliding_window: per layer, the attention window in positions (a query at ``q`` sees
+            keys ``k > q - W``), or ``None`` for full attention. Only windows at least
+            ``max_position_embeddings`` long are accepted (they never bind).
+        attention_scale: the softmax scale (``head_dim ** -0.5``; Granite's
+            ``attention_multiplier``).
+        embedding_multiplier: the token embeddings are multiplied by it (Granite; else 1).
+        residual_multiplier: each sub-layer's output is multiplied by it before the residual
+            add (Granite; else 1).
+        logits_divisor: the logits are divided by it (Granite's ``logits_scaling``; else 1).
+        tied_embeddings: ``lm_head`` shares the embedding matrix.
+        rope_type: the RoPE scaling kind (``"default"``, ``"llama3"``, ``"yarn"``, ...), which
+            the model's own rotary module computes.
+    """
+
+    model_type: str
+    num_layers: int
+    norm_kind: str
+    norm_placement: str
+    qk_norm: str
+    activation: str
+    rope_layers: tuple[bool, ...]
+    sliding_window: tuple[int | None, ...]
+    attention_scale: float
+    embedding_multiplier: float
+    residual_multiplier: float
+    logits_divisor: float
+    tied_embeddings: bool
+    rope_type: str
+
+    @property
+    def plain(self) -> bool:
+        """Llama's layer: pre-norms, no q/k norms, RoPE on every layer, no multipliers (what
+        the fused sub-layer kernels and CUDA graphs compute)."""
+        return self.unplain_features() == []
+
+    def unplain_features(self) -> list[str]:
+        """The features that make this architecture other than Llama's layer, by name."""
+        out = []
+        if self.norm_kind != "rms":
+            out.append(f"norm kind {self.norm_kind}")
+        if self.norm_placement != "pre":
+            out.append(f"{self.norm_placement}-norms")
+        if self.qk_norm != "none":
+            out.append(f"q/k norms over each {self.qk_norm}")
+        if not all(self.rope_layers):
+            out.append("layers without RoPE")
+        if self.residual_multiplier != 1.0:
+            out.append("a residual multiplier")
+        return out
+
+    def fused_reason(self) -> str | None:
+        """Why the fused sub-layer kernels cannot run these layers, or ``None`` when they
+        can (so far they compute Llama's layer with a SiLU MLP)."""
+        features = self.unplain_features()
+        if self.activation != "silu":
+            features.append(f"activation {self.activation}")
+        if not features:
+            return None
+        return (f"{self.model_type} layers have {', '.join(features)}, which the fused "
+                "sub-layer kernels do not compute: decoding runs the torch path")
+
+
+def _sliding_windows(config: Any, num_layers: int) -> list[int | None]:
+    """Each layer's attention window (``None``: full attention) as transformers applies it."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
+    if config.model_type == "mistral":  # one window on every layer when set
+        return [window] * num_layers
+    if getattr(config, "use_sliding_window", False):
+        return [window] * num_layers
+    return [None] * num_layers
+
+
+def _check_windows(windows: list[int | None], config: Any, source: str) -> None:
+    """Refuse windows shorter than the model's context (they would change the output)."""
+    context = int(config.max_position_embeddings)
+    short = [i for i, w in enumerate(windows) if w is not None and w < context]
+    for kind in getattr(config, "layer_types", None) or ():
+        if kind not in ("full_attention", "sliding_attention"):
+            raise UnsupportedArchitectureError(
+                f"{source}: attention layer type {kind!r} is not supported yet")
+    if short:
+        size = windows[short[0]]
+        listed = f"{short[:8]}{'...' if len(short) > 8 else ''}"
+        raise UnsupportedArchitectureError(
+            f"{source}: sliding window {size} < max_position_embeddings {context} on layers "
+            f"{listed}: not supported yet (selfspec's KV cache attends to every position). "
+            "If the model was trained without a window, set sliding_window to null (Mistral) "
+            "or use_sliding_window to false in its config.json.")
+
+
+def _rope_type(config: Any) -> str:
+    """The RoPE scaling kind (``rope_parameters`` in transformers 5, ``rope_scaling`` before)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if isinstance(params, dict):
+        return str(params.get("rope_type", params.get("type", "default")))
+    return "default"
+
+
+def check_model_type(model_type: str | None, source: str) -> Family:
+    """The :class:`Family` of ``model_type``.
+
+    Raises:
+        UnsupportedArchitectureError: a ``model_type`` not in :data:`FAMILIES` (a refused
+            one's message says what to use instead).
+    """
+    family = FAMILIES.get(str(model_type))
+    if family is not None:
+        return family
+    why = REFUSED.get(str(model_type), "selfspec does not drive this architecture yet")
+    raise UnsupportedArchitectureError(
+        f"{source} has model_type {model_type!r}: {why}. selfspec supports "
+        f"{', '.join(FAMILIES)} (`selfspec models list` shows ready ones).")
+
+
+def describe(config: Any, source: str = "the model") -> Architecture:
+    """The :class:`Architecture` of a Hugging Face config.
+
+    Raises:
+        UnsupportedArchitectureError: an unsupported ``model_type`` (:func:`check_model_type`),
+            a sliding window shorter than the context, an attention layer type other than
+            full or sliding, or attention / MLP biases where the family has none; the message
+            names the feature.
+    """
+    family = check_model_type(config.model_type, source)
+    num_layers = int(config.num_hidden_layers)
+    windows = _sliding_windows(config, num_layers)
+    _check_windows(windows, config, source)
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // config.num_attention_heads)
+    no_rope = getattr(config, "no_rope_layers", None)  # SmolLM3: 1 = RoPE, 0 = none
+    rope_layers = (tuple(bool(x) for x in no_rope[:num_layers]) if no_rope is not None
+                   else (True,) * num_layers)
+    multipliers = family.multipliers
+    return Architecture(
+        model_type=config.model_type,
+        num_layers=num_layers,
+        norm_kind=family.norm_kind,
+        norm_placement=family.norm_placement,
+        qk_norm=family.qk_norm,
+        activation=str(getattr(config, "hidden_act", "silu")),
+        rope_layers=rope_layers,
+        sliding_window=tuple(windows),
+        attention_scale=(float(config.attention_multiplier) if multipliers
+                         else float(head_dim) ** -0.5),
+        embedding_multiplier=float(config.embedding_multiplier) if multipliers else 1.0,
+        residual_multiplier=float(config.residual_multiplier) if multipliers else 1.0,
+        logits_divisor=float(config.logits_scaling) if multipliers else 1.0,
+        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        rope_type=_rope_type(config),
+    )
