@@ -100,18 +100,19 @@ class ChunkWriter:
 
 
 async def stream_events(writer: ChunkWriter, jobs: Sequence[Request], events: asyncio.Queue,
-                        prompt_tokens: int, failure: Callable[[BaseException], ApiError]
-                        ) -> AsyncIterator[bytes]:
+                        prompt_tokens: int, failure: Callable[[BaseException], ApiError],
+                        cancel: Callable[[Sequence[Request]], None]) -> AsyncIterator[bytes]:
     """The response's events, from the rows' ``("tokens", ...)`` and ``("done", ...)``
     events on ``events`` until every row finished or one failed.
 
     Args:
         writer: the response's chunks.
-        jobs: the request's rows, one per choice; cancelled when the stream ends (a
-            disconnect ends it too; a finished row ignores it).
+        jobs: the request's rows, one per choice; cancelled with ``cancel`` when the
+            stream ends (a disconnect ends it too; a finished row ignores it).
         events: what the rows' callbacks post (:class:`~selfspec.serving.service.Service`).
         prompt_tokens: the prompt's length, for the usage chunk.
         failure: what the client is told of a row's error.
+        cancel: cancels the rows (:meth:`~selfspec.serving.service.Service.cancel`).
     """
     states: list[Any] = []
     try:
@@ -138,8 +139,7 @@ async def stream_events(writer: ChunkWriter, jobs: Sequence[Request], events: as
                 break
         yield DONE
     finally:
-        for job in jobs:
-            job.cancelled.set()
+        cancel(jobs)
 
 
 class FixedTokenChunks:
