@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import signal
 import socket
 import threading
 import time
@@ -25,6 +27,7 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 parser = pytest.importorskip("prometheus_client.parser")
 
+from selfspec.serving import server as server_module  # noqa: E402 - needs uvicorn
 from selfspec.serving.app import ServeConfig, create_app  # noqa: E402 - needs FastAPI
 from selfspec.serving.protocol import Limits  # noqa: E402
 
@@ -50,15 +53,20 @@ def slow_steps(monkeypatch):
 
 
 @contextlib.contextmanager
-def serving(engine, **config):
-    """A real uvicorn server on 127.0.0.1: yields ``(port, app)``."""
+def serving(engine, draining=False, **config):
+    """A real uvicorn server on 127.0.0.1 (``draining``: selfspec's
+    :class:`~selfspec.serving.server.DrainingServer`, yielded too): yields ``(port, app)``
+    or ``(port, app, server, thread)``."""
     config = {"model_name": MODEL, "method": "ar", "api_key": KEY, "max_batch": 4,
               "max_queue": 4, "limits": Limits(max_tokens=2000),
               **config}
     app = create_app(engine, ServeConfig(**config))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="critical"))
+    uv_config = uvicorn.Config(app, log_level="critical",
+                               timeout_graceful_shutdown=server_module.FLUSH_SECONDS)
+    uv = (server_module.DrainingServer(uv_config, app.state.drain) if draining
+          else uvicorn.Server(uv_config))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + 120
@@ -66,7 +74,8 @@ def serving(engine, **config):
         assert thread.is_alive() and time.time() < deadline, "the server did not start"
         time.sleep(0.05)
     try:
-        yield sock.getsockname()[1], app
+        yield (sock.getsockname()[1], app, uv, thread) if draining else (
+            sock.getsockname()[1], app)
     finally:
         uv.should_exit = True
         thread.join(timeout=30)
@@ -197,3 +206,103 @@ def test_queued_requests_whose_clients_left_leave_the_queue_at_once(engine, slow
         assert _sum(_metrics(port), "selfspec_prompt_tokens_total") == 5
         running.close()
         _until(lambda: scheduler.running == 0, seconds=3)
+
+
+# ------------------------------------------------------------ fault 3: a body sent slowly
+def _slow_body(port, declared=122):
+    """Headers of a POST declaring ``declared`` body bytes, then one byte: the caller sends
+    the rest a byte at a time, or never."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nAuthorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
+                 + str(declared).encode() + b"\r\n\r\n{")
+    return sock
+
+
+def _answer(sock, seconds):
+    """What the server sent before closing ``sock`` (sending a byte each 0.2 s meanwhile),
+    and when it closed, seconds from now; ``None`` if still open after ``seconds``."""
+    start, got = time.monotonic(), b""
+    sock.settimeout(0.2)
+    while time.monotonic() - start < seconds:
+        try:
+            sock.sendall(b" ")
+            chunk = sock.recv(4096)
+        except socket.timeout:
+            continue
+        except OSError:
+            return got, time.monotonic() - start
+        if not chunk:
+            return got, time.monotonic() - start
+        got += chunk
+    return got, None
+
+
+def test_a_slow_body_is_cut_with_a_408_at_the_body_timeout(engine):
+    with serving(engine, body_timeout=1.0) as (port, _):
+        with _slow_body(port) as sock:
+            got, closed = _answer(sock, seconds=6)
+        assert got.startswith(b"HTTP/1.1 408"), got
+        assert b"body_timeout" in got
+        assert closed is not None and closed < 3.0, closed
+        assert _sum(_metrics(port), "selfspec_http_requests_total", status="408") == 1
+
+
+def test_a_slow_body_holds_no_drain(engine):
+    """No request runs: a drain ends at once though a client is sending its body a byte at
+    a time; that client gets a 503, and the server stops."""
+    with serving(engine, draining=True, drain_seconds=20) as (port, app, uv, thread):
+        with _slow_body(port) as sock:
+            time.sleep(0.3)
+            start = time.monotonic()
+            uv._on_signal(signal.SIGTERM, None)  # what a SIGTERM does (flags only)
+            got, closed = _answer(sock, seconds=8)
+            thread.join(timeout=10)
+            stopped = time.monotonic() - start
+        assert got.startswith(b"HTTP/1.1 503"), got
+        assert closed is not None and closed < 2.0, closed
+        assert not thread.is_alive() and stopped < 4.0, stopped
+
+
+# ------------------------------------------- fault 7: a broken body is no server error
+@pytest.mark.parametrize("what", ["malformed chunks", "disconnect mid-body"])
+def test_a_broken_body_is_no_500_and_no_traceback(engine, caplog, what):
+    with serving(engine) as (port, app):
+        with caplog.at_level(logging.ERROR):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+            head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                    + KEY.encode() + b"\r\nContent-Type: application/json\r\n")
+            if what == "malformed chunks":
+                sock.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"mod\r\nZZ\r\n")
+                got = sock.recv(4096)
+                assert got.startswith(b"HTTP/1.1 400"), got
+            else:
+                sock.sendall(head + b"Content-Length: 122\r\n\r\n{\"model\": ")
+                time.sleep(0.3)
+            sock.close()
+            time.sleep(0.5)
+            samples = _metrics(port)
+        assert _sum(samples, "selfspec_http_requests_total", status="500") == 0
+        assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+        assert not any("Traceback" in r.getMessage() or r.exc_info for r in caplog.records)
+
+
+# --------------------------------------------- fault 8: a second signal's error text
+def test_a_second_signal_ends_streams_saying_so(engine, slow_steps):
+    with serving(engine, draining=True, drain_seconds=30) as (port, app, uv, thread):
+        sock = _raw_request(port, "/v1/completions", _long(stream=True))
+        got = _read_until(sock, b"data: {")
+        uv._on_signal(signal.SIGTERM, None)
+        _until(lambda: app.state.drain.draining)
+        time.sleep(0.3)
+        uv._on_signal(signal.SIGTERM, None)
+        sock.settimeout(15)
+        while b"data: [DONE]" not in got:
+            chunk = sock.recv(65536)
+            assert chunk, got[-500:]
+            got += chunk
+        sock.close()
+        thread.join(timeout=15)
+    events = [line[6:] for line in got.decode().split("\n") if line.startswith("data: {")]
+    message = json.loads(events[-1])["error"]["message"]
+    assert "second signal" in message and "30 s it had to drain" not in message, message

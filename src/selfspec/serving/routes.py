@@ -138,8 +138,10 @@ async def complete(request: HttpRequest, chat: bool) -> Any:
     :data:`CLIENT_CLOSED` response (never read) when the client left before the end."""
     service = _service(request)
     request.state.tenant = authorize(request.headers, service.config.auth_keys())
+    service.drain.check_open()  # 503 while draining, before any of the body is read
+    body = await service.read_body(request)  # bounded; the drain does not wait for it
     with service.drain.entering():  # 503 while draining; the drain waits for it meanwhile
-        api, ids, jobs, events = await service.accept(request, chat)
+        api, ids, jobs, events = await service.accept(request, body, chat)
     ids_of = ResponseIds(service.config.model_name, chat)
     if api.stream:
         writer = ChunkWriter(service.tokenizer, api, ids_of, len(jobs))

@@ -74,19 +74,41 @@ class Service:
         # backend (truncation, padding) and must not run while the worker thread decodes.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
 
-    async def accept(self, request: Any, chat: bool
+    async def read_body(self, request: Any) -> Any:
+        """The JSON body of a generation request, read within ``body_timeout`` seconds;
+        a drain that ends first cuts the read too (:meth:`Drain.reading`), so a slow body
+        never holds a shutdown.
+
+        Raises:
+            ApiError: 408 (code ``body_timeout``, the connection closed) when the body
+                takes longer; 503 when the drain cut it; 400 / 413 as
+                :func:`~selfspec.serving.body.read_json`.
+        """
+        seconds = self.config.body_timeout
+        try:
+            async with asyncio.timeout(seconds) as deadline:
+                with self.drain.reading(deadline):
+                    return await read_json(request, self.config.limits.max_body_bytes)
+        except TimeoutError:
+            if self.drain.draining:
+                raise self.drain.refusal() from None
+            error = ApiError(408, f"the request body did not arrive within {seconds:g} s "
+                                  "(the server's body timeout)", code="body_timeout")
+            error.headers = {"Connection": "close"}  # the rest of the body is not read
+            raise error from None
+
+    async def accept(self, request: Any, body: Any, chat: bool
                      ) -> tuple[ApiRequest, list[int], list[Request], asyncio.Queue]:
-        """Read and check a generation request and submit its ``n`` choices (one row each)
-        to the scheduler.
+        """Check a generation request (its JSON ``body``, :meth:`read_body`) and submit its
+        ``n`` choices (one row each) to the scheduler.
 
         Returns:
             The request, its prompt's ids, its rows and the queue their events arrive on.
 
         Raises:
-            ApiError: 400 / 404 / 413 for the request itself, 429 when the queue is full,
+            ApiError: 400 / 404 for the request itself, 429 when the queue is full,
                 503 once the drain's bound has passed.
         """
-        body = await read_json(request, self.config.limits.max_body_bytes)
         api = self.parse(body, chat)
         ids = prompt_ids(api, self.tokenizer, self.config.model_name, self.engine.vocab_size,
                          self.engine.executor.max_positions, self.config.limits)
