@@ -306,3 +306,56 @@ def test_a_second_signal_ends_streams_saying_so(engine, slow_steps):
     events = [line[6:] for line in got.decode().split("\n") if line.startswith("data: {")]
     message = json.loads(events[-1])["error"]["message"]
     assert "second signal" in message and "30 s it had to drain" not in message, message
+
+
+# ------------------------------------- fault 5: logprob tokens join to exactly the text
+def _logprob_tokens(body, chat):
+    """The logprob tokens of a response or of a stream's chunks, and its text."""
+    tokens, text = [], ""
+    for choice in body:
+        logprobs = choice.get("logprobs")
+        if chat:
+            text += (choice.get("message") or choice.get("delta") or {}).get("content") or ""
+            tokens += [c["token"] for c in (logprobs or {}).get("content") or ()]
+            assert all(bytes(c["bytes"]).decode() == c["token"]
+                       for c in (logprobs or {}).get("content") or ())
+        else:
+            text += choice.get("text") or ""
+            tokens += (logprobs or {}).get("tokens") or []
+    return tokens, text
+
+
+def _ask(port, chat, stream, **fields):
+    body = {"model": MODEL, "temperature": 0, "stream": stream, **fields}
+    if chat:
+        body.update(messages=[{"role": "user", "content": "ab"}], logprobs=True,
+                    top_logprobs=2)
+    else:
+        body.update(prompt="ab", logprobs=2)
+    status, raw = _call(port, "/v1/chat/completions" if chat else "/v1/completions", body)
+    assert status == 200, raw
+    if not stream:
+        reply = json.loads(raw)
+        return (*_logprob_tokens(reply["choices"], chat), reply["choices"][0]["finish_reason"])
+    chunks = [json.loads(line[6:]) for line in raw.decode().split("\n")
+              if line.startswith("data: {")]
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    return (*_logprob_tokens(choices, chat), choices[-1]["finish_reason"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("chat", [False, True])
+def test_logprob_tokens_join_to_the_text_without_eos_or_stop(engine, chat, stream):
+    with serving(engine) as (port, _):
+        # The regex ends the answer: the grammar allows only the end-of-sequence token then.
+        tokens, text, finish = _ask(port, chat, stream, max_tokens=10,
+                                    response_format={"type": "regex", "regex": "abba"})
+        assert (text, finish) == ("abba", "stop")
+        assert tokens == ["a", "b", "b", "a"]  # not "</s>"
+        free, _, _ = _ask(port, chat, False, max_tokens=16)
+        full = "".join(free)
+        assert len(full) >= 7, full
+        stop = full[5:7]
+        tokens, text, finish = _ask(port, chat, stream, max_tokens=16, stop=[stop])
+        assert text == full[:full.index(stop)] and finish == "stop"
+        assert "".join(tokens) == text
