@@ -35,7 +35,7 @@ from selfspec.serving.protocol import (  # noqa: E402
     parse_request,
 )
 
-MODEL = "tiny"
+MODEL = os.environ.get("SELFSPEC_FUZZ_MODEL", "tiny")  # the served name, with SELFSPEC_FUZZ_URL
 KEY = os.environ.get("SELFSPEC_FUZZ_KEY", "fuzz-key")
 AUTH = {"Authorization": f"Bearer {KEY}"}
 #: Small limits: every generation the fuzzer asks for takes milliseconds.
@@ -317,8 +317,9 @@ def test_a_row_failing_in_a_batched_step_fails_alone(app):
 
 
 # ------------------------------------------------------- raw HTTP: what schemathesis cannot
-#: The raw server's timeouts, seconds: short, so the slow cases end within the suite's budget.
-RAW_TIMEOUT = 0.5
+#: The raw server's header and body timeouts, seconds: short, so the slow cases end within
+#: the suite's budget (a server at SELFSPEC_FUZZ_URL must be started with these).
+RAW_TIMEOUT = float(os.environ.get("SELFSPEC_FUZZ_RAW_TIMEOUT", "0.5"))
 _HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 _AUTH = f"Authorization: Bearer {KEY}\r\n".encode()
 _BODY = json.dumps({"model": MODEL, "prompt": "ab", "max_tokens": 2}).encode()
@@ -370,11 +371,16 @@ RAW_CASES = {
 
 @pytest.fixture(scope="module")
 def raw_server():
-    """A real uvicorn server (selfspec's header timeout) with short timeouts: its port."""
+    """A real uvicorn server (selfspec's header timeout) with short timeouts: its port
+    (SELFSPEC_FUZZ_URL's, a server on 127.0.0.1, when set)."""
     import socket
     import threading
     import time
+    from urllib.parse import urlsplit
 
+    if URL is not None:
+        yield urlsplit(URL).port
+        return
     uvicorn = pytest.importorskip("uvicorn")
     from selfspec.serving.server import header_timeout_protocol
 
@@ -397,7 +403,7 @@ def raw_server():
     sock.close()
 
 
-def _send_raw(port: int, sent, seconds: float = 3.0) -> bytes:
+def _send_raw(port: int, sent, seconds: float = max(3.0, 4 * RAW_TIMEOUT)) -> bytes:
     """What the server answers to ``sent`` (see RAW_CASES; ``None`` as the last step: the
     client closes the connection there) until it closes the connection, nothing more
     comes for half a second after an answer began, or ``seconds`` pass."""
