@@ -111,6 +111,13 @@ KINDS = ("chat", "stream", "n2", "logprobs", "cancel", "cancel-stream")
 CHAT = "/v1/chat/completions"
 
 
+def long_prompt(i: int) -> str:
+    """A prompt whose answer is long and new (the n-gram history holds none of it, so no
+    draft makes it end within a client's patience): what clients that leave ask."""
+    return (f"Write a long essay, at least ten paragraphs, about the history of the number "
+            f"{i}.")
+
+
 class Client:
     """A probe's HTTP client of one server (stdlib only), and what its requests saw."""
 
@@ -123,6 +130,13 @@ class Client:
         self.lock = threading.Lock()
         self.seen: Counter = Counter()  # ("http", status), ("finish", reason), tokens, ...
         self.wrong: list[str] = []
+        self._fresh = 1000  # long_prompt numbers not used yet
+
+    def fresh(self) -> int:
+        """A number no other request of this probe used."""
+        with self.lock:
+            self._fresh += 1
+            return self._fresh
 
     def body(self, prompt: str, **fields: object) -> dict:
         return {"model": self.model, "messages": [{"role": "user", "content": prompt}],
@@ -200,7 +214,7 @@ def _streamed(raw: bytes) -> dict:
 def _one(client: Client, kind: str, prompt: str, ref: str) -> None:
     """One request of ``kind`` (:data:`KINDS`), checked against the greedy ``ref``."""
     if kind.startswith("cancel"):
-        client.leave(client.body(prompt, max_tokens=10 * client.max_tokens,
+        client.leave(client.body(long_prompt(client.fresh()), max_tokens=10 * client.max_tokens,
                                  stream=kind == "cancel-stream"), kind == "cancel-stream")
         return
     fields: dict = {"n": 2} if kind == "n2" else {}
@@ -320,7 +334,7 @@ def _disconnects(client: Client, count: int, problems: list[str]) -> dict:
 
     def leave(i: int) -> None:
         for j in range(i, count, 4):
-            client.leave(client.body(PROMPTS[j % len(PROMPTS)], max_tokens=256,
+            client.leave(client.body(long_prompt(client.fresh()), max_tokens=256,
                                      stream=j % 2 == 1), stream=j % 2 == 1)
 
     threads = [threading.Thread(target=leave, args=(i,)) for i in range(4)]
