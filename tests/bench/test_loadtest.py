@@ -127,6 +127,14 @@ def test_logprobs_need_one_entry_per_token_with_two_alternatives():
     assert _categories(check(kind, answer("ab", [2, 2]), reference)) == {BAD_LOGPROBS,
                                                                           MISMATCHED}
     assert _categories(check(kind, answer("abc", [2, 1, 2]), reference)) == {BAD_LOGPROBS}
+    # usage counts an answer's end-of-sequence token, its logprobs do not (not in the text)
+    from selfspec.bench.serve_load.kinds import _check_logprobs
+
+    for finish, problems in (("stop", []), ("length", [BAD_LOGPROBS])):
+        got = answer("abc", [2, 2, 2], usage=4)
+        got.choices[0].finish_reason = finish
+        found = _check_logprobs(kind, 0, got.choices[0], reference.choices[0], got)
+        assert [p.category for p in found] == problems
     assert _categories(check(kind, answer("abd", [2, 2, 2]), reference)) == {MISMATCHED}
     # completions: alternatives keyed by text, so fewer than asked is no problem
     completion = read_body({"choices": [{"index": 0, "text": "abc", "finish_reason": "length",

@@ -35,7 +35,7 @@ from selfspec.serving.protocol import (  # noqa: E402
     parse_request,
 )
 
-MODEL = "tiny"
+MODEL = os.environ.get("SELFSPEC_FUZZ_MODEL", "tiny")  # the served name, with SELFSPEC_FUZZ_URL
 KEY = os.environ.get("SELFSPEC_FUZZ_KEY", "fuzz-key")
 AUTH = {"Authorization": f"Bearer {KEY}"}
 #: Small limits: every generation the fuzzer asks for takes milliseconds.
@@ -314,3 +314,149 @@ def test_a_row_failing_in_a_batched_step_fails_alone(app):
     assert isinstance(errors["broken"], GrammarViolation)
     assert errors["first"] is None and errors["second"] is None
     assert tokens["first"] == tokens["second"] == alone
+
+
+# ------------------------------------------------------- raw HTTP: what schemathesis cannot
+#: The raw server's header and body timeouts, seconds: short, so the slow cases end within
+#: the suite's budget (a server at SELFSPEC_FUZZ_URL must be started with these).
+RAW_TIMEOUT = float(os.environ.get("SELFSPEC_FUZZ_RAW_TIMEOUT", "0.5"))
+_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+_AUTH = f"Authorization: Bearer {KEY}\r\n".encode()
+_BODY = json.dumps({"model": MODEL, "prompt": "ab", "max_tokens": 2}).encode()
+
+
+def _chunked(*pieces: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+
+
+def _sized(body: bytes, declared: int | None = None) -> bytes:
+    return b"Content-Length: %d\r\n\r\n" % (len(body) if declared is None else declared) + body
+
+
+#: name -> (what is sent: bytes, or a list of (bytes, seconds to wait before; None bytes:
+#: the client closes), the first status expected (None: any but a 5xx, or no answer))
+RAW_CASES = {
+    "chunked": (_HEAD + _AUTH + b"Transfer-Encoding: chunked\r\n\r\n"
+                + _chunked(_BODY[:7], _BODY[7:]), 200),
+    "chunked-malformed": (_HEAD + _AUTH + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"mod\r\n"
+                          b"ZZ\r\n", 400),
+    "chunked-truncated": ([(_HEAD + _AUTH + b"Transfer-Encoding: chunked\r\n\r\n64\r\n{\"mo", 0),
+                           (None, 0.1)], None),
+    "chunked-bad-json": (_HEAD + _AUTH + b"Transfer-Encoding: chunked\r\n\r\n"
+                         + _chunked(b"{\"model\": [[["), 400),
+    "length-short": ([(_HEAD + _AUTH + _sized(_BODY[:10], 122), 0), (None, 0.1)], None),
+    "length-short-wait": (_HEAD + _AUTH + _sized(_BODY[:10], 122), 408),
+    "length-long": (_HEAD + _AUTH + _sized(_BODY + b" " * 40, len(_BODY)), 200),
+    "length-not-a-number": (_HEAD + _AUTH + b"Content-Length: 12a\r\n\r\n{}", 400),
+    "length-and-chunked": (_HEAD + _AUTH + b"Content-Length: 4\r\nTransfer-Encoding: chunked"
+                           b"\r\n\r\n" + _chunked(_BODY), None),
+    "body-not-utf8": (_HEAD + _AUTH + _sized(b"\xff\xfe{\x00"), 400),
+    "slow-body": ([(_HEAD + _AUTH + b"Content-Length: 122\r\n\r\n{", 0)]
+                  + [(b" ", 0.15)] * 8, 408),
+    "slow-headers": ([(b"POST /v1/completions HTTP/1.1\r\n", 0)]
+                     + [(b"X-Slow: 1\r\n", 0.15)] * 8, None),
+    "auth-latin-1": (_HEAD + b"Authorization: Bearer \xe9\xe9\xe9\r\n" + _sized(_BODY), 401),
+    "auth-utf-8": (_HEAD + b"Authorization: Bearer \xc3\xa9\xc3\xa9\r\n" + _sized(_BODY), 401),
+    "header-non-ascii": (_HEAD + _AUTH + b"X-Note: caf\xc3\xa9 \xff\r\n" + _sized(_BODY), 200),
+    "header-name-bad": (_HEAD + _AUTH + b"X Bad\xc3\xa9: 1\r\n" + _sized(_BODY), 400),
+    "path-non-ascii": (b"POST /v1/compl\xc3\xa9tions HTTP/1.1\r\nHost: x\r\n" + _AUTH
+                       + _sized(_BODY), None),
+    "header-huge": (_HEAD + _AUTH + b"X-Big: " + b"a" * 70_000 + b"\r\n" + _sized(_BODY), None),
+    "expect-continue": (_HEAD + _AUTH + b"Expect: 100-continue\r\n" + _sized(_BODY), None),
+    "pipelined": ((_HEAD + _AUTH + _sized(_BODY)) * 2, 200),
+    "http-1.0": (b"GET /health HTTP/1.0\r\n\r\n", 200),
+    "not-http": (b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + bytes(range(40)), None),
+}
+
+
+@pytest.fixture(scope="module")
+def raw_server():
+    """A real uvicorn server (selfspec's header timeout) with short timeouts: its port
+    (SELFSPEC_FUZZ_URL's, a server on 127.0.0.1, when set)."""
+    import socket
+    import threading
+    import time
+    from urllib.parse import urlsplit
+
+    if URL is not None:
+        yield urlsplit(URL).port
+        return
+    uvicorn = pytest.importorskip("uvicorn")
+    from selfspec.serving.server import header_timeout_protocol
+
+    engine = selfspec.from_pretrained_model(tiny_model("llama"), tiny_tokenizer(), name=MODEL)
+    app = create_app(engine, ServeConfig(model_name=MODEL, method="ar", api_key=KEY,
+                                         limits=LIMITS, max_batch=4, body_timeout=RAW_TIMEOUT))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="critical",
+                                           http=header_timeout_protocol(RAW_TIMEOUT)))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 120
+    while not server.started:
+        assert thread.is_alive() and time.time() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield sock.getsockname()[1]
+    server.should_exit = True
+    thread.join(timeout=30)
+    sock.close()
+
+
+def _send_raw(port: int, sent, seconds: float = max(3.0, 4 * RAW_TIMEOUT)) -> bytes:
+    """What the server answers to ``sent`` (see RAW_CASES; ``None`` as the last step: the
+    client closes the connection there) until it closes the connection, nothing more
+    comes for half a second after an answer began, or ``seconds`` pass."""
+    import socket
+    import time
+
+    steps = [(sent, 0.0)] if isinstance(sent, bytes) else sent
+    got = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=seconds) as sock:
+        try:
+            for data, wait in steps:
+                time.sleep(wait)
+                if data is None:
+                    return b""  # truncated: the client leaves mid-request
+                sock.sendall(data)
+        except OSError:  # closed while we were still sending: read what it said
+            pass
+        sock.settimeout(0.5)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                chunk = sock.recv(65536)
+            except socket.timeout:
+                if got:
+                    break
+                continue
+            except OSError:  # reset
+                break
+            if not chunk:
+                break
+            got += chunk
+    return got
+
+
+def test_raw_http_cases_get_no_server_error(raw_server, caplog):
+    """Chunked, slow, truncated and non-ASCII requests as raw bytes, all at once: none is
+    a 5xx or logs an error, each documented answer is the one expected, and the server
+    still answers /health and counts no 500."""
+    import logging
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    with caplog.at_level(logging.ERROR), ThreadPoolExecutor(len(RAW_CASES)) as pool:
+        answers = dict(zip(RAW_CASES, pool.map(
+            lambda case: _send_raw(raw_server, case[0]), RAW_CASES.values()), strict=True))
+    for name, (_, expected) in RAW_CASES.items():
+        statuses = [int(s) for s in re.findall(rb"^HTTP/1\.[01] (\d{3})", answers[name], re.M)]
+        assert not any(s >= 500 for s in statuses), (name, answers[name][:300])
+        if expected is not None:
+            assert statuses and statuses[0] == expected, (name, answers[name][:300])
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+    health = _send_raw(raw_server, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert health.startswith(b"HTTP/1.1 200"), health
+    metrics = _send_raw(raw_server, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                        + _AUTH + b"\r\n")
+    assert metrics.startswith(b"HTTP/1.1 200") and b'status="500"' not in metrics

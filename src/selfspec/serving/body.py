@@ -56,18 +56,26 @@ async def read_json(request: Any, limit: int) -> Any:
 
     Raises:
         ApiError: 413 when ``Content-Length`` says more than ``limit`` or more arrives
-            (checked per chunk, so an oversized body is never held whole); 400 as
-            :func:`decode_json`.
+            (checked per chunk, so an oversized body is never held whole); 400 when the
+            connection ends before the body does (a client gone, or a malformed chunked
+            body, which uvicorn answers with its own 400: no server error either way); 400
+            as :func:`decode_json`.
     """
+    from starlette.requests import ClientDisconnect  # the serve extra's; FastAPI needs it
+
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is over {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body is over {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is over {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ApiError(400, f"the connection ended after {size} bytes of the request body, "
+                            "before its end") from None
     return decode_json(b"".join(chunks))
 
 

@@ -15,6 +15,7 @@ from selfspec.serving.protocol import (
     ApiRequest,
     Choice,
     ResponseIds,
+    TokenPieces,
     logprobs_body,
     response_body,
     usage,
@@ -30,7 +31,9 @@ class FinishedChoice:
         text: the content (with active tools: the text outside the calls).
         finish_reason: OpenAI's (``"stop"``, ``"length"``, ``"tool_calls"``).
         calls: the tool calls parsed from the text, or ``None``.
-        entries: the row's per-token log probability entries, or ``None`` when not asked.
+        entries: the row's per-token log probability entries (every token committed,
+            the end-of-sequence token too: :class:`~selfspec.serving.protocol.TokenPieces`
+            keeps those of the text), or ``None`` when not asked.
     """
 
     text: str
@@ -98,8 +101,11 @@ def response(tokenizer: Any, api: ApiRequest, ids_of: ResponseIds, prompt_tokens
     choices, states = [], []
     for index, (_, _, state, text, _) in sorted(finished.items()):
         done = finish_choice(state, text, api.tools)
-        logprobs = (None if done.entries is None
-                    else logprobs_body(tokenizer, done.entries, ids_of.chat))
+        logprobs = None
+        if done.entries is not None:
+            pieces = TokenPieces(tokenizer)
+            pieces.add(done.entries)
+            logprobs = logprobs_body(tokenizer, pieces.finish(len(text)), ids_of.chat)
         choices.append(Choice(index, done.text, done.finish_reason, logprobs, done.calls))
         states.append(state)
     return response_body(ids_of, choices, response_usage(prompt_tokens, method, states))

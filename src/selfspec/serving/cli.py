@@ -86,6 +86,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    default=_SERVE.header_timeout, metavar="SECONDS",
                    help="close a connection whose request headers take longer "
                         f"(default {_SERVE.header_timeout:g})")
+    p.add_argument("--body-timeout", type=float_arg(0, low_open=True),
+                   default=_SERVE.body_timeout, metavar="SECONDS",
+                   help="answer 408 and close the connection when a request's body takes "
+                        f"longer once its headers are in (default {_SERVE.body_timeout:g})")
     p.add_argument("--max-prompt-tokens", type=int_arg(1), default=_LIMITS.max_prompt_tokens)
     p.add_argument("--max-tokens", type=int_arg(1), default=_LIMITS.max_tokens,
                    help="largest max_tokens a request may ask for")
@@ -163,7 +167,8 @@ def _serve_config(args: argparse.Namespace, model_name: str, options: dict,
                        max_batch_tokens=args.max_batch_tokens,
                        assets_dir=None if args.assets_dir is None else Path(args.assets_dir),
                        health_auth=args.health_auth, drain_seconds=args.drain_seconds,
-                       header_timeout=args.header_timeout, api_keys=api_keys,
+                       header_timeout=args.header_timeout,
+                       body_timeout=args.body_timeout, api_keys=api_keys,
                        tenant_from_user=args.tenant_from_user,
                        share_history=args.share_history, max_tenants=args.max_tenants,
                        stream_chunk_tokens=args.stream_chunk_tokens)

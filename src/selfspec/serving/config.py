@@ -34,6 +34,8 @@ class ServeConfig:
         health_auth: ``/health`` needs the API key too.
         drain_seconds: on shutdown, how long accepted requests may still run.
         header_timeout: seconds a client has to send a request's headers.
+        body_timeout: seconds a client has to send a request's body, once its headers
+            are in (then a 408 and the connection closed).
         api_keys: more keys, key -> tenant name (``--api-keys-file``,
             :func:`~selfspec.serving.auth.read_keys_file`); with ``api_key`` (tenant
             ``default``) the keys a request may send.
@@ -57,6 +59,7 @@ class ServeConfig:
     health_auth: bool = False
     drain_seconds: float = 30.0
     header_timeout: float = 10.0
+    body_timeout: float = 30.0
     # --- tenants (H2) ---
     api_keys: Mapping[str, str] = field(default_factory=dict)
     tenant_from_user: bool = False

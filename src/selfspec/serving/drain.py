@@ -66,6 +66,8 @@ class Drain:
         self.ended = False  # the bound passed: requests still running were ended
         self._deadline = math.inf
         self._entering = 0  # requests past the draining check, not yet in the scheduler
+        self._readers: set[asyncio.Timeout] = set()  # deadlines of bodies being read
+        self._hurried: float | None = None  # when a second signal cut the drain short
 
     def refusal(self) -> Unavailable:
         """The 503 a new generation request gets while draining (``Retry-After``: the time
@@ -74,6 +76,26 @@ class Drain:
         return Unavailable("the server is shutting down and takes no new requests; retry "
                            "(another replica, or this one once it is back)",
                            max(1, math.ceil(left)) if math.isfinite(left) else 1)
+
+    def check_open(self) -> None:
+        """Refuse a new generation request while draining.
+
+        Raises:
+            Unavailable: 503 while draining.
+        """
+        if self.draining:
+            raise self.refusal()
+
+    @contextmanager
+    def reading(self, deadline: asyncio.Timeout) -> Iterator[None]:
+        """Around the read of a request's body (not counted by the drain, which would
+        otherwise wait on a client sending a byte at a time): when the drain ends,
+        ``deadline`` is moved to now, so the read ends too."""
+        self._readers.add(deadline)
+        try:
+            yield
+        finally:
+            self._readers.discard(deadline)
 
     @contextmanager
     def entering(self) -> Iterator[None]:
@@ -109,16 +131,28 @@ class Drain:
 
     def hurry(self) -> None:
         """End the drain now (a second signal): requests still running are ended."""
-        self._deadline = time.monotonic()
+        now = time.monotonic()
+        self._hurried = now if self._hurried is None else self._hurried
+        self._deadline = now
 
     async def run(self) -> None:
         """Drain (see the module docstring); returns when no request is left to answer or,
-        after the bound, when the ended ones have left (at most :data:`END_SECONDS` more)."""
+        after the bound, when the ended ones have left (at most :data:`END_SECONDS` more).
+        Bodies still being read are cut when it returns (:meth:`reading`)."""
+        started = time.monotonic()
         if not self.draining:
             self.draining = True
-            self._deadline = min(self._deadline, time.monotonic() + self.seconds)
+            self._deadline = min(self._deadline, started + self.seconds)
         logger.warning("draining: %d requests running, %d waiting; at most %.0f s",
                        self.scheduler.running, self.scheduler.waiting, self.seconds)
+        try:
+            await self._wait(started)
+        finally:
+            now = asyncio.get_running_loop().time()
+            for deadline in list(self._readers):
+                deadline.reschedule(now)
+
+    async def _wait(self, started: float) -> None:
         while not self.idle and time.monotonic() < self._deadline:
             await asyncio.sleep(POLL_SECONDS)
         if self.idle:
@@ -126,9 +160,16 @@ class Drain:
         self.ended = True
         logger.warning("drain bound reached: ending %d running and %d waiting requests",
                        self.scheduler.running, self.scheduler.waiting)
-        self.scheduler.abort(ShutdownError(
-            f"the server is shutting down: the request did not finish within the "
-            f"{self.seconds:g} s it had to drain"))
+        self.scheduler.abort(ShutdownError(self._reason(started)))
         end = time.monotonic() + END_SECONDS
         while not self.idle and time.monotonic() < end:
             await asyncio.sleep(POLL_SECONDS)
+
+    def _reason(self, started: float) -> str:
+        """What the requests ended at the bound are told."""
+        if self._hurried is not None:
+            return (f"the server is shutting down: a second signal ended its drain after "
+                    f"{max(0.0, self._hurried - started):.1f} s (of the {self.seconds:g} s "
+                    "it allows), before the request finished")
+        return (f"the server is shutting down: the request did not finish within the "
+                f"{self.seconds:g} s it had to drain")

@@ -25,15 +25,16 @@ Scheduler (current values, read at scrape time):
 Requests, by ``method`` (measured on the worker thread; a request's clock starts when it is
 queued):
 
-- ``selfspec_requests_finished_total{method, finish_reason}``: requests that left the
-  scheduler after it took them up (a request whose client left while it still waited for a
-  row is dropped uncounted).
+- ``selfspec_requests_finished_total{method, finish_reason}``: rows that left the
+  scheduler (a request of ``n`` choices counts ``n``); ``cancelled``: the client left,
+  while the row decoded or while it still waited for one.
 - ``selfspec_prompt_tokens_total{method}``: prompt tokens of the requests that got a first
-  token (prefilled).
+  token (prefilled), once per request whatever its ``n`` (its ``usage.prompt_tokens``).
 - ``selfspec_generation_tokens_total{method}``: tokens generated (the sum of the
   responses' ``usage.completion_tokens``, plus what cancelled or failed requests generated).
 - ``selfspec_prompt_cached_tokens_total{method}``: of those, the tokens whose KV came from
-  the prefix cache (``--prefix-cache-mib``) instead of a prefill.
+  the prefix cache (``--prefix-cache-mib``) instead of a prefill (per request: its
+  choices' largest, as ``usage.prompt_tokens_details.cached_tokens``).
 - ``selfspec_time_to_first_token_seconds{method}``: queued → first token committed.
 - ``selfspec_time_per_output_token_seconds{method}``: per request of >= 2 tokens, (last
   token − first token) / (tokens − 1); speculative steps commit several tokens at once, so
@@ -66,11 +67,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from selfspec.decoding.core.stats import GenerationStats, StepStats
 from selfspec.errors import InvalidArgumentError, MissingDependencyError
 from selfspec.methods.registry import METHODS
+from selfspec.serving.scheduler import CancelledRequest
 
 if TYPE_CHECKING:
     from selfspec.decoding.core.state import DecodeState
@@ -123,6 +126,16 @@ def acceptance_usage(method: str, *stats: GenerationStats) -> dict[str, Any]:
     if drafters:
         out["drafters"] = dict(sorted(drafters.items()))
     return out
+
+
+@dataclass
+class PromptCount:
+    """What the metrics counted of one API request's prompt, shared by its ``n`` rows
+    (:attr:`~selfspec.serving.scheduler.Request.group`): its tokens once, its cached tokens
+    up to the largest of its choices (what its ``usage`` reports)."""
+
+    counted: bool = False
+    cached: int = 0
 
 
 class ServerMetrics:
@@ -244,23 +257,26 @@ class ServerMetrics:
         last = queued
         generated = 0
         on_tokens, on_done = request.on_tokens, request.on_done
+        # The choices of one API request share its group: their one prompt counts once.
+        group = request.group if request.group is not None else PromptCount()
 
         def tokens(ids: list[int]) -> None:
             nonlocal first, last, generated
             last = time.perf_counter()
             if first is None:
                 first = last
-                self.prompt_tokens.labels(method).inc(len(request.prompt_ids))
-                if request.state is not None and request.state.stats.cached_tokens:
-                    self.cached_tokens.labels(method).inc(request.state.stats.cached_tokens)
+                self._count_prompt(method, group, request)
                 self.ttft.labels(method).observe(first - queued)
             generated += len(ids)
             generation_tokens.inc(len(ids))
             on_tokens(ids)
 
         def done(state: DecodeState | None, text: str, error: BaseException | None) -> None:
-            reason = "error" if error is not None or state is None else (
-                state.finish_reason or "length")
+            if isinstance(error, CancelledRequest):
+                reason = "cancelled"
+            else:
+                reason = "error" if error is not None or state is None else (
+                    state.finish_reason or "length")
             self.finished.labels(method, reason).inc()
             if reason not in ("error", "cancelled"):
                 self.e2e.labels(method).observe(time.perf_counter() - queued)
@@ -269,6 +285,17 @@ class ServerMetrics:
             on_done(state, text, error)
 
         request.on_tokens, request.on_done = tokens, done
+
+    def _count_prompt(self, method: str, group: PromptCount, request: Request) -> None:
+        """A row's first token: its request's prompt tokens unless a sibling counted them,
+        and the cached ones up to the largest of its choices (worker thread only)."""
+        if not group.counted:
+            group.counted = True
+            self.prompt_tokens.labels(method).inc(len(request.prompt_ids))
+        cached = request.state.stats.cached_tokens if request.state is not None else 0
+        if cached > group.cached:
+            self.cached_tokens.labels(method).inc(cached - group.cached)
+            group.cached = cached
 
     def on_step(self, method: str, stats: StepStats) -> None:
         """Count one row's step."""

@@ -356,6 +356,7 @@ _ERRORS = {
     400: "malformed JSON or a parameter the server refuses (the error names it)",
     401: "missing or wrong API key",
     404: "the model is not served here",
+    408: "the body did not arrive within the server's body timeout (the connection closes)",
     413: "the body is over the server's limit",
     429: "the queue is full; retry later",
     500: "decoding failed (the traceback is in the server's log)",

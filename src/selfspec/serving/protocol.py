@@ -487,13 +487,15 @@ def chunk_body(ids: ResponseIds, text: str | None, finish: str | None,
             "choices": [choice]}
 
 
-def logprobs_body(tokenizer: Any, entries: Sequence[Any], chat: bool,
+def logprobs_body(tokenizer: Any, pieces: Sequence[tuple[Any, str]], chat: bool,
                   text_offset: int = 0) -> dict:
     """The OpenAI ``logprobs`` object of generated tokens.
 
     Args:
-        tokenizer: the model's tokenizer (a token's text is its decoding alone).
-        entries: :class:`~selfspec.decoding.core.processors.TokenLogprob` of the tokens.
+        tokenizer: the model's tokenizer (an alternative's text is its decoding alone).
+        pieces: each token's :class:`~selfspec.decoding.core.processors.TokenLogprob` and
+            the text it adds to the answer (:class:`TokenPieces`): the tokens' texts join
+            to exactly the answer's text.
         chat: chat shape (``{"content": [{token, logprob, bytes, top_logprobs}]}``) or
             completions shape (``tokens``, ``token_logprobs``, ``top_logprobs``,
             ``text_offset``).
@@ -509,19 +511,80 @@ def logprobs_body(tokenizer: Any, entries: Sequence[Any], chat: bool,
 
     if chat:
         return {"content": [{
-            "token": text(e.token), "logprob": lp(e.logprob),
-            "bytes": list(text(e.token).encode("utf-8")),
+            "token": piece, "logprob": lp(e.logprob), "bytes": list(piece.encode("utf-8")),
             "top_logprobs": [{"token": text(t), "logprob": lp(value),
                               "bytes": list(text(t).encode("utf-8"))} for t, value in e.top]}
-            for e in entries]}
-    tokens = [text(e.token) for e in entries]
+            for e, piece in pieces]}
     offsets = []
-    for token in tokens:
+    for _, piece in pieces:
         offsets.append(text_offset)
-        text_offset += len(token)
-    return {"tokens": tokens, "token_logprobs": [lp(e.logprob) for e in entries],
-            "top_logprobs": [{text(t): lp(value) for t, value in e.top} for e in entries],
+        text_offset += len(piece)
+    return {"tokens": [piece for _, piece in pieces],
+            "token_logprobs": [lp(e.logprob) for e, _ in pieces],
+            "top_logprobs": [{text(t): lp(value) for t, value in e.top} for e, _ in pieces],
             "text_offset": offsets}
+
+
+class TokenPieces:
+    """Pairs generated tokens' log probability entries with the text each adds to the
+    answer, so that a response's logprob tokens join to exactly its text (as OpenAI's do).
+
+    A token's text is decoded incrementally (with the token before it as context, as
+    vLLM's detokenizer does): a token ending inside a multi-byte character adds ``""`` and
+    the token completing it the whole character. Special tokens (the end-of-sequence token)
+    are left out: the answer's text skips them. Tokens past the answer's end (a stop
+    string's) are left out when :meth:`finish` is told the text's length; a token across
+    that end keeps the part inside it.
+
+    Args:
+        tokenizer: the model's tokenizer.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.special = set(getattr(tokenizer, "all_special_ids", ()))
+        self.ids: list[int] = []
+        self.prefix = 0  # decoding context starts here ...
+        self.read = 0  # ... and the text up to here is given out
+        self.pending: list[tuple[Any, str]] = []
+        self.covered = 0  # characters of the text the pieces given out cover
+
+    def add(self, entries: Sequence[Any]) -> None:
+        """Append the entries of newly committed tokens."""
+        for entry in entries:
+            self.ids.append(entry.token)
+            if entry.token in self.special:
+                continue
+            self.pending.append((entry, self._piece()))
+
+    def _piece(self) -> str:
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        after = decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # no whole character yet: a later token adds it
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]
+
+    def take(self, length: int) -> list[tuple[Any, str]]:
+        """The pieces not given out yet whose text lies within the answer's first
+        ``length`` characters (a stream: the text sent so far)."""
+        out = []
+        while self.pending and self.covered + len(self.pending[0][1]) <= length:
+            entry, piece = self.pending.pop(0)
+            out.append((entry, piece))
+            self.covered += len(piece)
+        return out
+
+    def finish(self, length: int) -> list[tuple[Any, str]]:
+        """The rest of the pieces of an answer of ``length`` characters."""
+        out = self.take(length)
+        if self.pending and self.covered < length:
+            entry, piece = self.pending[0]
+            out.append((entry, piece[:length - self.covered]))
+            self.covered = length
+        self.pending.clear()
+        return out
 
 
 def usage_chunk(ids: ResponseIds, use: dict) -> dict:

@@ -23,6 +23,10 @@ from selfspec.serving.streaming import ChunkWriter, FixedTokenChunks, stream_eve
 
 logger = logging.getLogger(__name__)
 
+#: The status counted for a request whose client left before its response (nginx's 499,
+#: "client closed request"): the client got none.
+CLIENT_CLOSED = 499
+
 
 def add_error_handlers(app: FastAPI) -> None:
     """Answer every error with an OpenAI-style body: an :class:`ApiError` as it says,
@@ -130,21 +134,24 @@ async def chat_completions(request: HttpRequest) -> Any:
 
 
 async def complete(request: HttpRequest, chat: bool) -> Any:
-    """A generation request's response: a JSON body, an event stream, or ``None`` (no
-    body to send) when the client left before the end."""
+    """A generation request's response: a JSON body, an event stream, or an empty
+    :data:`CLIENT_CLOSED` response (never read) when the client left before the end."""
     service = _service(request)
     request.state.tenant = authorize(request.headers, service.config.auth_keys())
+    service.drain.check_open()  # 503 while draining, before any of the body is read
+    body = await service.read_body(request)  # bounded; the drain does not wait for it
     with service.drain.entering():  # 503 while draining; the drain waits for it meanwhile
-        api, ids, jobs, events = await service.accept(request, chat)
+        api, ids, jobs, events = await service.accept(request, body, chat)
     ids_of = ResponseIds(service.config.model_name, chat)
     if api.stream:
         writer = ChunkWriter(service.tokenizer, api, ids_of, len(jobs))
         if service.config.stream_chunk_tokens is not None:
             events = FixedTokenChunks(events, service.config.stream_chunk_tokens)
-        return StreamingResponse(stream_events(writer, jobs, events, len(ids), service.failure),
+        return StreamingResponse(stream_events(writer, jobs, events, len(ids), service.failure,
+                                               service.cancel),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     finished = await service.collect(request, events, jobs)
-    if finished is None:
-        return None
+    if finished is None:  # nobody reads it; the metrics count what happened
+        return Response(status_code=CLIENT_CLOSED)
     return response(service.tokenizer, api, ids_of, len(ids), jobs[0].method, finished)

@@ -63,6 +63,14 @@ class ShutdownError(SelfSpecError):
     """The request was ended because the server is shutting down."""
 
 
+_LEFT = "the client left before the request started"
+
+
+class CancelledRequest(SelfSpecError):
+    """The request was cancelled (its client left) before it got a row: it ends with this
+    error and no state; the metrics count it ``cancelled``."""
+
+
 @dataclass
 class Request:
     """One generation submitted to the :class:`Scheduler`.
@@ -83,6 +91,8 @@ class Request:
             which run on the worker thread), else ``None``.
         tenant: whose memory (n-gram history, drafter estimates) the row drafts from and
             adds to; ``None``: the engine's own, shared by every such request.
+        group: shared by the rows of one API request (its ``n`` choices; ``None``: a row
+            alone), so that the metrics count their one prompt once.
     """
 
     prompt_ids: list[int]
@@ -96,6 +106,7 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     state: DecodeState | None = None
     tenant: str | None = None
+    group: Any = None
 
 
 @dataclass
@@ -200,6 +211,16 @@ class Scheduler:
             self._abort = error
             self._wake.notify()
 
+    def cancel(self, request: Request) -> None:
+        """Cancel ``request`` (its client left): a running row leaves at the next step with
+        finish reason ``"cancelled"``; a request still waiting for a row leaves the queue now
+        and ends with :class:`CancelledRequest` (its ``on_done``, on the caller's thread)."""
+        request.cancelled.set()
+        with self._wake:
+            gone = self._drop_cancelled()
+            self._wake.notify()
+        self._end_cancelled(gone)
+
     @property
     def running(self) -> int:
         """Rows held: being decoded, or about to be admitted."""
@@ -238,20 +259,36 @@ class Scheduler:
         with self._wake:
             if self._stop:
                 raise RuntimeError("the scheduler is closed")
+            gone = self._drop_cancelled()  # requests whose clients left hold no place
             run_now = not self._queue and self._fits(need)
-            if not run_now and len(self._queue) >= self.max_queue:
-                # Waiting requests whose clients left hold no place in the queue.
-                self._queue = deque(r for r in self._queue if not r.cancelled.is_set())
-                if len(self._queue) >= self.max_queue:
-                    raise QueueFullError(self._busy())
-            if self.observer is not None:  # before the worker can see the request
-                self.observer.on_submit(request)
-            if run_now:
-                self._hold(request, need)
-                self._ready.append(request)
-            else:
-                self._queue.append(request)
-            self._wake.notify()
+            full = not run_now and len(self._queue) >= self.max_queue
+            if not full:
+                if self.observer is not None:  # before the worker can see the request
+                    self.observer.on_submit(request)
+                if run_now:
+                    self._hold(request, need)
+                    self._ready.append(request)
+                else:
+                    self._queue.append(request)
+                self._wake.notify()
+        self._end_cancelled(gone)
+        if full:
+            raise QueueFullError(self._busy())
+
+    def _drop_cancelled(self) -> list[Request]:
+        """Take the cancelled requests out of the queue (under ``_wake``)."""
+        gone = [r for r in self._queue if r.cancelled.is_set()]
+        if gone:
+            self._queue = deque(r for r in self._queue if not r.cancelled.is_set())
+        return gone
+
+    def _end_cancelled(self, requests: list[Request]) -> None:
+        """End requests taken out of the queue (not under ``_wake``: ``on_done`` runs)."""
+        for request in requests:
+            try:
+                request.on_done(None, "", CancelledRequest(_LEFT))
+            except Exception:
+                logger.exception("on_done failed")
 
     def _busy(self) -> str:
         tokens = ("" if self.max_batch_tokens is None else
@@ -273,17 +310,16 @@ class Scheduler:
         while they fit (first come, first served: a large request is not overtaken)."""
         with self._wake:
             self._held_tokens -= self._held.pop(id(request), 0)
+            gone = self._drop_cancelled()
             while self._queue:
                 head = self._queue[0]
-                if head.cancelled.is_set():
-                    self._queue.popleft()
-                    continue
                 need = self.positions(head)
                 if not self._fits(need):
                     break
                 self._hold(self._queue.popleft(), need)
                 self._ready.append(head)
             self._wake.notify()
+        self._end_cancelled(gone)
 
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
@@ -328,7 +364,7 @@ class Scheduler:
                     break
                 request = self._ready.popleft()
             if request.cancelled.is_set():
-                self._release(request)
+                self._fail(request, CancelledRequest(_LEFT))
             else:
                 self._admit(request)
         groups: dict[tuple, list[_Row]] = {}
@@ -423,7 +459,13 @@ class Scheduler:
                     logger.exception("a request's token callback failed")
                     failures.append(error)
                     return True
-                return stop or request.cancelled.is_set()
+                if not stop and request.cancelled.is_set():
+                    # Returning True alone would read as a stop string: say why it ends.
+                    state = request.state
+                    if state is not None and state.finish_reason is None:
+                        state.finish_reason = "cancelled"
+                    return True
+                return stop
 
             state = DecodeState(self.engine.executor, request.prompt_ids, request.options,
                                 on_commit, prefix_cache=getattr(self.engine, "prefix_cache", None))

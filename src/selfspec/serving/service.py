@@ -10,7 +10,7 @@ import asyncio
 import copy
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from selfspec.serving.auth import request_tenant
 from selfspec.serving.body import read_json
 from selfspec.serving.config import DEFAULT_TENANT, ServeConfig
 from selfspec.serving.drain import Drain, Unavailable
-from selfspec.serving.metrics import ServerMetrics
+from selfspec.serving.metrics import PromptCount, ServerMetrics
 from selfspec.serving.prompt import prompt_ids
 from selfspec.serving.protocol import (
     ApiError,
@@ -38,8 +38,10 @@ from selfspec.serving.tools import call_format, parse_tools
 logger = logging.getLogger(__name__)
 
 #: An event a row posts to its request's queue: ``("tokens", index, tokens, entries)`` or
-#: ``("done", index, state, text, error)``.
+#: ``("done", index, state, text, error)``; ``("gone",)`` when the client left
+#: (:func:`watch_disconnect`).
 Event = tuple
+GONE: Event = ("gone",)
 
 
 class Service:
@@ -72,19 +74,41 @@ class Service:
         # backend (truncation, padding) and must not run while the worker thread decodes.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
 
-    async def accept(self, request: Any, chat: bool
+    async def read_body(self, request: Any) -> Any:
+        """The JSON body of a generation request, read within ``body_timeout`` seconds;
+        a drain that ends first cuts the read too (:meth:`Drain.reading`), so a slow body
+        never holds a shutdown.
+
+        Raises:
+            ApiError: 408 (code ``body_timeout``, the connection closed) when the body
+                takes longer; 503 when the drain cut it; 400 / 413 as
+                :func:`~selfspec.serving.body.read_json`.
+        """
+        seconds = self.config.body_timeout
+        try:
+            async with asyncio.timeout(seconds) as deadline:
+                with self.drain.reading(deadline):
+                    return await read_json(request, self.config.limits.max_body_bytes)
+        except TimeoutError:
+            if self.drain.draining:
+                raise self.drain.refusal() from None
+            error = ApiError(408, f"the request body did not arrive within {seconds:g} s "
+                                  "(the server's body timeout)", code="body_timeout")
+            error.headers = {"Connection": "close"}  # the rest of the body is not read
+            raise error from None
+
+    async def accept(self, request: Any, body: Any, chat: bool
                      ) -> tuple[ApiRequest, list[int], list[Request], asyncio.Queue]:
-        """Read and check a generation request and submit its ``n`` choices (one row each)
-        to the scheduler.
+        """Check a generation request (its JSON ``body``, :meth:`read_body`) and submit its
+        ``n`` choices (one row each) to the scheduler.
 
         Returns:
             The request, its prompt's ids, its rows and the queue their events arrive on.
 
         Raises:
-            ApiError: 400 / 404 / 413 for the request itself, 429 when the queue is full,
+            ApiError: 400 / 404 for the request itself, 429 when the queue is full,
                 503 once the drain's bound has passed.
         """
-        body = await read_json(request, self.config.limits.max_body_bytes)
         api = self.parse(body, chat)
         ids = prompt_ids(api, self.tokenizer, self.config.model_name, self.engine.vocab_size,
                          self.engine.executor.max_positions, self.config.limits)
@@ -192,6 +216,7 @@ class Service:
         """
         events: asyncio.Queue = asyncio.Queue()
         post = _poster(asyncio.get_running_loop(), events)
+        group = PromptCount()  # the metrics count the choices' one prompt once
         jobs = []
         for index in range(api.n):
             # Choice i samples with seed + i: n choices of one seeded request differ from
@@ -204,7 +229,7 @@ class Service:
             except InvalidArgumentError as error:
                 raise ApiError(400, str(error)) from error
             job = Request(prompt_ids=ids, options=options, method=method,
-                          method_options=method_options, stop=api.stop)
+                          method_options=method_options, stop=api.stop, group=group)
             job.on_tokens = _token_poster(job, index, post)
             job.on_done = _done_poster(index, post)
             self.check_batch_tokens(job, len(ids), api.max_tokens)
@@ -238,35 +263,46 @@ class Service:
             for job in jobs:
                 self.scheduler.submit(job)
         except (QueueFullError, InvalidArgumentError) as error:
-            for job in jobs:
-                job.cancelled.set()
+            self.cancel(jobs)
             if isinstance(error, QueueFullError):
                 raise ApiError(429, f"the server is busy: {error}", type="rate_limit_error",
                                code="queue_full") from error
             raise ApiError(400, str(error)) from error
 
+    def cancel(self, jobs: Sequence[Request]) -> None:
+        """Cancel a request's rows (its client left, or it ended early): running rows leave
+        at the next step, waiting ones leave the queue now
+        (:meth:`~selfspec.serving.scheduler.Scheduler.cancel`); finished rows ignore it."""
+        for job in jobs:
+            self.scheduler.cancel(job)
+
     async def collect(self, request: Any, events: asyncio.Queue, jobs: list[Request]
                       ) -> dict[int, Event] | None:
-        """Every row's ``"done"`` event by choice index, or ``None`` when the client left
-        (its rows are cancelled then, and on any other exit before the end).
+        """Every row's ``"done"`` event by choice index, or ``None`` when the client left:
+        a task watches the connection meanwhile (:func:`watch_disconnect`), since rows
+        post events all the time; the rows are cancelled then, and on any other exit
+        before the end.
 
         Raises:
             ApiError: the first row's failure (:meth:`failure`).
         """
+        watcher = asyncio.create_task(watch_disconnect(request, events))
         try:
             finished: dict[int, Event] = {}
             while len(finished) < len(jobs):
-                item = await next_event(request, events, jobs)
-                if item is None:
+                item = await events.get()
+                if item is GONE:
+                    self.cancel(jobs)
                     return None
                 if item[0] == "done":
                     finished[item[1]] = item
                     if item[4] is not None:
                         raise self.failure(item[4])
         except BaseException:
-            for job in jobs:
-                job.cancelled.set()
+            self.cancel(jobs)
             raise
+        finally:
+            watcher.cancel()
         return finished
 
     def failure(self, error: BaseException) -> ApiError:
@@ -287,17 +323,15 @@ class Service:
         return ApiError(500, "generation failed; see the server log", type="server_error")
 
 
-async def next_event(request: Any, events: asyncio.Queue, jobs: list[Request]) -> Event | None:
-    """The next event of the request's jobs, or ``None`` when the client left (its jobs
-    are cancelled then); the connection is looked at every half second meanwhile."""
+async def watch_disconnect(request: Any, events: asyncio.Queue) -> None:
+    """Post :data:`GONE` on ``events`` when the client disconnects: once the body is read,
+    the ASGI ``receive`` channel's next message is ``http.disconnect`` (uvicorn sends it
+    as soon as the connection closes). Cancel the task when the response is done."""
     while True:
-        try:
-            return await asyncio.wait_for(events.get(), timeout=0.5)
-        except TimeoutError:
-            if await request.is_disconnected():
-                for job in jobs:
-                    job.cancelled.set()
-                return None
+        message = await request.receive()
+        if message.get("type") == "http.disconnect":
+            events.put_nowait(GONE)
+            return
 
 
 def _poster(loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> Callable[[Event], None]:

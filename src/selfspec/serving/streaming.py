@@ -17,6 +17,7 @@ from selfspec.serving.protocol import (
     ApiRequest,
     ResponseIds,
     TextDeltas,
+    TokenPieces,
     chunk_body,
     logprobs_body,
     usage_chunk,
@@ -50,6 +51,8 @@ class ChunkWriter:
         self.tools_active = api.tools is not None and api.tools.active
         self.offsets = [0] * choices  # completions' text_offset of each choice's next token
         self.opened = [False] * choices  # a chunk with the role was sent
+        # each choice's tokens' logprobs, sent with the text they make (none past its end)
+        self.pieces = [TokenPieces(tokenizer) for _ in range(choices)]
 
     def opening(self) -> list[bytes]:
         """Chat: each choice's first chunk, the assistant's role alone; completions: none."""
@@ -66,8 +69,12 @@ class ChunkWriter:
         add no text yet (held back, or tools active: the answer may be calls)."""
         if self.tools_active:
             return None
-        text = self.deltas[index].push(tokens)
-        logprobs = self._logprobs(index, entries)
+        deltas = self.deltas[index]
+        text = deltas.push(tokens)
+        logprobs = None
+        if entries is not None:
+            self.pieces[index].add(entries)
+            logprobs = self._logprobs(index, self.pieces[index].take(deltas.sent))
         if not text and logprobs is None:
             return None
         chunk = chunk_body(self.ids_of, text, None, role=not self.opened[index], index=index,
@@ -79,39 +86,47 @@ class ChunkWriter:
         """The last chunks of choice ``index``, whose row finished with ``text``."""
         done = finish_choice(state, text, self.api.tools)
         out = []
+        pieces = self.pieces[index]
         if self.tools_active:
-            logprobs = self._logprobs(index, done.entries)
+            if done.entries is not None:
+                pieces.add(done.entries)
+            logprobs = self._logprobs(index, pieces.finish(len(text)))
             if done.calls or done.text or logprobs is not None:
                 out.append(event(chunk_body(self.ids_of, done.text, None, index=index,
                                             logprobs=logprobs, calls=done.calls)))
-            rest = None
+            rest, logprobs = None, None
         else:
             rest = self.deltas[index].finish(text)
+            logprobs = self._logprobs(index, pieces.finish(len(text)))
         out.append(event(chunk_body(self.ids_of, rest, done.finish_reason,
-                                    role=not self.opened[index], index=index)))
+                                    role=not self.opened[index], index=index,
+                                    logprobs=logprobs)))
         return out
 
-    def _logprobs(self, index: int, entries: list | None) -> dict | None:
-        if entries is None:
+    def _logprobs(self, index: int, pieces: list) -> dict | None:
+        """The ``logprobs`` of ``pieces`` (:class:`TokenPieces`), ``None`` without any or
+        when the request asked for none."""
+        if self.api.logprobs is None or not pieces:
             return None
-        body = logprobs_body(self.tokenizer, entries, self.ids_of.chat, self.offsets[index])
-        self.offsets[index] += sum(len(t) for t in body.get("tokens", ()))
+        body = logprobs_body(self.tokenizer, pieces, self.ids_of.chat, self.offsets[index])
+        self.offsets[index] += sum(len(piece) for _, piece in pieces)
         return body
 
 
 async def stream_events(writer: ChunkWriter, jobs: Sequence[Request], events: asyncio.Queue,
-                        prompt_tokens: int, failure: Callable[[BaseException], ApiError]
-                        ) -> AsyncIterator[bytes]:
+                        prompt_tokens: int, failure: Callable[[BaseException], ApiError],
+                        cancel: Callable[[Sequence[Request]], None]) -> AsyncIterator[bytes]:
     """The response's events, from the rows' ``("tokens", ...)`` and ``("done", ...)``
     events on ``events`` until every row finished or one failed.
 
     Args:
         writer: the response's chunks.
-        jobs: the request's rows, one per choice; cancelled when the stream ends (a
-            disconnect ends it too; a finished row ignores it).
+        jobs: the request's rows, one per choice; cancelled with ``cancel`` when the
+            stream ends (a disconnect ends it too; a finished row ignores it).
         events: what the rows' callbacks post (:class:`~selfspec.serving.service.Service`).
         prompt_tokens: the prompt's length, for the usage chunk.
         failure: what the client is told of a row's error.
+        cancel: cancels the rows (:meth:`~selfspec.serving.service.Service.cancel`).
     """
     states: list[Any] = []
     try:
@@ -138,8 +153,7 @@ async def stream_events(writer: ChunkWriter, jobs: Sequence[Request], events: as
                 break
         yield DONE
     finally:
-        for job in jobs:
-            job.cancelled.set()
+        cancel(jobs)
 
 
 class FixedTokenChunks:

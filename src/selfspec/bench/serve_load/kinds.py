@@ -474,8 +474,11 @@ def _check_logprobs(kind: RequestKind, index: int, choice: ChoiceAnswer, ref: Ch
     problems = []
     count = len(choice.tokens)
     per_choice = None if answer.completion_tokens is None else answer.completion_tokens // kind.n
+    # usage counts an answer's end-of-sequence token; its logprobs do not (not in the text)
+    counts = () if per_choice is None else (
+        (per_choice, per_choice - 1) if choice.finish_reason == "stop" else (per_choice,))
     if len(choice.logprobs) != count or len(choice.alternatives) != count or (
-            per_choice is not None and count != per_choice):
+            per_choice is not None and count not in counts):
         problems.append(Problem(BAD_LOGPROBS, f"choice {index}: {count} tokens, "
                                               f"{len(choice.logprobs)} logprobs, "
                                               f"{len(choice.alternatives)} alternative lists for "
