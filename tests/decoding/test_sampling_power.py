@@ -14,7 +14,6 @@ in ``verify_sampling`` and counts which of these tests catch each.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from selfspec.decoding.core.sampling import SamplingConfig
 from selfspec.executor import LayerExecutor
