@@ -378,15 +378,15 @@ def assert_samples_follow_target(executor, prompt, config, generate, num_samples
     draws). Asserts, for the marginal of every generated token after the first (the first
     comes from the prefill): TV(empirical, exact) below the BHC bound; the draws had both
     rejected drafts and drafts of >= 2 tokens accepted whole; and power: the bound is below
-    the TV between the exact marginals and those under ``power_config`` (default: the
-    temperature x 1.6), so a sampler that much off would fail. Returns the VerifyLog."""
+    the TV between the exact marginals and those under ``power_config`` (default: ``top_k``
+    one less: a sampler dropping the last kept token), so a sampler that much off would
+    fail. Returns the VerifyLog."""
     import dataclasses
 
     positions = range(1, new_tokens)
     exact = position_marginals(exact_prefix_distribution(executor, prompt, config, new_tokens),
                                positions)
-    power_config = power_config or dataclasses.replace(config,
-                                                       temperature=config.temperature * 1.6)
+    power_config = power_config or dataclasses.replace(config, top_k=config.top_k - 1)
     wrong = position_marginals(exact_prefix_distribution(executor, prompt, power_config,
                                                          new_tokens), positions)
     counts = [{} for _ in positions]

@@ -22,9 +22,9 @@ from selfspec.methods.registry import build_step
 from tiny import PrefillOnce, assert_samples_follow_target, sampling_model, seeded_runs
 
 PROMPT = [3, 7, 1, 9, 4]
-N = 600
+N = 1200
 TOP_K = SamplingConfig(temperature=0.8, top_k=3)
-TOP_P = SamplingConfig(temperature=1.3, top_p=0.7)
+TOP_K_HOT = SamplingConfig(temperature=1.4, top_k=2)
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +34,12 @@ def executor():
 
 CASES = [
     ("layerskip", {"exit_layer": 2, "draft_len": 3}, TOP_K),
-    ("layerskip", {"exit_layer": 2, "draft_len": 4}, TOP_P),
+    ("layerskip", {"exit_layer": 2, "draft_len": 4}, TOP_K_HOT),
 ]
 
 
 @pytest.mark.parametrize("method,options,config", CASES,
-                         ids=[f"{m}-{'topk' if c.top_k else 'topp'}" for m, _, c in CASES])
+                         ids=[f"{m}-T{c.temperature}-k{c.top_k}" for m, _, c in CASES])
 def test_method_samples_the_target_distribution(executor, method, options, config):
     step = build_step(method, executor, options)
     runs = PrefillOnce(executor, PROMPT)
