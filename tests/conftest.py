@@ -22,6 +22,17 @@ def pytest_configure(config):
     intra-op thread costs far more than it saves (tens of times slower on a 2-core VM).
     Set here, not only per test, so module-scoped fixtures (models, trained heads) get it."""
     torch.set_num_threads(1)
+    _plant_rule()
+
+
+def _plant_rule():
+    """``scripts/mutation_check.py`` sets ``SELFSPEC_PLANT_RULE`` to plant a wrong
+    speculative-sampling rule (tests/mutations.py) for the whole session; unset, nothing."""
+    rule = os.environ.get("SELFSPEC_PLANT_RULE")
+    if rule:
+        from mutations import plant
+
+        plant(pytest.MonkeyPatch(), rule)
 
 
 REAL_MODEL = "smollm2-135m-instruct"

@@ -288,3 +288,148 @@ def write_tiny_gguf(model, path, types=None, arch=None, qk_permuted=None):
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# ------------------------------------------------- end-to-end sampling tests with power
+# Bretagnolle-Huber-Carol: N i.i.d. draws over k cells give P(TV(p_hat, p) >= eps/2) <=
+# 2^k exp(-N eps^2 / 2). DELTA is the chance, over all positions of one test, that a correct
+# sampler fails (the seeds are fixed, so a test is deterministic; DELTA says the seeds are not
+# tuned). Cells below MIN_CELL of the exact mass are pooled: TV on a coarser partition is a
+# valid (smaller) statistic, and fewer cells give a tighter bound.
+SAMPLING_DELTA = 1e-4
+MIN_CELL = 0.02
+
+
+def tv_bound(num_cells: int, num_samples: int, delta: float) -> float:
+    """TV an empirical distribution of ``num_samples`` draws over ``num_cells`` cells stays
+    under with probability ``>= 1 - delta`` (Bretagnolle-Huber-Carol)."""
+    import math
+
+    return math.sqrt(2.0 * (num_cells * math.log(2.0) + math.log(1.0 / delta))
+                     / num_samples) / 2.0
+
+
+def position_marginals(dist: dict, positions) -> list[dict]:
+    """``[{token: probability}]`` per position of ``positions``, from ``{tokens: prob}``."""
+    out = [{} for _ in positions]
+    for tokens, mass in dist.items():
+        for m, j in zip(out, positions):
+            m[tokens[j]] = m.get(tokens[j], 0.0) + mass
+    return out
+
+
+def pooled_tv(counts: dict, exact: dict, num_samples: int) -> tuple[float, int]:
+    """(TV, cells) between ``counts`` (of ``num_samples``) and ``exact`` on the partition
+    of the cells of mass ``>= MIN_CELL`` plus one pool of the rest."""
+    big = {c for c, mass in exact.items() if mass >= MIN_CELL}
+    pool_exact = sum(mass for c, mass in exact.items() if c not in big)
+    pool_seen = sum(n for c, n in counts.items() if c not in big)
+    tv = abs(pool_seen / num_samples - pool_exact)
+    tv += sum(abs(counts.get(c, 0) / num_samples - exact[c]) for c in big)
+    return tv / 2.0, len(big) + (pool_exact > 0 or pool_seen > 0)
+
+
+class VerifyLog:
+    """Records ``(drafted, accepted)`` of every ``verify_sampling`` call the Steps make
+    (whatever function is there: a planted wrong rule is recorded too), as a context
+    manager."""
+
+    def __enter__(self):
+        import pytest
+
+        from selfspec.decoding.core import speculative
+        from selfspec.decoding.ngram import batch
+
+        self.calls = []
+        self._patch = pytest.MonkeyPatch()
+        for module in (speculative, batch):
+            self._patch.setattr(module, "verify_sampling", self._wrap(module.verify_sampling))
+        return self
+
+    def _wrap(self, verify):
+        def recorded(*args, **kwargs):
+            out = verify(*args, **kwargs)
+            self.calls.append((out.num_drafted, out.num_accepted))
+            return out
+        return recorded
+
+    def __exit__(self, *exc):
+        self._patch.undo()
+
+    @property
+    def rejections(self) -> int:
+        """Drafts with a rejected token."""
+        return sum(a < d for d, a in self.calls)
+
+    @property
+    def full_accepts(self) -> int:
+        """Drafts of >= 2 tokens accepted whole (the bonus token drawn after them)."""
+        return sum(a == d >= 2 for d, a in self.calls)
+
+
+def assert_samples_follow_target(executor, prompt, config, generate, num_samples: int,
+                                 new_tokens: int = 6, power_config=None):
+    """The end-to-end check of a sampling method (Leviathan et al. 2023 §2.3: speculative
+    sampling emits the target's distribution whatever the draft).
+
+    ``generate(seeds) -> [[token]]`` generates ``new_tokens`` tokens after ``prompt`` once per
+    seed with ``SamplingConfig`` ``config`` and ``seed=None`` (the rejection-sampling rule),
+    after ``torch.manual_seed(seed)`` (a batch: once for the batch; the global RNG drives the
+    draws). Asserts, for the marginal of every generated token after the first (the first
+    comes from the prefill): TV(empirical, exact) below the BHC bound; the draws had both
+    rejected drafts and drafts of >= 2 tokens accepted whole; and power: the bound is below
+    the TV between the exact marginals and those under ``power_config`` (default: ``top_k``
+    one less: a sampler dropping the last kept token), so a sampler that much off would
+    fail. Returns the VerifyLog."""
+    import dataclasses
+
+    positions = range(1, new_tokens)
+    exact = position_marginals(exact_prefix_distribution(executor, prompt, config, new_tokens),
+                               positions)
+    power_config = power_config or dataclasses.replace(config, top_k=config.top_k - 1)
+    wrong = position_marginals(exact_prefix_distribution(executor, prompt, power_config,
+                                                         new_tokens), positions)
+    counts = [{} for _ in positions]
+    with VerifyLog() as log:
+        for tokens in generate(range(num_samples)):
+            assert len(tokens) == new_tokens
+            for c, j in zip(counts, positions):
+                c[tokens[j]] = c.get(tokens[j], 0) + 1
+    delta = SAMPLING_DELTA / len(positions)
+    report, power = [], 0.0
+    for j, c, e, w in zip(positions, counts, exact, wrong):
+        tv, cells = pooled_tv(c, e, num_samples)
+        bound = tv_bound(cells, num_samples, delta)
+        report.append(f"token {j}: TV {tv:.3f} < {bound:.3f}?")
+        assert tv < bound, "; ".join(report)
+        power = max(power, pooled_tv({k: v * num_samples for k, v in w.items()}, e,
+                                     num_samples)[0] - bound)
+    assert power > 0, f"no power: {power_config} is within the bounds ({'; '.join(report)})"
+    assert log.rejections > 0 and log.full_accepts > 0, log.calls
+    return log
+
+
+def seeded_runs(runs: PrefillOnce, step, config, new_tokens: int = 6):
+    """``generate`` for :func:`assert_samples_follow_target`: one :meth:`PrefillOnce.run` per
+    seed, after ``torch.manual_seed(seed)``; the generated tokens of each."""
+    def generate(seeds):
+        for seed in seeds:
+            torch.manual_seed(seed)
+            state = runs.run(step, max_new_tokens=new_tokens, sampling=config)
+            yield state.tokens[len(runs.prompt):]
+    return generate
+
+
+def sampling_model(arch: str = "llama", seed: int = 1, num_layers: int = 4, vocab: int = 32,
+                   late_scale: float = 0.7):
+    """A tiny model for the sampling tests: ``vocab`` tokens (few cells, an exact
+    distribution cheap to enumerate), no EOS, and the output projections of the layers after
+    the first half scaled by ``late_scale``, so an exit half-way drafts a ``q`` close to
+    ``p`` but not equal (drafts both accepted whole and rejected)."""
+    model = tiny_model(arch, seed=seed, num_layers=num_layers, vocab_size=vocab,
+                       eos_token_id=None, max_position_embeddings=64)
+    with torch.no_grad():
+        for layer in model.model.layers[num_layers // 2:]:
+            layer.self_attn.o_proj.weight.mul_(late_scale)
+            layer.mlp.down_proj.weight.mul_(late_scale)
+    return model

@@ -1,0 +1,63 @@
+"""Plant each wrong speculative-sampling rule of ``tests/mutations.py`` in ``verify_sampling``
+and run the end-to-end sampling tests against it; print rule -> tests failed / run.
+
+A correct suite fails for every planted rule (issue 80's target: >= 3 end-to-end tests each).
+The rule is planted in the pytest process by ``tests/conftest.py`` when the environment
+variable ``SELFSPEC_PLANT_RULE`` is set (only this script sets it).
+
+Usage: python scripts/mutation_check.py [pytest node ids ...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TESTS = ["tests/decoding/test_sampling_power.py"]
+
+
+def run_rule(rule: str | None, tests: list[str]) -> tuple[int, int]:
+    """(failed, run) of ``tests`` with ``rule`` planted (``None``: the real rule)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
+                                                       os.environ.get("PYTHONPATH")]))}
+    env.pop("SELFSPEC_PLANT_RULE", None)
+    if rule:
+        env["SELFSPEC_PLANT_RULE"] = rule
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.xml"
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        f"--junitxml={report}", *tests], cwd=ROOT, env=env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+        import xml.etree.ElementTree as ET
+
+        suite = ET.parse(report).getroot()
+        suite = suite if suite.tag == "testsuite" else suite[0]
+        failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+        return failed, int(suite.get("tests", 0)) - int(suite.get("skipped", 0))
+
+
+def main(argv: list[str]) -> int:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from mutations import RULES
+
+    tests = argv or DEFAULT_TESTS
+    rows = {}
+    for rule in (None, *RULES):
+        rows[rule or "(none: the real rule)"] = run_rule(rule, tests)
+    width = max(map(len, rows))
+    print(f"{'planted rule':<{width}}  tests failed / run")
+    for rule, (failed, run) in rows.items():
+        print(f"{rule:<{width}}  {failed} / {run}")
+    print(json.dumps({r: f for r, (f, _) in rows.items()}))
+    clean = rows["(none: the real rule)"][0] == 0
+    return 0 if clean and all(f > 0 for r, (f, _) in rows.items() if r in RULES) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
