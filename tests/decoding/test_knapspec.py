@@ -97,6 +97,22 @@ def test_verification_time_follows_the_measured_table_between_its_points():
     assert linear.verify_ms(10, 5) == pytest.approx(linear.target_ms(10) + 2.0)
 
 
+def test_a_short_context_model_measures_its_latency_and_speculates():
+    """A model of 64 positions cut every default context length to 63: the attention fit
+    divided by zero, so knapspec, ngram and auto raised ZeroDivisionError on it."""
+    import selfspec
+
+    from tiny import tiny_tokenizer
+
+    model = tiny_model("llama", max_position_embeddings=64)
+    latency = measure_latency(LayerExecutor(model), repeats=2, verify_tokens=(1, 2, 4))
+    assert latency.attn_base_ms > 0 and latency.attn_slope_ms >= 0
+    engine = selfspec.from_pretrained_model(model, tiny_tokenizer(), name="tiny-short")
+    reference = engine.generate([1, 2, 3, 1, 2, 3], "ar", max_new_tokens=8).token_ids
+    for method in ("knapspec", "ngram", "auto"):
+        assert engine.generate([1, 2, 3, 1, 2, 3], method, max_new_tokens=8).token_ids == reference
+
+
 def test_latency_model_is_measured_and_cached(executor, tmp_path):
     model = measure_latency(executor, lengths=(8, 32, 64), repeats=3)
     assert model.mlp_ms > 0 and model.attn_base_ms > 0 and model.attn_slope_ms >= 0

@@ -252,12 +252,26 @@ def _cpu_name() -> str:
 
 
 def _fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares ``(slope, intercept)`` of ``y = slope · x + intercept``."""
+    """Least-squares ``(slope, intercept)`` of ``y = slope · x + intercept`` (slope 0 when
+    every ``x`` is the same)."""
     mean_x = statistics.fmean(x for x, _ in points)
     mean_y = statistics.fmean(y for _, y in points)
     var = sum((x - mean_x) ** 2 for x, _ in points)
+    if var == 0:
+        return 0.0, mean_y
     slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var
     return slope, mean_y - slope * mean_x
+
+
+def _context_lengths(lengths: tuple[int, ...], max_positions: int) -> list[int]:
+    """``lengths`` that fit a context of ``max_positions`` (each cut to ``max_positions - 1``,
+    duplicates dropped); a short context whose lengths all cut to one gets a quarter of it
+    too, so the attention fit has two points."""
+    top = max(1, max_positions - 1)
+    fitted = sorted({min(n, top) for n in lengths})
+    if len(fitted) < 2:
+        fitted = sorted({max(1, top // 4), top})
+    return fitted
 
 
 def _time_ms(fn, repeats: int, device: torch.device | str = "cpu") -> float:
@@ -352,8 +366,7 @@ def measure_latency(executor: Executor, lengths: tuple[int, ...] = DEFAULT_LENGT
     ex = executor
     attn_ms = []
     mlp_samples = []
-    for n in lengths:
-        n = min(n, ex.max_positions - 1)
+    for n in _context_lengths(lengths, ex.max_positions):
         times = measure_sublayers(ex, n, repeats)
         attn_ms.append((n, times.attention_ms))
         mlp_samples.append(times.mlp_ms)
