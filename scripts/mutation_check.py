@@ -5,7 +5,7 @@ A correct suite fails for every planted rule (issue 80's target: >= 3 end-to-end
 The rule is planted in the pytest process by ``tests/conftest.py`` when the environment
 variable ``SELFSPEC_PLANT_RULE`` is set (only this script sets it).
 
-Usage: python scripts/mutation_check.py [pytest node ids ...]
+Usage: python scripts/mutation_check.py [pytest arguments ...]
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TESTS = ["tests/decoding/test_sampling_power.py"]
+# every end-to-end distribution test of the rejection rule (the seeded tests take the keyed rule)
+DEFAULT_TESTS = ["tests/decoding", "-k", "(reproduces_the_target_distribution or "
+                 "samples_the_target_distribution) and not seeded"]
 
 
 def run_rule(rule: str | None, tests: list[str]) -> tuple[int, int]:

@@ -409,6 +409,14 @@ def assert_samples_follow_target(executor, prompt, config, generate, num_samples
     return log
 
 
+def global_rng(seed: int) -> None:
+    """Seed torch's global generator with ``seed`` and return ``None``, for
+    ``SamplingConfig(..., seed=global_rng(seed))``: a seeded config takes the position-keyed
+    Gumbel-max rule (exact-match verification), so an end-to-end test of the rejection rule
+    (Leviathan et al. 2023) must pass ``seed=None`` and draw from the global generator."""
+    torch.manual_seed(seed)
+
+
 def seeded_runs(runs: PrefillOnce, step, config, new_tokens: int = 6):
     """``generate`` for :func:`assert_samples_follow_target`: one :meth:`PrefillOnce.run` per
     seed, after ``torch.manual_seed(seed)``; the generated tokens of each."""

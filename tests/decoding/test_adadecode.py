@@ -18,7 +18,7 @@ from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.methods.registry import METHODS, build_step
 
-from tiny import VOCAB, PrefillOnce, exact_prefix_distribution, run_step, tiny_model
+from tiny import VOCAB, PrefillOnce, exact_prefix_distribution, global_rng, run_step, tiny_model
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
 LAYERS = [2, 4, 6]
@@ -174,7 +174,7 @@ def _sampled_tv(executor, step, exact, n, length):
     runs = PrefillOnce(executor, PROMPT)  # each run exactly run_step's, one prefill shared
     for seed in range(n):
         state = runs.run(step, max_new_tokens=3,
-                         sampling=SamplingConfig(temperature=1.0, top_k=3, seed=seed))
+                         sampling=SamplingConfig(temperature=1.0, top_k=3, seed=global_rng(seed)))
         counts[tuple(state.tokens[len(PROMPT):len(PROMPT) + length])] += 1
         drafted += state.stats.drafted
     eps = math.sqrt((len(exact) * math.log(2) + math.log(1e6)) / (2 * n))

@@ -22,7 +22,7 @@ from selfspec.executor.cost_model import (
 from selfspec.executor.executor import SkipPlan
 from selfspec.executor.quant import quantized_kernels_available
 
-from tiny import PrefillOnce, run_step, tiny_model
+from tiny import PrefillOnce, global_rng, run_step, tiny_model
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 12, 200, 31, 8, 77, 150, 9, 41, 2, 19, 88, 120]
 
@@ -476,14 +476,14 @@ def test_alpha_over_a_shortlist_never_under_estimates_and_is_exact_over_the_voca
         KnapSpecStep(executor, _latency(executor), KnapSpecConfig(alpha_vocab=65))
 
 
-@pytest.mark.parametrize("draft_stop", ["confidence", "tpt"])
-def test_knapspec_sampling_reproduces_the_target_distribution(draft_stop):
+def test_knapspec_sampling_reproduces_the_target_distribution(draft_stop="confidence"):
     """Sampling through KnapSpec (planning on recorded history, a plan that drafts) commits
     the target's distribution: total variation of the first three tokens against the exact
     distribution under the Bretagnolle–Huber–Carol bound (failure probability 1e-6). The
     drafts here are close to the target (98-100% accepted), so this checks that planning and
     recording leave sampling intact; the acceptance rule itself is tested on arbitrary
-    proposals in test_verification and test_speculative."""
+    proposals in test_verification and test_speculative. (A second case with
+    ``draft_stop="tpt"`` gave the very same counts: it tested nothing more.)"""
     import math
     from collections import Counter
 
@@ -506,7 +506,7 @@ def test_knapspec_sampling_reproduces_the_target_distribution(draft_stop):
     runs = PrefillOnce(ex, PROMPT)  # each run exactly run_step's, one prefill shared
     for seed in range(n):
         state = runs.run(step, max_new_tokens=3,
-                         sampling=SamplingConfig(temperature=1.0, top_k=3, seed=seed))
+                         sampling=SamplingConfig(temperature=1.0, top_k=3, seed=global_rng(seed)))
         counts[tuple(state.tokens[len(PROMPT):])] += 1
         drafted += state.stats.drafted
     assert step.history[0].recorded and drafted > n // 2

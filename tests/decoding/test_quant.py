@@ -29,7 +29,14 @@ from selfspec.executor.quant import (
     quantized_kernels_available,
 )
 
-from tiny import VOCAB, PrefillOnce, exact_prefix_distribution, tiny_model, tiny_tokenizer
+from tiny import (
+    VOCAB,
+    PrefillOnce,
+    exact_prefix_distribution,
+    global_rng,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 needs_int8 = pytest.mark.skipif(not quantized_kernels_available("int8"),
                                 reason="FBGEMM (x86 torch builds) is needed for int8")
@@ -187,7 +194,7 @@ def test_qspec_sampling_reproduces_the_target_distribution():
     runs = PrefillOnce(executor, PROMPT)  # each run exactly run_step's, one prefill shared
     for seed in range(n):
         state = runs.run(decoder, max_new_tokens=3,
-                         sampling=SamplingConfig(temperature=1.0, top_k=3, seed=seed))
+                         sampling=SamplingConfig(temperature=1.0, top_k=3, seed=global_rng(seed)))
         counts[tuple(state.tokens[len(PROMPT):])] += 1
     eps = math.sqrt((len(exact) * math.log(2) + math.log(1e6)) / (2 * n))
     tv = 0.5 * sum(abs(counts[c] / n - p) for c, p in exact.items())
