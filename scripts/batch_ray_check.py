@@ -14,7 +14,7 @@ Steps (each a ``selfspec batch`` command, printed before it runs):
 3. ``--ray`` again into a new file, the driver killed (SIGKILL) once a third of the results
    are written, then the same command rerun: every id exactly once, equal to (1).
 
-The prompts are HumanEval's and MT-Bench's first turns (``--n`` in all, alternating), as chat
+The prompts are MT-Bench's first turns (up to 80) and HumanEval's (the rest), alternating, as chat
 messages, greedy.
 """
 
@@ -34,8 +34,8 @@ from selfspec.data.prompts import load_prompts
 
 
 def _prompts(n: int, path: Path) -> None:
-    code = load_prompts("humaneval", n=(n + 1) // 2)
-    chat = load_prompts("mtbench", n=n // 2)
+    chat = load_prompts("mtbench", n=min(n // 2, 80))  # MT-Bench has 80
+    code = load_prompts("humaneval", n=n - len(chat))
     mixed = [p for pair in zip(code, chat) for p in pair] + code[len(chat):]
     with path.open("w", encoding="utf-8") as f:
         for i, p in enumerate(mixed[:n]):
