@@ -43,8 +43,10 @@ def _prefilled(ex, prompt):
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [
     # fp32: every product quantizes its inputs, so the paths differ only where float rounding
-    # moves an input across an int8 rounding boundary (measured: equal here).
-    (torch.float32, 1e-3),
+    # (the fused path's own norms and RoPE, equal to torch's within ulps) moves an input across
+    # an int8 rounding boundary: one such input moves its whole row by ~0.5% of the largest
+    # output here; a wrong product moves far more.
+    (torch.float32, 1e-2),
     # bf16: the unfused path rounds to bf16 after every operator (its products quantize bf16
     # inputs), the fused one keeps fp32 in between.
     (torch.bfloat16, 5e-2)])

@@ -641,6 +641,7 @@ struct TypeQ5_K {
     }
   }
   static void dot(const Decoded& w, const Act& x, Acc& acc, float&) { dot_kquant32(w, x, acc); }
+  static __m512i isum(const Decoded& w, const Act& x) { return kquant32_isum(w, x); }
 };
 
 // Q6_K: 256 inputs in 16 sub-blocks of 16, int8 scales, fp16 d; 6-bit codes u = q + 32 (4 low
@@ -1197,43 +1198,49 @@ void float_tile(const uint8_t* wbytes, const float* x, int64_t K, float* res) {
   }
 }
 
-#ifdef SELFSPEC_GGUF_AMX
+#ifdef SELFSPEC_GGUF_VNNI
 #include "gguf_amx.h"
 #endif
 
 // One segment of rows of one type, ready to multiply: tile(n, t0, tb, res) computes rows
 // t0 .. t0 + tb - 1 (tb <= kTile) against the segment's weight row n. Holds the activations
 // repacked for its type (blocks of 32), made once per call before the rows are split. In the
-// AMX build, Q4_K / Q6_K segments instead run groups of 16 weight rows (amx_group).
+// AVX-512 builds, Q4_K / Q5_K / Q6_K segments instead run groups of 16 weight rows (group,
+// gguf_amx.h).
 struct Runner {
   std::function<void(int64_t, int64_t, int64_t, float*)> tile;
   std::shared_ptr<void> keep;
-#ifdef SELFSPEC_GGUF_AMX
+#ifdef SELFSPEC_GGUF_VNNI
   // acc ([mpad, 16]) = weight rows 16 g .. 16 g + 15 (zero rows past the segment) . every
   // activation row; null for a segment of another type.
-  std::function<void(int64_t, float*, amx::Scratch&)> amx_group;
-  std::shared_ptr<amx::Act> amx_act;
+  std::function<void(int64_t, float*, amx::Scratch&)> group;
+  std::shared_ptr<amx::Act> group_act;
 #endif
 };
 
-#ifdef SELFSPEC_GGUF_AMX
+#ifdef SELFSPEC_GGUF_VNNI
 template <class T>
-bool amx_runner(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act, int64_t M,
-                Runner& r) {
-  if (K % 256 || !amx::permission()) return false;
+bool group_runner(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act, int64_t M,
+                  Runner& r) {
+  if (K % 256) return false;
+#ifdef SELFSPEC_GGUF_AMX
+  if (!amx::permission()) return false;
+#endif
   const int64_t row_bytes = K / 256 * T::kBytes;
-  r.amx_act = amx::prepare(act, M, K, M <= T::kSmallMax);
+  r.group_act = amx::prepare(act, M, K, M <= T::kSmallMax, amx::tiles<T>());
   auto zero = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(row_bytes), 0);
   r.keep = zero;
-  const amx::Act* a = r.amx_act.get();
+  const amx::Act* a = r.group_act.get();
   const uint8_t* z = zero->data();
-  r.amx_group = [=](int64_t g, float* acc, amx::Scratch& scratch) {
+  r.group = [=](int64_t g, float* acc, amx::Scratch& scratch) {
     const uint8_t* rows[16];
     for (int l = 0; l < 16; ++l) {
       const int64_t n = 16 * g + l;
       rows[l] = n < N ? w + n * row_bytes : z;
     }
-    amx::run<T>(rows, *a, acc, scratch);
+    // the next group's rows (contiguous after these), for vgroup to prefetch
+    const int64_t next = std::min<int64_t>(N, 16 * g + 32) - std::min<int64_t>(N, 16 * g + 16);
+    amx::run<T>(rows, *a, acc, scratch, {w + (16 * g + 16) * row_bytes, next * row_bytes});
   };
   return true;
 }
@@ -1295,9 +1302,10 @@ bool float_runner(const uint8_t* w, int64_t K, const uint8_t* act, Runner& r) {
 bool make_runner(int64_t type, const uint8_t* w, int64_t N, int64_t K, const void* act,
                  int64_t M, Runner& r) {
   const auto* a = static_cast<const uint8_t*>(act);
-#ifdef SELFSPEC_GGUF_AMX
-  if (type == kQ4_K) return amx_runner<amx::Q4K>(w, N, K, a, M, r);
-  if (type == kQ6_K) return amx_runner<amx::Q6K>(w, N, K, a, M, r);
+#ifdef SELFSPEC_GGUF_VNNI
+  if (type == kQ4_K && group_runner<amx::Q4K>(w, N, K, a, M, r)) return true;
+  if (type == kQ5_K && group_runner<amx::Q5K>(w, N, K, a, M, r)) return true;
+  if (type == kQ6_K && group_runner<amx::Q6K>(w, N, K, a, M, r)) return true;
 #else
   (void)N;
 #endif
@@ -1344,14 +1352,14 @@ int64_t product_rows(const SelfspecGgufSegment* segs, int64_t nseg, int64_t K,
   std::vector<Runner> runners(static_cast<size_t>(nseg));
   // Units of work: a weight row, or (AMX segments) a group of 16.
   std::vector<int64_t> start(static_cast<size_t>(nseg + 1), 0);
-  int64_t amx_units = 0;
+  int64_t group_units = 0;
   for (int64_t s = 0; s < nseg; ++s) {
     if (!make_runner(segs[s].type, segs[s].w, segs[s].rows, K, acts[s], M, runners[s]))
       return -1;
     int64_t units = segs[s].rows;
-#ifdef SELFSPEC_GGUF_AMX
-    if (runners[s].amx_group) units = (segs[s].rows + amx::kGroup - 1) / amx::kGroup;
-    if (runners[s].amx_group) amx_units += units;
+#ifdef SELFSPEC_GGUF_VNNI
+    if (runners[s].group) units = (segs[s].rows + amx::kGroup - 1) / amx::kGroup;
+    if (runners[s].group) group_units += units;
 #endif
     start[s + 1] = start[s] + units;
   }
@@ -1359,33 +1367,38 @@ int64_t product_rows(const SelfspecGgufSegment* segs, int64_t nseg, int64_t K,
   // pay a wake-up of the other threads (on a loaded machine that wake-up can cost far more than
   // the product).
   int64_t grain = std::max<int64_t>(16, (int64_t(1) << 20) / std::max<int64_t>(1, K * M));
-  if (amx_units == start[nseg]) grain = std::max<int64_t>(1, grain / 16);
+  if (group_units == start[nseg]) grain = std::max<int64_t>(1, grain / 16);
   at::parallel_for(0, start[nseg], grain, [&](int64_t begin, int64_t end) {
     float res[kTile];
     int64_t s = 0;
-#ifdef SELFSPEC_GGUF_AMX
+#ifdef SELFSPEC_GGUF_VNNI
     std::vector<float> acc_buf;  // [mpad, 16] fp32, 64-byte aligned within
     amx::Scratch scratch;
+#endif
+#ifdef SELFSPEC_GGUF_AMX
     int64_t tiles = -1;  // the (mc, ks) the tiles are configured for
 #endif
     for (int64_t g = begin; g < end; ++g) {
       while (g >= start[s + 1]) ++s;
       const SelfspecGgufSegment& seg = segs[s];
       const int64_t n = g - start[s];
+#ifdef SELFSPEC_GGUF_VNNI
+      if (runners[s].group) {
+        const amx::Act& a = *runners[s].group_act;
 #ifdef SELFSPEC_GGUF_AMX
-      if (runners[s].amx_group) {
-        const amx::Act& a = *runners[s].amx_act;
         const int ks = seg.type == kQ4_K ? amx::Q4K::kKs : amx::Q6K::kKs;
-        if (!a.small && tiles != a.mc * 64 + ks) {
+        const bool tiled = seg.type == kQ4_K || seg.type == kQ6_K;  // amx::tiles
+        if (tiled && !a.small && tiles != a.mc * 64 + ks) {
           amx::configure(static_cast<int>(a.mc), ks);
           tiles = a.mc * 64 + ks;
         }
+#endif
         if (acc_buf.size() < static_cast<size_t>(a.mpad * 16 + 16))
           acc_buf.resize(static_cast<size_t>(a.mpad * 16 + 16));
         float* acc = reinterpret_cast<float*>(
             (reinterpret_cast<uintptr_t>(acc_buf.data()) + 63) & ~uintptr_t(63));
         memset(acc, 0, static_cast<size_t>(a.mpad * 16) * sizeof(float));
-        runners[s].amx_group(n, acc, scratch);
+        runners[s].group(n, acc, scratch);
         for (int l = 0; l < amx::kGroup && amx::kGroup * n + l < seg.rows; ++l) {
           const int64_t row = amx::kGroup * n + l;
           for (int64_t t = 0; t < M; ++t) {
@@ -1605,7 +1618,7 @@ struct GgufProduct {
 extern "C" {
 
 // Version of this kernel's numerics and layouts; a change must change it.
-int64_t selfspec_gguf_rows_version() { return 3; }
+int64_t selfspec_gguf_rows_version() { return 4; }
 
 // 1 for the AVX-512 VNNI build (and the AMX one), 0 for the AVX2 one.
 int64_t selfspec_gguf_rows_vnni() {
