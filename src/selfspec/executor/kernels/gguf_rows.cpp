@@ -1200,6 +1200,7 @@ void float_tile(const uint8_t* wbytes, const float* x, int64_t K, float* res) {
 
 #ifdef SELFSPEC_GGUF_VNNI
 #include "gguf_amx.h"
+#include "gguf_group32.h"
 #endif
 
 // One segment of rows of one type, ready to multiply: tile(n, t0, tb, res) computes rows
@@ -1214,7 +1215,8 @@ struct Runner {
   // acc ([mpad, 16]) = weight rows 16 g .. 16 g + 15 (zero rows past the segment) . every
   // activation row; null for a segment of another type.
   std::function<void(int64_t, float*, amx::Scratch&)> group;
-  std::shared_ptr<amx::Act> group_act;
+  int64_t group_rows = 0;  // activation rows acc holds (padded to the AMX tiles' height)
+  int64_t group_tile_mc = 0;  // AMX build: the tiles' height where group runs tiles, else 0
 #endif
 };
 
@@ -1227,10 +1229,12 @@ bool group_runner(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act, in
   if (!amx::permission()) return false;
 #endif
   const int64_t row_bytes = K / 256 * T::kBytes;
-  r.group_act = amx::prepare(act, M, K, M <= T::kSmallMax, amx::tiles<T>());
+  auto prepared = amx::prepare(act, M, K, M <= T::kSmallMax, amx::tiles<T>());
   auto zero = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(row_bytes), 0);
-  r.keep = zero;
-  const amx::Act* a = r.group_act.get();
+  r.keep = std::make_shared<std::pair<decltype(prepared), decltype(zero)>>(prepared, zero);
+  r.group_rows = prepared->mpad;
+  r.group_tile_mc = amx::tiles<T>() && !prepared->small ? prepared->mc : 0;
+  const amx::Act* a = prepared.get();
   const uint8_t* z = zero->data();
   r.group = [=](int64_t g, float* acc, amx::Scratch& scratch) {
     const uint8_t* rows[16];
@@ -1241,6 +1245,30 @@ bool group_runner(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act, in
     // the next group's rows (contiguous after these), for vgroup to prefetch
     const int64_t next = std::min<int64_t>(N, 16 * g + 32) - std::min<int64_t>(N, 16 * g + 16);
     amx::run<T>(rows, *a, acc, scratch, {w + (16 * g + 16) * row_bytes, next * row_bytes});
+  };
+  return true;
+}
+
+// Q4_0 / Q4_1 / Q8_0 rows in groups of 16 (gguf_group32.h), every call whatever its rows.
+template <class T>
+bool group32_runner(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act, int64_t M,
+                    Runner& r) {
+  if (K % 32) return false;
+  const int64_t row_bytes = K / 32 * T::kBytes;
+  auto prepared = group32::prepare(act, M, K, T::kQ8_1);
+  auto zero = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(row_bytes), 0);
+  r.keep = std::make_shared<std::pair<decltype(prepared), decltype(zero)>>(prepared, zero);
+  r.group_rows = M;
+  const group32::Act* a = prepared.get();
+  const uint8_t* z = zero->data();
+  r.group = [=](int64_t g, float* acc, amx::Scratch&) {
+    const uint8_t* rows[16];
+    for (int l = 0; l < 16; ++l) {
+      const int64_t n = 16 * g + l;
+      rows[l] = n < N ? w + n * row_bytes : z;
+    }
+    const int64_t next = std::min<int64_t>(N, 16 * g + 32) - std::min<int64_t>(N, 16 * g + 16);
+    group32::run<T>(rows, *a, acc, {w + (16 * g + 16) * row_bytes, next * row_bytes});
   };
   return true;
 }
@@ -1306,6 +1334,9 @@ bool make_runner(int64_t type, const uint8_t* w, int64_t N, int64_t K, const voi
   if (type == kQ4_K && group_runner<amx::Q4K>(w, N, K, a, M, r)) return true;
   if (type == kQ5_K && group_runner<amx::Q5K>(w, N, K, a, M, r)) return true;
   if (type == kQ6_K && group_runner<amx::Q6K>(w, N, K, a, M, r)) return true;
+  if (type == kQ4_0 && group32_runner<group32::Q4_0>(w, N, K, a, M, r)) return true;
+  if (type == kQ4_1 && group32_runner<group32::Q4_1>(w, N, K, a, M, r)) return true;
+  if (type == kQ8_0 && group32_runner<group32::Q8_0>(w, N, K, a, M, r)) return true;
 #else
   (void)N;
 #endif
@@ -1384,20 +1415,20 @@ int64_t product_rows(const SelfspecGgufSegment* segs, int64_t nseg, int64_t K,
       const int64_t n = g - start[s];
 #ifdef SELFSPEC_GGUF_VNNI
       if (runners[s].group) {
-        const amx::Act& a = *runners[s].group_act;
+        const int64_t rows = runners[s].group_rows;
 #ifdef SELFSPEC_GGUF_AMX
+        const int64_t mc = runners[s].group_tile_mc;
         const int ks = seg.type == kQ4_K ? amx::Q4K::kKs : amx::Q6K::kKs;
-        const bool tiled = seg.type == kQ4_K || seg.type == kQ6_K;  // amx::tiles
-        if (tiled && !a.small && tiles != a.mc * 64 + ks) {
-          amx::configure(static_cast<int>(a.mc), ks);
-          tiles = a.mc * 64 + ks;
+        if (mc > 0 && tiles != mc * 64 + ks) {
+          amx::configure(static_cast<int>(mc), ks);
+          tiles = mc * 64 + ks;
         }
 #endif
-        if (acc_buf.size() < static_cast<size_t>(a.mpad * 16 + 16))
-          acc_buf.resize(static_cast<size_t>(a.mpad * 16 + 16));
+        if (acc_buf.size() < static_cast<size_t>(rows * 16 + 16))
+          acc_buf.resize(static_cast<size_t>(rows * 16 + 16));
         float* acc = reinterpret_cast<float*>(
             (reinterpret_cast<uintptr_t>(acc_buf.data()) + 63) & ~uintptr_t(63));
-        memset(acc, 0, static_cast<size_t>(a.mpad * 16) * sizeof(float));
+        memset(acc, 0, static_cast<size_t>(rows * 16) * sizeof(float));
         runners[s].group(n, acc, scratch);
         for (int l = 0; l < amx::kGroup && amx::kGroup * n + l < seg.rows; ++l) {
           const int64_t row = amx::kGroup * n + l;
