@@ -354,18 +354,23 @@ def test_an_unavailable_build_says_why(monkeypatch):
         GgufMatrix([GgufSegment(T.Q4_K, data)], 256, isa="avx512")
 
 
+_SCALE_BYTES = {T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.Q4_0: [0], T.Q4_1: [0, 2],
+                T.Q8_0: [0]}  # where each block's fp16 scales sit
+
+
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
-def test_k_quant_calls_of_every_height_agree_bit_for_bit(isa, qtype):
-    """Q4_K / Q6_K blocks of random bytes (every scale, minimum and code) in 37 rows (groups
-    of 16 and a tail): calls of 1-40 rows, across the AMX build's switch from per-row sums
-    (up to 3 / 4 rows) to tiles of 2, 4, 8 and 16 rows (with padded rows), equal the
+@pytest.mark.parametrize("qtype", list(_SCALE_BYTES), ids=lambda t: t.name)
+def test_grouped_calls_of_every_height_agree_bit_for_bit(isa, qtype):
+    """Blocks of random bytes (every scale, minimum and code) of the types the AVX-512 builds
+    run in groups of 16 weight rows, in 37 rows (groups of 16 and a tail): calls of 1-40 rows,
+    across the switches from per-row sums (one row; AMX: up to 3 / 4) to groups of up to 8
+    tokens a pass (AMX: tiles of 2, 4, 8 and 16 rows, with padded rows), equal the
     dequantized product and, row by row, one 40-row call."""
-    size = gguf.GGML_QUANT_SIZES[qtype][1]
-    n, nb = 37, K // 256
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    n, nb = 37, K // block
     gen = np.random.default_rng(5)
     blocks = gen.integers(0, 256, (n, nb, size), dtype=np.uint8)
-    for at in ([0, 2] if qtype == T.Q4_K else [208]):  # finite fp16 d (and dmin)
+    for at in _SCALE_BYTES[qtype]:  # finite fp16 d (and dmin / m)
         d = (gen.uniform(0.002, 0.02, (n, nb)) * gen.choice([-1, 1], (n, nb))).astype(np.float16)
         blocks[..., at:at + 2] = d[..., None].view(np.uint8)
     mat = GgufMatrix([GgufSegment(qtype, torch.from_numpy(blocks.reshape(n, -1)))], K, isa=isa)

@@ -13,21 +13,23 @@ own w4a8 blocks (:mod:`selfspec.executor.w4a8`), no bf16 copy; a token costs rea
 
 Row consistency: a row's result is bit-identical whatever the number of rows in the call and
 whatever the others are (and whatever the thread count), so a verification block equals
-one-token decoding bit for bit; yet each decoded weight block serves a tile of up to 8 rows,
-so a block of 8–16 rows costs far less than as many one-row calls.
+one-token decoding bit for bit; yet each decoded weight block serves every row of the call,
+so a block of 8-16 rows costs far less than as many one-row calls.
 
 Three builds of the same source, chosen at run time: AMX (the AVX-512 build plus AMX int8
-tiles for Q4_K and Q6_K rows, ``kernels/gguf_amx.h``) where the CPU lists amx_tile and
-amx_int8 and Linux grants the tile state, else AVX-512 (F/BW/VL + VNNI: ``vpdpbusd``,
-``vpdpwssd``, 64 inputs a zmm) where the CPU has it, else AVX2 + FMA + F16C
-(``vpmaddubsw``/``vpmaddwd``). ``isa=`` forces one (tests check each available). The builds
-may differ in the last bits; each is row-consistent. The AMX build multiplies Q4_K rows of
-calls of 4 activation rows and more (Q6_K: 5) in tiles — 16 weight rows against up to 16
-activation rows a tile multiply, the weights decoded once per group into AMX's layout — and
-smaller calls row by row as the VNNI build does; both paths sum each 256-input block exactly
-in int32 and apply the same fp32 steps, so a row is the same bits in either. The tiles keep
-a verification block of 8-16 tokens near the cost of a few one-token steps where the VNNI
-build's row-by-row cost grows with the rows.
+tiles, ``kernels/gguf_amx.h``) where the CPU lists amx_tile and amx_int8 and Linux grants the
+tile state, else AVX-512 (F/BW/VL + VNNI: ``vpdpbusd``, ``vpdpwssd``, 64 inputs a zmm) where
+the CPU has it, else AVX2 + FMA + F16C (``vpmaddubsw``/``vpmaddwd``). ``isa=`` forces one
+(tests check each available). On the AVX-512 builds, Q4_K, Q5_K, Q6_K (``gguf_amx.h``) and
+Q4_0, Q4_1, Q8_0 (``gguf_group32.h``) rows run in groups of 16 weight rows, one per vector
+lane: the rows' codes are transposed once per block and multiplied with every token of the
+call (``vpdpbusd`` with the token's inputs broadcast; the AMX build: Q4_K / Q6_K in int8
+tiles from 4-5 tokens on), each block summed exactly in int32 and scaled in fp32 lane by lane,
+so the AVX-512 and AMX builds give the same bits for these types; one-token calls of the
+K-quants take each row alone with the same sums (reading the rows in order). Q5_0 / Q5_1 /
+Q2_K / Q3_K and float rows run row by row, a tile of up to 8 tokens per decoded block. The
+AVX2 build is row by row throughout and rounds differently in the last bits; each build is
+row-consistent.
 
 ``scripts/gguf_rows_bench.py`` measures the products (one-token bandwidth per block type,
 multi-row calls against one-row ones): a call of 8 or 16 rows costs a fraction of that many

@@ -1,63 +1,49 @@
-// Groups of 16 weight rows for Q4_K, Q5_K and Q6_K (gguf_rows.cpp's AVX-512 VNNI and AMX
-// builds; it includes this after its own helpers: load32, u16, k_scales, BlockQ8_K, TypeQ4_K,
-// TypeQ5_K, TypeQ6_K).
+// AMX int8 tiles for Q4_K and Q6_K rows (gguf_rows.cpp's AMX build, SELFSPEC_GGUF_AMX; it
+// includes this after its own helpers: load32, u16, k_scales, BlockQ8_K, TypeQ4_K, TypeQ6_K).
 //
-// Why: multiplied row by row (one weight row against up to 8 activation rows), a call of M
-// rows costs about M times the integer multiplies of one, plus M times the per-block fp32
-// scaling, and a verification block of 8 tokens cost 2.8-4.6 one-token calls on
-// Qwen2.5-1.5B's Q4_K / Q6_K matrices. In a group the 16 weight rows sit in the 16 lanes of a
-// vector, so the per-block scaling is one vector step per token for 16 rows, and each decoded
-// block serves every token of the call.
+// Why: on the VNNI build a call of M activation rows costs about M times the integer
+// multiplies of one (a verification block of 8 tokens cost 2.2-3.7 one-token calls on
+// Qwen2.5-1.5B's Q4_K / Q6_K matrices; prefill was compute-bound). An AMX tile multiply takes
+// up to 16 activation rows against 16 weight rows at once.
 //
 // Scheme, per group of 16 weight rows and per 256-input block:
-// - Calls of more than T::kSmallMax rows: the 16 rows' codes are transposed once (16 weight
-//   rows x 4 consecutive codes a dword lane, transpose16x8) and multiplied with every token:
-//   - AMX build (group, group_q4k): in int8 tiles. Q4_K folds each sub-block's 6-bit scale
-//     into its codes, split in two int8 halves (sl q, sh q), so a block is 8 tile multiplies
-//     into two accumulators: S = C_lo + 8 C_hi. Q6_K (int8 scales, 6-bit codes: no int8 fold)
-//     takes one multiply per sub-block of 16, each sum scaled by vpmulld: S = sum_i sc_i C_i.
-//   - VNNI build (vgroup): per token and sub-block, vpdpbusd of the u8 codes with the token's
-//     4 inputs broadcast (32 inputs: 8 of them), the sum scaled by vpmulld: S = sum_j sc_j
-//     C_j (Q6_K: codes u = q + 32, less 32 sum_i sc_i bsum_i by vpdpwssd).
-// - Smaller calls (small_group): each weight row decoded and multiplied as the row-by-row
-//   kernels do (their exact integer block sums over 16 lanes), row after row, the lanes
-//   summed exactly.
-// - All: the block's integer sum S (and, Q4_K / Q5_K, the minima's sum_j m_j (bsum_2j +
-//   bsum_2j+1)) is exact; then per (token, weight row) in fp32, in this order: acc = fma(S,
-//   d dx, acc) and, Q4_K / Q5_K, acc = fnma(Mn, dmin dx, acc) (Q4K::apply / Q6K::apply).
+// - Calls of more than T::kSmallMax rows (group, group_q4k): the weights are decoded once into
+//   B tiles in AMX's VNNI layout (row r: 16 weight rows x 4 consecutive codes; the 16 rows'
+//   code dwords transposed in registers, transpose16x8). The activations (Q8_K, llama.cpp's
+//   reference rounding, as in the other builds) are A tiles of up to 16 token rows (mc),
+//   taken from a padded copy of their codes. Q4_K folds each sub-block's 6-bit scale into its
+//   codes, split in two int8 halves (sl q, sh q), so a block is 8 tile multiplies into two
+//   accumulators: S = C_lo + 8 C_hi. Q6_K (int8 scales, 6-bit codes: no int8 fold) takes one
+//   multiply per sub-block of 16, each sum scaled by vpmulld: S = sum_i sc_i C_i.
+// - Smaller calls (small_group): each weight row decoded and multiplied as the VNNI build does
+//   (its exact integer block sums over 16 lanes), row after row, the lanes summed exactly.
+// - Both: the block's integer sum S (and, Q4_K, the minima's sum_j m_j (bsum_2j + bsum_2j+1))
+//   is exact; then per (token, weight row) in fp32, in this order: acc = fma(S, d dx, acc) and,
+//   Q4_K, acc = fnma(Mn, dmin dx, acc) (Q4K::apply / Q6K::apply).
 //
 // Row consistency: S and Mn are exact integers and the fp32 steps act on each (token, weight
 // row) lane alone in a fixed order, so a result is the same bits whatever M, the path, the
-// tile height, the padding and the thread split, and the same in the VNNI and AMX builds.
-// (Types outside groups are row by row; those sum scaled blocks in 16 fp32 lanes.)
+// tile height, the padding and the thread split. This build's numerics differ from the VNNI
+// build's (which sums scaled blocks in 16 fp32 lanes) in the last bits.
 
 // amx.h: included by gguf_rows.cpp at file scope.
 
-// Calls of up to this many activation rows take small_group (measured: below, a group costs
-// more than it saves).
-#ifdef SELFSPEC_GGUF_AMX
-#ifndef SELFSPEC_GROUP_SMALL_Q4K
-#define SELFSPEC_GROUP_SMALL_Q4K 3
+// Calls of up to this many activation rows take small_group (measured: below, tiles cost more
+// than they save).
+#ifndef SELFSPEC_AMX_SMALL_Q4K
+#define SELFSPEC_AMX_SMALL_Q4K 3
 #endif
-#ifndef SELFSPEC_GROUP_SMALL_Q6K
-#define SELFSPEC_GROUP_SMALL_Q6K 4
-#endif
-#else
-#ifndef SELFSPEC_GROUP_SMALL_Q4K
-#define SELFSPEC_GROUP_SMALL_Q4K 1
-#endif
-#ifndef SELFSPEC_GROUP_SMALL_Q6K
-#define SELFSPEC_GROUP_SMALL_Q6K 1
-#endif
+#ifndef SELFSPEC_AMX_SMALL_Q6K
+#define SELFSPEC_AMX_SMALL_Q6K 4
 #endif
 
 namespace amx {
 
 constexpr int kGroup = 16;  // weight rows a group: the 16 int32 columns of a C tile
 
-#ifdef SELFSPEC_GGUF_AMX
 using selfspec_amx::permission;
 using selfspec_amx::TileConfig;
+
 // Tiles 0 / 3: C (mc token rows of 16 int32); 1 / 4: A (mc token rows of ks codes); 2 / 5:
 // B (ks / 4 rows of 16 weight rows x 4 codes). Two of each, so that a sub-block's multiply
 // overlaps the previous one's scaling.
@@ -73,7 +59,6 @@ inline void configure(int mc, int ks) {
   for (int t : {2, 5}) { c.rows[t] = static_cast<uint8_t>(ks / 4); c.colsb[t] = 64; }
   selfspec_amx::load_config(c);
 }
-#endif  // SELFSPEC_GGUF_AMX
 
 // z[r] int32 lane n = dword r of the 32 bytes at rows[n] + off (n < 16, r < 8): the rows
 // paired into zmm (row i with i + 4, 8 + i with 12 + i) so that after two unpack stages one
@@ -109,20 +94,18 @@ inline __m512 gather_fp16(const uint8_t* const* rows, int64_t off) {
   return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
 }
 
-// The activations of one call: the Q8_K rows, their scales and pair sums, and for AMX tiles a
-// padded copy of their codes (token rows padded to a multiple of mc).
+// The activations of one call, in the tiles' layout: token rows padded to a multiple of mc.
 struct Act {
   int64_t M = 0, mc = 1, mpad = 0, K = 0, nb = 0;
-  bool small = false;          // M <= the type's kSmallMax: small_group, no group
+  bool small = false;          // M <= the type's kSmallMax: small_group, no tiles
   const uint8_t* raw = nullptr;  // the Q8_K rows themselves ([M, nb] blocks)
   std::vector<int8_t> qs;      // [mpad, K] codes (zero past M)
   std::vector<float> dx;       // [mpad, nb] Q8_K scales
   std::vector<int32_t> bpair;  // [mpad, nb, 4]: int16 (bsum32_2p, bsum32_2p+1), p < 4
 };
 
-// Q8_K rows act ([M, nb] blocks) -> Act (tiles: the codes copied for AMX tiles).
-inline std::shared_ptr<Act> prepare(const uint8_t* act, int64_t M, int64_t K, bool small,
-                                    bool tiles) {
+// Q8_K rows act ([M, nb] blocks) -> Act.
+inline std::shared_ptr<Act> prepare(const uint8_t* act, int64_t M, int64_t K, bool small) {
   auto a = std::make_shared<Act>();
   a->M = M;
   a->K = K;
@@ -131,14 +114,13 @@ inline std::shared_ptr<Act> prepare(const uint8_t* act, int64_t M, int64_t K, bo
   a->raw = act;
   a->mc = M <= 1 ? 1 : M <= 2 ? 2 : M <= 4 ? 4 : M <= 8 ? 8 : 16;
   a->mpad = (M + a->mc - 1) / a->mc * a->mc;
-  const bool copy = tiles && !small;
-  if (copy) a->qs.assign(static_cast<size_t>(a->mpad * K), 0);
+  if (!small) a->qs.assign(static_cast<size_t>(a->mpad * K), 0);
   a->dx.assign(static_cast<size_t>(a->mpad * a->nb), 0.f);
   a->bpair.assign(static_cast<size_t>(a->mpad * a->nb * 4), 0);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < a->nb; ++b) {
       const auto* blk = reinterpret_cast<const BlockQ8_K*>(act) + m * a->nb + b;
-      if (copy) memcpy(a->qs.data() + m * K + 256 * b, blk->qs, 256);
+      if (!small) memcpy(a->qs.data() + m * K + 256 * b, blk->qs, 256);
       a->dx[m * a->nb + b] = blk->d;
       for (int p = 0; p < 4; ++p) {
         const int s0 = blk->bsums[4 * p] + blk->bsums[4 * p + 1];  // |s| <= 32 * 127
@@ -154,7 +136,7 @@ inline std::shared_ptr<Act> prepare(const uint8_t* act, int64_t M, int64_t K, bo
 // Q4_K (144 bytes: fp16 d, dmin, 12 bytes of 6-bit scales / minima, 128 bytes of nibbles).
 struct Q4K {
   static constexpr int kSub = 8, kKs = 64;  // kKs: inputs an A tile row (Q4K: 64)
-  static constexpr int64_t kSmallMax = SELFSPEC_GROUP_SMALL_Q4K;
+  static constexpr int64_t kSmallMax = SELFSPEC_AMX_SMALL_Q4K;
   static constexpr int64_t kBytes = 144;
   using Vnni = TypeQ4_K;  // the VNNI build's type: small calls (small_group)
   struct Scales {
@@ -244,7 +226,7 @@ struct Q4K {
 // Q6_K (210 bytes: ql[128], qh[64], int8 scales[16], fp16 d); see gguf_rows.cpp's TypeQ6_K.
 struct Q6K {
   static constexpr int kSub = 16, kKs = 16;
-  static constexpr int64_t kSmallMax = SELFSPEC_GROUP_SMALL_Q6K;
+  static constexpr int64_t kSmallMax = SELFSPEC_AMX_SMALL_Q6K;
   static constexpr int64_t kBytes = 210;
   using Vnni = TypeQ6_K;
   struct Scales {
@@ -299,7 +281,6 @@ struct Q6K {
   }
 };
 
-#ifdef SELFSPEC_GGUF_AMX
 // acc ([a.mpad, 16] fp32, zeroed by the caller) = weight rows wrows[0..15] (each nb blocks of
 // T) . every activation row; tiles configured for (MC, T::kKs).
 template <class T, int MC>
@@ -340,8 +321,6 @@ void group(const uint8_t* const* wrows, const Act& a, float* acc) {
     }
   }
 }
-
-#endif  // SELFSPEC_GGUF_AMX
 
 // r lane n = the sum of v[n]'s 16 int32 lanes (exact): pairwise unpack-adds, then 128-bit
 // lane shuffles.
@@ -403,7 +382,6 @@ void small_group(const uint8_t* const* wrows, const Act& a, float* acc, Scratch&
   }
 }
 
-#ifdef SELFSPEC_GGUF_AMX
 // group for Q4_K: per block, four 64-input steps into two accumulators (C_lo, C_hi), one
 // store each (tiles: 0 C_lo, 3 C_hi, 1 A, 2 B_lo, 5 B_hi).
 template <int MC>
@@ -440,218 +418,8 @@ void group_q4k(const uint8_t* const* wrows, const Act& a, float* acc) {
   }
 }
 
-#endif  // SELFSPEC_GGUF_AMX
-
-// Q5_K (176 bytes: Q4_K's head, qh[32], 128 bytes of nibbles): the same scales and minima as
-// Q4_K, a fifth bit per code (gguf_rows.cpp's TypeQ5_K). No AMX tiles: groups run on VNNI.
-struct Q5K : Q4K {
-  static constexpr int64_t kBytes = 176;
-  using Vnni = TypeQ5_K;
-};
-
-// The VNNI group's codes of one block of 16 weight rows (u8): sub-block j, dword r: lane n =
-// row n's codes of inputs kDw * 4 j + 4 r .. + 3.
-template <int kSubs, int kDws>
-struct VCodes {
-  static constexpr int kSub = kSubs, kDw = kDws;
-  alignas(64) uint8_t q[kSub][kDw][64];
-};
-
-// Q4_K / Q5_K codes (fifth: Q5_K's qh at byte 16, nibbles at 48) into w.
-template <bool fifth>
-inline void vcodes_k(const uint8_t* const* rows, VCodes<8, 8>& w) {
-  const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
-  __m512i qh[8];
-  if (fifth) transpose16x8(rows, 16, qh);
-  for (int c = 0; c < 4; ++c) {  // 64 inputs: low nibbles sub-block 2c, high 2c + 1
-    __m512i z[8];
-    transpose16x8(rows, (fifth ? 48 : 16) + 32 * c, z);
-    for (int r = 0; r < 8; ++r) {
-      __m512i q0 = _mm512_and_si512(z[r], low4);
-      __m512i q1 = _mm512_and_si512(_mm512_srli_epi16(z[r], 4), low4);
-      if (fifth) {  // bits 2c, 2c + 1 of each qh byte to bit 4 (shifts of at most 4 stay in it)
-        const int k0 = 2 * c, k1 = 2 * c + 1;
-        const __m512i h0 = k0 < 4 ? _mm512_slli_epi16(qh[r], 4 - k0)
-                                  : _mm512_srli_epi16(qh[r], k0 - 4);
-        const __m512i h1 = k1 < 4 ? _mm512_slli_epi16(qh[r], 4 - k1)
-                                  : _mm512_srli_epi16(qh[r], k1 - 4);
-        q0 = _mm512_or_si512(q0, _mm512_and_si512(h0, bit4));
-        q1 = _mm512_or_si512(q1, _mm512_and_si512(h1, bit4));
-      }
-      _mm512_store_si512(w.q[2 * c][r], q0);
-      _mm512_store_si512(w.q[2 * c + 1][r], q1);
-    }
-  }
-}
-
-// Q6_K codes u = q + 32 (0..63) into w, sub-blocks of 16 inputs (Q6K::decode's order, unsigned).
-inline void vcodes_q6k(const uint8_t* const* rows, VCodes<16, 4>& w) {
-  const __m512i low4 = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);
-  for (int h = 0; h < 2; ++h) {
-    __m512i ql0[8], ql1[8], qh[8];
-    transpose16x8(rows, 64 * h, ql0);
-    transpose16x8(rows, 64 * h + 32, ql1);
-    transpose16x8(rows, 128 + 32 * h, qh);
-    for (int k = 0; k < 4; ++k)
-      for (int r = 0; r < 8; ++r) {
-        __m512i lo = (k & 1) ? ql1[r] : ql0[r];
-        if (k >= 2) lo = _mm512_srli_epi16(lo, 4);
-        const __m512i hi = k == 0 ? _mm512_slli_epi16(qh[r], 4)
-                           : k == 1 ? _mm512_slli_epi16(qh[r], 2)
-                           : k == 2 ? qh[r]
-                                    : _mm512_srli_epi16(qh[r], 2);
-        _mm512_store_si512(w.q[8 * h + 2 * k + r / 4][r % 4],
-                           _mm512_or_si512(_mm512_and_si512(lo, low4),
-                                           _mm512_and_si512(hi, bits45)));
-      }
-  }
-}
-
-inline int32_t load_i32(const void* p) {
-  int32_t v;
-  memcpy(&v, p, 4);
-  return v;
-}
-
-// The VNNI group of one type: its codes, how to decode them and the per-token exact sums.
-struct VQ4K {
-  using T = Q4K;
-  using Codes = VCodes<8, 8>;
-  static void decode(const uint8_t* const* rows, Codes& w) { vcodes_k<false>(rows, w); }
-  static void pairs(const T::Scales&, Codes&) {}
-  static void offset(const Codes&, const BlockQ8_K&, __m512i&) {}  // codes unsigned
-};
-struct VQ5K {
-  using T = Q5K;
-  using Codes = VCodes<8, 8>;
-  static void decode(const uint8_t* const* rows, Codes& w) { vcodes_k<true>(rows, w); }
-  static void pairs(const T::Scales&, Codes&) {}
-  static void offset(const Codes&, const BlockQ8_K&, __m512i&) {}
-};
-struct VQ6K {
-  using T = Q6K;
-  // the codes, and the scales as int16 pairs (sc_2p, sc_2p+1) per weight row
-  struct Codes : VCodes<16, 4> {
-    __m512i pair[8];
-  };
-  static void decode(const uint8_t* const* rows, Codes& w) {
-    vcodes_q6k(rows, w);
-  }
-  static void pairs(const T::Scales& sc, Codes& w) {
-    const __m512i low = _mm512_set1_epi32(0xffff);
-    for (int p = 0; p < 8; ++p)
-      w.pair[p] = _mm512_or_si512(_mm512_and_si512(sc.sc[2 * p], low),
-                                  _mm512_slli_epi32(sc.sc[2 * p + 1], 16));
-  }
-  // s -= 32 sum_i sc_i bsum_i (the codes' +32), by vpdpwssd over int16 pairs.
-  static void offset(const Codes& w, const BlockQ8_K& x, __m512i& s) {
-    __m512i off = _mm512_setzero_si512();
-    for (int p = 0; p < 8; ++p)
-      off = _mm512_dpwssd_epi32(off, w.pair[p], _mm512_set1_epi32(load_i32(x.bsums + 2 * p)));
-    s = _mm512_sub_epi32(s, _mm512_slli_epi32(off, 5));
-  }
-};
-
-// Tokens m0 .. m0 + MT - 1 of block b against a decoded group: per sub-block j, C_j = the
-// codes . the token's inputs (vpdpbusd, the token's dword broadcast), S = sum_j sc_j C_j
-// (vpmulld), then T::finish.
-template <class V, int MT>
-inline void vgroup_tokens(const typename V::Codes& w, const typename V::T::Scales& sc,
-                          const Act& a, int64_t m0, int64_t b, float* acc) {
-  using C = typename V::Codes;
-  const BlockQ8_K* x[MT];
-  for (int m = 0; m < MT; ++m) x[m] = reinterpret_cast<const BlockQ8_K*>(a.raw) + (m0 + m) * a.nb + b;
-  __m512i s[MT];
-  for (int m = 0; m < MT; ++m) s[m] = _mm512_setzero_si512();
-  for (int j = 0; j < C::kSub; ++j) {
-    __m512i c[MT];
-    for (int m = 0; m < MT; ++m) c[m] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int r = 0; r < C::kDw; ++r) {
-      const __m512i wr = _mm512_load_si512(w.q[j][r]);
-      for (int m = 0; m < MT; ++m)
-        c[m] = _mm512_dpbusd_epi32(
-            c[m], wr, _mm512_set1_epi32(load_i32(x[m]->qs + 4 * (C::kDw * j + r))));
-    }
-    for (int m = 0; m < MT; ++m) s[m] = _mm512_add_epi32(s[m], _mm512_mullo_epi32(c[m], sc.sc[j]));
-  }
-  for (int m = 0; m < MT; ++m) {
-    V::offset(w, *x[m], s[m]);
-    V::T::finish(sc, a, m0 + m, b, s[m], acc + (m0 + m) * 16);
-  }
-}
-
-// Bytes in memory: a group's successor, for prefetching.
-struct Span {
-  const uint8_t* data;
-  int64_t bytes;
-};
-
-// Up to this many tokens share a pass over a decoded group (their sums in registers).
-constexpr int kGroupTokens = 8;
-#ifndef SELFSPEC_GROUP_PREFETCH
-#define SELFSPEC_GROUP_PREFETCH 4
-#endif
-constexpr int64_t kGroupPrefetch = SELFSPEC_GROUP_PREFETCH;
-
-// acc ([a.M, 16] fp32, zeroed by the caller) = weight rows wrows[0..15] (each nb blocks of T)
-// . every activation row, on VNNI (no tiles). Prefetches next (the following group's bytes)
-// into L2 a share per block: in memory order, which DRAM serves far better than the 16
-// strided streams the blocks are read in.
-template <class V>
-void vgroup(const uint8_t* const* wrows, const Act& a, float* acc, Span next) {
-  using T = typename V::T;
-  typename V::Codes w;
-  typename T::Scales sc;
-  const uint8_t* rows[16];
-  for (int64_t b = 0; b < a.nb; ++b) {
-    for (int n = 0; n < 16; ++n) {
-      rows[n] = wrows[n] + b * T::kBytes;
-      // kGroupPrefetch blocks ahead along each row: 16 streams are more than the hardware's
-      // prefetchers follow well
-      const uint8_t* ahead = rows[n] + kGroupPrefetch * T::kBytes;
-      for (int64_t o = 0; o < T::kBytes; o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
-    }
-    const int64_t share = (next.bytes + a.nb - 1) / a.nb;
-    for (int64_t o = b * share; o < std::min(next.bytes, (b + 1) * share); o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(next.data + o), _MM_HINT_T1);
-    T::scales(rows, sc);
-    V::decode(rows, w);
-    V::pairs(sc, w);
-    for (int64_t m0 = 0; m0 < a.M; m0 += kGroupTokens) {
-      switch (std::min<int64_t>(kGroupTokens, a.M - m0)) {
-        case 8: vgroup_tokens<V, 8>(w, sc, a, m0, b, acc); break;
-        case 7: vgroup_tokens<V, 7>(w, sc, a, m0, b, acc); break;
-        case 6: vgroup_tokens<V, 6>(w, sc, a, m0, b, acc); break;
-        case 5: vgroup_tokens<V, 5>(w, sc, a, m0, b, acc); break;
-        case 4: vgroup_tokens<V, 4>(w, sc, a, m0, b, acc); break;
-        case 3: vgroup_tokens<V, 3>(w, sc, a, m0, b, acc); break;
-        case 2: vgroup_tokens<V, 2>(w, sc, a, m0, b, acc); break;
-        default: vgroup_tokens<V, 1>(w, sc, a, m0, b, acc); break;
-      }
-    }
-  }
-}
-
-// The group type of T.
-template <class T> struct VnniOf;
-template <> struct VnniOf<Q4K> { using type = VQ4K; };
-template <> struct VnniOf<Q5K> { using type = VQ5K; };
-template <> struct VnniOf<Q6K> { using type = VQ6K; };
-
-// Whether T's large calls run in AMX tiles (else vgroup).
 template <class T>
-constexpr bool tiles() {
-#ifdef SELFSPEC_GGUF_AMX
-  return !std::is_same<T, Q5K>::value;
-#else
-  return false;
-#endif
-}
-
-template <class T>
-void run(const uint8_t* const* wrows, const Act& a, float* acc, Scratch& scratch, Span next) {
+void run(const uint8_t* const* wrows, const Act& a, float* acc, Scratch& scratch) {
   if (a.small) {
     switch (a.M) {
       case 4: small_group<T, 4>(wrows, a, acc, scratch); return;
@@ -660,10 +428,7 @@ void run(const uint8_t* const* wrows, const Act& a, float* acc, Scratch& scratch
       default: small_group<T, 1>(wrows, a, acc, scratch); return;
     }
   }
-  if constexpr (!tiles<T>()) {
-    vgroup<typename VnniOf<T>::type>(wrows, a, acc, next);
-  } else if constexpr (std::is_same<T, Q4K>::value) {
-#ifdef SELFSPEC_GGUF_AMX
+  if constexpr (std::is_same<T, Q4K>::value) {
     switch (a.mc) {
       case 16: group_q4k<16>(wrows, a, acc); break;
       case 8: group_q4k<8>(wrows, a, acc); break;
@@ -671,9 +436,7 @@ void run(const uint8_t* const* wrows, const Act& a, float* acc, Scratch& scratch
       case 2: group_q4k<2>(wrows, a, acc); break;
       default: group_q4k<1>(wrows, a, acc); break;
     }
-#endif
   } else {
-#ifdef SELFSPEC_GGUF_AMX
     switch (a.mc) {
       case 16: group<T, 16>(wrows, a, acc); break;
       case 8: group<T, 8>(wrows, a, acc); break;
@@ -681,7 +444,6 @@ void run(const uint8_t* const* wrows, const Act& a, float* acc, Scratch& scratch
       case 2: group<T, 2>(wrows, a, acc); break;
       default: group<T, 1>(wrows, a, acc); break;
     }
-#endif
   }
 }
 

@@ -1,5 +1,5 @@
 // Groups of 16 weight rows for the blocks of 32 inputs Q4_0, Q4_1 and Q8_0 (gguf_rows.cpp's
-// AVX-512 builds; it includes this after gguf_amx.h, whose transpose-free helpers it shares).
+// AVX-512 builds; it includes this after its own helpers: fp16, u16, BlockQ8_0, BlockQ8_1).
 //
 // Why: row by row, every block of 32 inputs costs each (token, weight row) its own fp32
 // scaling (a multiply-add per 32 products), so a call of M tokens cost about M one-token
@@ -8,7 +8,7 @@
 // steps for 16 rows; each decoded block serves every token of the call, so verification of a
 // block of tokens costs little more than one.
 //
-// Scheme, per group of 16 weight rows, per chunk of up to amx::kGroupTokens tokens, per block b
+// Scheme, per group of 16 weight rows, per chunk of up to kGroupTokens tokens, per block b
 // (in order): the rows' codes as u8 (Q4_0 / Q4_1: the nibbles; Q8_0: q + 128), transposed so
 // that lane n of vector r holds row n's codes of inputs 4r .. 4r + 3 (transpose16x4); then per
 // token S = codes . inputs (exact int32), less kOffset * sum(inputs) (Q4_0: 8, Q8_0: 128),
@@ -20,6 +20,14 @@
 // call; the AVX-512 and AMX builds share this path (the AVX2 build's rounding differs).
 
 namespace group32 {
+
+constexpr int kGroupTokens = 8;  // tokens a pass over a group (their sums in registers)
+
+// Bytes in memory: a group's successor, for prefetching.
+struct Span {
+  const uint8_t* data;
+  int64_t bytes;
+};
 
 // The activations of one call: the raw Q8_0 / Q8_1 rows and, per (token, block), dx, sx
 // (Q8_1's s) and the exact sum of the 32 inputs.
@@ -130,7 +138,7 @@ struct Q8_0 {
 // Tokens m0 .. m0 + MT - 1 against weight rows wrows[0..15] (nb blocks of T each), every block
 // in order, the accumulators in registers: acc[(m0 + t) * 16 + n].
 template <class T, int MT>
-void tokens(const uint8_t* const* wrows, const Act& a, int64_t m0, float* acc, amx::Span next,
+void tokens(const uint8_t* const* wrows, const Act& a, int64_t m0, float* acc, Span next,
             bool first) {
   __m512 sum[MT];
   for (int t = 0; t < MT; ++t) sum[t] = _mm512_setzero_ps();
@@ -165,10 +173,10 @@ void tokens(const uint8_t* const* wrows, const Act& a, int64_t m0, float* acc, a
 
 // acc ([a.M, 16] fp32) = weight rows wrows[0..15] . every activation row.
 template <class T>
-void run(const uint8_t* const* wrows, const Act& a, float* acc, amx::Span next) {
-  for (int64_t m0 = 0; m0 < a.M; m0 += amx::kGroupTokens) {
+void run(const uint8_t* const* wrows, const Act& a, float* acc, Span next) {
+  for (int64_t m0 = 0; m0 < a.M; m0 += kGroupTokens) {
     const bool first = m0 == 0;
-    switch (std::min<int64_t>(amx::kGroupTokens, a.M - m0)) {
+    switch (std::min<int64_t>(kGroupTokens, a.M - m0)) {
       case 8: tokens<T, 8>(wrows, a, m0, acc, next, first); break;
       case 7: tokens<T, 7>(wrows, a, m0, acc, next, first); break;
       case 6: tokens<T, 6>(wrows, a, m0, acc, next, first); break;

@@ -1198,57 +1198,64 @@ void float_tile(const uint8_t* wbytes, const float* x, int64_t K, float* res) {
   }
 }
 
-#ifdef SELFSPEC_GGUF_VNNI
+#ifdef SELFSPEC_GGUF_AMX
 #include "gguf_amx.h"
+#endif
+#ifdef SELFSPEC_GGUF_VNNI
 #include "gguf_group32.h"
 #endif
 
 // One segment of rows of one type, ready to multiply: tile(n, t0, tb, res) computes rows
 // t0 .. t0 + tb - 1 (tb <= kTile) against the segment's weight row n. Holds the activations
 // repacked for its type (blocks of 32), made once per call before the rows are split. In the
-// AVX-512 builds, Q4_K / Q5_K / Q6_K segments instead run groups of 16 weight rows (group,
-// gguf_amx.h).
+// AVX-512 builds, Q4_0 / Q4_1 / Q8_0 segments instead run groups of 16 weight rows
+// (gguf_group32.h), and in the AMX build Q4_K / Q6_K ones (gguf_amx.h).
+constexpr int64_t kGroupRows = 16;  // weight rows a group (amx::kGroup, gguf_group32.h)
+
+#ifdef SELFSPEC_GGUF_AMX
+using GroupScratch = amx::Scratch;
+#else
+struct GroupScratch {};  // the groups of gguf_group32.h keep nothing between groups
+#endif
+
 struct Runner {
   std::function<void(int64_t, int64_t, int64_t, float*)> tile;
   std::shared_ptr<void> keep;
 #ifdef SELFSPEC_GGUF_VNNI
   // acc ([mpad, 16]) = weight rows 16 g .. 16 g + 15 (zero rows past the segment) . every
   // activation row; null for a segment of another type.
-  std::function<void(int64_t, float*, amx::Scratch&)> group;
+  std::function<void(int64_t, float*, GroupScratch&)> group;
   int64_t group_rows = 0;  // activation rows acc holds (padded to the AMX tiles' height)
   int64_t group_tile_mc = 0;  // AMX build: the tiles' height where group runs tiles, else 0
 #endif
 };
 
-#ifdef SELFSPEC_GGUF_VNNI
-template <class T>
-bool group_runner(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act, int64_t M,
-                  Runner& r) {
-  if (K % 256) return false;
 #ifdef SELFSPEC_GGUF_AMX
-  if (!amx::permission()) return false;
-#endif
+template <class T>
+bool amx_runner(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act, int64_t M,
+                Runner& r) {
+  if (K % 256 || !amx::permission()) return false;
   const int64_t row_bytes = K / 256 * T::kBytes;
-  auto prepared = amx::prepare(act, M, K, M <= T::kSmallMax, amx::tiles<T>());
+  auto prepared = amx::prepare(act, M, K, M <= T::kSmallMax);
   auto zero = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(row_bytes), 0);
   r.keep = std::make_shared<std::pair<decltype(prepared), decltype(zero)>>(prepared, zero);
   r.group_rows = prepared->mpad;
-  r.group_tile_mc = amx::tiles<T>() && !prepared->small ? prepared->mc : 0;
+  r.group_tile_mc = prepared->small ? 0 : prepared->mc;
   const amx::Act* a = prepared.get();
   const uint8_t* z = zero->data();
-  r.group = [=](int64_t g, float* acc, amx::Scratch& scratch) {
+  r.group = [=](int64_t g, float* acc, GroupScratch& scratch) {
     const uint8_t* rows[16];
     for (int l = 0; l < 16; ++l) {
       const int64_t n = 16 * g + l;
       rows[l] = n < N ? w + n * row_bytes : z;
     }
-    // the next group's rows (contiguous after these), for vgroup to prefetch
-    const int64_t next = std::min<int64_t>(N, 16 * g + 32) - std::min<int64_t>(N, 16 * g + 16);
-    amx::run<T>(rows, *a, acc, scratch, {w + (16 * g + 16) * row_bytes, next * row_bytes});
+    amx::run<T>(rows, *a, acc, scratch);
   };
   return true;
 }
+#endif
 
+#ifdef SELFSPEC_GGUF_VNNI
 // Q4_0 / Q4_1 / Q8_0 rows in groups of 16 (gguf_group32.h), every call whatever its rows.
 template <class T>
 bool group32_runner(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act, int64_t M,
@@ -1261,7 +1268,7 @@ bool group32_runner(const uint8_t* w, int64_t N, int64_t K, const uint8_t* act, 
   r.group_rows = M;
   const group32::Act* a = prepared.get();
   const uint8_t* z = zero->data();
-  r.group = [=](int64_t g, float* acc, amx::Scratch&) {
+  r.group = [=](int64_t g, float* acc, GroupScratch&) {
     const uint8_t* rows[16];
     for (int l = 0; l < 16; ++l) {
       const int64_t n = 16 * g + l;
@@ -1330,10 +1337,11 @@ bool float_runner(const uint8_t* w, int64_t K, const uint8_t* act, Runner& r) {
 bool make_runner(int64_t type, const uint8_t* w, int64_t N, int64_t K, const void* act,
                  int64_t M, Runner& r) {
   const auto* a = static_cast<const uint8_t*>(act);
+#ifdef SELFSPEC_GGUF_AMX
+  if (type == kQ4_K) return amx_runner<amx::Q4K>(w, N, K, a, M, r);
+  if (type == kQ6_K) return amx_runner<amx::Q6K>(w, N, K, a, M, r);
+#endif
 #ifdef SELFSPEC_GGUF_VNNI
-  if (type == kQ4_K && group_runner<amx::Q4K>(w, N, K, a, M, r)) return true;
-  if (type == kQ5_K && group_runner<amx::Q5K>(w, N, K, a, M, r)) return true;
-  if (type == kQ6_K && group_runner<amx::Q6K>(w, N, K, a, M, r)) return true;
   if (type == kQ4_0 && group32_runner<group32::Q4_0>(w, N, K, a, M, r)) return true;
   if (type == kQ4_1 && group32_runner<group32::Q4_1>(w, N, K, a, M, r)) return true;
   if (type == kQ8_0 && group32_runner<group32::Q8_0>(w, N, K, a, M, r)) return true;
@@ -1389,7 +1397,7 @@ int64_t product_rows(const SelfspecGgufSegment* segs, int64_t nseg, int64_t K,
       return -1;
     int64_t units = segs[s].rows;
 #ifdef SELFSPEC_GGUF_VNNI
-    if (runners[s].group) units = (segs[s].rows + amx::kGroup - 1) / amx::kGroup;
+    if (runners[s].group) units = (segs[s].rows + kGroupRows - 1) / kGroupRows;
     if (runners[s].group) group_units += units;
 #endif
     start[s + 1] = start[s] + units;
@@ -1404,7 +1412,7 @@ int64_t product_rows(const SelfspecGgufSegment* segs, int64_t nseg, int64_t K,
     int64_t s = 0;
 #ifdef SELFSPEC_GGUF_VNNI
     std::vector<float> acc_buf;  // [mpad, 16] fp32, 64-byte aligned within
-    amx::Scratch scratch;
+    GroupScratch scratch;
 #endif
 #ifdef SELFSPEC_GGUF_AMX
     int64_t tiles = -1;  // the (mc, ks) the tiles are configured for
@@ -1430,8 +1438,8 @@ int64_t product_rows(const SelfspecGgufSegment* segs, int64_t nseg, int64_t K,
             (reinterpret_cast<uintptr_t>(acc_buf.data()) + 63) & ~uintptr_t(63));
         memset(acc, 0, static_cast<size_t>(rows * 16) * sizeof(float));
         runners[s].group(n, acc, scratch);
-        for (int l = 0; l < amx::kGroup && amx::kGroup * n + l < seg.rows; ++l) {
-          const int64_t row = amx::kGroup * n + l;
+        for (int l = 0; l < kGroupRows && kGroupRows * n + l < seg.rows; ++l) {
+          const int64_t row = kGroupRows * n + l;
           for (int64_t t = 0; t < M; ++t) {
             const float v = acc[t * 16 + l];
             emit(t, seg.col + row, seg.bias ? v + seg.bias[row] : v);
