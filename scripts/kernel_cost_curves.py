@@ -8,7 +8,7 @@ Usage::
     python scripts/kernel_cost_curves.py [--model qwen1.5b|smollm2] [--threads 2]
         [--kernels gguf-avx512,bf16-avx512bf16] [--rows 1,2,4,8,12,16]
 
-Weights are random (quantized with gguf_quantize for the GGUF builds), several layers of
+Weights are random (random codes with finite scales for the GGUF builds), several layers of
 them so that each call reads from DRAM, not from the last-level cache, as decoding does.
 
 The limits printed beside each curve: ``stream`` = the layer's bytes at the read bandwidth
@@ -31,42 +31,56 @@ import time
 from pathlib import Path
 
 import gguf
+import numpy as np
 import torch
 
 from selfspec.executor import bf16_rows, gguf_rows
-from selfspec.executor.gguf_quantize import quantize_blocks
 from selfspec.executor.gguf_rows import GgufMatrix, GgufSegment
 
 T = gguf.GGMLQuantizationType
-MODELS = {  # name: (hidden, kv rows, intermediate, layers timed)
-    "qwen1.5b": (1536, 256, 8960, 6),
-    "smollm2": (576, 192, 1536, 60),
+MODELS = {  # name: (hidden, kv rows, intermediate, layers timed, (main type, v/down type))
+    "qwen1.5b": (1536, 256, 8960, 6, (T.Q4_K, T.Q6_K)),   # its registry GGUF: Q4_K_M
+    "smollm2": (576, 192, 1536, 60, (T.Q4_1, T.Q4_1)),    # its registry GGUF: Q4_1
 }
+# Byte offsets of each block's fp16 scales (set to finite values in random blocks).
+SCALE_BYTES = {T.Q4_K: (0, 2), T.Q6_K: (208,), T.Q4_1: (0, 2), T.Q4_0: (0,), T.Q8_0: (0,)}
 PEAK_SOURCE = Path(__file__).with_name("peak_macs.cpp")
 
 
-def _matrices(hidden: int, kv: int, inter: int) -> list[tuple[int, list[tuple[int, T]]]]:
-    """(in_features, [(rows, type)]) of one layer: qkv, o, gate_up, down (Q4_K_M's types)."""
-    return [(hidden, [(hidden, T.Q4_K), (kv, T.Q4_K), (kv, T.Q6_K)]),
-            (hidden, [(hidden, T.Q4_K)]),
-            (hidden, [(2 * inter, T.Q4_K)]),
-            (inter, [(hidden, T.Q6_K)])]
+def _matrices(hidden: int, kv: int, inter: int, types) -> list[tuple[int, list[tuple[int, T]]]]:
+    """(in_features, [(rows, type)]) of one layer: qkv, o, gate_up, down; ``types`` = (main,
+    v / down) as llama.cpp's mixes pick them (Q4_K_M: Q4_K, Q6_K)."""
+    main, big = types
+    return [(hidden, [(hidden, main), (kv, main), (kv, big)]),
+            (hidden, [(hidden, main)]),
+            (hidden, [(2 * inter, main)]),
+            (inter, [(hidden, big)])]
 
 
-def _layer_products(kind: str, isa: str, matrices, layers: int, gen):
+def _random_blocks(qtype: T, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
+    """``[n, row bytes]`` blocks of random codes with finite fp16 scales (timing does not
+    depend on the values; quantizing dozens of layers would take minutes)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    for at in SCALE_BYTES[qtype]:
+        d = rng.uniform(0.002, 0.02, (n, k // block)).astype(np.float16)
+        blocks[..., at:at + 2] = d[..., None].view(np.uint8)
+    return torch.from_numpy(blocks.reshape(n, -1))
+
+
+def _layer_products(kind: str, isa: str, matrices, layers: int, gen, rng):
     """Callables ``f(xs)`` running one layer's products, one per layer, and the bytes read."""
     built, nbytes = [], 0
     for _ in range(layers):
         layer = []
         for k, parts in matrices:
-            weights = [torch.randn(n, k, generator=gen) * 0.02 for n, _ in parts]
             if kind == "gguf":
-                segs = [GgufSegment(t, quantize_blocks(w, t)) for w, (_, t) in zip(weights, parts)]
+                segs = [GgufSegment(t, _random_blocks(t, n, k, rng)) for n, t in parts]
                 m = GgufMatrix(segs, k, isa=isa)
                 layer.append((k, m))
                 nbytes += m.nbytes
             else:
-                w = torch.cat(weights).bfloat16()
+                w = (torch.randn(sum(n for n, _ in parts), k, generator=gen) * 0.02).bfloat16()
                 packed = bf16_rows._weight(w, None)
                 fn = bf16_rows._library(isa).call
                 layer.append((k, lambda x, packed=packed, fn=fn: bf16_rows._product(fn, x, packed)))
@@ -124,8 +138,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
-    hidden, kv, inter, layers = MODELS[args.model]
-    matrices = _matrices(hidden, kv, inter)
+    hidden, kv, inter, layers, types = MODELS[args.model]
+    matrices = _matrices(hidden, kv, inter, types)
     macs = sum(k * sum(n for n, _ in parts) for k, parts in matrices)
     peaks = _peaks(args.threads)
     gbs = peaks.pop("read_gbs", float("nan"))
@@ -135,11 +149,11 @@ def main() -> None:
     wanted = [k for k in args.kernels.split(",") if k]
     candidates = [("gguf", isa) for isa in gguf_rows.ISAS if gguf_rows.gguf_rows_available(isa)]
     candidates += [("bf16", isa) for isa in bf16_rows.ISAS if bf16_rows._library(isa).call]
-    gen = torch.Generator().manual_seed(0)
+    gen, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
     for kind, isa in candidates:
         if wanted and f"{kind}-{isa}" not in wanted:
             continue
-        built, nbytes = _layer_products(kind, isa, matrices, layers, gen)
+        built, nbytes = _layer_products(kind, isa, matrices, layers, gen, rng)
         instr = ("fma" if isa == "avx2" else "vdpbf16ps") if kind == "bf16" else (
             "vpmaddubsw" if isa == "avx2" else "vpdpbusd")
         peak = peaks.get(instr)

@@ -46,7 +46,8 @@ def _build(isa):
        n=st.sampled_from([1, 7, 72, 301]), bias=st.booleans(), seed=st.integers(0, 999))
 def test_each_row_is_the_same_in_any_block(isa, rows, k, n, bias, seed):
     """Verification's rows equal one-token decoding's, bit for bit, at any block size (groups
-    of six (AVX2) or eight (AVX512-BF16) rows, weight rows in pairs for one or two rows, odd
+    of six (AVX2) or eight (AVX512-BF16) rows, weight rows in pairs for one or two rows and,
+    AVX512-BF16, for more than eight (groups of six), odd
     N, K with a scalar or masked tail), and agree with an fp32 product to bf16 rounding; for
     each build (``chosen_isa`` takes one per process)."""
     product = _build(isa)

@@ -361,11 +361,11 @@ _SCALE_BYTES = {T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.Q4_0: [0], T.Q4
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", list(_SCALE_BYTES), ids=lambda t: t.name)
 def test_grouped_calls_of_every_height_agree_bit_for_bit(isa, qtype):
-    """Blocks of random bytes (every scale, minimum and code) of the types the AVX-512 builds
-    run in groups of 16 weight rows, in 37 rows (groups of 16 and a tail): calls of 1-40 rows,
-    across the switches from per-row sums (one row; AMX: up to 3 / 4) to groups of up to 8
-    tokens a pass (AMX: tiles of 2, 4, 8 and 16 rows, with padded rows), equal the
-    dequantized product and, row by row, one 40-row call."""
+    """Blocks of random bytes (every scale, minimum and code) of the K-quants (groups of 16
+    rows in AMX tiles) and of Q4_0 / Q4_1 / Q8_0 (groups of 16 rows on every AVX-512 build),
+    in 37 rows (groups of 16 and a tail): calls of 1-40 rows, across the switches from per-row
+    sums (AMX: up to 3 / 4 rows) to passes of up to 8 tokens (AMX: tiles of 2, 4, 8 and 16
+    rows, with padded rows), equal the dequantized product and, row by row, one 40-row call."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     n, nb = 37, K // block
     gen = np.random.default_rng(5)

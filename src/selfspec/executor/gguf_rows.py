@@ -20,16 +20,16 @@ Three builds of the same source, chosen at run time: AMX (the AVX-512 build plus
 tiles, ``kernels/gguf_amx.h``) where the CPU lists amx_tile and amx_int8 and Linux grants the
 tile state, else AVX-512 (F/BW/VL + VNNI: ``vpdpbusd``, ``vpdpwssd``, 64 inputs a zmm) where
 the CPU has it, else AVX2 + FMA + F16C (``vpmaddubsw``/``vpmaddwd``). ``isa=`` forces one
-(tests check each available). On the AVX-512 builds, Q4_K, Q5_K, Q6_K (``gguf_amx.h``) and
-Q4_0, Q4_1, Q8_0 (``gguf_group32.h``) rows run in groups of 16 weight rows, one per vector
-lane: the rows' codes are transposed once per block and multiplied with every token of the
-call (``vpdpbusd`` with the token's inputs broadcast; the AMX build: Q4_K / Q6_K in int8
-tiles from 4-5 tokens on), each block summed exactly in int32 and scaled in fp32 lane by lane,
-so the AVX-512 and AMX builds give the same bits for these types; one-token calls of the
-K-quants take each row alone with the same sums (reading the rows in order). Q5_0 / Q5_1 /
-Q2_K / Q3_K and float rows run row by row, a tile of up to 8 tokens per decoded block. The
-AVX2 build is row by row throughout and rounds differently in the last bits; each build is
-row-consistent.
+(tests check each available). On the AVX-512 builds, Q4_0, Q4_1 and Q8_0 rows run in groups
+of 16 weight rows, one per vector lane (``kernels/gguf_group32.h``): each block's codes are
+transposed once and multiplied with every token of the call (``vpdpbusd`` with the token's
+inputs broadcast), each block summed exactly in int32 and scaled in fp32 lane by lane. The
+AMX build multiplies Q4_K rows of calls of 4 activation rows and more (Q6_K: 5) in tiles —
+16 weight rows against up to 16 activation rows a tile multiply, the weights decoded once per
+group into AMX's layout — and smaller calls row by row; both paths sum each 256-input block
+exactly in int32 and apply the same fp32 steps, so a row is the same bits in either. Other
+types (and every type on AVX2) run row by row, a tile of up to 8 tokens per decoded block.
+The builds may differ in the last bits; each is row-consistent.
 
 ``scripts/gguf_rows_bench.py`` measures the products (one-token bandwidth per block type,
 multi-row calls against one-row ones): a call of 8 or 16 rows costs a fraction of that many
