@@ -182,3 +182,28 @@ def test_info_and_version(capsys):
     assert "bf16 matrix products" in out and "--dtype bf16: weights bf16" in out
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.startswith("selfspec ")
+
+
+def test_selfspec_max_isa_caps_the_kernel_builds(monkeypatch):
+    """SELFSPEC_MAX_ISA caps the builds the kernels choose (AMX machines measure the AVX-512
+    path with it); an unknown value is one clear error."""
+    from selfspec.errors import InvalidArgumentError
+    from selfspec.executor import bf16_rows, gguf_rows
+    from selfspec.executor.cpu import isa_allowed
+
+    monkeypatch.setenv("SELFSPEC_MAX_ISA", "avx512")
+    assert isa_allowed("avx512bf16") and isa_allowed("avx2") and not isa_allowed("amx")
+    monkeypatch.setenv("SELFSPEC_MAX_ISA", "avx2")
+    assert not isa_allowed("avx512")
+    for chosen in (gguf_rows.chosen_isa, bf16_rows.chosen_isa):
+        clear = getattr(chosen, "cache_clear", lambda: None)  # bf16's is cached per process
+        clear()
+        try:
+            assert chosen() == "avx2"
+        finally:
+            clear()
+    monkeypatch.setenv("SELFSPEC_MAX_ISA", "sse2")
+    with pytest.raises(InvalidArgumentError, match="SELFSPEC_MAX_ISA"):
+        isa_allowed("avx2")
+    monkeypatch.delenv("SELFSPEC_MAX_ISA")
+    assert isa_allowed("amx")

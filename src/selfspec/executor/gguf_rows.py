@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from selfspec.errors import InvalidArgumentError, UnsupportedGgufTypeError
-from selfspec.executor import native
+from selfspec.executor import cpu, native
 from selfspec.executor.gguf_quantize import quantize_blocks  # noqa: F401  (re-exported)
 
 SOURCE = "gguf_rows.cpp"
@@ -173,9 +173,10 @@ def _library(isa: str) -> _Lib:
 def chosen_isa() -> str:
     """The build ``isa="auto"`` uses here: ``"amx"`` where the CPU also lists amx_tile and
     amx_int8 and Linux grants the tile state, else ``"avx512"`` where the CPU lists avx512f,
-    avx512bw, avx512vl and avx512_vnni and that build loads, else ``"avx2"``."""
+    avx512bw, avx512vl and avx512_vnni and that build loads, else ``"avx2"``; never a build
+    above ``SELFSPEC_MAX_ISA`` (:func:`selfspec.executor.cpu.isa_allowed`)."""
     for isa in ("amx", "avx512"):
-        if _library(isa).rows is not None:
+        if cpu.isa_allowed(isa) and _library(isa).rows is not None:
             return isa
     return "avx2"
 
