@@ -189,7 +189,7 @@ def test_selfspec_max_isa_caps_the_kernel_builds(monkeypatch):
     path with it); an unknown value is one clear error."""
     from selfspec.errors import InvalidArgumentError
     from selfspec.executor import bf16_rows, gguf_rows
-    from selfspec.executor.cpu import isa_allowed
+    from selfspec.executor.isa import isa_allowed
 
     monkeypatch.setenv("SELFSPEC_MAX_ISA", "avx512")
     assert isa_allowed("avx512bf16") and isa_allowed("avx2") and not isa_allowed("amx")

@@ -41,8 +41,9 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from selfspec.executor import cpu, native
+from selfspec.executor import native
 from selfspec.executor.fp16_rows import bulk_copy, bulk_product, fbgemm_fp16_available
+from selfspec.executor.isa import isa_allowed
 
 SOURCE = "bf16_rows.cpp"
 BULK_MAX_ROWS = 32   # bulk calls of more rows cast the weight to fp32 for a blocked GEMM
@@ -112,9 +113,9 @@ def chosen_isa() -> str:
     """The build the process uses: ``"amx"`` where the CPU also lists amx_tile and amx_bf16
     and Linux grants the tile state, else ``"avx512bf16"`` where the CPU lists avx512f/bw/vl
     and avx512_bf16, else ``"avx2"`` (each where it loads and passes its probe), never a build
-    above ``SELFSPEC_MAX_ISA`` (:func:`selfspec.executor.cpu.isa_allowed`)."""
+    above ``SELFSPEC_MAX_ISA`` (:func:`selfspec.executor.isa.isa_allowed`)."""
     for isa in ("amx", "avx512bf16"):
-        if cpu.isa_allowed(isa) and _library(isa).call is not None:
+        if isa_allowed(isa) and _library(isa).call is not None:
             return isa
     return "avx2"
 

@@ -19,9 +19,9 @@ native,avx2``): bf16 products then cost less against fp32 there than on an AVX2-
 FBGEMM keeps its AVX-512 kernels.
 
 ``SELFSPEC_MAX_ISA`` (``avx2``, ``avx512`` or ``amx``) caps the builds selfspec's own kernels
-choose (:func:`isa_allowed`): ``avx512`` on an AMX Xeon runs the AVX-512 VNNI / BF16 builds,
-as on a CPU without AMX, to measure that path or to compare; ``avx2`` the AVX2 builds (add
-``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` for torch's own kernels).
+choose (:func:`selfspec.executor.isa.isa_allowed`): ``avx512`` on an AMX Xeon runs the AVX-512
+VNNI / BF16 builds, as on a CPU without AMX, to measure that path or to compare; ``avx2`` the
+AVX2 builds (add ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` for torch's own kernels).
 """
 
 from __future__ import annotations
@@ -56,9 +56,6 @@ _ATEN_NO_BF16 = frozenset({"default", "avx2", "zvector", "sve256", "vsx"})
 # micro-benchmark's verdict; emulation measures several times slower).
 _BENCH_SLOWDOWN_LIMIT = 1.5
 
-# selfspec's kernel builds by level (SELFSPEC_MAX_ISA): each build's name -> its rank.
-_ISA_RANK = {"avx2": 0, "avx512": 1, "avx512bf16": 1, "amx": 2}
-_MAX_ISA_VALUES = ("avx2", "avx512", "amx")
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -417,21 +414,3 @@ def available_memory_bytes() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-def isa_allowed(isa: str) -> bool:
-    """Whether a kernel build ``isa`` (``"avx2"``, ``"avx512"``, ``"avx512bf16"``, ``"amx"``)
-    may be chosen automatically under ``SELFSPEC_MAX_ISA`` (unset: every build).
-
-    Raises:
-        InvalidArgumentError: ``SELFSPEC_MAX_ISA`` is set to another value.
-    """
-    cap = os.environ.get("SELFSPEC_MAX_ISA", "").strip().lower()
-    if not cap:
-        return True
-    if cap not in _MAX_ISA_VALUES:
-        from selfspec.errors import InvalidArgumentError
-        raise InvalidArgumentError(
-            f"SELFSPEC_MAX_ISA must be one of {', '.join(_MAX_ISA_VALUES)} (or unset), "
-            f"not {cap!r}")
-    return _ISA_RANK[isa] <= _ISA_RANK[cap]

@@ -55,8 +55,9 @@ import numpy as np
 import torch
 
 from selfspec.errors import InvalidArgumentError, UnsupportedGgufTypeError
-from selfspec.executor import cpu, native
+from selfspec.executor import native
 from selfspec.executor.gguf_quantize import quantize_blocks  # noqa: F401  (re-exported)
+from selfspec.executor.isa import isa_allowed
 
 SOURCE = "gguf_rows.cpp"
 _T = gguf.GGMLQuantizationType
@@ -174,9 +175,9 @@ def chosen_isa() -> str:
     """The build ``isa="auto"`` uses here: ``"amx"`` where the CPU also lists amx_tile and
     amx_int8 and Linux grants the tile state, else ``"avx512"`` where the CPU lists avx512f,
     avx512bw, avx512vl and avx512_vnni and that build loads, else ``"avx2"``; never a build
-    above ``SELFSPEC_MAX_ISA`` (:func:`selfspec.executor.cpu.isa_allowed`)."""
+    above ``SELFSPEC_MAX_ISA`` (:func:`selfspec.executor.isa.isa_allowed`)."""
     for isa in ("amx", "avx512"):
-        if cpu.isa_allowed(isa) and _library(isa).rows is not None:
+        if isa_allowed(isa) and _library(isa).rows is not None:
             return isa
     return "avx2"
 
