@@ -115,13 +115,23 @@ def test_replicas_answer_as_one_server_route_by_prefix_and_survive_a_kill(cluste
             assert "".join(c["choices"][0]["text"] for c in chunks) == want
         status, _, body = _post(base + "/v1/completions", {"model": "nope", "prompt": "x"})
         assert status == 404 and "not served here" in body.decode()  # the app's own errors
-        time.sleep(1.5 * PUSH_PERIOD_S)  # every replica has pushed its metrics since
-        with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
-            metrics = r.read().decode()
-        families = list(text_string_to_metric_families(metrics))  # a valid exposition
-        answered = [s for f in families for s in f.samples
-                    if s.name == "selfspec_http_requests_total"
-                    and s.labels["endpoint"] == "/v1/completions"]
+        # prompts hash to replicas: 5 land on one replica 1 time in 16, so ask on until both
+        # have answered (16 more prompts: 1 in 65,536)
+        seen = set()
+        for i in range(16):
+            if len(seen) == 2:
+                break
+            seen.add(_post(base + "/v1/completions", {
+                "model": "tiny", "prompt": f"{i} apples", "max_tokens": 1})[1]
+                ["x-selfspec-replica"])
+        # every replica pushes its metrics each PUSH_PERIOD_S; on a loaded machine a push can
+        # come late, so wait for both (a fixed sleep failed under the full suite)
+        deadline = time.monotonic() + 10 * PUSH_PERIOD_S
+        while True:
+            answered = _answered_completions(base)
+            if len({s.labels["replica"] for s in answered}) == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(PUSH_PERIOD_S / 2)
         assert len({s.labels["replica"] for s in answered}) == 2  # both replicas, labelled
         assert sum(s.value for s in answered) >= 2 * len(PROMPTS)
         shared = "You are a careful assistant. " * 12  # > AFFINITY_CHARS
@@ -142,6 +152,16 @@ def test_replicas_answer_as_one_server_route_by_prefix_and_survive_a_kill(cluste
         assert _engine_replicas() - before
     finally:
         serve.shutdown()
+
+
+def _answered_completions(base: str) -> list:
+    """The ``selfspec_http_requests_total`` samples of ``/v1/completions`` (parsing checks the
+    exposition is valid)."""
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        families = list(text_string_to_metric_families(r.read().decode()))
+    return [s for f in families for s in f.samples
+            if s.name == "selfspec_http_requests_total"
+            and s.labels["endpoint"] == "/v1/completions"]
 
 
 def _engine_replicas() -> set[str]:

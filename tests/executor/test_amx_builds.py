@@ -34,7 +34,9 @@ BUILDS = [
 
 @pytest.mark.parametrize("module, symbols, instructions", BUILDS)
 def test_the_amx_build_compiles_with_its_tile_code(module, symbols, instructions):
-    path = native.build(module.SOURCE, module._FLAGS["amx"])  # cached after the first build
+    # Without AMX here no test runs the -O3 build: -O0 compiles the same tile code ~2x faster.
+    quick = () if _cpu_has_amx() else ("-O0",)
+    path = native.build(module.SOURCE, module._FLAGS["amx"] + quick)  # cached after the first
     library = ctypes.CDLL(str(path))  # loading executes no AMX instruction
     assert all(hasattr(library, name) for name in symbols)
     if shutil.which("objdump") is None:
@@ -43,3 +45,11 @@ def test_the_amx_build_compiles_with_its_tile_code(module, symbols, instructions
                           capture_output=True, text=True).stdout
     # the AMX paths are behind #ifdef: a build without them would still export the symbols
     assert all(f"\t{op}" in text or f" {op}" in text for op in instructions)
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " amx_tile" in f.read()
+    except OSError:
+        return False
