@@ -441,3 +441,16 @@ def sampling_model(arch: str = "llama", seed: int = 1, num_layers: int = 4, voca
             layer.self_attn.o_proj.weight.mul_(late_scale)
             layer.mlp.down_proj.weight.mul_(late_scale)
     return model
+
+
+def assert_speculated(stats, accepts: bool = True, rejects: bool = True) -> None:
+    """Assert a lossless-parity run actually speculated, so its equality with plain decoding
+    says something: ``stats`` (a ``GenerationStats``, or anything with ``drafted`` and
+    ``accepted``) drafted tokens, accepted some when ``accepts`` and rejected some when
+    ``rejects`` (``accepted < drafted``: at least one draft token was thrown away)."""
+    drafted, accepted = stats.drafted, stats.accepted
+    assert drafted > 0, f"no token was drafted ({stats})"
+    if accepts:
+        assert accepted > 0, f"{drafted} drafted, none accepted"
+    if rejects:
+        assert accepted < drafted, f"all {drafted} drafted tokens accepted: nothing rejected"
