@@ -14,6 +14,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     Olmo2Config,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
     SmolLM3Config,
@@ -45,6 +46,9 @@ CONFIGS = {
                                      attention_multiplier=0.1, logits_scaling=4.0, **COMMON),
     "olmo2": lambda: Olmo2Config(**COMMON),
     "smollm3": lambda: SmolLM3Config(no_rope_layers=[1, 0, 1, 0], **COMMON),
+    # Checkpoint-fused qkv_proj / gate_up_proj; Phi-4-mini's RoPE on 3/4 of each head.
+    "phi3": lambda: Phi3Config(**COMMON),
+    "phi3-partial-rotary": lambda: Phi3Config(partial_rotary_factor=0.75, **COMMON),
 }
 # Lossless with defaults or the options below; dssd, adaspeed-probe and swift need trained
 # heads or a searched skip set, qspec a quantized draft kernel, clasp is knapspec's plan
@@ -59,7 +63,8 @@ NEW = sorted(set(CONFIGS) - COVERED)
 
 
 def test_every_supported_family_has_a_parity_test():
-    assert sorted(CONFIGS) == sorted(SUPPORTED_MODEL_TYPES)
+    assert sorted({make().model_type for make in CONFIGS.values()}) == sorted(
+        SUPPORTED_MODEL_TYPES)
 
 
 def _random_model(model_type: str):
@@ -151,6 +156,17 @@ def test_the_description_names_each_familys_features():
             granite.attention_scale, granite.logits_divisor) == (6.0, 0.5, 0.1, 4.0)
     assert arch["llama"].fused_reason() is None
     assert "q/k norms" in arch["qwen3"].fused_reason()
+    assert arch["phi3"].checkpoint_fused and arch["phi3"].plain
+    assert arch["phi3-partial-rotary"].rotary_fraction == 0.75
+    assert "partial rotary" in arch["phi3-partial-rotary"].fused_reason()
+
+
+def test_longrope_is_one_clear_error():
+    config = Phi3Config(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                      "long_factor": [2.0] * 8,
+                                      "original_max_position_embeddings": 128}, **COMMON)
+    with pytest.raises(UnsupportedArchitectureError, match="RoPE scaling 'longrope'"):
+        describe(config)
 
 
 @pytest.mark.parametrize("model_type", NEW)
@@ -162,7 +178,7 @@ def test_bf16_lossless_methods_equal_bf16_ar(model_type):
     model = _random_model(model_type).to(torch.bfloat16)
     engine = selfspec.from_pretrained_model(model, tiny_tokenizer(), f"tiny-{model_type}")
     arch = engine.executor.architecture
-    assert (arch.fused_reason() is None) == (model_type == "mistral")
+    assert (arch.fused_reason() is None) == (model_type in ("mistral", "phi3"))
     if arch.fused_reason() is not None:
         assert engine.executor.fused_layers() is None
     for prompt in PROMPTS:

@@ -109,7 +109,13 @@ def mlp_output(w: LayerWeights, hidden: torch.Tensor, bulk: bool = False) -> tor
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding (HF ``rotate_half`` convention) on ``[B, T, heads, head_dim]`` with
-    ``cos``/``sin`` ``[B, T, 1, head_dim]``."""
+    ``cos``/``sin`` ``[B, T, 1, rotary_dim]``: the first ``rotary_dim`` dims of each head
+    rotate, the rest pass through (partial rotary, as transformers'
+    modeling_phi3.apply_rotary_pos_emb; ``rotary_dim = head_dim``: the whole head)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim != x.shape[-1]:
+        rotated = rotate(x[..., :rotary_dim], cos, sin)
+        return torch.cat([rotated, x[..., rotary_dim:].to(rotated.dtype)], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -50,7 +50,7 @@ from selfspec.executor.linear import Linear, PackedRowLimits
 from selfspec.executor.plan import BULK_MIN_ROWS, PREFILL_CHUNK, Head, Observer, SkipPlan
 from selfspec.executor.rope import RopeTable
 from selfspec.executor.sync import first_position, position_block
-from selfspec.executor.weights import LayerWeights, layer_weights
+from selfspec.executor.weights import LayerWeights, layer_weights, split_checkpoint_fused
 from selfspec.models.architecture import Architecture, describe
 from selfspec.models.common import SUPPORTED_MODEL_TYPES
 from selfspec.validation import check_int
@@ -134,6 +134,9 @@ class LayerExecutor:
         self.config = config
         self.name = name or str(getattr(config, "_name_or_path", "") or "model")
         self.layers = list(model.model.layers)
+        if self.architecture.checkpoint_fused:  # Phi-3: q/k/v and gate/up as usual modules
+            for layer in self.layers:
+                split_checkpoint_fused(layer, config)
         self.num_layers = len(self.layers)
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim

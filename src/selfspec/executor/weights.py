@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from selfspec.errors import UnsupportedArchitectureError
 from selfspec.executor.linear import Linear, PackedRowLimits
 
 if TYPE_CHECKING:
@@ -49,6 +50,8 @@ class LayerWeights:
         norm_weight_fp32: norms multiply their weight before the cast back (OLMo 2's
             ``(w · x̂).to(dtype)``) instead of after (Llama's ``w · x̂.to(dtype)``).
         rope: the layer applies RoPE (SmolLM3's no-RoPE layers do not).
+        rope_partial: RoPE rotates only the first dims of each head (``partial_rotary_factor``
+            < 1: the rotary module's rows are narrower than ``head_dim``; Phi-4-mini).
         residual_scale: each sub-layer's output is multiplied by it before the residual add
             (Granite's ``residual_multiplier``).
         plain: Llama's layer (none of the above): what the fused kernels compute.
@@ -74,15 +77,17 @@ class LayerWeights:
     post_norm_eps: float = 1e-6
     norm_weight_fp32: bool = False
     rope: bool = True
+    rope_partial: bool = False
     residual_scale: float = 1.0
 
     @property
     def plain(self) -> bool:
-        """Llama's layer: pre-norms, no q/k or post norms, RoPE, no residual multiplier."""
+        """Llama's layer: pre-norms, no q/k or post norms, RoPE over the whole head, no
+        residual multiplier."""
         return (self.q_norm is None and self.post_attn_norm is None
                 and self.post_mlp_norm is None and self.attn_norm is not None
-                and self.mlp_norm is not None and self.rope and self.residual_scale == 1.0
-                and not self.norm_weight_fp32)
+                and self.mlp_norm is not None and self.rope and not self.rope_partial
+                and self.residual_scale == 1.0 and not self.norm_weight_fp32)
 
     @property
     def norms(self) -> tuple[torch.Tensor, ...]:
@@ -110,11 +115,51 @@ def cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
                                        device=lin.weight.device) for lin in linears])
 
 
-def fuse(*linears: torch.nn.Linear) -> torch.Tensor:
+def _slices(whole: torch.nn.Linear, sizes: list[int]) -> list[torch.nn.Linear]:
+    """Linear modules whose weights are consecutive row blocks (views) of ``whole``'s, of
+    ``sizes`` output features each (no bias: Phi-3's fused projections have none)."""
+    parts = []
+    for part in whole.weight.detach().split(sizes):
+        lin = torch.nn.Linear(whole.in_features, part.shape[0], bias=False,
+                              device=part.device, dtype=part.dtype)
+        lin.weight = torch.nn.Parameter(part, requires_grad=False)
+        parts.append(lin)
+    return parts
+
+
+def split_checkpoint_fused(layer: torch.nn.Module, config: Any) -> None:
+    """Give a Phi-3 decoder layer the usual ``self_attn.{q,k,v}_proj`` and
+    ``mlp.{gate,up}_proj`` / ``mlp.act_fn``, as views of its checkpoint's ``qkv_proj``
+    (``[Hq·hd; Hkv·hd; Hkv·hd]`` rows) and ``gate_up_proj`` (``[I; I]``: gate, then up), the
+    split of transformers' modeling_phi3 (``Phi3Attention.forward``, ``Phi3MLP.forward``),
+    so every path sees a normal layer; the fused modules stay and still compute what they
+    did (no copy). Does nothing to a layer that already has ``q_proj``.
+
+    Raises:
+        UnsupportedArchitectureError: the fused projections carry biases.
+    """
+    attn, mlp = layer.self_attn, layer.mlp
+    if hasattr(attn, "q_proj"):
+        return
+    if attn.qkv_proj.bias is not None or mlp.gate_up_proj.bias is not None:
+        raise UnsupportedArchitectureError("fused qkv_proj / gate_up_proj with biases are not "
+                                           "supported (Phi-3's have none)")
+    hd, nkv = attn.head_dim, config.num_key_value_heads
+    nq = config.num_attention_heads
+    attn.q_proj, attn.k_proj, attn.v_proj = _slices(attn.qkv_proj, [nq * hd, nkv * hd, nkv * hd])
+    inter = mlp.gate_up_proj.out_features // 2
+    mlp.gate_proj, mlp.up_proj = _slices(mlp.gate_up_proj, [inter, inter])
+    mlp.act_fn = mlp.activation_fn
+
+
+def fuse(*linears: torch.nn.Linear, whole: torch.nn.Linear | None = None) -> torch.Tensor:
     """Concatenate the weights of ``linears`` along the output dimension and point each
     module's weight at its slice of the result, so the fused copy costs no extra memory and
-    the HF modules still compute exactly what they did."""
-    fused = torch.cat([lin.weight.detach() for lin in linears])
+    the HF modules still compute exactly what they did. ``whole``: a checkpoint-fused module
+    whose weight already is that concatenation (:func:`split_checkpoint_fused`), which is
+    shared instead of copied."""
+    fused = (whole.weight.detach() if whole is not None
+             else torch.cat([lin.weight.detach() for lin in linears]))
     for lin, part in zip(linears, fused.split([lin.out_features for lin in linears])):
         lin.weight = torch.nn.Parameter(part, requires_grad=False)
     return fused
@@ -129,11 +174,14 @@ def layer_weights(layer: torch.nn.Module, pack: bool, limits: PackedRowLimits,
     while a kernel serves every call (:class:`Linear`)."""
     attn, mlp = layer.self_attn, layer.mlp
     opts = {"row_limits": limits, "keep_packed": keep_packed}
+    whole = arch is not None and arch.checkpoint_fused  # Phi-3: split at load, shared here
     matrices = {
-        "qkv": Linear(fuse(attn.q_proj, attn.k_proj, attn.v_proj),
+        "qkv": Linear(fuse(attn.q_proj, attn.k_proj, attn.v_proj,
+                           whole=attn.qkv_proj if whole else None),
                       cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), pack, **opts),
         "o": Linear(attn.o_proj.weight, attn.o_proj.bias, pack, **opts),
-        "gate_up": Linear(fuse(mlp.gate_proj, mlp.up_proj),
+        "gate_up": Linear(fuse(mlp.gate_proj, mlp.up_proj,
+                               whole=mlp.gate_up_proj if whole else None),
                           cat_bias(mlp.gate_proj, mlp.up_proj), pack, **opts),
         "down": Linear(mlp.down_proj.weight, mlp.down_proj.bias, pack, **opts),
     }
@@ -153,5 +201,6 @@ def layer_weights(layer: torch.nn.Module, pack: bool, limits: PackedRowLimits,
                      qk_norm_whole=arch.qk_norm == "projection")
     if arch is not None:
         norms.update(norm_weight_fp32=arch.norm_kind == "rms_weight_fp32",
-                     rope=arch.rope_layers[index], residual_scale=arch.residual_multiplier)
+                     rope=arch.rope_layers[index], rope_partial=arch.rotary_fraction != 1.0,
+                     residual_scale=arch.residual_multiplier)
     return LayerWeights(act=mlp.act_fn, **matrices, **norms)

@@ -34,6 +34,8 @@ class Family:
     norm_placement: str = "pre"
     qk_norm: str = "none"
     multipliers: bool = False  # Granite's embedding/residual/attention/logits multipliers
+    # Phi-3's checkpoint stores q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``.
+    checkpoint_fused: bool = False
 
 
 #: The families the executor drives, by ``model_type``.
@@ -45,6 +47,15 @@ FAMILIES: dict[str, Family] = {
     "granite": Family(multipliers=True),
     "olmo2": Family(norm_kind="rms_weight_fp32", norm_placement="post", qk_norm="projection"),
     "smollm3": Family(),
+    "phi3": Family(checkpoint_fused=True),
+}
+
+#: RoPE scaling kinds refused, and why (the rest the model's own rotary module computes).
+REFUSED_ROPE: dict[str, str] = {
+    "longrope": ("its frequencies switch between the short and long factors by the largest "
+                 "position of each call (transformers' longrope_frequency_update), so a "
+                 "prefill, a verification block and one-token decoding at the same position "
+                 "can rotate differently, and selfspec's RoPE table cannot match transformers"),
 }
 
 
@@ -61,7 +72,9 @@ def family_paths() -> str:
         else:
             fused.append(name)
     return (f"fused sub-layer kernels (bf16 / w4a8 / gguf): {', '.join(fused)} (SmolLM3 only "
-            f"where every layer has RoPE); torch path: {', '.join(torch_path)}")
+            "where every layer has RoPE; phi3's qkv_proj / gate_up_proj split at load, only "
+            "where RoPE spans the whole head: partial_rotary_factor < 1, Phi-4-mini's, runs "
+            f"the torch path); torch path: {', '.join(torch_path)}")
 
 #: Families refused on purpose, with what to use instead.
 REFUSED: dict[str, str] = {
@@ -97,7 +110,13 @@ class Architecture:
         logits_divisor: the logits are divided by it (Granite's ``logits_scaling``; else 1).
         tied_embeddings: ``lm_head`` shares the embedding matrix.
         rope_type: the RoPE scaling kind (``"default"``, ``"llama3"``, ``"yarn"``, ...), which
-            the model's own rotary module computes.
+            the model's own rotary module computes (:data:`REFUSED_ROPE`: refused).
+        rotary_fraction: RoPE rotates the first ``int(head_dim · rotary_fraction)`` dims of
+            each head and passes the rest through (``partial_rotary_factor``, Phi-4-mini's
+            0.75; transformers' modeling_phi3.apply_rotary_pos_emb); 1 = the whole head.
+        checkpoint_fused: the checkpoint holds q/k/v as one ``qkv_proj`` and gate/up as one
+            ``gate_up_proj`` (Phi-3), split at load into the usual projections
+            (:func:`selfspec.executor.weights.split_checkpoint_fused`).
     """
 
     model_type: str
@@ -114,6 +133,8 @@ class Architecture:
     logits_divisor: float
     tied_embeddings: bool
     rope_type: str
+    rotary_fraction: float
+    checkpoint_fused: bool
 
     @property
     def plain(self) -> bool:
@@ -132,6 +153,8 @@ class Architecture:
             out.append(f"q/k norms over each {self.qk_norm}")
         if not all(self.rope_layers):
             out.append("layers without RoPE")
+        if self.rotary_fraction != 1.0:
+            out.append(f"partial rotary (partial_rotary_factor {self.rotary_fraction})")
         if self.residual_multiplier != 1.0:
             out.append("a residual multiplier")
         return out
@@ -179,12 +202,33 @@ def _check_windows(windows: list[int | None], config: Any, source: str) -> None:
             "or use_sliding_window to false in its config.json.")
 
 
-def _rope_type(config: Any) -> str:
-    """The RoPE scaling kind (``rope_parameters`` in transformers 5, ``rope_scaling`` before)."""
+def _rope_params(config: Any) -> dict:
+    """``rope_parameters`` (transformers 5) or ``rope_scaling`` (before), ``{}`` if neither."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    if isinstance(params, dict):
-        return str(params.get("rope_type", params.get("type", "default")))
-    return "default"
+    return params if isinstance(params, dict) else {}
+
+
+def _rope_type(config: Any, source: str) -> str:
+    """The RoPE scaling kind.
+
+    Raises:
+        UnsupportedArchitectureError: a kind in :data:`REFUSED_ROPE`.
+    """
+    params = _rope_params(config)
+    kind = str(params.get("rope_type", params.get("type", "default")))
+    if kind in REFUSED_ROPE:
+        raise UnsupportedArchitectureError(
+            f"{source}: RoPE scaling {kind!r} is not supported: {REFUSED_ROPE[kind]}")
+    return kind
+
+
+def _rotary_fraction(config: Any) -> float:
+    """``partial_rotary_factor`` (in ``rope_parameters`` in transformers 5, on the config
+    before), 1.0 when absent."""
+    factor = _rope_params(config).get("partial_rotary_factor")
+    if factor is None:
+        factor = getattr(config, "partial_rotary_factor", None)
+    return 1.0 if factor is None else float(factor)
 
 
 def check_model_type(model_type: str | None, source: str) -> Family:
@@ -209,8 +253,8 @@ def describe(config: Any, source: str = "the model") -> Architecture:
     Raises:
         UnsupportedArchitectureError: an unsupported ``model_type`` (:func:`check_model_type`),
             a sliding window shorter than the context, an attention layer type other than
-            full or sliding, or attention / MLP biases where the family has none; the message
-            names the feature.
+            full or sliding, a RoPE scaling kind in :data:`REFUSED_ROPE` (``longrope``), or
+            attention / MLP biases where the family has none; the message names the feature.
     """
     family = check_model_type(config.model_type, source)
     num_layers = int(config.num_hidden_layers)
@@ -237,5 +281,7 @@ def describe(config: Any, source: str = "the model") -> Architecture:
         residual_multiplier=float(config.residual_multiplier) if multipliers else 1.0,
         logits_divisor=float(config.logits_scaling) if multipliers else 1.0,
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        rope_type=_rope_type(config),
+        rope_type=_rope_type(config, source),
+        rotary_fraction=_rotary_fraction(config),
+        checkpoint_fused=family.checkpoint_fused,
     )
