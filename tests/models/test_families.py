@@ -57,8 +57,9 @@ NO_HEADS = {"adadecode": {"heads": "none", "gamma": 0.0}, "auto": {"drafters": "
 SKIPPED = {"ar", "dssd", "adaspeed-probe", "swift", "qspec", "clasp"}
 LOSSLESS = [name for name, spec in METHODS.items()
             if spec.lossless_for(spec.options()) and name not in SKIPPED]
-#: Families whose methods tests/decoding already runs (test_batch, test_processing, ...).
-COVERED = {"llama", "qwen2"}
+#: Families whose methods tests/decoding already runs (test_batch, test_processing, ...);
+#: plain phi3 is Llama's layer once split, and phi3-partial-rotary runs its split with them.
+COVERED = {"llama", "qwen2", "phi3"}
 NEW = sorted(set(CONFIGS) - COVERED)
 
 
@@ -169,7 +170,7 @@ def test_longrope_is_one_clear_error():
         describe(config)
 
 
-@pytest.mark.parametrize("model_type", NEW)
+@pytest.mark.parametrize("model_type", [*NEW, "phi3"])
 def test_bf16_lossless_methods_equal_bf16_ar(model_type):
     """In bf16 the families with layers other than Llama's run the torch path (the fused
     kernels compute Llama's layer only: Architecture.fused_reason), whose verification blocks

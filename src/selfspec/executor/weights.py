@@ -133,7 +133,8 @@ def split_checkpoint_fused(layer: torch.nn.Module, config: Any) -> None:
     (``[Hq·hd; Hkv·hd; Hkv·hd]`` rows) and ``gate_up_proj`` (``[I; I]``: gate, then up), the
     split of transformers' modeling_phi3 (``Phi3Attention.forward``, ``Phi3MLP.forward``),
     so every path sees a normal layer; the fused modules stay and still compute what they
-    did (no copy). Does nothing to a layer that already has ``q_proj``.
+    did (no copy; :func:`fuse` later points both at one tensor). Does nothing to a layer
+    that already has ``q_proj``.
 
     Raises:
         UnsupportedArchitectureError: the fused projections carry biases.
@@ -155,13 +156,15 @@ def split_checkpoint_fused(layer: torch.nn.Module, config: Any) -> None:
 def fuse(*linears: torch.nn.Linear, whole: torch.nn.Linear | None = None) -> torch.Tensor:
     """Concatenate the weights of ``linears`` along the output dimension and point each
     module's weight at its slice of the result, so the fused copy costs no extra memory and
-    the HF modules still compute exactly what they did. ``whole``: a checkpoint-fused module
-    whose weight already is that concatenation (:func:`split_checkpoint_fused`), which is
-    shared instead of copied."""
-    fused = (whole.weight.detach() if whole is not None
-             else torch.cat([lin.weight.detach() for lin in linears]))
+    the HF modules still compute exactly what they did. ``whole``: the checkpoint-fused
+    module the parts were split from (:func:`split_checkpoint_fused`), re-pointed at the
+    result too, so its own copy is freed (the executor multiplies the parts in the order
+    given, whatever the checkpoint's layout)."""
+    fused = torch.cat([lin.weight.detach() for lin in linears])
     for lin, part in zip(linears, fused.split([lin.out_features for lin in linears])):
         lin.weight = torch.nn.Parameter(part, requires_grad=False)
+    if whole is not None:
+        whole.weight = torch.nn.Parameter(fused, requires_grad=False)
     return fused
 
 
@@ -174,7 +177,7 @@ def layer_weights(layer: torch.nn.Module, pack: bool, limits: PackedRowLimits,
     while a kernel serves every call (:class:`Linear`)."""
     attn, mlp = layer.self_attn, layer.mlp
     opts = {"row_limits": limits, "keep_packed": keep_packed}
-    whole = arch is not None and arch.checkpoint_fused  # Phi-3: split at load, shared here
+    whole = arch is not None and arch.checkpoint_fused  # Phi-3: split at load, one copy
     matrices = {
         "qkv": Linear(fuse(attn.q_proj, attn.k_proj, attn.v_proj,
                            whole=attn.qkv_proj if whole else None),
