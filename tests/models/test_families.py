@@ -137,6 +137,8 @@ def test_a_window_shorter_than_the_context_is_one_clear_error():
     with pytest.raises(UnsupportedArchitectureError, match="sliding window 64"):
         LayerExecutor(model)
     assert describe(MistralConfig(sliding_window=None, **COMMON)).sliding_window == (None,) * 4
+    with pytest.raises(UnsupportedArchitectureError, match="sliding window 64"):
+        describe(Phi3Config(sliding_window=64, **COMMON))  # Phi-3-mini-4k's 2047 < 4096
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])

@@ -36,6 +36,9 @@ class Family:
     multipliers: bool = False  # Granite's embedding/residual/attention/logits multipliers
     # Phi-3's checkpoint stores q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``.
     checkpoint_fused: bool = False
+    # One ``sliding_window`` on every layer whenever it is set (Mistral, Phi-3: their modeling
+    # files build a sliding-window mask from it alone, without ``use_sliding_window``).
+    window_when_set: bool = False
 
 
 #: The families the executor drives, by ``model_type``.
@@ -43,11 +46,11 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(),
     "qwen2": Family(),
     "qwen3": Family(qk_norm="head"),
-    "mistral": Family(),
+    "mistral": Family(window_when_set=True),
     "granite": Family(multipliers=True),
     "olmo2": Family(norm_kind="rms_weight_fp32", norm_placement="post", qk_norm="projection"),
     "smollm3": Family(),
-    "phi3": Family(checkpoint_fused=True),
+    "phi3": Family(checkpoint_fused=True, window_when_set=True),
 }
 
 #: RoPE scaling kinds refused, and why (the rest the model's own rotary module computes).
@@ -171,13 +174,13 @@ class Architecture:
                 "sub-layer kernels do not compute: decoding runs the torch path")
 
 
-def _sliding_windows(config: Any, num_layers: int) -> list[int | None]:
+def _sliding_windows(config: Any, num_layers: int, family: Family) -> list[int | None]:
     """Each layer's attention window (``None``: full attention) as transformers applies it."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return [window if kind == "sliding_attention" else None for kind in layer_types]
-    if config.model_type == "mistral":  # one window on every layer when set
+    if family.window_when_set:
         return [window] * num_layers
     if getattr(config, "use_sliding_window", False):
         return [window] * num_layers
@@ -198,8 +201,8 @@ def _check_windows(windows: list[int | None], config: Any, source: str) -> None:
         raise UnsupportedArchitectureError(
             f"{source}: sliding window {size} < max_position_embeddings {context} on layers "
             f"{listed}: not supported yet (selfspec's KV cache attends to every position). "
-            "If the model was trained without a window, set sliding_window to null (Mistral) "
-            "or use_sliding_window to false in its config.json.")
+            "If the model was trained without a window, set sliding_window to null "
+            "(Mistral, Phi-3) or use_sliding_window to false in its config.json.")
 
 
 def _rope_params(config: Any) -> dict:
@@ -258,7 +261,7 @@ def describe(config: Any, source: str = "the model") -> Architecture:
     """
     family = check_model_type(config.model_type, source)
     num_layers = int(config.num_hidden_layers)
-    windows = _sliding_windows(config, num_layers)
+    windows = _sliding_windows(config, num_layers, family)
     _check_windows(windows, config, source)
     head_dim = getattr(config, "head_dim", None) or (
         config.hidden_size // config.num_attention_heads)
