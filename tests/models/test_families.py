@@ -198,3 +198,4 @@ def test_info_says_which_path_each_family_takes():
     line = family_paths()
     assert all(name in line for name in SUPPORTED_MODEL_TYPES)
     assert "torch path: qwen3 (q/k norms)" in line and "olmo2 (q/k norms, post-norms)" in line
+    assert "phi3's qkv_proj / gate_up_proj split at load" in line
