@@ -22,7 +22,14 @@ from selfspec.executor.cost_model import (
 from selfspec.executor.executor import SkipPlan
 from selfspec.executor.quant import quantized_kernels_available
 
-from tiny import PrefillOnce, global_rng, run_step, tiny_model
+from tiny import (
+    PrefillOnce,
+    assert_speculated,
+    damp_last_layer,
+    global_rng,
+    run_step,
+    tiny_model,
+)
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 12, 200, 31, 8, 77, 150, 9, 41, 2, 19, 88, 120]
 
@@ -150,13 +157,23 @@ def _latency(executor, attn=1.0, mlp=1.0):
     return LatencyModel(executor.num_layers, 0.0, attn, mlp, 0.5, key="hand-made")
 
 
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def damped(request):
+    """A tiny model with a damped last layer (plans pay and drafts are both accepted and
+    rejected: on the plain random qwen2 model KnapSpec drafted nothing) and its ar tokens."""
+    executor = LayerExecutor(damp_last_layer(tiny_model(request.param, seed=4).float(), 0.2))
+    return executor, run_step(executor, ArStep(), PROMPT, max_new_tokens=40).tokens
+
+
 @pytest.mark.parametrize("attn,mlp", [(1.0, 1.0), (3.0, 1.0), (1.0, 3.0)])
-def test_knapspec_greedy_equals_autoregressive(executor, ar_tokens, attn, mlp):
+def test_knapspec_greedy_equals_autoregressive(damped, attn, mlp):
+    executor, ar_tokens = damped
     step = KnapSpecStep(executor, _latency(executor, attn, mlp),
                         KnapSpecConfig(reoptimize_every=6, min_history=8, tau=-1.0,
                                        confidence=0.01, plan_budget=1e9))
     state = run_step(executor, step, PROMPT, max_new_tokens=40)
     assert state.tokens == ar_tokens
+    assert_speculated(state.stats)
     assert step.history and step.history[0].step == 0
     unit = min(attn, mlp)
     assert all(r.weights == (round(attn / unit), round(mlp / unit)) for r in step.history)
