@@ -30,7 +30,10 @@ PROMPTS = ["abcabcabcabc", "the cat sat on the mat; the cat sat on", "x", "hello
 # Options that let each lossless method run on a tiny model without trained heads (dssd and
 # adaspeed-probe need trained heads, swift a searched skip set: they take the same SoloRows
 # path as layerskip here, covered in test_dssd / test_heads / test_skip_search for the rest).
-NO_HEADS = {"adadecode": {"heads": "none", "gamma": 0.0}, "auto": {"drafters": "ngram"}}
+NO_HEADS = {"adadecode": {"heads": "none", "gamma": 0.0}, "auto": {"drafters": "ngram"},
+            # plans from the first steps on (with its defaults it drafted nothing in 40 tokens)
+            "knapspec": {"reoptimize_every": 6, "tau": -1.0, "confidence": 0.01,
+                         "plan_budget": 1e9}}
 SKIPPED = {"dssd", "adaspeed-probe", "swift"}
 
 
@@ -56,6 +59,10 @@ def test_batched_greedy_rows_equal_single_prompt_greedy(engine, singles, method)
                               **NO_HEADS.get(method, {}))
     assert [r.token_ids for r in results] == singles
     assert [r.prompt_ids for r in results] == [engine.encode(p) for p in PROMPTS]
+    if method != "ar":  # the equality says something: drafts were made and some accepted
+        drafted = sum(r.stats.drafted for r in results)
+        accepted = sum(r.stats.accepted for r in results)
+        assert drafted > 0 and accepted > 0, (drafted, accepted)
     if METHODS[method].batched:
         assert METHODS[method].make_batch_step(engine.methods, {}).batched
 
