@@ -117,23 +117,25 @@ def test_replicas_answer_as_one_server_route_by_prefix_and_survive_a_kill(cluste
         assert status == 404 and "not served here" in body.decode()  # the app's own errors
         # prompts hash to replicas: 5 land on one replica 1 time in 16, so ask on until both
         # have answered (16 more prompts: 1 in 65,536)
-        seen = set()
-        for i in range(16):
-            if len(seen) == 2:
-                break
+        seen, asked = set(), 0
+        while len(seen) < 2 and asked < 16:
             seen.add(_post(base + "/v1/completions", {
-                "model": "tiny", "prompt": f"{i} apples", "max_tokens": 1})[1]
+                "model": "tiny", "prompt": f"{asked} apples", "max_tokens": 1})[1]
                 ["x-selfspec-replica"])
+            asked += 1
+        want = 2 * len(PROMPTS) + asked  # completions answered 200 so far
         # every replica pushes its metrics each PUSH_PERIOD_S; on a loaded machine a push can
-        # come late, so wait for both (a fixed sleep failed under the full suite)
+        # come late, so wait until both have pushed every answer (fixed sleeps failed)
         deadline = time.monotonic() + 10 * PUSH_PERIOD_S
         while True:
             answered = _answered_completions(base)
-            if len({s.labels["replica"] for s in answered}) == 2 or time.monotonic() > deadline:
+            done = (len({s.labels["replica"] for s in answered}) == 2
+                    and sum(s.value for s in answered) >= want)
+            if done or time.monotonic() > deadline:
                 break
             time.sleep(PUSH_PERIOD_S / 2)
         assert len({s.labels["replica"] for s in answered}) == 2  # both replicas, labelled
-        assert sum(s.value for s in answered) >= 2 * len(PROMPTS)
+        assert sum(s.value for s in answered) >= want
         shared = "You are a careful assistant. " * 12  # > AFFINITY_CHARS
         served = {_post(base + "/v1/completions", {
             "model": "tiny", "prompt": shared + f"Question {i}?", "max_tokens": 2})[1]
