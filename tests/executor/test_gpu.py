@@ -33,7 +33,7 @@ from selfspec.executor.sync import SyncCounter, first_position, position_block
 from selfspec.methods.registry import get_method
 from selfspec.validation import check_device, check_device_memory
 
-from tiny import VOCAB, tiny_model, tiny_tokenizer
+from tiny import VOCAB, steady_latency, tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7] * 3
@@ -247,7 +247,8 @@ def test_graph_runner_replays_decoding_and_verification_and_counts_fallbacks():
     output equals the eager executor's, one-token steps and short verification blocks
     replay, the prefill and blocks beyond the captured sizes run eagerly, counted."""
     ex = LayerExecutor(tiny_model("llama"))
-    engine = selfspec.from_pretrained_model(ex.model, tiny_tokenizer(), "tiny", device="cpu")
+    engine = steady_latency(selfspec.from_pretrained_model(ex.model, tiny_tokenizer(), "tiny",
+                                                           device="cpu"))
     want = {m: engine.generate(PROMPT, m, max_new_tokens=30).token_ids for m in ("ar", "ngram")}
     runner = CudaGraphRunner(engine.executor, capacity=256, max_tokens=3, replay="eager")
     engine.executor.graphs = runner

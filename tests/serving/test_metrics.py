@@ -18,7 +18,7 @@ import pytest
 import selfspec
 from selfspec.decoding.core.stats import StepStats
 
-from tiny import tiny_model, tiny_tokenizer
+from tiny import steady_latency, tiny_model, tiny_tokenizer
 
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
@@ -34,7 +34,8 @@ PROMPT = "abcabcabcabc abc"  # repeats: the n-gram drafters find matches
 
 @pytest.fixture(scope="module")
 def server():
-    engine = selfspec.from_pretrained_model(tiny_model("llama"), tiny_tokenizer(), name=MODEL)
+    engine = steady_latency(selfspec.from_pretrained_model(tiny_model("llama"), tiny_tokenizer(),
+                                                           name=MODEL))
     app = create_app(engine, ServeConfig(model_name=MODEL, method="ar", api_key=KEY,
                                          max_batch=4))
 

@@ -14,7 +14,7 @@ from selfspec.errors import InvalidArgumentError
 from selfspec.serving.auth import authorize, read_keys_file, request_tenant
 from selfspec.serving.protocol import ApiError
 
-from tiny import tiny_model, tiny_tokenizer
+from tiny import steady_latency, tiny_model, tiny_tokenizer
 
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
@@ -124,7 +124,8 @@ MARGIN = 10  # accepted drafts a history adds at least (~40 with it, ~16 without
 
 @pytest.fixture(scope="module")
 def engine():
-    return selfspec.from_pretrained_model(tiny_model("llama", seed=3), tiny_tokenizer(), "tiny")
+    return steady_latency(selfspec.from_pretrained_model(tiny_model("llama", seed=3),
+                                                         tiny_tokenizer(), "tiny"))
 
 
 def _submit(engine, scheduler, tenant, method):
