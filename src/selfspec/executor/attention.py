@@ -137,6 +137,32 @@ def grouped_causal_mask(num_new: int, total: int, groups: int,
     return (cols <= rows + past).repeat(groups, 1)
 
 
+def window_mask(num_new: int, total: int, groups: int, window: int,
+                device: torch.device) -> torch.Tensor:
+    """Boolean mask ``[G*T, S]`` of a sliding window: query ``t`` (at position
+    ``S - T + t``) sees keys ``k`` with ``S - T + t - W < k <= S - T + t``, as transformers'
+    masking_utils ``sliding_window_causal`` (``kv_idx > q_idx - sliding_window`` on top of the
+    causal mask); rows ordered (group, token) like :func:`grouped_causal_mask`."""
+    past = total - num_new
+    rows = torch.arange(num_new, device=device).unsqueeze(1) + past
+    cols = torch.arange(total, device=device).unsqueeze(0)
+    return ((cols <= rows) & (cols > rows - window)).repeat(groups, 1)
+
+
+def windowed(mask: torch.Tensor | None, num_new: int, total: int, groups: int,
+             window: int | None, device: torch.device) -> torch.Tensor | None:
+    """``mask`` (boolean or additive ``[G*T, S]``, or ``None`` = causal) narrowed to a
+    layer's sliding window ``window`` (``None``, or a window no query reaches past: unchanged)."""
+    if window is None or total <= window:
+        return mask
+    inside = window_mask(num_new, total, groups, window, device)
+    if mask is None:
+        return inside
+    if mask.dtype == torch.bool:
+        return mask & inside
+    return mask.masked_fill(~inside, float("-inf"))
+
+
 @dataclass(frozen=True)
 class Attention:
     """The attention geometry of one model, and its torch-path sub-layer.
@@ -205,6 +231,16 @@ class Attention:
             visible = cache.visible(layer_idx)
             if visible is not None:
                 visible = torch.cat([visible[:pos0], visible.new_ones(num_new)])
+        window = w.window
+        if pos0 == 0 and num_new > 1 and window is not None and num_new > window:
+            # A prompt longer than the layer's window: the explicit window mask.
+            out = F.scaled_dot_product_attention(
+                qk[:, :, :nq].transpose(1, 2), keys, values,
+                attn_mask=window_mask(num_new, num_new, 1, window, hidden.device),
+                scale=self.scaling, enable_gqa=groups > 1)          # [B, Hq, T, hd]
+            return sublayer_output(
+                w, w.o(out.transpose(1, 2).reshape(bsz, num_new, nq * hd), bulk),
+                w.post_attn_norm)
         if pos0 == 0 and num_new > 1:
             # A block from position 0 sees only itself (all of it visible, as it was just
             # computed): plain causal attention, which SDPA's
@@ -220,14 +256,15 @@ class Attention:
         # sequence axis ([B, Hkv, G*T, hd]): plain SDPA on that layout is several times
         # faster on CPU than SDPA's own enable_gqa path.
         q = qk[:, :, :nq].reshape(bsz, num_new, nkv, groups, hd).permute(0, 2, 3, 1, 4)
-        out = self.attend(q, keys, values, pos0, mask, visible, per_token=not free)
+        out = self.attend(q, keys, values, pos0, mask, visible, per_token=not free,
+                          window=window)
         return sublayer_output(
             w, w.o(out.permute(0, 3, 1, 2, 4).reshape(bsz, num_new, nq * hd), bulk),
             w.post_attn_norm)
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos0: int,
                mask: torch.Tensor | None, visible: torch.Tensor | None,
-               per_token: bool = True) -> torch.Tensor:
+               per_token: bool = True, window: int | None = None) -> torch.Tensor:
         """Scores of ``T`` new queries after ``pos0 > 0`` cached positions.
 
         Args:
@@ -237,6 +274,9 @@ class Attention:
             visible: ``[pos0 + T]`` bool, False at masked positions, or ``None``.
             per_token: verification-sized blocks attend one token per call (bit-identical
                 to decoding each alone); ``False`` = one call.
+            window: the layer's sliding window ``W`` (a query at ``p`` sees keys
+                ``p - W < k <= p``), or ``None``. One token (and each token of a per-token
+                block) reads only its window's keys, a slice; larger calls mask.
 
         Returns:
             ``[B, Hkv, G, T, hd]``.
@@ -248,13 +288,23 @@ class Attention:
             # rows, which in bf16 flips near-tied argmaxes between speculative and
             # autoregressive decoding; per-token calls keep them bit-identical.
             return torch.stack([
-                F.scaled_dot_product_attention(
-                    q[:, :, :, t], keys[:, :, : pos0 + t + 1], values[:, :, : pos0 + t + 1],
-                    attn_mask=None if visible is None else visible[None, : pos0 + t + 1],
-                    scale=self.scaling)
+                self._one_token(q[:, :, :, t], keys, values, pos0 + t + 1, visible, window)
                 for t in range(num_new)], dim=3)                  # [B, Hkv, G, T, hd]
+        if num_new == 1 and mask is None:  # one-token decoding: its window is a slice
+            return self._one_token(q[:, :, :, 0], keys, values, pos0 + 1, visible,
+                                   window).unsqueeze(3)
+        mask = windowed(mask, num_new, pos0 + num_new, groups, window, q.device)
         if visible is not None:  # masked positions (SpecEE's skipped layers) stay unread
             mask = visible.unsqueeze(0) if mask is None else mask & visible.unsqueeze(0)
         return F.scaled_dot_product_attention(
             q.reshape(bsz, nkv, groups * num_new, hd), keys, values, attn_mask=mask,
             scale=self.scaling).view(bsz, nkv, groups, num_new, hd)
+
+    def _one_token(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int,
+                   visible: torch.Tensor | None, window: int | None) -> torch.Tensor:
+        """One query ``q`` ``[B, Hkv, G, hd]`` at position ``end - 1`` over keys
+        ``[lo, end)`` (``lo = end - W`` under a window, else 0): ``[B, Hkv, G, hd]``."""
+        lo = 0 if window is None else max(0, end - window)
+        return F.scaled_dot_product_attention(
+            q, keys[:, :, lo:end], values[:, :, lo:end],
+            attn_mask=None if visible is None else visible[None, lo:end], scale=self.scaling)

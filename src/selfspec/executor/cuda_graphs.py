@@ -153,8 +153,10 @@ def static_forward(ex: Executor, input_ids: torch.Tensor, positions: torch.Tenso
         qk, v = rotated_qkv(w, w.qkv(attention_input(w, hidden)), cos, sin, (nq, nkv, hd))
         keys[i].index_copy_(2, pos, qk[:, :, nq:].transpose(1, 2))
         values[i].index_copy_(2, pos, v.transpose(1, 2))
+        layer_mask = mask if w.window is None else (  # a sliding window: p - W < k <= p
+            mask & (columns.unsqueeze(0) > pos.unsqueeze(1) - w.window))
         out = F.scaled_dot_product_attention(
-            qk[:, :, :nq].transpose(1, 2), keys[i], values[i], attn_mask=mask,
+            qk[:, :, :nq].transpose(1, 2), keys[i], values[i], attn_mask=layer_mask,
             scale=ex.scaling, enable_gqa=nq != nkv)              # [1, Hq, T, hd]
         hidden = hidden + sublayer_output(
             w, w.o(out.transpose(1, 2).reshape(1, num_new, nq * hd)), w.post_attn_norm)
@@ -256,6 +258,8 @@ class CudaGraphRunner:
             return "layers of different lengths"
         if cache.any_masked(0, cache.num_layers):
             return "masked positions"
+        if any(w.rope_kind != "default" for w in self.executor.layer_weights):
+            return "a RoPE table per layer type"  # the graph reads one table
         return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,

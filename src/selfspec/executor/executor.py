@@ -48,7 +48,7 @@ from selfspec.executor.cache import CacheShape, KVCache
 from selfspec.executor.formats import WeightFormats
 from selfspec.executor.linear import Linear, PackedRowLimits
 from selfspec.executor.plan import BULK_MIN_ROWS, PREFILL_CHUNK, Head, Observer, SkipPlan
-from selfspec.executor.rope import RopeTable
+from selfspec.executor.rope import layer_rope_tables
 from selfspec.executor.sync import first_position, position_block
 from selfspec.executor.weights import LayerWeights, layer_weights, split_checkpoint_fused
 from selfspec.models.architecture import Architecture, describe
@@ -127,13 +127,15 @@ class LayerExecutor:
                  prefill_chunk: int = PREFILL_CHUNK,
                  gguf: str | Path | Callable[[], Path] | None = None,
                  keep_packed: bool = True) -> None:
-        config = model.config
+        # A multimodal checkpoint (Gemma 3): its language model, on text.
+        config = model.config.get_text_config()
+        inner = decoder_of(model)
         # One description of the features the paths below compute (no model_type tests).
-        self.architecture: Architecture = describe(config, "the model")
+        self.architecture: Architecture = describe(model.config, "the model")
         self.model = model
         self.config = config
-        self.name = name or str(getattr(config, "_name_or_path", "") or "model")
-        self.layers = list(model.model.layers)
+        self.name = name or str(getattr(model.config, "_name_or_path", "") or "model")
+        self.layers = list(inner.layers)
         if self.architecture.checkpoint_fused:  # Phi-3: q/k/v and gate/up as usual modules
             for layer in self.layers:
                 split_checkpoint_fused(layer, config)
@@ -143,9 +145,9 @@ class LayerExecutor:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.scaling = attn.scaling
-        self.embed_tokens = model.model.embed_tokens
-        self.norm = model.model.norm
-        self.rotary_emb = model.model.rotary_emb
+        self.embed_tokens = inner.embed_tokens
+        self.norm = inner.norm
+        self.rotary_emb = inner.rotary_emb
         self.lm_head = model.lm_head
         self.vocab_size = model.lm_head.out_features
         self.row_attention_max = row_attention_max
@@ -170,7 +172,10 @@ class LayerExecutor:
             self, BackendCache(self.device, max(64, row_attention_max)), gguf)
         self.formats: ComputeFormats = self.set_bulk(bulk, rows)
         self.draft_weights: str | None = None  # set on the views of draft_view()
-        self.rope = RopeTable(self.rotary_emb)
+        # Per layer, its RoPE table: one for all, or its layer type's (Gemma 3's local base);
+        # rope is the default table, or the full-attention layers'.
+        self.rope, self.layer_ropes = layer_rope_tables(
+            self.rotary_emb, self.architecture.rope_kinds or ("default",) * self.num_layers)
         self._fused_scratch: dict[int, torch.Tensor] = {}  # rows -> [1, rows, H] buffer
         self.max_positions = int(config.max_position_embeddings)
         # Captured CUDA graphs of forward() (selfspec.executor.cuda_graphs.attach_graphs).
@@ -275,6 +280,10 @@ class LayerExecutor:
         scale = self.architecture.embedding_multiplier
         if scale != 1.0:
             return self.embed_tokens(input_ids) * scale
+        gemma_scale = self.architecture.embedding_scale
+        if gemma_scale != 1.0:  # sqrt(H) cast to the weights' dtype first, as transformers
+            weight = self.embed_tokens.weight
+            return F.embedding(input_ids, weight) * torch.tensor(gemma_scale).to(weight.dtype)
         return self.embed_tokens(input_ids)
 
     def embed_token(self, token_id: int) -> torch.Tensor:
@@ -289,6 +298,7 @@ class LayerExecutor:
         emb = self.embed_tokens
         if (type(emb) is torch.nn.Embedding and emb.max_norm is None
                 and self.architecture.embedding_multiplier == 1.0
+                and self.architecture.embedding_scale == 1.0
                 and not emb._forward_hooks and not emb._forward_pre_hooks):
             if not 0 <= token_id < emb.num_embeddings:
                 raise IndexError(f"token id {token_id} is outside [0, {emb.num_embeddings})")
@@ -465,7 +475,7 @@ class LayerExecutor:
         ``additive_mask`` builds the causal mask over the cache in its additive form."""
         attn = self._attn
         num_new = hidden.shape[1]
-        cos, sin = self.rope.lookup(hidden, positions)  # [B, T, 1, head_dim]
+        ropes = self._layer_rows(hidden, positions, start, end)  # [B, T, 1, head_dim] each
         # Blocks from position 0 use SDPA's is_causal and need no explicit mask.
         mask = (grouped_causal_mask(num_new, pos0 + num_new, attn.groups, hidden.device)
                 if pos0 > 0 else None)
@@ -477,6 +487,7 @@ class LayerExecutor:
         for i in range(start, end):
             w = self.layer_weights[i]
             if i not in skip_attn:
+                cos, sin = ropes[w.rope_kind]
                 hidden = hidden + attn.sublayer(i, w, hidden, cos, sin, cache, pos0, mask,
                                                 write_cache, bulk, free)
             if observe is not None:
@@ -619,13 +630,14 @@ class LayerExecutor:
         num = hidden.shape[0]
         lengths = [hi - lo for lo, hi in zip(offsets, offsets[1:], strict=False)]
         attn = self._attn
-        cos, sin = self.rope.lookup(hidden, positions.unsqueeze(0))     # [1, N, 1, hd]
+        ropes = self._layer_rows(hidden, positions.unsqueeze(0), start, end)  # [1, N, 1, hd]
         masks = [grouped_causal_mask(n, p + n, attn.groups, hidden.device)
                  for n, p in zip(lengths, starts, strict=False)]
         nq, nkv, hd, groups = self.num_heads, self.num_kv_heads, self.head_dim, attn.groups
         hidden = hidden.unsqueeze(0)                                    # [1, N, H]
         for i in range(start, end):
             w = self.layer_weights[i]
+            cos, sin = ropes[w.rope_kind]
             qk, v = rotated_qkv(w, w.qkv(attention_input(w, hidden)), cos, sin, (nq, nkv, hd))
             new_k, new_v = qk[:, :, nq:].transpose(1, 2), v.transpose(1, 2)
             q = qk[:, :, :nq].reshape(1, num, nkv, groups, hd).permute(0, 2, 3, 1, 4)
@@ -634,7 +646,7 @@ class LayerExecutor:
                 lo, hi = offsets[b], offsets[b + 1]
                 keys, values = cache.append(i, new_k[:, :, lo:hi], new_v[:, :, lo:hi], starts[b])
                 outs.append(attn.attend(q[:, :, :, lo:hi], keys, values, starts[b], masks[b],
-                                        cache.visible(i)))
+                                        cache.visible(i), window=w.window))
             out = torch.cat(outs, dim=3)                                # [1, Hkv, G, N, hd]
             hidden = hidden + sublayer_output(
                 w, w.o(out.permute(0, 3, 1, 2, 4).reshape(1, num, nq * hd)), w.post_attn_norm)
@@ -668,9 +680,10 @@ class LayerExecutor:
         bsz, num_new, _ = hidden.shape
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         pos0 = int(positions[0, 0])
-        cos, sin = self.rope.lookup(hidden, positions)
+        ropes = self._layer_rows(hidden, positions, start, end)
         for i in range(start, end):
             w = self.layer_weights[i]
+            cos, sin = ropes[w.rope_kind]
             x = attention_input(w, hidden)
             if w.q_norm is None:  # the k/v rows of the product alone
                 bias = w.qkv.bias
@@ -726,8 +739,7 @@ class LayerExecutor:
             bias = self.lm_head.bias
             logits = F.linear(normed, self.lm_head.weight[vocab_rows],
                               None if bias is None else bias[vocab_rows])
-        divisor = self.architecture.logits_divisor  # Granite's logits_scaling
-        return logits if divisor == 1.0 else logits / divisor
+        return self._scaled_logits(logits)
 
     # ------------------------------------------------------------- whole-model entries
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -801,9 +813,30 @@ class LayerExecutor:
         → ``[N, V]`` logits, ``lm_head`` in the decoding kernel (as one-row decoding)."""
         hidden = self.run_rows(self.embed(input_ids), positions, lengths, 0, self.num_layers,
                                caches)
-        logits = self.output_weights(self.norm(hidden), bulk=False)
+        return self._scaled_logits(self.output_weights(self.norm(hidden), bulk=False))
+
+    def _scaled_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """``lm_head``'s output as the model returns it: divided by Granite's
+        ``logits_scaling``, soft-capped (``c · tanh(x / c)``, modeling_gemma3) where the
+        config sets ``final_logit_softcapping``."""
         divisor = self.architecture.logits_divisor
-        return logits if divisor == 1.0 else logits / divisor
+        if divisor != 1.0:
+            logits = logits / divisor
+        cap = self.architecture.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _layer_rows(self, hidden: torch.Tensor, positions: torch.Tensor, start: int,
+                    end: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """cos, sin ``[B, T, 1, hd]`` of ``positions`` for each RoPE table layers
+        ``[start, end)`` read, by :attr:`LayerWeights.rope_kind` (one lookup a table)."""
+        rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in range(start, end):
+            kind = self.layer_weights[i].rope_kind
+            if kind not in rows:
+                rows[kind] = self.layer_ropes[i].lookup(hidden, positions)
+        return rows
 
 
 def _row_offsets(num: int, lengths: Sequence[int], caches: Sequence[KVCache]) -> list[int]:
@@ -818,3 +851,11 @@ def _row_offsets(num: int, lengths: Sequence[int], caches: Sequence[KVCache]) ->
     for n in lengths:
         offsets.append(offsets[-1] + n)
     return offsets
+
+
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack (``layers``, ``embed_tokens``, ``norm``, ``rotary_emb``) of a causal
+    LM: ``model.model``, or a multimodal checkpoint's ``model.model.language_model``
+    (Gemma3ForConditionalGeneration, run on text only)."""
+    inner = model.model
+    return getattr(inner, "language_model", inner)

@@ -145,3 +145,38 @@ class RopeTable:
         cos, sin = made.cos[pos0:pos0 + num], made.sin[pos0:pos0 + num]
         self._span_last = (made, pos0, num, cos, sin)
         return cos, sin
+
+
+class _TypedRotary(torch.nn.Module):
+    """A rotary module that keeps one table per layer type (Gemma 3's
+    ``rotary_emb(x, position_ids, layer_type)``) as a plain ``rotary_emb(x, position_ids)``
+    for one layer type."""
+
+    def __init__(self, rotary_emb: torch.nn.Module, layer_type: str) -> None:
+        super().__init__()
+        self.inner = rotary_emb
+        self.layer_type = layer_type
+        self.rope_type = getattr(rotary_emb, "rope_type", {}).get(layer_type, "default")
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        return self.inner(x, position_ids, self.layer_type)
+
+
+def layer_rope_tables(rotary_emb: torch.nn.Module,
+                      kinds: tuple[str, ...]) -> tuple[RopeTable, list[RopeTable]]:
+    """The RoPE tables of a model whose layers read ``kinds`` (``"default"``, or a layer
+    type): one table per kind, shared by its layers; a layer type's from
+    ``rotary_emb(x, positions, layer_type)`` (modeling_gemma3.Gemma3RotaryEmbedding).
+
+    Returns:
+        The main table (``"default"``'s, else ``"full_attention"``'s, else the first
+        layer's: what the fused paths and CUDA graphs read, which refuse per-type tables)
+        and ``[L]`` each layer's table.
+    """
+    tables: dict[str, RopeTable] = {}
+    for kind in kinds:
+        if kind not in tables:
+            tables[kind] = (RopeTable(rotary_emb) if kind == "default"
+                            else RopeTable(_TypedRotary(rotary_emb, kind)))
+    main = tables.get("default") or tables.get("full_attention") or tables[kinds[0]]
+    return main, [tables[kind] for kind in kinds]

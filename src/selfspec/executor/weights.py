@@ -54,6 +54,10 @@ class LayerWeights:
             < 1: the rotary module's rows are narrower than ``head_dim``; Phi-4-mini).
         residual_scale: each sub-layer's output is multiplied by it before the residual add
             (Granite's ``residual_multiplier``).
+        window: the layer's sliding attention window ``W`` (a query at ``p`` sees keys
+            ``p - W < k <= p``), or ``None`` for full attention.
+        rope_kind: which RoPE table the layer reads: ``"default"``, or its layer type where
+            the model has one table per layer type (Gemma 3's local base on sliding layers).
         plain: Llama's layer (none of the above): what the fused kernels compute.
 
     Each matrix is called as ``m(x [..., K], bulk=False) -> [..., N]``.
@@ -79,6 +83,8 @@ class LayerWeights:
     rope: bool = True
     rope_partial: bool = False
     residual_scale: float = 1.0
+    window: int | None = None
+    rope_kind: str = "default"
 
     @property
     def plain(self) -> bool:
@@ -87,7 +93,8 @@ class LayerWeights:
         return (self.q_norm is None and self.post_attn_norm is None
                 and self.post_mlp_norm is None and self.attn_norm is not None
                 and self.mlp_norm is not None and self.rope and not self.rope_partial
-                and self.residual_scale == 1.0 and not self.norm_weight_fp32)
+                and self.residual_scale == 1.0 and not self.norm_weight_fp32
+                and self.window is None and self.rope_kind == "default")
 
     @property
     def norms(self) -> tuple[torch.Tensor, ...]:
@@ -188,7 +195,15 @@ def layer_weights(layer: torch.nn.Module, pack: bool, limits: PackedRowLimits,
                           cat_bias(mlp.gate_proj, mlp.up_proj), pack, **opts),
         "down": Linear(mlp.down_proj.weight, mlp.down_proj.bias, pack, **opts),
     }
-    if arch is not None and arch.norm_placement == "post":
+    if arch is not None and arch.norm_placement == "both":  # Gemma 3: four norms a layer
+        norms = {"attn_norm": layer.input_layernorm.weight,
+                 "attn_norm_eps": _eps(layer.input_layernorm),
+                 "mlp_norm": layer.pre_feedforward_layernorm.weight,
+                 "mlp_norm_eps": _eps(layer.pre_feedforward_layernorm),
+                 "post_attn_norm": layer.post_attention_layernorm.weight,
+                 "post_mlp_norm": layer.post_feedforward_layernorm.weight,
+                 "post_norm_eps": _eps(layer.post_attention_layernorm)}
+    elif arch is not None and arch.norm_placement == "post":
         post_attn, post_mlp = layer.post_attention_layernorm, layer.post_feedforward_layernorm
         norms = {"attn_norm": None, "attn_norm_eps": 0.0, "mlp_norm": None,
                  "mlp_norm_eps": 0.0, "post_attn_norm": post_attn.weight,
@@ -200,10 +215,28 @@ def layer_weights(layer: torch.nn.Module, pack: bool, limits: PackedRowLimits,
                  "mlp_norm_eps": layer.post_attention_layernorm.variance_epsilon}
     if arch is not None and arch.qk_norm != "none":
         norms.update(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight,
-                     qk_norm_eps=attn.q_norm.variance_epsilon,
+                     qk_norm_eps=_eps(attn.q_norm),
                      qk_norm_whole=arch.qk_norm == "projection")
+    if arch is not None and arch.norm_kind == "rms_offset":
+        # Gemma's x̂ · (1 + w) in float32 is OLMo 2's order with the weight 1 + w in float32
+        # (modeling_gemma3.Gemma3RMSNorm: output * (1.0 + weight.float()), then type_as(x)).
+        norms.update({key: _offset_weight(t) for key, t in norms.items()
+                      if isinstance(t, torch.Tensor)})
     if arch is not None:
-        norms.update(norm_weight_fp32=arch.norm_kind == "rms_weight_fp32",
+        norms.update(norm_weight_fp32=arch.norm_kind in ("rms_weight_fp32", "rms_offset"),
                      rope=arch.rope_layers[index], rope_partial=arch.rotary_fraction != 1.0,
-                     residual_scale=arch.residual_multiplier)
+                     residual_scale=arch.residual_multiplier,
+                     window=arch.sliding_window[index],
+                     rope_kind=arch.rope_kinds[index] if arch.rope_kinds else "default")
     return LayerWeights(act=mlp.act_fn, **matrices, **norms)
+
+
+def _eps(norm: torch.nn.Module) -> float:
+    """An RMSNorm module's epsilon (``variance_epsilon``; Gemma's modules call it ``eps``)."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return float(norm.eps if eps is None else eps)
+
+
+def _offset_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``1 + w`` in float32 (a copy of ``H`` values) of a Gemma norm weight ``[H]``."""
+    return 1.0 + weight.detach().float()

@@ -16,11 +16,13 @@ from typing import Any
 from selfspec.errors import UnsupportedArchitectureError
 
 #: Norm kinds: ``"rms"`` = Llama's ``w · x̂.to(dtype)``; ``"rms_weight_fp32"`` = OLMo 2's
-#: ``(w · x̂).to(dtype)`` (the weight multiplied before the cast back).
-NORM_KINDS = ("rms", "rms_weight_fp32")
+#: ``(w · x̂).to(dtype)`` (the weight multiplied before the cast back); ``"rms_offset"`` =
+#: Gemma's ``(x̂ · (1 + w)).to(dtype)``, all in float32 (modeling_gemma3.Gemma3RMSNorm).
+NORM_KINDS = ("rms", "rms_weight_fp32", "rms_offset")
 #: Where a layer's norms sit: ``"pre"`` = before each sub-layer (Llama); ``"post"`` = on each
-#: sub-layer's output before the residual add (OLMo 2).
-NORM_PLACEMENTS = ("pre", "post")
+#: sub-layer's output before the residual add (OLMo 2); ``"both"`` = the two of them, four
+#: norms a layer (Gemma 3: input, post_attention, pre_feedforward, post_feedforward).
+NORM_PLACEMENTS = ("pre", "post", "both")
 #: q/k norms: ``"none"``; ``"head"`` = RMSNorm over each head's ``head_dim`` (Qwen3);
 #: ``"projection"`` = over the whole q / k projection (OLMo 2). Both before RoPE.
 QK_NORMS = ("none", "head", "projection")
@@ -39,6 +41,11 @@ class Family:
     # One ``sliding_window`` on every layer whenever it is set (Mistral, Phi-3: their modeling
     # files build a sliding-window mask from it alone, without ``use_sliding_window``).
     window_when_set: bool = False
+    # Gemma 3: one RoPE table per layer type (rope_parameters[layer_type]: the sliding layers'
+    # local base), embeddings times sqrt(hidden_size), query_pre_attn_scalar, softcaps.
+    gemma: bool = False
+    # A multimodal checkpoint whose language model (config.text_config) runs on text alone.
+    text_config: bool = False
 
 
 #: The families the executor drives, by ``model_type``.
@@ -51,6 +58,9 @@ FAMILIES: dict[str, Family] = {
     "olmo2": Family(norm_kind="rms_weight_fp32", norm_placement="post", qk_norm="projection"),
     "smollm3": Family(),
     "phi3": Family(checkpoint_fused=True, window_when_set=True),
+    "gemma3_text": Family(norm_kind="rms_offset", norm_placement="both", qk_norm="head",
+                          gemma=True),
+    "gemma3": Family(text_config=True),  # Gemma3ForConditionalGeneration's language model
 }
 
 #: RoPE scaling kinds refused, and why (the rest the model's own rotary module computes).
@@ -67,9 +77,15 @@ def family_paths() -> str:
     compute and which decode on the torch path, and why (from :data:`FAMILIES`)."""
     fused, torch_path = [], []
     for name, fam in FAMILIES.items():
+        if fam.text_config:  # its language model's family says
+            torch_path.append(f"{name} (as its text model)")
+            continue
         why = [w for w, on in (("q/k norms", fam.qk_norm != "none"),
                                ("post-norms", fam.norm_placement != "pre"),
-                               ("multipliers", fam.multipliers)) if on]
+                               ("multipliers", fam.multipliers),
+                               ("(1 + w) norms", fam.norm_kind == "rms_offset"),
+                               ("GELU-tanh MLP, RoPE base per layer type, sliding windows",
+                                fam.gemma)) if on]
         if why:
             torch_path.append(f"{name} ({', '.join(why)})")
         else:
@@ -77,7 +93,8 @@ def family_paths() -> str:
     return (f"fused sub-layer kernels (bf16 / w4a8 / gguf): {', '.join(fused)} (SmolLM3 only "
             "where every layer has RoPE; phi3's qkv_proj / gate_up_proj split at load, only "
             "where RoPE spans the whole head: partial_rotary_factor < 1, Phi-4-mini's, runs "
-            f"the torch path); torch path: {', '.join(torch_path)}")
+            f"the torch path); torch path: {', '.join(torch_path)}; any model whose "
+            "sliding window binds (shorter than its context) runs the torch path")
 
 #: Families refused on purpose, with what to use instead.
 REFUSED: dict[str, str] = {
@@ -102,9 +119,10 @@ class Architecture:
         activation: ``config.hidden_act`` (the MLP is gated: ``down(act(gate) · up)``).
         rope_layers: ``[L]`` whether layer ``i`` applies RoPE (SmolLM3's ``no_rope_layers``
             turns it off on some).
-        sliding_window: per layer, the attention window in positions (a query at ``q`` sees
-            keys ``k > q - W``), or ``None`` for full attention. Only windows at least
-            ``max_position_embeddings`` long are accepted (they never bind).
+        sliding_window: per layer, the attention window ``W`` in positions (a query at
+            ``p`` sees keys ``p - W < k <= p``, transformers' ``sliding_window_causal``), or
+            ``None`` for full attention; a window at least ``max_position_embeddings`` long
+            never binds and is ``None``.
         attention_scale: the softmax scale (``head_dim ** -0.5``; Granite's
             ``attention_multiplier``).
         embedding_multiplier: the token embeddings are multiplied by it (Granite; else 1).
@@ -120,6 +138,13 @@ class Architecture:
         checkpoint_fused: the checkpoint holds q/k/v as one ``qkv_proj`` and gate/up as one
             ``gate_up_proj`` (Phi-3), split at load into the usual projections
             (:func:`selfspec.executor.weights.split_checkpoint_fused`).
+        rope_kinds: per layer, the RoPE table it reads: ``"default"`` (one table), or its
+            layer type where the config has ``rope_parameters`` per layer type (Gemma 3:
+            ``sliding_attention`` layers rotate with the local base, 10,000).
+        embedding_scale: the token embeddings are multiplied by it, cast to the weights'
+            dtype first (Gemma's ``sqrt(hidden_size)``, Gemma3TextScaledWordEmbedding); 1.
+        final_softcap: logits become ``c · tanh(logits / c)`` (``final_logit_softcapping``),
+            or ``None``.
     """
 
     model_type: str
@@ -138,6 +163,9 @@ class Architecture:
     rope_type: str
     rotary_fraction: float
     checkpoint_fused: bool
+    rope_kinds: tuple[str, ...] = ()
+    embedding_scale: float = 1.0
+    final_softcap: float | None = None
 
     @property
     def plain(self) -> bool:
@@ -160,6 +188,11 @@ class Architecture:
             out.append(f"partial rotary (partial_rotary_factor {self.rotary_fraction})")
         if self.residual_multiplier != 1.0:
             out.append("a residual multiplier")
+        windows = sorted({w for w in self.sliding_window if w is not None})
+        if windows:
+            out.append(f"sliding window {windows[0]}")
+        if any(kind != "default" for kind in self.rope_kinds):
+            out.append("a RoPE table per layer type")
         return out
 
     def fused_reason(self) -> str | None:
@@ -187,27 +220,54 @@ def _sliding_windows(config: Any, num_layers: int, family: Family) -> list[int |
     return [None] * num_layers
 
 
-def _check_windows(windows: list[int | None], config: Any, source: str) -> None:
-    """Refuse windows shorter than the model's context (they would change the output)."""
-    context = int(config.max_position_embeddings)
-    short = [i for i, w in enumerate(windows) if w is not None and w < context]
+def _binding_windows(windows: list[int | None], config: Any, source: str) -> list[int | None]:
+    """The windows that can bind (shorter than ``max_position_embeddings``; a longer one
+    never does: ``None``).
+
+    Raises:
+        UnsupportedArchitectureError: an attention layer type other than full or sliding.
+    """
     for kind in getattr(config, "layer_types", None) or ():
         if kind not in ("full_attention", "sliding_attention"):
             raise UnsupportedArchitectureError(
                 f"{source}: attention layer type {kind!r} is not supported yet")
-    if short:
-        size = windows[short[0]]
-        listed = f"{short[:8]}{'...' if len(short) > 8 else ''}"
+    context = int(config.max_position_embeddings)
+    return [w if w is not None and int(w) < context else None for w in windows]
+
+
+def _rope_kinds(config: Any, num_layers: int, family: Family) -> tuple[str, ...]:
+    """Each layer's RoPE table: its layer type where Gemma 3's rotary module keeps one table
+    per layer type (``rope_parameters[layer_type]``), else ``"default"``."""
+    if not family.gemma:
+        return ("default",) * num_layers
+    return tuple(str(kind) for kind in config.layer_types[:num_layers])
+
+
+def _gemma_features(config: Any, source: str) -> dict:
+    """Gemma 3's attention scale, embedding scale and final softcap.
+
+    Raises:
+        UnsupportedArchitectureError: an attention logit softcap (SDPA cannot apply it;
+            Gemma 3's is None) or bidirectional attention.
+    """
+    if getattr(config, "attn_logit_softcapping", None) is not None:
         raise UnsupportedArchitectureError(
-            f"{source}: sliding window {size} < max_position_embeddings {context} on layers "
-            f"{listed}: not supported yet (selfspec's KV cache attends to every position). "
-            "If the model was trained without a window, set sliding_window to null "
-            "(Mistral, Phi-3) or use_sliding_window to false in its config.json.")
+            f"{source}: attn_logit_softcapping is not supported (selfspec's attention is "
+            "SDPA, which has no score softcap; Gemma 3 checkpoints leave it null)")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedArchitectureError(
+            f"{source}: use_bidirectional_attention is not supported (decoding is causal)")
+    cap = getattr(config, "final_logit_softcapping", None)
+    return {"attention_scale": float(config.query_pre_attn_scalar) ** -0.5,
+            "embedding_scale": float(config.hidden_size) ** 0.5,
+            "final_softcap": None if cap is None else float(cap)}
 
 
 def _rope_params(config: Any) -> dict:
     """``rope_parameters`` (transformers 5) or ``rope_scaling`` (before), ``{}`` if neither."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if isinstance(params, dict) and "full_attention" in params:  # per layer type (Gemma 3)
+        params = params["full_attention"]
     return params if isinstance(params, dict) else {}
 
 
@@ -255,31 +315,36 @@ def describe(config: Any, source: str = "the model") -> Architecture:
 
     Raises:
         UnsupportedArchitectureError: an unsupported ``model_type`` (:func:`check_model_type`),
-            a sliding window shorter than the context, an attention layer type other than
-            full or sliding, a RoPE scaling kind in :data:`REFUSED_ROPE` (``longrope``), or
-            attention / MLP biases where the family has none; the message names the feature.
+            an attention layer type other than full or sliding, Gemma's attention logit
+            softcap or bidirectional attention, a RoPE scaling kind in :data:`REFUSED_ROPE`
+            (``longrope``), or attention / MLP biases where the family has none; the message
+            names the feature.
     """
     family = check_model_type(config.model_type, source)
+    if family.text_config:  # a multimodal checkpoint: its language model, on text
+        return describe(config.get_text_config(), source)
     num_layers = int(config.num_hidden_layers)
-    windows = _sliding_windows(config, num_layers, family)
-    _check_windows(windows, config, source)
+    windows = _binding_windows(_sliding_windows(config, num_layers, family), config, source)
     head_dim = getattr(config, "head_dim", None) or (
         config.hidden_size // config.num_attention_heads)
     no_rope = getattr(config, "no_rope_layers", None)  # SmolLM3: 1 = RoPE, 0 = none
     rope_layers = (tuple(bool(x) for x in no_rope[:num_layers]) if no_rope is not None
                    else (True,) * num_layers)
     multipliers = family.multipliers
+    gemma = _gemma_features(config, source) if family.gemma else {}
+    activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act",
+                                                                       "silu")
     return Architecture(
         model_type=config.model_type,
         num_layers=num_layers,
         norm_kind=family.norm_kind,
         norm_placement=family.norm_placement,
         qk_norm=family.qk_norm,
-        activation=str(getattr(config, "hidden_act", "silu")),
+        activation=str(activation),
         rope_layers=rope_layers,
         sliding_window=tuple(windows),
-        attention_scale=(float(config.attention_multiplier) if multipliers
-                         else float(head_dim) ** -0.5),
+        attention_scale=gemma.get("attention_scale", (
+            float(config.attention_multiplier) if multipliers else float(head_dim) ** -0.5)),
         embedding_multiplier=float(config.embedding_multiplier) if multipliers else 1.0,
         residual_multiplier=float(config.residual_multiplier) if multipliers else 1.0,
         logits_divisor=float(config.logits_scaling) if multipliers else 1.0,
@@ -287,4 +352,7 @@ def describe(config: Any, source: str = "the model") -> Architecture:
         rope_type=_rope_type(config, source),
         rotary_fraction=_rotary_fraction(config),
         checkpoint_fused=family.checkpoint_fused,
+        rope_kinds=_rope_kinds(config, num_layers, family),
+        embedding_scale=gemma.get("embedding_scale", 1.0),
+        final_softcap=gemma.get("final_softcap"),
     )
