@@ -10,6 +10,8 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3Config,
+    Gemma3TextConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
@@ -22,18 +24,25 @@ from transformers import (
 
 import selfspec
 from selfspec.errors import UnsupportedArchitectureError
-from selfspec.executor import LayerExecutor
 from selfspec.methods.registry import METHODS
 from selfspec.models import SUPPORTED_MODEL_TYPES
 from selfspec.models.architecture import describe
 
-from tiny import VOCAB, tiny_tokenizer
+from tiny import VOCAB, steady_latency, tiny_tokenizer
 
 PROMPTS = ["the cat sat on the mat; the cat sat on", "abcabcabcabc", "def f(x):\n    return"]
 NEW_TOKENS = 32
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               eos_token_id=VOCAB - 1, bos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+
+WINDOW = 8
+#: Gemma 3 text: sliding layers (local RoPE base, window) and full ones, q/k head norms,
+#: query_pre_attn_scalar other than head_dim, GELU-tanh, four (1 + w) norms a layer.
+GEMMA = dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+             layer_types=["sliding_attention", "full_attention"] * 2, **COMMON)
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=2, image_size=28, patch_size=14)
 
 #: One tiny config per family, each exercising the family's own features.
 CONFIGS = {
@@ -49,7 +58,24 @@ CONFIGS = {
     # Checkpoint-fused qkv_proj / gate_up_proj; Phi-4-mini's RoPE on 3/4 of each head.
     "phi3": lambda: Phi3Config(**COMMON),
     "phi3-partial-rotary": lambda: Phi3Config(partial_rotary_factor=0.75, **COMMON),
+    # Windows shorter than every prompt (WINDOW < 12 tokens): they bind (the torch path).
+    "mistral-window": lambda: MistralConfig(sliding_window=WINDOW, **COMMON),
+    "qwen2-window": lambda: Qwen2Config(use_sliding_window=True, sliding_window=WINDOW,
+                                        max_window_layers=2, **COMMON),
+    "gemma3_text": lambda: Gemma3TextConfig(**GEMMA),
+    # Gemma3ForConditionalGeneration: its language model runs, on text.
+    "gemma3": lambda: Gemma3Config(text_config=GEMMA, vision_config=TINY_VISION,
+                                   image_token_index=VOCAB - 2, boi_token_index=VOCAB - 3,
+                                   eoi_token_index=VOCAB - 4, mm_tokens_per_image=4,
+                                   eos_token_id=VOCAB - 1, bos_token_id=0, pad_token_id=0,
+                                   tie_word_embeddings=False),
 }
+#: Families whose lossless methods must also have drafted (a binding window, Gemma 3), and
+#: the options that make knapspec plan from the first steps (with its defaults it drafted
+#: nothing in 32 tokens).
+DRAFTING = {"qwen2-window", "gemma3_text"}
+DRAFT_OPTIONS = {"knapspec": {"reoptimize_every": 6, "tau": -1.0, "confidence": 0.01,
+                              "plan_budget": 1e9}}
 # Lossless with defaults or the options below; dssd, adaspeed-probe and swift need trained
 # heads or a searched skip set, qspec a quantized draft kernel, clasp is knapspec's plan
 # search re-run (all covered on llama and qwen2 in tests/decoding).
@@ -59,7 +85,10 @@ LOSSLESS = [name for name, spec in METHODS.items()
             if spec.lossless_for(spec.options()) and name not in SKIPPED]
 #: Families whose methods tests/decoding already runs (test_batch, test_processing, ...);
 #: plain phi3 is Llama's layer once split, and phi3-partial-rotary runs its split with them.
-COVERED = {"llama", "qwen2", "phi3"}
+COVERED = {"llama", "qwen2", "phi3",
+           # gemma3 runs gemma3_text's layers; mistral-window the windowed torch path of
+           # qwen2-window (whose full and windowed layers mix): ar parity covers each.
+           "gemma3", "mistral-window"}
 NEW = sorted(set(CONFIGS) - COVERED)
 
 
@@ -76,6 +105,12 @@ def _random_model(model_type: str):
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.uniform_(0.5, 1.5) if "norm" in name else p.mul_(4.0)
+        if model_type == "gemma3_text":
+            # The last layer's sub-layers damped (its post-norms' 1 + w = 0.3): an early exit
+            # agrees often but not always, so DEL and knapspec draft, accept and reject.
+            last = model.model.layers[-1]
+            last.post_attention_layernorm.weight.fill_(-0.7)
+            last.post_feedforward_layernorm.weight.fill_(-0.7)
     return model.eval().requires_grad_(False)
 
 
@@ -86,7 +121,7 @@ def _family(model_type: str, tmp_path_factory):
     _random_model(model_type).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    engine = selfspec.load(str(path), dtype="fp32", show_progress=False)
+    engine = steady_latency(selfspec.load(str(path), dtype="fp32", show_progress=False))
     ar = [engine.generate(p, method="ar", max_new_tokens=NEW_TOKENS).token_ids
           for p in PROMPTS]
     return reference, engine, ar
@@ -99,7 +134,7 @@ def any_family(request, tmp_path_factory):
 
 @pytest.fixture(scope="module", params=NEW)
 def family(request, tmp_path_factory):
-    return _family(request.param, tmp_path_factory)
+    return (*_family(request.param, tmp_path_factory), request.param)
 
 
 def test_ar_equals_transformers_generate(any_family):
@@ -114,31 +149,39 @@ def test_ar_equals_transformers_generate(any_family):
 
 @pytest.mark.parametrize("method", LOSSLESS)
 def test_lossless_methods_equal_ar(family, method):
-    _, engine, ar = family
+    _, engine, ar, name = family
     options = NO_HEADS.get(method, {})
+    if name in DRAFTING:
+        options = {**options, **DRAFT_OPTIONS.get(method, {})}
+    drafted = 0
     for prompt, ref in zip(PROMPTS, ar, strict=True):
         got = engine.generate(prompt, method=method, max_new_tokens=NEW_TOKENS, **options)
         assert got.token_ids == ref, (method, prompt)
+        drafted += got.stats.drafted
+    if name in DRAFTING:
+        assert drafted > 0, (method, "drafted nothing: the parity says nothing")
 
 
 def test_a_ragged_batch_equals_single_prompts(family):
-    _, engine, ar = family
+    _, engine, ar, _ = family
     results = engine.generate(PROMPTS, method="ngram", max_new_tokens=NEW_TOKENS)
     assert [r.token_ids for r in results] == ar
 
 
-def test_a_window_shorter_than_the_context_is_one_clear_error():
-    config = MistralConfig(sliding_window=64, **COMMON)
-    with pytest.raises(UnsupportedArchitectureError,
-                       match=r"sliding window 64 < max_position_embeddings 256 on layers "
-                             r"\[0, 1, 2, 3\]: not supported yet"):
-        describe(config)
-    model = AutoModelForCausalLM.from_config(config)
-    with pytest.raises(UnsupportedArchitectureError, match="sliding window 64"):
-        LayerExecutor(model)
+def test_a_window_shorter_than_the_context_binds_on_its_layers():
+    """A window shorter than the context is described per layer as transformers' masks
+    apply it (Mistral and Phi-3: every layer; Qwen2: from max_window_layers; layer_types)
+    and sends the layers to the torch path; a longer one never binds."""
+    assert describe(MistralConfig(sliding_window=64, **COMMON)).sliding_window == (64,) * 4
+    assert describe(Phi3Config(sliding_window=64, **COMMON)).sliding_window == (64,) * 4
     assert describe(MistralConfig(sliding_window=None, **COMMON)).sliding_window == (None,) * 4
-    with pytest.raises(UnsupportedArchitectureError, match="sliding window 64"):
-        describe(Phi3Config(sliding_window=64, **COMMON))  # Phi-3-mini-4k's 2047 < 4096
+    assert describe(MistralConfig(sliding_window=256, **COMMON)).sliding_window == (None,) * 4
+    qwen2 = describe(CONFIGS["qwen2-window"]())
+    assert qwen2.sliding_window == (None, None, WINDOW, WINDOW)
+    assert "sliding window 8" in qwen2.fused_reason()
+    gemma = describe(CONFIGS["gemma3"]())
+    assert gemma.sliding_window == (WINDOW, None, WINDOW, None)
+    assert gemma.rope_kinds == ("sliding_attention", "full_attention") * 2
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
@@ -162,6 +205,17 @@ def test_the_description_names_each_familys_features():
     assert arch["phi3"].checkpoint_fused and arch["phi3"].plain
     assert arch["phi3-partial-rotary"].rotary_fraction == 0.75
     assert "partial rotary" in arch["phi3-partial-rotary"].fused_reason()
+    gemma = arch["gemma3_text"]
+    assert (gemma.norm_kind, gemma.norm_placement, gemma.qk_norm) == ("rms_offset", "both",
+                                                                       "head")
+    assert (gemma.embedding_scale, gemma.attention_scale) == (8.0, 24 ** -0.5)
+    assert gemma.activation == "gelu_pytorch_tanh" and gemma.final_softcap is None
+    assert "GELU" not in gemma.fused_reason() and "gelu_pytorch_tanh" in gemma.fused_reason()
+
+
+def test_gemma_attention_softcap_is_one_clear_error():
+    with pytest.raises(UnsupportedArchitectureError, match="attn_logit_softcapping"):
+        describe(Gemma3TextConfig(attn_logit_softcapping=50.0, **GEMMA))
 
 
 def test_longrope_is_one_clear_error():
@@ -199,3 +253,4 @@ def test_info_says_which_path_each_family_takes():
     assert all(name in line for name in SUPPORTED_MODEL_TYPES)
     assert "torch path: qwen3 (q/k norms)" in line and "olmo2 (q/k norms, post-norms)" in line
     assert "phi3's qkv_proj / gate_up_proj split at load" in line
+    assert "gemma3_text (q/k norms, post-norms, (1 + w) norms" in line
