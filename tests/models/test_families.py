@@ -226,7 +226,8 @@ def test_longrope_is_one_clear_error():
         describe(config)
 
 
-@pytest.mark.parametrize("model_type", [*NEW, "phi3"])
+# qwen2-window left out: gemma3_text's sliding layers run the same windowed bf16 path.
+@pytest.mark.parametrize("model_type", [*sorted(set(NEW) - {"qwen2-window"}), "phi3"])
 def test_bf16_lossless_methods_equal_bf16_ar(model_type):
     """In bf16 the families with layers other than Llama's run the torch path (the fused
     kernels compute Llama's layer only: Architecture.fused_reason), whose verification blocks
