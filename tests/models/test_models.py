@@ -334,18 +334,19 @@ def test_unsupported_architecture_is_rejected_before_reading_weights(tmp_path: P
     assert "llama" in str(error.value) and "qwen2" in str(error.value)
 
 
-def test_qwen2_with_sliding_window_layers_is_rejected(tmp_path: Path) -> None:
+def test_qwen2_sliding_window_layers_are_described() -> None:
+    """Issue 75: windows are computed now (tests/executor/test_sliding_window.py), on the
+    layers from max_window_layers."""
+    from selfspec.models.architecture import describe
+
     common = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
               "num_attention_heads": 2, "num_key_value_heads": 1}  # fmt: skip
-    Qwen2Config(
-        use_sliding_window=True, sliding_window=8, max_window_layers=1, **common
-    ).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedArchitectureError, match="sliding"):
-        load_model(str(tmp_path), "fp32")
-    # use_sliding_window with every layer below max_window_layers slides nowhere: accepted.
-    check_config(
-        Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=2, **common), "q"
-    )
+    config = Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=1, **common)
+    check_config(config, "q")
+    assert describe(config).sliding_window == (None, 8)
+    # use_sliding_window with every layer below max_window_layers slides nowhere.
+    config = Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=2, **common)
+    assert describe(config).sliding_window == (None, None)
 
 
 def test_local_dir_without_safetensors_is_refused(tmp_path: Path, tiny_llama_dir: Path) -> None:

@@ -127,11 +127,11 @@ class LayerExecutor:
                  prefill_chunk: int = PREFILL_CHUNK,
                  gguf: str | Path | Callable[[], Path] | None = None,
                  keep_packed: bool = True) -> None:
+        # One description of the features the paths below compute (no model_type tests).
+        self.architecture: Architecture = describe(model.config, "the model")
         # A multimodal checkpoint (Gemma 3): its language model, on text.
         config = model.config.get_text_config()
         inner = decoder_of(model)
-        # One description of the features the paths below compute (no model_type tests).
-        self.architecture: Architecture = describe(model.config, "the model")
         self.model = model
         self.config = config
         self.name = name or str(getattr(model.config, "_name_or_path", "") or "model")
