@@ -277,6 +277,8 @@ def _unsupported(executor: LayerExecutor, lenses: Mapping[int, LightweightHead])
         return "needs a bf16 model"
     if _norm_eps(norm) is None:
         return f"knows RMSNorm, not {type(norm).__name__}"
+    if executor.architecture.norm_kind == "rms_offset":
+        return "computes w · x̂ norms, not Gemma's x̂ · (1 + w)"
     if any(head.transform.dtype != torch.bfloat16 for head in lenses.values()):
         return "needs bf16 head lenses"
     return ""
