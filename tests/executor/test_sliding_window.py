@@ -114,3 +114,22 @@ def _prefilled(ex: LayerExecutor, ids: torch.Tensor):
     cache = ex.new_cache()
     ex.prefill(ids[:, :PROMPT], cache)
     return cache
+
+
+@torch.inference_mode()
+def test_the_cuda_graphs_static_forward_masks_the_window(model, ids):
+    """The graphs' static forward (run eagerly here, as on the CPU in tests/executor/test_gpu)
+    attends over the whole capacity: its mask must carry each layer's window too."""
+    from selfspec.executor.cuda_graphs import CudaGraphRunner, static_forward
+
+    ex = _executor(model)
+    runner = CudaGraphRunner(ex, capacity=64, max_tokens=4, replay="eager")
+    cache = ex.new_cache(capacity=64)
+    ex.prefill(ids[:, :PROMPT], cache)
+    want = ex.forward(ids[:, PROMPT:PROMPT + 3], position_block(PROMPT, 3, "cpu"), cache)
+    static = runner.cache
+    ex.prefill(ids[:, :PROMPT], static)
+    keys, values = static.storage()
+    got = static_forward(ex, ids[:, PROMPT:PROMPT + 3], position_block(PROMPT, 3, "cpu"), keys,
+                         values, torch.arange(64), ex.rope.cos, ex.rope.sin)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
