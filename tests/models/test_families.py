@@ -304,3 +304,6 @@ def test_gpt_neox_is_described_by_its_features():
     assert not describe(NEOX_CONFIGS["gpt_neox-sequential"]()).parallel_residual
     with pytest.raises(UnsupportedArchitectureError, match="partial rotary over 3 of 16"):
         describe(GPTNeoXConfig(rotary_pct=3 / 16, **NEOX_COMMON))
+    from selfspec.models.architecture import family_paths
+
+    assert "gpt_neox (LayerNorm, plain GELU MLP)" in family_paths()

@@ -105,6 +105,10 @@ def output_layer(source: object) -> OutputLayer:
     model = source
     if hasattr(model, "lm_head") and hasattr(getattr(model, "model", None), "norm"):
         return OutputLayer(model.model.norm, model.lm_head.weight, model.lm_head.bias, None)
+    if hasattr(model, "lm_head") and hasattr(getattr(model, "gpt_neox", None),
+                                             "final_layer_norm"):  # GPT-NeoX's names
+        return OutputLayer(model.gpt_neox.final_layer_norm, model.lm_head.weight,
+                           model.lm_head.bias, None)
     raise InvalidArgumentError(
         f"expected a SelfSpec engine, a LayerExecutor or a Hugging Face causal LM, got "
         f"{type(source).__name__}")

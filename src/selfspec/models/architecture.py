@@ -111,8 +111,9 @@ def family_paths() -> str:
     return (f"fused sub-layer kernels (bf16 / w4a8 / gguf): {', '.join(fused)} (SmolLM3 only "
             "where every layer has RoPE; phi3's qkv_proj / gate_up_proj split at load, only "
             "where RoPE spans the whole head: partial_rotary_factor < 1, Phi-4-mini's, runs "
-            f"the torch path); torch path: {', '.join(torch_path)} (gpt_neox also: parallel "
-            "residual, partial rotary)")
+            f"the torch path); torch path: {', '.join(torch_path)} (gpt_neox's "
+            "query_key_value reordered at load; a parallel residual where "
+            "use_parallel_residual, partial rotary where rotary_pct < 1)")
 
 #: Families refused on purpose, with what to use instead.
 REFUSED: dict[str, str] = {
