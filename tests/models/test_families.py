@@ -307,3 +307,26 @@ def test_gpt_neox_is_described_by_its_features():
     from selfspec.models.architecture import family_paths
 
     assert "gpt_neox (LayerNorm, plain GELU MLP)" in family_paths()
+
+
+def test_gpt_neox_ragged_batch_and_static_forward_equal_single_runs(neox):
+    """The parallel residual on the other two loops: a ragged batch (run_rows) equals single
+    prompts, and the CUDA graphs' static forward (run eagerly here) equals the executor's."""
+    from selfspec.executor.cuda_graphs import CudaGraphRunner, static_forward
+    from selfspec.executor.sync import position_block
+
+    _, engine, ar = neox
+    results = engine.generate(PROMPTS, method="ngram", max_new_tokens=NEW_TOKENS)
+    assert [r.token_ids for r in results] == ar
+    ex = engine.executor
+    runner = CudaGraphRunner(ex, capacity=64, max_tokens=4, replay="eager")
+    ids = torch.tensor([engine.encode(PROMPTS[0])[:12]])
+    with torch.inference_mode():
+        cache = ex.new_cache(capacity=64)
+        ex.forward(ids[:, :9], position_block(0, 9, "cpu"), cache)
+        want = ex.forward(ids[:, 9:], position_block(9, 3, "cpu"), cache)
+        ex.forward(ids[:, :9], position_block(0, 9, "cpu"), runner.cache)
+        keys, values = runner.cache.storage()
+        got = static_forward(ex, ids[:, 9:], position_block(9, 3, "cpu"), keys, values,
+                             torch.arange(64), ex.rope.cos, ex.rope.sin)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
