@@ -265,12 +265,15 @@ def test_gpt_neox_ar_equals_transformers_generate(neox):
 
 def test_gpt_neox_sequential_residual_equals_transformers_generate():
     model = _random_neox("gpt_neox-sequential")
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
     # the engine's InterleavedQKV serves transformers' modules too: both read one model
     engine = selfspec.from_pretrained_model(model, tiny_tokenizer(), "tiny-neox-seq")
     assert not engine.executor.architecture.parallel_residual
     for prompt in PROMPTS:
         ours = engine.generate(prompt, method="ar", max_new_tokens=NEW_TOKENS).token_ids
         assert ours == _hf_tokens(model, engine, prompt), prompt
+    # InterleavedQKV saves the checkpoint's per-head rows: save_pretrained writes the same
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
 
 
 #: Options that make each method draft on the damped model: AdaDecode's exit at layer 3 (at

@@ -60,7 +60,7 @@ def _write_neox_gguf(model, path):
     import numpy as np
 
     from selfspec.executor.gguf_quantize import quantize_blocks
-    from selfspec.executor.weights import reorder_interleaved
+    from selfspec.executor.weights import interleave_blocks, reorder_interleaved
 
     T = gguf.GGMLQuantizationType
     heads = model.config.num_attention_heads
@@ -81,8 +81,7 @@ def _write_neox_gguf(model, path):
             qkv = a.query_key_value
             blocks = put(f"blk.{i}.attn_qkv", reorder_interleaved(qkv.weight, heads), T.Q4_K,
                          reorder_interleaved(qkv.bias, heads))
-            # back to the checkpoint's per-head rows: [3, Hq, hd, H] -> [Hq, 3, hd, H]
-            qkv.weight.copy_(blocks.unflatten(0, (3, heads, -1)).transpose(0, 1).flatten(0, 2))
+            qkv.weight.copy_(interleave_blocks(blocks, heads))  # the checkpoint's rows
             for name, lin, kind in ((f"blk.{i}.attn_output", a.dense, T.Q4_1),
                                     (f"blk.{i}.ffn_up", m.dense_h_to_4h, T.Q5_K),
                                     (f"blk.{i}.ffn_down", m.dense_4h_to_h, T.Q6_K)):
@@ -129,7 +128,7 @@ def test_gpt_neox_decodes_on_its_gguf_blocks(neox):
     assert same >= 8, (got.token_ids, dense)
 
 
-@pytest.mark.parametrize("method", ["ngram", "layerskip"])
+@pytest.mark.parametrize("method", ["ngram", "layerskip", "knapspec", "auto"])
 def test_lossless_methods_keep_the_gpt_neox_gguf_models_tokens(neox, method):
     engine, _ = neox
     prompt = "abcabcabcabc the cat the cat the"

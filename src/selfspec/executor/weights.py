@@ -204,6 +204,13 @@ class InterleavedQKV(torch.nn.Module):
         self.heads = heads
         self.out_features, self.in_features = weight.shape
 
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        """The checkpoint's per-head order (a ``save_pretrained`` of the model writes what
+        transformers loads), not the blocks this module holds."""
+        for name, t in (("weight", self.weight), ("bias", self.bias)):
+            if t is not None:
+                destination[prefix + name] = interleave_blocks(t, self.heads)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` → ``[..., 3 · Hq · hd]`` in the checkpoint's interleaved order."""
         out = F.linear(x, self.weight, self.bias)
@@ -218,6 +225,13 @@ def reorder_interleaved(t: torch.Tensor, heads: int) -> torch.Tensor:
     ``[..., Hq, 3 · hd]`` and chunks it in 3) into q, k, v blocks (a contiguous copy)."""
     blocks = t.detach().unflatten(0, (heads, 3, -1))                # [Hq, 3, hd, ...]
     return blocks.transpose(0, 1).flatten(0, 2).contiguous()       # [3 · Hq · hd, ...]
+
+
+def interleave_blocks(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of :func:`reorder_interleaved`: q, k, v row blocks back into the per-head
+    order ``[h0 q, h0 k, h0 v, h1 q, ...]`` (a contiguous copy)."""
+    blocks = t.detach().unflatten(0, (3, heads, -1))                # [3, Hq, hd, ...]
+    return blocks.transpose(0, 1).flatten(0, 2).contiguous()
 
 
 def gpt_neox_layer_weights(layer: torch.nn.Module, pack: bool, limits: PackedRowLimits,
