@@ -60,7 +60,7 @@ def _write_neox_gguf(model, path):
     import numpy as np
 
     from selfspec.executor.gguf_quantize import quantize_blocks
-    from selfspec.executor.weights import interleave_blocks, reorder_interleaved
+    from selfspec.models.layouts import interleave_blocks, reorder_interleaved
 
     T = gguf.GGMLQuantizationType
     heads = model.config.num_attention_heads

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from selfspec.errors import UnsupportedArchitectureError
 from selfspec.executor.linear import Linear, PackedRowLimits
+from selfspec.models.layouts import interleave_blocks, reorder_interleaved
 
 if TYPE_CHECKING:
     from selfspec.models.architecture import Architecture
@@ -192,10 +193,15 @@ class InterleavedQKV(torch.nn.Module):
     (transformers' ``hf-ar`` runs it) while the executor multiplies the blocks, one copy.
 
     Args:
-        weight: ``[3 · Hq · hd, H]`` q rows, then k, then v (:func:`reorder_interleaved`).
+        weight: ``[3 · Hq · hd, H]`` q rows, then k, then v
+            (:func:`selfspec.models.layouts.reorder_interleaved`).
         bias: ``[3 · Hq · hd]`` in that order, or ``None``.
         heads: ``Hq``.
     """
+
+    #: Its weight holds q, k, v blocks (what :func:`selfspec.models.gguf_weights
+    #: .check_against_model` reads, without importing the executor).
+    qkv_blocks = True
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, heads: int) -> None:
         super().__init__()
@@ -216,22 +222,6 @@ class InterleavedQKV(torch.nn.Module):
         out = F.linear(x, self.weight, self.bias)
         blocks = out.unflatten(-1, (3, self.heads, -1))             # [..., 3, Hq, hd]
         return blocks.transpose(-3, -2).flatten(-3)                 # [..., Hq, 3, hd]
-
-
-def reorder_interleaved(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of GPT-NeoX's ``query_key_value`` (weight ``[3 · Hq · hd, H]`` or bias
-    ``[3 · Hq · hd]``) from its per-head order ``[h0 q, h0 k, h0 v, h1 q, ...]`` (each
-    ``hd`` rows; transformers' ``GPTNeoXAttention.forward`` views the output as
-    ``[..., Hq, 3 · hd]`` and chunks it in 3) into q, k, v blocks (a contiguous copy)."""
-    blocks = t.detach().unflatten(0, (heads, 3, -1))                # [Hq, 3, hd, ...]
-    return blocks.transpose(0, 1).flatten(0, 2).contiguous()       # [3 · Hq · hd, ...]
-
-
-def interleave_blocks(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """The inverse of :func:`reorder_interleaved`: q, k, v row blocks back into the per-head
-    order ``[h0 q, h0 k, h0 v, h1 q, ...]`` (a contiguous copy)."""
-    blocks = t.detach().unflatten(0, (3, heads, -1))                # [3, Hq, hd, ...]
-    return blocks.transpose(0, 1).flatten(0, 2).contiguous()
 
 
 def gpt_neox_layer_weights(layer: torch.nn.Module, pack: bool, limits: PackedRowLimits,

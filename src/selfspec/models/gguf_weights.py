@@ -41,6 +41,7 @@ import torch
 
 from selfspec.errors import CorruptModelFileError, UnsupportedArchitectureError
 from selfspec.models.architecture import describe
+from selfspec.models.layouts import reorder_interleaved
 
 logger = logging.getLogger(__name__)
 
@@ -308,13 +309,11 @@ def _gpt_neox_pairs(layer: GgufLayer, hf: torch.nn.Module,
                     i: int) -> list[tuple[GgufTensor, torch.Tensor, str]]:
     """(GGUF segment, the HF weight it must equal, label) of GPT-NeoX layer ``i``: q, k, v
     against the row blocks of ``query_key_value`` in q, k, v order (the executor's
-    :class:`~selfspec.executor.weights.InterleavedQKV` holds them so; an untouched module's
-    per-head rows are reordered first)."""
-    from selfspec.executor.weights import InterleavedQKV, reorder_interleaved
-
+    ``InterleavedQKV``, marked ``qkv_blocks``, holds them so; an untouched module's per-head
+    rows are reordered first)."""
     attn, mlp = hf.attention, hf.mlp
     qkv = attn.query_key_value
-    weight = (qkv.weight if isinstance(qkv, InterleavedQKV)
+    weight = (qkv.weight if getattr(qkv, "qkv_blocks", False)
               else reorder_interleaved(qkv.weight, attn.config.num_attention_heads))
     label = f"gpt_neox.layers.{i}"
     blocks = weight.detach().split([t.rows for t in layer.qkv])
