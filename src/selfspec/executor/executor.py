@@ -74,8 +74,11 @@ class LayerExecutor:
 
     Args:
         model: an unmodified HF causal LM (``model.model.layers``, ``model.model.norm``,
-            ``model.model.rotary_emb``, ``model.lm_head``). Its q/k/v and gate/up weights are
-            re-pointed at fused copies (same values, no extra memory).
+            ``model.model.rotary_emb``, ``model.lm_head``; GPT-NeoX's ``model.gpt_neox``
+            parts where :attr:`Architecture.modules` names them). Its q/k/v and gate/up
+            weights are re-pointed at fused copies (same values, no extra memory; GPT-NeoX's
+            per-head ``query_key_value`` is replaced by its q, k, v blocks,
+            :class:`~selfspec.executor.weights.InterleavedQKV`).
         pack_weights: on CPU in bf16/fp16, also keep oneDNN-packed copies of the weights
             (bit-identical results, faster decoding, one extra copy of the weights).
         name: the model's name (registry name, directory or hub id) for messages and for
