@@ -71,10 +71,13 @@ class PrefixPlacement:
     Args:
         max_placements: prefixes remembered (>= 1); past it the least recently seen is
             forgotten (it is placed anew if it comes back).
+        bounded: ``False``: no bound, each prefix on its first rendezvous replica (plain
+            rendezvous hashing, for comparison: ``scripts/ray_affinity_bench.py``).
     """
 
-    def __init__(self, max_placements: int = MAX_PLACEMENTS) -> None:
+    def __init__(self, max_placements: int = MAX_PLACEMENTS, bounded: bool = True) -> None:
         self.max_placements = max_placements
+        self.bounded = bounded
         self._owner: OrderedDict[str, str] = OrderedDict()
 
     def place(self, key: str, capacity: Mapping[str, float]) -> str:
@@ -98,8 +101,8 @@ class PrefixPlacement:
         placed_total = sum(load.values()) + 1
         total = sum(capacity.values())
         order = rendezvous_order(key, list(capacity))
-        owner = next((r for r in order
-                      if load[r] < math.ceil(placed_total * capacity[r] / total - 1e-9)),
+        owner = next((r for r in order if not self.bounded
+                      or load[r] < math.ceil(placed_total * capacity[r] / total - 1e-9)),
                      order[0])
         self._owner[key] = owner
         if len(self._owner) > self.max_placements:
@@ -134,8 +137,10 @@ class PrefixAffinityRouter(RequestRouter):
     power of two choices over all replicas."""
 
     def initialize_state(self, **kwargs) -> None:
-        """Ray Serve's hook: start with no placements (``max_placements`` may be given)."""
-        self.placement = PrefixPlacement(kwargs.get("max_placements", MAX_PLACEMENTS))
+        """Ray Serve's hook (``request_router_kwargs``): start with no placements;
+        ``max_placements`` and ``bounded`` as :class:`PrefixPlacement` takes them."""
+        self.placement = PrefixPlacement(kwargs.get("max_placements", MAX_PLACEMENTS),
+                                         kwargs.get("bounded", True))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None

@@ -139,8 +139,10 @@ def replica_counts() -> dict[str, int]:
     return {"ready": int(states.get("RUNNING", 0)), "total": int(sum(states.values()))}
 
 
-def build_application(load: Mapping[str, Any], config: ServeConfig, options: RayServeOptions):
-    """The Ray Serve application (``serve.run`` takes it).
+def build_application(load: Mapping[str, Any], config: ServeConfig, options: RayServeOptions,
+                      router_kwargs: Mapping[str, Any] | None = None):
+    """The Ray Serve application (``serve.run`` takes it); ``router_kwargs`` go to the
+    affinity router (:meth:`~selfspec.cluster.routing.PrefixAffinityRouter.initialize_state`).
 
     Requests in flight per replica are capped at ``max_batch + max_queue`` (what one server
     admits before its 429), and Ray queues at most ``max_queue`` more per replica before its
@@ -154,7 +156,8 @@ def build_application(load: Mapping[str, Any], config: ServeConfig, options: Ray
     if options.affinity:
         router = {"request_router_config": {
             "request_router_class": "selfspec.cluster.routing:PrefixAffinityRouter",
-            "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S}}
+            "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+            "request_router_kwargs": dict(router_kwargs or {})}}
     engine = serve.deployment(
         EngineServer, name=ENGINE_DEPLOYMENT,
         ray_actor_options={"num_cpus": options.threads, **({"memory": need} if need else {})},
