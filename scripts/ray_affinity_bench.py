@@ -66,7 +66,7 @@ def _reusable(tokenizer, system: str, question: str, block: int) -> int:
     with the same system prompt under another question, at most ``len - 1``."""
     def ids(q: str) -> list[int]:
         return tokenizer.apply_chat_template(_messages(system, q), add_generation_prompt=True,
-                                             tokenize=True)
+                                             tokenize=True, return_dict=False)
     mine, other = ids(question), ids("A different question, for reference.")
     common = next((k for k, (a, b) in enumerate(zip(mine, other)) if a != b),
                   min(len(mine), len(other)))

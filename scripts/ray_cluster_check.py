@@ -99,7 +99,8 @@ def two_node(args) -> dict:
         cases.append(("/v1/completions", {"prompt": p, "stream": i % 2 == 1}, want))
     for i, q in enumerate(CHATS):
         ids = tok.apply_chat_template([{"role": "user", "content": q}],
-                                      add_generation_prompt=True, tokenize=True)
+                                      add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
         want = engine.generate(ids, args.method, max_new_tokens=args.max_tokens).text
         cases.append(("/v1/chat/completions",
                       {"messages": [{"role": "user", "content": q}], "stream": i % 2 == 0},
