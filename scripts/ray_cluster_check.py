@@ -9,7 +9,7 @@ Usage::
 
 ``two-node``: ``ray.cluster_utils.Cluster`` starts a head and a second node of 1 CPU each on
 this machine; the application's 2 engine replicas take 1 CPU each, so one runs on each node
-(the script reads each replica actor's node from Ray's state). Each request of a set
+(the script reads each replica actor's node from the GCS's actor table). Each request of a set
 (completions and chats, every other one streamed) is answered greedily; reported: the
 answers equal to the in-process engine's, and which replica and node answered.
 
@@ -131,12 +131,12 @@ def two_node(args) -> dict:
 
 
 def _replica_nodes(ray) -> dict[str, str]:
-    """Each engine replica actor's node id (Ray's state API)."""
-    from ray.util.state import list_actors
+    """Each live engine replica actor's node id (from the GCS's actor table)."""
+    from ray._private.state import actors
 
-    return {a.name.rsplit("#", 1)[-1]: a.node_id[:12]
-            for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-            if a.name and "SelfspecEngine" in a.name}
+    return {info["Name"].rsplit("#", 1)[-1]: info["Address"]["NodeID"][:12]
+            for info in actors().values()
+            if "SelfspecEngine" in (info.get("Name") or "") and info.get("State") == "ALIVE"}
 
 
 def autoscale(args) -> dict:

@@ -115,13 +115,18 @@ class Forwarder:
             (:func:`selfspec.cluster.metrics.merge`), answering ``/metrics`` in place of the
             one replica's text once that replica's app let the request through (its API-key
             check).
+        retryable: whether a call that failed with this error before answering is sent
+            once more (``None``: every error; the ingress excludes Ray Serve's
+            ``BackPressureError``, a full queue).
     """
 
     def __init__(self, call: Callable[[RoutedRequest], AsyncIterator[dict]],
                  max_body_bytes: int,
                  health: Callable[[], Awaitable[dict]] | None = None,
-                 metrics: Callable[[], Awaitable[bytes]] | None = None) -> None:
+                 metrics: Callable[[], Awaitable[bytes]] | None = None,
+                 retryable: Callable[[Exception], bool] | None = None) -> None:
         self.call = call
+        self.retryable = retryable or (lambda err: True)
         self.max_body_bytes = max_body_bytes
         self.rewrites = {"/health": health and self._with_replicas,
                          "/metrics": metrics and self._merged_metrics}
@@ -183,7 +188,7 @@ class Forwarder:
                 except StopAsyncIteration:
                     return
                 except Exception as err:  # noqa: BLE001 - Ray's errors for a dead replica vary
-                    if started or attempt == RETRIES:
+                    if started or attempt == RETRIES or not self.retryable(err):
                         await _failed(send, started, err)
                         return
                     logger.warning("replica call failed before answering (%s); sent again",
@@ -249,7 +254,8 @@ async def _error(send: Callable, status: int, message: str,
 async def _failed(send: Callable, started: bool, err: Exception) -> None:
     """Tell the client its replica failed: a 503 before the answer started; after it (a
     stream), an error event and ``[DONE]``, as the app ends a stream whose row failed."""
-    message = f"the replica serving this request failed ({type(err).__name__}); retry it"
+    message = (f"the request failed on its replica ({type(err).__name__}: "
+               f"{str(err)[:200]}); retry it")
     logger.warning("replica call failed: %s", err)
     if not started:
         await _error(send, 503, message, "server_error")

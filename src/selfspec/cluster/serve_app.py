@@ -117,7 +117,10 @@ class Ingress:
         def call(request: RoutedRequest):
             return engine.options(stream=True).handle.remote(request)
 
-        self._app = Forwarder(call, max_body_bytes, self._replicas, self._metrics)
+        from ray.serve.exceptions import BackPressureError
+
+        self._app = Forwarder(call, max_body_bytes, self._replicas, self._metrics,
+                              lambda err: not isinstance(err, BackPressureError))
 
     async def _replicas(self) -> dict[str, int]:
         return await asyncio.to_thread(replica_counts)
