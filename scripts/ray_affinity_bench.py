@@ -8,12 +8,15 @@ Usage::
     python scripts/ray_affinity_bench.py                    # 2 replicas x 4 system prompts each
     python scripts/ray_affinity_bench.py --replicas 4 --prompts-per-replica 2 --rounds 3
 
-The system prompts are ``--prompts-per-replica`` replicas' worth of distinct texts of
+The system prompts are ``--replicas x --prompts-per-replica`` distinct texts of
 ``--prefix-tokens`` tokens each (docs/*.md, cut by the model's tokenizer), and each replica's
 prefix cache (``--prefix-cache-mib``, default: sized here) holds exactly
-``--prompts-per-replica`` of them plus half a block: together they fill, and do not
-overflow, the replicas' caches. One client sends ``--rounds`` rounds of chat requests, one
-per system prompt with a new short question, in a shuffled order (seeded); the first round
+``--prompts-per-replica`` of them: together they fill, and do not overflow, the replicas'
+caches. A system prompt's footprint is the whole blocks one request keeps (its shared
+prefix, and the blocks past it that hold the question) plus the question's blocks of the
+request before it (LRU evicts those first while the next request comes), plus half a block.
+One client sends ``--rounds`` rounds of chat requests, one per system prompt with a new short
+question, in a shuffled order (seeded); the first round
 is cold. Reported per routing, for the warm rounds:
 
 - token hit rate: cached prompt tokens / prompt tokens (``usage.prompt_tokens_details``);
@@ -61,13 +64,20 @@ def _question(round_: int, i: int) -> str:
     return f"Question {round_}: what does part {i} describe?"
 
 
+def _ids(tokenizer, system: str, question: str) -> list[int]:
+    return tokenizer.apply_chat_template(_messages(system, question), add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+
+
+def _prompt_len(tokenizer, system: str, question: str) -> int:
+    return len(_ids(tokenizer, system, question))
+
+
 def _reusable(tokenizer, system: str, question: str, block: int) -> int:
     """Tokens of this request a prefix cache can reuse: the whole blocks of what it shares
     with the same system prompt under another question, at most ``len - 1``."""
-    def ids(q: str) -> list[int]:
-        return tokenizer.apply_chat_template(_messages(system, q), add_generation_prompt=True,
-                                             tokenize=True, return_dict=False)
-    mine, other = ids(question), ids("A different question, for reference.")
+    mine = _ids(tokenizer, system, question)
+    other = _ids(tokenizer, system, "A different question, for reference.")
     common = next((k for k, (a, b) in enumerate(zip(mine, other)) if a != b),
                   min(len(mine), len(other)))
     return min(common, len(mine) - 1) // block * block
@@ -181,10 +191,15 @@ def main() -> None:
                               args.prefix_tokens)
     reusable = {(r, i): _reusable(tokenizer, s, _question(r, i), DEFAULT_BLOCK_SIZE)
                 for r in range(args.rounds) for i, s in enumerate(systems)}
+    stored = {(r, i): _prompt_len(tokenizer, s, _question(r, i))
+              for r in range(args.rounds) for i, s in enumerate(systems)}
     cache_mib = args.prefix_cache_mib
     if cache_mib is None:
-        blocks = max(reusable.values()) // DEFAULT_BLOCK_SIZE
-        cache_mib = (args.prompts_per_replica * blocks + 0.5) * _block_mib(engine, systems[0])
+        shared = max(reusable.values()) // DEFAULT_BLOCK_SIZE
+        kept = max(stored.values()) // DEFAULT_BLOCK_SIZE
+        footprint = kept + (kept - shared)
+        cache_mib = (args.prompts_per_replica * footprint + 0.5) * _block_mib(engine,
+                                                                              systems[0])
     del engine
     rows = {name: _run(args, name, systems, reusable, cache_mib) for name in args.routings}
     head = (f"{args.replicas} replicas x {args.threads} threads, {len(systems)} system prompts "
