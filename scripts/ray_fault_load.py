@@ -104,8 +104,10 @@ def main() -> None:
 
     jobs = [(c, i) for c in range(args.clients) for i in range(args.requests)]
     engine = selfspec.load(args.model, dtype=args.dtype, show_progress=False)
-    want = {job: engine.generate(_prompt(*job), "ar", max_new_tokens=args.max_tokens).text
-            for job in jobs}
+    # one ragged batch: each row is the generation its prompt gets alone (greedy)
+    results = engine.generate_batch([_prompt(*job) for job in jobs], "ar",
+                                    max_new_tokens=args.max_tokens)
+    want = {job: r.text for job, r in zip(jobs, results)}
     del engine
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
