@@ -47,6 +47,12 @@ async def _answers():
     yield {"type": "http.response.body", "body": b"data: {}\n\n", "more_body": False}
 
 
+async def _dies_after_answering():
+    async for message in _answers():
+        yield message
+    raise RuntimeError("ActorDiedError: the replica died")
+
+
 async def _dies_mid_stream():
     yield START
     yield {"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True}
@@ -58,6 +64,10 @@ def test_a_call_that_failed_before_answering_is_sent_once_more():
     assert sent[0]["status"] == 200 and (b"x-selfspec-retried", b"1") in sent[0]["headers"]
     assert sent[-1] == {"type": "http.response.body", "body": b"data: {}\n\n",
                         "more_body": False}
+
+
+def test_a_replica_dying_after_its_whole_answer_changes_nothing():
+    assert _serve([_dies_after_answering]) == _serve([_answers])
 
 
 def test_a_second_failure_answers_503_and_one_mid_stream_an_error_event():

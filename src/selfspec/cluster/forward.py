@@ -199,6 +199,8 @@ class Forwarder:
                                                       (b"x-selfspec-retried", b"1")]}
                 started = True
                 await send(message)
+                if message["type"] == "http.response.body" and not message.get("more_body"):
+                    return  # answered whole: a replica dying after this loses nothing
 
     async def _rewritten(self, request: RoutedRequest, send: Callable,
                          rewrite: Callable[[bytes], Awaitable[bytes]]) -> None:
