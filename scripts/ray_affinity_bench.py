@@ -6,6 +6,7 @@ prefix placement (the default, :mod:`selfspec.cluster.routing`), plain rendezvou
 Usage::
 
     python scripts/ray_affinity_bench.py                    # 2 replicas x 4 system prompts each
+    python scripts/ray_affinity_bench.py --routings rendezvous   # the router before its bound
     python scripts/ray_affinity_bench.py --replicas 4 --prompts-per-replica 2 --rounds 3
 
 The system prompts are ``--replicas x --prompts-per-replica`` distinct texts of
@@ -178,7 +179,8 @@ def main() -> None:
                              "reusable blocks plus half a block)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--routings", nargs="+", default=list(ROUTINGS), choices=ROUTINGS)
+    parser.add_argument("--routings", nargs="+", default=["placement", "load only"],
+                        choices=ROUTINGS, help="rendezvous: the router before its bound")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
 
