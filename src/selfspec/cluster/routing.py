@@ -79,6 +79,7 @@ class PrefixPlacement:
         self.max_placements = max_placements
         self.bounded = bounded
         self._owner: OrderedDict[str, str] = OrderedDict()
+        self._count: dict[str, int] = {}  # prefixes placed on each replica (kept in step)
 
     def place(self, key: str, capacity: Mapping[str, float]) -> str:
         """The replica for ``key`` among ``capacity``'s (replica id → capacity, > 0 each;
@@ -93,11 +94,9 @@ class PrefixPlacement:
         if owner in capacity:
             self._owner.move_to_end(key)
             return owner
-        self._owner.pop(key, None)
-        load = dict.fromkeys(capacity, 0)
-        for placed in self._owner.values():
-            if placed in load:
-                load[placed] += 1
+        if owner is not None:
+            self._forget(key)
+        load = {r: self._count.get(r, 0) for r in capacity}
         placed_total = sum(load.values()) + 1
         total = sum(capacity.values())
         order = rendezvous_order(key, list(capacity))
@@ -105,16 +104,20 @@ class PrefixPlacement:
                       or load[r] < math.ceil(placed_total * capacity[r] / total - 1e-9)),
                      order[0])
         self._owner[key] = owner
+        self._count[owner] = self._count.get(owner, 0) + 1
         if len(self._owner) > self.max_placements:
-            self._owner.popitem(last=False)
+            self._forget(next(iter(self._owner)))
         return owner
+
+    def _forget(self, key: str) -> None:
+        owner = self._owner.pop(key)
+        self._count[owner] -= 1
+        if not self._count[owner]:
+            del self._count[owner]
 
     def counts(self) -> dict[str, int]:
         """Prefixes placed on each replica (including replicas that left)."""
-        counts: dict[str, int] = {}
-        for owner in self._owner.values():
-            counts[owner] = counts.get(owner, 0) + 1
-        return counts
+        return dict(self._count)
 
 
 def capacities(routing_stats: Mapping[str, Mapping | None]) -> dict[str, float]:
