@@ -2,25 +2,42 @@
 
 A replica keeps the KV of earlier prompts (the prefix cache) and the n-gram history that
 ``auto`` drafts from; a router that spreads a conversation or a shared system prompt over
-replicas throws both away. This router ranks the replicas for each request by rendezvous
-(highest-random-weight) hashing of the request's first :data:`AFFINITY_CHARS` prompt
-characters: requests sharing that prefix rank the same replica first, every router
-instance (one per proxy and handle) agrees without shared state, and a replica added or
-removed moves only the prefixes it wins or held. The first rank is that replica; when it is
-full (``max_ongoing_requests``), Ray Serve falls to the second rank, every other replica,
-and takes the least loaded of them.
+replicas throws both away. So each request's routing prefix (its first
+:data:`AFFINITY_CHARS` prompt characters) is *placed* on one replica and stays there
+(:class:`PrefixPlacement`): a new prefix goes to the first replica of its rendezvous
+(highest-random-weight) order whose share of the placed prefixes is under its bound, the
+bound being that replica's share of the cluster's prefix-cache capacity (consistent hashing
+with bounded loads at a load factor of 1). Plain rendezvous hashing, without the bound,
+splits prefixes unevenly (8 prefixes on 2 replicas: 5/3 as often as 4/4), and a replica given
+more prefixes than its cache holds evicts them in turn and hits none. The first rank is the
+prefix's replica; when it is full (``max_ongoing_requests``), Ray Serve falls to the second
+rank, every other replica, and takes the least loaded of them.
 
-Source: Thaler & Ravishankar, "Using name-based mappings to increase hit rates" (IEEE/ACM
-ToN 1998), rendezvous hashing.
+Capacity: each replica reports its prefix cache's budget (``record_routing_stats`` of
+:class:`~selfspec.cluster.serve_app.EngineServer`); replicas that report none count equal.
+A replica that leaves takes its placements with it: their prefixes are placed anew when they
+next come, and a replica that joins receives new prefixes until it holds its share. The
+placements live in the router, one per proxy or handle (``selfspec serve --ray`` has one
+ingress replica, so one router): several ingress replicas would each place the prefixes they
+see, and a prefix placed differently by two of them costs its cache twice.
+
+Sources: Thaler & Ravishankar, "Using name-based mappings to increase hit rates" (IEEE/ACM
+ToN 1998), rendezvous hashing; Mirrokni, Thorup & Zadimoghaddam, "Consistent Hashing with
+Bounded Loads" (SODA 2018), the bound.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+from collections import OrderedDict
+from collections.abc import Mapping
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 AFFINITY_CHARS = 256  # prompts sharing this many leading characters share a replica
+MAX_PLACEMENTS = 65_536  # prefixes remembered; the least recently seen is forgotten first
+CAPACITY_STAT = "prefix_cache_budget_bytes"  # the replicas' routing-stats key
 
 
 def affinity_key(pending_request: PendingRequest | None) -> str | None:
@@ -42,11 +59,91 @@ def rendezvous_order(key: str, replica_ids: list[str]) -> list[str]:
     return sorted(replica_ids, key=weight, reverse=True)
 
 
+class PrefixPlacement:
+    """Which replica each routing prefix lives on: rendezvous hashing with bounded loads.
+
+    A prefix seen before stays on its replica while that replica is live. A new one (or one
+    whose replica left) goes to the first replica of :func:`rendezvous_order` holding fewer
+    than ``ceil(P * c_r / C)`` of the ``P`` placed prefixes (the new one counted), ``c_r``
+    being the replica's capacity and ``C`` the live replicas' total; the bounds sum to at
+    least ``P``, so some replica is always under its own.
+
+    Args:
+        max_placements: prefixes remembered (>= 1); past it the least recently seen is
+            forgotten (it is placed anew if it comes back).
+        bounded: ``False``: no bound, each prefix on its first rendezvous replica (plain
+            rendezvous hashing, for comparison: ``scripts/ray_affinity_bench.py``).
+    """
+
+    def __init__(self, max_placements: int = MAX_PLACEMENTS, bounded: bool = True) -> None:
+        self.max_placements = max_placements
+        self.bounded = bounded
+        self._owner: OrderedDict[str, str] = OrderedDict()
+        self._count: dict[str, int] = {}  # prefixes placed on each replica (kept in step)
+
+    def place(self, key: str, capacity: Mapping[str, float]) -> str:
+        """The replica for ``key`` among ``capacity``'s (replica id → capacity, > 0 each;
+        non-empty), placing it when it is new.
+
+        Raises:
+            ValueError: ``capacity`` is empty.
+        """
+        if not capacity:
+            raise ValueError("no replica to place a prefix on")
+        owner = self._owner.get(key)
+        if owner in capacity:
+            self._owner.move_to_end(key)
+            return owner
+        if owner is not None:
+            self._forget(key)
+        load = {r: self._count.get(r, 0) for r in capacity}
+        placed_total = sum(load.values()) + 1
+        total = sum(capacity.values())
+        order = rendezvous_order(key, list(capacity))
+        owner = next((r for r in order if not self.bounded
+                      or load[r] < math.ceil(placed_total * capacity[r] / total - 1e-9)),
+                     order[0])
+        self._owner[key] = owner
+        self._count[owner] = self._count.get(owner, 0) + 1
+        if len(self._owner) > self.max_placements:
+            self._forget(next(iter(self._owner)))
+        return owner
+
+    def _forget(self, key: str) -> None:
+        owner = self._owner.pop(key)
+        self._count[owner] -= 1
+        if not self._count[owner]:
+            del self._count[owner]
+
+    def counts(self) -> dict[str, int]:
+        """Prefixes placed on each replica (including replicas that left)."""
+        return dict(self._count)
+
+
+def capacities(routing_stats: Mapping[str, Mapping | None]) -> dict[str, float]:
+    """Each replica's prefix-cache budget from its routing stats (replica id → stats);
+    a replica that reports none yet (or 0) counts as the mean of those that do, 1.0 each
+    when none does."""
+    def budget(stats: Mapping | None) -> float | None:
+        value = (stats or {}).get(CAPACITY_STAT)
+        return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+    known = {i: b for i, stats in routing_stats.items() if (b := budget(stats)) is not None}
+    fill = sum(known.values()) / len(known) if known else 1.0
+    return {i: known.get(i, fill) for i in routing_stats}
+
+
 class PrefixAffinityRouter(RequestRouter):
-    """Ray Serve request router: the replica that wins the prompt prefix's rendezvous hash
-    first, the others after it (Ray takes the least loaded of a rank); requests without a
-    prompt (``/health``, ``/v1/models``, ``/metrics``) go by Ray's power of two choices over
-    all replicas."""
+    """Ray Serve request router: the replica a prompt prefix is placed on
+    (:class:`PrefixPlacement`) first, the others after it (Ray takes the least loaded of a
+    rank); requests without a prompt (``/health``, ``/v1/models``, ``/metrics``) go by Ray's
+    power of two choices over all replicas."""
+
+    def initialize_state(self, **kwargs) -> None:
+        """Ray Serve's hook (``request_router_kwargs``): start with no placements;
+        ``max_placements`` and ``bounded`` as :class:`PrefixPlacement` takes them."""
+        self.placement = PrefixPlacement(kwargs.get("max_placements", MAX_PLACEMENTS),
+                                         kwargs.get("bounded", True))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -54,6 +151,9 @@ class PrefixAffinityRouter(RequestRouter):
         key = affinity_key(pending_request)
         if key is None or len(candidate_replicas) < 2:
             return [candidate_replicas]
+        if not hasattr(self, "placement"):  # a Ray that does not call initialize_state
+            self.initialize_state()
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
-        order = rendezvous_order(key, list(by_id))
-        return [[by_id[order[0]]], [by_id[i] for i in order[1:]]]
+        capacity = capacities({i: r.routing_stats for i, r in by_id.items()})
+        owner = self.placement.place(key, capacity)
+        return [[by_id[owner]], [r for i, r in by_id.items() if i != owner]]
