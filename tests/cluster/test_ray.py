@@ -72,8 +72,8 @@ def _health(base: str) -> dict:
         return json.loads(r.read())
 
 
-def test_rendezvous_order_is_stable_and_moves_only_a_removed_replicas_keys(ray):
-    from selfspec.cluster.routing import rendezvous_order
+def test_rendezvous_order_is_stable_and_moves_only_a_removed_replicas_keys():
+    from selfspec.cluster.placement import rendezvous_order
 
     ids = ["a", "b", "c", "d"]
     keys = [f"system prompt {i}" for i in range(200)]

@@ -1,13 +1,9 @@
-"""Prefix placement of ``selfspec serve --ray``'s router (no cluster: the placement is pure
-Python). Skipped without Ray Serve (the router module imports its base class)."""
+"""Prefix placement of ``selfspec serve --ray``'s router (no cluster, no Ray: the placement
+is pure Python, :mod:`selfspec.cluster.placement`)."""
 
 from __future__ import annotations
 
-import pytest
-
-pytest.importorskip("ray.serve", reason="Ray Serve is not installed")
-
-from selfspec.cluster.routing import (  # noqa: E402
+from selfspec.cluster.placement import (
     CAPACITY_STAT,
     PrefixPlacement,
     capacities,

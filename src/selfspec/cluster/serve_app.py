@@ -85,7 +85,7 @@ class EngineServer:
     def record_routing_stats(self) -> dict[str, float]:
         """Ray Serve's hook, read by :class:`~selfspec.cluster.routing.PrefixAffinityRouter`:
         this replica's prefix-cache budget in bytes (0 without a cache)."""
-        from selfspec.cluster.routing import CAPACITY_STAT  # imports Ray Serve
+        from selfspec.cluster.placement import CAPACITY_STAT
 
         cache = self.engine.prefix_cache
         return {CAPACITY_STAT: float(cache.budget_bytes if cache is not None else 0)}
