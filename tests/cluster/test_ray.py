@@ -5,6 +5,7 @@ in-process one and resumes. Skipped without Ray (``pip install 'selfspec[ray]'``
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
 import time
@@ -14,26 +15,35 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'selfspec[ray]')")
-pytest.importorskip("ray.serve")
-pytest.importorskip("ray.data")
+import selfspec
+from selfspec.batch.jobs import BatchRequest, GenerationSettings
+from selfspec.batch.local import run_local
+from selfspec.cluster.metrics import PUSH_PERIOD_S
+from selfspec.cluster.options import RayServeOptions
+from selfspec.serving.config import ServeConfig
 
-import selfspec  # noqa: E402
-from selfspec.batch.jobs import BatchRequest, GenerationSettings  # noqa: E402
-from selfspec.batch.local import run_local  # noqa: E402
-from selfspec.batch.ray_data import run_ray  # noqa: E402
-from selfspec.cluster.metrics import PUSH_PERIOD_S  # noqa: E402
-from selfspec.cluster.options import RayServeOptions  # noqa: E402
-from selfspec.cluster.routing import rendezvous_order  # noqa: E402
-from selfspec.serving.config import ServeConfig  # noqa: E402
+from tiny import save_tiny
 
-from tiny import save_tiny  # noqa: E402
+# Ray itself is imported by the tests that run (``ray``), not at collection: every xdist
+# worker collects this file, one runs it, and importing Ray costs seconds.
+if importlib.util.find_spec("ray") is None:
+    pytest.skip("Ray is not installed (pip install 'selfspec[ray]')", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def ray():
+    """The ``ray`` module with Serve and Data (skips if either is missing)."""
+    pytest.importorskip("ray.serve", reason="pip install 'selfspec[ray]'")
+    pytest.importorskip("ray.data", reason="pip install 'selfspec[ray]'")
+    import ray
+
+    return ray
 
 PROMPTS = ["def add(a, b):\n", "x = 1\ny = ", "for i in range(", "abcabcabc", "import os\n"]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, ray):
     """A local Ray cluster of 2 CPUs and the tiny model saved as a local directory."""
     model = save_tiny(tmp_path_factory.mktemp("model"), "llama", seed=3)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -63,6 +73,8 @@ def _health(base: str) -> dict:
 
 
 def test_rendezvous_order_is_stable_and_moves_only_a_removed_replicas_keys():
+    from selfspec.cluster.placement import rendezvous_order
+
     ids = ["a", "b", "c", "d"]
     keys = [f"system prompt {i}" for i in range(200)]
     first = {k: rendezvous_order(k, ids)[0] for k in keys}
@@ -72,7 +84,7 @@ def test_rendezvous_order_is_stable_and_moves_only_a_removed_replicas_keys():
     assert all(after[k] == first[k] for k in keys if first[k] != "c")
 
 
-def test_serve_run_takes_the_commands_options():
+def test_serve_run_takes_the_commands_options(ray):
     from selfspec.cli import ray_app
     from selfspec.errors import InvalidArgumentError
 
@@ -85,15 +97,17 @@ def test_serve_run_takes_the_commands_options():
         ray_app({"min_replicas": "2"})
 
 
-def test_replicas_answer_as_one_server_route_by_prefix_and_survive_a_kill(cluster):
+def test_replicas_answer_as_one_server_route_by_prefix_and_survive_a_kill(cluster, ray):
     from ray import serve
 
     from selfspec.cluster.serve_app import APP_NAME, build_application
 
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    # ar: no latency model to measure in the replicas (the methods' parity is tested in-process)
-    config = ServeConfig(model_name="tiny", method="ar", max_batch=2, max_queue=8)
+    # ar: no latency model to measure in the replicas (the methods' parity is tested in-process);
+    # a short drain: serve.shutdown() waits it out for the replicas
+    config = ServeConfig(model_name="tiny", method="ar", max_batch=2, max_queue=8,
+                         drain_seconds=1)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         serve.run(build_application({"model": cluster, "dtype": "fp32"}, config,
@@ -141,17 +155,17 @@ def test_replicas_answer_as_one_server_route_by_prefix_and_survive_a_kill(cluste
             "model": "tiny", "prompt": shared + f"Question {i}?", "max_tokens": 2})[1]
             ["x-selfspec-replica"] for i in range(6)}
         assert len(served) == 1  # one replica holds the shared prefix
-        before = _engine_replicas()
-        _kill_one_replica()
+        before = _engine_replicas(ray)
+        _kill_one_replica(ray)
         for prompt in PROMPTS:  # the survivor answers every request
             status, _, _ = _post(base + "/v1/completions",
                                  {"model": "tiny", "prompt": prompt, "max_tokens": 4})
             assert status == 200
         deadline = time.monotonic() + 60
-        while not _engine_replicas() - before and time.monotonic() < deadline:
+        while not _engine_replicas(ray) - before and time.monotonic() < deadline:
             time.sleep(0.5)
         # Ray Serve started a replacement replica (the suite does not wait for its model load)
-        assert _engine_replicas() - before
+        assert _engine_replicas(ray) - before
     finally:
         serve.shutdown()
 
@@ -166,12 +180,12 @@ def _answered_completions(base: str) -> list:
             and s.labels["endpoint"] == "/v1/completions"]
 
 
-def _engine_replicas() -> set[str]:
+def _engine_replicas(ray) -> set[str]:
     return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
             if "SelfspecEngine" in a["name"]}
 
 
-def _kill_one_replica() -> None:
+def _kill_one_replica(ray) -> None:
     replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
                 if "SelfspecEngine" in a["name"]]
     assert len(replicas) == 2
@@ -180,6 +194,8 @@ def _kill_one_replica() -> None:
 
 
 def test_the_ray_data_job_equals_the_in_process_one(cluster):
+    from selfspec.batch.ray_data import run_ray
+
     settings = GenerationSettings(
         method="ar", options={}, max_new_tokens=10, temperature=0.0, top_k=0, top_p=1.0,
         seed=None, stop=(), response_format=None, presence_penalty=0.0,

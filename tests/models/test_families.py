@@ -12,6 +12,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma3Config,
     Gemma3TextConfig,
+    GPTNeoXConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
@@ -35,6 +36,8 @@ NEW_TOKENS = 32
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               eos_token_id=VOCAB - 1, bos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+#: GPT-NeoX has no grouped-query attention (no num_key_value_heads).
+NEOX_COMMON = {k: v for k, v in COMMON.items() if k != "num_key_value_heads"}
 
 WINDOW = 8
 #: Gemma 3 text: sliding layers (local RoPE base, window) and full ones, q/k head norms,
@@ -93,8 +96,8 @@ NEW = sorted(set(CONFIGS) - COVERED)
 
 
 def test_every_supported_family_has_a_parity_test():
-    assert sorted({make().model_type for make in CONFIGS.values()}) == sorted(
-        SUPPORTED_MODEL_TYPES)
+    makers = [*CONFIGS.values(), *NEOX_CONFIGS.values()]  # GPT-NeoX: its tests at the end
+    assert sorted({make().model_type for make in makers}) == sorted(SUPPORTED_MODEL_TYPES)
 
 
 def _random_model(model_type: str):
@@ -255,3 +258,134 @@ def test_info_says_which_path_each_family_takes():
     assert "torch path: qwen3 (q/k norms)" in line and "olmo2 (q/k norms, post-norms)" in line
     assert "phi3's qkv_proj / gate_up_proj split at load" in line
     assert "gemma3_text (q/k norms, post-norms, (1 + w) norms" in line
+
+
+# ---------------------------------------------------------------- GPT-NeoX / Pythia
+# Its own tiny model (shared by the module): random LayerNorm weights and biases and linear
+# biases (zero at init, so that leaving one out would go unseen), Pythia's rotary_pct 0.25.
+NEOX_CONFIGS = {
+    "gpt_neox": lambda: GPTNeoXConfig(use_parallel_residual=True, rotary_pct=0.25,
+                                      **NEOX_COMMON),
+    "gpt_neox-sequential": lambda: GPTNeoXConfig(use_parallel_residual=False, rotary_pct=0.25,
+                                                 **NEOX_COMMON),
+}
+
+
+def _random_neox(name: str, damp: float = 1.0):
+    """A random GPT-NeoX model (see :data:`NEOX_CONFIGS`); ``damp`` scales the last layer's
+    output projections (``tiny.damp_last_layer`` for GPT-NeoX's names) so early exits agree
+    with the full model often but not always, and lossless methods draft."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(NEOX_CONFIGS[name]())
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.uniform_(0.5, 1.5) if pname.endswith("weight") else p.uniform_(-0.5, 0.5)
+            elif pname.endswith("bias"):
+                p.uniform_(-0.5, 0.5)
+            else:
+                p.mul_(4.0)
+        last = model.gpt_neox.layers[-1]
+        last.attention.dense.weight.mul_(damp)
+        last.mlp.dense_4h_to_h.weight.mul_(damp)
+    return model.eval().requires_grad_(False)
+
+
+def _hf_tokens(reference, engine, prompt: str) -> list[int]:
+    ids = torch.tensor([engine.encode(prompt)])
+    with torch.no_grad():
+        out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def neox(tmp_path_factory):
+    """(HF reference, selfspec engine, ar tokens) of the parallel-residual model (Pythia's
+    layer), saved with save_pretrained (fp32) and loaded by both."""
+    path = tmp_path_factory.mktemp("gpt_neox")
+    _random_neox("gpt_neox", damp=0.3).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = steady_latency(selfspec.load(str(path), dtype="fp32", show_progress=False))
+    ar = [engine.generate(p, method="ar", max_new_tokens=NEW_TOKENS).token_ids
+          for p in PROMPTS]
+    return reference, engine, ar
+
+
+def test_gpt_neox_ar_equals_transformers_generate(neox):
+    reference, engine, ar = neox
+    assert [_hf_tokens(reference, engine, p) for p in PROMPTS] == ar
+    assert len({t for row in ar for t in row}) > 4  # not one token repeated
+
+
+def test_gpt_neox_sequential_residual_equals_transformers_generate():
+    model = _random_neox("gpt_neox-sequential")
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    # the engine's InterleavedQKV serves transformers' modules too: both read one model
+    engine = selfspec.from_pretrained_model(model, tiny_tokenizer(), "tiny-neox-seq")
+    assert not engine.executor.architecture.parallel_residual
+    for prompt in PROMPTS:
+        ours = engine.generate(prompt, method="ar", max_new_tokens=NEW_TOKENS).token_ids
+        assert ours == _hf_tokens(model, engine, prompt), prompt
+    # InterleavedQKV saves the checkpoint's per-head rows: save_pretrained writes the same
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+
+
+#: Options that make each method draft on the damped model: AdaDecode's exit at layer 3 (at
+#: layer 2, with gamma 0, every draft was rejected), KnapSpec's as tests/decoding's (it drafts
+#: but on 4 layers no plan's draft was accepted; its acceptances are tested there).
+NEOX_OPTIONS = {**NO_HEADS, "adadecode": {"heads": "none", "gamma": 0.0, "layers": "3"},
+                "knapspec": {"confidence": 0.01, "plan_budget": 1e9, "tau": -1.0,
+                             "reoptimize_every": 6}}
+
+
+def test_gpt_neox_lossless_methods_equal_ar_and_draft(neox):
+    _, engine, ar = neox
+    for method in LOSSLESS:
+        drafted = accepted = 0
+        for prompt, ref in zip(PROMPTS, ar, strict=True):
+            got = engine.generate(prompt, method=method, max_new_tokens=NEW_TOKENS,
+                                  **NEOX_OPTIONS.get(method, {}))
+            assert got.token_ids == ref, (method, prompt)
+            drafted, accepted = drafted + got.stats.drafted, accepted + got.stats.accepted
+        assert drafted > 0, method
+        assert accepted > 0 or method == "knapspec", (method, drafted)
+
+
+def test_gpt_neox_is_described_by_its_features():
+    arch = describe(NEOX_CONFIGS["gpt_neox"]())
+    assert (arch.norm_kind, arch.gated_mlp, arch.qkv_interleaved, arch.parallel_residual,
+            arch.rotary_fraction, arch.activation) == ("layer", False, True, True, 0.25, "gelu")
+    reason = arch.fused_reason()
+    assert all(f in reason for f in ("norm kind layer", "partial rotary", "non-gated",
+                                     "parallel", "activation gelu"))
+    assert not describe(NEOX_CONFIGS["gpt_neox-sequential"]()).parallel_residual
+    with pytest.raises(UnsupportedArchitectureError, match="partial rotary over 3 of 16"):
+        describe(GPTNeoXConfig(rotary_pct=3 / 16, **NEOX_COMMON))
+    from selfspec.models.architecture import family_paths
+
+    assert "gpt_neox (LayerNorm, plain GELU MLP)" in family_paths()
+
+
+def test_gpt_neox_ragged_batch_and_static_forward_equal_single_runs(neox):
+    """The parallel residual on the other two loops: a ragged batch (run_rows) equals single
+    prompts, and the CUDA graphs' static forward (run eagerly here) equals the executor's."""
+    from selfspec.executor.cuda_graphs import CudaGraphRunner, static_forward
+    from selfspec.executor.sync import position_block
+
+    _, engine, ar = neox
+    results = engine.generate(PROMPTS, method="ngram", max_new_tokens=NEW_TOKENS)
+    assert [r.token_ids for r in results] == ar
+    ex = engine.executor
+    runner = CudaGraphRunner(ex, capacity=64, max_tokens=4, replay="eager")
+    ids = torch.tensor([engine.encode(PROMPTS[0])[:12]])
+    with torch.inference_mode():
+        cache = ex.new_cache(capacity=64)
+        ex.forward(ids[:, :9], position_block(0, 9, "cpu"), cache)
+        want = ex.forward(ids[:, 9:], position_block(9, 3, "cpu"), cache)
+        ex.forward(ids[:, :9], position_block(0, 9, "cpu"), runner.cache)
+        keys, values = runner.cache.storage()
+        got = static_forward(ex, ids[:, 9:], position_block(9, 3, "cpu"), keys, values,
+                             torch.arange(64), ex.rope.cos, ex.rope.sin)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

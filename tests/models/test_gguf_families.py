@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM, GPTNeoXConfig, Qwen3Config
 
 from selfspec.api import SelfSpec
 from selfspec.executor import gguf_rows
@@ -47,4 +47,91 @@ def test_lossless_methods_keep_the_qwen3_gguf_models_tokens(qwen3, method):
     prompt = "abcabcabcabc the cat the cat the"
     want = qwen3.generate(prompt, method="ar", max_new_tokens=24)
     got = qwen3.generate(prompt, method=method, max_new_tokens=24)
+    assert got.token_ids == want.token_ids
+
+
+# ---------------------------------------------------------------- GPT-NeoX / Pythia
+def _write_neox_gguf(model, path):
+    """``model``'s matrices as a ``gptneox`` GGUF with llama.cpp's tensor names and layout
+    (``attn_qkv`` in q, k, v row blocks, as its ``GPTNeoXModel.modify_tensors`` reorders
+    them; a plain MLP), the model's weights set to what the blocks stand for (as
+    ``tiny.write_tiny_gguf`` does)."""
+    import gguf
+    import numpy as np
+
+    from selfspec.executor.gguf_quantize import quantize_blocks
+    from selfspec.models.layouts import interleave_blocks, reorder_interleaved
+
+    T = gguf.GGMLQuantizationType
+    heads = model.config.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), "gptneox")
+    writer.add_block_count(model.config.num_hidden_layers)
+
+    def put(name, weight, kind, bias=None):
+        raw = np.asarray(quantize_blocks(weight.detach().float(), kind))
+        writer.add_tensor(f"{name}.weight", np.ascontiguousarray(raw), raw_dtype=kind)
+        if bias is not None:
+            writer.add_tensor(f"{name}.bias", np.ascontiguousarray(bias.detach().float().numpy()))
+        deq = np.asarray(gguf.quants.dequantize(raw, kind), dtype=np.float32)
+        return torch.from_numpy(deq.reshape(weight.shape)).to(weight.dtype)
+
+    with torch.no_grad():
+        for i, layer in enumerate(model.gpt_neox.layers):
+            a, m = layer.attention, layer.mlp
+            qkv = a.query_key_value
+            blocks = put(f"blk.{i}.attn_qkv", reorder_interleaved(qkv.weight, heads), T.Q4_K,
+                         reorder_interleaved(qkv.bias, heads))
+            qkv.weight.copy_(interleave_blocks(blocks, heads))  # the checkpoint's rows
+            for name, lin, kind in ((f"blk.{i}.attn_output", a.dense, T.Q4_1),
+                                    (f"blk.{i}.ffn_up", m.dense_h_to_4h, T.Q5_K),
+                                    (f"blk.{i}.ffn_down", m.dense_4h_to_h, T.Q6_K)):
+                lin.weight.copy_(put(name, lin.weight, kind, lin.bias))
+        model.lm_head.weight.copy_(put("output", model.lm_head.weight, T.Q8_0))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def neox(tmp_path_factory):
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
+                           num_hidden_layers=3, num_attention_heads=4, rotary_pct=0.25,
+                           max_position_embeddings=256, eos_token_id=VOCAB - 1)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5) if name.endswith("weight") else p.uniform_(-0.5, 0.5)
+            else:
+                p.uniform_(-0.5, 0.5) if name.endswith("bias") else p.mul_(4.0)
+    model = model.to(torch.bfloat16).eval().requires_grad_(False)
+    path = _write_neox_gguf(model, tmp_path_factory.mktemp("gguf") / "gptneox.gguf")
+    dense = SelfSpec(model, tiny_tokenizer(), "tiny-neox-dense")
+    prompt = "abcabcabcabc the cat the cat the"
+    want = dense.generate(prompt, method="ar", max_new_tokens=24).token_ids  # before gguf
+    return SelfSpec(model, tiny_tokenizer(), "tiny-neox", decode_kernel="gguf", gguf=path), want
+
+
+def test_gpt_neox_decodes_on_its_gguf_blocks(neox):
+    engine, dense = neox
+    ex = engine.executor
+    assert ex.formats.rows == "gguf"
+    for lin in [m for w in ex.layer_weights for m in w.matrices]:
+        assert isinstance(lin.rows_weight, gguf_rows.GgufMatrix)
+        assert torch.equal(lin.rows_weight.dequantize().to(torch.bfloat16), lin.weight)
+    got = engine.generate("abcabcabcabc the cat the cat the", method="ar", max_new_tokens=24)
+    # the dense model's tokens up to the kernels' rounding: most of them, from the start
+    same = next((i for i, (a, b) in enumerate(zip(got.token_ids, dense)) if a != b), 24)
+    assert same >= 8, (got.token_ids, dense)
+
+
+@pytest.mark.parametrize("method", ["ngram", "layerskip", "knapspec", "auto"])
+def test_lossless_methods_keep_the_gpt_neox_gguf_models_tokens(neox, method):
+    engine, _ = neox
+    prompt = "abcabcabcabc the cat the cat the"
+    want = engine.generate(prompt, method="ar", max_new_tokens=24)
+    got = engine.generate(prompt, method=method, max_new_tokens=24)
     assert got.token_ids == want.token_ids

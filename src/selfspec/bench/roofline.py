@@ -73,12 +73,16 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     head). Each tensor is counted once even when several modules share it.
 
     Args:
-        model: a Llama/Qwen2-style ``*ForCausalLM`` (``model.model.layers``, ``model.model.norm``,
-            ``model.lm_head``).
+        model: a supported ``*ForCausalLM`` (its parts where
+            :func:`selfspec.models.architecture.decoder_modules` finds them: GPT-NeoX's
+            ``gpt_neox.layers``, the others' ``model.layers``).
     """
+    from selfspec.models.architecture import decoder_modules, describe
+
     seen: set[tuple[int, int]] = set()
     total = 0
-    modules = [*model.model.layers, model.model.norm, model.lm_head]
+    parts = decoder_modules(model, describe(model.config))
+    modules = [*parts.layers, parts.norm, parts.lm_head]
     for module in modules:
         for p in module.parameters():
             key = (p.data_ptr(), p.numel())

@@ -17,6 +17,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _ROUTING_CHARS = 8192  # prompt characters the router matches prefixes on
+RETRIES = 1  # a request whose replica failed before answering is sent again this often
 
 
 @dataclass(frozen=True)
@@ -114,13 +115,18 @@ class Forwarder:
             (:func:`selfspec.cluster.metrics.merge`), answering ``/metrics`` in place of the
             one replica's text once that replica's app let the request through (its API-key
             check).
+        retryable: whether a call that failed with this error before answering is sent
+            once more (``None``: every error; the ingress excludes Ray Serve's
+            ``BackPressureError``, a full queue).
     """
 
     def __init__(self, call: Callable[[RoutedRequest], AsyncIterator[dict]],
                  max_body_bytes: int,
                  health: Callable[[], Awaitable[dict]] | None = None,
-                 metrics: Callable[[], Awaitable[bytes]] | None = None) -> None:
+                 metrics: Callable[[], Awaitable[bytes]] | None = None,
+                 retryable: Callable[[Exception], bool] | None = None) -> None:
         self.call = call
+        self.retryable = retryable or (lambda err: True)
         self.max_body_bytes = max_body_bytes
         self.rewrites = {"/health": health and self._with_replicas,
                          "/metrics": metrics and self._merged_metrics}
@@ -167,8 +173,34 @@ class Forwarder:
                 return b"".join(chunks)
 
     async def _relay(self, request: RoutedRequest, send: Callable) -> None:
-        async for message in self.call(request):
-            await send(message)
+        """Relay the replica's answer. A call that fails before the replica sent anything
+        (a replica that died with the request queued or mid-generation: a non-streamed
+        answer is sent whole at its end) is sent once more, where the router then sends it
+        (Ray Serve drops a dead replica from its choices); failing again, or failing after
+        the answer started, the client gets a clear error (:func:`_failed`). A response
+        sent again is headed ``x-selfspec-retried: 1``."""
+        for attempt in range(RETRIES + 1):
+            messages = aiter(self.call(request))
+            started = False
+            while True:
+                try:
+                    message = await anext(messages)
+                except StopAsyncIteration:
+                    return
+                except Exception as err:  # noqa: BLE001 - Ray's errors for a dead replica vary
+                    if started or attempt == RETRIES or not self.retryable(err):
+                        await _failed(send, started, err)
+                        return
+                    logger.warning("replica call failed before answering (%s); sent again",
+                                   err)
+                    break
+                if attempt and message["type"] == "http.response.start":
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      (b"x-selfspec-retried", b"1")]}
+                started = True
+                await send(message)
+                if message["type"] == "http.response.body" and not message.get("more_body"):
+                    return  # answered whole: a replica dying after this loses nothing
 
     async def _rewritten(self, request: RoutedRequest, send: Callable,
                          rewrite: Callable[[bytes], Awaitable[bytes]]) -> None:
@@ -211,10 +243,26 @@ async def _lifespan(receive: Callable, send: Callable) -> None:
             return
 
 
-async def _error(send: Callable, status: int, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
+async def _error(send: Callable, status: int, message: str,
+                 type: str = "invalid_request_error") -> None:
+    body = json.dumps({"error": {"message": message, "type": type,
                                  "param": None, "code": None}}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _failed(send: Callable, started: bool, err: Exception) -> None:
+    """Tell the client its replica failed: a 503 before the answer started; after it (a
+    stream), an error event and ``[DONE]``, as the app ends a stream whose row failed."""
+    message = (f"the request failed on its replica ({type(err).__name__}: "
+               f"{str(err)[:200]}); retry it")
+    logger.warning("replica call failed: %s", err)
+    if not started:
+        await _error(send, 503, message, "server_error")
+        return
+    body = {"error": {"message": message, "type": "server_error", "param": None,
+                      "code": None}}
+    await send({"type": "http.response.body", "more_body": False,
+                "body": b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from selfspec.errors import InvalidArgumentError
@@ -23,6 +23,9 @@ class RayServeOptions:
             (:class:`~selfspec.cluster.routing.PrefixAffinityRouter`); ``False``: Ray's
             power-of-two-choices router.
         address: a running cluster's address; ``None``: ``$RAY_ADDRESS`` or a local cluster.
+        autoscaling: more of Ray Serve's ``autoscaling_config`` (``upscale_delay_s``,
+            ``downscale_delay_s``, ``look_back_period_s``, ...; Ray's defaults otherwise,
+            e.g. 600 s before a scale-down); no command-line option sets them.
     """
 
     replicas: int = 1
@@ -32,6 +35,7 @@ class RayServeOptions:
     threads: int = 1
     affinity: bool = True
     address: str | None = None
+    autoscaling: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.min_replicas is None) != (self.max_replicas is None):
@@ -47,6 +51,7 @@ class RayServeOptions:
         if self.min_replicas is None:
             return {"num_replicas": self.replicas}
         target = self.target_ongoing_requests or max_batch
-        return {"autoscaling_config": {"min_replicas": self.min_replicas,
+        return {"autoscaling_config": {**self.autoscaling,
+                                       "min_replicas": self.min_replicas,
                                        "max_replicas": self.max_replicas,
                                        "target_ongoing_requests": target}}

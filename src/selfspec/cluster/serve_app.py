@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 APP_NAME = "selfspec"
 ENGINE_DEPLOYMENT = "SelfspecEngine"
+ROUTING_STATS_PERIOD_S = 2.0  # the replicas' cache budgets reach the router this often
 _MISSING = "selfspec serve --ray needs Ray Serve: pip install 'selfspec[ray]'"
 
 
@@ -63,6 +64,7 @@ class EngineServer:
         self.replica = serve.get_replica_context().replica_id.unique_id.encode()
         engine = selfspec.load(**load, show_progress=False)
         config = replace(config, model_name=config.model_name or engine.name)
+        self.engine = engine
         self.app = create_app(engine, config)
         warm_up(engine, config.method, config.method_options)
         self.app.state.scheduler.start()
@@ -79,6 +81,14 @@ class EngineServer:
                 hub.put.remote(replica, self.app.state.metrics.render().decode()).result()
             except Exception as err:  # noqa: BLE001 - a hub restart must not end the replica
                 logger.debug("metrics push failed: %s", err)
+
+    def record_routing_stats(self) -> dict[str, float]:
+        """Ray Serve's hook, read by :class:`~selfspec.cluster.routing.PrefixAffinityRouter`:
+        this replica's prefix-cache budget in bytes (0 without a cache)."""
+        from selfspec.cluster.placement import CAPACITY_STAT
+
+        cache = self.engine.prefix_cache
+        return {CAPACITY_STAT: float(cache.budget_bytes if cache is not None else 0)}
 
     async def handle(self, request: RoutedRequest) -> AsyncIterator[dict]:
         """The app's ASGI messages answering ``request`` (a streaming handle call), the
@@ -107,7 +117,10 @@ class Ingress:
         def call(request: RoutedRequest):
             return engine.options(stream=True).handle.remote(request)
 
-        self._app = Forwarder(call, max_body_bytes, self._replicas, self._metrics)
+        from ray.serve.exceptions import BackPressureError
+
+        self._app = Forwarder(call, max_body_bytes, self._replicas, self._metrics,
+                              lambda err: not isinstance(err, BackPressureError))
 
     async def _replicas(self) -> dict[str, int]:
         return await asyncio.to_thread(replica_counts)
@@ -129,8 +142,10 @@ def replica_counts() -> dict[str, int]:
     return {"ready": int(states.get("RUNNING", 0)), "total": int(sum(states.values()))}
 
 
-def build_application(load: Mapping[str, Any], config: ServeConfig, options: RayServeOptions):
-    """The Ray Serve application (``serve.run`` takes it).
+def build_application(load: Mapping[str, Any], config: ServeConfig, options: RayServeOptions,
+                      router_kwargs: Mapping[str, Any] | None = None):
+    """The Ray Serve application (``serve.run`` takes it); ``router_kwargs`` go to the
+    affinity router (:meth:`~selfspec.cluster.routing.PrefixAffinityRouter.initialize_state`).
 
     Requests in flight per replica are capped at ``max_batch + max_queue`` (what one server
     admits before its 429), and Ray queues at most ``max_queue`` more per replica before its
@@ -143,7 +158,9 @@ def build_application(load: Mapping[str, Any], config: ServeConfig, options: Ray
     router = {}
     if options.affinity:
         router = {"request_router_config": {
-            "request_router_class": "selfspec.cluster.routing:PrefixAffinityRouter"}}
+            "request_router_class": "selfspec.cluster.routing:PrefixAffinityRouter",
+            "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+            "request_router_kwargs": dict(router_kwargs or {})}}
     engine = serve.deployment(
         EngineServer, name=ENGINE_DEPLOYMENT,
         ray_actor_options={"num_cpus": options.threads, **({"memory": need} if need else {})},

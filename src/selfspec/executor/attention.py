@@ -47,7 +47,22 @@ def attention_input(w: LayerWeights, hidden: torch.Tensor) -> torch.Tensor:
     ``hidden`` itself where the layer has none (OLMo 2's post-norm layers)."""
     if w.attn_norm is None:
         return hidden
+    if w.layer_norm:
+        return F.layer_norm(hidden, (hidden.shape[-1],), w.attn_norm, w.attn_norm_bias,
+                            w.attn_norm_eps)
     return norm(hidden, w.attn_norm, w.attn_norm_eps, w.norm_weight_fp32)
+
+
+def mlp_input(w: LayerWeights, hidden: torch.Tensor) -> torch.Tensor:
+    """What a layer's MLP reads: its pre-MLP norm of ``hidden`` ``[B, T, H]`` (a LayerNorm
+    with bias as ``nn.LayerNorm`` where :attr:`LayerWeights.layer_norm`: GPT-NeoX), or
+    ``hidden`` itself where the layer has none."""
+    if w.mlp_norm is None:
+        return hidden
+    if w.layer_norm:
+        return F.layer_norm(hidden, (hidden.shape[-1],), w.mlp_norm, w.mlp_norm_bias,
+                            w.mlp_norm_eps)
+    return norm(hidden, w.mlp_norm, w.mlp_norm_eps, w.norm_weight_fp32)
 
 
 def rotated_qkv(w: LayerWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -98,13 +113,26 @@ def sublayer_output(w: LayerWeights, out: torch.Tensor, post: torch.Tensor | Non
 
 
 def mlp_output(w: LayerWeights, hidden: torch.Tensor, bulk: bool = False) -> torch.Tensor:
-    """A layer's gated MLP sub-layer on ``hidden`` ``[B, T, H]`` (its norms and multiplier
-    included, residual not added): ``[B, T, H]`` to add to ``hidden``. ``bulk``: the products
-    run in the bulk format."""
-    x = hidden if w.mlp_norm is None else norm(hidden, w.mlp_norm, w.mlp_norm_eps,
-                                               w.norm_weight_fp32)
+    """A layer's MLP sub-layer (gated, or plain where ``w.gated`` is off) on ``hidden``
+    ``[B, T, H]`` (its norms and multiplier included, residual not added): ``[B, T, H]`` to
+    add to ``hidden``. ``bulk``: the products run in the bulk format."""
+    x = mlp_input(w, hidden)
+    if not w.gated:  # GPT-NeoX: down(act(up x))
+        return sublayer_output(w, w.down(w.act(w.gate_up(x, bulk)), bulk), w.post_mlp_norm)
     gate, up = w.gate_up(x, bulk).chunk(2, dim=-1)
     return sublayer_output(w, w.down(w.act(gate) * up, bulk), w.post_mlp_norm)
+
+
+def parallel_residual(hidden: torch.Tensor, attn_out: torch.Tensor | None,
+                      mlp_out: torch.Tensor | None) -> torch.Tensor:
+    """A parallel-residual layer's output (``use_parallel_residual``: GPT-NeoX, Pythia):
+    ``hidden + (mlp_out + attn_out)``, bit for bit transformers' ``mlp_output + attn_output
+    + hidden_states`` (modeling_gpt_neox.GPTNeoXLayer), where both sub-layers read the
+    layer's input ``hidden`` ``[B, T, H]``; a skipped sub-layer's output is ``None``."""
+    if attn_out is None or mlp_out is None:
+        out = attn_out if mlp_out is None else mlp_out
+        return hidden if out is None else hidden + out
+    return hidden + (mlp_out + attn_out)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,13 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.errors import InvalidArgumentError
-from selfspec.executor.attention import attention_input, mlp_output, rotated_qkv, sublayer_output
+from selfspec.executor.attention import (
+    attention_input,
+    mlp_output,
+    parallel_residual,
+    rotated_qkv,
+    sublayer_output,
+)
 from selfspec.executor.cache import CacheShape, KVCache
 from selfspec.executor.sync import first_position, position_block
 
@@ -158,8 +164,12 @@ def static_forward(ex: Executor, input_ids: torch.Tensor, positions: torch.Tenso
         out = F.scaled_dot_product_attention(
             qk[:, :, :nq].transpose(1, 2), keys[i], values[i], attn_mask=layer_mask,
             scale=ex.scaling, enable_gqa=nq != nkv)              # [1, Hq, T, hd]
-        hidden = hidden + sublayer_output(
+        attn_out = sublayer_output(
             w, w.o(out.transpose(1, 2).reshape(1, num_new, nq * hd)), w.post_attn_norm)
+        if w.parallel:  # use_parallel_residual
+            hidden = parallel_residual(hidden, attn_out, mlp_output(w, hidden))
+            continue
+        hidden = hidden + attn_out
         hidden = hidden + mlp_output(w, hidden)
     return ex.logits(hidden)
 

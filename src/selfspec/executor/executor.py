@@ -40,6 +40,7 @@ from selfspec.executor.attention import (
     attention_input,
     grouped_causal_mask,
     mlp_output,
+    parallel_residual,
     rotated_qkv,
     sublayer_output,
 )
@@ -51,7 +52,7 @@ from selfspec.executor.plan import BULK_MIN_ROWS, PREFILL_CHUNK, Head, Observer,
 from selfspec.executor.rope import layer_rope_tables
 from selfspec.executor.sync import first_position, position_block
 from selfspec.executor.weights import LayerWeights, layer_weights, split_checkpoint_fused
-from selfspec.models.architecture import Architecture, describe
+from selfspec.models.architecture import Architecture, decoder_modules, describe
 from selfspec.models.common import SUPPORTED_MODEL_TYPES
 from selfspec.validation import check_int
 
@@ -73,8 +74,11 @@ class LayerExecutor:
 
     Args:
         model: an unmodified HF causal LM (``model.model.layers``, ``model.model.norm``,
-            ``model.model.rotary_emb``, ``model.lm_head``). Its q/k/v and gate/up weights are
-            re-pointed at fused copies (same values, no extra memory).
+            ``model.model.rotary_emb``, ``model.lm_head``; GPT-NeoX's ``model.gpt_neox``
+            parts where :attr:`Architecture.modules` names them). Its q/k/v and gate/up
+            weights are re-pointed at fused copies (same values, no extra memory; GPT-NeoX's
+            per-head ``query_key_value`` is replaced by its q, k, v blocks,
+            :class:`~selfspec.executor.weights.InterleavedQKV`).
         pack_weights: on CPU in bf16/fp16, also keep oneDNN-packed copies of the weights
             (bit-identical results, faster decoding, one extra copy of the weights).
         name: the model's name (registry name, directory or hub id) for messages and for
@@ -131,24 +135,25 @@ class LayerExecutor:
         self.architecture: Architecture = describe(model.config, "the model")
         # A multimodal checkpoint (Gemma 3): its language model, on text.
         config = model.config.get_text_config()
-        inner = decoder_of(model)
         self.model = model
         self.config = config
         self.name = name or str(getattr(model.config, "_name_or_path", "") or "model")
-        self.layers = list(inner.layers)
+        parts = decoder_modules(model, self.architecture)  # GPT-NeoX names its own
+        self.layers = parts.layers
         if self.architecture.checkpoint_fused:  # Phi-3: q/k/v and gate/up as usual modules
             for layer in self.layers:
                 split_checkpoint_fused(layer, config)
         self.num_layers = len(self.layers)
-        attn = self.layers[0].self_attn
-        self.head_dim = attn.head_dim
+        attn = getattr(self.layers[0], self.architecture.modules.attention)
+        self.head_dim = getattr(attn, "head_dim", None) or attn.head_size  # GPT-NeoX's name
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # GPT-NeoX has no grouped-query attention (and no num_key_value_heads)
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.scaling = attn.scaling
-        self.embed_tokens = inner.embed_tokens
-        self.norm = inner.norm
-        self.rotary_emb = inner.rotary_emb
-        self.lm_head = model.lm_head
+        self.embed_tokens = parts.embed
+        self.norm = parts.norm
+        self.rotary_emb = parts.rotary_emb
+        self.lm_head = parts.lm_head
         self.vocab_size = model.lm_head.out_features
         self.row_attention_max = row_attention_max
         self.prefill_chunk = check_int("prefill_chunk", prefill_chunk, low=1)
@@ -486,8 +491,19 @@ class LayerExecutor:
                                device=hidden.device).masked_fill_(~mask, float("-inf"))
         for i in range(start, end):
             w = self.layer_weights[i]
+            cos, sin = ropes[w.rope_kind]
+            if w.parallel:  # use_parallel_residual: both sub-layers read the layer's input
+                out = (None if i in skip_attn else
+                       attn.sublayer(i, w, hidden, cos, sin, cache, pos0, mask, write_cache,
+                                     bulk, free))
+                if observe is not None:
+                    observe(i, "attention", hidden if out is None else hidden + out)
+                hidden = parallel_residual(
+                    hidden, out, None if i in skip_mlp else mlp_output(w, hidden, bulk))
+                if observe is not None:
+                    observe(i, "mlp", hidden)
+                continue
             if i not in skip_attn:
-                cos, sin = ropes[w.rope_kind]
                 hidden = hidden + attn.sublayer(i, w, hidden, cos, sin, cache, pos0, mask,
                                                 write_cache, bulk, free)
             if observe is not None:
@@ -648,8 +664,12 @@ class LayerExecutor:
                 outs.append(attn.attend(q[:, :, :, lo:hi], keys, values, starts[b], masks[b],
                                         cache.visible(i), window=w.window))
             out = torch.cat(outs, dim=3)                                # [1, Hkv, G, N, hd]
-            hidden = hidden + sublayer_output(
+            attn_out = sublayer_output(
                 w, w.o(out.permute(0, 3, 1, 2, 4).reshape(1, num, nq * hd)), w.post_attn_norm)
+            if w.parallel:  # use_parallel_residual
+                hidden = parallel_residual(hidden, attn_out, mlp_output(w, hidden))
+                continue
+            hidden = hidden + attn_out
             hidden = hidden + mlp_output(w, hidden)
         return hidden[0]
 
@@ -852,10 +872,3 @@ def _row_offsets(num: int, lengths: Sequence[int], caches: Sequence[KVCache]) ->
         offsets.append(offsets[-1] + n)
     return offsets
 
-
-def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
-    """The decoder stack (``layers``, ``embed_tokens``, ``norm``, ``rotary_emb``) of a causal
-    LM: ``model.model``, or a multimodal checkpoint's ``model.model.language_model``
-    (Gemma3ForConditionalGeneration, run on text only)."""
-    inner = model.model
-    return getattr(inner, "language_model", inner)

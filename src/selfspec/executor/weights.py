@@ -15,9 +15,11 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 
 from selfspec.errors import UnsupportedArchitectureError
 from selfspec.executor.linear import Linear, PackedRowLimits
+from selfspec.models.layouts import interleave_blocks, reorder_interleaved
 
 if TYPE_CHECKING:
     from selfspec.models.architecture import Architecture
@@ -58,6 +60,14 @@ class LayerWeights:
             ``p - W < k <= p``), or ``None`` for full attention.
         rope_kind: which RoPE table the layer reads: ``"default"``, or its layer type where
             the model has one table per layer type (Gemma 3's local base on sliding layers).
+        attn_norm_bias / mlp_norm_bias: ``[H]`` the pre-norms' biases where they are
+            LayerNorms (GPT-NeoX), else ``None``.
+        layer_norm: the pre-norms are LayerNorms (``F.layer_norm`` with weight and bias, as
+            ``nn.LayerNorm``), not RMSNorms.
+        gated: ``gate_up`` holds gate then up (``down(act(gate) · up)``); ``False``: it holds
+            the up projection alone (``[H]`` → ``[I]``) and the MLP is ``down(act(up))``.
+        parallel: attention and MLP both read the layer's input, added together to it
+            (``use_parallel_residual``).
         plain: Llama's layer (none of the above): what the fused kernels compute.
 
     Each matrix is called as ``m(x [..., K], bulk=False) -> [..., N]``.
@@ -85,22 +95,30 @@ class LayerWeights:
     residual_scale: float = 1.0
     window: int | None = None
     rope_kind: str = "default"
+    attn_norm_bias: torch.Tensor | None = None
+    mlp_norm_bias: torch.Tensor | None = None
+    layer_norm: bool = False
+    gated: bool = True
+    parallel: bool = False
 
     @property
     def plain(self) -> bool:
-        """Llama's layer: pre-norms, no q/k or post norms, RoPE over the whole head, no
-        residual multiplier."""
+        """Llama's layer: RMS pre-norms, no q/k or post norms, RoPE over the whole head, no
+        residual multiplier, a gated MLP, sequential residuals."""
         return (self.q_norm is None and self.post_attn_norm is None
                 and self.post_mlp_norm is None and self.attn_norm is not None
                 and self.mlp_norm is not None and self.rope and not self.rope_partial
                 and self.residual_scale == 1.0 and not self.norm_weight_fp32
-                and self.window is None and self.rope_kind == "default")
+                and self.window is None and self.rope_kind == "default"
+                and not self.layer_norm and self.gated and not self.parallel)
 
     @property
     def norms(self) -> tuple[torch.Tensor, ...]:
-        """Every norm weight the layer reads (pre, q/k and post norms it has)."""
+        """Every norm weight (and LayerNorm bias) the layer reads (pre, q/k and post norms
+        it has)."""
         return tuple(t for t in (self.attn_norm, self.mlp_norm, self.q_norm, self.k_norm,
-                                 self.post_attn_norm, self.post_mlp_norm) if t is not None)
+                                 self.post_attn_norm, self.post_mlp_norm, self.attn_norm_bias,
+                                 self.mlp_norm_bias) if t is not None)
 
     @property
     def matrices(self) -> tuple[Any, Any, Any, Any]:
@@ -175,6 +193,75 @@ def fuse(*linears: torch.nn.Linear, whole: torch.nn.Linear | None = None) -> tor
     return fused
 
 
+class InterleavedQKV(torch.nn.Module):
+    """GPT-NeoX's ``query_key_value`` on weights stored as q, k, v blocks: the product of
+    those blocks with its output columns put back in the checkpoint's per-head order
+    ([h0 q, h0 k, h0 v, h1 q, ...]), so the HF attention module still computes what it did
+    (transformers' ``hf-ar`` runs it) while the executor multiplies the blocks, one copy.
+
+    Args:
+        weight: ``[3 · Hq · hd, H]`` q rows, then k, then v
+            (:func:`selfspec.models.layouts.reorder_interleaved`).
+        bias: ``[3 · Hq · hd]`` in that order, or ``None``.
+        heads: ``Hq``.
+    """
+
+    #: Its weight holds q, k, v blocks (what :func:`selfspec.models.gguf_weights
+    #: .check_against_model` reads, without importing the executor).
+    qkv_blocks = True
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, heads: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.heads = heads
+        self.out_features, self.in_features = weight.shape
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        """The checkpoint's per-head order (a ``save_pretrained`` of the model writes what
+        transformers loads), not the blocks this module holds."""
+        for name, t in (("weight", self.weight), ("bias", self.bias)):
+            if t is not None:
+                destination[prefix + name] = interleave_blocks(t, self.heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., H]`` → ``[..., 3 · Hq · hd]`` in the checkpoint's interleaved order."""
+        out = F.linear(x, self.weight, self.bias)
+        blocks = out.unflatten(-1, (3, self.heads, -1))             # [..., 3, Hq, hd]
+        return blocks.transpose(-3, -2).flatten(-3)                 # [..., Hq, 3, hd]
+
+
+def gpt_neox_layer_weights(layer: torch.nn.Module, pack: bool, limits: PackedRowLimits,
+                           keep_packed: bool, arch: Architecture) -> LayerWeights:
+    """The weights of a GPT-NeoX decoder layer (transformers' modeling_gpt_neox
+    ``GPTNeoXLayer``): ``attention.query_key_value`` reordered into q, k, v blocks (the
+    module replaced by an :class:`InterleavedQKV` on that copy, so the old one is freed),
+    ``attention.dense``, ``mlp.dense_h_to_4h`` / ``dense_4h_to_h`` with their biases, the
+    two LayerNorms with theirs, the residual as ``arch.parallel_residual`` says."""
+    attn, mlp = layer.attention, layer.mlp
+    opts = {"row_limits": limits, "keep_packed": keep_packed}
+    heads = attn.config.num_attention_heads
+    qkv = attn.query_key_value
+    if isinstance(qkv, InterleavedQKV):  # a second executor on the same model
+        weight, bias = qkv.weight, qkv.bias
+    else:
+        weight = reorder_interleaved(qkv.weight, heads)
+        bias = None if qkv.bias is None else reorder_interleaved(qkv.bias, heads)
+        attn.query_key_value = InterleavedQKV(weight, bias, heads)
+    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    dense, up, down = attn.dense, mlp.dense_h_to_4h, mlp.dense_4h_to_h
+    return LayerWeights(
+        attn_norm=ln1.weight, attn_norm_eps=ln1.eps, attn_norm_bias=ln1.bias,
+        qkv=Linear(attn.query_key_value.weight, attn.query_key_value.bias, pack, **opts),
+        o=Linear(dense.weight, dense.bias, pack, **opts),
+        mlp_norm=ln2.weight, mlp_norm_eps=ln2.eps, mlp_norm_bias=ln2.bias,
+        gate_up=Linear(up.weight, up.bias, pack, **opts),
+        down=Linear(down.weight, down.bias, pack, **opts),
+        act=mlp.act, layer_norm=arch.norm_kind == "layer", gated=arch.gated_mlp,
+        parallel=arch.parallel_residual,
+        rope_partial=arch.rotary_fraction != 1.0)
+
+
 def layer_weights(layer: torch.nn.Module, pack: bool, limits: PackedRowLimits,
                   keep_packed: bool = True, arch: Architecture | None = None,
                   index: int = 0) -> LayerWeights:
@@ -182,6 +269,8 @@ def layer_weights(layer: torch.nn.Module, pack: bool, limits: PackedRowLimits,
     ``mlp.{gate,up,down}_proj``, its norms as ``arch`` places them; ``None``: Llama's),
     q/k/v and gate/up fused; ``pack``: keep oneDNN-packed copies, ``keep_packed``: also
     while a kernel serves every call (:class:`Linear`)."""
+    if arch is not None and arch.qkv_interleaved:
+        return gpt_neox_layer_weights(layer, pack, limits, keep_packed, arch)
     attn, mlp = layer.self_attn, layer.mlp
     opts = {"row_limits": limits, "keep_packed": keep_packed}
     whole = arch is not None and arch.checkpoint_fused  # Phi-3: split at load, one copy

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfspec.errors import InvalidArgumentError
+from selfspec.models.architecture import FAMILIES, decoder_modules, describe
 
 HEAD_KINDS = ("lightweight", "full")
 FULL_INITS = ("lm_head", "random")
@@ -105,6 +106,10 @@ def output_layer(source: object) -> OutputLayer:
     model = source
     if hasattr(model, "lm_head") and hasattr(getattr(model, "model", None), "norm"):
         return OutputLayer(model.model.norm, model.lm_head.weight, model.lm_head.bias, None)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if hasattr(model, "lm_head") and model_type in FAMILIES:  # GPT-NeoX's own names
+        norm = decoder_modules(model, describe(model.config)).norm
+        return OutputLayer(norm, model.lm_head.weight, model.lm_head.bias, None)
     raise InvalidArgumentError(
         f"expected a SelfSpec engine, a LayerExecutor or a Hugging Face causal LM, got "
         f"{type(source).__name__}")

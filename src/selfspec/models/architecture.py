@@ -18,7 +18,9 @@ from selfspec.errors import UnsupportedArchitectureError
 #: Norm kinds: ``"rms"`` = Llama's ``w · x̂.to(dtype)``; ``"rms_weight_fp32"`` = OLMo 2's
 #: ``(w · x̂).to(dtype)`` (the weight multiplied before the cast back); ``"rms_offset"`` =
 #: Gemma's ``(x̂ · (1 + w)).to(dtype)``, all in float32 (modeling_gemma3.Gemma3RMSNorm).
-NORM_KINDS = ("rms", "rms_weight_fp32", "rms_offset")
+#: ``"layer"`` = LayerNorm with a bias, ``w · (x - mean) / sqrt(var + eps) + b`` (GPT-NeoX's
+#: ``nn.LayerNorm``, ``layer_norm_eps``).
+NORM_KINDS = ("rms", "rms_weight_fp32", "rms_offset", "layer")
 #: Where a layer's norms sit: ``"pre"`` = before each sub-layer (Llama); ``"post"`` = on each
 #: sub-layer's output before the residual add (OLMo 2); ``"both"`` = the two of them, four
 #: norms a layer (Gemma 3: input, post_attention, pre_feedforward, post_feedforward).
@@ -26,6 +28,26 @@ NORM_PLACEMENTS = ("pre", "post", "both")
 #: q/k norms: ``"none"``; ``"head"`` = RMSNorm over each head's ``head_dim`` (Qwen3);
 #: ``"projection"`` = over the whole q / k projection (OLMo 2). Both before RoPE.
 QK_NORMS = ("none", "head", "projection")
+
+
+@dataclass(frozen=True)
+class ModuleNames:
+    """Where a ``*ForCausalLM``'s parts are, by attribute name: ``model.<base>.layers``,
+    ``model.<base>.<embed>``, ``model.<base>.<norm>`` (the final norm),
+    ``model.<base>.rotary_emb``, ``model.lm_head`` and each layer's ``<attention>`` module."""
+
+    base: str = "model"
+    embed: str = "embed_tokens"
+    norm: str = "norm"
+    attention: str = "self_attn"
+
+
+#: Llama's names (every family but GPT-NeoX).
+LLAMA_MODULES = ModuleNames()
+#: transformers' modeling_gpt_neox: ``gpt_neox.embed_in``, ``gpt_neox.final_layer_norm``,
+#: ``layers[i].attention`` (its checkpoint's ``embed_out`` is loaded as ``lm_head``).
+GPT_NEOX_MODULES = ModuleNames(base="gpt_neox", embed="embed_in", norm="final_layer_norm",
+                               attention="attention")
 
 
 @dataclass(frozen=True)
@@ -46,6 +68,12 @@ class Family:
     gemma: bool = False
     # A multimodal checkpoint whose language model (config.text_config) runs on text alone.
     text_config: bool = False
+    modules: ModuleNames = LLAMA_MODULES
+    # GPT-NeoX's ``query_key_value`` holds each head's q, k, v rows in turn
+    # ([h0 q, h0 k, h0 v, h1 q, ...]), reordered at load into q, k, v blocks.
+    qkv_interleaved: bool = False
+    # ``down(act(gate) · up)``; False: ``down(act(up))`` (GPT-NeoX's dense_h_to_4h / _4h_to_h).
+    gated_mlp: bool = True
 
 
 #: The families the executor drives, by ``model_type``.
@@ -61,6 +89,10 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family(norm_kind="rms_offset", norm_placement="both", qk_norm="head",
                           gemma=True),
     "gemma3": Family(text_config=True),  # Gemma3ForConditionalGeneration's language model
+    # Pythia: LayerNorm, interleaved fused qkv, plain GELU MLP, biases, rotary_pct 0.25;
+    # use_parallel_residual is read from the config.
+    "gpt_neox": Family(norm_kind="layer", modules=GPT_NEOX_MODULES, qkv_interleaved=True,
+                       gated_mlp=False),
 }
 
 #: RoPE scaling kinds refused, and why (the rest the model's own rotary module computes).
@@ -85,7 +117,9 @@ def family_paths() -> str:
                                ("multipliers", fam.multipliers),
                                ("(1 + w) norms", fam.norm_kind == "rms_offset"),
                                ("GELU-tanh MLP, RoPE base per layer type, sliding windows",
-                                fam.gemma)) if on]
+                                fam.gemma),
+                               ("LayerNorm", fam.norm_kind == "layer"),
+                               ("plain GELU MLP", not fam.gated_mlp)) if on]
         if why:
             torch_path.append(f"{name} ({', '.join(why)})")
         else:
@@ -93,7 +127,9 @@ def family_paths() -> str:
     return (f"fused sub-layer kernels (bf16 / w4a8 / gguf): {', '.join(fused)} (SmolLM3 only "
             "where every layer has RoPE; phi3's qkv_proj / gate_up_proj split at load, only "
             "where RoPE spans the whole head: partial_rotary_factor < 1, Phi-4-mini's, runs "
-            f"the torch path); torch path: {', '.join(torch_path)}; any model whose "
+            f"the torch path); torch path: {', '.join(torch_path)} (gpt_neox's "
+            "query_key_value reordered at load; a parallel residual where "
+            "use_parallel_residual, partial rotary where rotary_pct < 1); any model whose "
             "sliding window binds (shorter than its context) runs the torch path")
 
 #: Families refused on purpose, with what to use instead.
@@ -145,6 +181,15 @@ class Architecture:
             dtype first (Gemma's ``sqrt(hidden_size)``, Gemma3TextScaledWordEmbedding); 1.
         final_softcap: logits become ``c · tanh(logits / c)`` (``final_logit_softcapping``),
             or ``None``.
+        modules: where the model's parts are (:class:`ModuleNames`).
+        qkv_interleaved: one ``query_key_value`` matrix with each head's q, k, v rows in
+            turn (GPT-NeoX), reordered at load into q, k, v blocks
+            (:func:`selfspec.executor.weights.gpt_neox_layer_weights`).
+        gated_mlp: the MLP is ``down(act(gate) · up)``; ``False``: ``down(act(up))`` with
+            biases (GPT-NeoX).
+        parallel_residual: attention and MLP both read the layer's input and their outputs
+            are added to it together, ``x + (mlp(ln2(x)) + attn(ln1(x)))``
+            (``use_parallel_residual``: Pythia, GPT-NeoX-20B); ``False``: one after the other.
     """
 
     model_type: str
@@ -166,6 +211,10 @@ class Architecture:
     rope_kinds: tuple[str, ...] = ()
     embedding_scale: float = 1.0
     final_softcap: float | None = None
+    modules: ModuleNames = LLAMA_MODULES
+    qkv_interleaved: bool = False
+    gated_mlp: bool = True
+    parallel_residual: bool = False
 
     @property
     def plain(self) -> bool:
@@ -193,6 +242,10 @@ class Architecture:
             out.append(f"sliding window {windows[0]}")
         if any(kind != "default" for kind in self.rope_kinds):
             out.append("a RoPE table per layer type")
+        if not self.gated_mlp:
+            out.append("a plain (non-gated) MLP")
+        if self.parallel_residual:
+            out.append("parallel attention + MLP residual (use_parallel_residual)")
         return out
 
     def fused_reason(self) -> str | None:
@@ -294,6 +347,21 @@ def _rotary_fraction(config: Any) -> float:
     return 1.0 if factor is None else float(factor)
 
 
+def _check_rotary(head_dim: int, fraction: float, source: str) -> None:
+    """Refuse a partial rotary over an odd number of dims (``rotate_half`` pairs dim ``j``
+    with ``j + rotary_dim / 2``: transformers' own modules would mis-rotate it).
+
+    Raises:
+        UnsupportedArchitectureError: ``int(head_dim · fraction)`` is odd or 0.
+    """
+    dims = int(head_dim * fraction)
+    if dims % 2 or dims == 0:
+        raise UnsupportedArchitectureError(
+            f"{source}: partial rotary over {dims} of {head_dim} dims per head "
+            f"(rotary_pct / partial_rotary_factor {fraction}) is not supported: RoPE needs an "
+            "even, non-zero number of rotary dims")
+
+
 def check_model_type(model_type: str | None, source: str) -> Family:
     """The :class:`Family` of ``model_type``.
 
@@ -334,6 +402,7 @@ def describe(config: Any, source: str = "the model") -> Architecture:
     gemma = _gemma_features(config, source) if family.gemma else {}
     activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act",
                                                                        "silu")
+    _check_rotary(head_dim, _rotary_fraction(config), source)
     return Architecture(
         model_type=config.model_type,
         num_layers=num_layers,
@@ -355,4 +424,29 @@ def describe(config: Any, source: str = "the model") -> Architecture:
         rope_kinds=_rope_kinds(config, num_layers, family),
         embedding_scale=gemma.get("embedding_scale", 1.0),
         final_softcap=gemma.get("final_softcap"),
+        modules=family.modules,
+        qkv_interleaved=family.qkv_interleaved,
+        gated_mlp=family.gated_mlp,
+        parallel_residual=bool(getattr(config, "use_parallel_residual", False)),
     )
+
+
+@dataclass(frozen=True)
+class DecoderModules:
+    """The HF modules the executor drives (see :class:`ModuleNames`)."""
+
+    layers: list[Any]      # the decoder layers
+    embed: Any             # [B, T] int64 -> [B, T, H]
+    norm: Any              # the final norm, [..., H] -> [..., H]
+    rotary_emb: Any        # rotary_emb(x, position_ids) -> (cos, sin)
+    lm_head: Any           # [..., H] -> [..., V]
+
+
+def decoder_modules(model: Any, arch: Architecture) -> DecoderModules:
+    """The parts of ``model`` (a ``*ForCausalLM``) where ``arch.modules`` names them."""
+    names = arch.modules
+    base = getattr(model, names.base)
+    # A multimodal checkpoint (Gemma3ForConditionalGeneration): its language model, on text.
+    base = getattr(base, "language_model", base)
+    return DecoderModules(list(base.layers), getattr(base, names.embed),
+                          getattr(base, names.norm), base.rotary_emb, model.lm_head)

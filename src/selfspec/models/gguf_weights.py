@@ -13,6 +13,11 @@ transformers de-quantised them into (:mod:`selfspec.executor.gguf_rows` has the 
   projections (``LlamaModel.permute``: its RoPE pairs dimension ``i`` with ``i + 1``, HF's
   with ``i + d/2``). Rows are independent in a GGUF tensor (blocks run along the input), so
   the HF order is those rows' bytes put back in place; ``qwen2`` is stored unpermuted;
+* fused tensors: a ``gptneox`` file holds q/k/v as one ``attn_qkv`` (llama.cpp's
+  ``GPTNeoXModel.modify_tensors`` reorders HF's per-head ``query_key_value`` rows into q, k, v
+  blocks, the executor's order: the q, k and v segments are its row ranges) and a plain MLP
+  (``ffn_up`` / ``ffn_down``, no ``ffn_gate``); LayerNorms, their biases and the linear
+  biases are read from the dense model;
 * a check (:func:`check_against_model`): sample rows of every matrix, de-quantised, must
   equal the loaded model's weights to their dtype's rounding, so a GGUF of another model,
   or a mapping gone wrong, is an error before any token, never different weights in silence.
@@ -35,12 +40,15 @@ import numpy as np
 import torch
 
 from selfspec.errors import CorruptModelFileError, UnsupportedArchitectureError
+from selfspec.models.architecture import describe
+from selfspec.models.layouts import reorder_interleaved
 
 logger = logging.getLogger(__name__)
 
 #: GGUF architectures whose tensors map onto selfspec's layers, and whether llama.cpp's
 #: converter permuted their q/k rows.
-PERMUTED_QK: dict[str, bool] = {"llama": True, "qwen2": False, "qwen3": False}
+PERMUTED_QK: dict[str, bool] = {"llama": True, "qwen2": False, "qwen3": False,
+                                 "gptneox": False}
 
 
 @dataclass(frozen=True)
@@ -80,14 +88,14 @@ class GgufLayer:
     Attributes:
         qkv: ``(q, k, v)``: segments of the fused q/k/v product, in output order.
         o: the attention output projection.
-        gate_up: ``(gate, up)``.
+        gate_up: ``(gate, up)``, or ``(up,)`` for a plain MLP (GPT-NeoX).
         down: the MLP's down projection.
         qkv_bias: ``[Nq + 2 Nkv]`` fp32 (the GGUF's own f32 biases), or ``None``.
     """
 
     qkv: tuple[GgufTensor, GgufTensor, GgufTensor]
     o: GgufTensor
-    gate_up: tuple[GgufTensor, GgufTensor]
+    gate_up: tuple[GgufTensor, ...]
     down: GgufTensor
     qkv_bias: torch.Tensor | None
 
@@ -180,6 +188,17 @@ def _qk_order(rows: int, heads: int) -> np.ndarray:
     return np.argsort(stored)  # stored[j] = the HF row at GGUF row j
 
 
+def _row_segments(whole: GgufTensor, rows: tuple[int, ...]) -> tuple[GgufTensor, ...]:
+    """``whole``'s consecutive row ranges of ``rows`` rows each, as tensors of their own
+    (views of its bytes: a GGUF tensor's rows are independent, blocks run along the input)."""
+    parts, first = [], 0
+    for n in rows:
+        parts.append(GgufTensor(whole.name, whole.type, whole.data[first:first + n],
+                                whole.in_features))
+        first += n
+    return tuple(parts)
+
+
 def read_gguf_weights(path: str | Path, config: Any) -> GgufWeights:
     """The blocks of every projection and of ``lm_head`` of the model ``config`` describes,
     read from the GGUF ``path`` (copied into memory, rows in HF order).
@@ -210,9 +229,11 @@ def read_gguf_weights(path: str | Path, config: Any) -> GgufWeights:
             "of another model")
     by_name = {t.name: t for t in reader.tensors}
     hidden = config.hidden_size
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads  # GPT-NeoX: no GQA
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     permuted = PERMUTED_QK[arch]
+    gated = describe(config, path.name).gated_mlp
 
     def matrix(name: str, rows: int, cols: int, order_heads: int = 0) -> GgufTensor:
         t = by_name.get(name)
@@ -253,20 +274,25 @@ def read_gguf_weights(path: str | Path, config: Any) -> GgufWeights:
             return f"{names[kind].format(bid=i)}.{suffix}"
 
         T = gguf.MODEL_TENSOR
-        q = matrix(name(T.ATTN_Q), q_rows, hidden, heads)
-        k = matrix(name(T.ATTN_K), kv_rows, hidden, kv_heads)
-        v = matrix(name(T.ATTN_V), kv_rows, hidden)
-        biases = [bias(name(T.ATTN_Q, "bias"), q_rows, heads),
-                  bias(name(T.ATTN_K, "bias"), kv_rows, kv_heads),
-                  bias(name(T.ATTN_V, "bias"), kv_rows)]
-        qkv_bias = None
-        if any(b is not None for b in biases):
-            qkv_bias = torch.cat([b if b is not None else torch.zeros(n) for b, n in
-                                  zip(biases, (q_rows, kv_rows, kv_rows))])
+        if name(T.ATTN_QKV) in by_name:  # gptneox: one q/k/v tensor, q, k, v row blocks
+            qkv = matrix(name(T.ATTN_QKV), q_rows + 2 * kv_rows, hidden)
+            segments = _row_segments(qkv, (q_rows, kv_rows, kv_rows))
+            qkv_bias = bias(name(T.ATTN_QKV, "bias"), q_rows + 2 * kv_rows)
+        else:
+            segments = (matrix(name(T.ATTN_Q), q_rows, hidden, heads),
+                        matrix(name(T.ATTN_K), kv_rows, hidden, kv_heads),
+                        matrix(name(T.ATTN_V), kv_rows, hidden))
+            biases = [bias(name(T.ATTN_Q, "bias"), q_rows, heads),
+                      bias(name(T.ATTN_K, "bias"), kv_rows, kv_heads),
+                      bias(name(T.ATTN_V, "bias"), kv_rows)]
+            qkv_bias = None
+            if any(b is not None for b in biases):
+                qkv_bias = torch.cat([b if b is not None else torch.zeros(n) for b, n in
+                                      zip(biases, (q_rows, kv_rows, kv_rows))])
+        up = matrix(name(T.FFN_UP), inter, hidden)
+        gate_up = (up,) if not gated else (matrix(name(T.FFN_GATE), inter, hidden), up)
         layers.append(GgufLayer(
-            qkv=(q, k, v), o=matrix(name(T.ATTN_OUT), hidden, q_rows),
-            gate_up=(matrix(name(T.FFN_GATE), inter, hidden),
-                     matrix(name(T.FFN_UP), inter, hidden)),
+            qkv=segments, o=matrix(name(T.ATTN_OUT), hidden, q_rows), gate_up=gate_up,
             down=matrix(name(T.FFN_DOWN), hidden, inter), qkv_bias=qkv_bias))
     vocab = config.vocab_size
     head_name = f"{names[gguf.MODEL_TENSOR.OUTPUT]}.weight"
@@ -277,6 +303,25 @@ def read_gguf_weights(path: str | Path, config: Any) -> GgufWeights:
     logger.info("%s: %s blocks (%.0f MiB of matrices: %s)", path.name, arch, weights.nbytes / 2**20,
                 ", ".join(f"{k} {v}" for k, v in sorted(weights.types().items())))
     return weights
+
+
+def _gpt_neox_pairs(layer: GgufLayer, hf: torch.nn.Module,
+                    i: int) -> list[tuple[GgufTensor, torch.Tensor, str]]:
+    """(GGUF segment, the HF weight it must equal, label) of GPT-NeoX layer ``i``: q, k, v
+    against the row blocks of ``query_key_value`` in q, k, v order (the executor's
+    ``InterleavedQKV``, marked ``qkv_blocks``, holds them so; an untouched module's per-head
+    rows are reordered first)."""
+    attn, mlp = hf.attention, hf.mlp
+    qkv = attn.query_key_value
+    weight = (qkv.weight if getattr(qkv, "qkv_blocks", False)
+              else reorder_interleaved(qkv.weight, attn.config.num_attention_heads))
+    label = f"gpt_neox.layers.{i}"
+    blocks = weight.detach().split([t.rows for t in layer.qkv])
+    out = [(t, w, f"{label}.attention.query_key_value.weight ({part} rows)")
+           for t, w, part in zip(layer.qkv, blocks, "qkv", strict=True)]
+    return [*out, (layer.o, attn.dense.weight, f"{label}.attention.dense.weight"),
+            (layer.gate_up[0], mlp.dense_h_to_4h.weight, f"{label}.mlp.dense_h_to_4h.weight"),
+            (layer.down, mlp.dense_4h_to_h.weight, f"{label}.mlp.dense_4h_to_h.weight")]
 
 
 def check_against_model(weights: GgufWeights, model: torch.nn.Module, rows: int = 4) -> None:
@@ -290,11 +335,16 @@ def check_against_model(weights: GgufWeights, model: torch.nn.Module, rows: int 
             the model's parameter): the GGUF is another model's (or another quantization of
             it), or the mapping is wrong.
     """
-    hf_layers = model.model.layers
     n = len(weights.layers)
     pairs: list[tuple[GgufTensor, torch.Tensor, str]] = []
+    arch = describe(model.config, weights.path.name)
+    neox = arch.qkv_interleaved  # GPT-NeoX's own module names and fused query_key_value
+    hf_layers = getattr(model, arch.modules.base).layers
     for i in sorted({0, n // 2, n - 1}):
         layer, hf = weights.layers[i], hf_layers[i]
+        if neox:
+            pairs.extend(_gpt_neox_pairs(layer, hf, i))
+            continue
         attn, mlp = hf.self_attn, hf.mlp
         for t, lin, label in ((layer.qkv[0], attn.q_proj, "self_attn.q_proj"),
                               (layer.qkv[1], attn.k_proj, "self_attn.k_proj"),

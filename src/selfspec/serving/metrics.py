@@ -21,6 +21,9 @@ Scheduler (current values, read at scrape time):
 
 - ``selfspec_requests_running``: rows being decoded.
 - ``selfspec_requests_waiting``: requests queued for a row.
+- ``selfspec_prefix_cache_bytes`` / ``selfspec_prefix_cache_budget_bytes`` /
+  ``selfspec_prefix_cache_evicted_blocks``: the prefix cache's KV kept now, its budget, and
+  the blocks it dropped since it started (0 without ``--prefix-cache-mib``).
 
 Requests, by ``method`` (measured on the worker thread; a request's clock starts when it is
 queued):
@@ -177,6 +180,13 @@ class ServerMetrics:
         self.running = Gauge("selfspec_requests_running", "rows being decoded", registry=r)
         self.waiting = Gauge("selfspec_requests_waiting", "requests queued for a row",
                              registry=r)
+        self.cache_bytes = Gauge("selfspec_prefix_cache_bytes", "bytes of KV the prefix cache "
+                                 "keeps now", registry=r)
+        self.cache_budget = Gauge("selfspec_prefix_cache_budget_bytes",
+                                  "the prefix cache's byte budget", registry=r)
+        self.cache_evicted = Gauge("selfspec_prefix_cache_evicted_blocks",
+                                   "blocks the prefix cache dropped since it started",
+                                   registry=r)
         self.finished = Counter(
             "selfspec_requests_finished", "requests that left the scheduler, by finish reason",
             ["method", "finish_reason"], registry=r)
@@ -226,6 +236,11 @@ class ServerMetrics:
         """Read ``scheduler``'s running rows and queue at each scrape."""
         self.running.set_function(lambda: scheduler.running)
         self.waiting.set_function(lambda: scheduler.waiting)
+        cache = getattr(scheduler.engine, "prefix_cache", None)
+        if cache is not None:
+            self.cache_bytes.set_function(lambda: cache.bytes)
+            self.cache_budget.set_function(lambda: cache.budget_bytes)
+            self.cache_evicted.set_function(lambda: cache.stats.evicted_blocks)
 
     def render(self) -> bytes:
         """Every metric in the Prometheus text format (``content_type``)."""

@@ -275,8 +275,8 @@ def _unsupported(executor: LayerExecutor, lenses: Mapping[int, LightweightHead])
     if (weight is None or weight.dtype != torch.bfloat16
             or executor.lm_head.weight.dtype != torch.bfloat16):
         return "needs a bf16 model"
-    if _norm_eps(norm) is None:
-        return f"knows RMSNorm, not {type(norm).__name__}"
+    if _norm_eps(norm) is None or getattr(norm, "bias", None) is not None:
+        return f"knows RMSNorm, not {type(norm).__name__}"  # GPT-NeoX's LayerNorm has a bias
     if executor.architecture.norm_kind == "rms_offset":
         return "computes w · x̂ norms, not Gemma's x̂ · (1 + w)"
     if any(head.transform.dtype != torch.bfloat16 for head in lenses.values()):
