@@ -3,7 +3,9 @@ and run the end-to-end sampling tests against it; print rule -> tests failed / r
 
 A correct suite fails for every planted rule (issue 80's target: >= 3 end-to-end tests each).
 The rule is planted in the pytest process by ``tests/conftest.py`` when the environment
-variable ``SELFSPEC_PLANT_RULE`` is set (only this script sets it).
+variable ``SELFSPEC_PLANT_RULE`` is set (only this script sets it). The script also sets
+``SELFSPEC_SAMPLING_POWER=1``: the per-method powered cases of
+``tests/decoding/test_sampling_power.py`` (too slow for the default suite) run here.
 
 Usage: python scripts/mutation_check.py [pytest arguments ...]
 """
@@ -25,7 +27,7 @@ DEFAULT_TESTS = ["tests/decoding", "-k", "(reproduces_the_target_distribution or
 
 def run_rule(rule: str | None, tests: list[str]) -> tuple[int, int]:
     """(failed, run) of ``tests`` with ``rule`` planted (``None``: the real rule)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SELFSPEC_SAMPLING_POWER": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
                                                        os.environ.get("PYTHONPATH")]))}
     env.pop("SELFSPEC_PLANT_RULE", None)
