@@ -14,7 +14,7 @@ from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 from selfspec.methods.clasp import skip_layers
 
-from tiny import run_step, tiny_model
+from tiny import assert_speculated, run_step, tiny_model
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 12, 200, 31, 8, 77, 150, 9, 41, 2, 19, 88, 120]
 
@@ -102,11 +102,17 @@ def test_clasp_reoptimise_interval(executor):
     assert len(step.history) == -(-state.stats.steps // 4)
 
 
-def test_clasp_sampling_runs(executor):
+def test_clasp_seeded_sampling_gives_ars_seeded_tokens_over_its_drafts(executor):
+    """Seeded sampling is the position-keyed choice (decoding/core/sampling.py), so CLaSp's
+    tokens equal plain decoding's with the same seed whatever it drafted; it did draft (and
+    kept and threw away drafts). The unseeded rule's distribution is tested in
+    test_sampling_power (clasp case)."""
+    sampling = SamplingConfig(temperature=0.8, seed=3)
+    reference = run_step(executor, ArStep(), PROMPT, max_new_tokens=20, sampling=sampling)
     step = CLaSpStep(executor, CLaSpConfig(skip_layers=2, confidence=0.01))
-    state = run_step(executor, step, PROMPT, max_new_tokens=20,
-                     sampling=SamplingConfig(temperature=0.8, seed=3))
-    assert len(state.tokens) == len(PROMPT) + 20
+    state = run_step(executor, step, PROMPT, max_new_tokens=20, sampling=sampling)
+    assert state.tokens == reference.tokens
+    assert_speculated(state.stats)
 
 
 def test_clasp_refuses_a_skip_count_out_of_range(executor):

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from selfspec.api import from_pretrained_model
 from selfspec.decoding.core.autoregressive import ArStep
 from selfspec.decoding.core.sampling import SamplingConfig
 from selfspec.decoding.drafting.exits import FixedExit
@@ -21,8 +22,7 @@ from selfspec.decoding.knapspec.dynamic_exit import (
 from selfspec.errors import InvalidArgumentError
 from selfspec.executor import LayerExecutor
 
-from bench_helpers import tiny_engine
-from tiny import VOCAB, assert_speculated, damp_last_layer, run_step, tiny_model
+from tiny import VOCAB, assert_speculated, damp_last_layer, run_step, tiny_model, tiny_tokenizer
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 12, 200, 31, 8, 77, 150, 9, 41, 2, 19, 88, 120]
 NEW_TOKENS = 30
@@ -156,18 +156,17 @@ def test_del_greedy_equals_autoregressive(executor, ar_tokens, config):
                for p, d in zip(plans, step.history))
 
 
-def _identity_last_layer(arch):
-    """A tiny model whose last layer adds nothing: exiting before it is exact (α = 1)."""
-    model = tiny_model(arch, seed=4).float()
-    layer = model.model.layers[-1]
-    layer.self_attn.o_proj.weight.zero_()
-    layer.mlp.down_proj.weight.zero_()
-    return LayerExecutor(model)
+def _identity_last_layer(arch, scale=0.0):
+    """A tiny model whose last layer adds nothing (``scale`` 0: exiting before it is exact,
+    α = 1) or little (its output projections scaled by ``scale``)."""
+    return LayerExecutor(damp_last_layer(tiny_model(arch, seed=4).float(), scale))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_del_drafts_when_an_exit_pays(arch):
-    ex = _identity_last_layer(arch)
+    # nearly the identity: the first window's exit before it agrees on every token (α = 1),
+    # later drafts are sometimes rejected (with the exact identity qwen2 accepted 24 of 24)
+    ex = _identity_last_layer(arch, scale=0.05)
     reference = run_step(ex, ArStep(), PROMPT, max_new_tokens=NEW_TOKENS).tokens
     step = DELStep(ex, DELConfig(max_draft_len=6, confidence=0.01))
     state = run_step(ex, step, PROMPT, max_new_tokens=NEW_TOKENS)
@@ -177,7 +176,8 @@ def test_del_drafts_when_an_exit_pays(arch):
     assert step.history[0].alphas[last] == 1.0
     assert choice.exit_layer is not None and choice.tpl > choice.ar_tpl
     assert step.drafter.exit_layer == step.history[-1].choice.exit_layer
-    assert state.stats.verifications > 0 and state.stats.drafted > 0
+    assert state.stats.verifications > 0
+    assert_speculated(state.stats)
     assert 1 <= state.stats.mean_exit_layer <= last
     record = state.stats.plans[0]
     assert record.exit_layer == choice.exit_layer
@@ -213,8 +213,11 @@ def test_del_sampling_gives_valid_reproducible_tokens():
 
 
 def test_del_through_the_engine():
-    engine = tiny_engine()
-    reference = engine.generate("def add(a, b):", max_new_tokens=12).token_ids
-    result = engine.generate("def add(a, b):", method="del", max_new_tokens=12,
+    # a damped last layer: on tiny_engine()'s plain model DEL chose plain decoding throughout
+    model = damp_last_layer(tiny_model("llama", seed=4, num_layers=6), 0.2)
+    engine = from_pretrained_model(model, tiny_tokenizer(), "tiny-llama")
+    reference = engine.generate("def add(a, b):", max_new_tokens=24).token_ids
+    result = engine.generate("def add(a, b):", method="del", max_new_tokens=24,
                              refresh_every=2, num_candidates=3)
     assert result.token_ids == reference
+    assert_speculated(result.stats)

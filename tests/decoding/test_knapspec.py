@@ -533,12 +533,13 @@ def test_knapspec_sampling_reproduces_the_target_distribution(draft_stop="confid
     assert tv < eps, f"TV {tv:.3f} >= bound {eps:.3f}"
 
 
-def test_knapspec_tpt_draft_stop_keeps_the_greedy_tokens_and_calibrates_the_plan(executor,
-                                                                                 ar_tokens):
+def test_knapspec_tpt_draft_stop_keeps_the_greedy_tokens_and_calibrates_the_plan(damped):
     """draft_stop="tpt": drafts end where the predicted tokens/s peak; outputs stay the
-    autoregressive ones, and the calibration starts from the chosen plan's α̂."""
+    autoregressive ones, and the calibration starts from the chosen plan's α̂ (on the damped
+    model a plan is chosen: on the plain one none was, and the check never ran)."""
     from selfspec.decoding.planning.tpt_stop import TptStopRule
 
+    executor, ar_tokens = damped
     step = KnapSpecStep(executor, _latency(executor),
                         KnapSpecConfig(reoptimize_every=6, min_history=8, tau=-1.0,
                                        plan_budget=1e9, draft_stop="tpt"))
@@ -546,9 +547,10 @@ def test_knapspec_tpt_draft_stop_keeps_the_greedy_tokens_and_calibrates_the_plan
     state = run_step(executor, step, PROMPT, max_new_tokens=40)
     assert state.tokens == ar_tokens
     chosen = [r.choice for r in step.history if r.choice and r.choice.candidate is not None]
-    if chosen:  # the calibration's prior is the last new plan's α̂ (updated by its drafts)
-        assert step._acceptance is not None and step._acceptance.prior in {
-            c.alpha for c in chosen}
+    assert chosen
+    assert_speculated(state.stats)
+    # the calibration's prior is the last new plan's α̂ (updated by its drafts)
+    assert step._acceptance is not None and step._acceptance.prior in {c.alpha for c in chosen}
 
 
 def test_knapspec_tpt_draft_stop_drafts_long_when_the_plan_is_exact():

@@ -1,10 +1,14 @@
 """logits_to_probs pinned against transformers' own logits warpers (issue 80, Build item 3).
 
 Ours must equal softmax(TopP(TopK(Temperature(logits)))) as transformers composes them, on
-random logits, logits with ties, and edge values (one token, top_k >= vocab, top_p = 1).
+random logits, logits with ties, and edge values (one token, top_k >= vocab, top_p = 1), and
+over hypothesis-drawn logits and settings: zero exactly where transformers filters a token,
+its probability where it keeps one.
 """
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from selfspec.decoding.core.sampling import SamplingConfig, logits_to_probs
@@ -47,3 +51,27 @@ def test_single_token_vocab_is_certain():
     logits = torch.tensor([[0.5]])
     config = SamplingConfig(temperature=0.5, top_k=0, top_p=0.5)
     torch.testing.assert_close(logits_to_probs(logits, config), hf_probs(logits, 0.5, 0, 0.5))
+
+
+# Logits from a small grid (ties at the top-k boundary are common) or anywhere in a range.
+LOGITS = st.lists(st.one_of(st.sampled_from([-2.0, 0.0, 0.5, 1.0, 3.0]),
+                            st.floats(-8.0, 8.0, allow_nan=False, width=32)),
+                  min_size=1, max_size=24)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(logits=LOGITS, temperature=st.floats(0.1, 3.0), top_k=st.integers(0, 26),
+       top_p=st.one_of(st.just(1.0), st.floats(0.05, 1.0)))
+def test_any_logits_and_settings_keep_and_filter_the_tokens_transformers_does(logits,
+                                                                              temperature,
+                                                                              top_k, top_p):
+    # Which of two tied tokens a nucleus keeps at its boundary is arbitrary in both (each
+    # keeps one of [x, x] at top_p 0.3: ours the first, transformers' ascending sort the
+    # last); ties under top-k are compared (every tied token is kept by both).
+    assume(top_p == 1.0 or len(set(logits)) == len(logits))
+    row = torch.tensor([logits])
+    config = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    ours = logits_to_probs(row, config)
+    want = hf_probs(row, temperature, top_k, top_p)
+    assert torch.equal(ours > 0, want > 0), (ours, want)
+    torch.testing.assert_close(ours, want, atol=1e-6, rtol=1e-5)

@@ -279,20 +279,33 @@ def test_the_static_cache_serves_one_generation_at_a_time():
 
 
 # ------------------------------------------------------------------- schedules
-def test_a_schedule_recorded_here_replays_with_the_same_tokens(tmp_path):
+def test_a_schedule_recorded_here_replays_with_the_same_tokens(tmp_path, monkeypatch):
+    from selfspec.bench import schedule as schedule_module
     from selfspec.bench.schedule import Schedule, record_schedule, replay_schedule
 
-    engine = selfspec.from_pretrained_model(tiny_model("llama"), tiny_tokenizer(), "tiny",
-                                            device="cpu")
+    engine = steady_latency(selfspec.from_pretrained_model(tiny_model("llama"),
+                                                           tiny_tokenizer(), "tiny",
+                                                           device="cpu"))
+    synced = []  # each replayed step's one host sync: the verification's argmax per fed token
+    real_to_host = schedule_module.to_host
+    monkeypatch.setattr(schedule_module, "to_host",
+                        lambda t: synced.append(real_to_host(t)) or synced[-1])
     for method in ("ngram", "layerskip", "ar"):
         schedule = record_schedule(engine, PROMPT, method, max_new_tokens=24)
         assert sum(s.committed for s in schedule.steps) + 1 == len(schedule.output_ids)
+        assert any(s.drafted for s in schedule.steps) == (method != "ar"), method
         loaded = Schedule.from_json(schedule.save(tmp_path / f"{method}.json").read_text())
         assert loaded == schedule
+        synced.clear()
         timing = replay_schedule(engine.executor, loaded)
         assert timing.new_tokens == len(schedule.output_ids)
         assert len(timing.step_ms) == len(schedule.steps) and timing.tokens_per_s > 0
-    assert any(s.drafted for s in schedule.steps) or method == "ar"
+        # the replay computes the recorded tokens: each step's verification predicts the
+        # tokens it commits (the first comes from the prefill)
+        replayed = [schedule.output_ids[0]]
+        for step, argmax in zip(schedule.steps, synced, strict=True):
+            replayed += argmax[:step.committed]
+        assert replayed == schedule.output_ids, method
 
 
 # ------------------------------------------------------------------- parts and the script

@@ -19,7 +19,14 @@ from selfspec.executor import gguf_rows
 from selfspec.models.gguf_weights import read_gguf_weights
 from selfspec.models.resolve import resolve
 
-from tiny import tiny_model, tiny_tokenizer, write_tiny_gguf
+from tiny import (
+    assert_speculated,
+    damp_last_layer,
+    steady_latency,
+    tiny_model,
+    tiny_tokenizer,
+    write_tiny_gguf,
+)
 
 pytestmark = pytest.mark.skipif(not gguf_rows.gguf_rows_available(),
                                 reason=gguf_rows.gguf_rows_unavailable_reason())
@@ -28,8 +35,10 @@ pytestmark = pytest.mark.skipif(not gguf_rows.gguf_rows_available(),
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_layers=4)
 
 
-def _engine(tmp_path, arch="llama", seed=0, **types):
+def _engine(tmp_path, arch="llama", seed=0, damp=None, **types):
     model = tiny_model(arch, seed=seed, dtype=torch.bfloat16, **SHAPE)
+    if damp is not None:
+        damp_last_layer(model, damp)
     path = write_tiny_gguf(model, tmp_path / f"{arch}-{seed}.gguf", types or None)
     return SelfSpec(model, tiny_tokenizer(), f"tiny-{arch}", decode_kernel="gguf",
                     gguf=path), path
@@ -63,18 +72,37 @@ def _prefill_logits(engine, ids):
     return state.prefill().float().reshape(-1)
 
 
+# knapspec plans from the first steps (with its defaults it drafts nothing in 32 tokens here)
+KNAPSPEC_NOW = {"reoptimize_every": 6, "tau": -1.0, "confidence": 0.01, "plan_budget": 1e9}
+
+
+def _speculating_engine(tmp_path):
+    """Seed 4 with a damped last layer: its greedy text repeats (n-gram drafts are accepted)
+    and an exit before the last layer agrees often but not always (on seed 0's model n-gram,
+    knapspec and auto drafted nothing), with a hand-made latency model (drafting decisions
+    independent of the machine's load)."""
+    engine, path = _engine(tmp_path, seed=4, damp=0.1)
+    return steady_latency(engine), path
+
+
+def _assert_parity_with_drafts(engine, method, options, rejects=True):
+    prompt = "abcabcabcabc the cat the cat the"
+    want = engine.generate(prompt, method="ar", max_new_tokens=32)
+    got = engine.generate(prompt, method=method, max_new_tokens=32, **options)
+    assert got.token_ids == want.token_ids
+    assert len(want.token_ids) == 32
+    assert_speculated(got.stats, accepts=True, rejects=rejects)
+
+
 @pytest.mark.parametrize(("method", "options"), [
-    ("ngram", {}), ("layerskip", {"exit_layer": 2}), ("knapspec", {}), ("clasp", {}), ("dv", {}),
-    ("qspec", {"draft_weights": "w4a8"}), ("auto", {})])
+    ("ngram", {}), ("layerskip", {"exit_layer": 3}), ("knapspec", KNAPSPEC_NOW), ("clasp", {}),
+    ("dv", {}), ("qspec", {"draft_weights": "w4a8"}), ("auto", {})])
 def test_lossless_methods_keep_the_gguf_models_greedy_tokens(tmp_path, method, options):
     """Verification on the blocks equals one-token decoding on them bit for bit (each row of a
     call is computed as if alone), so a lossless method gives ``ar``'s tokens on the GGUF
-    model exactly."""
-    engine, _ = _engine(tmp_path)
-    prompt = "abcabcabcabc the cat the cat the"
-    want = engine.generate(prompt, method="ar", max_new_tokens=24)
-    got = engine.generate(prompt, method=method, max_new_tokens=24, **options)
-    assert got.token_ids == want.token_ids
+    model exactly (and each drafted, accepted and rejected: auto's drafts are all accepted)."""
+    engine, _ = _speculating_engine(tmp_path)
+    _assert_parity_with_drafts(engine, method, options, rejects=method != "auto")
 
 
 def test_a_gguf_of_another_model_is_refused_naming_the_tensor(tmp_path):
@@ -189,16 +217,15 @@ def test_dense_prefill_fills_the_prompt_on_the_dense_weights_and_decodes_on_the_
 
 
 @pytest.mark.parametrize(("method", "options"), [
-    ("knapspec", {}), ("dv", {}), ("auto", {})])
+    ("knapspec", KNAPSPEC_NOW), ("dv", {}), ("auto", {})])
 def test_lossless_methods_keep_greedy_tokens_with_dense_prefill(tmp_path, method, options):
     """All methods share one prefill, and verification stays on the blocks: parity holds on
-    ``gguf+dense`` as on ``gguf``."""
-    engine, _ = _engine(tmp_path)
+    ``gguf+dense`` as on ``gguf`` (each drafted and accepted; knapspec also rejected: dv's and
+    auto's drafts are all accepted here)."""
+    engine, _ = _speculating_engine(tmp_path)
     engine.executor.set_decode_kernel("gguf+dense")
-    prompt = "abcabcabcabc the cat the cat the"
-    want = engine.generate(prompt, method="ar", max_new_tokens=24)
-    got = engine.generate(prompt, method=method, max_new_tokens=24, **options)
-    assert got.token_ids == want.token_ids
+    steady_latency(engine)  # the latency model is keyed by the kernel: set for this one too
+    _assert_parity_with_drafts(engine, method, options, rejects=method == "knapspec")
 
 
 def test_dtype_gguf_takes_its_dense_prefill_kernel_and_refuses_others(monkeypatch):
