@@ -63,6 +63,7 @@ class Executor(Protocol):
     draft_weights: str | None            # a draft view's weight format, else None
     gguf_weights: Any                    # the GGUF blocks of decode kernel "gguf", else None
     rope: RopeTable                      # cos/sin tables
+    layer_ropes: list[RopeTable]         # per layer, its table (Gemma 3: by layer type)
     graphs: Any                          # CudaGraphRunner serving forward(), or None
 
     # --- formats, kernels, views
