@@ -158,15 +158,19 @@ def exact_prefix_distribution(executor, prompt, config, length):
 
     dist = {(): 1.0}
     with torch.inference_mode():
-        for _ in range(length):
+        for _ in range(length):  # every prefix of one length in one batch (256 rows a call)
+            prefixes = list(dist)
             nxt = {}
-            for prefix, mass in dist.items():
-                ids = torch.tensor([list(prompt) + list(prefix)])
-                logits = executor.forward(ids, torch.arange(ids.shape[1]).unsqueeze(0),
-                                          executor.new_cache())[0, -1]
-                probs = logits_to_probs(logits, config)
-                for tok in torch.nonzero(probs).flatten().tolist():
-                    nxt[prefix + (tok,)] = mass * float(probs[tok])
+            for start in range(0, len(prefixes), 256):
+                chunk = prefixes[start:start + 256]
+                ids = torch.tensor([list(prompt) + list(p) for p in chunk])
+                positions = torch.arange(ids.shape[1]).expand(len(chunk), -1)
+                logits = executor.forward(ids, positions, executor.new_cache(len(chunk)),
+                                          last_only=True)[:, -1]
+                for prefix, row in zip(chunk, logits):
+                    probs = logits_to_probs(row, config)
+                    for tok in torch.nonzero(probs).flatten().tolist():
+                        nxt[prefix + (tok,)] = dist[prefix] * float(probs[tok])
             dist = nxt
     return dist
 
