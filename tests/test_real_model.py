@@ -36,6 +36,22 @@ def bf16_engine(smollm2_bf16):
     assert ex.formats == loaded
 
 
+@pytest.fixture
+def hand_made_latency(monkeypatch):
+    """Methods price drafts by a hand-made latency model (verification nearly free), not
+    one measured for each kernel or draft view the test switches to (~2 s each here): a
+    latency model steers which drafts run, never the tokens."""
+    from selfspec.executor.cost_model import LatencyModel
+    from selfspec.methods import base
+
+    def hand_made(self, executor=None):
+        ex = self.executor if executor is None else executor
+        return LatencyModel(ex.num_layers, 0.0, 1.0, 1.0, 1.0, verify_token_ms=0.05,
+                            key="hand-made")
+
+    monkeypatch.setattr(base.MethodContext, "latency", hand_made)
+
+
 @pytest.fixture(scope="module")
 def prompts():
     problems = read_problems()
@@ -330,7 +346,7 @@ def test_bf16_greedy_parity_with_bulk_fp32_prefill(prompts, bf16_engine):
     pytest.param("gguf", marks=pytest.mark.skipif(
         not __import__("selfspec.executor.gguf_rows", fromlist=["x"]).gguf_rows_available(),
         reason="selfspec's GGUF kernels need x86 AVX2/FMA/F16C and a C++ compiler"))])
-def test_bf16_greedy_parity_on_row_kernels(prompts, kernel, bf16_engine):
+def test_bf16_greedy_parity_on_row_kernels(prompts, kernel, bf16_engine, hand_made_latency):
     """Every matrix on FBGEMM's fp16 kernel, on selfspec's AVX2 bf16 kernel (the fast
     verification paths on CPUs that emulate bf16, forced here on every x86 CPU that has
     them), or on the blocks of the registry's GGUF file (``--dtype gguf``: the file is
@@ -356,7 +372,8 @@ def test_bf16_greedy_parity_on_row_kernels(prompts, kernel, bf16_engine):
 
 @pytest.mark.skipif(not __import__("selfspec.executor.quant", fromlist=["x"])
                     .quantized_kernels_available("int8"), reason="FBGEMM is x86-only")
-def test_drafts_on_quantized_weights_keep_the_greedy_tokens(engine, prompts, ar_outputs):
+def test_drafts_on_quantized_weights_keep_the_greedy_tokens(engine, prompts, ar_outputs,
+                                                           hand_made_latency):
     """QSpec-style drafting on int8/int4 copies of the model's own layers, KnapSpec planning
     over the int4 copies, and DSSD drafting on int8 layers (its heads here: the model's own
     norm + lm_head at fixed thresholds):
