@@ -33,7 +33,14 @@ from selfspec.executor import LayerExecutor
 from selfspec.executor.plan import SkipPlan
 from selfspec.methods.registry import METHODS, build_step
 
-from tiny import PrefillOnce, exact_prefix_distribution, run_step, tiny_model, tiny_tokenizer
+from tiny import (
+    PrefillOnce,
+    exact_prefix_distribution,
+    run_step,
+    steady_latency,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 PROMPTS = ["abcabcabcabc", "the cat sat on the mat; the cat sat on", "x", "0123456789" * 2]
 NEW = 32
@@ -53,8 +60,10 @@ def _method(name):
 
 @pytest.fixture(scope="module")
 def engine():
-    return selfspec.from_pretrained_model(tiny_model("llama", seed=3), tiny_tokenizer(),
-                                          "tiny-llama")
+    """Drafts priced by a hand-made latency model (tiny.steady_latency): a measured one can
+    keep ngram and auto from drafting on a loaded machine."""
+    return steady_latency(selfspec.from_pretrained_model(tiny_model("llama", seed=3),
+                                                         tiny_tokenizer(), "tiny-llama"))
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +157,8 @@ def test_the_seeded_sample_does_not_depend_on_the_history(ar_tokens, method):
     others = [tok.decode(reference), "the dog ran to the park; the dog ran to the park!"]
     runs = []
     for other in others:
-        engine = selfspec.from_pretrained_model(tiny_model("llama", seed=3), tok, "tiny-llama")
+        engine = steady_latency(selfspec.from_pretrained_model(tiny_model("llama", seed=3), tok,
+                                                               "tiny-llama"))
         engine.generate(prompt + other, method="ngram", max_new_tokens=4)  # into the history
         for batch in (False, True):
             if batch:
