@@ -26,6 +26,7 @@ import functools
 import itertools
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -283,14 +284,16 @@ def _time_ms(fn, repeats: int, device: torch.device | str = "cpu") -> float:
     of a few repeats taken during another process's burst priced verification so high that
     the n-gram gate never drafted until the cached file was measured again."""
     fn()  # warm-up
-    samples = []
-    for _ in range(repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return min(samples)
+    return min(_once_ms(fn, device) for _ in range(repeats))
+
+
+def _once_ms(fn, device: torch.device | str = "cpu") -> float:
+    """Milliseconds of one call of ``fn()``, the device synchronized around it."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return (time.perf_counter() - t0) * 1e3
 
 
 @dataclass(frozen=True)
@@ -415,17 +418,24 @@ def _verify_points(ex: Executor, n: int, repeats: int,
     """``((T, ms), ...)`` for ``T`` in ``verify_tokens`` (those the model's positions
     allow): the extra time (fastest of the repeats) of a full forward of ``T`` tokens over
     ``n`` cached positions over one token, made non-decreasing (a forward of more tokens never
-    costs less; what is left is noise)."""
+    costs less; what is left is noise).
+
+    The sizes are timed in rounds (each size once a round, ``repeats`` rounds), not one size
+    after another: a burst of another process then slows one round of every size, which the
+    minimum drops, instead of every repeat of the sizes timed during it (which priced
+    verification far above its cost and kept n-gram drafting off)."""
     cache = _filled_cache(ex, n, range(ex.num_layers))
+    sizes = [t for t in verify_tokens if n + t <= ex.max_positions]
+    steps = [functools.partial(
+        _step, ex, torch.randn(1, t, ex.config.hidden_size, dtype=ex.dtype, device=ex.device)
+        * 0.1, position_block(n, t, ex.device), cache, head=True) for t in sizes]
+    for step in steps:  # warm-up
+        step()
+    best = [math.inf] * len(steps)
+    for _ in range(repeats):
+        best = [min(b, _once_ms(step, ex.device)) for b, step in zip(best, steps)]
     points, base, floor = [], 0.0, 0.0
-    for tokens in verify_tokens:
-        if n + tokens > ex.max_positions:
-            break
-        hidden = torch.randn(1, tokens, ex.config.hidden_size, dtype=ex.dtype,
-                             device=ex.device) * 0.1
-        pos = position_block(n, tokens, ex.device)
-        ms = _time_ms(functools.partial(_step, ex, hidden, pos, cache, head=True), repeats,
-                      ex.device)
+    for tokens, ms in zip(sizes, best):
         if tokens == 1:
             base = ms
         floor = max(floor, ms - base)
