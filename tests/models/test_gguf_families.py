@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPTNeoXConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, GPTNeoXConfig, Qwen3Config
 
 from selfspec.api import SelfSpec
 from selfspec.executor import gguf_rows
 
 from tiny import VOCAB, tiny_tokenizer, write_tiny_gguf
+
+PROMPT = "abcabcabcabc the cat the cat the"
 
 pytestmark = pytest.mark.skipif(not gguf_rows.gguf_rows_available(),
                                 reason=gguf_rows.gguf_rows_unavailable_reason())
@@ -134,4 +136,50 @@ def test_lossless_methods_keep_the_gpt_neox_gguf_models_tokens(neox, method):
     prompt = "abcabcabcabc the cat the cat the"
     want = engine.generate(prompt, method="ar", max_new_tokens=24)
     got = engine.generate(prompt, method=method, max_new_tokens=24)
+    assert got.token_ids == want.token_ids
+
+
+# ---------------------------------------------------------------- Gemma 3
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """A tiny Gemma 3 (sliding and full layers, per-head q/k norms, tied embeddings) written
+    as a ``gemma3`` GGUF: llama.cpp's tensor names, q/k rows unpermuted, ``lm_head`` as
+    ``token_embd`` (its norms, stored as ``1 + w`` by the converter, stay the model's)."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=64, query_pre_attn_scalar=64, sliding_window=8,
+                              layer_types=["sliding_attention", "full_attention"],
+                              max_position_embeddings=256, eos_token_id=VOCAB - 1,
+                              bos_token_id=0, pad_token_id=0, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(-0.5, 0.5) if "norm" in name else p.mul_(4.0)
+    model = model.to(torch.bfloat16).eval().requires_grad_(False)
+    path = write_tiny_gguf(model, tmp_path_factory.mktemp("gguf") / "gemma3.gguf",
+                           arch="gemma3", head="token_embd")
+    dense = SelfSpec(model, tiny_tokenizer(), "tiny-gemma3-dense")
+    want = dense.generate(PROMPT, method="ar", max_new_tokens=24).token_ids
+    return SelfSpec(model, tiny_tokenizer(), "tiny-gemma3", decode_kernel="gguf",
+                    gguf=path), want
+
+
+def test_gemma3_decodes_on_its_gguf_blocks(gemma3):
+    engine, dense = gemma3
+    ex = engine.executor
+    assert ex.formats.rows == "gguf" and ex.gguf_weights.arch == "gemma3"
+    for lin in [m for w in ex.layer_weights for m in w.matrices]:
+        assert isinstance(lin.rows_weight, gguf_rows.GgufMatrix)
+        assert torch.equal(lin.rows_weight.dequantize().to(torch.bfloat16), lin.weight)
+    got = engine.generate(PROMPT, method="ar", max_new_tokens=24)
+    same = next((i for i, (a, b) in enumerate(zip(got.token_ids, dense)) if a != b), 24)
+    assert same >= 8, (got.token_ids, dense)
+
+
+@pytest.mark.parametrize("method", ["ngram", "layerskip"])
+def test_lossless_methods_keep_the_gemma3_gguf_models_tokens(gemma3, method):
+    engine, _ = gemma3
+    want = engine.generate(PROMPT, method="ar", max_new_tokens=24)
+    got = engine.generate(PROMPT, method=method, max_new_tokens=24)
     assert got.token_ids == want.token_ids

@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 #: GGUF architectures whose tensors map onto selfspec's layers, and whether llama.cpp's
 #: converter permuted their q/k rows.
 PERMUTED_QK: dict[str, bool] = {"llama": True, "qwen2": False, "qwen3": False,
-                                 "gptneox": False}
+                                 "gptneox": False, "gemma3": False}
 
 
 @dataclass(frozen=True)
