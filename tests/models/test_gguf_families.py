@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, GPTNeoXConfig, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    GPTNeoXConfig,
+    Phi3Config,
+    Qwen3Config,
+)
 
 from selfspec.api import SelfSpec
 from selfspec.executor import gguf_rows
@@ -182,4 +188,78 @@ def test_lossless_methods_keep_the_gemma3_gguf_models_tokens(gemma3, method):
     engine, _ = gemma3
     want = engine.generate(PROMPT, method="ar", max_new_tokens=24)
     got = engine.generate(PROMPT, method=method, max_new_tokens=24)
+    assert got.token_ids == want.token_ids
+
+
+# ---------------------------------------------------------------- Phi-3
+def _write_phi3_gguf(model, path):
+    """``model``'s matrices as a ``phi3`` GGUF with llama.cpp's names: HF's fused
+    ``qkv_proj`` as ``attn_qkv`` and ``gate_up_proj`` as ``ffn_up`` (llama.cpp's converter
+    keeps their rows), the model's weights set to what the blocks stand for. Q8_0 blocks: on
+    this random model Q4_K-family activations' rounding moves the greedy argmax within a few
+    tokens (the mapping itself is checked exactly, block by block)."""
+    import gguf
+    import numpy as np
+
+    from selfspec.executor.gguf_quantize import quantize_blocks
+
+    T = gguf.GGMLQuantizationType
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.add_block_count(model.config.num_hidden_layers)
+
+    def put(name, lin, kind):
+        raw = np.asarray(quantize_blocks(lin.weight.detach().float(), kind))
+        writer.add_tensor(f"{name}.weight", np.ascontiguousarray(raw), raw_dtype=kind)
+        deq = np.asarray(gguf.quants.dequantize(raw, kind), dtype=np.float32)
+        lin.weight.copy_(torch.from_numpy(deq.reshape(lin.weight.shape)))
+
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            a, m = layer.self_attn, layer.mlp
+            put(f"blk.{i}.attn_qkv", a.qkv_proj, T.Q8_0)
+            put(f"blk.{i}.attn_output", a.o_proj, T.Q8_0)
+            put(f"blk.{i}.ffn_up", m.gate_up_proj, T.Q8_0)
+            put(f"blk.{i}.ffn_down", m.down_proj, T.Q8_0)
+        put("output", model.lm_head, T.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory):
+    torch.manual_seed(0)
+    config = Phi3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=256, eos_token_id=VOCAB - 1, bos_token_id=0,
+                        pad_token_id=0, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.mul_(4.0)
+    model = model.to(torch.bfloat16).eval().requires_grad_(False)
+    path = _write_phi3_gguf(model, tmp_path_factory.mktemp("gguf") / "phi3.gguf")
+    dense = SelfSpec(model, tiny_tokenizer(), "tiny-phi3-dense")
+    want = dense.generate(PROMPT, method="ar", max_new_tokens=24).token_ids
+    return SelfSpec(model, tiny_tokenizer(), "tiny-phi3", decode_kernel="gguf", gguf=path), want
+
+
+def test_phi3_decodes_on_its_gguf_blocks(phi3):
+    engine, dense = phi3
+    ex = engine.executor
+    assert ex.formats.rows == "gguf" and ex.gguf_weights.arch == "phi3"
+    for lin in [m for w in ex.layer_weights for m in w.matrices]:
+        assert isinstance(lin.rows_weight, gguf_rows.GgufMatrix)
+        assert torch.equal(lin.rows_weight.dequantize().to(torch.bfloat16), lin.weight)
+    got = engine.generate(PROMPT, method="ar", max_new_tokens=24)
+    same = next((i for i, (a, b) in enumerate(zip(got.token_ids, dense)) if a != b), 24)
+    assert same >= 8, (got.token_ids, dense)
+
+
+def test_lossless_ngram_keeps_the_phi3_gguf_models_tokens(phi3):
+    engine, _ = phi3
+    want = engine.generate(PROMPT, method="ar", max_new_tokens=24)
+    got = engine.generate(PROMPT, method="ngram", max_new_tokens=24)
     assert got.token_ids == want.token_ids
