@@ -238,12 +238,14 @@ def last_position_states(executor, tokens: list[int]) -> dict[int, torch.Tensor]
     return states
 
 
-def write_tiny_gguf(model, path, types=None, arch=None, qk_permuted=None):
+def write_tiny_gguf(model, path, types=None, arch=None, qk_permuted=None, head="output"):
     """Write ``model``'s matrices as a GGUF file of quantized blocks (selfspec's reference
     quantizer) and set the model's weights to what those blocks stand for, as if the model had
     been converted from the file (what a registry model is). ``types``: block type per
     matrix kind (``q k v o gate up down output``), Q4_K-family defaults mixed as Q4_K_M
     mixes them. A ``llama`` file stores q/k rows permuted as llama.cpp's converter does.
+    ``head``: ``lm_head``'s tensor name (``token_embd`` for tied embeddings, as llama.cpp
+    writes them).
 
     Returns the path."""
     import gguf
@@ -286,7 +288,7 @@ def write_tiny_gguf(model, path, types=None, arch=None, qk_permuted=None):
         put(f"blk.{i}.ffn_gate", m.gate_proj, "gate")
         put(f"blk.{i}.ffn_up", m.up_proj, "up")
         put(f"blk.{i}.ffn_down", m.down_proj, "down")
-    put("output", model.lm_head, "output")
+    put(head, model.lm_head, "output")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -17,7 +17,13 @@ transformers de-quantised them into (:mod:`selfspec.executor.gguf_rows` has the 
   ``GPTNeoXModel.modify_tensors`` reorders HF's per-head ``query_key_value`` rows into q, k, v
   blocks, the executor's order: the q, k and v segments are its row ranges) and a plain MLP
   (``ffn_up`` / ``ffn_down``, no ``ffn_gate``); LayerNorms, their biases and the linear
-  biases are read from the dense model;
+  biases are read from the dense model. A ``phi3`` file keeps HF's fused ``qkv_proj``
+  (``attn_qkv``: q, k, v row blocks) and ``gate_up_proj`` (``ffn_up``: gate rows, then up
+  rows, which llama.cpp's ``build_ffn`` splits in half for its SwiGLU);
+* norms: never read from the file (a ``gemma3`` file stores Gemma's ``1 + w``, llama.cpp's
+  ``Gemma3Model.modify_tensors``; transformers' ``Gemma2TensorProcessor`` subtracts the 1):
+  the dense model's are used, and a ``gemma3`` file's q/k rows are unpermuted, its
+  ``lm_head`` the tied ``token_embd``;
 * a check (:func:`check_against_model`): sample rows of every matrix, de-quantised, must
   equal the loaded model's weights to their dtype's rounding, so a GGUF of another model,
   or a mapping gone wrong, is an error before any token, never different weights in silence.
@@ -48,7 +54,7 @@ logger = logging.getLogger(__name__)
 #: GGUF architectures whose tensors map onto selfspec's layers, and whether llama.cpp's
 #: converter permuted their q/k rows.
 PERMUTED_QK: dict[str, bool] = {"llama": True, "qwen2": False, "qwen3": False,
-                                 "gptneox": False}
+                                 "gptneox": False, "gemma3": False, "phi3": False}
 
 
 @dataclass(frozen=True)
@@ -289,8 +295,13 @@ def read_gguf_weights(path: str | Path, config: Any) -> GgufWeights:
             if any(b is not None for b in biases):
                 qkv_bias = torch.cat([b if b is not None else torch.zeros(n) for b, n in
                                       zip(biases, (q_rows, kv_rows, kv_rows))])
-        up = matrix(name(T.FFN_UP), inter, hidden)
-        gate_up = (up,) if not gated else (matrix(name(T.FFN_GATE), inter, hidden), up)
+        if not gated:
+            gate_up: tuple[GgufTensor, ...] = (matrix(name(T.FFN_UP), inter, hidden),)
+        elif name(T.FFN_GATE) in by_name:
+            gate_up = (matrix(name(T.FFN_GATE), inter, hidden),
+                       matrix(name(T.FFN_UP), inter, hidden))
+        else:  # phi3: ffn_up holds [gate; up] (HF's gate_up_proj rows, as llama.cpp keeps them)
+            gate_up = _row_segments(matrix(name(T.FFN_UP), 2 * inter, hidden), (inter, inter))
         layers.append(GgufLayer(
             qkv=segments, o=matrix(name(T.ATTN_OUT), hidden, q_rows), gate_up=gate_up,
             down=matrix(name(T.FFN_DOWN), hidden, inter), qkv_bias=qkv_bias))
