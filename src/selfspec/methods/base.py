@@ -239,7 +239,7 @@ class MethodSpec:
         return self.processes_logits_when(options)
 
     @property
-    def fields(self) -> list[OptionField]:
+    def fields(self) -> tuple[OptionField, ...]:
         """Its options, in declaration order."""
         return option_fields(self.options)
 

@@ -23,6 +23,7 @@ clients and resolves their bare names in its own assets directory
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -237,10 +238,13 @@ def _base_type(annotation: Any) -> type:
     return kind
 
 
-def option_fields(options_cls: type) -> list[OptionField]:
+@functools.cache
+def option_fields(options_cls: type) -> tuple[OptionField, ...]:
     """The :class:`OptionField` of every field of an ``Options`` dataclass: the method's own
     in declaration order, then those of shared option groups (a base class with
     ``__option_group__ = True``, e.g. ``draft_weights``), which a dataclass would put first.
+    Kept per class (a class's fields never change): resolving the type hints took ~0.6 ms a
+    call, and every step built parses its options twice.
 
     Raises:
         TypeError: a field not declared with :func:`option` or of an unsupported type.
@@ -252,7 +256,7 @@ def option_fields(options_cls: type) -> list[OptionField]:
         if info is None:
             raise TypeError(f"{options_cls.__name__}.{f.name} is not declared with option()")
         fields.append(OptionField(f.name, _base_type(hints[f.name]), f.default, info))
-    return sorted(fields, key=lambda field: _in_option_group(options_cls, field.name))
+    return tuple(sorted(fields, key=lambda field: _in_option_group(options_cls, field.name)))
 
 
 def _in_option_group(options_cls: type, name: str) -> bool:
