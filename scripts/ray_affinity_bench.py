@@ -8,6 +8,7 @@ Usage::
     python scripts/ray_affinity_bench.py                    # 2 replicas x 4 system prompts each
     python scripts/ray_affinity_bench.py --routings rendezvous   # the router before its bound
     python scripts/ray_affinity_bench.py --replicas 4 --prompts-per-replica 2 --rounds 3
+    python scripts/ray_affinity_bench.py --prefill-chunk 64 256  # by prefix-cache block size
 
 The system prompts are ``--replicas x --prompts-per-replica`` distinct texts of
 ``--prefix-tokens`` tokens each (docs/*.md, cut by the model's tokenizer), and each replica's
@@ -22,10 +23,13 @@ is cold. Reported per routing, for the warm rounds:
 
 - token hit rate: cached prompt tokens / prompt tokens (``usage.prompt_tokens_details``);
 - hit rate of the reusable prefix: cached tokens / the tokens a cache can reuse at all (the
-  shared prefix's whole 256-token blocks, at most ``prompt - 1`` tokens: a cache of unbounded
-  size on one replica reaches 100%);
+  shared prefix's whole blocks of ``--prefill-chunk`` tokens, at most ``prompt - 1`` tokens:
+  a cache of unbounded size on one replica reaches 100%);
 - the median TTFT (from the stream) of cold and warm requests;
 - per replica: the system prompts it answered and the blocks its cache evicted (``/metrics``).
+
+With several ``--prefill-chunk`` sizes (``selfspec serve --prefill-chunk``: the replicas'
+prefill chunk and prefix-cache block), every routing runs at each, the sizes alternating.
 
 Timings are wall clock: read the ratios.
 """
@@ -42,6 +46,8 @@ import urllib.request
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from selfspec.executor.plan import PREFILL_CHUNK
 
 REPO = Path(__file__).resolve().parents[1]
 ROUTINGS = {"placement": (True, True), "rendezvous": (True, False), "load only": (False, False)}
@@ -113,7 +119,8 @@ def _evictions(base: str) -> dict[str, float]:
             if f.name == "selfspec_prefix_cache_evicted_blocks" for s in f.samples}
 
 
-def _run(args, routing: str, systems: list[str], reusable: dict, cache_mib: float) -> dict:
+def _run(args, routing: str, chunk: int, systems: list[str], reusable: dict,
+         cache_mib: float) -> dict:
     import ray
     from ray import serve
 
@@ -129,7 +136,8 @@ def _run(args, routing: str, systems: list[str], reusable: dict, cache_mib: floa
     ray.init(num_cpus=args.replicas * args.threads, include_dashboard=False,
              log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    load = {"model": args.model, "dtype": args.dtype, "prefix_cache_mib": cache_mib}
+    load = {"model": args.model, "dtype": args.dtype, "prefix_cache_mib": cache_mib,
+            "prefill_chunk": chunk}
     config = ServeConfig(model_name="m", method="ar", max_batch=2, max_queue=16)
     serve.run(build_application(load, config, RayServeOptions(
         replicas=args.replicas, threads=args.threads, affinity=affinity),
@@ -146,7 +154,7 @@ def _run(args, routing: str, systems: list[str], reusable: dict, cache_mib: floa
                 (cold if round_ == 0 else warm).append(ttft)
                 if round_:
                     prompt, cached = prompt + p, cached + c
-                    bound += reusable[round_, i]
+                    bound += reusable[chunk, round_, i]
         evicted = _evictions(base)
     finally:
         serve.shutdown()
@@ -159,8 +167,10 @@ def _run(args, routing: str, systems: list[str], reusable: dict, cache_mib: floa
                          for r, s in sorted(served.items())}}
 
 
-def _block_mib(engine, text: str) -> float:
-    """MiB of one prefix-cache block of this model and dtype (measured on one prompt)."""
+def _block_mib(engine, text: str, chunk: int) -> float:
+    """MiB of one ``chunk``-token prefix-cache block of this model and dtype (measured on one
+    prompt)."""
+    engine.executor.prefill_chunk = chunk
     cache = engine.use_prefix_cache(4096)
     engine.generate(text, "ar", max_new_tokens=1)
     return cache.bytes / cache.num_blocks / 2**20
@@ -181,46 +191,53 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--routings", nargs="+", default=["placement", "load only"],
                         choices=ROUTINGS, help="rendezvous: the router before its bound")
+    parser.add_argument("--prefill-chunk", type=int, nargs="+", default=[PREFILL_CHUNK],
+                        help="the replicas' prefill chunk and prefix-cache block size; several "
+                             f"run in turn (default {PREFILL_CHUNK})")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
 
     import selfspec
-    from selfspec.decoding.core.prefix_cache import DEFAULT_BLOCK_SIZE
 
     engine = selfspec.load(args.model, dtype=args.dtype, show_progress=False)
     tokenizer = engine.tokenizer
     systems = _system_prompts(tokenizer, args.replicas * args.prompts_per_replica,
                               args.prefix_tokens)
-    reusable = {(r, i): _reusable(tokenizer, s, _question(r, i), DEFAULT_BLOCK_SIZE)
-                for r in range(args.rounds) for i, s in enumerate(systems)}
+    reusable = {(c, r, i): _reusable(tokenizer, s, _question(r, i), c)
+                for c in args.prefill_chunk for r in range(args.rounds)
+                for i, s in enumerate(systems)}
     stored = {(r, i): _prompt_len(tokenizer, s, _question(r, i))
               for r in range(args.rounds) for i, s in enumerate(systems)}
-    cache_mib = args.prefix_cache_mib
-    if cache_mib is None:
-        shared = max(reusable.values()) // DEFAULT_BLOCK_SIZE
-        kept = max(stored.values()) // DEFAULT_BLOCK_SIZE
+    mib = {}
+    for c in args.prefill_chunk:
+        shared = max(v for k, v in reusable.items() if k[0] == c) // c
+        kept = max(stored.values()) // c
         footprint = kept + (kept - shared)
-        cache_mib = (args.prompts_per_replica * footprint + 0.5) * _block_mib(engine,
-                                                                              systems[0])
+        mib[c] = args.prefix_cache_mib if args.prefix_cache_mib is not None else (
+            (args.prompts_per_replica * footprint + 0.5) * _block_mib(engine, systems[0], c))
     del engine
-    rows = {name: _run(args, name, systems, reusable, cache_mib) for name in args.routings}
+    rows = {(c, name): _run(args, name, c, systems, reusable, mib[c])
+            for c in args.prefill_chunk for name in args.routings}
+    first = next(iter(rows.values()))
     head = (f"{args.replicas} replicas x {args.threads} threads, {len(systems)} system prompts "
-            f"of {args.prefix_tokens} tokens, {args.rounds} rounds, prefix cache "
-            f"{cache_mib:.1f} MiB per replica, "
-            f"{next(iter(rows.values()))['prompt_tokens']:.0f} prompt tokens a request")
+            f"of {args.prefix_tokens} tokens, {args.rounds} rounds, prefix cache per replica "
+            + ", ".join(f"{mib[c]:.1f} MiB at chunk {c}" for c in args.prefill_chunk)
+            + f", {first['prompt_tokens']:.0f} prompt tokens a request")
     print(head)
-    print("| routing | warm token hit rate | hit rate of the reusable prefix | cold TTFT ms | "
-          "warm TTFT ms | cold/warm | system prompts per replica | evicted blocks |")
-    print("|---|---:|---:|---:|---:|---:|---|---|")
-    for name, r in rows.items():
+    print("| chunk | routing | warm token hit rate | hit rate of the reusable prefix | "
+          "cold TTFT ms | warm TTFT ms | cold/warm | system prompts per replica | "
+          "evicted blocks |")
+    print("|---:|---|---:|---:|---:|---:|---:|---|---|")
+    for (c, name), r in rows.items():
         per = " / ".join(str(len(v["system_prompts"])) for v in r["replicas"].values())
         ev = " / ".join(f"{v['evicted_blocks']:.0f}" if v["evicted_blocks"] is not None
                         else "?" for v in r["replicas"].values())
-        print(f"| {name} | {r['hit_rate']:.1%} | {r['reusable_hit_rate']:.1%} | "
+        print(f"| {c} | {name} | {r['hit_rate']:.1%} | {r['reusable_hit_rate']:.1%} | "
               f"{r['cold_ttft_ms']:.0f} | {r['warm_ttft_ms']:.0f} | "
               f"{r['cold_ttft_ms'] / r['warm_ttft_ms']:.1f}x | {per} | {ev} |")
     if args.json:
-        args.json.write_text(json.dumps({"setup": head, "rows": rows}, indent=1) + "\n")
+        out = {"setup": head, "rows": {f"chunk {c}, {n}": r for (c, n), r in rows.items()}}
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -23,12 +23,14 @@ from selfspec.decoding.core.stats import GenerationStats
 from selfspec.decoding.core.stop_strings import StopStringSink, Streamer
 from selfspec.errors import InvalidArgumentError, PromptError
 from selfspec.executor import LayerExecutor
+from selfspec.executor.plan import PREFILL_CHUNK
 from selfspec.methods.registry import MethodContext, get_method
 from selfspec.models.eos import eos_token_ids
 from selfspec.validation import (
     check_bool,
     check_device,
     check_device_memory,
+    check_int,
     check_stop,
     check_text,
     check_token_ids,
@@ -70,20 +72,27 @@ class SelfSpec:
     and fills, or ``None``: :meth:`use_prefix_cache`). ``keep_packed=False`` (what
     ``load(dtype="gguf")`` and ``"w4a8"`` pass) skips oneDNN's packed copies of the dense
     weights while the 4-bit kernel serves every product (:class:`LayerExecutor`).
+    ``prefill_chunk`` is the executor's prefill chunk and so the prefix cache's block size
+    (:func:`load`'s argument).
+
+    Raises:
+        InvalidArgumentError: ``prefill_chunk`` not an integer >= 1 (before the executor is
+            built).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str,
                  decode_kernel: str = "auto", device: str | torch.device | None = None,
                  cuda_graphs: str = "off", prefix_cache_mib: float = 0,
                  gguf: str | os.PathLike | Callable[[], Path] | None = None,
-                 keep_packed: bool = True) -> None:
+                 keep_packed: bool = True, prefill_chunk: int = PREFILL_CHUNK) -> None:
+        check_prefill_chunk(prefill_chunk)
         if device is not None:
             model = move_model(model, check_device(device))
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
         self.executor = LayerExecutor(model, name=name, rows=decode_kernel, gguf=gguf,
-                                      keep_packed=keep_packed)
+                                      keep_packed=keep_packed, prefill_chunk=prefill_chunk)
         from selfspec.executor.cuda_graphs import attach_graphs
 
         attach_graphs(self.executor, cuda_graphs)
@@ -400,7 +409,7 @@ def move_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
          show_progress: bool = True, decode_kernel: str = "auto",
          device: str | torch.device = "auto", cuda_graphs: str = "auto",
-         prefix_cache_mib: float = 0) -> SelfSpec:
+         prefix_cache_mib: float = 0, prefill_chunk: int = PREFILL_CHUNK) -> SelfSpec:
     """Load a model by registry name, local directory or hub id (fetching it on first use).
 
     Args:
@@ -434,10 +443,19 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
             (:mod:`selfspec.executor.cuda_graphs`); ignored on the CPU.
         prefix_cache_mib: keep up to this many MiB of earlier prompts' KV for later prompts
             sharing their prefix (:meth:`SelfSpec.use_prefix_cache`; 0 = off, the default).
+        prefill_chunk: positions per prefill call
+            (:meth:`~selfspec.executor.LayerExecutor.prefill` runs fixed chunks over absolute
+            positions), and so the prefix cache's block size: a warm prompt reuses its kept
+            prefix in whole chunks and reruns up to ``prefill_chunk - 1`` kept tokens plus
+            the new ones. Smaller chunks give faster warm turns and a slower cold prefill
+            (docs/results/prefix-chunk-2026-12-04/). Logits are bit-identical with and
+            without the cache at any one chunk size; across sizes they need not be (a
+            product rounds by its row count).
 
     Raises:
         InvalidArgumentError: ``model`` not a str / path, a bad ``dtype`` or
-            ``decode_kernel``; a bad ``device`` (malformed, ``cuda`` without a GPU, a GPU
+            ``decode_kernel``; ``prefill_chunk`` not an integer >= 1; a bad ``device``
+            (malformed, ``cuda`` without a GPU, a GPU
             index that does not exist) — before anything loads — or a model that does not
             fit in the GPU's free memory (before any weight moves there).
         ModelNotFoundError, ProvisioningError, UnsupportedArchitectureError: see
@@ -456,6 +474,7 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
 
     target = check_device(device)  # before anything loads
     PrefixCache.from_mib(prefix_cache_mib)  # a bad size fails before anything loads
+    check_prefill_chunk(prefill_chunk)
     from selfspec.executor.cuda_graphs import check_cuda_graphs
 
     check_cuda_graphs(cuda_graphs)
@@ -477,7 +496,19 @@ def load(model: str | None = None, dtype: str | torch.dtype = "bf16", *,
     loaded = load_model(model or DEFAULT_MODEL, dtype, show_progress=show_progress)
     return SelfSpec(loaded.model, loaded.tokenizer, loaded.name, decode_kernel, device=target,
                     cuda_graphs=cuda_graphs, prefix_cache_mib=prefix_cache_mib,
-                    gguf=gguf_source(loaded, show_progress), keep_packed=keep_packed)
+                    gguf=gguf_source(loaded, show_progress), keep_packed=keep_packed,
+                    prefill_chunk=prefill_chunk)
+
+
+def check_prefill_chunk(prefill_chunk: Any) -> int:
+    """``prefill_chunk`` checked: an integer >= 1 (not a bool or a float).
+
+    Raises:
+        InvalidArgumentError: otherwise, naming ``prefill_chunk`` / ``--prefill-chunk``.
+    """
+    return check_int("prefill_chunk", prefill_chunk, low=1,
+                     hint=f"positions per prefill call, --prefill-chunk; default "
+                          f"{PREFILL_CHUNK}")
 
 
 def gguf_source(loaded: Any, show_progress: bool = True) -> Path | Callable[[], Path] | None:
@@ -498,7 +529,8 @@ def gguf_source(loaded: Any, show_progress: bool = True) -> Path | Callable[[], 
 def from_pretrained_model(model: torch.nn.Module, tokenizer: Any, name: str = "model", *,
                           device: str | torch.device = "auto",
                           cuda_graphs: str = "auto",
-                          gguf: str | os.PathLike | None = None) -> SelfSpec:
+                          gguf: str | os.PathLike | None = None,
+                          prefill_chunk: int = PREFILL_CHUNK) -> SelfSpec:
     """Wrap an already loaded HF model and tokenizer (no provisioning).
 
     Args:
@@ -509,10 +541,11 @@ def from_pretrained_model(model: torch.nn.Module, tokenizer: Any, name: str = "m
         gguf: the GGUF file the model was loaded from (``from_pretrained(..., gguf_file=)``),
             for ``executor.set_decode_kernel("gguf")``: decoding on its own blocks, which
             are checked against the model's weights at that call.
+        prefill_chunk: as :func:`load`'s.
 
     Raises:
-        InvalidArgumentError: no tokenizer; a bad ``device`` or ``cuda_graphs``; a model that
-            does not fit in the GPU's free memory.
+        InvalidArgumentError: no tokenizer; a bad ``device``, ``cuda_graphs`` or
+            ``prefill_chunk``; a model that does not fit in the GPU's free memory.
     """
     if tokenizer is None:
         raise InvalidArgumentError("a tokenizer is required")
@@ -520,4 +553,5 @@ def from_pretrained_model(model: torch.nn.Module, tokenizer: Any, name: str = "m
 
     target = check_device(device)
     check_cuda_graphs(cuda_graphs)
-    return SelfSpec(model, tokenizer, name, device=target, cuda_graphs=cuda_graphs, gguf=gguf)
+    return SelfSpec(model, tokenizer, name, device=target, cuda_graphs=cuda_graphs, gguf=gguf,
+                    prefill_chunk=prefill_chunk)

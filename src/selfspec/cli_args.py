@@ -142,6 +142,20 @@ def add_weight_format_arguments(parser) -> None:
              "GGUF file's own blocks)")
 
 
+def add_prefill_chunk_argument(parser) -> None:
+    """``--prefill-chunk N`` (an integer >= 1, checked at parse time; default
+    :data:`~selfspec.executor.plan.PREFILL_CHUNK`): positions per prefill call and so the
+    prefix cache's block size (:func:`selfspec.load`'s ``prefill_chunk``), as ``serve``,
+    ``generate`` and ``batch`` take it."""
+    from selfspec.executor.plan import PREFILL_CHUNK
+
+    parser.add_argument(
+        "--prefill-chunk", type=int_arg(1), default=PREFILL_CHUNK, metavar="N",
+        help="prompts are prefilled in calls of N positions, and the prefix cache keeps and "
+             "reuses whole N-token blocks: smaller N = faster warm turns (a warm prompt "
+             "reruns up to N-1 kept tokens), slower cold prefill (default %(default)s)")
+
+
 def add_generation_arguments(parser) -> None:
     """How a generation samples and stops (``--max-new-tokens``, ``--temperature``,
     ``--top-k``, ``--top-p``, ``--seed``, ``--stop``) and

@@ -95,6 +95,20 @@ def test_serve_run_takes_the_commands_options(ray):
         ray_app({"replicas": "two"})
     with pytest.raises(InvalidArgumentError, match="--max-replicas"):
         ray_app({"min_replicas": "2"})
+    with pytest.raises(InvalidArgumentError, match="--prefill-chunk"):
+        ray_app({"prefill_chunk": "0"})
+
+
+def test_serve_ray_passes_the_prefill_chunk_to_every_replicas_engine(ray):
+    """``--prefill-chunk`` reaches the ``selfspec.load`` arguments each replica loads with
+    (so its executor's chunk and its prefix cache's block size)."""
+    from selfspec.cli import build_parser
+    from selfspec.serving.cli import ray_plan
+
+    args = build_parser().parse_args(["serve", "--ray", "--model", "m", "--prefill-chunk",
+                                      "64"])
+    load, _, _, app = ray_plan(args)
+    assert load["prefill_chunk"] == 64 and app is not None
 
 
 def test_replicas_answer_as_one_server_route_by_prefix_and_survive_a_kill(cluster, ray):

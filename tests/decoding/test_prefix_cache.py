@@ -19,7 +19,7 @@ from selfspec.errors import InvalidArgumentError
 from selfspec.executor import CacheShape, KVCache
 from selfspec.serving.scheduler import Request, Scheduler
 
-from tiny import tiny_model, tiny_tokenizer
+from tiny import save_tiny, tiny_model, tiny_tokenizer
 
 # The tiny tokenizer is one token a character; the tiny engines prefill in chunks of 16
 # positions, so their 16-token blocks are 16 characters.
@@ -283,6 +283,49 @@ def test_bad_sizes_are_refused(engine):
         engine.use_prefix_cache(-1)
     assert engine.use_prefix_cache(0) is None and engine.prefix_cache is None
     assert PrefixCache.from_mib(0.5).budget_bytes == 1 << 19
+
+
+def test_the_prefill_chunk_flag_sets_the_executor_and_the_cache_blocks(tmp_path):
+    """``selfspec serve --prefill-chunk 64`` (and ``batch``'s) reaches ``selfspec.load``, so
+    the executor prefills in chunks of 64 and the prefix cache keeps 64-token blocks; a warm
+    prompt then reuses whole 64-token blocks with logits bit-identical to a cold prefill.
+    Bad values are usage errors before anything loads."""
+    from selfspec.batch.cli import _run
+    from selfspec.cli import build_parser
+    from selfspec.serving.cli import _checked
+
+    model = str(save_tiny(tmp_path / "m", seed=3))
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--model", model, "--dtype", "fp32",
+                              "--prefill-chunk", "64", "--prefix-cache-mib", "4"])
+    load = _checked(args)[0]
+    assert load["prefill_chunk"] == 64
+    engine = selfspec.load(**load, show_progress=False)
+    assert engine.executor.prefill_chunk == 64 and engine.prefix_cache.block_size == 64
+    prompts = [engine.encode(SYSTEM * 2 + q) for q in QUESTIONS[:2]]  # 142 shared tokens
+    with torch.inference_mode():
+        cold = DecodeState(engine.executor, prompts[1], DecodeOptions()).prefill()
+        DecodeState(engine.executor, prompts[0], DecodeOptions(),
+                    prefix_cache=engine.prefix_cache).prefill()  # keeps its 2 blocks
+        state = DecodeState(engine.executor, prompts[1], DecodeOptions(),
+                            prefix_cache=engine.prefix_cache)
+        warm = state.prefill()
+    assert state.stats.cached_tokens == 128 and torch.equal(warm, cold)
+
+    seen = {}
+    batch = parser.parse_args(["batch", "p.jsonl", "--output", "o.jsonl", "--model", model,
+                               "--prefill-chunk", "32"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(selfspec, "load", lambda **kw: seen.update(kw) or engine)
+        mp.setattr("selfspec.batch.local.run_local", lambda *a: None)
+        _run(batch, [], None)
+    assert seen["prefill_chunk"] == 32
+    for bad in ("0", "-4", "1.5", "x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--prefill-chunk", bad])
+    for bad in (0, 1.5, True, "64"):
+        with pytest.raises(InvalidArgumentError, match="prefill_chunk"):
+            selfspec.load(model, prefill_chunk=bad)
 
 
 @pytest.mark.real_model

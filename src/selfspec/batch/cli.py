@@ -14,6 +14,7 @@ import time
 from selfspec.cli_args import (
     add_generation_arguments,
     add_model_argument,
+    add_prefill_chunk_argument,
     add_threads_argument,
     add_weight_format_arguments,
     int_arg,
@@ -39,6 +40,7 @@ def add_batch_parser(sub: argparse._SubParsersAction) -> None:
                    help="default decoding method of the requests (default: auto)")
     add_generation_arguments(p)
     add_weight_format_arguments(p)
+    add_prefill_chunk_argument(p)
     add_threads_argument(p, help="torch intra-op threads (of each actor with --ray; "
                                  "default: torch's own, 1 per actor with --ray)")
     p.add_argument("--batch-size", type=int_arg(1, 256), default=8,
@@ -113,7 +115,8 @@ def _run(args: argparse.Namespace, pending, write) -> None:
     import torch
 
     load = {"model": args.model, "dtype": args.dtype, "decode_kernel": args.decode_kernel,
-            "device": args.device, "cuda_graphs": args.cuda_graphs}
+            "device": args.device, "cuda_graphs": args.cuda_graphs,
+            "prefill_chunk": args.prefill_chunk}
     if args.ray:
         from selfspec.batch.ray_data import run_ray
 

@@ -11,6 +11,7 @@ import sys
 
 from selfspec.cli_args import (
     add_model_argument,
+    add_prefill_chunk_argument,
     add_threads_argument,
     add_weight_format_arguments,
     float_arg,
@@ -99,6 +100,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="MiB of earlier prompts' KV kept for later prompts that start with the "
                         "same tokens (a chat's system prompt and history): only the rest is "
                         "prefilled; 0 turns it off (default 256)")
+    add_prefill_chunk_argument(p)
     add_threads_argument(p, help="torch intra-op threads (of each replica with --ray)")
     add_ray_arguments(p)
     add_method_arguments(p)
@@ -193,7 +195,7 @@ def _checked(args: argparse.Namespace) -> tuple[dict, dict, dict]:
     api_keys = {} if args.api_keys_file is None else read_keys_file(args.api_keys_file)
     load = {"model": args.model, "dtype": args.dtype, "decode_kernel": args.decode_kernel,
             "device": args.device, "cuda_graphs": args.cuda_graphs,
-            "prefix_cache_mib": args.prefix_cache_mib}
+            "prefix_cache_mib": args.prefix_cache_mib, "prefill_chunk": args.prefill_chunk}
     return load, options, api_keys
 
 
