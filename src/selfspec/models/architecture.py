@@ -259,7 +259,7 @@ class Architecture:
         .fused_layer_reason` checks the same on each layer's weights)."""
         out = []
         if self.norm_kind == "layer":
-            out.append("LayerNorm")
+            out.append("norm kind layer (LayerNorm)")
         if self.norm_placement == "post":
             out.append("post-norms without pre-norms")
         if self.qk_norm == "projection":
