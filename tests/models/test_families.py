@@ -174,14 +174,15 @@ def test_a_ragged_batch_equals_single_prompts(family):
 def test_a_window_shorter_than_the_context_binds_on_its_layers():
     """A window shorter than the context is described per layer as transformers' masks
     apply it (Mistral and Phi-3: every layer; Qwen2: from max_window_layers; layer_types)
-    and sends the layers to the torch path; a longer one never binds."""
+    and the fused sub-layer kernels apply it per layer as the torch path does; a longer one
+    never binds."""
     assert describe(MistralConfig(sliding_window=64, **COMMON)).sliding_window == (64,) * 4
     assert describe(Phi3Config(sliding_window=64, **COMMON)).sliding_window == (64,) * 4
     assert describe(MistralConfig(sliding_window=None, **COMMON)).sliding_window == (None,) * 4
     assert describe(MistralConfig(sliding_window=256, **COMMON)).sliding_window == (None,) * 4
     qwen2 = describe(CONFIGS["qwen2-window"]())
     assert qwen2.sliding_window == (None, None, WINDOW, WINDOW)
-    assert "sliding window 8" in qwen2.fused_reason()
+    assert qwen2.fused_reason() is None
     gemma = describe(CONFIGS["gemma3"]())
     assert gemma.sliding_window == (WINDOW, None, WINDOW, None)
     assert gemma.rope_kinds == ("sliding_attention", "full_attention") * 2
@@ -204,7 +205,12 @@ def test_the_description_names_each_familys_features():
     assert (granite.embedding_multiplier, granite.residual_multiplier,
             granite.attention_scale, granite.logits_divisor) == (6.0, 0.5, 0.1, 4.0)
     assert arch["llama"].fused_reason() is None
-    assert "q/k norms" in arch["qwen3"].fused_reason()
+    # The fused kernels compute Qwen3's and Gemma 3's layers; what is left is named.
+    assert arch["qwen3"].fused_reason() is None and arch["gemma3_text"].fused_reason() is None
+    assert "q/k norms over each projection" in arch["olmo2"].fused_reason()
+    assert "post-norms without pre-norms" in arch["olmo2"].fused_reason()
+    assert "layers without RoPE" in arch["smollm3"].fused_reason()
+    assert "a residual multiplier" in arch["granite"].fused_reason()
     assert arch["phi3"].checkpoint_fused and arch["phi3"].plain
     assert arch["phi3-partial-rotary"].rotary_fraction == 0.75
     assert "partial rotary" in arch["phi3-partial-rotary"].fused_reason()
@@ -213,7 +219,8 @@ def test_the_description_names_each_familys_features():
                                                                        "head")
     assert (gemma.embedding_scale, gemma.attention_scale) == (8.0, 24 ** -0.5)
     assert gemma.activation == "gelu_pytorch_tanh" and gemma.final_softcap is None
-    assert "GELU" not in gemma.fused_reason() and "gelu_pytorch_tanh" in gemma.fused_reason()
+    gelu = describe(Gemma3TextConfig(hidden_activation="gelu", **GEMMA))
+    assert "activation gelu" in gelu.fused_reason()
 
 
 def test_gemma_attention_softcap_is_one_clear_error():
@@ -229,19 +236,23 @@ def test_longrope_is_one_clear_error():
         describe(config)
 
 
+#: Families whose bf16 layers the fused sub-layer kernels compute (Architecture.fused_reason).
+FUSED = {"mistral", "phi3", "qwen3", "gemma3_text"}
+
+
 # qwen2-window left out: gemma3_text's sliding layers run the same windowed bf16 path.
 @pytest.mark.parametrize("model_type", [*sorted(set(NEW) - {"qwen2-window"}), "phi3"])
 def test_bf16_lossless_methods_equal_bf16_ar(model_type):
-    """In bf16 the families with layers other than Llama's run the torch path (the fused
-    kernels compute Llama's layer only: Architecture.fused_reason), whose verification blocks
-    are bit-consistent with one-token decoding, so drafts keep ar's tokens exactly; Mistral's
-    layer is Llama's (the fused kernels where they run here)."""
+    """In bf16 every family decodes either on the fused sub-layer kernels (Llama's layer and
+    Qwen3's and Gemma 3's additions: :data:`FUSED`) or on the torch path (the rest:
+    Architecture.fused_reason); both make verification blocks bit-consistent with one-token
+    decoding, so drafts keep ar's tokens exactly."""
     model = _random_model(model_type).to(torch.bfloat16)
     engine = selfspec.from_pretrained_model(model, tiny_tokenizer(), f"tiny-{model_type}")
     arch = engine.executor.architecture
-    assert (arch.fused_reason() is None) == (model_type in ("mistral", "phi3"))
-    if arch.fused_reason() is not None:
-        assert engine.executor.fused_layers() is None
+    assert (arch.fused_reason() is None) == (model_type in FUSED)
+    # Small matrices go to the bf16 kernel on every CPU (auto): the fused layers take them.
+    assert (engine.executor.fused_layers() is None) == (arch.fused_reason() is not None)
     for prompt in PROMPTS:
         ar = engine.generate(prompt, method="ar", max_new_tokens=NEW_TOKENS).token_ids
         for method in ("ngram", "layerskip", "knapspec", "auto"):
@@ -255,9 +266,11 @@ def test_info_says_which_path_each_family_takes():
 
     line = family_paths()
     assert all(name in line for name in SUPPORTED_MODEL_TYPES)
-    assert "torch path: qwen3 (q/k norms)" in line and "olmo2 (q/k norms, post-norms)" in line
+    fused, torch_path = line.split("; torch path: ")
+    assert "qwen3" in fused and "gemma3_text" in fused and "qwen3" not in torch_path
+    assert ("olmo2 (q/k norms over each projection, post-norms without pre-norms)"
+            in torch_path)
     assert "phi3's qkv_proj / gate_up_proj split at load" in line
-    assert "gemma3_text (q/k norms, post-norms, (1 + w) norms" in line
 
 
 # ---------------------------------------------------------------- GPT-NeoX / Pythia

@@ -38,7 +38,7 @@ from selfspec.executor.linear import ChainedWeight, ChainRows, Linear
 
 if TYPE_CHECKING:
     from selfspec.executor.attention import Attention
-    from selfspec.executor.fused_layers import FusedLayers
+    from selfspec.executor.fused_layers import FusedLayers, LayerParts
     from selfspec.executor.weights import LayerWeights
 
 
@@ -224,37 +224,70 @@ def _fused_copy(lin: object) -> object:
     return copy.copy if isinstance(copy, ChainedWeight) else copy
 
 
+def fused_layer_reason(w: LayerWeights, act: str | None) -> str | None:
+    """What the fused sub-layer kernels do not compute in layer ``w`` (MLP activation
+    ``act``), by name, or ``None`` when they compute all of it: Llama's layer with what Qwen3
+    and Gemma 3 add (per-head q/k norms, post-norms after pre-norms, a sliding window, a RoPE
+    table per layer, GELU-tanh; :mod:`selfspec.executor.fused_layers`).
+    :meth:`selfspec.models.architecture.Architecture.fused_reason` names the same features
+    from the config."""
+    from selfspec.executor.fused_layers import ACTIVATIONS
+
+    missing = [name for name, on in (
+        ("LayerNorm", w.layer_norm), ("a plain (non-gated) MLP", not w.gated),
+        ("a parallel residual", w.parallel), ("partial rotary", w.rope_partial),
+        ("no RoPE", not w.rope), ("q/k norms over the projection", w.qk_norm_whole),
+        ("post-norms without pre-norms", w.attn_norm is None or w.mlp_norm is None),
+        ("a residual multiplier", w.residual_scale != 1.0),
+        (f"activation {act}", act not in ACTIVATIONS)) if on]
+    return ", ".join(missing) or None
+
+
+def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A norm weight as the fused kernels read it: fp32, contiguous (bf16 → fp32 is exact)."""
+    return None if t is None else t.detach().float().contiguous()
+
+
+def fused_parts(w: LayerWeights, copies: Sequence[object], act: str) -> LayerParts:
+    """Layer ``w`` as the fused kernels take it, on the matrix copies ``copies``
+    (``(qkv, o, gate_up, down)``): its norms in fp32 and its features
+    (:class:`selfspec.executor.fused_layers.LayerParts`)."""
+    from selfspec.executor import fused_layers
+
+    return fused_layers.LayerParts(
+        _fp32(w.attn_norm), w.attn_norm_eps, copies[0], copies[1], _fp32(w.mlp_norm),
+        w.mlp_norm_eps, copies[2], copies[3], q_norm=_fp32(w.q_norm), k_norm=_fp32(w.k_norm),
+        qk_eps=w.qk_norm_eps, post_attn_norm=_fp32(w.post_attn_norm),
+        post_mlp_norm=_fp32(w.post_mlp_norm), post_eps=w.post_norm_eps, window=w.window,
+        act=act)
+
+
 def fused_backend(layers: Sequence[LayerWeights], attention: Attention, dtype: torch.dtype,
                   device: torch.device, rope_dynamic: bool,
                   hidden_act: str | None) -> FusedLayers | None:
     """The decoder layers as fused sub-layer kernels when every projection decodes on one of
     selfspec's kernels that have them (all w4a8, all bf16, or all GGUF blocks of one build) and
-    the layers are ones they take (CPU, bf16/fp32 hidden states and norms, SiLU MLP, RoPE from
-    a table, even ``head_dim``, Llama's layer: :attr:`LayerWeights.plain`); else ``None``.
+    the layers are ones they take (CPU, bf16/fp32 hidden states, RoPE from a table, even
+    ``head_dim``, no feature :func:`fused_layer_reason` names); else ``None``.
 
     Args:
         layers: the executor's layer weights (a draft view's quantized ones included).
-        attention: the attention geometry.
+        attention: the attention geometry (its ``scaling``: Gemma 3's
+            ``query_pre_attn_scalar ** -0.5``).
         dtype: the hidden states' and KV cache's dtype.
         device: the weights' device (only ``cpu`` has fused kernels).
         rope_dynamic: the RoPE type depends on the length (no table).
-        hidden_act: ``config.hidden_act``.
+        hidden_act: the MLP's activation (``Architecture.activation``).
     """
     from selfspec.executor import fused_layers
 
     if (device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32)
-            or rope_dynamic or hidden_act != "silu" or attention.head_dim % 2
-            or not all(w.plain for w in layers)):
+            or rope_dynamic or attention.head_dim % 2
+            or any(fused_layer_reason(w, hidden_act) for w in layers)):
         # Architecture.fused_reason says why, for `selfspec info` and the log.
         return None
-    parts = []
-    for w in layers:
-        if not w.attn_norm.dtype == w.mlp_norm.dtype == dtype:
-            return None  # the kernel reads norms in the hidden states' dtype
-        copies = [_fused_copy(lin) for lin in w.matrices]
-        parts.append(fused_layers.LayerParts(
-            w.attn_norm.detach().contiguous(), w.attn_norm_eps, copies[0], copies[1],
-            w.mlp_norm.detach().contiguous(), w.mlp_norm_eps, copies[2], copies[3]))
+    parts = [fused_parts(w, [_fused_copy(lin) for lin in w.matrices], str(hidden_act))
+             for w in layers]
     kernel = fused_layers.kernel_of([m for p in parts for m in (p.qkv, p.o, p.gate_up,
                                                                  p.down)])
     isa = parts[0].qkv.isa if kernel == "gguf" else "auto"

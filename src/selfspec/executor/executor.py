@@ -179,8 +179,9 @@ class LayerExecutor:
         self.draft_weights: str | None = None  # set on the views of draft_view()
         # Per layer, its RoPE table: one for all, or its layer type's (Gemma 3's local base);
         # rope is the default table, or the full-attention layers'.
-        self.rope, self.layer_ropes = layer_rope_tables(
-            self.rotary_emb, self.architecture.rope_kinds or ("default",) * self.num_layers)
+        self._rope_kinds = self.architecture.rope_kinds or ("default",) * self.num_layers
+        self.rope, self.layer_ropes = layer_rope_tables(self.rotary_emb, self._rope_kinds)
+        self._one_rope = len(set(self._rope_kinds)) == 1  # the fused path's one span a call
         self._fused_scratch: dict[int, torch.Tensor] = {}  # rows -> [1, rows, H] buffer
         self.max_positions = int(config.max_position_embeddings)
         # Captured CUDA graphs of forward() (selfspec.executor.cuda_graphs.attach_graphs).
@@ -553,7 +554,8 @@ class LayerExecutor:
         """:meth:`run_layers`' and :meth:`run_layers_at`'s fused path: one sequence
         (``hidden`` ``[1, T, H]``, positions from ``pos0``) on fused sub-layers."""
         num_new = hidden.shape[1]
-        cos, sin = self.rope.span(hidden, pos0, num_new)
+        spans = self._fused_spans(hidden, pos0, num_new, start, end)
+        kinds = self._rope_kinds
         cache.reserve(pos0 + num_new)
         h = hidden.contiguous()  # [1, T, H]: the kernels read T rows of H
         scratch = None
@@ -566,6 +568,7 @@ class LayerExecutor:
         for i in range(start, end):
             if i not in skip_attn:
                 keys, values = cache.claim(i, pos0, num_new)
+                cos, sin = spans[kinds[i]]
                 h = fused.attention_at(i, h, cos, sin, keys, values, pos0,
                                        None if i in skip_mlp else scratch)
             if observe is not None:
@@ -575,6 +578,20 @@ class LayerExecutor:
             if observe is not None:
                 observe(i, "mlp", h)
         return h
+
+    def _fused_spans(self, hidden: torch.Tensor, pos0: int, num: int, start: int,
+                     end: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """cos, sin ``[num, hd]`` fp32 of positions ``pos0 ..`` for each RoPE table layers
+        ``[start, end)`` read (:attr:`LayerWeights.rope_kind`; Gemma 3's local and global
+        bases), for the fused path (one span a table)."""
+        if self._one_rope:
+            return {self._rope_kinds[0]: self.rope.span(hidden, pos0, num)}
+        spans: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in range(start, end):
+            kind = self._rope_kinds[i]
+            if kind not in spans:
+                spans[kind] = self.layer_ropes[i].span(hidden, pos0, num)
+        return spans
 
     def run_rows(self, hidden: torch.Tensor, positions: torch.Tensor, lengths: Sequence[int],
                  start: int, end: int, caches: Sequence[KVCache]) -> torch.Tensor:
@@ -626,7 +643,11 @@ class LayerExecutor:
         from selfspec.executor.fused_layers import KVSegment
 
         lengths = [hi - lo for lo, hi in zip(offsets, offsets[1:], strict=False)]
-        cos32, sin32 = self.rope.rows(hidden, positions.unsqueeze(0))
+        rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in range(start, end):  # cos, sin [N, hd] fp32 per RoPE table read
+            if self._rope_kinds[i] not in rows:
+                rows[self._rope_kinds[i]] = self.layer_ropes[i].rows(hidden,
+                                                                     positions.unsqueeze(0))
         for cache, n, p in zip(caches, lengths, starts, strict=False):
             cache.reserve(p + n)
         h = hidden.contiguous()
@@ -635,6 +656,7 @@ class LayerExecutor:
             for b, cache in enumerate(caches):
                 keys, values = cache.claim(i, starts[b], lengths[b])
                 segments.append(KVSegment(keys, values, starts[b], offsets[b], lengths[b]))
+            cos32, sin32 = rows[self._rope_kinds[i]]
             h = fused.mlp(i, fused.attention(i, h, cos32, sin32, segments))
         return h
 

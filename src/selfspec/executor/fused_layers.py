@@ -9,9 +9,10 @@ bf16, and on CPUs with native bf16 where the layers' matrices are small: SmolLM2
 Why: with the products on these kernels, what is left of a decode step is some thirty small
 torch operators a layer (RMSNorm in fp32 and back, RoPE, the cache write, SDPA, SiLU, the
 residual adds): a sizeable share of a Qwen2.5-Coder-1.5B step in w4a8, and most of a
-SmolLM2-135M step. Here an attention sub-layer (RMSNorm → qkv → RoPE → cache
-append → attention → o → residual) and an MLP sub-layer (RMSNorm → gate/up → SiLU·up → down →
-residual) are each one call, the activations between products staying in fp32.
+SmolLM2-135M step. Here an attention sub-layer (RMSNorm → qkv → [q/k norms →] RoPE → cache
+append → attention → o → [post-norm →] residual) and an MLP sub-layer (RMSNorm → gate/up →
+act(gate)·up → down → [post-norm →] residual) are each one call, the activations between
+products staying in fp32.
 
 Exactness: every row is computed as it would be alone (its own norm, the kernels'
 row-independent products, attention over its own prefix), so a verification block equals
@@ -23,9 +24,12 @@ one decoding uses one path throughout: :class:`selfspec.executor.LayerExecutor` 
 one for every non-bulk block that writes the cache (bulk blocks — prefill — stay on torch's
 flash attention, shared by every method).
 
-Supports Llama/Qwen2 decoder layers with SiLU MLPs, bf16 or fp32 hidden states and KV cache,
-any head geometry the kernels take (w4a8: input sizes multiples of 32; gguf: those of the
-blocks).
+Supports Llama/Qwen2 decoder layers with SiLU MLPs and what Qwen3 and Gemma 3 add (per-head
+q/k RMSNorms before RoPE, post-norms of each sub-layer's output, Gemma's ``1 + w`` norm
+weights made in fp32 at load, GELU-tanh, a sliding window per layer, a RoPE table per layer
+and any attention scale), bf16 or fp32 hidden states and KV cache, any head geometry the
+kernels take (w4a8: input sizes multiples of 32; gguf: those of the blocks).
+:func:`selfspec.executor.backends.fused_layer_reason` says what else a layer needs.
 """
 
 from __future__ import annotations
@@ -67,7 +71,10 @@ class _AttentionArgs(ctypes.Structure):
                 ("sin", ctypes.c_void_p), ("segments", ctypes.POINTER(_Segment)),
                 *[(name, ctypes.c_int64) for name in
                   ("num_segments", "rows", "hidden", "heads", "kv_heads", "head_dim", "bf16")],
-                ("eps", ctypes.c_float), ("scaling", ctypes.c_float)]
+                ("eps", ctypes.c_float), ("scaling", ctypes.c_float),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("post_norm", ctypes.c_void_p), ("qk_eps", ctypes.c_float),
+                ("post_eps", ctypes.c_float), ("window", ctypes.c_int64)]
 
 
 class _MlpArgs(ctypes.Structure):
@@ -75,7 +82,14 @@ class _MlpArgs(ctypes.Structure):
                 ("norm", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
                 ("down", ctypes.c_void_p),
                 *[(name, ctypes.c_int64) for name in ("rows", "hidden", "intermediate", "bf16")],
-                ("eps", ctypes.c_float)]
+                ("eps", ctypes.c_float), ("post_norm", ctypes.c_void_p),
+                ("post_eps", ctypes.c_float), ("act", ctypes.c_int64)]
+
+
+#: The MLP activations the kernel computes (``act(gate) · up``), by ``config.hidden_act`` /
+#: ``hidden_activation``, as its ``Activation`` codes: SiLU, and PyTorch's tanh-approximated
+#: GELU (transformers' ``gelu_pytorch_tanh``, Gemma 3's).
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 
 Matrix = W4A8Linear | Bf16Weight | GgufMatrix
@@ -110,12 +124,22 @@ class LayerParts:
     """One decoder layer as the fused kernel takes it.
 
     Attributes:
-        attn_norm / mlp_norm: ``[H]`` RMSNorm weights in the model's dtype.
+        attn_norm / mlp_norm: ``[H]`` fp32 RMSNorm weights (``w``; Gemma's ``1 + w``).
         attn_eps / mlp_eps: their epsilons.
         qkv: ``[(Hq + 2 H_kv) head_dim, H]`` (q, k, v rows in that order), o ``[H, Hq head_dim]``,
             gate_up ``[2 I, H]`` (gate rows, then up rows), down ``[H, I]``: all w4a8 copies
             (:class:`W4A8Linear`), all bf16 ones (:class:`Bf16Weight`) or all GGUF blocks of
             one ISA build (:class:`GgufMatrix`).
+        q_norm / k_norm: ``[head_dim]`` fp32 RMSNorm weights of each query / key head, applied
+            before RoPE (Qwen3, Gemma 3: modeling_qwen3.Qwen3Attention), or ``None``.
+        qk_eps: their epsilon.
+        post_attn_norm / post_mlp_norm: ``[H]`` fp32 RMSNorm weights of each sub-layer's
+            output before the residual add (Gemma 3's post_attention_layernorm,
+            post_feedforward_layernorm), or ``None``.
+        post_eps: their epsilon.
+        window: the sliding window ``W`` (a query at ``p`` attends to keys
+            ``p - W < k <= p``, transformers' ``sliding_window_causal``), or ``None``.
+        act: the MLP's activation, a key of :data:`ACTIVATIONS`.
     """
 
     attn_norm: torch.Tensor
@@ -126,6 +150,26 @@ class LayerParts:
     mlp_eps: float
     gate_up: Matrix
     down: Matrix
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    qk_eps: float = 1e-6
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
+    post_eps: float = 1e-6
+    window: int | None = None
+    act: str = "silu"
+
+    def __post_init__(self) -> None:
+        """Raises ValueError: a norm not fp32 contiguous of its size, one q/k norm without
+        the other, or an activation not in :data:`ACTIVATIONS`."""
+        for t in (self.attn_norm, self.mlp_norm, self.q_norm, self.k_norm,
+                  self.post_attn_norm, self.post_mlp_norm):
+            if t is not None and not (t.dtype == torch.float32 and t.is_contiguous()):
+                raise ValueError("fused layers read fp32 contiguous norm weights")
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise ValueError("fused layers take q and k norms together")
+        if self.act not in ACTIVATIONS:
+            raise ValueError(f"fused layers compute {', '.join(ACTIVATIONS)}, not {self.act}")
 
 
 @dataclass(frozen=True)
@@ -141,6 +185,11 @@ class KVSegment:
     first_position: int
     first_row: int
     rows: int
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's address for the kernel's args (``None``: a null pointer)."""
+    return None if t is None else t.data_ptr()
 
 
 def _library(kernel: str, isa: str = "auto"):
@@ -161,7 +210,8 @@ class FusedLayers:
     Args:
         layers: one :class:`LayerParts` per decoder layer, every matrix of one kernel.
         heads / kv_heads / head_dim: attention geometry (``heads`` a multiple of ``kv_heads``).
-        scaling: the attention score scale (``head_dim ** -0.5`` for Llama/Qwen2).
+        scaling: the attention score scale (``head_dim ** -0.5`` for Llama/Qwen2; Gemma 3's
+            ``query_pre_attn_scalar ** -0.5``).
         dtype: the hidden states' and KV cache's dtype, bf16 or fp32.
 
     Raises:
@@ -203,11 +253,15 @@ class FusedLayers:
             self._attention_args.append(_AttentionArgs(
                 norm=part.attn_norm.data_ptr(), qkv=ctypes.addressof(qkv),
                 o=ctypes.addressof(o), hidden=hidden, heads=heads, kv_heads=kv_heads,
-                head_dim=head_dim, bf16=bf16, eps=part.attn_eps, scaling=scaling))
+                head_dim=head_dim, bf16=bf16, eps=part.attn_eps, scaling=scaling,
+                q_norm=_ptr(part.q_norm), k_norm=_ptr(part.k_norm),
+                post_norm=_ptr(part.post_attn_norm), qk_eps=part.qk_eps,
+                post_eps=part.post_eps, window=part.window or 0))
             self._mlp_args.append(_MlpArgs(
                 norm=part.mlp_norm.data_ptr(), gate_up=ctypes.addressof(gate_up),
                 down=ctypes.addressof(down), hidden=hidden, intermediate=inter, bf16=bf16,
-                eps=part.mlp_eps))
+                eps=part.mlp_eps, post_norm=_ptr(part.post_mlp_norm),
+                post_eps=part.post_eps, act=ACTIVATIONS[part.act]))
 
     def attention(self, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   segments: Sequence[KVSegment]) -> torch.Tensor:
@@ -215,7 +269,8 @@ class FusedLayers:
 
         Args:
             hidden: ``[T, H]`` contiguous, in :attr:`dtype` (not modified).
-            cos / sin: ``[T, head_dim]`` fp32 contiguous: each row's RoPE at its position.
+            cos / sin: ``[T, head_dim]`` fp32 contiguous: each row's RoPE at its position,
+                from layer ``layer``'s table (Gemma 3: its layer type's base).
             segments: the rows' sequences and caches, covering rows ``0 .. T-1``; their
                 keys and values are written at their positions (the caller accounts the
                 cache lengths) before any row attends.

@@ -76,6 +76,10 @@ class Family:
     gated_mlp: bool = True
 
 
+#: The MLP activations the fused sub-layer kernels compute (selfspec.executor.fused_layers
+#: .ACTIVATIONS): SiLU and PyTorch's tanh-approximated GELU (Gemma 3's hidden_activation).
+FUSED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
 #: The families the executor drives, by ``model_type``.
 FAMILIES: dict[str, Family] = {
     "llama": Family(),
@@ -106,31 +110,30 @@ REFUSED_ROPE: dict[str, str] = {
 
 def family_paths() -> str:
     """One line for ``selfspec info``: which families' layers the fused sub-layer kernels
-    compute and which decode on the torch path, and why (from :data:`FAMILIES`)."""
+    compute and which decode on the torch path, and why (from :data:`FAMILIES`; a config's
+    own features can add reasons: :meth:`Architecture.fused_reason`)."""
     fused, torch_path = [], []
     for name, fam in FAMILIES.items():
         if fam.text_config:  # its language model's family says
-            torch_path.append(f"{name} (as its text model)")
+            fused.append(f"{name} (as its text model)")
             continue
-        why = [w for w, on in (("q/k norms", fam.qk_norm != "none"),
-                               ("post-norms", fam.norm_placement != "pre"),
+        why = [w for w, on in (("q/k norms over each projection", fam.qk_norm == "projection"),
+                               ("post-norms without pre-norms", fam.norm_placement == "post"),
                                ("multipliers", fam.multipliers),
-                               ("(1 + w) norms", fam.norm_kind == "rms_offset"),
-                               ("GELU-tanh MLP, RoPE base per layer type, sliding windows",
-                                fam.gemma),
                                ("LayerNorm", fam.norm_kind == "layer"),
                                ("plain GELU MLP", not fam.gated_mlp)) if on]
         if why:
             torch_path.append(f"{name} ({', '.join(why)})")
         else:
             fused.append(name)
-    return (f"fused sub-layer kernels (bf16 / w4a8 / gguf): {', '.join(fused)} (SmolLM3 only "
-            "where every layer has RoPE; phi3's qkv_proj / gate_up_proj split at load, only "
-            "where RoPE spans the whole head: partial_rotary_factor < 1, Phi-4-mini's, runs "
-            f"the torch path); torch path: {', '.join(torch_path)} (gpt_neox's "
-            "query_key_value reordered at load; a parallel residual where "
-            "use_parallel_residual, partial rotary where rotary_pct < 1); any model whose "
-            "sliding window binds (shorter than its context) runs the torch path")
+    return (f"fused sub-layer kernels (bf16 / w4a8 / gguf): {', '.join(fused)} (qwen3 and "
+            "gemma3_text with their q/k head norms; gemma3_text's four (1 + w) norms, "
+            "GELU-tanh MLP, sliding windows and local RoPE base; SmolLM3 only where every "
+            "layer has RoPE; phi3's qkv_proj / gate_up_proj split at load, only where RoPE "
+            "spans the whole head: partial_rotary_factor < 1, Phi-4-mini's, runs the torch "
+            f"path); torch path: {', '.join(torch_path)} (gpt_neox's query_key_value "
+            "reordered at load; a parallel residual where use_parallel_residual, partial "
+            "rotary where rotary_pct < 1)")
 
 #: Families refused on purpose, with what to use instead.
 REFUSED: dict[str, str] = {
@@ -218,8 +221,8 @@ class Architecture:
 
     @property
     def plain(self) -> bool:
-        """Llama's layer: pre-norms, no q/k norms, RoPE on every layer, no multipliers (what
-        the fused sub-layer kernels and CUDA graphs compute)."""
+        """Llama's layer: pre-norms, no q/k norms, RoPE on every layer, no multipliers (the
+        fused sub-layer kernels compute more: :meth:`fused_reason`)."""
         return self.unplain_features() == []
 
     def unplain_features(self) -> list[str]:
@@ -248,12 +251,37 @@ class Architecture:
             out.append("parallel attention + MLP residual (use_parallel_residual)")
         return out
 
+    def unfused_features(self) -> list[str]:
+        """The features the fused sub-layer kernels do not compute, by name (they compute
+        Llama's layer and what Qwen3 and Gemma 3 add: per-head q/k norms, post-norms after
+        pre-norms, ``(1 + w)`` norms, sliding windows, a RoPE table per layer type, any
+        attention scale, SiLU or GELU-tanh; :func:`selfspec.executor.backends
+        .fused_layer_reason` checks the same on each layer's weights)."""
+        out = []
+        if self.norm_kind == "layer":
+            out.append("norm kind layer (LayerNorm)")
+        if self.norm_placement == "post":
+            out.append("post-norms without pre-norms")
+        if self.qk_norm == "projection":
+            out.append("q/k norms over each projection")
+        if not all(self.rope_layers):
+            out.append("layers without RoPE")
+        if self.rotary_fraction != 1.0:
+            out.append(f"partial rotary (partial_rotary_factor {self.rotary_fraction})")
+        if self.residual_multiplier != 1.0:
+            out.append("a residual multiplier")
+        if not self.gated_mlp:
+            out.append("a plain (non-gated) MLP")
+        if self.parallel_residual:
+            out.append("parallel attention + MLP residual (use_parallel_residual)")
+        if self.activation not in FUSED_ACTIVATIONS:
+            out.append(f"activation {self.activation}")
+        return out
+
     def fused_reason(self) -> str | None:
-        """Why the fused sub-layer kernels cannot run these layers, or ``None`` when they
-        can (so far they compute Llama's layer with a SiLU MLP)."""
-        features = self.unplain_features()
-        if self.activation != "silu":
-            features.append(f"activation {self.activation}")
+        """Why the fused sub-layer kernels cannot run these layers (:meth:`unfused_features`),
+        or ``None`` when they can."""
+        features = self.unfused_features()
         if not features:
             return None
         return (f"{self.model_type} layers have {', '.join(features)}, which the fused "
