@@ -67,9 +67,7 @@ def corpus_files(max_bytes: int = VOCAB_CORPUS_BYTES,
         raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
     root = Path(root or sysconfig.get_paths()["stdlib"])
     topics = root.joinpath(*_TOPICS)
-    candidates = ([topics] if topics.is_file() else []) + sorted(
-        p for p in root.rglob("*.py")
-        if "site-packages" not in p.parts and skipped(p.relative_to(root).parts))
+    candidates = ([topics] if topics.is_file() else []) + sorted(_skipped_files(root))
     chosen, total = [], 0
     for path in candidates:
         size = path.stat().st_size
@@ -83,6 +81,19 @@ def corpus_files(max_bytes: int = VOCAB_CORPUS_BYTES,
         digest.update(f"{name}\0{path.stat().st_size}\0".encode())
     version = ".".join(map(str, sys.version_info[:3]))
     return root, CorpusInfo(NAME, version, rel, total, digest.hexdigest())
+
+
+def _skipped_files(root: Path) -> Iterator[Path]:
+    """The ``.py`` files under ``root`` the stdlib dataset skips, found by walking only the
+    top-level entries it skips (never site-packages: installed packages are not the library,
+    and walking them takes seconds)."""
+    for entry in root.iterdir():
+        if entry.name == "site-packages" or not skipped((entry.name,)):
+            continue
+        if entry.is_dir():
+            yield from entry.rglob("*.py")
+        elif entry.suffix == ".py":
+            yield entry
 
 
 def corpus_pieces(root: Path, info: CorpusInfo) -> Iterator[str]:
