@@ -96,7 +96,7 @@ class SelfSpec:
         from selfspec.executor.cuda_graphs import attach_graphs
 
         attach_graphs(self.executor, cuda_graphs)
-        self.methods = MethodContext(self.executor)
+        self.methods = MethodContext(self.executor, tokenizer)
         self._grammars: GrammarCompiler | None = None
         self.prefix_cache: PrefixCache | None = None
         self.use_prefix_cache(prefix_cache_mib)

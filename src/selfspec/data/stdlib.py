@@ -79,15 +79,21 @@ def prompts_of_file(module: str, source: str) -> list[Prompt]:
     return out
 
 
+def skipped(rel: tuple[str, ...]) -> bool:
+    """Whether the file at ``rel`` (path parts under the standard library's root) is one
+    this dataset never takes prompts from: tests, demos, the IDE, vendored code, private
+    modules (what :mod:`selfspec.data.vocab_corpus` may count tokens on instead)."""
+    return any(part in _SKIP_DIRS or part.startswith(("_", ".")) and part != "__init__.py"
+               for part in rel)
+
+
 def all_prompts(root: Path | None = None) -> list[Prompt]:
     """Every qualifying function of the standard library under ``root`` (default: this
     interpreter's), sorted by id (a few thousand; seconds to parse)."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
     prompts: dict[str, Prompt] = {}
     for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).parts
-        if any(part in _SKIP_DIRS or part.startswith(("_", ".")) and part != "__init__.py"
-               for part in rel):
+        if skipped(path.relative_to(root).parts):
             continue
         try:
             source = path.read_text(encoding="utf-8")

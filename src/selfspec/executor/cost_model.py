@@ -22,6 +22,7 @@ numerator of the bandwidth roofline and the unit of the byte-based cost models.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -75,6 +76,9 @@ class LatencyModel:
             emulate bf16 the bulk products cast the weights each call, many times a row's
             cost).
         key: what it was measured for (model, dtype, threads, machine).
+        draft_head_ms: the output head a draft token pays when it is not ``head_ms``: a
+            reduced draft vocabulary's rows only (:meth:`with_draft_head`); ``None`` = the
+            full head. Verification always pays ``head_ms``.
     """
 
     num_layers: int
@@ -87,6 +91,7 @@ class LatencyModel:
     batched_row_ms: float = field(default=0.0, kw_only=True)
     batched_call_ms: float = field(default=0.0, kw_only=True)
     key: str = field(default="", kw_only=True)
+    draft_head_ms: float | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         # JSON gives lists; keep the dataclass hashable and comparable
@@ -105,10 +110,25 @@ class LatencyModel:
         return (min(cap, max(1, round(t_attn / delta))), min(cap, max(1, round(t_mlp / delta))))
 
     def draft_ms(self, plan: SkipPlan, context_len: int) -> float:
-        """One draft token under ``plan``: the sub-layers it runs plus the output head."""
+        """One draft token under ``plan``: the sub-layers it runs plus the output head (the
+        reduced one where :meth:`with_draft_head` set it)."""
         attn = self.num_layers - len(plan.skip_attention)
         mlp = self.num_layers - len(plan.skip_mlp)
-        return attn * self.t_attn(context_len) + mlp * self.mlp_ms + self.head_ms
+        head = self.head_ms if self.draft_head_ms is None else self.draft_head_ms
+        return attn * self.t_attn(context_len) + mlp * self.mlp_ms + head
+
+    def with_draft_head(self, byte_share: float) -> LatencyModel:
+        """This model with draft tokens paying an output head of ``byte_share`` of the full
+        head's weight bytes (a draft vocabulary of ``R`` of ``V`` rows: about ``R / V``): the
+        head is bound by its weight bytes on one token, as the MLP sub-layers are (FR-Spec
+        §3's premise), so its time scales with them.
+
+        Raises:
+            ValueError: ``byte_share`` outside ``(0, 1]``.
+        """
+        if not 0 < byte_share <= 1:
+            raise ValueError(f"byte_share must lie in (0, 1], got {byte_share}")
+        return dataclasses.replace(self, draft_head_ms=self.head_ms * byte_share)
 
     def target_ms(self, context_len: int) -> float:
         """One verification, as the paper counts it: ``L (t_attn + t_mlp)`` plus the head."""

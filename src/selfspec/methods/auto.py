@@ -1,7 +1,14 @@
 """``auto``: per step, the drafter predicted to give the most tokens per second (n-gram
 match, a model drafter such as qspec or DSSD, or plain decoding), from the measured latency
 model and online acceptance estimates (KnapSpec eq. 4 as the objective). Lossless: every
-candidate is verified by the full model."""
+candidate is verified by the full model.
+
+Where ``lm_head`` is at least :data:`HEAD_SHARE_FOR_VOCAB` of the weight bytes a token reads
+(Gemma 3 270M: 63%), every draft token through the full head costs most of a forward, so the
+qspec and early-exit drafters draft through a reduced vocabulary of ``draft_vocab`` rows
+(FR-Spec §3; the qspec copy's rows ranked by an offline corpus, the head drafters' by their
+heads' token counts) and are priced with that head (named ``qspec[vK]`` in the stats and
+``--explain``)."""
 
 from __future__ import annotations
 
@@ -14,6 +21,12 @@ from selfspec.decoding.core.autoregressive import BatchArStep
 from selfspec.decoding.core.batch import BatchStep
 from selfspec.decoding.core.loop import Step
 from selfspec.decoding.core.stop_rule import StopRule
+from selfspec.decoding.drafting.corpus_vocab import (
+    DEFAULT_DRAFT_VOCAB,
+    DraftHead,
+    head_share,
+    reduced_draft_bytes,
+)
 from selfspec.decoding.memory import EngineMemory
 from selfspec.decoding.ngram.batch import BatchNgramStep
 from selfspec.decoding.ngram.drafter import NgramDrafter, NgramSettings
@@ -35,6 +48,7 @@ from selfspec.methods import adaspeed, dssd, dv, layerskip, qspec
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.draft_copy import DraftWeightsOptions, draft_weights_option
 from selfspec.methods.options import HEAD_FILE, option
+from selfspec.methods.qspec import draft_head
 
 #: Model drafters ``auto`` can choose among: methods with a drafter builder
 #: (:attr:`MethodSpec.drafter`), their drafters composed with default options.
@@ -57,6 +71,13 @@ DEFAULT_PRIOR = 0.7
 #: tokens for the rest of the generation, while a context that really differs still moves it
 #: within a few steps.
 CARRIED_PRIOR_WEIGHT = 8.0
+#: ``lm_head``'s share of a decoding token's weight bytes from which ``auto``'s drafters
+#: draft through the reduced vocabulary: well above SmolLM2-135M's 0.2 and Qwen2.5-1.5B's
+#: 0.15, where the full head is cheap next to the layers; below Gemma 3 270M's 0.63.
+HEAD_SHARE_FOR_VOCAB = 0.4
+#: Early-exit drafters whose ``draft_vocab`` ranks by their heads' token counts (DSSD's needs
+#: a calibration per size, so it keeps the full vocabulary).
+VOCAB_HEAD_DRAFTERS = ("layerskip", "dv", "adaspeed")
 
 
 @dataclass(frozen=True)
@@ -87,6 +108,10 @@ class Options(DraftWeightsOptions):
                              "the draft length chosen before drafting from the average "
                              "acceptance, or earlier by the drafter's own rule)",
                              choices=("tpt", "plan"))
+    draft_vocab: int = option(
+        DEFAULT_DRAFT_VOCAB, "rows of the reduced draft head the qspec and early-exit drafters "
+        f"use where lm_head is >= {HEAD_SHARE_FOR_VOCAB:.0%} of a token's weight bytes "
+        "(FR-Spec §3; 0 = always the full head)", low=0)
     explore_every: int = option(64, "steps after which a model drafter predicted close to "
                                 "the best runs again to refresh its estimates (0 = never)",
                                 low=0, high=1 << 20)
@@ -146,16 +171,34 @@ def build(context: MethodContext, options: Options) -> Step:
                     memory=memory)
 
 
+def reduced_vocab(context: MethodContext, options: Options) -> int | None:
+    """The draft vocabulary size ``auto``'s drafters take on this model: ``draft_vocab``
+    where ``lm_head`` is at least :data:`HEAD_SHARE_FOR_VOCAB` of a token's weight bytes and
+    the size is below the vocabulary's; else ``None`` (the full head)."""
+    size = options.draft_vocab
+    ex = context.executor
+    if not size or size >= ex.vocab_size or head_share(ex) < HEAD_SHARE_FOR_VOCAB:
+        return None
+    return size
+
+
 def drafter_options(context: MethodContext, name: str, options: Options) -> Any:
     """The ``Options`` of model drafter ``name`` under ``auto``: its method's defaults, with
-    ``auto``'s heads for the head drafters, and for qspec ``auto``'s ``draft_weights`` (and,
-    with ``draft_stop=tpt``, no confidence stop: the calibrated rule decides alone).
+    ``auto``'s heads for the head drafters, :func:`reduced_vocab`'s ``draft_vocab`` for qspec
+    and for the head drafters whose heads carry token counts, and for qspec ``auto``'s
+    ``draft_weights`` (and, with ``draft_stop=tpt``, no confidence stop: the calibrated rule
+    decides alone).
 
     Raises:
         InvalidArgumentError: a value outside its range for this model.
     """
     values: dict[str, Any] = ({"heads": options.heads}
                               if name in HEADS_METHODS and options.heads else {})
+    size = reduced_vocab(context, options)
+    if size is not None and (name == "qspec" or name in VOCAB_HEAD_DRAFTERS
+                             and options.heads is not None
+                             and context.heads(options.heads).token_counts is not None):
+        values["draft_vocab"] = size
     if name == "qspec":
         values["draft_weights"] = options.draft_weights
         if options.draft_stop == "tpt":
@@ -176,16 +219,19 @@ def model_drafter(context: MethodContext, name: str, options: Options, costs: Fo
     """
     spec = MODEL_DRAFTERS[name]
     method_options = drafter_options(context, name, options)
-    key = memory_key(name, options, context.executor)
+    size = getattr(method_options, "draft_vocab", None)
+    label = name if size is None else f"{name}[v{size}]"
+    key = memory_key(label, options, context.executor)
     known = None if memory is None else memory.drafters.get(key)
     acceptance = (AcceptanceEstimate(known.acceptance, prior_weight=CARRIED_PRIOR_WEIGHT)
                   if known else AcceptanceEstimate(DRAFTER_PRIORS.get(name, DEFAULT_PRIOR)))
-    cost = (known.draft_cost if known
-            else draft_cost(context.executor, context.draft_executor(method_options)))
+    draft = context.draft_executor(method_options)
+    head = draft_head(context, draft, size) if name == "qspec" else None
+    cost = known.draft_cost if known else draft_cost(context.executor, draft, head)
     draft_ms = MovingAverage(0.0)
     wrap = None
     if options.draft_stop == "tpt":
-        calibration = ConfidenceCalibration(acceptance, name,
+        calibration = ConfidenceCalibration(acceptance, label,
                                             priors=known.by_confidence if known else None)
 
         def wrap(rule: StopRule) -> StopRule:
@@ -193,7 +239,7 @@ def model_drafter(context: MethodContext, name: str, options: Options, costs: Fo
                                partial(predicted_draft_token_ms, draft_ms, cost, costs),
                                costs.forward_ms)
 
-    return ModelDrafter(name, spec.make_drafter(context, method_options, wrap), acceptance,
+    return ModelDrafter(label, spec.make_drafter(context, method_options, wrap), acceptance,
                         draft_ms=draft_ms, draft_cost=cost, memory_key=key)
 
 
@@ -201,18 +247,20 @@ def memory_key(name: str, options: Options, executor: LayerExecutor) -> str:
     """The name a model drafter's estimates are kept under in the engine's memory: its
     method, the qspec copy's format and the model's decoding kernel (another kernel or copy
     is another speed and acceptance)."""
-    fmt = f"[{options.draft_weights}]" if name == "qspec" else ""
+    fmt = f"[{options.draft_weights}]" if name.startswith("qspec") else ""
     return f"{name}{fmt}@{executor.formats.rows}"
 
 
-def draft_cost(executor: LayerExecutor, draft: LayerExecutor) -> float:
+def draft_cost(executor: LayerExecutor, draft: LayerExecutor,
+               head: DraftHead | None = None) -> float:
     """A draft token's time as a share of one token of ``executor``, before the drafter
     has run: the share of the weight bytes a token reads when ``draft`` (the executor the
     drafter drafts on) is another copy of the weights (a
-    :meth:`~LayerExecutor.draft_view`; decoding is bound by memory bandwidth), else 0.5."""
+    :meth:`~LayerExecutor.draft_view`; decoding is bound by memory bandwidth), with ``head``
+    (a reduced draft vocabulary's rows) in place of the copy's full ``lm_head``; else 0.5."""
     if draft is executor:
         return 0.5
-    return draft.decode_weight_bytes() / max(executor.decode_weight_bytes(), 1)
+    return reduced_draft_bytes(draft, head) / max(executor.decode_weight_bytes(), 1)
 
 
 def build_batch(context: MethodContext, options: Options) -> BatchStep:

@@ -58,10 +58,13 @@ class MethodContext:
 
     Args:
         executor: the model's executor.
+        tokenizer: the model's tokenizer (what a corpus-ranked draft vocabulary counts
+            with: :meth:`corpus_vocab`), or ``None``.
     """
 
-    def __init__(self, executor: LayerExecutor) -> None:
+    def __init__(self, executor: LayerExecutor, tokenizer: Any = None) -> None:
         self.executor = executor
+        self.tokenizer = tokenizer
         self._heads: dict[tuple, Any] = {}
         self._derived: dict[tuple, tuple[Any, Any]] = {}
         self._latency: dict[tuple, LatencyModel] = {}
@@ -156,6 +159,25 @@ class MethodContext:
                 "calibrated need `selfspec heads calibrate PATH` once")
         return self.derived("vocab", trained, size, lambda: frequent_rows(
             counts, size, eos_token_ids(self.executor.model)))
+
+    def corpus_vocab(self, size: int) -> DraftVocab:
+        """The ``size`` most frequent tokens of the tokenizer over the offline corpus, plus
+        EOS ids: a draft vocabulary without trained heads
+        (:mod:`selfspec.decoding.drafting.corpus_vocab`; counted once per tokenizer).
+
+        Raises:
+            InvalidArgumentError: no tokenizer, or a bad size.
+        """
+        from selfspec.decoding.drafting.corpus_vocab import corpus_counts, corpus_vocab
+        from selfspec.models.eos import eos_token_ids
+        from selfspec.models.provision import selfspec_home
+
+        def build() -> DraftVocab:
+            counts = self.derived("corpus-counts", self.executor, None, lambda: corpus_counts(
+                self.tokenizer, self.executor.vocab_size, selfspec_home()))
+            return corpus_vocab(counts, size, eos_token_ids(self.executor.model, self.tokenizer))
+
+        return self.derived("corpus-vocab", self.executor, size, build)
 
     def derived(self, kind: str, owner: Any, options: Hashable, build: Callable[[], Any]) -> Any:
         """``build()``'s result for ``owner`` (trained heads, say) and ``options``, built once

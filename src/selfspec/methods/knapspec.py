@@ -1,6 +1,8 @@
 """KnapSpec: training-free drafts made of a subset of attention and MLP sub-layers, chosen by
 a knapsack DP on cosine similarity and a Tokens-per-Time search with measured,
-context-dependent latencies, re-optimised during generation (KnapSpec §3, Algorithm 1)."""
+context-dependent latencies, re-optimised during generation (KnapSpec §3, Algorithm 1).
+With ``draft_vocab=K`` drafts score only the ``K`` most frequent tokens of an offline corpus
+(FR-Spec §3), and the plan search prices that reduced head."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ from dataclasses import dataclass
 
 from selfspec.decoding.core.loop import Step
 from selfspec.decoding.knapspec.step import KnapSpecConfig, KnapSpecStep
+from selfspec.executor.cost_model import output_decode_bytes
 from selfspec.methods.base import MethodContext, MethodSpec
 from selfspec.methods.draft_copy import DraftWeightsOptions
 from selfspec.methods.options import option
+from selfspec.methods.qspec import CORPUS_VOCAB_HELP, draft_head
 
 
 @dataclass(frozen=True)
@@ -41,14 +45,18 @@ class Options(DraftWeightsOptions):
                             "(decoding/planning/tpt_stop.py), instead of the paper's rule "
                             "(§3.5: top-1 "
                             "probability < confidence, or max_draft_len)")
+    draft_vocab: int | None = option(None, CORPUS_VOCAB_HELP, low=1, high="V",
+                                     default_text="none (full vocabulary)")
 
 
 def build(context: MethodContext, options: Options) -> Step:
     """The KnapSpec Step with this machine's measured latencies (with ``draft_weights``, the
-    draft view's own too).
+    draft view's own too; with ``draft_vocab``, draft tokens priced with the reduced head's
+    share of ``lm_head``'s bytes).
 
     Raises:
-        InvalidArgumentError: a draft weight format without a kernel here.
+        InvalidArgumentError: a draft weight format without a kernel here; a bad
+            ``draft_vocab`` or no tokenizer to rank tokens with.
     """
     config = KnapSpecConfig(reoptimize_every=options.reoptimize_every,
                             history_steps=options.history_steps, tau=options.tau,
@@ -58,8 +66,15 @@ def build(context: MethodContext, options: Options) -> Step:
                             alpha_vocab=options.alpha_vocab,
                             draft_stop="tpt" if options.tpt_stop else "confidence")
     draft = context.draft_executor(options)
-    return KnapSpecStep(context.executor, context.latency(), config, draft,
-                        context.latency(draft))
+    draft_latency = context.latency(draft)
+    head = draft_head(context, draft, options.draft_vocab)
+    if head is not None:
+        draft_latency = draft_latency.with_draft_head(
+            min(1.0, head.decode_bytes / max(output_decode_bytes(draft), 1)))
+    step = KnapSpecStep(context.executor, context.latency(), config, draft, draft_latency)
+    if head is not None:
+        step.drafter.restrict(head.vocab, head)
+    return step
 
 
 SPEC = MethodSpec(

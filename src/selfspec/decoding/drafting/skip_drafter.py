@@ -23,8 +23,9 @@ from selfspec.decoding.core.history import ResidualRecorder
 from selfspec.decoding.core.sampling import SamplingConfig
 from selfspec.decoding.core.speculative import DraftOutput, TargetOutput
 from selfspec.decoding.core.state import DecodeState
+from selfspec.decoding.drafting.draft_vocab import DraftVocab
 from selfspec.decoding.drafting.exit_drafter import ExitDrafter
-from selfspec.decoding.drafting.exits import Exit, check_exit_layer
+from selfspec.decoding.drafting.exits import Exit, RestrictedHead, check_exit_layer
 from selfspec.decoding.drafting.stop_rules import StopRule
 from selfspec.executor import LayerExecutor
 from selfspec.executor.executor import SkipPlan
@@ -37,13 +38,25 @@ def sublayers_run(executor: LayerExecutor, plan: SkipPlan) -> int:
 
 class SkipPlanExit:
     """Exit policy: the pending position (its embedding) runs every layer under ``plan``,
-    then the model's own final norm and ``lm_head``."""
+    then the model's own final norm and ``lm_head`` — or, with a draft vocabulary, ``head``:
+    the final norm and the kept rows of ``lm_head`` only (``[R]`` logits over
+    ``vocab.rows``; FR-Spec §3)."""
 
-    vocab = None
-
-    def __init__(self, executor: LayerExecutor, plan: SkipPlan) -> None:
+    def __init__(self, executor: LayerExecutor, plan: SkipPlan,
+                 vocab: DraftVocab | None = None, head: RestrictedHead | None = None) -> None:
         self.executor = executor
         self.plan = plan
+        self.restrict(vocab, head)
+
+    def restrict(self, vocab: DraftVocab | None, head: RestrictedHead | None) -> None:
+        """Draft over ``vocab``'s rows through ``head`` (both ``None``: the full vocabulary).
+
+        Raises:
+            ValueError: one of them without the other.
+        """
+        if (vocab is None) != (head is None):
+            raise ValueError("a draft vocabulary needs its restricted head, and back")
+        self.vocab, self.head = vocab, head
 
     def choose(self, deferred: DeferredLayers, sampling: SamplingConfig,
                generator: torch.Generator | None = None) -> Exit:
@@ -63,7 +76,9 @@ class SkipPlanExit:
         # The layers it ran: a layer whose both sub-layers are skipped does not count (an
         # early exit at layer l is the plan that skips all of [l, L)).
         ran = ex.num_layers - len(self.plan.skip_attention & self.plan.skip_mlp)
-        return Exit(ran, ex.logits(hidden[:, -1:])[0, -1])
+        last = hidden[:, -1:]
+        logits = ex.logits(last) if self.head is None else self.head(last)
+        return Exit(ran, logits[0, -1])
 
 
 class SkipPlanDrafter(ExitDrafter):
@@ -89,6 +104,11 @@ class SkipPlanDrafter(ExitDrafter):
                  recorder: ResidualRecorder | None = None) -> None:
         super().__init__(executor, SkipPlanExit(executor, plan), stop_rule, verifier)
         self.recorder = recorder
+
+    def restrict(self, vocab: DraftVocab | None, head: RestrictedHead | None) -> None:
+        """Draft over ``vocab``'s rows only, through ``head`` (:meth:`SkipPlanExit.restrict`);
+        verification still scores every token."""
+        self.policy.restrict(vocab, head)
 
     @property
     def plan(self) -> SkipPlan:
@@ -126,15 +146,19 @@ def exit_plan(executor: LayerExecutor, exit_layer: int | None = None) -> SkipPla
 
 
 def quantized_drafter(target: LayerExecutor, draft: LayerExecutor, stop_rule: StopRule,
-                      exit_layer: int | None = None) -> SkipPlanDrafter:
+                      exit_layer: int | None = None, vocab: DraftVocab | None = None,
+                      head: RestrictedHead | None = None) -> SkipPlanDrafter:
     """``qspec``'s drafter (QSpec, Zhao et al. 2024, §3): layers ``[0, exit_layer)``
     (default all) of the model, then its final norm and ``lm_head``, all on ``draft`` (a
     :meth:`~selfspec.executor.LayerExecutor.draft_view` of ``target``), verified by
     ``target`` with its own weights: the skip-plan drafter with :func:`exit_plan` on a draft
-    copy.
+    copy. With ``vocab`` and ``head`` (its rows of ``draft``'s ``lm_head``), drafts score only
+    those rows (FR-Spec §3).
 
     Raises:
         InvalidArgumentError: a bad ``exit_layer``, or a stop rule whose longest draft
             exceeds the bit-exact verification limit.
     """
-    return SkipPlanDrafter(draft, exit_plan(target, exit_layer), stop_rule, verifier=target)
+    drafter = SkipPlanDrafter(draft, exit_plan(target, exit_layer), stop_rule, verifier=target)
+    drafter.restrict(vocab, head)
+    return drafter
