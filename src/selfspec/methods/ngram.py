@@ -11,6 +11,8 @@ from selfspec.decoding.core.batch import BatchStep
 from selfspec.decoding.core.loop import Step
 from selfspec.decoding.ngram.batch import BatchNgramStep
 from selfspec.decoding.ngram.drafter import NgramDrafter, NgramSettings, NgramStep
+from selfspec.decoding.ngram.tree import TreeNgramStep
+from selfspec.decoding.ngram.tree_plan import TreeSettings
 from selfspec.decoding.planning.tpt import ForwardCosts
 from selfspec.errors import InvalidArgumentError
 from selfspec.methods.base import MethodContext, MethodSpec
@@ -28,6 +30,12 @@ class Options:
                               "share of the matched text's occurrences", low=0, high=1)
     history: bool = option(True, "also draft from this engine's earlier prompts and outputs "
                            "(kept for the life of the process or server)")
+    tree_branches: int = option(1, "most branches of a token tree: continuations with "
+                                "distinct first tokens verified together, the shape chosen "
+                                "by predicted tokens per second (1: single chains)",
+                                low=1, high=8)
+    tree_prior: float = option(0.1, "acceptance assumed for an alternative branch's first "
+                               "token before any was verified", low=0, high=1)
     carry_estimates: bool = option(True, "start from the acceptance per kind of match this "
                                    "engine's last generation ended with (false: from a "
                                    "fixed prior every generation)")
@@ -51,17 +59,21 @@ def settings(options: Options) -> NgramSettings:
 
 
 def build(context: MethodContext, options: Options) -> Step:
-    """n-gram drafter + verification by the full model."""
+    """n-gram drafter + verification by the full model (token trees with
+    ``tree_branches > 1``: :mod:`selfspec.decoding.ngram.tree`)."""
     history = context.history() if options.history else None
     memory = context.memory() if options.carry_estimates else None
     drafter = NgramDrafter(context.executor, ForwardCosts(context.latency()), settings(options),
                            history, memory=memory)
+    if options.tree_branches > 1:
+        tree = TreeSettings(max_branches=options.tree_branches, alt_prior=options.tree_prior)
+        return TreeNgramStep(drafter, history, tree)
     return NgramStep(drafter, history)
 
 
 def build_batch(context: MethodContext, options: Options) -> BatchStep:
     """Per-row n-gram drafts verified in one batched forward, block width chosen for the
-    batch."""
+    batch (single chains per row: ``tree_branches`` applies to single generations)."""
     # read as each row joins: a server's rows draft from their own tenant's history
     history = context.history if options.history else None
     return BatchNgramStep(context.executor, context.latency(), settings(options), history)

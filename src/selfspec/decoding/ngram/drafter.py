@@ -145,6 +145,28 @@ class NgramDrafter:
                        key=lambda p: (p.match_len, len(p.tokens)), reverse=True)
         return constrain(found, state.processor, max_len)
 
+    def branches(self, state: DecodeState, max_len: int,
+                 max_branches: int) -> list[NgramProposal]:
+        """The candidates of a token tree (:mod:`selfspec.decoding.ngram.tree`): the
+        :meth:`proposal` first, then up to ``max_branches - 1`` continuations with other
+        first tokens from prompt lookup and the history (longer match first, then the more
+        frequent first token). Only the proposal under a grammar (its forced tokens are one
+        chain); ``[]`` without a match."""
+        main = self.proposal(state, max_len)
+        if main is None or max_branches < 2 or state.processor is not None:
+            return [] if main is None else [main]
+        s = self.settings
+        alts = self.index.branches(max_len, max_branches, s.min_share)
+        if self.matcher is not None and len(self.matcher.automaton):
+            alts += self.matcher.branches(max_len, s.min_ngram, max_branches, s.min_share)
+        alts.sort(key=lambda p: (p.match_len, p.shares[0]), reverse=True)
+        out, firsts = [main], {main.tokens[0]}
+        for alt in alts:
+            if len(out) < max_branches and alt.tokens[0] not in firsts:
+                out.append(alt)
+                firsts.add(alt.tokens[0])
+        return out
+
     def alphas(self, proposal: NgramProposal) -> list[float]:
         """Each proposed token's estimated acceptance (given the ones before it): the copied
         tokens' by their key, forced tokens' by :data:`FORCED_KEY`."""
@@ -175,6 +197,11 @@ class NgramDrafter:
             choice = NgramChoice(proposal, plan, proposal_key(proposal))
         self._pending = choice
         return choice
+
+    def keep(self, choice: NgramChoice) -> None:
+        """Draft ``choice`` at the next :meth:`draft` (a caller planned it, e.g. the token
+        tree step's chain)."""
+        self._pending = choice
 
     def discard(self) -> None:
         """Forget the choice of :meth:`choose` (a caller ran another drafter instead)."""

@@ -127,6 +127,13 @@ class ContextIndex:
         first = self.next_token(tail, self.min_ngram)
         if first is None or max_len < 1:
             return None
+        return self._continue(first, max_len, min_share)
+
+    def _continue(self, first: tuple[int, float, int], max_len: int,
+                  min_share: float) -> NgramProposal:
+        """The proposal starting with ``first = (token, share, n)``, extended by repeated
+        lookup up to ``max_len`` tokens (see :meth:`propose`)."""
+        tail = self.tokens[-self.max_ngram:]
         tokens, shares = [first[0]], [first[1]]
         while len(tokens) < max_len:
             nxt = self.next_token((tail + tokens)[-self.max_ngram:], 1)
@@ -135,6 +142,36 @@ class ContextIndex:
             tokens.append(nxt[0])
             shares.append(nxt[1])
         return NgramProposal(tokens, shares, first[2], self.source)
+
+    def followers(self, tail: list[int], min_n: int) -> list[tuple[int, float, int]]:
+        """Every token that followed a suffix of ``tail`` of ``>= min_n`` tokens in the
+        sequence, once each: ``(token, share, n)`` with ``n`` the longest suffix it followed,
+        longest ``n`` first, then by count and recency (``[0]`` is :meth:`next_token`'s)."""
+        out: list[tuple[int, float, int]] = []
+        seen: set[int] = set()
+        for n in range(min(self.max_ngram, len(tail)), min_n - 1, -1):
+            followers = self._follow[n - 1].get(tuple(tail[len(tail) - n:]))
+            if not followers:
+                continue
+            total = sum(c for c, _ in followers.values())
+            for token, (count, _) in sorted(followers.items(),
+                                            key=lambda kv: (kv[1][0], kv[1][1]), reverse=True):
+                if token not in seen:
+                    seen.add(token)
+                    out.append((token, count / total, n))
+        return out
+
+    def branches(self, max_len: int, max_branches: int,
+                 min_share: float = 0.0) -> list[NgramProposal]:
+        """Up to ``max_branches`` proposals after the sequence with distinct first tokens:
+        each follower of :meth:`followers` (the first is :meth:`propose`'s), continued as
+        :meth:`propose` continues (the candidates of a token tree,
+        :mod:`selfspec.decoding.ngram.tree`)."""
+        if max_len < 1 or max_branches < 1:
+            return []
+        tail = self.tokens[-self.max_ngram:]
+        firsts = self.followers(tail, self.min_ngram)[:max_branches]
+        return [self._continue(first, max_len, min_share) for first in firsts]
 
 
 @dataclass
@@ -285,9 +322,13 @@ class SuffixAutomaton:
         """
         if length == 0 or max_len < 1:
             return None
+        return self._follow(state, length, [], [], max_len, min_share)
+
+    def _follow(self, state: int, length: int, tokens: list[int], shares: list[float],
+                max_len: int, min_share: float) -> NgramProposal | None:
+        """``tokens`` (already drafted, ending at ``state``) extended as :meth:`propose`
+        extends a match."""
         s, occ = self._s, self._occurrences()
-        tokens: list[int] = []
-        shares: list[float] = []
         while len(tokens) < max_len and s.next[state] and occ[state]:
             token, child = max(s.next[state].items(), key=lambda kv: occ[kv[1]])
             share = occ[child] / occ[state]
@@ -297,6 +338,24 @@ class SuffixAutomaton:
             shares.append(share)
             state = child
         return NgramProposal(tokens, shares, length, self.source) if tokens else None
+
+    def branches(self, state: int, length: int, max_len: int, max_branches: int,
+                 min_share: float = 0.0) -> list[NgramProposal]:
+        """Up to ``max_branches`` proposals continuing the match ``(state, length)`` with
+        distinct first tokens: its continuations by frequency (the first is
+        :meth:`propose`'s), each extended as :meth:`propose` extends it."""
+        if length == 0 or max_len < 1 or max_branches < 1:
+            return []
+        s, occ = self._s, self._occurrences()
+        if not occ[state]:
+            return []
+        children = sorted(s.next[state].items(), key=lambda kv: occ[kv[1]],
+                          reverse=True)[:max_branches]
+        out = []
+        for token, child in children:
+            share = occ[child] / occ[state]
+            out.append(self._follow(child, length, [token], [share], max_len, min_share))
+        return [p for p in out if p is not None]
 
 
 class HistoryMatcher:
@@ -329,3 +388,12 @@ class HistoryMatcher:
         if self._length < min_len:
             return None
         return self.automaton.propose(self._state, self._length, max_len, min_share)
+
+    def branches(self, max_len: int, min_len: int, max_branches: int,
+                 min_share: float = 0.0) -> list[NgramProposal]:
+        """The automaton's branches (:meth:`SuffixAutomaton.branches`) for a match of at
+        least ``min_len`` tokens."""
+        if self._length < min_len:
+            return []
+        return self.automaton.branches(self._state, self._length, max_len, max_branches,
+                                       min_share)
